@@ -1,0 +1,1 @@
+"""Cascade tree attention kernels."""

@@ -1,0 +1,1 @@
+"""Linear-attention (GDN, Mamba2, conv) tree scan kernels."""

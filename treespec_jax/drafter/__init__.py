@@ -1,0 +1,1 @@
+"""treespec_jax.drafter"""

@@ -1,0 +1,1 @@
+"""Pure, jit-able tree pieces: selection, ancestor masks, verify walks, TreeSpec."""
