@@ -47,6 +47,8 @@ __all__ = [
     "LINEAR_ATTENTION_KINDS",
     "SAMPLING_BACKENDS",
     "DRAFTER_ALGORITHMS",
+    "describe_backends",
+    "check_startup",
 ]
 
 
@@ -421,3 +423,94 @@ class DrafterSpec(TreeBackend):
     def child_backends(self) -> Sequence[TreeBackend]:
         return self.layers
 
+
+
+# --------------------------------------------------------------------------------------------
+# From a ServeConfig: the descriptor trees check-config resolves before any model is loaded
+# --------------------------------------------------------------------------------------------
+
+
+def describe_backends(config) -> tuple[TreeBackend, TreeBackend | None]:
+    """`(verify_root, draft_root)` descriptor trees for a `ServeConfig`'s declared facts.
+
+    The target side holds one attention-layer node (the config declares facts per model, not per
+    layer), a linear-attention node for hybrid models, and the sampling backend; the draft side
+    holds the drafter with its attention layer (and a linear-attention layer if it has one).
+    Once real backends exist, the engine resolves over those instead.
+    """
+    model, spec = config.model, config.speculative
+    kv_group = CacheGroupSpec(name="kv_group")
+    target_layers: list[TreeBackend] = [
+        AttentionLayerSpec(
+            name="attention",
+            model_dtype=model.dtype,
+            kv_dtype=config.kv_dtype,
+            sliding_window=model.sliding_window,
+            attention_sinks=model.attention_sinks,
+            cache_group=kv_group,
+        )
+    ]
+    if model.linear_attention != "none":
+        target_layers.append(LinearAttentionLayerSpec(name="linear_attention", kind=model.linear_attention))
+    verify_root = BackendGroup(
+        name="target",
+        children=(
+            BackendGroup(name=config.backends.attention_backend, children=tuple(target_layers)),
+            SamplingBackendSpec(name=config.sampling.backend),
+        ),
+    )
+    if not spec.enabled:
+        return verify_root, None
+    draft_layers: list[TreeBackend] = [
+        AttentionLayerSpec(
+            name="attention",
+            model_dtype=model.dtype,
+            kv_dtype=config.kv_dtype,
+            sliding_window=spec.draft_sliding_window,
+            attention_sinks=spec.draft_attention_sinks,
+            cache_group=CacheGroupSpec(name="draft_kv_group"),
+        )
+    ]
+    if spec.draft_linear_attention != "none":
+        draft_layers.append(
+            LinearAttentionLayerSpec(name="linear_attention", kind=spec.draft_linear_attention)
+        )
+    draft_root = DrafterSpec(
+        name="drafter",
+        algorithm=spec.algorithm,
+        mtp_depth=spec.mtp_depth,
+        layers=(BackendGroup(name=config.backends.drafter_attention_backend, children=tuple(draft_layers)),),
+    )
+    return verify_root, draft_root
+
+
+def check_startup(config) -> ResolvedTreeSupport:
+    """Every startup refusal for a `ServeConfig` at once: its configuration rules and, for a
+    tree, the capability blockers of its declared backends. Raises `ConfigError` listing both.
+
+    Resolution runs only when the config's own choices are legal (descriptor nodes refuse unknown
+    dtypes / kinds themselves, and those are already reported as config problems).
+    """
+    from treespec_jax.config import ConfigError  # support stays importable without config
+
+    problems = list(config.problems())
+    resolved = ResolvedTreeSupport(tree=False, verify_paths=(), lanes_paths=())
+    topk = config.speculative.topk
+    if config.speculative.enabled and topk > 1:
+        try:
+            roots = describe_backends(config)
+        except ValueError:
+            roots = None  # an illegal choice; config.problems() already names it
+        if roots is not None:
+            try:
+                resolved = resolve_tree_support(*roots, topk=topk)
+            except TreeSupportError as err:
+                spec = config.speculative
+                for b in err.blockers:
+                    # The config rules already name a multi-depth MTP drafter under a tree.
+                    if b.path == "drafter" and spec.algorithm == "MTP" and spec.mtp_depth > 1:
+                        continue
+                    problems.append(f"tree blocker: {b}")
+    if problems:
+        raise ConfigError(problems)
+    return resolved
