@@ -1,0 +1,280 @@
+"""MLA latent prefix decode: causal multi-query paged attention over the latent cache, base-2 LSE.
+
+Shapes and semantics (one request b):
+- `q [B, R, Hq, L + Dr]`: the absorbed query (L = kv_lora_rank latent channels, then Dr = rope_dim
+  rotary channels) for R window rows.
+- `latent_pool [S, L + Dr]`: slot-major latent rows of one layer; slot of position p is
+  `page_table[b, p // page_size] * page_size + p % page_size` (see treespec_jax/cache/paged.py).
+- `prefix_len [B] int32`: P, the committed keys. Row r sees keys [0, P - R + 1 + r) (clipped at 0),
+  the same coverage rule as the GQA prefix decode; the window kernel attends the rest.
+- score(row, key) = (q_lat . k_lat + q_rope . k_rope) * scale; value = the key's leading L channels.
+- Returns `out [B, R, Hq, L] f32` (softmax-weighted values) and `lse2 [B, R, Hq] f32` =
+  log2(sum_k 2^(score * log2 e)). A row that sees no key gets out = 0 and lse2 = -inf.
+
+FP8 latent cache (E4M3, unscaled): the query is cast to FP8 and the QK products run in FP8 with an
+fp32 accumulator (the fast path on Hopper). The P.V product widens the FP8 values to bf16.
+
+Kernel layout: grid (query tile, split, request). The R * Hq query rows of a request (flat index
+r * Hq + h, padded to a power of two >= 16) are cut into tiles of `block_q` rows; each program walks
+its split's key blocks (`block_k` keys inside one page) with a base-2 online softmax and writes an
+unnormalised-free partial (out, lse2). The query tile is the fastest grid axis, so the tiles of one
+request stream the same latent pages at about the same time and share them through L2. Split-K
+partials (used when B * tiles alone cannot fill the GPU) are merged by LSE in plain jnp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import next_pow2, resolve_backend
+
+LOG2E = math.log2(math.e)
+FP8 = jnp.float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaDecodeConfig:
+    # Query rows (flat r * Hq + h) per program; power of two >= 16 (dot operand minimum).
+    block_q: int = 64
+    # Keys per inner step; power of two >= 16 that divides the page size (a step never crosses a page).
+    block_k: int = 32
+    # Key-axis splits merged by LSE; None picks enough to give the GPU ~2 programs per SM.
+    num_splits: int | None = None
+    # Streaming multiprocessors to fill when num_splits is None (H200: 132).
+    num_sms: int = 132
+    # Triton warps and software-pipeline stages per program.
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+
+
+def _check(q, latent_pool, page_table, prefix_len, kv_lora_rank, page_size):
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, R, Hq, L + Dr], got shape {q.shape}")
+    b, _, _, c = q.shape
+    if latent_pool.ndim != 2 or latent_pool.shape[1] != c:
+        raise ValueError(f"latent_pool must be [S, {c}] to match q's channels, got shape {latent_pool.shape}")
+    if not 1 <= kv_lora_rank <= c:
+        raise ValueError(f"kv_lora_rank {kv_lora_rank} must be in [1, {c}] (q has {c} channels)")
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {page_size}")
+    if page_table.ndim != 2 or page_table.shape[0] != b or page_table.dtype != jnp.int32:
+        raise ValueError(f"page_table must be [B={b}, max_pages] int32, got {page_table.dtype}{list(page_table.shape)}")
+    if prefix_len.shape != (b,) or not jnp.issubdtype(prefix_len.dtype, jnp.integer):
+        raise ValueError(f"prefix_len must be [B={b}] int32, got {prefix_len.dtype}{list(prefix_len.shape)}")
+    if latent_pool.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32),
+                                 jnp.dtype(FP8)):
+        raise ValueError(f"latent_pool dtype {latent_pool.dtype} is not bf16, f16, f32 or float8_e4m3fn")
+
+
+def _qk_dtype(pool_dtype):
+    """Operand dtype of the QK product: the cache's own dtype (FP8 under an FP8 cache)."""
+    return jnp.dtype(pool_dtype)
+
+
+def _pv_dtype(pool_dtype):
+    """Operand dtype of the P.V product: FP8 values widen to bf16 (exact)."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(pool_dtype) == jnp.dtype(FP8) else jnp.dtype(pool_dtype)
+
+
+# -- reference ------------------------------------------------------------------------------------
+
+
+def mla_decode_reference(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int, page_size: int,
+                         scale: float):
+    """Pure-jnp fp32 reference; same signature and outputs as `mla_decode`.
+
+    Under an FP8 cache the query is quantised to FP8 first (the decode's defined input); all
+    arithmetic after that is fp32.
+    """
+    _check(q, latent_pool, page_table, prefix_len, kv_lora_rank, page_size)
+    b, r, hq, _ = q.shape
+    max_keys = page_table.shape[1] * page_size
+    pos = jnp.arange(max_keys, dtype=jnp.int32)
+    slots = page_table[:, pos // page_size] * page_size + pos % page_size  # [B, K]
+    plen = prefix_len.astype(jnp.int32)
+    # Slots past P are never read: clamp them to a slot that exists, then mask K and V to zero.
+    in_prefix = pos[None, :] < plen[:, None]
+    rows = latent_pool[jnp.where(in_prefix, jnp.clip(slots, 0, latent_pool.shape[0] - 1), 0)]
+    rows = jnp.where(in_prefix[..., None], rows.astype(jnp.float32), 0.0)  # [B, K, C]
+    qf = q.astype(_qk_dtype(latent_pool.dtype)).astype(jnp.float32)
+    s = jnp.einsum("brhc,bkc->brhk", qf, rows) * (scale * LOG2E)
+    cover = plen[:, None] - r + 1 + jnp.arange(r, dtype=jnp.int32)[None, :]  # [B, R]
+    vis = pos[None, None, :] < cover[:, :, None]  # [B, R, K]
+    s = jnp.where(vis[:, :, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp2(s - m_safe)
+    l = jnp.sum(p, axis=-1)
+    out = jnp.einsum("brhk,bkc->brhc", p, rows[..., :kv_lora_rank])
+    seen = l > 0
+    out = jnp.where(seen[..., None], out / jnp.where(seen, l, 1.0)[..., None], 0.0)
+    lse2 = jnp.where(seen, m_safe[..., 0] + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+    return out, lse2
+
+
+# -- Pallas kernel --------------------------------------------------------------------------------
+
+
+def _mla_kernel(pt_ref, plen_ref, ql_ref, qr_ref, lat_ref, o_ref, lse_ref, *, rows_per_req: int, heads: int,
+                lora: int, rope: int, block_l: int, block_r: int, block_q: int, block_k: int, page_size: int,
+                blocks_per_split: int, qk_dtype, pv_dtype, scale_log2: float):
+    tile = pl.program_id(0)
+    split = pl.program_id(1)
+    b = pl.program_id(2)
+    plen = plen_ref[b]
+    flat = tile * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    cover = plen - rows_per_req + 1 + flat // heads  # [BQ] keys [0, cover) are this row's prefix
+    ql = ql_ref[...].astype(qk_dtype)  # [BQ, BL]
+    qr = qr_ref[...].astype(qk_dtype) if rope else None  # [BQ, BR]
+    lat_cols = jnp.arange(block_l, dtype=jnp.int32)
+    rope_cols = jnp.arange(block_r, dtype=jnp.int32)
+    key_iota = jnp.arange(block_k, dtype=jnp.int32)
+
+    lo = split * blocks_per_split
+    hi = jnp.minimum(lo + blocks_per_split, pl.cdiv(plen, block_k))
+
+    def body(j, carry):
+        m, l, acc = carry
+        k0 = j * block_k
+        page = pt_ref[b, k0 // page_size]
+        slot0 = page * page_size + k0 % page_size
+        kpos = k0 + key_iota
+        in_prefix = kpos < plen
+        # Slots past P (stale, poisoned) load as 0 so 0-weight columns cannot turn NaN into the sum.
+        lat = plgpu.load(lat_ref.at[pl.ds(slot0, block_k), pl.ds(0, block_l)],
+                         mask=in_prefix[:, None] & (lat_cols < lora)[None, :], other=0.0)
+        s = jax.lax.dot_general(ql, lat.astype(qk_dtype), (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        if rope:
+            kr = plgpu.load(lat_ref.at[pl.ds(slot0, block_k), pl.ds(lora, block_r)],
+                            mask=in_prefix[:, None] & (rope_cols < rope)[None, :], other=0.0)
+            s = s + jax.lax.dot_general(qr, kr.astype(qk_dtype), (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32)
+        s = s * scale_log2
+        s = jnp.where(kpos[None, :] < cover[:, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(pv_dtype), lat.astype(pv_dtype),
+                                             preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32),
+            jnp.zeros((block_q, block_l), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    o_ref[...] = jnp.where(seen[:, None], acc / l_safe[:, None], 0.0)
+    lse_ref[...] = jnp.where(seen, m + jnp.log2(l_safe), -jnp.inf)
+
+
+def _num_splits(config: MlaDecodeConfig, programs: int, max_blocks: int) -> int:
+    if config.num_splits is not None:
+        return min(config.num_splits, max(1, max_blocks))
+    want = pl.cdiv(2 * config.num_sms, max(1, programs))
+    return max(1, min(want, max_blocks))
+
+
+def merge_splits(out_s: jax.Array, lse_s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """LSE merge over axis 1: `out_s [B, X, ...rows, D]`, `lse_s [B, X, ...rows]` -> merged."""
+    m = jnp.max(lse_s, axis=1)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w = jnp.exp2(lse_s - m_safe[:, None])  # 0 for empty splits
+    l = jnp.sum(w, axis=1)
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    # Empty splits wrote out = 0, so 0-weight terms stay finite.
+    out = jnp.sum(w[..., None] * out_s, axis=1) / l_safe[..., None]
+    lse = jnp.where(seen, m_safe + jnp.log2(l_safe), -jnp.inf)
+    return jnp.where(seen[..., None], out, 0.0), lse
+
+
+def _mla_decode_pallas(q, latent_pool, page_table, prefix_len, *, kv_lora_rank, page_size, scale, interpret,
+                       config: MlaDecodeConfig):
+    b, r, hq, c = q.shape
+    lora, rope = kv_lora_rank, c - kv_lora_rank
+    block_k = config.block_k
+    if page_size % block_k:
+        if page_size < 16:
+            raise ValueError(f"page_size {page_size} is below the 16-key minimum block")
+        block_k = page_size  # a block never crosses a page
+    rows = r * hq
+    block_q = min(config.block_q, max(16, next_pow2(rows)))
+    rows_pad = pl.cdiv(rows, block_q) * block_q
+    tiles = rows_pad // block_q
+    block_l = next_pow2(lora)
+    block_r = next_pow2(rope) if rope else 16
+    max_blocks = pl.cdiv(page_table.shape[1] * page_size, block_k)
+    splits = _num_splits(config, tiles * b, max_blocks)
+    blocks_per_split = pl.cdiv(max_blocks, splits)
+
+    # The query enters in the QK operand dtype (FP8 under an FP8 cache): half the bytes, one cast.
+    qf = q.reshape(b, rows, c).astype(_qk_dtype(latent_pool.dtype))
+    ql = jnp.pad(qf[..., :lora], ((0, 0), (0, rows_pad - rows), (0, block_l - lora)))
+    if rope:
+        qr = jnp.pad(qf[..., lora:], ((0, 0), (0, rows_pad - rows), (0, block_r - rope)))
+    else:
+        qr = jnp.zeros((b, rows_pad, block_r), qf.dtype)
+
+    kernel = functools.partial(
+        _mla_kernel, rows_per_req=r, heads=hq, lora=lora, rope=rope, block_l=block_l, block_r=block_r,
+        block_q=block_q, block_k=block_k, page_size=page_size, blocks_per_split=blocks_per_split,
+        qk_dtype=_qk_dtype(latent_pool.dtype), pv_dtype=_pv_dtype(latent_pool.dtype),
+        scale_log2=float(scale) * LOG2E)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    out_s, lse_s = pl.pallas_call(
+        kernel,
+        grid=(tiles, splits, b),
+        in_specs=[
+            any_spec,  # page_table
+            any_spec,  # prefix_len
+            pl.BlockSpec((None, block_q, block_l), lambda t, s, bb: (bb, t, 0)),
+            pl.BlockSpec((None, block_q, block_r), lambda t, s, bb: (bb, t, 0)),
+            any_spec,  # latent pool
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, block_q, block_l), lambda t, s, bb: (bb, s, t, 0)),
+            pl.BlockSpec((None, None, block_q), lambda t, s, bb: (bb, s, t)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((b, splits, rows_pad, block_l), jnp.float32),
+                   jax.ShapeDtypeStruct((b, splits, rows_pad), jnp.float32)],
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        name="mla_decode",
+    )(page_table, prefix_len.astype(jnp.int32), ql, qr, latent_pool)
+    if splits == 1:
+        out, lse = out_s[:, 0], lse_s[:, 0]
+    else:
+        out, lse = merge_splits(out_s, lse_s)
+    out = out[:, :rows, :lora].reshape(b, r, hq, lora)
+    return out, lse[:, :rows].reshape(b, r, hq)
+
+
+def mla_decode(q: jax.Array, latent_pool: jax.Array, page_table: jax.Array, prefix_len: jax.Array, *,
+               kv_lora_rank: int, page_size: int, scale: float, backend: str | None = None,
+               config: MlaDecodeConfig = MlaDecodeConfig()) -> tuple[jax.Array, jax.Array]:
+    """Entry point; see module docstring. Returns `(out [B, R, Hq, L] f32, lse2 [B, R, Hq] f32)`."""
+    _check(q, latent_pool, page_table, prefix_len, kv_lora_rank, page_size)
+    kind = resolve_backend(backend)
+    if kind == "reference":
+        return mla_decode_reference(q, latent_pool, page_table, prefix_len, kv_lora_rank=kv_lora_rank,
+                                    page_size=page_size, scale=scale)
+    return _mla_decode_pallas(q, latent_pool, page_table, prefix_len, kv_lora_rank=kv_lora_rank,
+                              page_size=page_size, scale=scale, interpret=(kind == "interpret"), config=config)
