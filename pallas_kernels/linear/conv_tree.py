@@ -1,0 +1,143 @@
+"""Causal depthwise conv update over a draft tree (causal_conv1d_update with parent indices).
+
+Per channel, width W. Node t's window is the request's committed W-1 columns followed by the inputs
+along the root-to-t path; the output is `bias + sum_c weight[:, c] * window[c]` over the window's
+last W columns (optionally silu), and the node's state row is the window's last W-1 columns.
+
+Every node's window is gathered on its own: starting at t, at most W-1 parent hops give the newest
+columns, and once the path runs out the remaining (older) columns come from the committed state.
+No node depends on another node's result, so a branch costs what a chain step costs; the chain
+form (`parents=None`) computes the parent as t-1 instead of loading it.
+
+Layouts: `x [B, T, D]`, `conv_pool [S, W-1, D]` (oldest column first; one column is contiguous
+over channels), `weight [D, W]`, `bias [D]`, `parents [B, T] int32` (-1 <= parents[t] < t),
+`state_slots [B] int32`. Node state rows `[B, T, W-1, D]` (same row layout as the pool) are written
+into a caller buffer when given (aliased in and out). A padded request (slot < 0) reads no state
+and writes no state row; its outputs are zeros.
+Grid `(B, cdiv(D, block_d))`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import next_pow2, resolve_backend
+from pallas_kernels.linear.mamba2_reference import conv_tree_update_reference
+
+
+def _conv_kernel(*refs, T, W, BD, D, tree, has_bias, silu, write_states):
+    refs = list(refs)
+    parents_ref = refs.pop(0) if tree else None
+    slots_ref, x_ref, w_ref = refs[:3]
+    refs = refs[3:]
+    bias_ref = refs.pop(0) if has_bias else None
+    pool_ref = refs.pop(0)
+    if write_states:
+        refs.pop(0)  # aliased input of the node-state buffer
+    y_ref = refs.pop(0)
+    rows_ref = refs.pop(0) if write_states else None
+
+    b = pl.program_id(0)
+    d0 = pl.program_id(1) * BD
+    dmask = d0 + jnp.arange(BD) < D
+    slot = slots_ref[b]
+    live = slot >= 0
+    # weight[:, c] for c = W-1 (newest) down to 0, as fp32 vectors over this channel tile.
+    weights = [plgpu.load(w_ref.at[pl.ds(d0, BD), jnp.int32(W - 1 - lag)], mask=dmask, other=0.0).astype(jnp.float32)
+               for lag in range(W)]
+    base = (plgpu.load(bias_ref.at[pl.ds(d0, BD)], mask=dmask, other=0.0).astype(jnp.float32)
+            if has_bias else jnp.zeros((BD,), jnp.float32))
+
+    def parent(s):
+        return parents_ref[b, s] if tree else s - 1
+
+    def node(t, carry):
+        cur = t  # node supplying the column at this lag, or < 0 once the path ran out
+        used = 0  # committed columns consumed so far (newest first)
+        acc = base
+        for lag in range(W):
+            on_path = cur >= 0
+            col = plgpu.load(x_ref.at[b, jnp.maximum(cur, 0), pl.ds(d0, BD)], mask=dmask & on_path, other=0.0)
+            col = col.astype(jnp.float32)
+            if lag > 0:  # the newest column is always node t itself
+                from_state = plgpu.load(pool_ref.at[jnp.maximum(slot, 0), jnp.maximum(W - 2 - used, 0), pl.ds(d0, BD)],
+                                        mask=dmask & jnp.logical_not(on_path) & live, other=0.0)
+                col = jnp.where(on_path, col, from_state.astype(jnp.float32))
+                used = used + jnp.where(on_path, 0, 1)
+            acc = acc + weights[lag] * col
+            if write_states and lag < W - 1:
+                plgpu.store(rows_ref.at[b, t, jnp.int32(W - 2 - lag), pl.ds(d0, BD)], col.astype(rows_ref.dtype),
+                            mask=dmask & live)
+            if lag < W - 1:
+                cur = jnp.where(on_path, parent(jnp.maximum(cur, 0)), cur)
+        if silu:
+            acc = acc * jax.nn.sigmoid(acc)
+        plgpu.store(y_ref.at[b, t, pl.ds(d0, BD)], jnp.where(live, acc, 0.0).astype(y_ref.dtype), mask=dmask)
+        return carry
+
+    lax.fori_loop(0, T, node, 0)
+
+
+def conv_tree_update(x, conv_pool, state_slots, weight, bias=None, parents=None, *, silu=False,
+                     node_states=None, block_d=None, num_warps=4, backend=None):
+    """Tree conv update; see the module docstring.
+
+    Shapes: `x [B, T, D]`, `conv_pool [S, W-1, D]`, `state_slots [B] int32`, `weight [D, W]`,
+    `bias [D]` or None, `parents [B, T] int32` or None (the chain), `node_states [B, T, W-1, D]` or
+    None. Returns `(y [B, T, D] in x.dtype, node_states or None)`. The committed pool is only read.
+    """
+    if x.ndim != 3:
+        raise ValueError(f"x must be [B, T, D], got shape {x.shape}")
+    nb, T, D = x.shape
+    if weight.ndim != 2 or weight.shape[0] != D or weight.shape[1] < 2:
+        raise ValueError(f"weight must be [D, W] = [{D}, W>=2], got {weight.shape}")
+    W = weight.shape[1]
+    if conv_pool.ndim != 3 or conv_pool.shape[1:] != (W - 1, D):
+        raise ValueError(f"conv_pool must be [S, W-1, D] = [S, {W - 1}, {D}], got {conv_pool.shape}")
+    if bias is not None and bias.shape != (D,):
+        raise ValueError(f"bias must be [D] = ({D},), got {bias.shape}")
+    if state_slots.shape != (nb,) or not jnp.issubdtype(state_slots.dtype, jnp.integer):
+        raise ValueError(f"state_slots must be [B] = ({nb},) integers, got {state_slots.shape} {state_slots.dtype}")
+    if parents is not None and (parents.shape != (nb, T) or not jnp.issubdtype(parents.dtype, jnp.integer)):
+        raise ValueError(f"parents must be [B, T] = {(nb, T)} integers, got {parents.shape} {parents.dtype}")
+    if node_states is not None and node_states.shape != (nb, T, W - 1, D):
+        raise ValueError(f"node_states must be [B, T, W-1, D] = {(nb, T, W - 1, D)}, got {node_states.shape}")
+    if block_d is not None and (block_d < 1 or block_d & (block_d - 1)):
+        raise ValueError(f"block_d must be a power of two, got {block_d}")
+    kind = resolve_backend(backend)
+    if kind == "reference":
+        y, rows = conv_tree_update_reference(x, conv_pool, state_slots, weight, bias, parents, silu)
+        if node_states is not None:
+            live = (state_slots >= 0)[:, None, None, None]
+            node_states = jnp.where(live, rows.astype(node_states.dtype), node_states)
+        return y.astype(x.dtype), node_states
+
+    BD = min(next_pow2(D), block_d or 256)
+    tree = parents is not None
+    write_states = node_states is not None
+    inputs = ([parents.astype(jnp.int32)] if tree else []) + [state_slots.astype(jnp.int32), x, weight]
+    inputs += ([bias] if bias is not None else []) + [conv_pool]
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+    aliases = {}
+    if write_states:
+        aliases = {len(inputs): 1}
+        inputs.append(node_states)
+        out_shape.append(jax.ShapeDtypeStruct(node_states.shape, node_states.dtype))
+    kernel = functools.partial(_conv_kernel, T=T, W=W, BD=BD, D=D, tree=tree, has_bias=bias is not None,
+                               silu=silu, write_states=write_states)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(nb, pl.cdiv(D, BD)),
+        input_output_aliases=aliases,
+        interpret=kind == "interpret",
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="conv_tree_update" if tree else "conv_chain_update",
+    )(*inputs)
+    return outs[0], (outs[1] if write_states else None)

@@ -1,0 +1,228 @@
+"""Mamba2 verify scan over a draft tree (or a chain), as one Pallas kernel.
+
+Per node t with parent p(t) (layouts in `mamba2_reference`):
+`dt' = softplus(dt + dt_bias)`, `h_t = exp(dt' A) h_p + dt' x_t B_t^T`, `y_t = h_t C_t + D x_t`,
+optionally `y_t *= silu(z_t)`; a root (parent -1) starts from the committed state `h0`.
+
+Grid `(B, H, cdiv(P, block_p))`: one program owns a `[block_p, N]` tile of one request's head
+state and walks the nodes in index order, keeping the state in registers. Node t continues from
+node t-1's state when p(t) == t-1, so a chain never reloads anything. At a branch (p(t) != t-1)
+the program rebuilds the parent's state from `h0` (also held in registers) by walking the parent
+pointers up to the root: because the update is elementwise with a scalar decay per node,
+`h_p = (prod of decays) h0 + sum_s (decays after s) dt'_s x_s B_s^T` can be accumulated leaf to
+root, so no node state is ever stored for reuse and no workspace exists.
+
+Modes (what is written besides `y`):
+- "staged": every node's state goes to `scratch [B, T, H, P, N]` (aliased in and out, so rows of
+  padded requests stay as they were). Roots read the committed pool in place; the scratch is
+  never seeded with a copy of it. Row t holds the state *after* node t (no leading committed row).
+- "replay" (ReplaySSM): nothing but `y` and each node's payload row `[B | x | dt]` into
+  `payload [B, T, width]` (aliased); the committed pool is only read.
+- "outputs": only `y` (benchmarks and callers that keep nothing).
+
+A padded request (state slot < 0) reads no state, writes zeros to `y` and nothing else.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import next_pow2, resolve_backend
+from pallas_kernels.linear.mamba2_reference import (
+    Mamba2PayloadLayout,
+    mamba2_tree_scan_reference,
+    payload_dtype,
+)
+
+MODES = ("staged", "replay", "outputs")
+# A [block_p, N] fp32 tile of this many elements keeps h, h0 and the walk accumulator in registers
+# at 4 warps without spilling on Hopper (three such tiles live at a branch).
+_TILE_ELEMS = 2048
+
+
+def _softplus(v):
+    return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
+
+
+def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, has_z, mode, layout):
+    refs = list(refs)
+    parents_ref = refs.pop(0) if tree else None
+    slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref, b_ref, c_ref = refs[:8]
+    refs = refs[8:]
+    z_ref = refs.pop(0) if has_z else None
+    pool_ref = refs.pop(0)
+    if mode != "outputs":
+        refs.pop(0)  # the aliased input buffer; we write through its output ref
+    y_ref = refs.pop(0)
+    side_ref = refs.pop(0) if mode != "outputs" else None
+
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    pt = pl.program_id(2)
+    p0 = pt * BP
+    g = h // (H // G)
+    slot = slots_ref[b]
+    live = slot >= 0
+    pidx = p0 + jnp.arange(BP)
+    nidx = jnp.arange(NP)
+    pmask = pidx < P
+    nmask = nidx < N
+    tmask = pmask[:, None] & nmask[None, :]
+    neg_a = -jnp.exp(alog_ref[h].astype(jnp.float32))
+    dt_bias = dtb_ref[h].astype(jnp.float32)
+    d_skip = d_ref[h].astype(jnp.float32)
+
+    h0 = plgpu.load(pool_ref.at[jnp.maximum(slot, 0), h, pl.ds(p0, BP), pl.ds(0, NP)],
+                    mask=tmask & live, other=0.0).astype(jnp.float32)
+
+    def node_terms(s):
+        """Decay, rank-1 input term and raw inputs of node s."""
+        dt_raw = dt_ref[b, s, h]
+        dtp = _softplus(dt_raw.astype(jnp.float32) + dt_bias)
+        x_raw = plgpu.load(x_ref.at[b, s, h, pl.ds(p0, BP)], mask=pmask, other=0.0)
+        b_raw = plgpu.load(b_ref.at[b, s, g, pl.ds(0, NP)], mask=nmask, other=0.0)
+        u = (dtp * x_raw.astype(jnp.float32))[:, None] * b_raw.astype(jnp.float32)[None, :]
+        return jnp.exp(dtp * neg_a), u, x_raw, b_raw, dt_raw
+
+    def rebuild(p):
+        """State after node p, accumulated leaf to root over h0 (p == -1 gives h0)."""
+
+        def body(carry):
+            s, acc, scale = carry
+            a, u, *_ = node_terms(s)
+            return parents_ref[b, s], acc + scale * u, scale * a
+
+        _, acc, scale = lax.while_loop(
+            lambda c: c[0] >= 0, body, (p, jnp.zeros_like(h0), jnp.float32(1.0)))
+        return acc + scale * h0
+
+    def step(t, state):
+        if tree:
+            p = parents_ref[b, t]
+            state = lax.cond(p == t - 1, lambda: state, lambda: rebuild(p))
+        a, u, x_raw, b_raw, dt_raw = node_terms(t)
+        state = a * state + u
+        c_t = plgpu.load(c_ref.at[b, t, g, pl.ds(0, NP)], mask=nmask, other=0.0).astype(jnp.float32)
+        y = jnp.sum(state * c_t[None, :], axis=1) + d_skip * x_raw.astype(jnp.float32)
+        if has_z:
+            z = plgpu.load(z_ref.at[b, t, h, pl.ds(p0, BP)], mask=pmask, other=0.0).astype(jnp.float32)
+            y = y * (z * jax.nn.sigmoid(z))
+        y = jnp.where(live, y, 0.0)
+        plgpu.store(y_ref.at[b, t, h, pl.ds(p0, BP)], y.astype(y_ref.dtype), mask=pmask)
+        if mode == "staged":
+            plgpu.store(side_ref.at[b, t, h, pl.ds(p0, BP), pl.ds(0, NP)],
+                        state.astype(side_ref.dtype), mask=tmask & live)
+        elif mode == "replay":
+            pdt = side_ref.dtype
+            plgpu.store(side_ref.at[b, t, pl.ds(layout.x_offset + h * P + p0, BP)], x_raw.astype(pdt),
+                        mask=pmask & live)
+            # One program per group writes B and one per head writes dt, so no word is written twice.
+            first_of_group = (h % (H // G) == 0) & (pt == 0) & live
+            plgpu.store(side_ref.at[b, t, pl.ds(layout.b_offset + g * N, NP)], b_raw.astype(pdt),
+                        mask=nmask & first_of_group)
+            plgpu.store(side_ref.at[b, t, pl.ds(layout.dt_offset + h, 1)],
+                        jnp.full((1,), dt_raw, dtype=pdt), mask=jnp.full((1,), (pt == 0) & live))
+        return state
+
+    lax.fori_loop(0, T, step, h0)
+
+
+def _check(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z, mode, scratch, payload):
+    if x.ndim != 4:
+        raise ValueError(f"x must be [B, T, H, P], got shape {x.shape}")
+    nb, T, H, P = x.shape
+    if B.ndim != 4 or B.shape[:2] != (nb, T) or C.shape != B.shape:
+        raise ValueError(f"B and C must be [B, T, G, N] matching x {x.shape}, got {B.shape} and {C.shape}")
+    G, N = B.shape[2], B.shape[3]
+    if G < 1 or H % G:
+        raise ValueError(f"nheads {H} must be a multiple of ngroups {G}")
+    if dt.shape != (nb, T, H):
+        raise ValueError(f"dt must be [B, T, H] = {(nb, T, H)}, got {dt.shape}")
+    for name, v in (("A_log", A_log), ("D", D), ("dt_bias", dt_bias)):
+        if v.shape != (H,):
+            raise ValueError(f"{name} must be [H] = ({H},), got {v.shape}")
+    if state_pool.ndim != 4 or state_pool.shape[1:] != (H, P, N):
+        raise ValueError(f"state_pool must be [S, H, P, N] = [S, {H}, {P}, {N}], got {state_pool.shape}")
+    if state_slots.shape != (nb,) or not jnp.issubdtype(state_slots.dtype, jnp.integer):
+        raise ValueError(f"state_slots must be [B] = ({nb},) integers, got {state_slots.shape} {state_slots.dtype}")
+    if parents is not None and (parents.shape != (nb, T) or not jnp.issubdtype(parents.dtype, jnp.integer)):
+        raise ValueError(f"parents must be [B, T] = {(nb, T)} integers, got {parents.shape} {parents.dtype}")
+    if z is not None and z.shape != x.shape:
+        raise ValueError(f"z must match x {x.shape}, got {z.shape}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "staged":
+        want = (nb, T, H, P, N)
+        if scratch is None or scratch.shape != want:
+            raise ValueError(f"staged mode needs scratch {want}, got {None if scratch is None else scratch.shape}")
+    elif scratch is not None:
+        raise ValueError(f"scratch is only written in staged mode, got mode={mode!r}")
+    layout = Mamba2PayloadLayout(G, N, H, P)
+    if mode == "replay":
+        want = (nb, T, layout.width)
+        if payload is None or payload.shape != want:
+            raise ValueError(f"replay mode needs payload {want}, got {None if payload is None else payload.shape}")
+        if payload.dtype != payload_dtype(B.dtype, x.dtype, dt.dtype):
+            raise ValueError(f"payload dtype {payload.dtype} would not hold B/x/dt "
+                             f"({B.dtype}/{x.dtype}/{dt.dtype}) exactly; use {payload_dtype(B.dtype, x.dtype, dt.dtype)}")
+    elif payload is not None:
+        raise ValueError(f"payload is only written in replay mode, got mode={mode!r}")
+    return layout
+
+
+def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents=None, *, z=None,
+                     mode="outputs", scratch=None, payload=None, block_p=None, num_warps=4, backend=None):
+    """Mamba2 verify scan; see the module docstring.
+
+    Shapes: `x [B, T, H, P]`, `dt [B, T, H]`, `A_log/D/dt_bias [H]`, `B/C [B, T, G, N]`,
+    `state_pool [S, H, P, N]`, `state_slots [B] int32` (< 0: padded request), `parents [B, T] int32`
+    (-1 <= parents[t] < t; None: the chain, compiled without any parent test), `z [B, T, H, P]`.
+    Returns `(y [B, T, H, P] in x.dtype, side)` where side is the updated scratch (staged), the
+    updated payload (replay) or None (outputs).
+    """
+    layout = _check(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z, mode, scratch, payload)
+    kind = resolve_backend(backend)
+    if kind == "reference":
+        y, states = mamba2_tree_scan_reference(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z)
+        live = state_slots >= 0
+        side = None
+        if mode == "staged":
+            side = jnp.where(live[:, None, None, None, None], states.astype(scratch.dtype), scratch)
+        elif mode == "replay":
+            side = jnp.where(live[:, None, None], layout.pack(B, x, dt).astype(payload.dtype), payload)
+        return y.astype(x.dtype), side
+
+    nb, T, H, P = x.shape
+    G, N = B.shape[2], B.shape[3]
+    NP = next_pow2(N)
+    if block_p is not None and (block_p < 1 or block_p & (block_p - 1)):
+        raise ValueError(f"block_p must be a power of two, got {block_p}")
+    BP = min(next_pow2(P), block_p) if block_p else max(1, min(next_pow2(P), _TILE_ELEMS // NP))
+    tree = parents is not None
+    inputs = ([parents.astype(jnp.int32)] if tree else []) + [
+        state_slots.astype(jnp.int32), x, dt, A_log, dt_bias, D, B, C] + ([z] if z is not None else []) + [state_pool]
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+    aliases = {}
+    if mode != "outputs":
+        side = scratch if mode == "staged" else payload
+        aliases = {len(inputs): 1}
+        inputs.append(side)
+        out_shape.append(jax.ShapeDtypeStruct(side.shape, side.dtype))
+    kernel = functools.partial(_scan_kernel, T=T, H=H, P=P, N=N, G=G, BP=BP, NP=NP, tree=tree,
+                               has_z=z is not None, mode=mode, layout=layout)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(nb, H, pl.cdiv(P, BP)),
+        input_output_aliases=aliases,
+        interpret=kind == "interpret",
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="mamba2_tree_scan" if tree else "mamba2_chain_scan",
+    )(*inputs)
+    return outs[0], (outs[1] if mode != "outputs" else None)
