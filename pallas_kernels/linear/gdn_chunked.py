@@ -1,0 +1,149 @@
+"""GDN chunked tree form: all nodes of a small tree (T <= 16) at once, no node states kept.
+
+The ancestor mask replaces the causal mask of the chunked delta rule (see `gdn_chunked_reference`
+for the math). Parents precede children, so M (strict ancestors) is strictly lower triangular and
+(I + M) is inverted by forward substitution over the 16 padded rows, then applied with one dot.
+Padded rows (t >= T) have an all-zero mask row: they are nobody's ancestor and are never stored.
+
+One program per (request b, value head hv, dv-tile): every dv column of the solve is independent,
+so each program recomputes the small `[16, 16]` matrices and handles `block_v` columns. The
+program also writes the node's replay payload row pieces `[k | v | a | b]` as it reads them
+(v and a/b by every value head, k by the first value head of each key head).
+
+Public entry point: `gdn_chunked_verify(...)` with `backend=None|"pallas"|"interpret"|"reference"`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import resolve_backend
+from pallas_kernels.linear.gdn_common import default_scale, gates, gdn_dims, l2_normalize
+from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
+from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
+from pallas_kernels.linear.gdn_tree import GdnKernelConfig, check_payload, pick_launch
+from treespec_jax.tree.masks import unpack_mask_rows
+
+# Rows of the padded tree: a Triton dot needs every operand dim >= 16.
+CHUNK = 16
+
+_HIGHEST = jax.lax.Precision.HIGHEST  # fp32 dots in IEEE fp32, not tf32
+
+
+def _dot_t(x, y):
+    """x @ y^T for 2-D tiles."""
+    return jax.lax.dot_general(x, y, (((1,), (1,)), ((), ())), precision=_HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+
+def _dot(x, y):
+    return jnp.dot(x, y, precision=_HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _chunked_kernel(mask_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref,
+                    pool_ref, _payload_in_ref, o_ref, payload_ref, *, nodes: int, group: int,
+                    block_v: int, use_qk_l2norm: bool, scale: float, layout: GdnPayloadLayout):
+    b = pl.program_id(0)
+    hv = pl.program_id(1)
+    vt = pl.program_id(2)
+    kh = hv // group
+    cols = pl.ds(vt * block_v, block_v)
+    rows = jnp.arange(CHUNK, dtype=jnp.int32)
+    live = rows < nodes
+    node_rows = pl.ds(0, CHUNK)
+
+    # Ancestor-or-self bits: T <= 16, so word 0 of the packed row holds all of them.
+    word0 = plgpu.load(mask_ref.at[b, node_rows, jnp.int32(0)], mask=live, other=0)
+    anc = ((word0[:, None] >> rows[None, :].astype(jnp.uint32)) & 1) != 0  # [t, s]
+    k_raw = plgpu.load(k_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0)
+    q_raw = plgpu.load(q_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0)
+    v_raw = plgpu.load(v_ref.at[b, node_rows, hv, cols], mask=live[:, None], other=0)
+    a_raw = plgpu.load(a_ref.at[b, node_rows, hv], mask=live, other=0)
+    b_raw = plgpu.load(b_ref.at[b, node_rows, hv], mask=live, other=0)
+
+    k = k_raw.astype(jnp.float32)
+    q = q_raw.astype(jnp.float32)
+    if use_qk_l2norm:
+        k, q = l2_normalize(k), l2_normalize(q)
+    q = q * scale
+    g, beta = gates(a_raw, b_raw, alog_ref[hv], dtb_ref[hv])
+    g = jnp.where(live, g, 0.0)
+    big_g = jnp.sum(jnp.where(anc, g[None, :], 0.0), axis=1)  # log-decay from the root to t
+    # G_t - G_s <= 0 on ancestor pairs (g <= 0); the min keeps masked pairs from overflowing.
+    decay_ts = jnp.where(anc, jnp.exp(jnp.minimum(big_g[:, None] - big_g[None, :], 0.0)), 0.0)
+    strict = anc & (rows[:, None] != rows[None, :])
+    m = jnp.where(strict, beta[:, None] * decay_ts * _dot_t(k, k), 0.0)
+
+    # (I + M)^-1 by forward substitution: row t = e_t - sum_{s<t} M[t, s] row_s.
+    def solve_row(t, inv):
+        m_t = jnp.sum(jnp.where(rows[:, None] == t, m, 0.0), axis=0)
+        row = (rows == t).astype(jnp.float32) - jnp.sum(m_t[:, None] * inv, axis=0)
+        return jnp.where(rows[:, None] == t, row[None, :], inv)
+
+    eye = (rows[:, None] == rows[None, :]).astype(jnp.float32)
+    inv = jax.lax.fori_loop(0, CHUNK, solve_row, eye)
+
+    h0 = pool_ref[slots_ref[b], hv, :, cols].astype(jnp.float32)  # [dk, block_v]
+    decay = jnp.exp(big_g)[:, None]
+    rhs = beta[:, None] * (v_raw.astype(jnp.float32) - decay * _dot(k, h0))
+    u = _dot(inv, rhs)
+    out = decay * _dot(q, h0) + _dot(decay_ts * _dot_t(q, k), u)
+    plgpu.store(o_ref.at[b, node_rows, hv, cols], out.astype(o_ref.dtype), mask=live[:, None])
+
+    dv = v_ref.shape[-1]
+    plgpu.store(payload_ref.at[b, node_rows, pl.ds(layout.v_offset + hv * dv + vt * block_v, block_v)],
+                v_raw, mask=live[:, None])
+
+    @pl.when(vt == 0)
+    def _():
+        plgpu.store(payload_ref.at[b, node_rows, layout.a_offset + hv], a_raw, mask=live)
+        plgpu.store(payload_ref.at[b, node_rows, layout.b_offset + hv], b_raw, mask=live)
+
+    @pl.when((vt == 0) & (hv % group == 0))
+    def _():
+        dk = k_ref.shape[-1]
+        plgpu.store(payload_ref.at[b, node_rows, pl.ds(kh * dk, dk)], k_raw, mask=live[:, None])
+
+
+def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload,
+                       *, use_qk_l2norm: bool = True, scale: float | None = None,
+                       config: GdnKernelConfig | None = None, backend: str | None = None):
+    """Chunked GDN verify of a tree with T <= 16 nodes. Shapes in `gdn_common`.
+
+    ancestor_mask: `[B, T, 2] uint32` packed ancestor-or-self rows (`tree.masks.ancestor_mask`),
+    node order with parents before children. payload: `[B, T, width]` buffer for the replay payload
+    rows, written in place. Returns `(out [B, T, HV, dv], payload)`. The committed pool is only read.
+    """
+    dims = gdn_dims(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots)
+    if dims.nodes > CHUNK:
+        raise ValueError(f"the chunked GDN form covers at most {CHUNK} nodes, got T={dims.nodes}")
+    if ancestor_mask.shape != (dims.batch, dims.nodes, 2) or ancestor_mask.dtype != jnp.uint32:
+        raise ValueError(f"ancestor_mask must be uint32 [B, T, 2] = {(dims.batch, dims.nodes, 2)}; got "
+                         f"{ancestor_mask.dtype} {ancestor_mask.shape}")
+    layout = check_payload(dims, payload, k, v, a, b)
+    scale = default_scale(dims.head_k_dim) if scale is None else float(scale)
+    kind = resolve_backend(backend)
+    if kind == "reference":
+        anc = unpack_mask_rows(ancestor_mask, dims.nodes)
+        out, _ = gdn_chunked_reference(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, anc,
+                                       use_qk_l2norm=use_qk_l2norm, scale=scale)
+        return out.astype(v.dtype), pack_payload(k, v, a, b)
+    block_v, num_warps, num_stages = pick_launch(dims, config)
+    kernel = functools.partial(_chunked_kernel, nodes=dims.nodes, group=dims.group, block_v=block_v,
+                               use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout)
+    out, payload = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(payload.shape, payload.dtype)),
+        grid=(dims.batch, dims.num_v_heads, dims.head_v_dim // block_v),
+        input_output_aliases={10: 1},
+        interpret=kind == "interpret",
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="gdn_chunked_verify",
+    )(ancestor_mask, state_slots.astype(jnp.int32), q, k, v, a, b, A_log.astype(jnp.float32),
+      dt_bias.astype(jnp.float32), state_pool, payload)
+    return out, payload
