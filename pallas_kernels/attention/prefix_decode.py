@@ -1,0 +1,301 @@
+"""Prefix half of cascade tree attention: a causal multi-query paged decode with a base-2 LSE.
+
+    prefix_decode(q [B, R, Hq, D], k_pool, v_pool [S, Hkv, D], page_table [B, maxp] int32,
+                  lengths [B] int32, *, page_size, scale, num_splits=None, sliding_window=None,
+                  backend=None) -> (out [B, R, Hq, D] f32, lse2 [B, R, Hq] f32)
+
+Request b has R query rows and P = lengths[b] committed keys; row r sees keys [0, P - R + 1 + r)
+(clamped at 0, so P < R and P = 0 work: an empty row gives out 0 and lse2 = -inf). With
+`sliding_window=w` row r sees only the last w of those keys. `lse2 = log2(sum_j 2^(s_j log2 e))`,
+`s = scale * q.k`.
+
+Kernel layout. One program owns every query row of one KV head: the R rows times the G = Hq / Hkv
+heads of its group, stacked as row `r * G + g` (no head folding limit: R * G is any size). Rows are
+padded to a power of two >= 16 (Triton dot operands) and cut into `block_rows` tiles. The grid is
+(row_tiles, splits, Hkv, B); tiles of one (b, head, split) are adjacent in launch order so they share
+K/V through L2. Each program walks its split's pages, one page (page_size keys, a power of two) per
+step, loading the page id as a scalar from the page table, and keeps a base-2 online softmax. With
+more than one split the partials are merged by their LSEs in a small XLA epilogue.
+
+FP8 E4M3 pools (unscaled): the query is cast to FP8 before the kernel (what the prefix half of an FP8
+cache multiplies; the reference does the same), K is widened to bf16 after loading for the score dot
+unless `fp8_score_dot=True` asks for a native FP8 x FP8 dot (compiled GPU path only), and V is widened
+to bf16 for the value dot.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.attention.reference import (LOG2E, is_fp8, prefix_decode_reference,
+                                                quantize_query_for_pool)
+from pallas_kernels.common import next_pow2, resolve_backend
+
+# Programs we want in flight before splitting the key axis: about two waves of an H200 (132 SMs).
+_TARGET_PROGRAMS = 264
+# A split shorter than this many pages costs more in its merge than it saves.
+_MIN_PAGES_PER_SPLIT = 4
+DEFAULT_BLOCK_ROWS = 128
+
+
+# --------------------------------------------------------------------------------------------------
+# Query-row layout shared with the window kernel
+# --------------------------------------------------------------------------------------------------
+
+def padded_rows(rows: int) -> int:
+    """Rows of one KV head padded for Triton: a power of two, at least 16 (dot operand minimum)."""
+    return max(16, next_pow2(rows))
+
+
+def choose_block_rows(total_rows: int, block_rows: int | None) -> int:
+    block = DEFAULT_BLOCK_ROWS if block_rows is None else int(block_rows)
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block_rows must be a power of two >= 16, got {block}")
+    return min(block, total_rows)
+
+
+def heads_to_rows(x: jax.Array, num_kv_heads: int, total_rows: int, fill=0.0) -> jax.Array:
+    """`[B, R, Hq, ...]` -> `[B, Hkv, total_rows, ...]`, row `r * G + g` = head `h * G + g`, padded."""
+    b, r, hq = x.shape[:3]
+    g = hq // num_kv_heads
+    rest = x.shape[3:]
+    x = x.reshape((b, r, num_kv_heads, g) + rest)
+    x = jnp.moveaxis(x, 2, 1).reshape((b, num_kv_heads, r * g) + rest)
+    pad = [(0, 0), (0, 0), (0, total_rows - r * g)] + [(0, 0)] * len(rest)
+    return jnp.pad(x, pad, constant_values=fill)
+
+
+def rows_to_heads(x: jax.Array, rows: int, num_q_heads: int) -> jax.Array:
+    """Inverse of `heads_to_rows`: `[B, Hkv, total_rows, ...]` -> `[B, R, Hq, ...]`."""
+    b, hkv = x.shape[:2]
+    rest = x.shape[3:]
+    g = num_q_heads // hkv
+    x = x[:, :, : rows * g].reshape((b, hkv, rows, g) + rest)
+    return jnp.moveaxis(x, 1, 2).reshape((b, rows, num_q_heads) + rest)
+
+
+def check_paged_inputs(q, k_pool, v_pool, page_table, lengths, page_size: int, what: str):
+    """Shape/dtype validation shared by both kernels; raises naming the offending value."""
+    if q.ndim != 4:
+        raise ValueError(f"{what}: q must be [B, R, Hq, D], got shape {q.shape}")
+    if k_pool.ndim != 3:
+        raise ValueError(f"{what}: k_pool must be slot-major [S, Hkv, D], got shape {k_pool.shape}")
+    if v_pool is not None and (v_pool.ndim != 3 or v_pool.shape[:2] != k_pool.shape[:2]):
+        raise ValueError(f"{what}: v_pool shape {v_pool.shape} does not match k_pool {k_pool.shape}")
+    if v_pool is not None and v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"{what}: v_pool dtype {v_pool.dtype} differs from k_pool dtype {k_pool.dtype}")
+    if page_size < 16 or page_size & (page_size - 1):
+        raise ValueError(f"{what}: page_size must be a power of two >= 16, got {page_size}")
+    if k_pool.shape[0] % page_size:
+        raise ValueError(f"{what}: pool slots {k_pool.shape[0]} are not a multiple of page_size {page_size}")
+    b, _, hq, _ = q.shape
+    hkv = k_pool.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{what}: query heads Hq={hq} are not a multiple of KV heads Hkv={hkv}")
+    if page_table.ndim != 2 or page_table.shape[0] != b:
+        raise ValueError(f"{what}: page_table must be [B={b}, max_pages], got shape {page_table.shape}")
+    if not jnp.issubdtype(page_table.dtype, jnp.integer):
+        raise ValueError(f"{what}: page_table must be integer, got {page_table.dtype}")
+    if lengths.shape != (b,):
+        raise ValueError(f"{what}: lengths must be [B={b}], got shape {lengths.shape}")
+
+
+def num_sms() -> int:
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or 132)
+
+
+def default_num_splits(batch: int, kv_heads: int, row_tiles: int, max_pages: int) -> int:
+    """Split the key axis only when (B, Hkv, row tiles) leaves the GPU underfilled (e.g. B = 1)."""
+    programs = batch * kv_heads * row_tiles
+    target = max(_TARGET_PROGRAMS, 2 * num_sms())
+    if programs >= target:
+        return 1
+    want = -(-target // programs)
+    return max(1, min(want, max_pages // _MIN_PAGES_PER_SPLIT))
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------------
+
+def _prefix_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *,
+                   query_rows: int, group: int, block_rows: int, page_size: int,
+                   pages_per_split: int, scale2: float, sliding_window: int | None,
+                   dot_dtype, fp8_score_dot: bool):
+    tile = pl.program_id(0)
+    split = pl.program_id(1)
+    head = pl.program_id(2)
+    b = pl.program_id(3)
+    length = lengths_ref[b]
+
+    rows = tile * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    real_row = rows < query_rows * group
+    r = rows // group
+    # Row r's keys are [lo_r, hi_r); padded rows see nothing.
+    hi = jnp.where(real_row, jnp.maximum(length - query_rows + 1 + r, 0), 0)
+    lo = jnp.zeros_like(hi) if sliding_window is None else jnp.maximum(hi - sliding_window, 0)
+    tile_hi = jnp.max(hi)
+    tile_lo = jnp.min(jnp.where(real_row, lo, tile_hi))
+
+    first_page = jnp.maximum(split * pages_per_split, tile_lo // page_size)
+    end_page = jnp.minimum((split + 1) * pages_per_split, (tile_hi + page_size - 1) // page_size)
+
+    q = q_ref[...]
+    if not fp8_score_dot:
+        q = q.astype(dot_dtype)
+    d = q.shape[-1]
+    key_iota = lax.broadcasted_iota(jnp.int32, (page_size,), 0)
+
+    def body(page, carry):
+        m, l, acc = carry
+        page_id = page_table_ref[b, page]
+        pos = page * page_size + key_iota  # [page]
+        load_ok = (pos >= tile_lo) & (pos < tile_hi)
+        slots = pl.ds(page_id * page_size, page_size)
+        k = plgpu.load(k_ref.at[slots, head, :], mask=load_ok[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[slots, head, :], mask=load_ok[:, None], other=0.0)
+        if not fp8_score_dot:
+            k = k.astype(dot_dtype)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        vis = (pos[None, :] < hi[:, None]) & (pos[None, :] >= lo[:, None])
+        s = jnp.where(vis, s * scale2, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        pv = jnp.dot(p.astype(dot_dtype), v.astype(dot_dtype), preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + pv
+        return m_new, l, acc
+
+    init = (jnp.full((block_rows,), -jnp.inf, jnp.float32), jnp.zeros((block_rows,), jnp.float32),
+            jnp.zeros((block_rows, d), jnp.float32))
+    m, l, acc = lax.fori_loop(first_page, end_page, body, init)
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    out_ref[...] = jnp.where(seen[:, None], acc / l_safe[:, None], 0.0)
+    lse_ref[...] = jnp.where(seen, m + jnp.log2(l_safe), -jnp.inf)
+
+
+def merge_splits(out: jax.Array, lse: jax.Array):
+    """`out [splits, ..., D]`, `lse [splits, ...]` (base 2) -> merged (out, lse); -inf splits drop out."""
+    m = jnp.max(lse, axis=0)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w = jnp.where(lse == -jnp.inf, 0.0, jnp.exp2(lse - m_safe))
+    tot = jnp.sum(w, axis=0)
+    safe = jnp.where(tot > 0, tot, 1.0)
+    merged = jnp.sum(w[..., None] * out, axis=0) / safe[..., None]
+    return merged, jnp.where(tot > 0, m_safe + jnp.log2(safe), -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "scale", "num_splits", "sliding_window",
+                                             "block_rows", "num_warps", "num_stages", "interpret",
+                                             "fp8_score_dot", "poison_outputs"))
+def _prefix_decode_pallas(q, k_pool, v_pool, page_table, lengths, *, page_size, scale, num_splits,
+                          sliding_window, block_rows, num_warps, num_stages, interpret, fp8_score_dot,
+                          poison_outputs):
+    b, r, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    group = hq // hkv
+    total = padded_rows(r * group)
+    block = choose_block_rows(total, block_rows)
+    tiles = total // block
+    max_pages = page_table.shape[1]
+    splits = num_splits or default_num_splits(b, hkv, tiles, max_pages)
+    pages_per_split = -(-max_pages // splits)
+
+    fp8 = is_fp8(k_pool.dtype)
+    q = quantize_query_for_pool(q, k_pool.dtype)
+    dot_dtype = jnp.bfloat16 if fp8 else (q.dtype if q.dtype == k_pool.dtype else jnp.float32)
+    qr = heads_to_rows(q, hkv, total)  # [B, Hkv, total, D]
+
+    kernel = functools.partial(
+        _prefix_kernel, query_rows=r, group=group, block_rows=block, page_size=page_size,
+        pages_per_split=pages_per_split, scale2=float(scale) * LOG2E, sliding_window=sliding_window,
+        dot_dtype=dot_dtype, fp8_score_dot=fp8_score_dot and fp8 and not interpret)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    out_shape = (jax.ShapeDtypeStruct((splits, b, hkv, total, d), jnp.float32),
+                 jax.ShapeDtypeStruct((splits, b, hkv, total), jnp.float32))
+    in_specs = [any_spec, any_spec,
+                pl.BlockSpec((None, None, block, d), lambda t, s, h, bb: (bb, h, t, 0)),
+                any_spec, any_spec]
+    args = [lengths.astype(jnp.int32), page_table.astype(jnp.int32), qr, k_pool, v_pool]
+    aliases = {}
+    if poison_outputs:
+        # Outputs start as NaN so a test proves the kernel writes every element.
+        in_specs += [any_spec, any_spec]
+        args += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
+        aliases = {5: 0, 6: 1}
+        kernel = _drop_alias_inputs(kernel, 2)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(tiles, splits, hkv, b),
+        in_specs=in_specs,
+        out_specs=(pl.BlockSpec((None, None, None, block, d), lambda t, s, h, bb: (s, bb, h, t, 0)),
+                   pl.BlockSpec((None, None, None, block), lambda t, s, h, bb: (s, bb, h, t))),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="prefix_decode",
+    )(*args)
+    if splits > 1:
+        out, lse = merge_splits(out, lse)
+    else:
+        out, lse = out[0], lse[0]
+    return rows_to_heads(out, r, hq), rows_to_heads(lse, r, hq)
+
+
+def _drop_alias_inputs(kernel, count: int):
+    """Wraps a kernel so `count` aliased input refs (placed before the outputs) are ignored."""
+    def wrapped(*refs):
+        n_in = len(refs) - count * 2
+        return kernel(*refs[:n_in], *refs[n_in + count:])
+    return wrapped
+
+
+def prefix_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array,
+                  lengths: jax.Array, *, page_size: int, scale: float | None = None,
+                  num_splits: int | None = None, sliding_window: int | None = None,
+                  block_rows: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None, fp8_score_dot: bool = False,
+                  poison_outputs: bool = False, backend: str | None = None):
+    """Causal multi-query paged decode; see the module docstring.
+
+    Shapes: `q [B, R, Hq, D]`, `k_pool/v_pool [S, Hkv, D]`, `page_table [B, maxp] int32`,
+    `lengths [B] int32` -> `(out [B, R, Hq, D] f32, lse2 [B, R, Hq] f32)`.
+    `scale` defaults to D^-1/2. `num_splits=None` picks a split of the key axis that fills the GPU.
+    `block_rows`, `num_warps`, `num_stages` tune the compiled kernel; `poison_outputs` fills the
+    kernel's output buffers with NaN first (tests); `fp8_score_dot` uses an FP8 x FP8 score dot on GPU.
+    """
+    check_paged_inputs(q, k_pool, v_pool, page_table, lengths, page_size, "prefix_decode")
+    if v_pool.shape[-1] != q.shape[-1] or k_pool.shape[-1] != q.shape[-1]:
+        raise ValueError(f"prefix_decode: head dim mismatch q {q.shape[-1]}, k {k_pool.shape[-1]}, "
+                         f"v {v_pool.shape[-1]}")
+    d = q.shape[-1]
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"prefix_decode: head dim must be a power of two >= 16, got {d}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"prefix_decode: num_splits must be >= 1, got {num_splits}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"prefix_decode: sliding_window must be >= 1, got {sliding_window}")
+    scale = float(d ** -0.5 if scale is None else scale)
+    kind = resolve_backend(backend)
+    if kind == "reference":
+        return prefix_decode_reference(q, k_pool, v_pool, page_table, lengths, page_size=page_size,
+                                       scale=scale, sliding_window=sliding_window)
+    return _prefix_decode_pallas(
+        q, k_pool, v_pool, page_table, lengths, page_size=page_size, scale=scale,
+        num_splits=num_splits, sliding_window=sliding_window, block_rows=block_rows,
+        num_warps=num_warps, num_stages=num_stages, interpret=kind == "interpret",
+        fp8_score_dot=fp8_score_dot, poison_outputs=poison_outputs)
+
+
+__all__ = ["prefix_decode", "merge_splits", "default_num_splits"]

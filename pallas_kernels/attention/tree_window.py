@@ -1,0 +1,283 @@
+"""Window half of cascade tree attention, merged with the prefix partial in the same kernel.
+
+    tree_window_attention(q [B, R, Hq, Dk], k_pool [S, Hkv, Dk], v_pool [S, Hkv, Dv] | None,
+                          page_table [B, maxp] int32, prefix_lengths [B] int32,
+                          mask [B, R, 2] uint32, prefix_out [B, R, Hq, Dv], prefix_lse2 [B, R, Hq],
+                          *, window, page_size, scale=None, causal_prefix=True, rope_dim=0,
+                          value_dim=None, backend=None) -> out [B, R, Hq, Dv] (q's dtype)
+
+Row r of request b (P = prefix_lengths[b] committed keys) attends
+- the prefix tail the causal prefix half did not cover: positions P - R + 1 + r .. P - 1 (none when
+  `causal_prefix=False`, where the prefix half already covered the row's whole prefix);
+- window key j (position P + j, j < window <= 64) iff bit j of its packed mask row is set
+  (word 0 holds bits 0..31, word 1 bits 32..63, see `treespec_jax.tree.masks`);
+and folds them into the prefix partial (out, lse2) with a base-2 online softmax. A partial with
+lse2 = -inf (empty prefix coverage) starts the row from (m = -inf, l = 0, acc = 0). The window's K/V
+are in the same paged pool at positions P .. P + window - 1; `page_table` must map every position
+below P + window.
+
+Invisible slots never reach an output: scores of columns a row cannot see are -inf, and K/V loads
+of columns no row of the tile can see are masked to 0 (a NaN value times a zero weight would still
+be NaN).
+
+MLA layout (`rope_dim > 0`, or `v_pool=None`): one KV head, each latent row is
+`[kv_lora_rank | rope_dim]`; the leading `value_dim = kv_lora_rank` channels are both the key's latent
+part and the value, the rope channels add a second score term q_rope . k_rope. The row is read once:
+the latent block feeds both dots. `k_pool` may then be `[S, Dk]` or `[S, 1, Dk]`.
+
+FP8 pools: the query stays unquantised; K/V are widened to the query's dtype after loading.
+
+One code path for every size: the kernel walks the pages spanned by positions
+[P - R + 1, P + window) one page at a time; the grid is (row_tiles, Hkv, B) with all R * G query
+rows of a KV head in one program (padded to a power of two >= 16, tiled by `block_rows`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to_rows, padded_rows,
+                                                    rows_to_heads)
+from pallas_kernels.attention.reference import LOG2E, tree_window_reference
+from pallas_kernels.common import resolve_backend
+from treespec_jax.tree.masks import MAX_TREE_NODES
+
+# Rows per program are sized so the fp32 accumulator tile stays about 16K elements (registers).
+_ACC_ELEMENTS = 16384
+
+
+def default_block_rows(total_rows: int, widest_dim: int) -> int:
+    block = 128
+    while block > 16 and block * widest_dim > _ACC_ELEMENTS:
+        block //= 2
+    return min(block, total_rows)
+
+
+def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_size: int,
+                   window: int, scale2: float, causal_prefix: bool, main_dim: int, rope_dim: int,
+                   shared_kv: bool):
+    refs = list(refs)
+    plen_ref, pt_ref, q_ref = refs[:3]
+    refs = refs[3:]
+    qr_ref = refs.pop(0) if rope_dim else None
+    k_ref = refs.pop(0)
+    v_ref = None if shared_kv else refs.pop(0)
+    w0_ref, w1_ref, pout_ref, plse_ref, out_ref = refs
+
+    tile = pl.program_id(0)
+    head = pl.program_id(1)
+    b = pl.program_id(2)
+    length = plen_ref[b]
+
+    rows = tile * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    real_row = rows < query_rows * group
+    r = rows // group
+    if causal_prefix:
+        tail_lo = jnp.where(real_row, jnp.maximum(length - query_rows + 1 + r, 0), length)
+        lo = jnp.maximum(length - query_rows + 1, 0)
+    else:
+        tail_lo = jnp.full((block_rows,), length, jnp.int32)
+        lo = length
+    hi = length + window
+    w0 = w0_ref[...]
+    w1 = w1_ref[...]
+
+    q = q_ref[...]
+    qr = qr_ref[...] if rope_dim else None
+    cdt = q.dtype  # K/V (FP8 included) are widened to the query's dtype
+
+    lse = plse_ref[...]
+    started = (lse > -jnp.inf) & real_row
+    m = jnp.where(started, lse, -jnp.inf)
+    l = jnp.where(started, 1.0, 0.0).astype(jnp.float32)
+    acc = jnp.where(started[:, None], pout_ref[...].astype(jnp.float32), 0.0)
+
+    key_iota = lax.broadcasted_iota(jnp.int32, (page_size,), 0)
+
+    def body(page, carry):
+        m, l, acc = carry
+        page_id = pt_ref[b, page]
+        pos = page * page_size + key_iota
+        j = pos - length
+        jc = jnp.clip(j, 0, MAX_TREE_NODES - 1)
+        word = jnp.where(jc[None, :] < 32, w0[:, None], w1[:, None])
+        bit = lax.shift_right_logical(word, (jc & 31)[None, :]) & 1
+        in_window = (j >= 0) & (j < window)
+        vis = (in_window[None, :] & (bit == 1)) | ((pos[None, :] >= tail_lo[:, None]) & (pos[None, :] < length))
+        vis = vis & real_row[:, None]
+        col = jnp.max(vis.astype(jnp.int32), axis=0) > 0  # some row of the tile sees this column
+        slots = pl.ds(page_id * page_size, page_size)
+        k = plgpu.load(k_ref.at[slots, head, pl.ds(0, main_dim)], mask=col[:, None], other=0.0).astype(cdt)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if rope_dim:
+            kr = plgpu.load(k_ref.at[slots, head, pl.ds(main_dim, rope_dim)], mask=col[:, None],
+                            other=0.0).astype(cdt)
+            s = s + lax.dot_general(qr, kr, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if shared_kv:
+            v = k
+        else:
+            v = plgpu.load(v_ref.at[slots, head, :], mask=col[:, None], other=0.0).astype(cdt)
+        s = jnp.where(vis, s * scale2, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(cdt), v, preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    first_page = lo // page_size
+    end_page = (hi + page_size - 1) // page_size
+    m, l, acc = lax.fori_loop(first_page, end_page, body, (m, l, acc))
+    seen = l > 0
+    out_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "causal_prefix", "rope_dim",
+                                             "value_dim", "block_rows", "num_warps", "num_stages",
+                                             "interpret", "poison_outputs"))
+def _tree_window_pallas(q, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2, *,
+                        window, page_size, scale, causal_prefix, rope_dim, value_dim, block_rows,
+                        num_warps, num_stages, interpret, poison_outputs):
+    b, r, hq, dk = q.shape
+    hkv = k_pool.shape[1]
+    group = hq // hkv
+    shared = v_pool is None
+    main_dim = dk - rope_dim
+    dv = value_dim
+    total = padded_rows(r * group)
+    block = block_rows or default_block_rows(total, max(main_dim, dv))
+    block = min(block, total)
+    tiles = total // block
+
+    rows_q = heads_to_rows(q, hkv, total)  # [B, Hkv, total, Dk]
+    q_main = rows_q[..., :main_dim]
+    words = jax.lax.bitcast_convert_type(mask.astype(jnp.uint32), jnp.int32)  # [B, R, 2]
+    words = heads_to_rows(jnp.broadcast_to(words[:, :, None, :], (b, r, hq, 2)), hkv, total, fill=0)
+    pout = heads_to_rows(prefix_out.astype(jnp.float32), hkv, total)
+    plse = heads_to_rows(prefix_lse2.astype(jnp.float32), hkv, total, fill=-jnp.inf)
+
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+
+    def row_spec(width):
+        if width is None:
+            return pl.BlockSpec((None, None, block), lambda t, h, bb: (bb, h, t))
+        return pl.BlockSpec((None, None, block, width), lambda t, h, bb: (bb, h, t, 0))
+
+    args = [prefix_lengths.astype(jnp.int32), page_table.astype(jnp.int32), q_main]
+    in_specs = [any_spec, any_spec, row_spec(main_dim)]
+    if rope_dim:
+        args.append(rows_q[..., main_dim:])
+        in_specs.append(row_spec(rope_dim))
+    args.append(k_pool)
+    in_specs.append(any_spec)
+    if not shared:
+        args.append(v_pool)
+        in_specs.append(any_spec)
+    args += [words[..., 0], words[..., 1], pout, plse]
+    in_specs += [row_spec(None), row_spec(None), row_spec(dv), row_spec(None)]
+
+    kernel = functools.partial(
+        _window_kernel, query_rows=r, group=group, block_rows=block, page_size=page_size,
+        window=window, scale2=float(scale) * LOG2E, causal_prefix=causal_prefix, main_dim=main_dim,
+        rope_dim=rope_dim, shared_kv=shared)
+    out_shape = jax.ShapeDtypeStruct((b, hkv, total, dv), q.dtype)
+    aliases = {}
+    if poison_outputs:
+        # The output starts as NaN so a test proves every element is written.
+        aliases = {len(args): 0}
+        args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
+        in_specs.append(any_spec)
+        inner = kernel
+
+        def kernel(*refs):
+            return inner(*refs[:-2], refs[-1])
+    out = pl.pallas_call(
+        kernel,
+        grid=(tiles, hkv, b),
+        in_specs=in_specs,
+        out_specs=row_spec(dv),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="tree_window_attention",
+    )(*args)
+    return rows_to_heads(out, r, hq)
+
+
+def tree_window_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | None,
+                          page_table: jax.Array, prefix_lengths: jax.Array, mask: jax.Array,
+                          prefix_out: jax.Array, prefix_lse2: jax.Array, *, window: int,
+                          page_size: int, scale: float | None = None, causal_prefix: bool = True,
+                          rope_dim: int = 0, value_dim: int | None = None,
+                          block_rows: int | None = None, num_warps: int | None = None,
+                          num_stages: int | None = None, poison_outputs: bool = False,
+                          backend: str | None = None) -> jax.Array:
+    """Window half + merge; see the module docstring.
+
+    Shapes: `q [B, R, Hq, Dk]`, `k_pool [S, Hkv, Dk]` (MLA: `[S, Dk]` allowed), `v_pool [S, Hkv, Dv]`
+    or None when the value is the key row's leading `value_dim` channels, `page_table [B, maxp]`,
+    `prefix_lengths [B]`, `mask [B, R, 2] uint32`, `prefix_out [B, R, Hq, Dv]`,
+    `prefix_lse2 [B, R, Hq]` (base 2) -> `[B, R, Hq, Dv]` in q's dtype (f32 for the reference).
+    `scale` defaults to Dk^-1/2.
+    """
+    if k_pool.ndim == 2:
+        k_pool = k_pool[:, None, :]
+    if rope_dim and v_pool is not None and v_pool is not k_pool:
+        raise ValueError("tree_window_attention: rope_dim > 0 is the MLA layout; pass v_pool=None "
+                         "(the value is the latent part of the key row)")
+    if v_pool is not None and v_pool is k_pool:
+        v_pool = None
+    check_paged_inputs(q, k_pool, v_pool, page_table, prefix_lengths, page_size, "tree_window_attention")
+    b, r, hq, dk = q.shape
+    if k_pool.shape[-1] != dk:
+        raise ValueError(f"tree_window_attention: q width {dk} != key row width {k_pool.shape[-1]}")
+    if rope_dim < 0 or rope_dim >= dk:
+        raise ValueError(f"tree_window_attention: rope_dim={rope_dim} must be in [0, {dk})")
+    main_dim = dk - rope_dim
+    for name, dim in (("key/latent width", main_dim), ("rope_dim", rope_dim)):
+        if dim and (dim < 16 or dim & (dim - 1)):
+            raise ValueError(f"tree_window_attention: {name} must be 0 or a power of two >= 16, got {dim}")
+    if v_pool is None:
+        value_dim = main_dim if value_dim is None else value_dim
+        if value_dim != main_dim:
+            raise ValueError(f"tree_window_attention: shared K/V rows need value_dim == {main_dim} "
+                             f"(the latent width), got {value_dim}")
+    else:
+        if value_dim is not None and value_dim != v_pool.shape[-1]:
+            raise ValueError(f"tree_window_attention: value_dim={value_dim} != v_pool width {v_pool.shape[-1]}")
+        value_dim = v_pool.shape[-1]
+        if value_dim < 16 or value_dim & (value_dim - 1):
+            raise ValueError(f"tree_window_attention: value width must be a power of two >= 16, got {value_dim}")
+    if not 1 <= window <= MAX_TREE_NODES:
+        raise ValueError(f"tree_window_attention: window must be in [1, {MAX_TREE_NODES}], got {window}")
+    if mask.shape != (b, r, 2) or mask.dtype != jnp.uint32:
+        raise ValueError(f"tree_window_attention: mask must be [B={b}, R={r}, 2] uint32, "
+                         f"got {mask.shape} {mask.dtype}")
+    if prefix_out.shape != (b, r, hq, value_dim):
+        raise ValueError(f"tree_window_attention: prefix_out must be {(b, r, hq, value_dim)}, got {prefix_out.shape}")
+    if prefix_lse2.shape != (b, r, hq):
+        raise ValueError(f"tree_window_attention: prefix_lse2 must be {(b, r, hq)}, got {prefix_lse2.shape}")
+    if block_rows is not None and (block_rows < 16 or block_rows & (block_rows - 1)):
+        raise ValueError(f"tree_window_attention: block_rows must be a power of two >= 16, got {block_rows}")
+    scale = float(dk ** -0.5 if scale is None else scale)
+    kind = resolve_backend(backend)
+    if kind == "reference":
+        return tree_window_reference(q, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out,
+                                     prefix_lse2, window=window, page_size=page_size, scale=scale,
+                                     causal_prefix=causal_prefix, rope_dim=rope_dim, value_dim=value_dim)
+    return _tree_window_pallas(
+        q, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2, window=window,
+        page_size=page_size, scale=scale, causal_prefix=causal_prefix, rope_dim=rope_dim,
+        value_dim=value_dim, block_rows=block_rows, num_warps=num_warps, num_stages=num_stages,
+        interpret=kind == "interpret", poison_outputs=poison_outputs)
+
+
+__all__ = ["tree_window_attention"]

@@ -1,0 +1,135 @@
+"""Cascade tree attention for GQA layers: paged prefix decode + tree window kernel + merge.
+
+Every query row of a tree sees the request's committed prefix and, inside the last `window` keys,
+only the slots its ancestor mask names. The prefix (where the time goes at long context) runs as a
+causal multi-query paged decode (`pallas_kernels.attention.prefix_decode`) that returns its base-2
+LSE; the window kernel (`pallas_kernels.attention.tree_window`) attends what the prefix half missed
+and merges both in one kernel. One path for every size.
+
+- Verify: R = W = N rows/keys; the window is the verify forward's N freshly written slots.
+- Draft lanes: R = K rows over the lane window of W = (S - 1) * K keys starting at the frontier.
+- Sliding-window draft lanes: each lane row has its own page table and length (the draft layer's
+  window frozen at the round's prefix end); each row decodes its prefix alone (q_len 1, an optional
+  `sliding_window`) and the window kernel attends the tree window only (`causal_prefix=False`).
+- FP8 E4M3 pools (unscaled): the prefix half multiplies the query cast to FP8, the window half the
+  unquantised query with K/V widened after loading. Nothing else changes.
+
+Shapes: `q [B, R, Hq, D]`, `k_pool/v_pool [S, Hkv, D]` (slot-major, `treespec_jax/cache/paged.py`),
+`page_table [B, maxp] int32` (must map every position below P + W), `prefix_lengths [B] int32`,
+`mask [B, R, 2] uint32` (packed ancestor rows over the window) -> out `[B, R, Hq, D]` in q's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from pallas_kernels.attention.prefix_decode import prefix_decode
+from pallas_kernels.attention.tree_window import tree_window_attention
+from treespec_jax.tree.masks import MAX_TREE_NODES
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeConfig:
+    # Tokens per page of the paged pools (power of two >= 16; the kernels' key block).
+    page_size: int
+    # Softmax scale for s = scale * q.k; None means head_dim^-1/2.
+    scale: float | None = None
+    # Splits of the prefix's key axis (merged by LSE); None lets prefix_decode fill the GPU.
+    num_splits: int | None = None
+    # Kernel backend: None/"pallas" (compiled on GPU, interpret on CPU), "interpret", "reference".
+    backend: str | None = None
+    # Native FP8 x FP8 score dot in the prefix half on GPU (else FP8 K is widened to bf16).
+    fp8_score_dot: bool = False
+
+    def __post_init__(self):
+        if self.page_size < 16 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"CascadeConfig.page_size must be a power of two >= 16, got {self.page_size}")
+        if self.scale is not None and not self.scale > 0:
+            raise ValueError(f"CascadeConfig.scale must be positive, got {self.scale}")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"CascadeConfig.num_splits must be >= 1, got {self.num_splits}")
+
+
+def _scale(config: CascadeConfig, q: jax.Array) -> float:
+    return float(q.shape[-1] ** -0.5 if config.scale is None else config.scale)
+
+
+def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array,
+                      prefix_lengths: jax.Array, mask: jax.Array, *, window: int,
+                      config: CascadeConfig) -> jax.Array:
+    """Causal-prefix cascade: prefix rows [0, P - R + 1 + r), then tail + masked window, merged.
+
+    `q [B, R, Hq, D]`, pools `[S, Hkv, D]`, `page_table [B, maxp]`, `prefix_lengths [B]`,
+    `mask [B, R, 2] uint32` -> `[B, R, Hq, D]` (q's dtype).
+    """
+    scale = _scale(config, q)
+    prefix_out, prefix_lse2 = prefix_decode(
+        q, k_pool, v_pool, page_table, prefix_lengths, page_size=config.page_size, scale=scale,
+        num_splits=config.num_splits, fp8_score_dot=config.fp8_score_dot, backend=config.backend)
+    out = tree_window_attention(
+        q, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2, window=window,
+        page_size=config.page_size, scale=scale, causal_prefix=True, backend=config.backend)
+    return out.astype(q.dtype)
+
+
+def verify_attention(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, config: CascadeConfig):
+    """Verify: the N tree nodes are both the query rows and the window (R = W = N).
+
+    `q [B, N, Hq, D]`, `mask [B, N, 2] uint32` (ancestor-or-self rows), `prefix_lengths` = committed
+    tokens before the window -> `[B, N, Hq, D]`.
+    """
+    n = q.shape[1]
+    if not 1 <= n <= MAX_TREE_NODES:
+        raise ValueError(f"verify_attention: N={n} nodes must be in [1, {MAX_TREE_NODES}]")
+    return cascade_attention(q, k_pool, v_pool, page_table, prefix_lengths, mask, window=n, config=config)
+
+
+def lane_attention(q, k_pool, v_pool, page_table, frontier, lane_mask, *, steps: int, config: CascadeConfig):
+    """Draft lanes: R = K lane rows over the lane window of W = (steps - 1) * K keys at the frontier.
+
+    `q [B, K, Hq, D]`, `frontier [B]` (accepted tokens; the window starts there), `lane_mask [B, K, 2]`
+    (bit s*K + r for the lane written at step s as lane r, plus its parent lane's bits)
+    -> `[B, K, Hq, D]`.
+    """
+    k = q.shape[1]
+    if steps < 2:
+        raise ValueError(f"lane_attention: lanes exist from draft step 1, so steps must be >= 2, got {steps}")
+    window = (steps - 1) * k
+    if window > MAX_TREE_NODES:
+        raise ValueError(f"lane_attention: lane window (steps-1)*K = {window} exceeds {MAX_TREE_NODES}")
+    return cascade_attention(q, k_pool, v_pool, page_table, frontier, lane_mask, window=window, config=config)
+
+
+def sliding_lane_attention(q, k_pool, v_pool, row_page_table, row_lengths, page_table, frontier, lane_mask,
+                           *, window: int, config: CascadeConfig, sliding_window: int | None = None):
+    """Draft lanes with per-row page tables (sliding-window draft layers).
+
+    Each lane row decodes its own prefix alone (q_len 1 at its table's last key, optionally only the
+    last `sliding_window` keys), then the window kernel attends the tree window only
+    (`causal_prefix=False`) at positions frontier + j of `page_table`.
+    `q [B, K, Hq, D]`, `row_page_table [B, K, maxp_row]`, `row_lengths [B, K]`, `page_table [B, maxp]`,
+    `frontier [B]`, `lane_mask [B, K, 2]` -> `[B, K, Hq, D]`.
+    """
+    b, k, hq, d = q.shape
+    if row_page_table.ndim != 3 or row_page_table.shape[:2] != (b, k):
+        raise ValueError(f"sliding_lane_attention: row_page_table must be [B={b}, K={k}, maxp], "
+                         f"got {row_page_table.shape}")
+    if row_lengths.shape != (b, k):
+        raise ValueError(f"sliding_lane_attention: row_lengths must be [B={b}, K={k}], got {row_lengths.shape}")
+    scale = _scale(config, q)
+    prefix_out, prefix_lse2 = prefix_decode(
+        q.reshape(b * k, 1, hq, d), k_pool, v_pool, row_page_table.reshape(b * k, -1),
+        row_lengths.reshape(b * k), page_size=config.page_size, scale=scale, num_splits=config.num_splits,
+        sliding_window=sliding_window, fp8_score_dot=config.fp8_score_dot, backend=config.backend)
+    prefix_out = prefix_out.reshape(b, k, hq, d)
+    prefix_lse2 = prefix_lse2.reshape(b, k, hq)
+    out = tree_window_attention(
+        q, k_pool, v_pool, page_table, frontier, lane_mask, prefix_out, prefix_lse2, window=window,
+        page_size=config.page_size, scale=scale, causal_prefix=False, backend=config.backend)
+    return out.astype(q.dtype)
+
+
+__all__ = ["CascadeConfig", "cascade_attention", "verify_attention", "lane_attention",
+           "sliding_lane_attention"]
