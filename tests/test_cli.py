@@ -1,0 +1,129 @@
+"""`treespec check-config`: exit codes, stderr listings, flag/TOML precedence (in process)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from treespec_jax import cli
+from treespec_jax.config import ServeConfig, load_toml
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+TREE = ["--speculative-algorithm", "EAGLE3", "--speculative-eagle-topk", "4",
+        "--speculative-num-steps", "5", "--speculative-num-draft-tokens", "16"]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(["check-config", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def printed_config(out: str) -> ServeConfig:
+    return ServeConfig.from_dict(tomllib.loads(out))
+
+
+def test_accepted_flags_print_the_resolved_config(capsys):
+    code, out, err = run(capsys, *TREE, "--kv-cache-dtype", "fp8_e4m3", "--sampling-backend", "rejection",
+                         "--temperature", "0.8", "--tp-size", "2", "--page-size", "16", "--seed", "7",
+                         "--disable-replay-ssm", "--attention-backend", "cascade")
+    assert code == 0, err
+    assert "draft tree, K=4 S=5 N=16" in out.splitlines()[0]
+    cfg = printed_config(out)
+    sp = cfg.speculative
+    assert (sp.algorithm, sp.topk, sp.num_steps, sp.num_draft_tokens) == ("EAGLE3", 4, 5, 16)
+    assert (cfg.kv_cache.dtype, cfg.kv_cache.page_size, cfg.sampling.backend, cfg.sampling.temperature) == (
+        "fp8_e4m3", 16, "rejection", 0.8)
+    assert (cfg.parallel.tp_size, cfg.seed, cfg.backends.disable_replay_ssm) == (2, 7, True)
+    assert cfg.backends.attention_backend == "cascade"
+
+
+@pytest.mark.parametrize("k,s,n,fragment", [
+    ("17", "2", "16", "topk = 17"), ("0", "3", "4", "topk = 0"), ("4", "11", "16", "num_steps = 11"),
+    ("16", "6", "64", "= 80 draft-lane slots"), ("4", "5", "8", "= 16 draft-lane slots"),
+    ("4", "5", "65", "num_draft_tokens = 65"), ("2", "2", "8", "[2, 7]"),
+])
+def test_refused_shapes_exit_2(capsys, k, s, n, fragment):
+    code, out, err = run(capsys, "--speculative-algorithm", "EAGLE3", "--speculative-eagle-topk", k,
+                         "--speculative-num-steps", s, "--speculative-num-draft-tokens", n)
+    assert code == 2 and out == ""
+    assert "refused" in err and fragment in err
+
+
+def test_every_refusal_and_blocker_listed_at_once(capsys):
+    code, _, err = run(capsys, "--speculative-algorithm", "MTP", "--speculative-eagle-topk", "4",
+                       "--speculative-num-steps", "5", "--speculative-num-draft-tokens", "8",
+                       "--speculative-mtp-depth", "2", "--pp-size", "2", "--grammar-backend", "xgrammar",
+                       "--enable-mixed-chunk", "--disaggregation-mode", "prefill", "--enable-dp-attention",
+                       "--sliding-window", "4096", "--attention-sinks")
+    assert code == 2
+    for fragment in ["draft-lane slots exceed num_draft_tokens = 8", "multi-depth MTP", "pipeline parallelism",
+                     "structured output", "mixed prefill/decode", "disaggregation", "attention data parallelism",
+                     "tree blocker: verify target/auto/attention", "sliding window 4096", "attention sinks"]:
+        assert fragment in err, fragment
+    assert "refused, 8 problem(s)" in err
+
+
+def test_tree_without_algorithm_or_n(capsys):
+    code, _, err = run(capsys, "--speculative-eagle-topk", "4")
+    assert code == 2 and "needs speculative.algorithm EAGLE3 or MTP, got NONE" in err
+    code, _, err = run(capsys, "--speculative-algorithm", "EAGLE3", "--speculative-eagle-topk", "4")
+    assert code == 2 and "explicit speculative.num_draft_tokens" in err
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_passes(capsys, path):
+    code, out, err = run(capsys, "--config", str(path))
+    assert code == 0, err
+    assert printed_config(out) == load_toml(path)
+
+
+def test_flags_override_toml(capsys):
+    path = str(CONFIGS / "tree_eagle3_k4_s5_n16.toml")
+    code, _, err = run(capsys, "--config", path, "--speculative-num-draft-tokens", "8")
+    assert code == 2 and "exceed num_draft_tokens = 8" in err
+    # Back to a chain: N set to none falls back to S + 1.
+    code, out, err = run(capsys, "--config", path, "--speculative-eagle-topk", "1",
+                         "--speculative-num-draft-tokens", "none")
+    assert code == 0, err
+    cfg = printed_config(out)
+    assert cfg.speculative.topk == 1 and cfg.speculative.num_draft_tokens is None
+    assert cfg.speculative.verify_tokens == 6 and cfg.sampling.backend == "gumbel"  # rest from the file
+
+
+def test_negative_bool_flag_overrides_toml(tmp_path, capsys):
+    path = tmp_path / "mixed.toml"
+    path.write_text('[speculative]\nalgorithm = "EAGLE3"\ntopk = 2\nnum_steps = 2\nnum_draft_tokens = 6\n'
+                    "[scheduler]\nenable_mixed_chunk = true\n")
+    code, _, err = run(capsys, "--config", str(path))
+    assert code == 2 and "mixed prefill/decode" in err
+    code, out, err = run(capsys, "--config", str(path), "--no-enable-mixed-chunk")
+    assert code == 0, err
+    assert printed_config(out).scheduler.enable_mixed_chunk is False
+
+
+def test_bad_toml_key_and_missing_file(tmp_path, capsys):
+    path = tmp_path / "typo.toml"
+    path.write_text("[speculative]\neagle_topk = 4\n")
+    code, _, err = run(capsys, "--config", str(path))
+    assert code == 2 and "unknown key 'eagle_topk'" in err
+    code, _, err = run(capsys, "--config", str(tmp_path / "missing.toml"))
+    assert code == 2 and "does not exist" in err
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--speculative-algorithm", "EAGLE"], "invalid choice: 'EAGLE'"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "invalid choice: 'fp8_e5m2'"),
+    (["--speculative-eagle-topk", "four"], "invalid int value: 'four'"),
+    (["--speculative-num-draft-tokens", "lots"], "expected int or 'none', got 'lots'"),
+])
+def test_malformed_flags_exit_2(capsys, argv, fragment):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and fragment in err
+
+
+def test_no_command_exits_2(capsys):
+    assert cli.main([]) == 2
+    assert "check-config" in capsys.readouterr().err
