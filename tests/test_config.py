@@ -104,8 +104,9 @@ def test_tree_needs_an_explicit_num_draft_tokens():
     one_problem_containing(spec(4, 5, None), "topk = 4", "explicit speculative.num_draft_tokens")
 
 
-def test_chain_num_draft_tokens_must_be_steps_plus_one():
-    one_problem_containing(spec(1, 3, 5), "num_draft_tokens = 5", "num_steps + 1 = 4")
+@pytest.mark.parametrize("n", [3, 5])
+def test_chain_num_draft_tokens_must_be_steps_plus_one(n):
+    one_problem_containing(spec(1, 3, n), f"num_draft_tokens = {n}", "num_steps + 1 = 4")
 
 
 def test_num_draft_tokens_lower_bound():
