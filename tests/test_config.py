@@ -179,6 +179,8 @@ def test_every_problem_is_reported_at_once():
         (dict(parallel=ParallelConfig(tp_size=3, dp_size=2, enable_dp_attention=True)), "tp_size = 3, dp_size = 2"),
         (dict(model=ModelConfig(dtype="int8")), "model.dtype = 'int8' is not one of"),
         (dict(scheduler=SchedulerConfig(max_running_requests=0)), "max_running_requests = 0"),
+        (dict(seed=2**32), "seed = 4294967296 is outside"),
+        (dict(seed=-1), "seed = -1 is outside"),
     ],
 )
 def test_section_ranges(sections, fragment):
@@ -256,3 +258,16 @@ def test_every_shipped_config_is_valid():
     assert {"tree_eagle3_k4_s5_n16.toml", "tree_k8_s9_n64.toml", "chain_k1_s3.toml"} <= names
     for path in files:
         check_startup(load_toml(path).validate())
+
+
+def test_kernel_backend_choices_match_the_kernels():
+    from pallas_kernels.common import BACKENDS
+
+    from treespec_jax.config import KERNEL_BACKENDS
+
+    assert KERNEL_BACKENDS == BACKENDS
+
+
+def test_tree_without_n_has_no_verify_token_default():
+    with pytest.raises(ValueError, match="topk = 4"):
+        spec(4, 5, None).speculative.verify_tokens

@@ -37,6 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The descriptor nodes and the config share one list of legal values per fact.
+from treespec_jax.support import (
+    DRAFTER_ALGORITHMS,
+    MODEL_DTYPES,
+    SAMPLING_BACKENDS,
+)
+from treespec_jax.support import LINEAR_ATTENTION_KINDS as _LINEAR_KINDS
+
 __all__ = [
     "ConfigError",
     "ModelConfig",
@@ -64,14 +72,17 @@ MAX_TREE_NODES = 64
 # Draft steps when an algorithm is chosen but num_steps is not given.
 DEFAULT_NUM_STEPS = 3
 
-SPECULATIVE_ALGORITHMS = ("EAGLE3", "MTP", "NONE")
-TREE_ALGORITHMS = ("EAGLE3", "MTP")
-MODEL_DTYPES = ("bf16", "fp16", "fp32")
-LINEAR_ATTENTION_KINDS = ("none", "gdn", "mamba2", "kda")
+# Seeds key jax.random (uint32 words); a larger seed would wrap silently.
+MAX_SEED = 2**32 - 1
+
+SPECULATIVE_ALGORITHMS = DRAFTER_ALGORITHMS + ("NONE",)
+TREE_ALGORITHMS = DRAFTER_ALGORITHMS
+LINEAR_ATTENTION_KINDS = ("none",) + _LINEAR_KINDS
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")
-SAMPLING_BACKENDS = ("greedy", "gumbel", "rejection")
 # "auto" picks by model: the GQA cascade for softmax-attention targets, the latent cascade for MLA.
 ATTENTION_BACKENDS = ("auto", "cascade", "mla_cascade")
+# Kept literal (not imported from pallas_kernels.common) so the CLI starts without importing jax;
+# tests/test_config.py checks the two agree.
 KERNEL_BACKENDS = ("pallas", "interpret", "reference")
 GRAMMAR_BACKENDS = ("none", "xgrammar", "outlines", "llguidance")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -161,7 +172,9 @@ class SpeculativeConfig:
         if not self.enabled:
             return 1
         if self.num_draft_tokens is None:
-            return self.steps + 1 if self.topk == 1 else 0  # 0: a tree without N is refused
+            if self.topk != 1:
+                raise ValueError(f"topk = {self.topk} (a tree) has no default num_draft_tokens")
+            return self.steps + 1
         return self.num_draft_tokens
 
     @property
@@ -377,6 +390,8 @@ def _check_ranges(cfg: ServeConfig, out: list[str]) -> None:
         )
     at_least("scheduler.max_running_requests", sch.max_running_requests, 1)
     at_least("scheduler.chunked_prefill_size", sch.chunked_prefill_size, 1)
+    if not 0 <= cfg.seed <= MAX_SEED:
+        out.append(f"seed = {cfg.seed} is outside 0..{MAX_SEED} (2^32 - 1)")
 
 
 def _check_speculative(sp: SpeculativeConfig, out: list[str]) -> None:

@@ -44,6 +44,8 @@ __all__ = [
     "SamplingBackendSpec",
     "DrafterSpec",
     "TREE_KV_DTYPES",
+    "MODEL_DTYPES",
+    "CACHE_GROUP_KINDS",
     "LINEAR_ATTENTION_KINDS",
     "SAMPLING_BACKENDS",
     "DRAFTER_ALGORITHMS",
