@@ -31,6 +31,7 @@ def test_accepted_flags_print_the_resolved_config(capsys):
                          "--disable-replay-ssm", "--attention-backend", "cascade")
     assert code == 0, err
     assert "draft tree, K=4 S=5 N=16" in out.splitlines()[0]
+    assert "tree support: 5 target and 4 drafter backend nodes asked, no blocker" in out
     cfg = printed_config(out)
     sp = cfg.speculative
     assert (sp.algorithm, sp.topk, sp.num_steps, sp.num_draft_tokens) == ("EAGLE3", 4, 5, 16)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import sys
 import tomllib
 import typing
@@ -122,27 +123,38 @@ def _check_config(args: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(args)
-        check_startup(cfg)
+        resolved = check_startup(cfg)
     except ConfigError as err:
         print(f"treespec check-config: refused, {len(err.problems)} problem(s):", file=sys.stderr)
         for problem in err.problems:
             print(f"  - {problem}", file=sys.stderr)
         return EXIT_REFUSED
     print(f"# configuration accepted: {describe(cfg)}")
+    if resolved.tree:
+        print(f"# tree support: {len(resolved.verify_paths)} target and {len(resolved.lanes_paths)} "
+              f"drafter backend nodes asked, no blocker")
     print(to_toml(cfg), end="")
     return 0
 
 
 def _demo(argv: Sequence[str]) -> int:
     # Imported here so the CLI works (and check-config runs) without the demo's dependencies.
-    from treespec_jax import demo
-
+    try:
+        demo = importlib.import_module("treespec_jax.demo")
+    except ModuleNotFoundError as err:
+        if err.name != "treespec_jax.demo":
+            raise  # a dependency of the demo is missing: show the real error
+        print("treespec demo: this build has no treespec_jax.demo module", file=sys.stderr)
+        return EXIT_REFUSED
     code = demo.main(list(argv))
     return 0 if code is None else int(code)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from treespec_jax import __version__
+
     parser = argparse.ArgumentParser(prog="treespec", description="draft-tree speculative decoding in JAX")
+    parser.add_argument("--version", action="version", version=f"treespec-jax {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     check = sub.add_parser("check-config", help="validate a configuration; exit 2 listing every refusal")
     add_config_flags(check)
