@@ -144,7 +144,8 @@ class SpeculativeConfig:
     num_draft_tokens: int | None = opt(None, "--speculative-num-draft-tokens",
                                        "N: verify nodes incl. the root; required for trees, omitted chain: S + 1")
     mtp_depth: int = opt(1, "--speculative-mtp-depth",
-                         "MTP drafter heads chained per step; >1 (multi-depth MTP) drafts chains only")
+                         "MTP modules the drafter chains, one per depth; 1 = one module re-run every step "
+                         "(can branch), >1 = multi-depth MTP (chains only)")
     draft_sliding_window: int | None = opt(None, "--speculative-draft-sliding-window",
                                            "sliding-window length of the drafter's attention; omitted: full")
     draft_attention_sinks: bool = opt(False, "--speculative-draft-attention-sinks",
