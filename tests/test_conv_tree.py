@@ -1,0 +1,140 @@
+"""Tree conv update: Pallas (interpret mode) and the fp32 reference against per-path numpy windows;
+chain-as-parents vs the parent-less kernel; padded requests; silu on/off; bad inputs."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.linear.conv_tree import conv_tree_update
+from treespec_jax.tree.masks import chain_parents
+
+S = 5
+
+
+def random_parents(rng, nb, T):
+    par = np.full((nb, T), -1, np.int32)
+    for b in range(nb):
+        for j in range(1, T):
+            par[b, j] = rng.integers(0, j)
+    return par
+
+
+def conv_inputs(rng, nb, T, D, W, with_bias=True):
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
+    return dict(x=f(nb, T, D), conv_pool=f(S, W - 1, D), weight=f(D, W), bias=f(D) if with_bias else None)
+
+
+def np_conv(inp, slots, parents, silu):
+    """fp64 per-path windows: committed columns, then the inputs along root..t; last W columns."""
+    x = np.asarray(inp["x"], np.float64)
+    pool = np.asarray(inp["conv_pool"], np.float64)
+    w = np.asarray(inp["weight"], np.float64)
+    nb, T, D = x.shape
+    W = w.shape[1]
+    y = np.zeros((nb, T, D))
+    rows = np.zeros((nb, T, W - 1, D))
+    for b in range(nb):
+        if slots[b] < 0:
+            continue
+        for t in range(T):
+            path, s = [], t
+            while s >= 0:
+                path.append(s)
+                s = int(parents[b, s])
+            window = np.concatenate([pool[slots[b]], x[b, path[::-1]]], axis=0)[-W:]  # [W, D]
+            out = np.einsum("cd,dc->d", window, w)
+            if inp["bias"] is not None:
+                out = out + inp["bias"]
+            y[b, t] = out / (1 + np.exp(-out)) if silu else out
+            rows[b, t] = window[1:]
+    return y, rows
+
+
+def run(inp, slots, parents, **kw):
+    return conv_tree_update(jnp.asarray(inp["x"]), jnp.asarray(inp["conv_pool"]), jnp.asarray(slots),
+                            jnp.asarray(inp["weight"]), None if inp["bias"] is None else jnp.asarray(inp["bias"]),
+                            None if parents is None else jnp.asarray(parents), **kw)
+
+
+def rel_err(out, ref):
+    out = np.asarray(out, np.float64)
+    assert not np.isnan(out).any(), "NaN in output"
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+# (T, D, W, block_d, silu, bias): every T the issue lists, channel tails (D not a multiple of the
+# block), width 2 and 4, silu and bias on and off.
+CASES = [(1, 40, 4, 16, True, True), (6, 24, 4, 8, False, True), (8, 32, 2, None, True, False),
+         (14, 40, 4, 16, False, False), (16, 24, 4, None, True, True), (33, 40, 4, 32, True, True),
+         (64, 16, 4, None, False, True)]
+
+
+@pytest.mark.parametrize("T,D,W,block_d,silu,with_bias", CASES)
+def test_tree_conv_windows_and_rows_match_per_path(T, D, W, block_d, silu, with_bias):
+    rng = np.random.default_rng(2000 + T)
+    nb = 3
+    inp = conv_inputs(rng, nb, T, D, W, with_bias)
+    parents = random_parents(rng, nb, T)
+    slots = np.array([4, -1, 0], np.int32)
+    inp["conv_pool"][1:4] = np.nan  # slots no live request owns: never read
+    rows0 = jnp.full((nb, T, W - 1, D), jnp.nan, jnp.float32)
+    y, rows = run(inp, slots, parents, silu=silu, node_states=rows0, block_d=block_d, backend="interpret")
+    y_ref, rows_ref = np_conv(inp, slots, parents, silu)
+    live = np.array([0, 2])
+    assert rel_err(np.asarray(y)[live], y_ref[live]) < 1e-6
+    assert rel_err(np.asarray(rows)[live], rows_ref[live]) == 0.0  # state rows are copies of inputs
+    # The padded request writes no state row and outputs zeros.
+    assert np.isnan(np.asarray(rows[1])).all()
+    assert np.all(np.asarray(y[1]) == 0.0)
+
+
+def test_chain_as_parents_equals_chain_kernel():
+    rng = np.random.default_rng(21)
+    nb, T, D, W = 2, 14, 24, 4
+    inp = conv_inputs(rng, nb, T, D, W)
+    slots = np.array([1, 3], np.int32)
+    chain = np.asarray(chain_parents(nb, T))
+    y_tree, r_tree = run(inp, slots, chain, silu=True, node_states=jnp.zeros((nb, T, W - 1, D)), backend="interpret")
+    y_chain, r_chain = run(inp, slots, None, silu=True, node_states=jnp.zeros((nb, T, W - 1, D)), backend="interpret")
+    np.testing.assert_array_equal(np.asarray(y_tree), np.asarray(y_chain))
+    np.testing.assert_array_equal(np.asarray(r_tree), np.asarray(r_chain))
+    assert rel_err(y_chain, np_conv(inp, slots, chain, True)[0]) < 1e-6
+
+
+def test_reference_matches_per_path():
+    rng = np.random.default_rng(22)
+    nb, T, D, W = 2, 16, 24, 4
+    inp = conv_inputs(rng, nb, T, D, W)
+    parents = random_parents(rng, nb, T)
+    slots = np.array([2, -1], np.int32)
+    y, rows = run(inp, slots, parents, silu=True, node_states=jnp.zeros((nb, T, W - 1, D)), backend="reference")
+    y_ref, rows_ref = np_conv(inp, slots, parents, True)
+    assert rel_err(y, y_ref) < 1e-6 and rel_err(rows, rows_ref) < 1e-6
+
+
+def test_without_node_states_only_outputs():
+    rng = np.random.default_rng(23)
+    nb, T, D, W = 2, 6, 16, 4
+    inp = conv_inputs(rng, nb, T, D, W)
+    parents = random_parents(rng, nb, T)
+    slots = np.array([0, 1], np.int32)
+    y, rows = run(inp, slots, parents, backend="interpret")
+    assert rows is None
+    assert rel_err(y, np_conv(inp, slots, parents, False)[0]) < 1e-6
+
+
+def test_bad_inputs_name_the_value():
+    rng = np.random.default_rng(24)
+    nb, T, D, W = 2, 6, 16, 4
+    inp = conv_inputs(rng, nb, T, D, W)
+    slots = np.array([0, 1], np.int32)
+    with pytest.raises(ValueError, match=r"conv_pool must be \[S, W-1, D\] = \[S, 3, 16\]"):
+        run(dict(inp, conv_pool=inp["conv_pool"][:, :2]), slots, None, backend="interpret")
+    with pytest.raises(ValueError, match="weight must be"):
+        run(dict(inp, weight=inp["weight"][:, :1]), slots, None, backend="interpret")
+    with pytest.raises(ValueError, match="node_states must be"):
+        run(inp, slots, None, node_states=jnp.zeros((nb, T, W, D)), backend="interpret")
+    with pytest.raises(ValueError, match="block_d must be a power of two, got 12"):
+        run(inp, slots, None, block_d=12, backend="interpret")
+    with pytest.raises(ValueError, match="state_slots must be"):
+        run(inp, np.array([0], np.int32), None, backend="interpret")
