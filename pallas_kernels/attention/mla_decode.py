@@ -11,8 +11,10 @@ Shapes and semantics (one request b):
 - Returns `out [B, R, Hq, L] f32` (softmax-weighted values) and `lse2 [B, R, Hq] f32` =
   log2(sum_k 2^(score * log2 e)). A row that sees no key gets out = 0 and lse2 = -inf.
 
-FP8 latent cache (E4M3, unscaled): the query is cast to FP8 and the QK products run in FP8 with an
-fp32 accumulator (the fast path on Hopper). The P.V product widens the FP8 values to bf16.
+FP8 latent cache (E4M3, unscaled): the query is cast to FP8 (the decode's defined input; the
+reference quantises it the same way). The QK products then run either as a native FP8 x FP8 dot
+(`fp8_score_dot=True`, Hopper FP8 MMA) or on both operands widened to bf16 (exact); the P.V product
+widens the FP8 values to bf16.
 
 Kernel layout: grid (query tile, split, request). The R * Hq query rows of a request (flat index
 r * Hq + h, padded to a power of two >= 16) are cut into tiles of `block_q` rows; each program walks
@@ -52,6 +54,9 @@ class MlaDecodeConfig:
     # Triton warps and software-pipeline stages per program.
     num_warps: int = 8
     num_stages: int = 2
+    # Under an FP8 cache: multiply FP8 query x FP8 latent natively (Hopper FP8 MMA); False widens
+    # both to bf16 first. Same values either way (FP8 is exact in bf16), only the speed differs.
+    fp8_score_dot: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -81,8 +86,15 @@ def _check(q, latent_pool, page_table, prefix_len, kv_lora_rank, page_size):
         raise ValueError(f"latent_pool dtype {latent_pool.dtype} is not bf16, f16, f32 or float8_e4m3fn")
 
 
-def _qk_dtype(pool_dtype):
-    """Operand dtype of the QK product: the cache's own dtype (FP8 under an FP8 cache)."""
+def _query_dtype(pool_dtype):
+    """dtype the query enters the decode in: the cache's own dtype (FP8 under an FP8 cache)."""
+    return jnp.dtype(pool_dtype)
+
+
+def _qk_dtype(pool_dtype, fp8_score_dot: bool):
+    """Operand dtype of the QK product."""
+    if jnp.dtype(pool_dtype) == jnp.dtype(FP8) and not fp8_score_dot:
+        return jnp.dtype(jnp.bfloat16)
     return jnp.dtype(pool_dtype)
 
 
@@ -111,7 +123,7 @@ def mla_decode_reference(q, latent_pool, page_table, prefix_len, *, kv_lora_rank
     in_prefix = pos[None, :] < plen[:, None]
     rows = latent_pool[jnp.where(in_prefix, jnp.clip(slots, 0, latent_pool.shape[0] - 1), 0)]
     rows = jnp.where(in_prefix[..., None], rows.astype(jnp.float32), 0.0)  # [B, K, C]
-    qf = q.astype(_qk_dtype(latent_pool.dtype)).astype(jnp.float32)
+    qf = q.astype(_query_dtype(latent_pool.dtype)).astype(jnp.float32)
     s = jnp.einsum("brhc,bkc->brhk", qf, rows) * (scale * LOG2E)
     cover = plen[:, None] - r + 1 + jnp.arange(r, dtype=jnp.int32)[None, :]  # [B, R]
     vis = pos[None, None, :] < cover[:, :, None]  # [B, R, K]
@@ -206,8 +218,10 @@ def merge_splits(out_s: jax.Array, lse_s: jax.Array) -> tuple[jax.Array, jax.Arr
     return jnp.where(seen[..., None], out, 0.0), lse
 
 
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "interpret", "config",
+                                             "poison_outputs"))
 def _mla_decode_pallas(q, latent_pool, page_table, prefix_len, *, kv_lora_rank, page_size, scale, interpret,
-                       config: MlaDecodeConfig):
+                       config: MlaDecodeConfig, poison_outputs: bool):
     b, r, hq, c = q.shape
     lora, rope = kv_lora_rank, c - kv_lora_rank
     block_k = config.block_k
@@ -226,7 +240,7 @@ def _mla_decode_pallas(q, latent_pool, page_table, prefix_len, *, kv_lora_rank, 
     blocks_per_split = pl.cdiv(max_blocks, splits)
 
     # The query enters in the QK operand dtype (FP8 under an FP8 cache): half the bytes, one cast.
-    qf = q.reshape(b, rows, c).astype(_qk_dtype(latent_pool.dtype))
+    qf = q.reshape(b, rows, c).astype(_query_dtype(latent_pool.dtype))
     ql = jnp.pad(qf[..., :lora], ((0, 0), (0, rows_pad - rows), (0, block_l - lora)))
     if rope:
         qr = jnp.pad(qf[..., lora:], ((0, 0), (0, rows_pad - rows), (0, block_r - rope)))
@@ -236,29 +250,43 @@ def _mla_decode_pallas(q, latent_pool, page_table, prefix_len, *, kv_lora_rank, 
     kernel = functools.partial(
         _mla_kernel, rows_per_req=r, heads=hq, lora=lora, rope=rope, block_l=block_l, block_r=block_r,
         block_q=block_q, block_k=block_k, page_size=page_size, blocks_per_split=blocks_per_split,
-        qk_dtype=_qk_dtype(latent_pool.dtype), pv_dtype=_pv_dtype(latent_pool.dtype),
+        qk_dtype=_qk_dtype(latent_pool.dtype, config.fp8_score_dot), pv_dtype=_pv_dtype(latent_pool.dtype),
         scale_log2=float(scale) * LOG2E)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    in_specs = [
+        any_spec,  # page_table
+        any_spec,  # prefix_len
+        pl.BlockSpec((None, block_q, block_l), lambda t, s, bb: (bb, t, 0)),
+        pl.BlockSpec((None, block_q, block_r), lambda t, s, bb: (bb, t, 0)),
+        any_spec,  # latent pool
+    ]
+    out_shape = [jax.ShapeDtypeStruct((b, splits, rows_pad, block_l), jnp.float32),
+                 jax.ShapeDtypeStruct((b, splits, rows_pad), jnp.float32)]
+    args = [page_table, prefix_len.astype(jnp.int32), ql, qr, latent_pool]
+    aliases = {}
+    if poison_outputs:
+        # Outputs start as NaN (aliased inputs the kernel never reads) so a test proves full coverage.
+        in_specs += [any_spec, any_spec]
+        args += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
+        aliases = {5: 0, 6: 1}
+        inner = kernel
+
+        def kernel(*refs):
+            return inner(*refs[:5], *refs[7:])
     out_s, lse_s = pl.pallas_call(
         kernel,
         grid=(tiles, splits, b),
-        in_specs=[
-            any_spec,  # page_table
-            any_spec,  # prefix_len
-            pl.BlockSpec((None, block_q, block_l), lambda t, s, bb: (bb, t, 0)),
-            pl.BlockSpec((None, block_q, block_r), lambda t, s, bb: (bb, t, 0)),
-            any_spec,  # latent pool
-        ],
+        in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, None, block_q, block_l), lambda t, s, bb: (bb, s, t, 0)),
             pl.BlockSpec((None, None, block_q), lambda t, s, bb: (bb, s, t)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((b, splits, rows_pad, block_l), jnp.float32),
-                   jax.ShapeDtypeStruct((b, splits, rows_pad), jnp.float32)],
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         name="mla_decode",
-    )(page_table, prefix_len.astype(jnp.int32), ql, qr, latent_pool)
+    )(*args)
     if splits == 1:
         out, lse = out_s[:, 0], lse_s[:, 0]
     else:
@@ -269,12 +297,20 @@ def _mla_decode_pallas(q, latent_pool, page_table, prefix_len, *, kv_lora_rank, 
 
 def mla_decode(q: jax.Array, latent_pool: jax.Array, page_table: jax.Array, prefix_len: jax.Array, *,
                kv_lora_rank: int, page_size: int, scale: float, backend: str | None = None,
-               config: MlaDecodeConfig = MlaDecodeConfig()) -> tuple[jax.Array, jax.Array]:
-    """Entry point; see module docstring. Returns `(out [B, R, Hq, L] f32, lse2 [B, R, Hq] f32)`."""
+               config: MlaDecodeConfig = MlaDecodeConfig(),
+               poison_outputs: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Entry point; see module docstring. Returns `(out [B, R, Hq, L] f32, lse2 [B, R, Hq] f32)`.
+
+    `scale` multiplies q.k (MLA: the model's softmax scale, not derived from the latent width).
+    `poison_outputs` fills the kernel's output buffers with NaN first (tests: every element written).
+    """
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
     _check(q, latent_pool, page_table, prefix_len, kv_lora_rank, page_size)
     kind = resolve_backend(backend)
     if kind == "reference":
         return mla_decode_reference(q, latent_pool, page_table, prefix_len, kv_lora_rank=kv_lora_rank,
                                     page_size=page_size, scale=scale)
     return _mla_decode_pallas(q, latent_pool, page_table, prefix_len, kv_lora_rank=kv_lora_rank,
-                              page_size=page_size, scale=scale, interpret=(kind == "interpret"), config=config)
+                              page_size=page_size, scale=float(scale), interpret=(kind == "interpret"),
+                              config=config, poison_outputs=poison_outputs)

@@ -1,0 +1,128 @@
+"""Cascade tree attention for MLA layers: latent prefix decode + the shared tree window kernel.
+
+MLA attends over one latent cache per layer, `latent_pool [S, kv_lora_rank + rope_dim]`, with the
+absorbed query `q [B, R, Hq, kv_lora_rank + rope_dim]` (the query's no-rope part already multiplied
+into latent space). A token's latent row is read once per half: its leading kv_lora_rank channels are
+both the key's latent part and the value, its rope channels add a second score term.
+
+- Prefix half: `pallas_kernels.attention.mla_decode` (causal multi-query latent decode, row r sees
+  keys [0, P - R + 1 + r), base-2 LSE).
+- Window half: `pallas_kernels.attention.tree_window.tree_window_attention` with `rope_dim > 0` and no
+  separate value pool; it attends the prefix tail each row missed plus the masked window and merges
+  with the prefix partial in the same kernel.
+
+FP8 latent cache (E4M3, unscaled): the absorbed query is quantised to FP8 once. The prefix half
+multiplies that FP8 query; the window half gets the same FP8 values widened back to the model dtype
+(exact), so both halves score one and the same query. The output is in the model dtype, latent
+space `[B, R, Hq, kv_lora_rank]` (the caller applies the value up-projection).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.attention.mla_decode import FP8, MlaDecodeConfig, mla_decode
+from pallas_kernels.attention.tree_window import tree_window_attention
+from treespec_jax.tree.masks import MAX_TREE_NODES
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaCascadeConfig:
+    # Latent channels of a row: the key's latent part and, as a view, the value.
+    kv_lora_rank: int
+    # Rotary channels after the latent ones (DeepSeek-V3: 64).
+    rope_dim: int
+    # Tokens per page of the latent pool (power of two >= 16).
+    page_size: int
+    # Softmax scale for q.k; MLA's scale comes from the model's head dims, so it is required.
+    scale: float
+    # dtype the window half multiplies in (an FP8 query is widened back to it); the output dtype.
+    model_dtype: str = "bfloat16"
+    # Kernel backend: None/"pallas" (compiled on GPU, interpret on CPU), "interpret", "reference".
+    backend: str | None = None
+    # Tiling of the prefix half's latent decode.
+    decode: MlaDecodeConfig = MlaDecodeConfig()
+
+    def __post_init__(self):
+        if self.kv_lora_rank < 16 or self.kv_lora_rank & (self.kv_lora_rank - 1):
+            raise ValueError(f"MlaCascadeConfig.kv_lora_rank must be a power of two >= 16, got {self.kv_lora_rank}")
+        if self.rope_dim < 16 or self.rope_dim & (self.rope_dim - 1):
+            raise ValueError(f"MlaCascadeConfig.rope_dim must be a power of two >= 16, got {self.rope_dim}")
+        if self.page_size < 16 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"MlaCascadeConfig.page_size must be a power of two >= 16, got {self.page_size}")
+        if not self.scale > 0:
+            raise ValueError(f"MlaCascadeConfig.scale must be positive, got {self.scale}")
+        if jnp.dtype(self.model_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                                               jnp.dtype(jnp.float32)):
+            raise ValueError(f"MlaCascadeConfig.model_dtype must be bfloat16, float16 or float32, "
+                             f"got {self.model_dtype!r}")
+
+
+def _check(q, latent_pool, config: MlaCascadeConfig):
+    width = config.kv_lora_rank + config.rope_dim
+    if q.ndim != 4 or q.shape[-1] != width:
+        raise ValueError(f"q must be [B, R, Hq, kv_lora_rank + rope_dim = {width}], got shape {q.shape}")
+    if latent_pool.ndim != 2 or latent_pool.shape[1] != width:
+        raise ValueError(f"latent_pool must be [S, {width}], got shape {latent_pool.shape}")
+
+
+def quantize_absorbed_query(q: jax.Array, latent_dtype) -> jax.Array:
+    """The query both halves score with: quantised to FP8 under an FP8 latent cache, else unchanged."""
+    return q.astype(FP8) if jnp.dtype(latent_dtype) == jnp.dtype(FP8) else q
+
+
+def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.Array,
+                          prefix_lengths: jax.Array, mask: jax.Array, *, window: int,
+                          config: MlaCascadeConfig) -> jax.Array:
+    """Causal latent prefix + tail + masked window, merged.
+
+    `q [B, R, Hq, L + Dr]` (FP8 or model dtype), `latent_pool [S, L + Dr]`, `page_table [B, maxp] int32`
+    (must map every position below P + window), `prefix_lengths [B] int32` (P, the window starts at
+    position P), `mask [B, R, 2] uint32` (packed ancestor rows over the window) -> `[B, R, Hq, L]`
+    in the model dtype.
+    """
+    _check(q, latent_pool, config)
+    model = jnp.dtype(config.model_dtype)
+    q = quantize_absorbed_query(q, latent_pool.dtype)
+    prefix_out, prefix_lse2 = mla_decode(
+        q, latent_pool, page_table, prefix_lengths, kv_lora_rank=config.kv_lora_rank,
+        page_size=config.page_size, scale=config.scale, backend=config.backend, config=config.decode)
+    # FP8 -> model dtype is exact; the window kernel widens the FP8 latent rows to the same dtype.
+    out = tree_window_attention(
+        q.astype(model), latent_pool, None, page_table, prefix_lengths, mask, prefix_out, prefix_lse2,
+        window=window, page_size=config.page_size, scale=config.scale, causal_prefix=True,
+        rope_dim=config.rope_dim, value_dim=config.kv_lora_rank, backend=config.backend)
+    return out.astype(model)
+
+
+def mla_verify_attention(q, latent_pool, page_table, prefix_lengths, mask, *, config: MlaCascadeConfig):
+    """Verify: the N tree nodes are the query rows and the window (R = W = N).
+
+    `q [B, N, Hq, L + Dr]`, `mask [B, N, 2] uint32` (ancestor-or-self rows) -> `[B, N, Hq, L]`.
+    """
+    n = q.shape[1]
+    if not 1 <= n <= MAX_TREE_NODES:
+        raise ValueError(f"mla_verify_attention: N={n} nodes must be in [1, {MAX_TREE_NODES}]")
+    return mla_cascade_attention(q, latent_pool, page_table, prefix_lengths, mask, window=n, config=config)
+
+
+def mla_lane_attention(q, latent_pool, page_table, frontier, lane_mask, *, steps: int,
+                       config: MlaCascadeConfig):
+    """Draft lanes: R = K lane rows over the lane window of W = (steps - 1) * K keys at the frontier.
+
+    `q [B, K, Hq, L + Dr]`, `frontier [B]`, `lane_mask [B, K, 2] uint32` -> `[B, K, Hq, L]`.
+    """
+    k = q.shape[1]
+    if steps < 2:
+        raise ValueError(f"mla_lane_attention: lanes exist from draft step 1, so steps must be >= 2, got {steps}")
+    window = (steps - 1) * k
+    if window > MAX_TREE_NODES:
+        raise ValueError(f"mla_lane_attention: lane window (steps-1)*K = {window} exceeds {MAX_TREE_NODES}")
+    return mla_cascade_attention(q, latent_pool, page_table, frontier, lane_mask, window=window, config=config)
+
+
+__all__ = ["MlaCascadeConfig", "mla_cascade_attention", "mla_verify_attention", "mla_lane_attention",
+           "quantize_absorbed_query"]
