@@ -198,7 +198,7 @@ def sliding_lane_dense_reference(q, k_pool, v_pool, row_page_table, row_lengths,
 
     Row r of request b sees its own table's keys [max(0, L - sliding_window), L) with
     L = row_lengths[b, r], plus window key j at position frontier[b] + j of `page_table` iff its mask
-    bit is set. `row_page_table [B, R, maxp]`, `row_lengths [B, R]` -> out `[B, R, Hq, D]` f32.
+    bit is set. `row_page_table [B, R, maxp]`, `row_lengths [B, R]` -> (out `[B, R, Hq, D]`, lse2) f32.
     """
     b, r = q.shape[:2]
     tr = row_page_table.shape[2] * page_size

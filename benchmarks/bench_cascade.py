@@ -1,0 +1,420 @@
+"""GPU conformance and timing of the GQA cascade tree attention (prefix decode + tree window).
+
+Run on the GPU machine from the repository root:
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_cascade.py [--quick] [--markdown FILE]
+
+1. Conformance: the COMPILED Pallas kernels against the fp32 references on random, poisoned inputs
+   (NaN in every slot no row may see, NaN-filled outputs): prefix decode (GQA groups 1/4, page 16/64,
+   ragged lengths with P = 0 and P < R, split and unsplit, bf16 and FP8), the window kernel (bf16,
+   FP8, MLA latent layout), verify/lanes through the full cascade against one dense fp32 attention,
+   and the sliding-window lane variant.
+2. Timings (medians of warm runs, Hq=32, Hkv=8, D=128, page 64, random trees, random page tables)
+   for B=32,P=32768,N=64; B=64,P=4096,N=64; B=1,P=32768,N=64; B=8,P=8192,N=16, in bf16 and FP8 KV,
+   with baselines from the same run: byte floor (K+V bytes / measured copy bandwidth), FLOP floor
+   (4*B*N*Hq*(P+N)*D / measured bf16 matmul rate), dense masked attention in XLA
+   (jax.nn.dot_product_attention over pre-gathered K/V, cudnn when it accepts the call) and the prefix
+   decode alone.
+
+`main(argv)` is the entry point used by benchmarks/gpu_suite.py. `--quick` runs the conformance
+and the two smaller timing shapes only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.attention.prefix_decode import prefix_decode
+from pallas_kernels.attention.reference import (cascade_dense_reference, prefix_decode_reference,
+                                                sliding_lane_dense_reference)
+from pallas_kernels.attention.tree_window import tree_window_attention
+from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, sliding_lane_attention
+from treespec_jax.tree.masks import ancestor_mask
+
+FP8 = jnp.float8_e4m3fn
+HQ, HKV, D, PAGE = 32, 8, 128, 64
+FULL_SHAPES = [(32, 32768, 64), (64, 4096, 64), (1, 32768, 64), (8, 8192, 16)]
+QUICK_SHAPES = [(64, 4096, 64), (8, 8192, 16)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------------
+
+def random_parents(rng: np.random.Generator, batch: int, n: int) -> np.ndarray:
+    par = np.full((batch, n), -1, np.int32)
+    for j in range(1, n):
+        par[:, j] = rng.integers(0, j, size=batch)
+    return par
+
+
+def make_paged(key, rng, batch, max_len, hkv, d, page, dtype, poison=True, width=None):
+    """Random pools with a random page table; every slot no request owns is NaN-poisoned."""
+    pages_per_req = -(-max_len // page)
+    num_pages = batch * pages_per_req + 2
+    perm = rng.permutation(num_pages)
+    table = jnp.asarray(perm[: batch * pages_per_req].reshape(batch, pages_per_req), jnp.int32)
+    spare = perm[batch * pages_per_req:]
+    shape = (num_pages * page, hkv, width or d)
+    k1, k2 = jax.random.split(key)
+    k = jax.random.normal(k1, shape, jnp.float32).astype(dtype)
+    v = jax.random.normal(k2, shape, jnp.float32).astype(dtype)
+    if poison:
+        slots = (spare[:, None] * page + np.arange(page)[None, :]).reshape(-1)
+        k = k.at[slots].set(jnp.nan)
+        v = v.at[slots].set(jnp.nan)
+    return k, v, table
+
+
+def poison_beyond(pool, table, lengths, page):
+    """NaN in every owned slot at or past `lengths[b]` (stale slots a row never sees)."""
+    table = np.asarray(table)
+    slots = []
+    for b, n in enumerate(np.asarray(lengths)):
+        for pos in range(int(n), table.shape[1] * page):
+            slots.append(table[b, pos // page] * page + pos % page)
+    if not slots:
+        return pool
+    return pool.at[np.asarray(slots)].set(jnp.nan)
+
+
+def rel_err(out, ref):
+    out = jnp.asarray(out, jnp.float32)
+    ref = jnp.asarray(ref, jnp.float32)
+    if not bool(jnp.all(jnp.isfinite(out))):
+        return float("nan")
+    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+def lse_err(lse, ref):
+    lse = np.asarray(lse)
+    ref = np.asarray(ref)
+    if not np.array_equal(np.isneginf(lse), np.isneginf(ref)) or np.isnan(lse).any():
+        return float("nan")
+    fin = np.isfinite(ref)
+    return float(np.max(np.abs(lse[fin] - ref[fin]))) if fin.any() else 0.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Conformance
+# ------------------------------------------------------------------------------------------------
+
+class Checks:
+    def __init__(self):
+        self.rows = []
+
+    def add(self, name, err, tol):
+        ok = err == err and err <= tol  # NaN never passes
+        self.rows.append((name, err, tol, ok))
+        print(f"  {'PASS' if ok else 'FAIL'} {name}: err={err:.3e} tol={tol:.0e}", flush=True)
+
+    def fail(self, name, exc):
+        self.rows.append((name, float("nan"), 0.0, False))
+        print(f"  FAIL {name}: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+        traceback.print_exc(limit=3)
+
+    @property
+    def all_ok(self):
+        return all(r[3] for r in self.rows)
+
+
+def conformance(checks: Checks, seed=0):
+    rng = np.random.default_rng(seed)
+    key = jax.random.PRNGKey(seed)
+    print("conformance (compiled Pallas vs fp32 reference)", flush=True)
+    bf_tol = 2e-2
+    for (hq, hkv, r, page, dtype, score8) in [(8, 2, 16, 16, jnp.bfloat16, False),
+                                              (8, 8, 64, 64, jnp.bfloat16, False),
+                                              (8, 1, 16, 64, FP8, False),
+                                              (8, 2, 16, 64, FP8, True)]:
+        name = f"g{hq // hkv} R{r} page{page} {jnp.dtype(dtype).name}{' f8dot' if score8 else ''}"
+        try:
+            key, k0, k1, k2 = jax.random.split(key, 4)
+            b, maxlen = 4, 1200 + 64
+            lengths = jnp.asarray([0, r // 2, 1200, 517], jnp.int32)
+            kp, vp, table = make_paged(k0, rng, b, maxlen, hkv, D, page, dtype)
+            kp = poison_beyond(kp, table, lengths + r, page)
+            vp = poison_beyond(vp, table, lengths + r, page)
+            # Window slots P .. P + R - 1 hold finite values written by "the verify forward".
+            q = jax.random.normal(k1, (b, r, hq, D), jnp.float32).astype(jnp.bfloat16)
+            for splits in (None, 3):
+                out, lse = prefix_decode(q, kp, vp, table, lengths, page_size=page, num_splits=splits,
+                                         fp8_score_dot=score8, poison_outputs=True)
+                ref, rlse = prefix_decode(q, kp, vp, table, lengths, page_size=page, backend="reference")
+                checks.add(f"prefix {name} splits={splits}", rel_err(out, ref), bf_tol)
+                checks.add(f"prefix lse2 {name} splits={splits}", lse_err(lse, rlse), 2e-2)
+            mask = ancestor_mask(jnp.asarray(random_parents(rng, b, r)))
+            win = tree_window_attention(q, kp, vp, table, lengths, mask, ref, rlse, window=r, page_size=page,
+                                        poison_outputs=True)
+            wref = tree_window_attention(q, kp, vp, table, lengths, mask, ref, rlse, window=r, page_size=page,
+                                         backend="reference")
+            checks.add(f"window {name}", rel_err(win, wref), bf_tol)
+            casc = cascade_attention(q, kp, vp, table, lengths, mask, window=r,
+                                     config=CascadeConfig(page_size=page, fp8_score_dot=score8))
+            dense, _ = cascade_dense_reference(q, kp, vp, table, lengths, mask, window=r, page_size=page,
+                                               scale=D ** -0.5)
+            checks.add(f"cascade vs dense {name}", rel_err(casc, dense), bf_tol if dtype != FP8 else 6e-2)
+        except Exception as exc:  # keep going: report every failure in one run
+            checks.fail(name, exc)
+
+    # Draft lanes K=4, S=5 (window 16) and the sliding-window lane variant.
+    try:
+        key, k0, k1 = jax.random.split(key, 3)
+        b, kk, steps = 3, 4, 5
+        w = (steps - 1) * kk
+        frontier = jnp.asarray([3, 300, 64], jnp.int32)
+        kp, vp, table = make_paged(k0, rng, b, 400, HKV, D, PAGE, jnp.bfloat16)
+        kp = poison_beyond(kp, table, frontier + w, PAGE)
+        vp = poison_beyond(vp, table, frontier + w, PAGE)
+        q = jax.random.normal(k1, (b, kk, 16, D), jnp.float32).astype(jnp.bfloat16)
+        bits = rng.random((b, kk, w)) < 0.4
+        from treespec_jax.tree.masks import pack_mask_rows
+        lane_mask = pack_mask_rows(jnp.asarray(bits))
+        out = cascade_attention(q, kp, vp, table, frontier, lane_mask, window=w,
+                                config=CascadeConfig(page_size=PAGE))
+        dense, _ = cascade_dense_reference(q, kp, vp, table, frontier, lane_mask, window=w, page_size=PAGE,
+                                           scale=D ** -0.5)
+        checks.add("lanes K=4 S=5 vs dense", rel_err(out, dense), bf_tol)
+        row_tables = jnp.asarray(np.stack([np.stack([np.asarray(table)[bb]] * kk) for bb in range(b)]))
+        row_lengths = jnp.asarray(np.minimum(np.asarray(frontier)[:, None], 200) * np.ones((1, kk), np.int32),
+                                  jnp.int32)
+        out = sliding_lane_attention(q, kp, vp, row_tables, row_lengths, table, frontier, lane_mask, window=w,
+                                     config=CascadeConfig(page_size=PAGE), sliding_window=128)
+        dense, _ = sliding_lane_dense_reference(q, kp, vp, row_tables, row_lengths, table, frontier, lane_mask,
+                                             window=w, page_size=PAGE, scale=D ** -0.5, sliding_window=128)
+        checks.add("sliding lanes vs dense", rel_err(out, dense), bf_tol)
+    except Exception as exc:
+        checks.fail("lanes", exc)
+
+    # MLA latent layout through the window kernel (DeepSeek-like widths, few heads).
+    try:
+        key, k0, k1, k2, k3 = jax.random.split(key, 5)
+        b, r, hq, lat, rope = 2, 16, 16, 512, 64
+        lengths = jnp.asarray([5, 700], jnp.int32)
+        lp, _, table = make_paged(k0, rng, b, 800, 1, D, PAGE, jnp.bfloat16, width=lat + rope)
+        lp = poison_beyond(lp, table, lengths + r, PAGE)
+        q = jax.random.normal(k1, (b, r, hq, lat + rope), jnp.float32).astype(jnp.bfloat16)
+        po = jax.random.normal(k2, (b, r, hq, lat), jnp.float32)
+        plse = jax.random.normal(k3, (b, r, hq), jnp.float32) + 2.0
+        mask = ancestor_mask(jnp.asarray(random_parents(rng, b, r)))
+        scale = 192 ** -0.5
+        for dtype in (jnp.bfloat16, FP8):
+            pool = lp.astype(dtype)
+            out = tree_window_attention(q, pool, None, table, lengths, mask, po, plse, window=r, page_size=PAGE,
+                                        scale=scale, rope_dim=rope, poison_outputs=True)
+            ref = tree_window_attention(q, pool, None, table, lengths, mask, po, plse, window=r, page_size=PAGE,
+                                        scale=scale, rope_dim=rope, backend="reference")
+            checks.add(f"window MLA latent512 rope64 {jnp.dtype(dtype).name}", rel_err(out, ref), bf_tol)
+    except Exception as exc:
+        checks.fail("mla window", exc)
+
+
+# ------------------------------------------------------------------------------------------------
+# Timing
+# ------------------------------------------------------------------------------------------------
+
+def median_time(fn, *args, samples=15, inner=None):
+    """Median seconds per call: warm-up, then `samples` rounds of `inner` back-to-back calls."""
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = time.perf_counter() - t0
+    inner = inner or max(1, min(20, int(0.02 / max(one, 1e-6))))
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def measure_ceilings():
+    x = jax.random.normal(jax.random.PRNGKey(1), (1 << 30,), jnp.float32).astype(jnp.bfloat16)  # 2 GiB
+    copy = jax.jit(lambda a: a * jnp.bfloat16(2))
+    t = median_time(copy, x, samples=10, inner=5)
+    bw = 2 * x.nbytes / t
+    del x
+    n = 8192
+    a = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.bfloat16)
+    bb = jax.random.normal(jax.random.PRNGKey(3), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda u, v: jnp.dot(u, v, preferred_element_type=jnp.bfloat16))
+    t = median_time(mm, a, bb, samples=10, inner=3)
+    return bw, 2 * n ** 3 / t
+
+
+def dense_baseline(q, kp, vp, table, lengths, mask, window):
+    """jax.nn.dot_product_attention over pre-gathered K/V with the tree mask (cudnn, else xla)."""
+    b, n = q.shape[:2]
+    t = int(np.asarray(lengths).max()) + window
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    slots = jnp.take_along_axis(table, pos // PAGE, axis=1) * PAGE + pos % PAGE
+    kd = kp[slots].astype(q.dtype)
+    vd = vp[slots].astype(q.dtype)
+    from pallas_kernels.attention.reference import dense_tree_visibility
+    vis = dense_tree_visibility(lengths, mask, t, window)[:, None]  # [B, 1, N, T]
+    for impl in ("cudnn", "xla"):
+        try:
+            f = jax.jit(lambda qq, kk, vv, mm: jax.nn.dot_product_attention(qq, kk, vv, mask=mm, implementation=impl))
+            jax.block_until_ready(f(q, kd, vd, vis))
+            return impl, median_time(f, q, kd, vd, vis, samples=7)
+        except Exception as exc:
+            print(f"  dense {impl} unavailable: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+    return "none", float("nan")
+
+
+def tune_prefix(q, kp, vp, table, lengths):
+    """Times a few (block_rows, num_warps, num_stages) for the prefix kernel; returns the best."""
+    best = None
+    for br, nw, ns in [(128, 4, 2), (128, 8, 2), (128, 8, 3), (64, 4, 2), (64, 4, 3), (256, 8, 2)]:
+        try:
+            f = jax.jit(lambda *a, br=br, nw=nw, ns=ns: prefix_decode(*a, page_size=PAGE, block_rows=br,
+                                                                       num_warps=nw, num_stages=ns))
+            t = median_time(f, q, kp, vp, table, lengths, samples=7)
+            print(f"  tune prefix block_rows={br} warps={nw} stages={ns}: {t * 1e3:.3f} ms", flush=True)
+            if best is None or t < best[0]:
+                best = (t, dict(block_rows=br, num_warps=nw, num_stages=ns))
+        except Exception as exc:
+            print(f"  tune prefix {br},{nw},{ns} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    return best[1] if best else {}
+
+
+def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too):
+    bw, flops = ceilings
+    kp, vp, table = make_paged(key, rng, b, p + n, HKV, D, PAGE, dtype, poison=False)
+    q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(jnp.bfloat16)
+    lengths = jnp.full((b,), p, jnp.int32)
+    mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
+    kw = dict(page_size=PAGE, **tune)
+    pre = jax.jit(lambda *a: prefix_decode(*a, **kw))
+    t_pre = median_time(pre, q, kp, vp, table, lengths)
+    po, plse = pre(q, kp, vp, table, lengths)
+    win = jax.jit(lambda *a: tree_window_attention(*a, window=n, page_size=PAGE))
+    t_win = median_time(win, q, kp, vp, table, lengths, mask, po, plse)
+
+    def cascade(q, kp, vp, table, lengths, mask, fp8dot=False):
+        o, l = prefix_decode(q, kp, vp, table, lengths, fp8_score_dot=fp8dot, **kw)
+        return tree_window_attention(q, kp, vp, table, lengths, mask, o, l, window=n, page_size=PAGE)
+    t_cas = median_time(jax.jit(cascade), q, kp, vp, table, lengths, mask)
+    t_cas8 = float("nan")
+    if fp8_dot_too:
+        try:
+            t_cas8 = median_time(jax.jit(lambda *a: cascade(*a, fp8dot=True)), q, kp, vp, table, lengths, mask)
+        except Exception as exc:
+            print(f"  fp8 score dot failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    impl, t_dense = dense_baseline(q, kp, vp, table, lengths, mask, n)
+    kv_bytes = 2 * b * (p + n) * HKV * D * jnp.dtype(dtype).itemsize
+    byte_floor = kv_bytes / bw
+    flop_floor = 4 * b * n * HQ * (p + n) * D / flops
+    floor = max(byte_floor, flop_floor)
+    row = dict(shape=f"B={b},P={p},N={n}", kv=jnp.dtype(dtype).name, prefix_ms=t_pre * 1e3, window_ms=t_win * 1e3,
+               cascade_ms=t_cas * 1e3, cascade_fp8dot_ms=t_cas8 * 1e3, dense_ms=t_dense * 1e3, dense_impl=impl,
+               byte_floor_ms=byte_floor * 1e3, flop_floor_ms=flop_floor * 1e3,
+               vs_floor=t_cas / floor, window_overhead=(t_cas - t_pre) / t_pre,
+               prefix_tbps=kv_bytes / t_pre / 1e12, dense_speedup=t_dense / t_cas)
+    print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    del kp, vp
+    return row
+
+
+def time_mla_window(b=32, p=8192, n=16, hq=128, lat=512, rope=64):
+    """The window kernel alone on the MLA latent layout (DeepSeek-V3 widths); the MLA prefix is not ours."""
+    rng = np.random.default_rng(5)
+    key = jax.random.PRNGKey(5)
+    out = {}
+    for dtype in (jnp.bfloat16, FP8):
+        lp, _, table = make_paged(key, rng, b, p + n, 1, D, PAGE, dtype, poison=False, width=lat + rope)
+        q = jax.random.normal(key, (b, n, hq, lat + rope), jnp.float32).astype(jnp.bfloat16)
+        po = jax.random.normal(key, (b, n, hq, lat), jnp.float32)
+        plse = jax.random.normal(key, (b, n, hq), jnp.float32) + 10.0
+        mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
+        lengths = jnp.full((b,), p, jnp.int32)
+        f = jax.jit(lambda *a: tree_window_attention(*a, window=n, page_size=PAGE, scale=192 ** -0.5, rope_dim=rope))
+        out[jnp.dtype(dtype).name] = median_time(f, q, lp, None, table, lengths, mask, po, plse) * 1e3
+        print(f"  MLA window B={b} N={n} Hq={hq} latent={lat} rope={rope} {jnp.dtype(dtype).name}: "
+              f"{out[jnp.dtype(dtype).name]:.3f} ms", flush=True)
+    return out
+
+
+def table_markdown(rows, ceilings, tune):
+    bw, flops = ceilings
+    lines = [f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} TFLOP/s; "
+             f"prefix tuning {tune}", "",
+             "| shape | KV | prefix ms | window ms | cascade ms | cascade fp8-dot ms | byte floor ms | FLOP floor ms "
+             "| cascade / max floor | window overhead | prefix TB/s | dense (impl) ms | dense / cascade |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['kv']} | {r['prefix_ms']:.3f} | {r['window_ms']:.3f} | {r['cascade_ms']:.3f} "
+                     f"| {r['cascade_fp8dot_ms']:.3f} | {r['byte_floor_ms']:.3f} | {r['flop_floor_ms']:.3f} "
+                     f"| {r['vs_floor']:.2f}x | {100 * r['window_overhead']:.1f}% | {r['prefix_tbps']:.2f} "
+                     f"| {r['dense_ms']:.3f} ({r['dense_impl']}) | {r['dense_speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="conformance + the two smaller shapes, no tuning")
+    ap.add_argument("--skip-conformance", action="store_true")
+    ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--no-tune", action="store_true", help="use the kernel defaults for the prefix decode")
+    ap.add_argument("--markdown", default=None, help="write the conformance summary and table to this file")
+    args = ap.parse_args(argv)
+    print(f"jax {jax.__version__} devices {jax.devices()}", flush=True)
+    checks = Checks()
+    if not args.skip_conformance:
+        conformance(checks)
+    rows, ceilings, tune = [], (float("nan"), float("nan")), {}
+    if not args.skip_timing:
+        ceilings = measure_ceilings()
+        print(f"copy bandwidth {ceilings[0] / 1e12:.2f} TB/s, bf16 matmul {ceilings[1] / 1e12:.0f} TFLOP/s", flush=True)
+        shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+        rng = np.random.default_rng(1)
+        key = jax.random.PRNGKey(1)
+        if not (args.quick or args.no_tune):
+            b, p, n = FULL_SHAPES[0]
+            kp, vp, table = make_paged(key, rng, b, p + n, HKV, D, PAGE, jnp.bfloat16, poison=False)
+            q = jax.random.normal(key, (b, n, HQ, D), jnp.float32).astype(jnp.bfloat16)
+            tune = tune_prefix(q, kp, vp, table, jnp.full((b,), p, jnp.int32))
+            del kp, vp
+        for dtype in (jnp.bfloat16, FP8):
+            for (b, p, n) in shapes:
+                print(f"timing B={b} P={p} N={n} {jnp.dtype(dtype).name}", flush=True)
+                try:
+                    rows.append(time_shape(b, p, n, dtype, ceilings, tune, rng, jax.random.fold_in(key, b * p + n),
+                                           fp8_dot_too=dtype == FP8))
+                except Exception as exc:
+                    print(f"  timing failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+    mla = {}
+    if not (args.skip_timing or args.quick):
+        try:
+            mla = time_mla_window()
+        except Exception as exc:
+            print(f"  MLA window timing failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    summary = [f"conformance: {sum(r[3] for r in checks.rows)}/{len(checks.rows)} passed"]
+    summary += [f"- {'PASS' if ok else 'FAIL'} {name}: {err:.2e} (tol {tol:.0e})" for name, err, tol, ok in checks.rows]
+    md = f"bench_cascade {stamp}, jax {jax.__version__}, {jax.devices()[0].device_kind}\n\n" + "\n".join(summary)
+    if rows:
+        md += "\n\n" + table_markdown(rows, ceilings, tune)
+    if mla:
+        md += "\n\nMLA window kernel alone (B=32, P=8192, N=16, Hq=128, latent 512, rope 64): " + ", ".join(
+            f"{k} {v:.3f} ms" for k, v in mla.items())
+    print("\n" + md, flush=True)
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(md + "\n")
+    return 0 if checks.all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

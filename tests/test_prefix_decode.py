@@ -1,0 +1,150 @@
+"""Paged causal multi-query decode (prefix half): Pallas interpret mode vs the fp32 reference, and the
+reference vs an independent per-row numpy loop."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention.prefix_decode import merge_splits, prefix_decode
+
+FP8 = jnp.float8_e4m3fn
+
+
+def make_pools(rng, batch, max_len, hkv, d, page, dtype, owned_len):
+    """Random slot-major pools + a random page table. Unowned pages and every owned slot at or past
+    `owned_len[b]` hold NaN or +-inf (alternating), so any stray read shows up."""
+    per_req = -(-max_len // page)
+    num_pages = batch * per_req + 3
+    perm = rng.permutation(num_pages)
+    table = perm[: batch * per_req].reshape(batch, per_req)
+    k = rng.standard_normal((num_pages * page, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((num_pages * page, hkv, d)).astype(np.float32)
+    live = np.zeros(num_pages * page, bool)
+    for b in range(batch):
+        for pos in range(int(owned_len[b])):
+            live[table[b, pos // page] * page + pos % page] = True
+    poison = np.where(np.arange(live.size) % 3 == 0, np.nan, np.where(np.arange(live.size) % 3 == 1, np.inf, -np.inf))
+    k[~live] = poison[~live, None, None]
+    v[~live] = poison[~live, None, None]
+    return jnp.asarray(k).astype(dtype), jnp.asarray(v).astype(dtype), jnp.asarray(table, jnp.int32)
+
+
+def rel_err(out, ref):
+    out = np.asarray(out, np.float32)
+    ref = np.asarray(ref, np.float32)
+    assert np.all(np.isfinite(out)), "non-finite output (poison reached it or an element was not written)"
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def check_lse(lse, ref, tol):
+    lse, ref = np.asarray(lse), np.asarray(ref)
+    assert not np.isnan(lse).any()
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref))
+    fin = np.isfinite(ref)
+    assert np.max(np.abs(lse[fin] - ref[fin]), initial=0.0) <= tol
+
+
+def numpy_prefix(q, k_pool, v_pool, table, lengths, page, scale, sliding_window=None):
+    """Per (request, row, head) loop over explicit key lists, float64."""
+    q = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
+    kp = np.asarray(jnp.asarray(k_pool, jnp.float32), np.float64)
+    vp = np.asarray(jnp.asarray(v_pool, jnp.float32), np.float64)
+    table = np.asarray(table)
+    b_, r_, hq, d = q.shape
+    g = hq // kp.shape[1]
+    out = np.zeros((b_, r_, hq, d))
+    lse = np.full((b_, r_, hq), -np.inf)
+    for b in range(b_):
+        p = int(lengths[b])
+        for r in range(r_):
+            hi = max(0, p - r_ + 1 + r)
+            lo = 0 if sliding_window is None else max(0, hi - sliding_window)
+            slots = [table[b, pos // page] * page + pos % page for pos in range(lo, hi)]
+            if not slots:
+                continue
+            for h in range(hq):
+                s = scale * kp[slots, h // g] @ q[b, r, h]
+                m = s.max()
+                w = np.exp(s - m)
+                out[b, r, h] = w @ vp[slots, h // g] / w.sum()
+                lse[b, r, h] = (m + math.log(w.sum())) / math.log(2)
+    return out, lse
+
+
+@pytest.mark.parametrize("group,page,dtype,splits,rows", [
+    (1, 16, jnp.float32, None, 5),
+    (4, 32, jnp.bfloat16, 3, 5),
+    (8, 64, FP8, 2, 3),
+])
+def test_prefix_decode_matches_reference(group, page, dtype, splits, rows):
+    rng = np.random.default_rng(group * 100 + page)
+    hkv, d = 2, 16
+    hq = group * hkv
+    lengths = np.array([0, rows - 2, 150, 77], np.int32)  # P = 0, P < R, ragged
+    k, v, table = make_pools(rng, 4, 160, hkv, d, page, dtype, lengths)
+    q = jnp.asarray(rng.standard_normal((4, rows, hq, d)), jnp.float32).astype(
+        jnp.bfloat16 if dtype != jnp.float32 else jnp.float32)
+    lengths = jnp.asarray(lengths)
+    out, lse = prefix_decode(q, k, v, table, lengths, page_size=page, num_splits=splits,
+                             poison_outputs=True, backend="interpret")
+    ref, rlse = prefix_decode(q, k, v, table, lengths, page_size=page, backend="reference")
+    assert out.shape == (4, rows, hq, d) and lse.shape == (4, rows, hq)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert rel_err(out, ref) < tol
+    check_lse(lse, rlse, 1e-3 if dtype == jnp.float32 else 2e-2)
+    # P = 0 sees nothing at all; P < R leaves the first rows empty.
+    assert np.all(np.isneginf(np.asarray(lse[0])))
+    assert np.all(np.asarray(out[0]) == 0)
+    empty_rows = rows - 1 - int(lengths[1])  # row r sees [0, P - R + 1 + r)
+    assert np.all(np.isneginf(np.asarray(lse[1, : empty_rows + 1])))
+    assert np.all(np.isfinite(np.asarray(lse[1, empty_rows + 1:])))
+
+
+def test_prefix_reference_matches_numpy_loop_with_sliding_window():
+    rng = np.random.default_rng(7)
+    page, hkv, g, d, rows = 16, 2, 2, 16, 4
+    lengths = np.array([40, 2, 0], np.int32)
+    k, v, table = make_pools(rng, 3, 48, hkv, d, page, jnp.float32, lengths)
+    q = jnp.asarray(rng.standard_normal((3, rows, hkv * g, d)), jnp.float32)
+    for sw in (None, 9):
+        ref, rlse = prefix_decode(q, k, v, table, jnp.asarray(lengths), page_size=page, scale=0.3,
+                                  sliding_window=sw, backend="reference")
+        nout, nlse = numpy_prefix(q, k, v, table, lengths, page, 0.3, sw)
+        np.testing.assert_allclose(np.asarray(ref), nout, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(rlse), nlse, rtol=1e-5, atol=1e-5)
+    out, lse = prefix_decode(q, k, v, table, jnp.asarray(lengths), page_size=page, scale=0.3,
+                             sliding_window=9, poison_outputs=True, backend="interpret")
+    assert rel_err(out, nout) < 1e-5
+    check_lse(lse, nlse, 1e-4)
+
+
+def test_merge_splits_equals_unsplit():
+    rng = np.random.default_rng(3)
+    out = jnp.asarray(rng.standard_normal((3, 5, 8)), jnp.float32)
+    lse = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32).at[1, 2].set(-jnp.inf).at[:, 4].set(-jnp.inf)
+    merged, mlse = merge_splits(out, lse)
+    w = np.exp2(np.asarray(lse))
+    expect = (w[..., None] * np.asarray(out)).sum(0) / np.maximum(w.sum(0), 1e-30)[..., None]
+    np.testing.assert_allclose(np.asarray(merged[:4]), expect[:4], rtol=1e-5)
+    assert np.all(np.asarray(merged[4]) == 0) and np.isneginf(np.asarray(mlse[4]))
+    np.testing.assert_allclose(np.asarray(mlse[:4]), np.log2(w.sum(0)[:4]), rtol=1e-5)
+
+
+def test_prefix_decode_rejects_bad_inputs():
+    q = jnp.zeros((1, 2, 4, 16))
+    pool = jnp.zeros((64, 2, 16))
+    table = jnp.zeros((1, 4), jnp.int32)
+    lengths = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match="page_size"):
+        prefix_decode(q, pool, pool, table, lengths, page_size=24)
+    with pytest.raises(ValueError, match="Hq=4.*Hkv=3"):
+        prefix_decode(q, jnp.zeros((64, 3, 16)), jnp.zeros((64, 3, 16)), table, lengths, page_size=16)
+    with pytest.raises(ValueError, match="lengths"):
+        prefix_decode(q, pool, pool, table, jnp.zeros((2,), jnp.int32), page_size=16)
+    with pytest.raises(ValueError, match="num_splits"):
+        prefix_decode(q, pool, pool, table, lengths, page_size=16, num_splits=0)
+    with pytest.raises(ValueError, match="backend"):
+        prefix_decode(q, pool, pool, table, lengths, page_size=16, backend="cuda")
