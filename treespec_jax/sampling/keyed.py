@@ -1,0 +1,143 @@
+"""Keyed Gumbel-max sampling: the one function that decides a sampled token.
+
+The token at absolute position t of a request is
+
+    argmax_v( masked_logits[v] / temperature + g[v] ),   g = -log(-log u),
+    u = uniform(fold_in(key(seed), t), [V])
+
+with ties going to the lowest vocabulary id (`jnp.argmax` returns the first maximum). The draw
+depends only on (seed, t), the logits and the request's temperature / top-k / top-p, never on the
+row, batch slot or tree node that asks for it. Plain decoding, chain verify and every node of a
+draft tree call `sample_at`, so a tree node at depth d (predicting position vc + d + 1) draws
+exactly what plain decoding draws at that position.
+
+Temperature 0 means greedy: plain argmax of the raw logits (top-k / top-p cannot change an argmax,
+because the most likely token always survives both masks).
+
+Masks, applied in this order and computed the same way on every path:
+- top-k keeps the k tokens of highest logit, ties broken toward the lower id (exactly k survive);
+  k = 0 or k >= V disables it.
+- top-p keeps the shortest prefix of the tokens sorted by (probability desc, id asc) whose mass
+  reaches top_p, where probabilities are softmax(logits / temperature) over the top-k survivors;
+  the most likely token always survives. top_p = 1 disables it.
+Masked logits become -inf before the Gumbel noise is added, so a masked token can never win.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class SamplingParams:
+    """Per-request sampling parameters, each `[B]` (or any shape that is a prefix of the logits'
+    leading shape; it broadcasts over the trailing leading axes, e.g. `[B]` over `[B, N, V]`)."""
+
+    temperature: jax.Array  # float32; 0 = greedy, > 0 = Gumbel-max over logits / temperature
+    top_k: jax.Array  # int32; 0 (or >= V) keeps every token, else the k most likely survive
+    top_p: jax.Array  # float32 in (0, 1]; 1 keeps every token, else the nucleus of mass top_p
+
+    @classmethod
+    def create(cls, temperature, top_k=None, top_p=None) -> "SamplingParams":
+        """Builds and validates parameters from host values; raises ValueError naming bad entries.
+
+        Traced inputs (inside jit) skip the value checks; build params on the host to get them.
+        """
+        temperature = jnp.asarray(temperature, jnp.float32)
+        top_k = jnp.zeros(temperature.shape, jnp.int32) if top_k is None else jnp.asarray(top_k, jnp.int32)
+        top_p = jnp.ones(temperature.shape, jnp.float32) if top_p is None else jnp.asarray(top_p, jnp.float32)
+        if not (temperature.shape == top_k.shape == top_p.shape):
+            raise ValueError(
+                f"temperature, top_k and top_p need one shape, got {temperature.shape}, {top_k.shape}, {top_p.shape}")
+        if not any(isinstance(x, jax.core.Tracer) for x in (temperature, top_k, top_p)):
+            t, k, p = np.asarray(temperature), np.asarray(top_k), np.asarray(top_p)
+            bad_t = ~(np.isfinite(t) & (t >= 0))
+            if bad_t.any():
+                raise ValueError(f"temperature must be finite and >= 0; bad values {t[bad_t].tolist()}")
+            if (k < 0).any():
+                raise ValueError(f"top_k must be >= 0 (0 disables it); bad values {k[k < 0].tolist()}")
+            bad_p = ~((p > 0) & (p <= 1))
+            if bad_p.any():
+                raise ValueError(f"top_p must lie in (0, 1]; bad values {p[bad_p].tolist()}")
+        return cls(temperature=temperature, top_k=top_k, top_p=top_p)
+
+    @classmethod
+    def greedy(cls, batch: int) -> "SamplingParams":
+        """Temperature 0 for `batch` requests."""
+        return cls.create(jnp.zeros((batch,), jnp.float32))
+
+
+def _broadcast_lead(x: jax.Array, lead_shape: tuple[int, ...], name: str) -> jax.Array:
+    """Broadcasts a per-request array whose shape is a prefix of `lead_shape` over the rest."""
+    x = jnp.asarray(x)
+    if x.shape != lead_shape[: x.ndim]:
+        raise ValueError(f"{name} has shape {x.shape}, which is not a prefix of the logits' leading shape {lead_shape}")
+    return jnp.broadcast_to(x.reshape(x.shape + (1,) * (len(lead_shape) - x.ndim)), lead_shape)
+
+
+def gumbel_noise(seed: jax.Array, position: jax.Array, vocab: int) -> jax.Array:
+    """`[V]` float32 Gumbel noise for one (seed, position); the only source of randomness here."""
+    key = jax.random.fold_in(jax.random.key(seed), position)
+    # minval = tiny keeps log(u) finite; maxval 1 is exclusive, so -log(u) > 0.
+    u = jax.random.uniform(key, (vocab,), jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+    return -jnp.log(-jnp.log(u))
+
+
+def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Top-k then top-p mask on one row. `scaled [V]` = logits / temperature -> `[V]`, masked -inf."""
+    vocab = scaled.shape[-1]
+    ids = jnp.arange(vocab, dtype=jnp.int32)
+    # Sort by (value desc, id asc): a stable argsort of the negated values keeps lower ids first.
+    order = jnp.argsort(-scaled, stable=True)
+    rank = jnp.zeros((vocab,), jnp.int32).at[order].set(ids)
+    k = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
+    keep = rank < k
+    sorted_vals = jnp.where(jnp.arange(vocab) < k, scaled[order], -jnp.inf)
+    probs = jax.nn.softmax(sorted_vals)
+    mass_before = jnp.cumsum(probs) - probs
+    # Keep a sorted token while the mass strictly before it is below top_p (rank 0 always stays).
+    keep_sorted = (mass_before < top_p) | (jnp.arange(vocab) == 0)
+    keep = keep & keep_sorted[rank]
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def _sample_row(logits, seed, position, temperature, top_k, top_p):
+    """One row: `logits [V]` and scalars -> int32 token."""
+    vocab = logits.shape[-1]
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits).astype(jnp.int32)
+    safe_t = jnp.where(temperature > 0, temperature, 1.0)
+    scaled = filter_logits(logits / safe_t, top_k, top_p)
+    sampled = jnp.argmax(scaled + gumbel_noise(seed, position, vocab)).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+def sample_at(logits: jax.Array, seeds: jax.Array, positions: jax.Array, params: SamplingParams) -> jax.Array:
+    """Keyed draw for every row of `logits [..., V]` -> tokens `[...]` int32.
+
+    `positions [...]` int32 is the absolute position of the token being decided (for a verify node
+    at depth d: vc + d + 1). `seeds` and the fields of `params` are per request: their shape is a
+    prefix of `logits.shape[:-1]` (e.g. `[B]` for `[B, N, V]`) and they broadcast over the rest.
+    """
+    lead = logits.shape[:-1]
+    positions = jnp.asarray(positions, jnp.int32)
+    if positions.shape != lead:
+        raise ValueError(f"positions has shape {positions.shape}; expected the logits' leading shape {lead}")
+    cols = [
+        _broadcast_lead(jnp.asarray(seeds, jnp.int32), lead, "seeds"),
+        positions,
+        _broadcast_lead(params.temperature, lead, "params.temperature"),
+        _broadcast_lead(params.top_k, lead, "params.top_k"),
+        _broadcast_lead(params.top_p, lead, "params.top_p"),
+    ]
+    flat = [c.reshape(-1) for c in cols]
+    tokens = jax.vmap(_sample_row)(logits.reshape((-1, logits.shape[-1])), *flat)
+    return tokens.reshape(lead)
+
+
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+    """`[..., V] -> [...]` int32 argmax with ties to the lowest id (temperature 0)."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
