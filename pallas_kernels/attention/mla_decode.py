@@ -124,7 +124,8 @@ def mla_decode_reference(q, latent_pool, page_table, prefix_len, *, kv_lora_rank
     rows = latent_pool[jnp.where(in_prefix, jnp.clip(slots, 0, latent_pool.shape[0] - 1), 0)]
     rows = jnp.where(in_prefix[..., None], rows.astype(jnp.float32), 0.0)  # [B, K, C]
     qf = q.astype(_query_dtype(latent_pool.dtype)).astype(jnp.float32)
-    s = jnp.einsum("brhc,bkc->brhk", qf, rows) * (scale * LOG2E)
+    hi = jax.lax.Precision.HIGHEST  # a true fp32 reference on GPU too (no TF32)
+    s = jnp.einsum("brhc,bkc->brhk", qf, rows, precision=hi) * (scale * LOG2E)
     cover = plen[:, None] - r + 1 + jnp.arange(r, dtype=jnp.int32)[None, :]  # [B, R]
     vis = pos[None, None, :] < cover[:, :, None]  # [B, R, K]
     s = jnp.where(vis[:, :, None, :], s, -jnp.inf)
@@ -132,7 +133,7 @@ def mla_decode_reference(q, latent_pool, page_table, prefix_len, *, kv_lora_rank
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp2(s - m_safe)
     l = jnp.sum(p, axis=-1)
-    out = jnp.einsum("brhk,bkc->brhc", p, rows[..., :kv_lora_rank])
+    out = jnp.einsum("brhk,bkc->brhc", p, rows[..., :kv_lora_rank], precision=hi)
     seen = l > 0
     out = jnp.where(seen[..., None], out / jnp.where(seen, l, 1.0)[..., None], 0.0)
     lse2 = jnp.where(seen, m_safe[..., 0] + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)

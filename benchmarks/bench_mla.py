@@ -1,0 +1,351 @@
+"""GPU conformance and timing of the MLA cascade (latent decode + tree window) and KV row compaction.
+
+Run on the GPU machine from the repository root:
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_mla.py [--markdown FILE]
+
+Shapes: DeepSeek-V3 MLA (128 heads, kv_lora_rank 512, rope 64), B=32, P=8192, N=16, page 64, a
+random page table, random trees. One set of shapes serves both the checks and the timings, so every
+kernel compiles once:
+
+1. Conformance of the COMPILED kernels (ragged prefix lengths incl. P = 0 and P < N, NaN in every
+   slot no row may read): row moves (bf16 and FP8 words) against the reference, byte for byte, and
+   the donated move has no pool-sized copy in its compiled HLO; the latent decode against its fp32
+   reference; the verify cascade against one dense fp32 attention. bf16 and FP8 latent caches; under
+   FP8 both the native FP8 score dot and the widened one are tried, and a variant that fails to
+   compile or to conform is reported and not timed.
+2. Timings (medians of warm back-to-back runs, P = 8192 for every request): the verify cascade, the
+   latent decode alone, the same-run baselines (byte floor = latent bytes / measured copy
+   bandwidth; FLOP floor = 2*B*N*Hq*(P+N)*(2L+Dr) / measured bf16 matmul rate), and a 32-layer
+   compaction of the latent pools (32 donated buffers, the path's rows moved in place).
+
+`main(argv)` is the entry point benchmarks/gpu_suite.py imports; it returns a dict of results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import re
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.attention.mla_decode import MlaDecodeConfig, mla_decode, mla_decode_reference
+from pallas_kernels.attention.reference import dense_tree_visibility
+from pallas_kernels.row_move import move_rows, move_rows_reference
+from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
+from treespec_jax.cache.pools import BufferSpec, CacheGroupSpec, LayerKV
+from treespec_jax.cache.routing import CompactionRouter, compact_window_rows
+from treespec_jax.tree.masks import ancestor_mask
+
+FP8 = jnp.float8_e4m3fn
+B, P, N, HQ, LORA, ROPE, PAGE = 32, 8192, 16, 128, 512, 64, 64
+SCALE = 192 ** -0.5  # DeepSeek-V3: (qk_nope 128 + qk_rope 64)^-1/2
+LAYERS = 32
+
+# Decode tilings tried in order: the first that compiles and conforms is timed.
+DECODE_CONFIGS = (
+    MlaDecodeConfig(block_q=64, block_k=32, num_warps=8, num_stages=2),
+    MlaDecodeConfig(block_q=32, block_k=32, num_warps=4, num_stages=2),
+)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def median_time(fn, *args, samples=9, inner=None):
+    """Median seconds per call: warm-up, then `samples` rounds of `inner` back-to-back calls."""
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = time.perf_counter() - t0
+    inner = inner or max(1, min(20, int(0.03 / max(one, 1e-6))))
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def measure_ceilings():
+    """(copy bandwidth bytes/s counting read + write, bf16 matmul FLOP/s), measured here."""
+    x = jax.random.normal(jax.random.PRNGKey(1), (1 << 30,), jnp.float32).astype(jnp.bfloat16)  # 2 GiB
+    t = median_time(jax.jit(lambda a: a * jnp.bfloat16(2)), x, samples=7, inner=3)
+    bw = 2 * x.nbytes / t
+    del x
+    n = 8192
+    a = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(3), (n, n), jnp.bfloat16)
+    t = median_time(jax.jit(lambda u, v: jnp.dot(u, v, preferred_element_type=jnp.bfloat16)), a, b,
+                    samples=7, inner=3)
+    return bw, 2 * n ** 3 / t
+
+
+def rel_err(out, ref) -> float:
+    out = jnp.asarray(out, jnp.float32)
+    ref = jnp.asarray(ref, jnp.float32)
+    if not bool(jnp.all(jnp.isfinite(out))):
+        return float("nan")
+    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+def make_latent(key, rng, lengths: np.ndarray, dtype):
+    """Latent pool with random rows at positions < lengths[b] + N of each request, NaN elsewhere."""
+    pages_per_req = -(-(P + N) // PAGE)
+    num_pages = B * pages_per_req + 3
+    table = rng.permutation(num_pages)[: B * pages_per_req].reshape(B, pages_per_req).astype(np.int32)
+    pos = np.arange(pages_per_req * PAGE)
+    slots = table[:, pos // PAGE] * PAGE + pos % PAGE  # [B, T]
+    live = pos[None, :] < (lengths + N)[:, None]
+    dst = np.where(live, slots, num_pages * PAGE).reshape(-1)  # dead rows scatter out of range
+    rows = jax.random.normal(key, (dst.size, LORA + ROPE), jnp.float32)
+    pool = jnp.full((num_pages * PAGE, LORA + ROPE), jnp.nan, jnp.float32)
+    pool = pool.at[jnp.asarray(dst)].set(rows, mode="drop").astype(dtype)
+    return pool, jnp.asarray(table)
+
+
+def dense_mla_reference(q, pool, table, lengths, mask):
+    """One dense fp32 attention per request over its gathered latent rows (no per-head K/V copies).
+
+    Row r sees positions < P and window position P + j iff mask bit j; value = leading LORA channels.
+    """
+    t = table.shape[1] * PAGE
+    pos = jnp.arange(t, dtype=jnp.int32)
+    slots = table[:, pos // PAGE] * PAGE + pos % PAGE
+    vis = dense_tree_visibility(lengths, mask, t, N)  # [B, R, T]
+    seen = jnp.any(vis, axis=1)  # [B, T]
+    rows = jnp.where(seen[..., None], pool[slots].astype(jnp.float32), 0.0)  # NaN rows never enter
+    s = jnp.einsum("brhc,btc->brht", q.astype(jnp.float32), rows, precision=jax.lax.Precision.HIGHEST) * SCALE
+    s = jnp.where(vis[:, :, None, :], s, -jnp.inf)
+    w = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("brht,btc->brhc", w, rows[..., :LORA], precision=jax.lax.Precision.HIGHEST)
+
+
+def random_masks(rng) -> jax.Array:
+    parents = np.full((B, N), -1, np.int32)
+    for j in range(1, N):
+        parents[:, j] = rng.integers(0, j, size=B)
+    return ancestor_mask(jnp.asarray(parents))
+
+
+# ------------------------------------------------------------------------------------------------
+# Row moves and compaction
+# ------------------------------------------------------------------------------------------------
+
+def random_paths(rng, batch, n) -> np.ndarray:
+    path = np.full((batch, n), -1, np.int32)
+    for b in range(batch):
+        length = int(rng.integers(1, n + 1))
+        path[b, :length] = np.concatenate([[0], np.sort(rng.choice(np.arange(1, n), length - 1, replace=False))])
+    return path
+
+
+def check_row_moves(results, rng):
+    """Compiled row moves vs the reference (bytes), and no pool-sized copy in the donated jit."""
+    for dtype in (jnp.bfloat16, FP8):
+        name = f"row_move[{jnp.dtype(dtype).name}]"
+        try:
+            slots = 4096
+            buf = jax.random.normal(jax.random.PRNGKey(7), (slots, LORA + ROPE), jnp.float32).astype(dtype)
+            bases = rng.permutation(slots // N)[:B] * N
+            path = random_paths(rng, B, N)
+            dst = (bases[:, None] + np.arange(N)[None]).astype(np.int32)
+            src = np.where(path >= 0, bases[:, None] + path, -1).astype(np.int32)
+            ref = move_rows_reference(buf, jnp.asarray(src), jnp.asarray(dst))
+            expect = np.asarray(jax.lax.bitcast_convert_type(ref, jnp.uint8))
+            fn = jax.jit(lambda b_, s, d: move_rows(b_, s, d), donate_argnums=0)
+            hlo = fn.lower(buf, jnp.asarray(src), jnp.asarray(dst)).compile().as_text()
+            pool_shape = re.escape(f"[{slots},")
+            copies = [ln for ln in hlo.splitlines() if re.search(r"= \S+" + pool_shape + r".* copy\(", ln)]
+            out = fn(buf, jnp.asarray(src), jnp.asarray(dst))
+            same = np.array_equal(np.asarray(jax.lax.bitcast_convert_type(out, jnp.uint8)), expect)
+            ok = same and not copies
+            results["checks"].append((name, "bytes equal" if same else "BYTES DIFFER",
+                                      f"pool copies in HLO: {len(copies)}", ok))
+        except Exception as exc:  # noqa: BLE001 - report and continue
+            traceback.print_exc()
+            results["checks"].append((name, f"FAILED {type(exc).__name__}", str(exc)[:100], False))
+        log(f"{name}: {results['checks'][-1]}")
+
+
+def time_compaction(results, rng, dtype=jnp.bfloat16):
+    """32 latent layers of one group (page 64), B=32 windows of N=16 at P: in-place moves."""
+    pages_per_req = -(-(P + N) // PAGE)
+    num_pages = B * pages_per_req
+    buffers = tuple(BufferSpec(f"c{i}", (LORA + ROPE,), jnp.dtype(dtype).name) for i in range(LAYERS))
+    layers = tuple(LayerKV(i, f"c{i}", None, kv_lora_rank=LORA) for i in range(LAYERS))
+    group = CacheGroupSpec("latent", PAGE, num_pages, buffers, layers)
+    router = CompactionRouter([group])
+    key = jax.random.PRNGKey(11)
+    pools = {b.name: jax.random.normal(jax.random.fold_in(key, i), group.pool_shape(b.name), jnp.float32
+                                       ).astype(dtype) for i, b in enumerate(buffers)}
+    table = jnp.asarray(rng.permutation(num_pages).reshape(B, pages_per_req).astype(np.int32))
+    start = jnp.full((B,), P, jnp.int32)
+    path = jnp.asarray(random_paths(rng, B, N))
+    fn = jax.jit(lambda p, t, s, pa: compact_window_rows(router, p, {"latent": t}, s, pa), donate_argnums=0)
+    holder = {"pools": pools}
+
+    def step():
+        holder["pools"] = fn(holder["pools"], table, start, path)
+        return holder["pools"]["c0"]
+
+    t = median_time(step)
+    moved_bytes = 2 * int(jnp.sum((path >= 0) & (path != jnp.arange(N)[None]))) * (LORA + ROPE) * \
+        jnp.dtype(dtype).itemsize * LAYERS
+    results["compaction_ms"] = t * 1e3
+    results["compaction_bytes"] = moved_bytes
+    log(f"compaction 32 layers x latent[{group.num_slots}, {LORA + ROPE}] {jnp.dtype(dtype).name}, "
+        f"B={B} N={N}: {t * 1e3:.3f} ms ({moved_bytes / 1e6:.2f} MB moved, read + write)")
+
+
+# ------------------------------------------------------------------------------------------------
+# MLA decode and cascade
+# ------------------------------------------------------------------------------------------------
+
+def mla_variants(dtype):
+    """(label, decode config) in the order tried for this cache dtype."""
+    out = []
+    for cfg in DECODE_CONFIGS:
+        tag = f"bq{cfg.block_q}/bk{cfg.block_k}/w{cfg.num_warps}"
+        if dtype == FP8:
+            out.append((tag + "/fp8dot", dataclasses.replace(cfg, fp8_score_dot=True)))
+        out.append((tag, cfg))
+    return out
+
+
+def run_mla(results, ceilings, rng, dtype):
+    dname = jnp.dtype(dtype).name
+    key = jax.random.PRNGKey(3)
+    ragged = np.full((B,), P, np.int32)
+    ragged[:4] = [0, 3, P // 2 + 5, P - 1]  # P = 0, P < N, partial last pages
+    pool_chk, table = make_latent(key, rng, ragged, dtype)
+    q = jax.random.normal(jax.random.fold_in(key, 1), (B, N, HQ, LORA + ROPE), jnp.float32).astype(jnp.bfloat16)
+    mask = random_masks(rng)
+    lengths_chk = jnp.asarray(ragged)
+
+    q_eff = q.astype(FP8) if dtype == FP8 else q
+    ref_dec = jax.jit(lambda *a: mla_decode_reference(*a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE))(
+        q, pool_chk, table, lengths_chk)
+    ref_out = jax.jit(dense_mla_reference)(q_eff, pool_chk, table, lengths_chk, mask)
+    jax.block_until_ready((ref_dec, ref_out))
+    log(f"{dname}: references ready")
+
+    chosen = None
+    for label, dcfg in mla_variants(dtype):
+        name = f"mla[{dname},{label}]"
+        try:
+            t0 = time.perf_counter()
+            dec = jax.jit(lambda *a, c=dcfg: mla_decode(*a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
+                                                        config=c, poison_outputs=True))
+            out, lse = dec(q, pool_chk, table, lengths_chk)
+            e_dec = rel_err(out, ref_dec[0])
+            fin = jnp.isfinite(ref_dec[1])
+            lse_ok = bool(jnp.all(jnp.isfinite(lse) == fin)) and float(
+                jnp.max(jnp.abs(jnp.where(fin, lse - ref_dec[1], 0.0)))) < 5e-2
+            ccfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, decode=dcfg)
+            cas = jax.jit(lambda *a, c=ccfg: mla_verify_attention(*a, config=c))
+            e_cas = rel_err(cas(q, pool_chk, table, lengths_chk, mask), ref_out)
+            ok = e_dec < 2e-2 and e_cas < 2e-2 and lse_ok
+            results["checks"].append((name, f"decode rel {e_dec:.2e}, lse {'ok' if lse_ok else 'BAD'}",
+                                      f"cascade rel {e_cas:.2e}", ok))
+            log(f"{name}: decode {e_dec:.2e} lse_ok={lse_ok} cascade {e_cas:.2e} "
+                f"({time.perf_counter() - t0:.1f}s incl. compile)")
+            if ok:
+                chosen = (label, dec, cas)
+                break
+        except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
+            traceback.print_exc()
+            results["checks"].append((name, f"FAILED {type(exc).__name__}", str(exc)[:100], False))
+            log(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+    del pool_chk
+    if chosen is None:
+        return
+    label, dec, cas = chosen
+    pool, table = make_latent(key, rng, np.full((B,), P, np.int32), dtype)
+    lengths = jnp.full((B,), P, jnp.int32)
+    t_cas = median_time(cas, q, pool, table, lengths, mask)
+    t_dec = median_time(dec, q, pool, table, lengths)
+    bw, flops = ceilings
+    latent_bytes = B * (P + N) * (LORA + ROPE) * jnp.dtype(dtype).itemsize
+    byte_floor = latent_bytes / bw
+    flop = 2 * B * N * HQ * (P + N) * (2 * LORA + ROPE)
+    flop_floor = flop / flops
+    floor = max(byte_floor, flop_floor)
+    row = dict(dtype=dname, variant=label, cascade_ms=t_cas * 1e3, decode_ms=t_dec * 1e3,
+               byte_floor_ms=byte_floor * 1e3, flop_floor_ms=flop_floor * 1e3,
+               vs_floor=t_cas / floor, window_overhead=t_cas / t_dec - 1, tflops=flop / t_cas / 1e12)
+    results["timings"].append(row)
+    log(f"{dname} {label}: cascade {t_cas * 1e3:.3f} ms, decode alone {t_dec * 1e3:.3f} ms, byte floor "
+        f"{byte_floor * 1e3:.3f} ms, FLOP floor {flop_floor * 1e3:.3f} ms, {t_cas / floor:.2f}x floor, "
+        f"{flop / t_cas / 1e12:.0f} TFLOP/s")
+
+
+def markdown(results) -> str:
+    bw, flops = results["ceilings"]
+    lines = [f"### MLA cascade + KV compaction ({results['date']}, {results['device']}, jax {jax.__version__})",
+             "",
+             f"Command: `{results['command']}`. Shapes: B={B}, P={P}, N={N}, Hq={HQ}, kv_lora_rank={LORA}, "
+             f"rope={ROPE}, page {PAGE}, random page table, random trees. Ceilings measured in the same run: "
+             f"copy {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} TFLOP/s.",
+             "",
+             "| check | result | detail | ok |", "| --- | --- | --- | --- |"]
+    for name, a, b, ok in results["checks"]:
+        lines.append(f"| {name} | {a} | {b} | {'yes' if ok else 'NO'} |")
+    lines += ["", "| latent | decode tiling | cascade ms | decode alone ms | byte floor ms | FLOP floor ms | "
+              "cascade / max(floor) | window overhead | TFLOP/s |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results["timings"]:
+        lines.append(f"| {r['dtype']} | {r['variant']} | {r['cascade_ms']:.3f} | {r['decode_ms']:.3f} | "
+                     f"{r['byte_floor_ms']:.3f} | {r['flop_floor_ms']:.3f} | {r['vs_floor']:.2f}x | "
+                     f"{100 * r['window_overhead']:.1f}% | {r['tflops']:.0f} |")
+    if "compaction_ms" in results:
+        lines += ["", f"Compaction, {LAYERS} latent layers (bf16, [S, {LORA + ROPE}] each, B={B}, N={N}, random "
+                  f"accepted paths, pools donated): {results['compaction_ms']:.3f} ms for "
+                  f"{results['compaction_bytes'] / 1e6:.2f} MB read+written."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", help="write the results section to this file")
+    parser.add_argument("--skip-fp8", action="store_true", help="bf16 latent cache only")
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("bench_mla: needs a GPU (jax.default_backend() is "
+              f"{jax.default_backend()!r}); nothing run", file=sys.stderr)
+        return {"skipped": True}
+    results = {"checks": [], "timings": [], "device": jax.devices()[0].device_kind,
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               "command": "PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_mla.py " + " ".join(argv or [])}
+    rng = np.random.default_rng(0)
+    results["ceilings"] = measure_ceilings()
+    log(f"ceilings: copy {results['ceilings'][0] / 1e12:.2f} TB/s, matmul {results['ceilings'][1] / 1e12:.0f} TFLOP/s")
+    check_row_moves(results, rng)
+    try:
+        time_compaction(results, rng)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    for dtype in (jnp.bfloat16,) + (() if args.skip_fp8 else (FP8,)):
+        run_mla(results, results["ceilings"], rng, dtype)
+    text = markdown(results)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+    return results
+
+
+if __name__ == "__main__":
+    res = main(sys.argv[1:])
+    sys.exit(0 if res.get("skipped") or all(c[3] for c in res["checks"]) else 1)
