@@ -57,6 +57,10 @@ def gdn_dims(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots) -> GdnDims:
     if v.ndim != 4 or v.shape[:2] != (bsz, t):
         raise ValueError(f"v must be [B={bsz}, T={t}, HV, dv]; got {v.shape}")
     hv, dv = v.shape[2:]
+    if t < 1:
+        raise ValueError(f"a verify window needs at least one node, got T={t}")
+    _pow2_at_least_16("head_k_dim dk", dk)
+    _pow2_at_least_16("head_v_dim dv", dv)
     if hv % h:
         raise ValueError(f"value heads HV={hv} must be a multiple of key heads H={h}")
     for name, x in (("a", a), ("b", b)):
@@ -71,10 +75,6 @@ def gdn_dims(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots) -> GdnDims:
         raise ValueError(f"state_pool must be float32 (the recurrent state is kept in fp32); got {state_pool.dtype}")
     if state_slots.shape != (bsz,) or not jnp.issubdtype(state_slots.dtype, jnp.integer):
         raise ValueError(f"state_slots must be [B={bsz}] int32; got {state_slots.shape} {state_slots.dtype}")
-    if t < 1:
-        raise ValueError(f"a verify window needs at least one node, got T={t}")
-    _pow2_at_least_16("head_k_dim dk", dk)
-    _pow2_at_least_16("head_v_dim dv", dv)
     return GdnDims(bsz, t, h, hv, dk, dv, state_pool.shape[0])
 
 

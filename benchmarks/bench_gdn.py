@@ -1,0 +1,390 @@
+"""GDN tree verify / commit on the GPU: compiled conformance first, then timing.
+
+Run: PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_gdn.py [--quick] [--no-fla] [--budget-s S]
+
+Conformance (compiled Pallas Triton vs the fp32 jnp references, fresh random inputs, NaN-poisoned
+outputs and workspaces): recurrent tree verify in staged and ReplaySSM modes, the chain kernel,
+the chunked tree form, the ReplaySSM commit, at small and Qwen3-Next dims.
+
+Timing (Qwen3-Next dims H=16, HV=32, dk=dv=128, bf16 inputs, fp32 state; B in {1, 32, 64};
+trees of 8, 16, 64 nodes): each kernel runs 10 times inside one jitted function (buffers donated,
+so aliased outputs are updated in place); median over reps. Ratios are against our chain verify
+of the same node count measured in the same run, and against the state read (+ write) byte floor
+at the measured device copy bandwidth. flash-linear-attention's fused_recurrent chain (if the
+fla-core wheel was carried) is the outside reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
+from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
+from pallas_kernels.linear.gdn_replay import gdn_replay_commit, pack_accepted_rows
+from pallas_kernels.linear.gdn_tree import GdnKernelConfig, branch_points, gdn_tree_verify
+from treespec_jax.linear.gdn import GdnLayerConfig, gdn_commit_replay, gdn_verify
+from treespec_jax.tree.masks import ancestor_mask
+
+QWEN = dict(H=16, HV=32, DK=128, DV=128)
+SMALL = dict(H=2, HV=4, DK=16, DV=16)
+INNER = 10  # kernel calls per timed jit call
+_T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - _T0:6.1f}s]", *a, flush=True)
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+    return float(err) if np.isfinite(err) else float("inf")
+
+
+def random_tree(rng, batch, t, p_extend=0.5):
+    parents = np.full((batch, t), -1, np.int32)
+    for b in range(batch):
+        for i in range(1, t):
+            parents[b, i] = i - 1 if rng.random() < p_extend else rng.integers(0, i)
+    return parents
+
+
+def random_path(rng, parents):
+    batch, t = parents.shape
+    path = np.full((batch, t), -1, np.int32)
+    acc = np.zeros(batch, np.int32)
+    for b in range(batch):
+        cur, nodes = 0, [0]
+        while True:
+            kids = np.nonzero(parents[b] == cur)[0]
+            if len(kids) == 0:
+                break
+            cur = int(kids[0])
+            nodes.append(cur)
+        path[b, : len(nodes)] = nodes
+        acc[b] = len(nodes)
+    return path, acc
+
+
+def inputs(key, batch, t, d, dtype, pool_rows=None):
+    ks = jax.random.split(key, 8)
+    pool_rows = pool_rows or batch + 1
+    n = lambda k, s: jax.random.normal(k, s, jnp.float32)
+    x = dict(q=n(ks[0], (batch, t, d["H"], d["DK"])).astype(dtype),
+             k=n(ks[1], (batch, t, d["H"], d["DK"])).astype(dtype),
+             v=n(ks[2], (batch, t, d["HV"], d["DV"])).astype(dtype),
+             a=n(ks[3], (batch, t, d["HV"])).astype(dtype),
+             b=n(ks[4], (batch, t, d["HV"])).astype(dtype),
+             A_log=0.5 * n(ks[5], (d["HV"],)), dt_bias=n(ks[6], (d["HV"],)),
+             state_pool=0.1 * n(ks[7], (pool_rows, d["HV"], d["DK"], d["DV"])),
+             state_slots=jnp.asarray(np.random.default_rng(batch).permutation(pool_rows)[:batch], jnp.int32))
+    return x
+
+
+def args_of(x):
+    return [x[n] for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_pool", "state_slots")]
+
+
+def width(d):
+    return GdnPayloadLayout(d["H"], d["HV"], d["DK"], d["DV"]).width
+
+
+# ----------------------------------------------------------------------------------------------
+# Conformance
+# ----------------------------------------------------------------------------------------------
+
+def conformance(quick: bool) -> bool:
+    ok = True
+    tol = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
+    cases = [(SMALL, 2, 14, jnp.float32), (QWEN, 2, 8, jnp.float32), (QWEN, 2, 16, jnp.bfloat16),
+             (QWEN, 3, 33, jnp.float32), (QWEN, 2, 64, jnp.bfloat16)]
+    if quick:
+        cases = cases[:2]
+    rng = np.random.default_rng(0)
+
+    def check(name, cond, detail=""):
+        nonlocal ok
+        ok &= bool(cond)
+        log(f"  {'PASS' if cond else 'FAIL'} {name} {detail}")
+
+    for i, case in enumerate(cases):
+        try:
+            conformance_case(i, *case, tol[case[3]], rng, check)
+        except Exception as e:  # report and go on: one broken lowering must not hide the rest
+            check(f"case {i} raised", False, repr(e)[:2000])
+    return ok
+
+
+def conformance_case(i, d, bsz, t, dtype, tol, rng, check):
+    if True:
+        x = inputs(jax.random.key(100 + i), bsz, t, d, dtype)
+        args = args_of(x)
+        parents = jnp.asarray(random_tree(rng, bsz, t))
+        nodes = jnp.full((bsz, t, d["HV"], d["DK"], d["DV"]), jnp.nan, jnp.float32)
+        payload = jnp.full((bsz, t, width(d)), jnp.nan, dtype)
+        tag = f"dims={d} B={bsz} T={t} {jnp.dtype(dtype).name}"
+        log(f"case {tag}")
+        with jax.default_matmul_precision("highest"):
+            ref = gdn_tree_verify(*args, parents, nodes, store="every_node", backend="reference")
+            ref_chain = gdn_tree_verify(*args, None, nodes, store="every_node", backend="reference")
+        pool_bits = np.asarray(x["state_pool"]).view(np.uint32).copy()
+        st = gdn_tree_verify(*args, parents, nodes, store="every_node", backend="pallas")
+        e1, e2 = rel_err(st.out, ref.out), rel_err(st.node_states, ref.node_states)
+        check("staged tree out/states", max(e1, e2) < tol, f"{e1:.2e} {e2:.2e}")
+        rp = gdn_tree_verify(*args, parents, nodes, store="branch_points", payload=payload, backend="pallas")
+        br = np.asarray(branch_points(parents))
+        ws = np.asarray(rp.node_states)
+        e3 = rel_err(rp.out, ref.out)
+        e4 = rel_err(ws[br], np.asarray(ref.node_states)[br]) if br.any() else 0.0
+        check("replay tree out / branch rows", max(e3, e4) < tol, f"{e3:.2e} {e4:.2e}")
+        check("replay workspace non-branch rows untouched (NaN)", np.isnan(ws[~br]).all())
+        check("replay payload == [k|v|a|b]", np.array_equal(
+            np.asarray(rp.payload.astype(jnp.float32)),
+            np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
+        check("pool bitwise untouched by verify", np.array_equal(np.asarray(args[7]).view(np.uint32), pool_bits))
+        ch = gdn_tree_verify(*args, None, nodes, store="every_node", backend="pallas")
+        e5 = rel_err(ch.out, ref_chain.out)
+        check("chain kernel vs reference", e5 < tol, f"{e5:.2e}")
+        if t <= 16:
+            out, pl_ = gdn_chunked_verify(*args, ancestor_mask(parents), payload, backend="pallas")
+            e6 = rel_err(out, ref.out)
+            check("chunked vs recurrent reference", e6 < tol, f"{e6:.2e}")
+            check("chunked payload == [k|v|a|b]", np.array_equal(
+                np.asarray(pl_.astype(jnp.float32)), np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
+        # ReplaySSM commit along a random accepted path equals the state at the last accepted node.
+        path_np, acc_np = random_path(rng, np.asarray(parents))
+        acc_np[0] = 0 if bsz > 2 else acc_np[0]  # a padded request commits nothing
+        path, acc = jnp.asarray(path_np), jnp.asarray(acc_np)
+        packed = pack_accepted_rows(rp.payload, path, acc)
+        new_pool = gdn_replay_commit(x["state_pool"], x["state_slots"], packed, acc, x["A_log"],
+                                     x["dt_bias"], num_k_heads=d["H"], head_k_dim=d["DK"], backend="pallas")
+        ref_states = np.asarray(ref.node_states)
+        errs, untouched = [], True
+        slots = np.asarray(x["state_slots"])
+        for b in range(bsz):
+            if acc_np[b] == 0:
+                untouched &= np.array_equal(np.asarray(new_pool[slots[b]]), np.asarray(x["state_pool"][slots[b]]))
+            else:
+                errs.append(rel_err(new_pool[slots[b]], ref_states[b, path_np[b, acc_np[b] - 1]]))
+        check("replay commit == state at last accepted node", max(errs) < tol and untouched,
+              f"{max(errs):.2e}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------
+
+def time_step(step, carry, reps=7):
+    """Median seconds per step; `step(carry) -> carry` runs INNER times per jitted call (donated)."""
+    def many(c):
+        for _ in range(INNER):
+            c = step(c)
+        return c
+    f = jax.jit(many, donate_argnums=0)
+    carry = jax.block_until_ready(f(carry))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        carry = jax.block_until_ready(f(carry))
+        times.append((time.perf_counter() - t0) / INNER)
+    return statistics.median(times), carry
+
+
+def copy_bandwidth() -> float:
+    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)  # 1 GiB
+    f = jax.jit(lambda y: y * 1.0001, donate_argnums=0)
+    x = jax.block_until_ready(f(x))
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        x = jax.block_until_ready(f(x))
+        times.append(time.perf_counter() - t0)
+    return 2 * x.size * 4 / statistics.median(times)
+
+
+def bench_case(bsz, t, rng, bw, block_v=None, sweep=False):
+    d = QWEN
+    dtype = jnp.bfloat16
+    x = inputs(jax.random.key(bsz * 1000 + t), bsz, t, d, dtype)
+    args = args_of(x)
+    parents = jnp.asarray(random_tree(rng, bsz, t))
+    kcfg = GdnKernelConfig(block_v=block_v)
+    nodes = jnp.zeros((bsz, t, d["HV"], d["DK"], d["DV"]), jnp.float32)
+    payload = jnp.zeros((bsz, t, width(d)), dtype)
+    out0 = jnp.zeros(x["v"].shape, dtype)
+    res = {}
+
+    def verify_step(tree, store, chunked=False):
+        def step(c):
+            ns, pl_, _ = c
+            if chunked:
+                o, pl_ = gdn_chunked_verify(*args, ancestor_mask(parents), pl_, config=kcfg)
+                return ns, pl_, o
+            r = gdn_tree_verify(*args, parents if tree else None, ns, store=store,
+                                payload=pl_ if store == "branch_points" else None, config=kcfg)
+            return r.node_states, (r.payload if r.payload is not None else pl_), r.out
+        return step
+
+    carry = (nodes, payload, out0)
+    kernels = [("chain_replay", False, "branch_points", False),
+               ("tree_replay_rec", True, "branch_points", False),
+               ("chain_staged", False, "every_node", False),
+               ("tree_staged", True, "every_node", False)]
+    for name, tree, store, chunked in kernels[: 2 if sweep else 4]:
+        res[name], carry = time_step(verify_step(tree, store), carry)
+    if t <= 16:
+        res["tree_chunked"], carry = time_step(verify_step(True, None, chunked=True), carry)
+    if sweep:
+        return res
+    # ReplaySSM commit along the greedy-first path (row move + replay).
+    path_np, acc_np = random_path(rng, np.asarray(parents))
+    path, acc = jnp.asarray(path_np), jnp.asarray(acc_np)
+    cfg = GdnLayerConfig(d["H"], d["HV"], d["DK"], d["DV"], kernel=kcfg)
+
+    def commit_step(c):
+        pool, pl_ = c
+        return gdn_commit_replay(cfg, pool, x["state_slots"], pl_, path, acc, x["A_log"], x["dt_bias"])
+
+    res["replay_commit"], _ = time_step(commit_step, (x["state_pool"], carry[1]))
+    state_bytes = bsz * d["HV"] * d["DK"] * d["DV"] * 4
+    res["floor_rw"] = 2 * state_bytes / bw
+    res["floor_r"] = state_bytes / bw
+    nbranch = float(np.asarray(branch_points(parents)).sum()) / bsz
+    res["branch_frac"] = nbranch / t
+    res["accept_mean"] = float(acc_np.mean())
+    return res
+
+
+def bench(quick: bool, budget_s: float, use_fla: bool):
+    bw = copy_bandwidth()
+    log(f"device copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
+    rng = np.random.default_rng(1)
+    d = QWEN
+    state_node = d["HV"] * d["DK"] * d["DV"] * 4
+    payload_node = width(d) * 2
+    rows = []
+    configs = [(b, t) for b in (1, 32, 64) for t in (8, 16, 64)]
+    if quick:
+        configs = [(1, 16), (32, 16)]
+    for bsz, t in configs:
+        if time.time() - _T0 > budget_s:
+            log(f"budget reached; skipping B={bsz} T={t}")
+            continue
+        try:
+            r = bench_case(bsz, t, rng, bw)
+        except Exception as e:
+            log(f"B={bsz} T={t} raised {e!r}"[:3000])
+            continue
+        tree_best = min(r["tree_replay_rec"], r.get("tree_chunked", float("inf")))
+        rows.append((bsz, t, r, tree_best))
+        log(f"B={bsz:3d} T={t:3d} chain_replay {r['chain_replay']*1e6:8.1f}us tree_replay(rec) "
+            f"{r['tree_replay_rec']*1e6:8.1f}us chunked {r.get('tree_chunked', float('nan'))*1e6:8.1f}us "
+            f"chain_staged {r['chain_staged']*1e6:8.1f}us tree_staged {r['tree_staged']*1e6:8.1f}us "
+            f"commit {r['replay_commit']*1e6:7.1f}us floor_rw {r['floor_rw']*1e6:6.1f}us")
+    fla = fla_reference(bw) if use_fla else {}
+    sweep = []
+    if not quick:
+        for bsz, t in [(1, 16), (32, 16)]:
+            for bv in (16, 32, 64, 128):
+                if time.time() - _T0 > budget_s + 40:
+                    break
+                try:
+                    r = bench_case(bsz, t, rng, bw, block_v=bv, sweep=True)
+                except Exception as e:
+                    log(f"sweep B={bsz} T={t} block_v={bv} raised {e!r}"[:2000])
+                    continue
+                sweep.append((bsz, t, bv, r))
+                log(f"sweep B={bsz} T={t} block_v={bv}: chain_replay {r['chain_replay']*1e6:.1f}us "
+                    f"tree_replay(rec) {r['tree_replay_rec']*1e6:.1f}us chunked "
+                    f"{r.get('tree_chunked', float('nan'))*1e6:.1f}us")
+
+    print("\n## GDN tree verify, Qwen3-Next dims (H=16, HV=32, dk=dv=128), bf16 in, fp32 state")
+    print(f"copy bandwidth {bw/1e12:.2f} TB/s; times are medians (us); ratios vs our chain verify")
+    print("| B | T | chain (ReplaySSM) | tree ReplaySSM (kernel used) | tree/chain | staged chain | staged tree "
+          "| staged tree/chain | floor r+w | chain/floor_r | commit (move+replay) | staged B/node | ReplaySSM B/node |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for bsz, t, r, tree_best in rows:
+        used = "chunked" if 8 <= t <= 16 else "recurrent"
+        tree_t = r["tree_chunked"] if used == "chunked" else r["tree_replay_rec"]
+        staged_b = state_node
+        replay_b = r["branch_frac"] * state_node + payload_node if used == "recurrent" else payload_node
+        print(f"| {bsz} | {t} | {r['chain_replay']*1e6:.1f} | {tree_t*1e6:.1f} ({used}; rec {r['tree_replay_rec']*1e6:.1f}) "
+              f"| {tree_t / r['chain_replay']:.2f}x | {r['chain_staged']*1e6:.1f} | {r['tree_staged']*1e6:.1f} "
+              f"| {r['tree_staged'] / r['chain_staged']:.2f}x | {r['floor_rw']*1e6:.1f} "
+              f"| {r['chain_replay'] / r['floor_r']:.1f}x | {r['replay_commit']*1e6:.1f} (acc {r['accept_mean']:.1f}) "
+              f"| {staged_b/1024:.0f} KiB | {replay_b/1024:.1f} KiB |")
+    if sweep:
+        print("\n| B | T | block_v | chain | tree rec | chunked |")
+        print("|---|---|---|---|---|---|")
+        for bsz, t, bv, r in sweep:
+            print(f"| {bsz} | {t} | {bv} | {r['chain_replay']*1e6:.1f} | {r['tree_replay_rec']*1e6:.1f} "
+                  f"| {r.get('tree_chunked', float('nan'))*1e6:.1f} |")
+    if fla:
+        print("\n| fla fused_recurrent chain, T=16 | us |")
+        print("|---|---|")
+        for k, v in fla.items():
+            print(f"| {k} | {v*1e6:.1f} |")
+
+
+def fla_reference(bw):
+    """flash-linear-attention's fused_recurrent GDN chain at T=16 (torch, bf16), if importable."""
+    try:
+        import torch
+        import triton
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except Exception as e:  # the wheel is optional
+        log(f"fla not available: {e!r}")
+        return {}
+    res = {}
+    d = QWEN
+    for bsz in (1, 32):
+        t = 16
+        dev = "cuda"
+        q = torch.randn(bsz, t, d["H"], d["DK"], device=dev, dtype=torch.bfloat16)
+        k = torch.randn(bsz, t, d["H"], d["DK"], device=dev, dtype=torch.bfloat16)
+        v = torch.randn(bsz, t, d["HV"], d["DV"], device=dev, dtype=torch.bfloat16)
+        a = torch.randn(bsz, t, d["HV"], device=dev, dtype=torch.bfloat16)
+        b = torch.randn(bsz, t, d["HV"], device=dev, dtype=torch.bfloat16)
+        A_log = 0.5 * torch.randn(d["HV"], device=dev)
+        dt_bias = torch.randn(d["HV"], device=dev)
+        h0 = 0.1 * torch.randn(bsz, d["HV"], d["DK"], d["DV"], device=dev)
+        fn = lambda: fused_recurrent_gated_delta_rule(
+            q=q, k=k, v=v, g=a, beta=b, scale=d["DK"] ** -0.5, initial_state=h0, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+            use_beta_sigmoid_in_kernel=True)
+        try:
+            ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+        except Exception as e:
+            log(f"fla call failed: {e!r}")
+            return res
+        res[f"B={bsz}"] = ms * 1e-3
+        log(f"fla fused_recurrent chain B={bsz} T=16: {ms*1e3:.1f} us")
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="two conformance cases, two timing configs")
+    p.add_argument("--no-fla", action="store_true", help="skip the flash-linear-attention reference")
+    p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new timing configs after this")
+    p.add_argument("--skip-conformance", action="store_true")
+    a = p.parse_args(argv)
+    log(f"jax {jax.__version__} devices {jax.devices()}")
+    ok = True
+    if not a.skip_conformance:
+        ok = conformance(a.quick)
+        log(f"conformance: {'PASS' if ok else 'FAIL'}")
+    bench(a.quick, a.budget_s, not a.no_fla)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,215 @@
+"""GDN layers under tree verify: the verify call and the commit, in ReplaySSM and staged modes.
+
+Modes (`GdnStateMode`):
+  "replay_ssm" (default) The committed state pool is never written during verify. Trees of
+               GDN_TREE_VERIFY_CHUNKED_MIN_NODES .. GDN_TREE_VERIFY_CHUNKED_MAX_NODES nodes run the
+               chunked tree form (no node states at all); other trees run the recurrent kernel,
+               which stores only branch-point states in the one workspace every layer shares
+               (`[B, T, HV, dk, dv]`, one layer's worth) and reloads a branch's parent from there.
+               Verify writes each node's replay payload row `[k | v | a | b]`; the commit packs the
+               accepted path's rows to the window front (`pallas_kernels.row_move.move_rows`) and
+               replays min(accept_len, T) of them over the committed state in place.
+  "staged"     Verify writes every node's state to the verify scratch `[B, T, HV, dk, dv]` (roots
+               read the committed pool in place; the scratch is never seeded with a copy). The commit
+               copies scratch row path[accept_len - 1] into the pool.
+
+Scratch row indexing: row t holds the state *after* node t; there is no leading committed row, so
+the staged source row is path[accept_len - 1] (DESIGN's "1 + path[accept_len - 1]" counts such a
+leading row). For a chain it is accept_len - 1. accept_len == 0 (a padded request) commits nothing.
+
+A chain (topk == 1) passes no tree (`parents=None`, `ancestor_mask=None`): the recurrent kernel runs
+without reading parents and never reloads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
+from pallas_kernels.linear.gdn_payload import GdnPayloadLayout
+from pallas_kernels.linear.gdn_replay import gdn_replay_commit, pack_accepted_rows
+from pallas_kernels.linear.gdn_tree import GdnKernelConfig, gdn_tree_verify
+from treespec_jax.support import Capability, TreeBackend, TreeSupport
+from treespec_jax.tree.masks import ancestor_mask as packed_ancestor_mask
+from treespec_jax.tree.masks import unpack_mask_rows
+
+# Trees with this many nodes (inclusive) verify in the chunked form under ReplaySSM.
+GDN_TREE_VERIFY_CHUNKED_MIN_NODES = 8
+GDN_TREE_VERIFY_CHUNKED_MAX_NODES = 16
+
+GdnStateMode = Literal["replay_ssm", "staged"]
+STATE_MODES = ("replay_ssm", "staged")
+
+
+@dataclass(frozen=True)
+class GdnLayerConfig:
+    """One GDN layer's static facts."""
+
+    num_k_heads: int  # H: query/key heads
+    num_v_heads: int  # HV: value heads, a multiple of H (value head hv reads key head hv // (HV/H))
+    head_k_dim: int  # dk (power of two >= 16)
+    head_v_dim: int  # dv (power of two >= 16)
+    use_qk_l2norm: bool = True  # L2-normalise q and k per head before the update (eps 1e-6)
+    scale: float | None = None  # query scale; None = dk ** -0.5
+    mode: GdnStateMode = "replay_ssm"  # "staged" is --disable-replay-ssm
+    kernel: GdnKernelConfig = GdnKernelConfig()  # launch knobs shared by the GDN kernels
+
+    def __post_init__(self):
+        if self.mode not in STATE_MODES:
+            raise ValueError(f"GDN state mode {self.mode!r} is not one of {STATE_MODES}")
+        if self.num_k_heads < 1 or self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"num_v_heads={self.num_v_heads} must be a positive multiple of "
+                             f"num_k_heads={self.num_k_heads}")
+
+    @property
+    def payload_layout(self) -> GdnPayloadLayout:
+        return GdnPayloadLayout(self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+
+class GdnVerifyOutput(NamedTuple):
+    out: jax.Array  # [B, T, HV, dv]
+    node_states: jax.Array  # staged scratch / ReplaySSM workspace, [B, T, HV, dk, dv] fp32
+    payload: jax.Array | None  # ReplaySSM payload rows [B, T, width]; None when staged
+
+
+def verify_kernel_for(mode: GdnStateMode, num_nodes: int, is_tree: bool) -> str:
+    """Which kernel a verify runs: "chunked", "recurrent_tree" or "recurrent_chain"."""
+    if mode not in STATE_MODES:
+        raise ValueError(f"GDN state mode {mode!r} is not one of {STATE_MODES}")
+    if not is_tree:
+        return "recurrent_chain"
+    if mode == "replay_ssm" and (GDN_TREE_VERIFY_CHUNKED_MIN_NODES <= num_nodes
+                                 <= GDN_TREE_VERIFY_CHUNKED_MAX_NODES):
+        return "chunked"
+    return "recurrent_tree"
+
+
+def node_state_buffer(batch: int, num_nodes: int, cfg: GdnLayerConfig) -> jax.Array:
+    """A staged scratch or ReplaySSM workspace `[B, T, HV, dk, dv]` fp32 (contents are never read
+    before they are written, so it is left uninitialised in spirit; zeros here)."""
+    return jnp.zeros((batch, num_nodes, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim), jnp.float32)
+
+
+def payload_buffer(batch: int, num_nodes: int, cfg: GdnLayerConfig, dtype) -> jax.Array:
+    """One layer's payload rows `[B, T, width]` in the dtype of k/v/a/b."""
+    return jnp.zeros((batch, num_nodes, cfg.payload_layout.width), dtype)
+
+
+def parents_from_ancestor_mask(mask: jax.Array) -> jax.Array:
+    """`[B, T, 2] uint32` ancestor-or-self rows -> `parents [B, T] int32` (deepest strict ancestor).
+
+    With parents before children the parent of t is its highest-numbered strict ancestor.
+    """
+    t = mask.shape[1]
+    anc = unpack_mask_rows(mask, t) & ~jnp.eye(t, dtype=bool)
+    return jnp.max(jnp.where(anc, jnp.arange(t, dtype=jnp.int32), -1), axis=-1).astype(jnp.int32)
+
+
+def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, *,
+               node_states: jax.Array, payload: jax.Array | None = None,
+               parents: jax.Array | None = None, ancestor_mask: jax.Array | None = None,
+               backend: str | None = None) -> GdnVerifyOutput:
+    """One GDN layer's verify over T nodes per request (shapes in `pallas_kernels.linear.gdn_common`).
+
+    Tree: `parents [B, T]` and/or `ancestor_mask [B, T, 2] uint32` (the masks attention reads);
+    neither = a chain. node_states: the staged scratch or the shared ReplaySSM workspace (updated in
+    place, donate it). payload: this layer's `[B, T, width]` rows, required under ReplaySSM.
+    """
+    _check_layer(cfg, q, v)
+    tree = parents is not None or ancestor_mask is not None
+    t = q.shape[1]
+    if cfg.mode == "replay_ssm" and payload is None:
+        raise ValueError("ReplaySSM verify needs this layer's payload buffer [B, T, width] (payload=None)")
+    if cfg.mode == "staged" and payload is not None:
+        raise ValueError("staged verify writes no replay payload; pass payload=None")
+    kernel = verify_kernel_for(cfg.mode, t, tree)
+    common = dict(use_qk_l2norm=cfg.use_qk_l2norm, scale=cfg.scale, config=cfg.kernel, backend=backend)
+    if kernel == "chunked":
+        if ancestor_mask is None:
+            ancestor_mask = packed_ancestor_mask(parents)
+        out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
+                                          ancestor_mask, payload, **common)
+        return GdnVerifyOutput(out, node_states, payload)
+    if kernel == "recurrent_tree" and parents is None:
+        parents = parents_from_ancestor_mask(ancestor_mask)
+    store = "every_node" if cfg.mode == "staged" else "branch_points"
+    res = gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
+                          parents if tree else None, node_states, store=store, payload=payload, **common)
+    return GdnVerifyOutput(res.out, res.node_states, res.payload)
+
+
+def gdn_commit_staged(state_pool, state_slots, scratch, path, accept_len) -> jax.Array:
+    """Copies scratch row path[b, accept_len[b] - 1] into pool row state_slots[b]; returns the pool.
+
+    `state_pool [S, HV, dk, dv]`, `scratch [B, T, HV, dk, dv]`, `path [B, T] int32`,
+    `accept_len [B] int32` (0 = commit nothing). Donate the pool under jit to update it in place.
+    """
+    bsz, t = path.shape
+    if scratch.shape[:2] != (bsz, t) or scratch.shape[2:] != state_pool.shape[1:]:
+        raise ValueError(f"scratch must be [B, T] + pool row {state_pool.shape[1:]} with B, T = {(bsz, t)}; "
+                         f"got {scratch.shape}")
+    if accept_len.shape != (bsz,) or state_slots.shape != (bsz,):
+        raise ValueError(f"accept_len and state_slots must be [B={bsz}]; got {accept_len.shape}, "
+                         f"{state_slots.shape}")
+    last = jnp.take_along_axis(path, jnp.maximum(accept_len - 1, 0)[:, None], axis=1)[:, 0]
+    rows = scratch[jnp.arange(bsz), jnp.clip(last, 0, t - 1)]
+    # Requests that commit nothing scatter out of bounds, which mode="drop" discards.
+    dst = jnp.where(accept_len > 0, state_slots, state_pool.shape[0])
+    return state_pool.at[dst].set(rows, mode="drop")
+
+
+def gdn_commit_replay(cfg: GdnLayerConfig, state_pool, state_slots, payload, path, accept_len, A_log,
+                      dt_bias, *, backend: str | None = None):
+    """ReplaySSM commit of one layer: pack the accepted rows to the front, then replay them.
+
+    Returns `(state_pool, packed_payload)`; both are updated in place under donation.
+    """
+    _check_mode(cfg, "replay_ssm")
+    packed = pack_accepted_rows(payload, path, accept_len, backend=backend)
+    pool = gdn_replay_commit(state_pool, state_slots, packed, accept_len, A_log, dt_bias,
+                             num_k_heads=cfg.num_k_heads, head_k_dim=cfg.head_k_dim,
+                             use_qk_l2norm=cfg.use_qk_l2norm, config=cfg.kernel, backend=backend)
+    return pool, packed
+
+
+def _check_mode(cfg: GdnLayerConfig, mode: str) -> None:
+    if cfg.mode != mode:
+        raise ValueError(f"this commit is for mode {mode!r}, but the layer runs {cfg.mode!r}")
+
+
+def _check_layer(cfg: GdnLayerConfig, q, v) -> None:
+    want_q = (cfg.num_k_heads, cfg.head_k_dim)
+    want_v = (cfg.num_v_heads, cfg.head_v_dim)
+    if q.shape[2:] != want_q or v.shape[2:] != want_v:
+        raise ValueError(f"layer config expects q [..., {want_q}] and v [..., {want_v}]; got q {q.shape}, "
+                         f"v {v.shape}")
+
+
+@dataclass(frozen=True, eq=False)
+class GdnTreeLayer(TreeBackend):
+    """A GDN layer running the kernels above: verifies trees, has no per-lane state for lanes."""
+
+    name: str  # path component, e.g. "layers.0"
+    mode: GdnStateMode = "replay_ssm"  # which commit the layer runs; both verify trees
+
+    def tree_support(self) -> TreeSupport:
+        return TreeSupport(
+            Capability.ok(),
+            Capability.refused("GDN layer in draft lanes (lanes keep no per-lane recurrent state)"),
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class FusedChainGdnLayer(TreeBackend):
+    """A KDA-style fused verify kernel that walks node t after t - 1: it refuses trees."""
+
+    name: str  # path component
+    kernel_name: str = "kda_fused_chain"  # the chain-only kernel, named in the refusal
+
+    def tree_support(self) -> TreeSupport:
+        return TreeSupport.refuse_both(
+            f"{self.kernel_name} follows a chain (node t starts from t - 1) and cannot verify trees")
