@@ -1,0 +1,56 @@
+"""The whole GPU suite in one device call: conformance of every compiled kernel, then timings.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_suite.py [--quick] [--only cascade,gdn]
+
+Runs each benchmark module's `main(argv)` in turn (cascade, mla, gdn, mamba2); a failure in one
+is reported and the others still run. Each module appends its own dated section to
+benchmarks/RESULTS.md; this driver prints a one-line status per module last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SUITES = {
+    "cascade": ("benchmarks.bench_cascade", ["--quick"], []),
+    "mla": ("benchmarks.bench_mla", [], []),
+    "gdn": ("benchmarks.bench_gdn", ["--quick", "--no-fla"], []),
+    "mamba2": ("benchmarks.bench_mamba2", ["--quick"], []),
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="each module's quick mode")
+    p.add_argument("--only", default=",".join(SUITES), help=f"comma list of {sorted(SUITES)}")
+    a = p.parse_args(argv)
+    names = [n for n in a.only.split(",") if n]
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        p.error(f"unknown suites {unknown}; choose from {sorted(SUITES)}")
+    status = {}
+    for name in names:
+        module, quick_args, full_args = SUITES[name]
+        t0 = time.perf_counter()
+        try:
+            code = importlib.import_module(module).main(quick_args if a.quick else full_args)
+            ok = code in (None, 0) or isinstance(code, dict)
+            status[name] = f"{'ok' if ok else f'FAILED (exit {code})'} in {time.perf_counter() - t0:.0f} s"
+        except Exception:  # keep going: one broken module must not hide the others' numbers
+            traceback.print_exc()
+            status[name] = f"ERROR after {time.perf_counter() - t0:.0f} s"
+    print("\n== gpu_suite ==")
+    for name, line in status.items():
+        print(f"{name:8s} {line}")
+    return 0 if all(v.startswith("ok") for v in status.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
