@@ -134,7 +134,7 @@ def conformance(quick: bool) -> bool:
     cases = [("small", SMALL, 3, 16, jnp.float32, 2e-5), ("small", SMALL, 3, 64, jnp.float32, 2e-5),
              ("small-bf16", SMALL, 3, 33, jnp.bfloat16, 1e-2), ("nemotron", NEMOTRON, 2, 16, jnp.bfloat16, 1e-2)]
     if quick:
-        cases = cases[:1] + cases[-1:]
+        cases = cases[1:2] + cases[-1:]
     for tag, d, nb, t, act, tol in cases:
         H, P, N, G = d["H"], d["P"], d["N"], d["G"]
         a = mamba_inputs(jax.random.key(t * 7 + nb), nb, t, d, 6, act=act)
