@@ -52,8 +52,11 @@ LAYERS = 32
 
 # Decode tilings tried; each that compiles and conforms is timed.
 DECODE_CONFIGS = (
-    MlaDecodeConfig(block_q=64, block_k=32, num_warps=8, num_stages=2),
-    MlaDecodeConfig(block_q=32, block_k=32, num_warps=4, num_stages=2),
+    MlaDecodeConfig(block_q=32, block_k=32, num_warps=4, num_stages=2),  # the default
+    MlaDecodeConfig(block_q=64, block_k=64, num_warps=8, num_stages=2),
+    MlaDecodeConfig(block_q=32, block_k=64, num_warps=4, num_stages=2),
+    MlaDecodeConfig(block_q=64, block_k=32, num_warps=8, num_stages=3),
+    MlaDecodeConfig(block_q=16, block_k=64, num_warps=4, num_stages=2),
 )
 
 
@@ -216,11 +219,12 @@ def time_compaction(results, rng, dtype=jnp.bfloat16):
 def mla_variants(dtype):
     """(label, decode config) in the order tried for this cache dtype."""
     out = []
-    for cfg in DECODE_CONFIGS:
-        tag = f"bq{cfg.block_q}/bk{cfg.block_k}/w{cfg.num_warps}"
+    for i, cfg in enumerate(DECODE_CONFIGS):
+        tag = f"bq{cfg.block_q}/bk{cfg.block_k}/w{cfg.num_warps}/s{cfg.num_stages}"
         if dtype == FP8:
             out.append((tag + "/fp8dot", dataclasses.replace(cfg, fp8_score_dot=True)))
-        out.append((tag, cfg))
+        if dtype != FP8 or i == 0:  # the widened FP8 dot once, for comparison
+            out.append((tag, cfg))
     return out
 
 

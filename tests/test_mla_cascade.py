@@ -193,6 +193,20 @@ def test_mla_kernels_lower_to_triton_for_sm90(monkeypatch):
         assert text.count("__gpu$xla.gpu.triton") == 2  # latent decode + window kernel
 
 
+def test_fp8_query_quantisation_survives_jit():
+    """Under jit, q -> FP8 -> wider must still round (XLA may drop a narrow/widen convert pair)."""
+    from pallas_kernels.attention.mla_decode import quantize_query
+    from treespec_jax.attention.mla import quantize_absorbed_query
+
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((4, 64)), jnp.float32)
+    expect = np.asarray(q.astype(FP8).astype(jnp.float32))  # eager: one op at a time
+    assert not np.array_equal(expect, np.asarray(q))
+    got = jax.jit(lambda x: quantize_query(x, FP8).astype(jnp.float32))(q)
+    np.testing.assert_array_equal(np.asarray(got), expect)
+    got = jax.jit(lambda x: quantize_absorbed_query(x, FP8).astype(jnp.bfloat16).astype(jnp.float32))(q)
+    np.testing.assert_array_equal(np.asarray(got), expect)
+
+
 def test_mla_rejects_bad_input():
     q = jnp.ones((1, 2, H, LORA + ROPE), jnp.bfloat16)
     pool = jnp.ones((64, LORA + ROPE), jnp.bfloat16)

@@ -44,15 +44,15 @@ FP8 = jnp.float8_e4m3fn
 @dataclasses.dataclass(frozen=True)
 class MlaDecodeConfig:
     # Query rows (flat r * Hq + h) per program; power of two >= 16 (dot operand minimum).
-    block_q: int = 64
+    block_q: int = 32
     # Keys per inner step; power of two >= 16 that divides the page size (a step never crosses a page).
     block_k: int = 32
     # Key-axis splits merged by LSE; None picks enough to give the GPU ~2 programs per SM.
     num_splits: int | None = None
     # Streaming multiprocessors to fill when num_splits is None (H200: 132).
     num_sms: int = 132
-    # Triton warps and software-pipeline stages per program.
-    num_warps: int = 8
+    # Triton warps and software-pipeline stages per program (H200 run 1: 32 rows / 4 warps beat 64 / 8).
+    num_warps: int = 4
     num_stages: int = 2
     # Under an FP8 cache: multiply FP8 query x FP8 latent natively (Hopper FP8 MMA); False widens
     # both to bf16 first. Same values either way (FP8 is exact in bf16), only the speed differs.
@@ -91,6 +91,18 @@ def _query_dtype(pool_dtype):
     return jnp.dtype(pool_dtype)
 
 
+def quantize_query(q: jax.Array, pool_dtype) -> jax.Array:
+    """The query the decode multiplies, in the cache's dtype (FP8 under an FP8 cache).
+
+    The barrier keeps the rounding: under jit XLA may otherwise fold a narrowing convert followed by
+    a widening one into nothing (excess precision), which would skip the FP8 quantisation.
+    """
+    target = _query_dtype(pool_dtype)
+    if q.dtype == target:
+        return q
+    return jax.lax.optimization_barrier(q.astype(target))
+
+
 def _qk_dtype(pool_dtype, fp8_score_dot: bool):
     """Operand dtype of the QK product."""
     if jnp.dtype(pool_dtype) == jnp.dtype(FP8) and not fp8_score_dot:
@@ -123,7 +135,7 @@ def mla_decode_reference(q, latent_pool, page_table, prefix_len, *, kv_lora_rank
     in_prefix = pos[None, :] < plen[:, None]
     rows = latent_pool[jnp.where(in_prefix, jnp.clip(slots, 0, latent_pool.shape[0] - 1), 0)]
     rows = jnp.where(in_prefix[..., None], rows.astype(jnp.float32), 0.0)  # [B, K, C]
-    qf = q.astype(_query_dtype(latent_pool.dtype)).astype(jnp.float32)
+    qf = quantize_query(q, latent_pool.dtype).astype(jnp.float32)
     hi = jax.lax.Precision.HIGHEST  # a true fp32 reference on GPU too (no TF32)
     s = jnp.einsum("brhc,bkc->brhk", qf, rows, precision=hi) * (scale * LOG2E)
     cover = plen[:, None] - r + 1 + jnp.arange(r, dtype=jnp.int32)[None, :]  # [B, R]
@@ -157,6 +169,10 @@ def _mla_kernel(pt_ref, plen_ref, ql_ref, qr_ref, lat_ref, o_ref, lse_ref, *, ro
     lat_cols = jnp.arange(block_l, dtype=jnp.int32)
     rope_cols = jnp.arange(block_r, dtype=jnp.int32)
     key_iota = jnp.arange(block_k, dtype=jnp.int32)
+    # Column masks only where the block is wider than the channels (static), so full-width loads
+    # keep a per-row mask that Triton can still vectorise along the row.
+    lat_cols_ok = (lat_cols < lora)[None, :] if block_l != lora else True
+    rope_cols_ok = (rope_cols < rope)[None, :] if block_r != rope else True
 
     lo = split * blocks_per_split
     hi = jnp.minimum(lo + blocks_per_split, pl.cdiv(plen, block_k))
@@ -165,17 +181,18 @@ def _mla_kernel(pt_ref, plen_ref, ql_ref, qr_ref, lat_ref, o_ref, lse_ref, *, ro
         m, l, acc = carry
         k0 = j * block_k
         page = pt_ref[b, k0 // page_size]
-        slot0 = page * page_size + k0 % page_size
+        slot0 = pl.multiple_of(page * page_size + k0 % page_size, block_k)
         kpos = k0 + key_iota
         in_prefix = kpos < plen
         # Slots past P (stale, poisoned) load as 0 so 0-weight columns cannot turn NaN into the sum.
         lat = plgpu.load(lat_ref.at[pl.ds(slot0, block_k), pl.ds(0, block_l)],
-                         mask=in_prefix[:, None] & (lat_cols < lora)[None, :], other=0.0)
+                         mask=jnp.broadcast_to(in_prefix[:, None] & lat_cols_ok, (block_k, block_l)), other=0.0)
         s = jax.lax.dot_general(ql, lat.astype(qk_dtype), (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)
         if rope:
             kr = plgpu.load(lat_ref.at[pl.ds(slot0, block_k), pl.ds(lora, block_r)],
-                            mask=in_prefix[:, None] & (rope_cols < rope)[None, :], other=0.0)
+                            mask=jnp.broadcast_to(in_prefix[:, None] & rope_cols_ok, (block_k, block_r)),
+                            other=0.0)
             s = s + jax.lax.dot_general(qr, kr.astype(qk_dtype), (((1,), (1,)), ((), ())),
                                         preferred_element_type=jnp.float32)
         s = s * scale_log2
@@ -241,7 +258,7 @@ def _mla_decode_pallas(q, latent_pool, page_table, prefix_len, *, kv_lora_rank, 
     blocks_per_split = pl.cdiv(max_blocks, splits)
 
     # The query enters in the QK operand dtype (FP8 under an FP8 cache): half the bytes, one cast.
-    qf = q.reshape(b, rows, c).astype(_query_dtype(latent_pool.dtype))
+    qf = quantize_query(q.reshape(b, rows, c), latent_pool.dtype)
     ql = jnp.pad(qf[..., :lora], ((0, 0), (0, rows_pad - rows), (0, block_l - lora)))
     if rope:
         qr = jnp.pad(qf[..., lora:], ((0, 0), (0, rows_pad - rows), (0, block_r - rope)))

@@ -24,7 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.mla_decode import FP8, MlaDecodeConfig, mla_decode
+from pallas_kernels.attention.mla_decode import FP8, MlaDecodeConfig, mla_decode, quantize_query
 from pallas_kernels.attention.tree_window import tree_window_attention
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
@@ -70,8 +70,11 @@ def _check(q, latent_pool, config: MlaCascadeConfig):
 
 
 def quantize_absorbed_query(q: jax.Array, latent_dtype) -> jax.Array:
-    """The query both halves score with: quantised to FP8 under an FP8 latent cache, else unchanged."""
-    return q.astype(FP8) if jnp.dtype(latent_dtype) == jnp.dtype(FP8) else q
+    """The query both halves score with: quantised to FP8 under an FP8 latent cache, else unchanged.
+
+    `quantize_query` pins the rounding so XLA cannot fold FP8 -> model dtype back into the original.
+    """
+    return quantize_query(q, latent_dtype) if jnp.dtype(latent_dtype) == jnp.dtype(FP8) else q
 
 
 def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.Array,
