@@ -18,9 +18,14 @@ step, loading the page id as a scalar from the page table, and keeps a base-2 on
 more than one split the partials are merged by their LSEs in a small XLA epilogue.
 
 FP8 E4M3 pools (unscaled): the query is cast to FP8 before the kernel (what the prefix half of an FP8
-cache multiplies; the reference does the same), K is widened to bf16 after loading for the score dot
-unless `fp8_score_dot=True` asks for a native FP8 x FP8 dot (compiled GPU path only), and V is widened
-to bf16 for the value dot.
+cache multiplies; the reference does the same). K and V are widened after loading to fp16, which
+holds every E4M3 value exactly and which Hopper converts to natively (E4M3 -> bf16 is not native and
+measured slower), and both dots run in fp16 with fp32 accumulation. `fp8_score_dot=True` asks for a
+native FP8 x FP8 score dot instead (compiled GPU path only; it measured slower on the H200, see
+benchmarks/RESULTS.md).
+
+Pages that every real row of a tile sees entirely run without load or score masks; only the pages
+at the edges of a tile's coverage (the causal staircase, the last partial page) take the masked step.
 """
 
 from __future__ import annotations
@@ -37,11 +42,15 @@ from pallas_kernels.attention.reference import (LOG2E, is_fp8, prefix_decode_ref
                                                 quantize_query_for_pool)
 from pallas_kernels.common import next_pow2, resolve_backend
 
-# Programs we want in flight before splitting the key axis: about two waves of an H200 (132 SMs).
-_TARGET_PROGRAMS = 264
+# Programs we want in flight before splitting the key axis: about four per SM of an H200 (132 SMs),
+# so the last wave of a split launch is not a nearly empty one.
+_TARGET_PROGRAMS = 528
 # A split shorter than this many pages costs more in its merge than it saves.
 _MIN_PAGES_PER_SPLIT = 4
+# Measured best on the H200 at B=32, P=32768, N=64, Hq=32, Hkv=8, D=128 (benchmarks/RESULTS.md).
 DEFAULT_BLOCK_ROWS = 128
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -114,7 +123,7 @@ def num_sms() -> int:
 def default_num_splits(batch: int, kv_heads: int, row_tiles: int, max_pages: int) -> int:
     """Split the key axis only when (B, Hkv, row tiles) leaves the GPU underfilled (e.g. B = 1)."""
     programs = batch * kv_heads * row_tiles
-    target = max(_TARGET_PROGRAMS, 2 * num_sms())
+    target = max(_TARGET_PROGRAMS, 4 * num_sms())
     if programs >= target:
         return 1
     want = -(-target // programs)
@@ -143,9 +152,14 @@ def _prefix_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, ls
     lo = jnp.zeros_like(hi) if sliding_window is None else jnp.maximum(hi - sliding_window, 0)
     tile_hi = jnp.max(hi)
     tile_lo = jnp.min(jnp.where(real_row, lo, tile_hi))
+    # Keys every real row of the tile sees: [max lo, min hi). Pages wholly inside it need no masks.
+    all_lo = jnp.max(jnp.where(real_row, lo, 0))
+    all_hi = jnp.min(jnp.where(real_row, hi, tile_hi))
 
     first_page = jnp.maximum(split * pages_per_split, tile_lo // page_size)
     end_page = jnp.minimum((split + 1) * pages_per_split, (tile_hi + page_size - 1) // page_size)
+    full_first = jnp.clip((all_lo + page_size - 1) // page_size, first_page, end_page)
+    full_end = jnp.clip(all_hi // page_size, full_first, end_page)
 
     q = q_ref[...]
     if not fp8_score_dot:
@@ -153,31 +167,43 @@ def _prefix_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, ls
     d = q.shape[-1]
     key_iota = lax.broadcasted_iota(jnp.int32, (page_size,), 0)
 
-    def body(page, carry):
+    def step(page, carry, masked: bool):
         m, l, acc = carry
         page_id = page_table_ref[b, page]
-        pos = page * page_size + key_iota  # [page]
-        load_ok = (pos >= tile_lo) & (pos < tile_hi)
         slots = pl.ds(page_id * page_size, page_size)
-        k = plgpu.load(k_ref.at[slots, head, :], mask=load_ok[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[slots, head, :], mask=load_ok[:, None], other=0.0)
+        pos = page * page_size + key_iota  # [page]
+        if masked:
+            load_ok = ((pos >= tile_lo) & (pos < tile_hi))[:, None]
+            k = plgpu.load(k_ref.at[slots, head, :], mask=load_ok, other=0.0)
+            v = plgpu.load(v_ref.at[slots, head, :], mask=load_ok, other=0.0)
+        else:
+            k = k_ref[slots, head, :]
+            v = v_ref[slots, head, :]
         if not fp8_score_dot:
             k = k.astype(dot_dtype)
+        # Raw scores; the base-2 scale is applied inside exp2's argument (one FMA per score), and
+        # to the row max (scale2 > 0, so max commutes with it).
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        vis = (pos[None, :] < hi[:, None]) & (pos[None, :] >= lo[:, None])
-        s = jnp.where(vis, s * scale2, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        if masked:
+            vis = (pos[None, :] < hi[:, None]) & (pos[None, :] >= lo[:, None])
+            s = jnp.where(vis, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1) * scale2)
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        else:
+            m_new = jnp.maximum(m, jnp.max(s, axis=1) * scale2)
+            m_use = m_new  # every score of a full page is finite
         alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(s - m_use[:, None])
+        p = jnp.exp2(s * scale2 - m_use[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         pv = jnp.dot(p.astype(dot_dtype), v.astype(dot_dtype), preferred_element_type=jnp.float32)
-        acc = acc * alpha[:, None] + pv
-        return m_new, l, acc
+        return m_new, l, acc * alpha[:, None] + pv
 
-    init = (jnp.full((block_rows,), -jnp.inf, jnp.float32), jnp.zeros((block_rows,), jnp.float32),
-            jnp.zeros((block_rows, d), jnp.float32))
-    m, l, acc = lax.fori_loop(first_page, end_page, body, init)
+    masked_step = functools.partial(step, masked=True)
+    carry = (jnp.full((block_rows,), -jnp.inf, jnp.float32), jnp.zeros((block_rows,), jnp.float32),
+             jnp.zeros((block_rows, d), jnp.float32))
+    carry = lax.fori_loop(first_page, full_first, masked_step, carry)
+    carry = lax.fori_loop(full_first, full_end, functools.partial(step, masked=False), carry)
+    m, l, acc = lax.fori_loop(full_end, end_page, masked_step, carry)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     out_ref[...] = jnp.where(seen[:, None], acc / l_safe[:, None], 0.0)
@@ -195,16 +221,18 @@ def merge_splits(out: jax.Array, lse: jax.Array):
     return merged, jnp.where(tot > 0, m_safe + jnp.log2(safe), -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("page_size", "scale", "num_splits", "sliding_window",
-                                             "block_rows", "num_warps", "num_stages", "interpret",
-                                             "fp8_score_dot", "poison_outputs"))
-def _prefix_decode_pallas(q, k_pool, v_pool, page_table, lengths, *, page_size, scale, num_splits,
-                          sliding_window, block_rows, num_warps, num_stages, interpret, fp8_score_dot,
-                          poison_outputs):
-    b, r, hq, d = q.shape
-    hkv = k_pool.shape[1]
-    group = hq // hkv
-    total = padded_rows(r * group)
+@functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "num_splits",
+                                             "sliding_window", "block_rows", "num_warps", "num_stages",
+                                             "interpret", "fp8_score_dot", "poison_outputs"))
+def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
+                             page_size: int, scale: float, num_splits=None, sliding_window=None,
+                             block_rows=None, num_warps=None, num_stages=None, interpret: bool = False,
+                             fp8_score_dot: bool = False, poison_outputs: bool = False):
+    """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, D]` (row `r * G + g`,
+    T = padded_rows(R * G)) -> (out `[B, Hkv, T, D]` f32, lse2 `[B, Hkv, T]` f32). The cascade keeps
+    this layout between its two halves, so q is transposed once on the way in and the final output
+    once on the way out. Inputs are assumed validated by the public entry points."""
+    b, hkv, total, d = qr.shape
     block = choose_block_rows(total, block_rows)
     tiles = total // block
     max_pages = page_table.shape[1]
@@ -212,12 +240,13 @@ def _prefix_decode_pallas(q, k_pool, v_pool, page_table, lengths, *, page_size, 
     pages_per_split = -(-max_pages // splits)
 
     fp8 = is_fp8(k_pool.dtype)
-    q = quantize_query_for_pool(q, k_pool.dtype)
-    dot_dtype = jnp.bfloat16 if fp8 else (q.dtype if q.dtype == k_pool.dtype else jnp.float32)
-    qr = heads_to_rows(q, hkv, total)  # [B, Hkv, total, D]
+    qr = quantize_query_for_pool(qr, k_pool.dtype)
+    # FP8 E4M3 widens exactly (and natively on Hopper) to fp16; softmax weights in [0, 1] keep more
+    # mantissa in fp16 than in bf16.
+    dot_dtype = jnp.float16 if fp8 else (qr.dtype if qr.dtype == k_pool.dtype else jnp.float32)
 
     kernel = functools.partial(
-        _prefix_kernel, query_rows=r, group=group, block_rows=block, page_size=page_size,
+        _prefix_kernel, query_rows=query_rows, group=group, block_rows=block, page_size=page_size,
         pages_per_split=pages_per_split, scale2=float(scale) * LOG2E, sliding_window=sliding_window,
         dot_dtype=dot_dtype, fp8_score_dot=fp8_score_dot and fp8 and not interpret)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -243,13 +272,29 @@ def _prefix_decode_pallas(q, k_pool, v_pool, page_table, lengths, *, page_size, 
         out_shape=out_shape,
         input_output_aliases=aliases,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or DEFAULT_NUM_WARPS,
+                                             num_stages=num_stages or DEFAULT_NUM_STAGES),
         name="prefix_decode",
     )(*args)
     if splits > 1:
-        out, lse = merge_splits(out, lse)
-    else:
-        out, lse = out[0], lse[0]
+        return merge_splits(out, lse)
+    return out[0], lse[0]
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "scale", "num_splits", "sliding_window",
+                                             "block_rows", "num_warps", "num_stages", "interpret",
+                                             "fp8_score_dot", "poison_outputs"))
+def _prefix_decode_pallas(q, k_pool, v_pool, page_table, lengths, *, page_size, scale, num_splits,
+                          sliding_window, block_rows, num_warps, num_stages, interpret, fp8_score_dot,
+                          poison_outputs):
+    b, r, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    qr = heads_to_rows(q, hkv, padded_rows(r * (hq // hkv)))
+    out, lse = prefix_decode_row_layout(
+        qr, k_pool, v_pool, page_table, lengths, query_rows=r, group=hq // hkv, page_size=page_size,
+        scale=scale, num_splits=num_splits, sliding_window=sliding_window, block_rows=block_rows,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret, fp8_score_dot=fp8_score_dot,
+        poison_outputs=poison_outputs)
     return rows_to_heads(out, r, hq), rows_to_heads(lse, r, hq)
 
 
@@ -298,4 +343,4 @@ def prefix_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table
         fp8_score_dot=fp8_score_dot, poison_outputs=poison_outputs)
 
 
-__all__ = ["prefix_decode", "merge_splits", "default_num_splits"]
+__all__ = ["prefix_decode", "prefix_decode_row_layout", "merge_splits", "default_num_splits"]

@@ -92,6 +92,12 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
     qr = qr_ref[...] if rope_dim else None
     cdt = q.dtype  # K/V (FP8 included) are widened to the query's dtype
 
+    def widen(x):
+        # E4M3 -> fp16 is exact and native on Hopper; E4M3 -> bf16 is not, so go through fp16.
+        if x.dtype.itemsize == 1 and cdt != jnp.float16:
+            x = x.astype(jnp.float16)
+        return x.astype(cdt)
+
     lse = plse_ref[...]
     started = (lse > -jnp.inf) & real_row
     m = jnp.where(started, lse, -jnp.inf)
@@ -113,16 +119,16 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
         vis = vis & real_row[:, None]
         col = jnp.max(vis.astype(jnp.int32), axis=0) > 0  # some row of the tile sees this column
         slots = pl.ds(page_id * page_size, page_size)
-        k = plgpu.load(k_ref.at[slots, head, pl.ds(0, main_dim)], mask=col[:, None], other=0.0).astype(cdt)
+        k = widen(plgpu.load(k_ref.at[slots, head, pl.ds(0, main_dim)], mask=col[:, None], other=0.0))
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         if rope_dim:
-            kr = plgpu.load(k_ref.at[slots, head, pl.ds(main_dim, rope_dim)], mask=col[:, None],
-                            other=0.0).astype(cdt)
+            kr = widen(plgpu.load(k_ref.at[slots, head, pl.ds(main_dim, rope_dim)], mask=col[:, None],
+                                  other=0.0))
             s = s + lax.dot_general(qr, kr, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         if shared_kv:
             v = k
         else:
-            v = plgpu.load(v_ref.at[slots, head, :], mask=col[:, None], other=0.0).astype(cdt)
+            v = widen(plgpu.load(v_ref.at[slots, head, :], mask=col[:, None], other=0.0))
         s = jnp.where(vis, s * scale2, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -139,29 +145,27 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
     out_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "causal_prefix", "rope_dim",
-                                             "value_dim", "block_rows", "num_warps", "num_stages",
-                                             "interpret", "poison_outputs"))
-def _tree_window_pallas(q, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2, *,
-                        window, page_size, scale, causal_prefix, rope_dim, value_dim, block_rows,
-                        num_warps, num_stages, interpret, poison_outputs):
-    b, r, hq, dk = q.shape
-    hkv = k_pool.shape[1]
-    group = hq // hkv
+@functools.partial(jax.jit, static_argnames=("query_rows", "group", "window", "page_size", "scale",
+                                             "causal_prefix", "rope_dim", "value_dim", "block_rows",
+                                             "num_warps", "num_stages", "interpret", "poison_outputs"))
+def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out_rows,
+                           prefix_lse2_rows, *, query_rows: int, group: int, window: int, page_size: int,
+                           scale: float, causal_prefix: bool = True, rope_dim: int = 0, value_dim: int,
+                           block_rows=None, num_warps=None, num_stages=None, interpret: bool = False,
+                           poison_outputs: bool = False):
+    """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, Dk]`, `mask [B, R, 2]`,
+    `prefix_out_rows [B, Hkv, T, Dv]` f32, `prefix_lse2_rows [B, Hkv, T]` -> `[B, Hkv, T, Dv]` in
+    qr's dtype. Inputs are assumed validated by `tree_window_attention`."""
+    b, hkv, total, dk = qr.shape
+    r = query_rows
     shared = v_pool is None
     main_dim = dk - rope_dim
     dv = value_dim
-    total = padded_rows(r * group)
-    block = block_rows or default_block_rows(total, max(main_dim, dv))
-    block = min(block, total)
+    block = min(block_rows or default_block_rows(total, max(main_dim, dv)), total)
     tiles = total // block
 
-    rows_q = heads_to_rows(q, hkv, total)  # [B, Hkv, total, Dk]
-    q_main = rows_q[..., :main_dim]
     words = jax.lax.bitcast_convert_type(mask.astype(jnp.uint32), jnp.int32)  # [B, R, 2]
-    words = heads_to_rows(jnp.broadcast_to(words[:, :, None, :], (b, r, hq, 2)), hkv, total, fill=0)
-    pout = heads_to_rows(prefix_out.astype(jnp.float32), hkv, total)
-    plse = heads_to_rows(prefix_lse2.astype(jnp.float32), hkv, total, fill=-jnp.inf)
+    words = heads_to_rows(jnp.broadcast_to(words[:, :, None, :], (b, r, hkv * group, 2)), hkv, total, fill=0)
 
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
 
@@ -170,24 +174,25 @@ def _tree_window_pallas(q, k_pool, v_pool, page_table, prefix_lengths, mask, pre
             return pl.BlockSpec((None, None, block), lambda t, h, bb: (bb, h, t))
         return pl.BlockSpec((None, None, block, width), lambda t, h, bb: (bb, h, t, 0))
 
-    args = [prefix_lengths.astype(jnp.int32), page_table.astype(jnp.int32), q_main]
+    args = [prefix_lengths.astype(jnp.int32), page_table.astype(jnp.int32), qr[..., :main_dim]]
     in_specs = [any_spec, any_spec, row_spec(main_dim)]
     if rope_dim:
-        args.append(rows_q[..., main_dim:])
+        args.append(qr[..., main_dim:])
         in_specs.append(row_spec(rope_dim))
     args.append(k_pool)
     in_specs.append(any_spec)
     if not shared:
         args.append(v_pool)
         in_specs.append(any_spec)
-    args += [words[..., 0], words[..., 1], pout, plse]
+    args += [words[..., 0], words[..., 1], prefix_out_rows.astype(jnp.float32),
+             prefix_lse2_rows.astype(jnp.float32)]
     in_specs += [row_spec(None), row_spec(None), row_spec(dv), row_spec(None)]
 
     kernel = functools.partial(
         _window_kernel, query_rows=r, group=group, block_rows=block, page_size=page_size,
         window=window, scale2=float(scale) * LOG2E, causal_prefix=causal_prefix, main_dim=main_dim,
         rope_dim=rope_dim, shared_kv=shared)
-    out_shape = jax.ShapeDtypeStruct((b, hkv, total, dv), q.dtype)
+    out_shape = jax.ShapeDtypeStruct((b, hkv, total, dv), qr.dtype)
     aliases = {}
     if poison_outputs:
         # The output starts as NaN so a test proves every element is written.
@@ -198,7 +203,7 @@ def _tree_window_pallas(q, k_pool, v_pool, page_table, prefix_lengths, mask, pre
 
         def kernel(*refs):
             return inner(*refs[:-2], refs[-1])
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=(tiles, hkv, b),
         in_specs=in_specs,
@@ -209,6 +214,24 @@ def _tree_window_pallas(q, k_pool, v_pool, page_table, prefix_lengths, mask, pre
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="tree_window_attention",
     )(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "causal_prefix", "rope_dim",
+                                             "value_dim", "block_rows", "num_warps", "num_stages",
+                                             "interpret", "poison_outputs"))
+def _tree_window_pallas(q, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2, *,
+                        window, page_size, scale, causal_prefix, rope_dim, value_dim, block_rows,
+                        num_warps, num_stages, interpret, poison_outputs):
+    b, r, hq, dk = q.shape
+    hkv = k_pool.shape[1]
+    total = padded_rows(r * (hq // hkv))
+    out = tree_window_row_layout(
+        heads_to_rows(q, hkv, total), k_pool, v_pool, page_table, prefix_lengths, mask,
+        heads_to_rows(prefix_out.astype(jnp.float32), hkv, total),
+        heads_to_rows(prefix_lse2.astype(jnp.float32), hkv, total, fill=-jnp.inf),
+        query_rows=r, group=hq // hkv, window=window, page_size=page_size, scale=scale,
+        causal_prefix=causal_prefix, rope_dim=rope_dim, value_dim=value_dim, block_rows=block_rows,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret, poison_outputs=poison_outputs)
     return rows_to_heads(out, r, hq)
 
 
@@ -280,4 +303,4 @@ def tree_window_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | N
         interpret=kind == "interpret", poison_outputs=poison_outputs)
 
 
-__all__ = ["tree_window_attention"]
+__all__ = ["tree_window_attention", "tree_window_row_layout"]

@@ -22,11 +22,15 @@ Shapes: `q [B, R, Hq, D]`, `k_pool/v_pool [S, Hkv, D]` (slot-major, `treespec_ja
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 
-from pallas_kernels.attention.prefix_decode import prefix_decode
-from pallas_kernels.attention.tree_window import tree_window_attention
+from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to_rows, padded_rows,
+                                                    prefix_decode, prefix_decode_row_layout, rows_to_heads)
+from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
+from pallas_kernels.common import resolve_backend
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
 
@@ -65,13 +69,47 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
     `mask [B, R, 2] uint32` -> `[B, R, Hq, D]` (q's dtype).
     """
     scale = _scale(config, q)
-    prefix_out, prefix_lse2 = prefix_decode(
-        q, k_pool, v_pool, page_table, prefix_lengths, page_size=config.page_size, scale=scale,
-        num_splits=config.num_splits, fp8_score_dot=config.fp8_score_dot, backend=config.backend)
-    out = tree_window_attention(
-        q, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2, window=window,
-        page_size=config.page_size, scale=scale, causal_prefix=True, backend=config.backend)
-    return out.astype(q.dtype)
+    kind = resolve_backend(config.backend)
+    if kind == "reference":
+        prefix_out, prefix_lse2 = prefix_decode(
+            q, k_pool, v_pool, page_table, prefix_lengths, page_size=config.page_size, scale=scale,
+            backend="reference")
+        out = tree_window_attention(
+            q, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2, window=window,
+            page_size=config.page_size, scale=scale, causal_prefix=True, backend="reference")
+        return out.astype(q.dtype)
+    # Validate through the public entry points' checks, then run both kernels on the shared row
+    # layout: q is transposed once in, the output once out, and the f32 prefix partial never is.
+    check_paged_inputs(q, k_pool, v_pool, page_table, prefix_lengths, config.page_size, "cascade_attention")
+    if not 1 <= window <= MAX_TREE_NODES:
+        raise ValueError(f"cascade_attention: window must be in [1, {MAX_TREE_NODES}], got {window}")
+    b, r, hq, d = q.shape
+    if mask.shape != (b, r, 2):
+        raise ValueError(f"cascade_attention: mask must be [B={b}, R={r}, 2] uint32, got {mask.shape}")
+    if k_pool.shape[-1] != d or v_pool.shape[-1] != d or d < 16 or d & (d - 1):
+        raise ValueError(f"cascade_attention: head dims q {d}, k {k_pool.shape[-1]}, v {v_pool.shape[-1]} "
+                         "must match and be a power of two >= 16")
+    return _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, window=window,
+                         page_size=config.page_size, scale=scale, num_splits=config.num_splits,
+                         fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "num_splits", "fp8_score_dot",
+                                             "interpret"))
+def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window, page_size, scale,
+                  num_splits, fp8_score_dot, interpret):
+    b, r, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    group = hq // hkv
+    qr = heads_to_rows(q, hkv, padded_rows(r * group))
+    prefix_out, prefix_lse2 = prefix_decode_row_layout(
+        qr, k_pool, v_pool, page_table, prefix_lengths, query_rows=r, group=group, page_size=page_size,
+        scale=scale, num_splits=num_splits, interpret=interpret, fp8_score_dot=fp8_score_dot)
+    out = tree_window_row_layout(
+        qr, k_pool, v_pool, page_table, prefix_lengths, mask.astype(jnp.uint32), prefix_out, prefix_lse2,
+        query_rows=r, group=group, window=window, page_size=page_size, scale=scale, causal_prefix=True,
+        value_dim=d, interpret=interpret)
+    return rows_to_heads(out, r, hq)
 
 
 def verify_attention(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, config: CascadeConfig):
