@@ -135,7 +135,8 @@ def conformance(quick: bool) -> bool:
              ("small-bf16", SMALL, 3, 33, jnp.bfloat16, 1e-2), ("nemotron", NEMOTRON, 2, 16, jnp.bfloat16, 1e-2)]
     if quick:
         cases = cases[1:2] + cases[-1:]
-    for tag, d, nb, t, act, tol in cases:
+
+    def one_case(tag, d, nb, t, act, tol):
         H, P, N, G = d["H"], d["P"], d["N"], d["G"]
         a = mamba_inputs(jax.random.key(t * 7 + nb), nb, t, d, 6, act=act)
         parents = jnp.asarray(dfs_tree(rng, nb, t))
@@ -169,7 +170,7 @@ def conformance(quick: bool) -> bool:
         untouched = [s for s in range(6) if s not in set(np.asarray(slots)[live].tolist())]
         check(f"{name} other pool slots untouched",
               0.0 if np.array_equal(new_pool[untouched], np.asarray(a["state_pool"])[untouched]) else 1.0, 0.0)
-        # Tree conv at this batch over a conv dim of this layer.
+        # Tree conv at this batch over this layer's conv dim ([x | B | C]).
         cd = 2 * G * N + H * P
         k1, k2, k3, k4 = jax.random.split(jax.random.key(t), 4)
         xc = jax.random.normal(k1, (nb, t, cd), jnp.float32).astype(act)
@@ -185,6 +186,13 @@ def conformance(quick: bool) -> bool:
         check(f"{name} conv rows exact", 0.0 if np.array_equal(np.asarray(rows, np.float32)[live],
                                                                np.asarray(rows_ref, np.float32)[live]) else 1.0, 0.0)
         check(f"{name} conv padded rows untouched", 0.0 if np.isnan(np.asarray(rows, np.float32)[~live]).all() else 1.0, 0.0)
+
+    for case in cases:
+        try:
+            one_case(*case)
+        except Exception:  # a kernel that fails to lower or run fails conformance; keep going
+            traceback.print_exc()
+            ok = False
     return ok
 
 

@@ -58,24 +58,25 @@ def _conv_kernel(*refs, T, W, BD, D, tree, has_bias, silu, write_states):
         return parents_ref[b, s] if tree else s - 1
 
     def node(t, carry):
-        cur = t  # node supplying the column at this lag, or < 0 once the path ran out
-        used = 0  # committed columns consumed so far (newest first)
+        # `cur` is the node supplying the column at this lag. Once the path has run out it counts
+        # down through the committed columns instead: -1 is the newest (column W-2), -2 the one
+        # before, so the committed column is W - 1 + cur. Integer arithmetic only, no counters.
+        cur = t
         acc = base
         for lag in range(W):
             on_path = cur >= 0
             col = plgpu.load(x_ref.at[b, jnp.maximum(cur, 0), pl.ds(d0, BD)], mask=dmask & on_path, other=0.0)
             col = col.astype(jnp.float32)
             if lag > 0:  # the newest column is always node t itself
-                from_state = plgpu.load(pool_ref.at[jnp.maximum(slot, 0), jnp.maximum(W - 2 - used, 0), pl.ds(d0, BD)],
+                from_state = plgpu.load(pool_ref.at[jnp.maximum(slot, 0), jnp.maximum(W - 1 + cur, 0), pl.ds(d0, BD)],
                                         mask=dmask & jnp.logical_not(on_path) & live, other=0.0)
                 col = jnp.where(on_path, col, from_state.astype(jnp.float32))
-                used = used + jnp.where(on_path, 0, 1)
             acc = acc + weights[lag] * col
             if write_states and lag < W - 1:
                 plgpu.store(rows_ref.at[b, t, jnp.int32(W - 2 - lag), pl.ds(d0, BD)], col.astype(rows_ref.dtype),
                             mask=dmask & live)
             if lag < W - 1:
-                cur = jnp.where(on_path, parent(jnp.maximum(cur, 0)), cur)
+                cur = jnp.where(on_path, parent(jnp.maximum(cur, 0)), cur - 1)
         if silu:
             acc = acc * jax.nn.sigmoid(acc)
         plgpu.store(y_ref.at[b, t, pl.ds(d0, BD)], jnp.where(live, acc, 0.0).astype(y_ref.dtype), mask=dmask)

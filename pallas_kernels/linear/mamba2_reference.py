@@ -108,7 +108,8 @@ def mamba2_tree_scan_reference(x, dt, A_log, B, C, D, dt_bias, state_pool, state
     anc = ancestor_mask_bool(parents)  # [b, t, s]
     dtp = _softplus(f32(dt) + f32(dt_bias))  # [b, T, H]
     logdecay = dtp * (-jnp.exp(f32(A_log)))
-    G = jnp.einsum("bts,bsh->bth", anc.astype(jnp.float32), logdecay)
+    # precision="highest": on GPU a default fp32 einsum runs in TF32, far too coarse for a reference.
+    G = jnp.einsum("bts,bsh->bth", anc.astype(jnp.float32), logdecay, precision="highest")
     diff = G[:, :, None, :] - G[:, None, :, :]  # [b, t, s, H]
     ancf = anc[..., None]
     weight = jnp.where(ancf, jnp.exp(jnp.where(ancf, diff, 0.0)), 0.0)
