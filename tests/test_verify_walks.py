@@ -88,7 +88,7 @@ class WalkTest(chex.TestCase):
             np.testing.assert_array_equal(np.asarray(got.path[i]), [d if d <= a else -1 for d in range(n)])
             np.testing.assert_array_equal(np.asarray(got.predicts[i]), [target[i, d] if d <= a else -1 for d in range(n)])
 
-    @chex.variants(with_jit=True, without_jit=True)
+    @chex.variants(with_jit=True)  # eager keyed draws are covered in test_sampling.py
     def test_every_node_draws_the_plain_decoding_draw_at_its_depth(self):
         rng = np.random.default_rng(2)
         b, n, v = 3, 12, 32
@@ -111,7 +111,7 @@ class WalkTest(chex.TestCase):
                              jnp.asarray([vc[i] + d + 1]), one)
                 assert draws[i, j] == int(want[0]), (i, j)
 
-    @chex.variants(with_jit=True, without_jit=True)
+    @chex.variants(with_jit=True)  # eager keyed draws are covered in test_sampling.py
     def test_keyed_walk_accepts_what_plain_decoding_draws(self):
         # Plain decoding draws t_d from logits L_d at position vc + d + 1. A tree that contains the
         # draft t_0, t_1, ... on one root path (with L_d at the depth-d path node and decoy siblings)

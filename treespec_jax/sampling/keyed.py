@@ -99,20 +99,27 @@ def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     probs = jax.nn.softmax(sorted_vals)
     mass_before = jnp.cumsum(probs) - probs
     # Keep a sorted token while the mass strictly before it is below top_p (rank 0 always stays).
-    keep_sorted = (mass_before < top_p) | (jnp.arange(vocab) == 0)
+    # top_p >= 1 keeps everything explicitly: a float32 cumsum can reach 1.0 before the tail.
+    keep_sorted = (mass_before < top_p) | (top_p >= 1.0) | (jnp.arange(vocab) == 0)
     keep = keep & keep_sorted[rank]
     return jnp.where(keep, scaled, -jnp.inf)
 
 
-def _sample_row(logits, seed, position, temperature, top_k, top_p):
-    """One row: `logits [V]` and scalars -> int32 token."""
+def _sample_rows(logits, seeds, positions, temperature, top_k, top_p):
+    """Flat rows: `logits [R, V]`, the rest `[R]` -> `[R]` int32 tokens."""
     vocab = logits.shape[-1]
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits).astype(jnp.int32)
-    safe_t = jnp.where(temperature > 0, temperature, 1.0)
-    scaled = filter_logits(logits / safe_t, top_k, top_p)
-    sampled = jnp.argmax(scaled + gumbel_noise(seed, position, vocab)).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled_row = temperature > 0
+    scaled = logits / jnp.where(sampled_row, temperature, 1.0)[:, None]
+    # The masks need a per-row sort over the vocabulary; skip it (for the whole batch, so the
+    # branch is a real one under jit) when no sampled row asks for top-k or top-p.
+    wants_mask = sampled_row & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    scaled = jax.lax.cond(jnp.any(wants_mask), lambda x: jax.vmap(filter_logits)(x, top_k, top_p),
+                          lambda x: x, scaled)
+    noise = jax.vmap(gumbel_noise, in_axes=(0, 0, None))(seeds, positions, vocab)
+    sampled = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+    return jnp.where(sampled_row, sampled, greedy)
 
 
 def sample_at(logits: jax.Array, seeds: jax.Array, positions: jax.Array, params: SamplingParams) -> jax.Array:
@@ -134,7 +141,7 @@ def sample_at(logits: jax.Array, seeds: jax.Array, positions: jax.Array, params:
         _broadcast_lead(params.top_p, lead, "params.top_p"),
     ]
     flat = [c.reshape(-1) for c in cols]
-    tokens = jax.vmap(_sample_row)(logits.reshape((-1, logits.shape[-1])), *flat)
+    tokens = _sample_rows(logits.reshape((-1, logits.shape[-1])), *flat)
     return tokens.reshape(lead)
 
 

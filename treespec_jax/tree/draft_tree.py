@@ -38,6 +38,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from treespec_jax.tree import masks
@@ -59,8 +60,8 @@ class TreeShape:
     def __post_init__(self):
         k, s, n = self.topk, self.num_steps, self.num_nodes
         for name, value in (("topk", k), ("num_steps", s), ("num_nodes", n)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"TreeShape.{name} must be a Python int, got {value!r}")
+            if not _is_static_int(value):
+                raise TypeError(f"TreeShape.{name} must be a static integer, got {value!r}")
         if not 1 <= k <= MAX_TOPK:
             raise ValueError(f"topk K={k} must lie in 1..{MAX_TOPK}")
         if not 1 <= s <= MAX_STEPS:
@@ -79,6 +80,11 @@ class TreeShape:
     def lane_window(self) -> int:
         """(S-1) K lane-window slots."""
         return (self.num_steps - 1) * self.topk
+
+
+def _is_static_int(value) -> bool:
+    """Python / numpy integers (not bools, not traced arrays)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def step_offset(topk: int, step: int) -> int:
@@ -147,10 +153,11 @@ class CandidateRecord:
         )
 
     def write(self, step: int, cands: StepCandidates) -> "CandidateRecord":
-        """Returns the record with step `step`'s candidates written (step is a Python int)."""
+        """Returns the record with step `step`'s candidates written (step is a static integer)."""
         k, s = self.topk, self.num_steps
-        if not isinstance(step, int) or not 0 <= step < s:
-            raise ValueError(f"step must be a Python int in 0..{s - 1}, got {step!r}")
+        if not _is_static_int(step) or not 0 <= step < s:
+            raise ValueError(f"step must be a static integer in 0..{s - 1}, got {step!r}")
+        step = int(step)
         width = k if step == 0 else k * k
         if cands.tokens.shape != (self.tokens.shape[0], width):
             raise ValueError(f"step {step} writes [B, {width}] candidates, got {cands.tokens.shape}")
@@ -197,7 +204,7 @@ def seed_lanes(logprobs_topk: jax.Array, tokens_topk: jax.Array) -> tuple[Lanes,
 
 def expand_lanes(lanes: Lanes, child_logprobs: jax.Array, child_tokens: jax.Array, step: int, *,
                  num_steps: int) -> tuple[Lanes, StepCandidates]:
-    """Draft step `step` (1..num_steps-1, a Python int): each lane proposes K children.
+    """Draft step `step` (1..num_steps-1, a static integer): each lane proposes K children.
 
     `lanes` are the lanes fed at this step (from `seed_lanes` or the previous `expand_lanes`),
     `child_logprobs [B, K, K]` float (lane l, child j), `child_tokens [B, K, K]` int32.
@@ -209,8 +216,9 @@ def expand_lanes(lanes: Lanes, child_logprobs: jax.Array, child_tokens: jax.Arra
         raise ValueError(
             f"child_logprobs {child_logprobs.shape} and child_tokens {child_tokens.shape} must be {(b, k, k)}")
     shape = TreeShape(k, num_steps, 2)
-    if not isinstance(step, int) or not 1 <= step < num_steps:
-        raise ValueError(f"expand step must be a Python int in 1..{num_steps - 1}, got {step!r}")
+    if not _is_static_int(step) or not 1 <= step < num_steps:
+        raise ValueError(f"expand step must be a static integer in 1..{num_steps - 1}, got {step!r}")
+    step = int(step)
     if shape.lane_window > masks.MAX_TREE_NODES:
         raise ValueError(f"lane window (S-1)K = {shape.lane_window} exceeds the {masks.MAX_TREE_NODES}-bit mask")
     child = jnp.minimum(_clean_scores(child_logprobs), 0.0)
