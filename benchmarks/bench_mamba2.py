@@ -287,9 +287,33 @@ def bench_case(nb, t, rng, bw, staged: bool):
     return res
 
 
+def sweep_tiles(nb=32, t=16):
+    """Tree ReplaySSM verify at one shape over a few (block_p, num_warps) choices."""
+    d = NEMOTRON
+    H, P, N, G = d["H"], d["P"], d["N"], d["G"]
+    sets = max(2, -(-POOL_BYTES // (nb * H * P * N * 4)))
+    a = mamba_inputs(jax.random.key(5), nb, t, d, nb * sets)
+    parents = jnp.asarray(dfs_tree(np.random.default_rng(5), nb, t))
+    out = {}
+    for bp, nw in ((16, 4), (8, 4), (32, 4), (16, 8), (16, 2)):
+        def step(c, bp=bp, nw=nw):
+            i, acc = c
+            slots = (jnp.arange(nb, dtype=jnp.int32) + i * nb) % (nb * sets)
+            y, _ = scan(a, slots, parents, block_p=bp, num_warps=nw)
+            return (i + 1) % sets, acc + y[0, 0, 0, 0].astype(jnp.float32)
+        out[(bp, nw)], _ = time_step(step, (jnp.int32(0), jnp.float32(0)))
+    log(f"tile sweep B={nb} T={t} tree outputs-only: " +
+        ", ".join(f"block_p={bp} warps={nw}: {sec * 1e6:.1f} us" for (bp, nw), sec in out.items()))
+
+
 def bench(quick: bool, budget_s: float):
     bw = copy_bandwidth()
     log(f"device copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
+    if not quick:
+        try:
+            sweep_tiles()
+        except Exception:
+            traceback.print_exc()
     # Most informative first, so a budget cut drops the least.
     shapes = [(32, 16), (1, 16), (64, 64), (32, 64), (1, 64), (64, 16), (32, 8), (1, 8), (64, 8)]
     if quick:
