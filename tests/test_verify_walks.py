@@ -8,6 +8,7 @@ import pytest
 from jax.scipy.special import gammaincc
 
 from treespec_jax.sampling.keyed import SamplingParams, sample_at
+from treespec_jax.sampling.rejection import walk_keys
 from treespec_jax.tree import verify
 from treespec_jax.tree.masks import chain_parents
 
@@ -238,14 +239,35 @@ def test_rejection_walk_sampled_children_is_exact():
     for j in (4, 5, 6):  # deeper targets: any fixed distributions (only bonus draws read them)
         target[:, j] = p_root[::-1]
         draft[:, j] = q_root
+    keys = walk_keys(jnp.arange(b), jnp.full((b,), 77))  # per-request (seed, position) keys
     out = jax.jit(verify.rejection_walk)(jnp.asarray(target), jnp.asarray(tokens), jnp.asarray(parents),
-                                         jax.random.split(jax.random.key(1), b), jnp.asarray(draft))
+                                         keys, jnp.asarray(draft))
     _check_first_two_tokens(out, p_root, p_next, "sampled q")
     # The accepted path follows parent links and its tokens are what predicts reports.
     path, alen, predicts = np.asarray(out.path), np.asarray(out.accept_len), np.asarray(out.predicts)
     two = alen >= 2
     np.testing.assert_array_equal(tokens[two, path[two, 1]], predicts[two, 0])
     assert (parents[two, path[two, 1]] == 0).all()
+
+
+def test_rejection_walk_does_not_depend_on_batch_slot():
+    # Keys come from (seed, position), so permuting the batch permutes the results.
+    rng = np.random.default_rng(12)
+    b, n = 16, 9
+    parents = random_parents(rng, b, n)
+    tokens = rng.integers(0, V, (b, n)).astype(np.int32)
+    target, draft = _dirichlet(rng, (b, n)), _dirichlet(rng, (b, n))
+    seeds, vc = np.arange(b) * 7 + 1, rng.integers(0, 1000, b)
+    walk = jax.jit(verify.rejection_walk)
+    out = walk(jnp.asarray(target), jnp.asarray(tokens), jnp.asarray(parents), walk_keys(seeds, vc), jnp.asarray(draft))
+    perm = rng.permutation(b)
+    out_p = walk(jnp.asarray(target[perm]), jnp.asarray(tokens[perm]), jnp.asarray(parents[perm]),
+                 walk_keys(seeds[perm], vc[perm]), jnp.asarray(draft[perm]))
+    for field in ("path", "accept_len", "predicts"):
+        np.testing.assert_array_equal(np.asarray(getattr(out_p, field)), np.asarray(getattr(out, field))[perm])
+    other = walk(jnp.asarray(target), jnp.asarray(tokens), jnp.asarray(parents), walk_keys(seeds + 1, vc),
+                 jnp.asarray(draft))
+    assert (np.asarray(other.predicts) != np.asarray(out.predicts)).any()
 
 
 def test_rejection_walk_rejects_bad_shapes():

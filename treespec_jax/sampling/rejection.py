@@ -15,7 +15,8 @@ Two draft modes:
 
 Every accepted token is then distributed exactly as the target would sample it (the test checks
 this with a chi-square over >= 200k draws). Uniforms come from `keys` (one typed PRNG key per
-request) folded with the loop step, so a request's result does not depend on its batch slot.
+request, e.g. `walk_keys(seeds, vc)`) folded with the loop step, so a request's result does not
+depend on its batch slot.
 
 The walk is one `fori_loop` of N steps: each step either examines one child (the "next child"
 pointer walks siblings through a precomputed next-sibling table) or finishes with the bonus draw.
@@ -46,6 +47,23 @@ def child_tables(parents: jax.Array) -> tuple[jax.Array, jax.Array]:
     next_sibling = jnp.min(jnp.where(same, idx[None, None, :], big), axis=-1)
     none = jnp.int32(-1)
     return jnp.where(first_child == big, none, first_child), jnp.where(next_sibling == big, none, next_sibling)
+
+
+# Domain tag folded into a request's key so rejection uniforms never reuse a Gumbel-max key.
+REJECTION_STREAM = 0x52454A  # "REJ"
+
+
+def walk_keys(seeds: jax.Array, verified_len: jax.Array) -> jax.Array:
+    """`seeds [B]`, `verified_len [B]` int32 -> `[B]` typed keys for one verify step.
+
+    Keyed like the Gumbel sampler by (seed, position) so a request's rejection draws are
+    reproducible and independent of its batch slot; the extra fold keeps the streams apart.
+    """
+    def one(seed, position):
+        key = jax.random.fold_in(jax.random.key(seed), position)
+        return jax.random.fold_in(key, REJECTION_STREAM)
+
+    return jax.vmap(one)(jnp.asarray(seeds, jnp.int32), jnp.asarray(verified_len, jnp.int32))
 
 
 def _normalise(x: jax.Array, fallback: jax.Array) -> jax.Array:

@@ -33,11 +33,6 @@ class AcceptedPath:
     accept_len: jax.Array  # [B] int32: accepted draft tokens + the bonus token
     predicts: jax.Array  # [B, N] int32: target token after path[d], -1 padded
 
-    @property
-    def tokens(self) -> jax.Array:
-        """`[B, N]` the tokens this step commits (predicts; -1 past accept_len)."""
-        return self.predicts
-
 
 def _check_tree(node_tokens: jax.Array, parents: jax.Array, target_tokens: jax.Array | None = None):
     if node_tokens.ndim != 2 or parents.shape != node_tokens.shape:
