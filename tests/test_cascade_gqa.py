@@ -1,0 +1,176 @@
+"""GQA cascade (prefix decode + tree window + merge) against one dense fp32 attention: verify,
+draft lanes, sliding-window lanes, FP8; and the dense reference against a per-row numpy loop."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention.reference import cascade_dense_reference, sliding_lane_dense_reference
+from treespec_jax.attention import (CascadeConfig, cascade_attention, lane_attention, sliding_lane_attention,
+                                    verify_attention)
+from treespec_jax.tree.masks import ancestor_mask, pack_mask_rows, unpack_mask_rows
+
+FP8 = jnp.float8_e4m3fn
+
+
+def random_parents(rng, batch, n):
+    par = np.full((batch, n), -1, np.int32)
+    for j in range(1, n):
+        par[:, j] = rng.integers(0, j, size=batch)
+    return jnp.asarray(par)
+
+
+def pools(rng, batch, max_len, hkv, d, page, dtype, live_fn):
+    """Pools + random page table; slots where `live_fn(b, pos)` is False and unowned pages are NaN/inf."""
+    per_req = -(-max_len // page)
+    num_pages = batch * per_req + 2
+    perm = rng.permutation(num_pages)
+    table = perm[: batch * per_req].reshape(batch, per_req)
+    k = rng.standard_normal((num_pages * page, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((num_pages * page, hkv, d)).astype(np.float32)
+    live = np.zeros(num_pages * page, bool)
+    for b in range(batch):
+        for pos in range(per_req * page):
+            if live_fn(b, pos):
+                live[table[b, pos // page] * page + pos % page] = True
+    bad = np.array([np.nan, np.inf, -np.inf], np.float32)[np.arange(live.size) % 3]
+    k[~live] = bad[~live, None, None]
+    v[~live] = bad[~live, None, None]
+    return jnp.asarray(k).astype(dtype), jnp.asarray(v).astype(dtype), jnp.asarray(table, jnp.int32)
+
+
+def rel_err(out, ref):
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    ref = np.asarray(jnp.asarray(ref, jnp.float32))
+    assert np.all(np.isfinite(out)), "non-finite output: poison leaked into a row"
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("n,group,page,dtype,tol", [
+    (64, 4, 16, jnp.bfloat16, 1e-2),
+    (16, 8, 64, FP8, 6e-2),  # the prefix half multiplies an FP8-quantised query
+])
+def test_verify_matches_dense_attention(n, group, page, dtype, tol):
+    rng = np.random.default_rng(n + group)
+    b, hkv, d = 3, 2, 16
+    lengths = np.array([0, 70, n // 3], np.int32)  # P = 0, long, P < R
+    k, v, table = pools(rng, b, 70 + n, hkv, d, page, dtype, lambda bb, pos: pos < lengths[bb] + n)
+    q = jnp.asarray(rng.standard_normal((b, n, hkv * group, d)), jnp.float32).astype(jnp.bfloat16)
+    mask = ancestor_mask(random_parents(rng, b, n))
+    lengths = jnp.asarray(lengths)
+    out = verify_attention(q, k, v, table, lengths, mask, config=CascadeConfig(page_size=page, backend="interpret"))
+    dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
+    assert out.dtype == q.dtype
+    assert rel_err(out, dense) < tol
+    composed = verify_attention(q, k, v, table, lengths, mask, config=CascadeConfig(page_size=page, backend="reference"))
+    assert rel_err(out, composed) < 1e-2
+
+
+def lane_masks(rng, batch, k, step):
+    """Lane masks after draft step `step` (SEMANTICS): seed lane r has bit r; the lane chosen as lane r
+    at step s has its parent lane's bits | bit s*K + r."""
+    masks = np.zeros((batch, k, 64), bool)
+    for r in range(k):
+        masks[:, r, r] = True
+    for s in range(1, step + 1):
+        parents = rng.integers(0, k, size=(batch, k))
+        new = np.take_along_axis(masks, parents[:, :, None], axis=1).copy()
+        for r in range(k):
+            new[:, r, s * k + r] = True
+        masks = new
+    return masks
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_lanes_match_dense_attention(step):
+    """K = 4 lanes, S = 5 draft steps: window (S-1)K = 16 at the frontier. Lane slots not yet written
+    at this step are poisoned."""
+    rng = np.random.default_rng(step)
+    b, kk, steps, hkv, g, d, page = 2, 4, 5, 2, 1, 16, 16
+    w = (steps - 1) * kk
+    written = (step + 1) * kk
+    frontier = np.array([2, 37], np.int32)
+    k, v, table = pools(rng, b, 37 + w, hkv, d, page, jnp.float32,
+                        lambda bb, pos: pos < frontier[bb] + written)
+    q = jnp.asarray(rng.standard_normal((b, kk, hkv * g, d)), jnp.float32)
+    bits = lane_masks(rng, b, kk, step)[:, :, :w]
+    mask = pack_mask_rows(jnp.asarray(bits))
+    frontier = jnp.asarray(frontier)
+    out = lane_attention(q, k, v, table, frontier, mask, steps=steps,
+                         config=CascadeConfig(page_size=page, backend="interpret"))
+    dense, _ = cascade_dense_reference(q, k, v, table, frontier, mask, window=w, page_size=page, scale=d ** -0.5)
+    assert rel_err(out, dense) < 1e-5
+
+
+def test_sliding_window_lanes_with_row_page_tables():
+    """Each lane row decodes its own table's prefix (last `sliding_window` keys only) and then the tree
+    window alone (causal_prefix=False)."""
+    rng = np.random.default_rng(9)
+    b, kk, hkv, g, d, page, w, sw = 2, 3, 1, 2, 16, 16, 6, 20
+    frontier = np.array([10, 50], np.int32)
+    row_lengths = np.array([[10, 7, 1], [50, 33, 0]], np.int32)
+    k, v, table = pools(rng, b, 64, hkv, d, page, jnp.float32, lambda bb, pos: pos < frontier[bb] + w)
+    # Row tables: request b's own pages, rotated per row so the rows really read different slots.
+    tnp = np.asarray(table)
+    row_tables = np.stack([np.stack([np.roll(tnp[bb], -r) for r in range(kk)]) for bb in range(b)])
+    # Row r's position x is request position x + r * page; keep every row's keys on live slots.
+    for bb in range(b):
+        for r in range(1, kk):
+            row_lengths[bb, r] = min(row_lengths[bb, r], max(0, int(frontier[bb]) + w - r * page))
+    q = jnp.asarray(rng.standard_normal((b, kk, hkv * g, d)), jnp.float32)
+    bits = rng.random((b, kk, w)) < 0.5
+    bits[:, :, 0] = True
+    mask = pack_mask_rows(jnp.asarray(bits))
+    args = (q, k, v, jnp.asarray(row_tables, jnp.int32), jnp.asarray(row_lengths), table, jnp.asarray(frontier), mask)
+    out = sliding_lane_attention(*args, window=w, config=CascadeConfig(page_size=page, backend="interpret"),
+                                 sliding_window=sw)
+    dense, _ = sliding_lane_dense_reference(*args, window=w, page_size=page, scale=d ** -0.5, sliding_window=sw)
+    assert rel_err(out, dense) < 1e-5
+    ref = sliding_lane_attention(*args, window=w, config=CascadeConfig(page_size=page, backend="reference"),
+                                 sliding_window=sw)
+    assert rel_err(ref, dense) < 1e-5
+
+
+def test_dense_reference_matches_numpy_loop_and_reference_composition():
+    rng = np.random.default_rng(4)
+    b, n, hkv, g, d, page = 2, 5, 2, 2, 16, 16
+    lengths = np.array([3, 21], np.int32)
+    k, v, table = pools(rng, b, 21 + n, hkv, d, page, jnp.float32, lambda bb, pos: pos < lengths[bb] + n)
+    q = jnp.asarray(rng.standard_normal((b, n, hkv * g, d)), jnp.float32)
+    mask = ancestor_mask(random_parents(rng, b, n))
+    dense, _ = cascade_dense_reference(q, k, v, table, jnp.asarray(lengths), mask, window=n, page_size=page,
+                                       scale=0.25)
+    bits = np.asarray(unpack_mask_rows(mask, n))
+    kk, vv, tnp = np.asarray(k, np.float64), np.asarray(v, np.float64), np.asarray(table)
+    expect = np.zeros(dense.shape)
+    for bb in range(b):
+        for r in range(n):
+            pos = list(range(lengths[bb])) + [lengths[bb] + j for j in range(n) if bits[bb, r, j]]
+            slots = [tnp[bb, p // page] * page + p % page for p in pos]
+            for h in range(hkv * g):
+                s = 0.25 * kk[slots, h // g] @ np.asarray(q[bb, r, h], np.float64)
+                wts = np.exp(s - s.max())
+                expect[bb, r, h] = wts @ vv[slots, h // g] / wts.sum()
+    np.testing.assert_allclose(np.asarray(dense), expect, rtol=1e-5, atol=1e-5)
+    composed = cascade_attention(q, k, v, table, jnp.asarray(lengths), mask, window=n,
+                                 config=CascadeConfig(page_size=page, scale=0.25, backend="reference"))
+    assert rel_err(composed, expect) < 1e-5
+
+
+def test_cascade_rejects_bad_configuration():
+    with pytest.raises(ValueError, match="page_size"):
+        CascadeConfig(page_size=48)
+    with pytest.raises(ValueError, match="num_splits"):
+        CascadeConfig(page_size=16, num_splits=0)
+    q = jnp.zeros((1, 4, 2, 16))
+    pool = jnp.zeros((64, 1, 16))
+    table = jnp.zeros((1, 4), jnp.int32)
+    lengths = jnp.zeros((1,), jnp.int32)
+    mask = jnp.zeros((1, 4, 2), jnp.uint32)
+    cfg = CascadeConfig(page_size=16)
+    with pytest.raises(ValueError, match="steps must be >= 2"):
+        lane_attention(q, pool, pool, table, lengths, mask, steps=1, config=cfg)
+    with pytest.raises(ValueError, match="exceeds 64"):
+        lane_attention(q, pool, pool, table, lengths, mask, steps=18, config=cfg)
+    with pytest.raises(ValueError, match="mask"):
+        cascade_attention(q, pool, pool, table, lengths, mask[:, :2], window=4, config=cfg)

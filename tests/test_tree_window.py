@@ -1,0 +1,196 @@
+"""Tree window kernel (prefix tail + masked window + merge): Pallas interpret mode against the fp32
+reference fed by a reference prefix partial; poison in every slot a row cannot see."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention.prefix_decode import prefix_decode
+from pallas_kernels.attention.reference import merge_partials_reference
+from pallas_kernels.attention.tree_window import tree_window_attention
+from treespec_jax.tree.masks import ancestor_mask, pack_mask_rows, unpack_mask_rows
+
+FP8 = jnp.float8_e4m3fn
+
+
+def random_parents(rng, batch, n):
+    par = np.full((batch, n), -1, np.int32)
+    for j in range(1, n):
+        par[:, j] = rng.integers(0, j, size=batch)
+    return jnp.asarray(par)
+
+
+def paged_pools(rng, batch, max_len, hkv, width, page, dtype, seen_slots_fn):
+    """Random pools and page table; every slot for which `seen_slots_fn(b, pos)` is False (and every
+    page no request owns) holds NaN/+inf/-inf."""
+    per_req = -(-max_len // page)
+    num_pages = batch * per_req + 2
+    perm = rng.permutation(num_pages)
+    table = perm[: batch * per_req].reshape(batch, per_req)
+    k = rng.standard_normal((num_pages * page, hkv, width)).astype(np.float32)
+    v = rng.standard_normal((num_pages * page, hkv, width)).astype(np.float32)
+    live = np.zeros(num_pages * page, bool)
+    for b in range(batch):
+        for pos in range(per_req * page):
+            if seen_slots_fn(b, pos):
+                live[table[b, pos // page] * page + pos % page] = True
+    bad = np.array([np.nan, np.inf, -np.inf], np.float32)[np.arange(live.size) % 3]
+    k[~live] = bad[~live, None, None]
+    v[~live] = bad[~live, None, None]
+    return jnp.asarray(k).astype(dtype), jnp.asarray(v).astype(dtype), jnp.asarray(table, jnp.int32)
+
+
+def rel_err(out, ref):
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    ref = np.asarray(jnp.asarray(ref, jnp.float32))
+    assert np.all(np.isfinite(out)), "non-finite output: poison leaked or an element was not written"
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("group,page,dtype,rows", [
+    (1, 16, jnp.float32, 64),   # 64-node trees: mask bit 63, 9+ pages of tail + window
+    (4, 32, jnp.bfloat16, 7),
+    (8, 64, FP8, 13),
+])
+def test_window_matches_reference_on_random_trees(group, page, dtype, rows):
+    rng = np.random.default_rng(rows + page)
+    hkv, d, b = 2, 16, 4
+    lengths = np.array([0, rows // 2, 90, 33], np.int32)  # P = 0, P < R, ragged
+    # Every committed key and the window (written by the verify forward) is live; the rest is poison.
+    k, v, table = paged_pools(rng, b, 90 + rows, hkv, d, page, dtype,
+                              lambda bb, pos: pos < lengths[bb] + rows)
+    q = jnp.asarray(rng.standard_normal((b, rows, group * hkv, d)), jnp.float32)
+    q = q.astype(jnp.float32 if dtype == jnp.float32 else jnp.bfloat16)
+    mask = ancestor_mask(random_parents(rng, b, rows))
+    lengths = jnp.asarray(lengths)
+    po, plse = prefix_decode(q, k, v, table, lengths, page_size=page, backend="reference")
+    out = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=rows, page_size=page,
+                                poison_outputs=True, backend="interpret")
+    ref = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=rows, page_size=page,
+                                backend="reference")
+    assert out.dtype == q.dtype and out.shape == (b, rows, group * hkv, d)
+    assert rel_err(out, ref) < (1e-5 if dtype == jnp.float32 else 1e-2)
+
+
+def test_window_lane_mask_hides_unwritten_slots_and_nonfinite_prefix_partial():
+    """Lanes: bits name only some window slots; slots no row names are poisoned. A prefix partial
+    with lse2 = -inf carries a NaN output that must be ignored."""
+    rng = np.random.default_rng(11)
+    b, rows, window, hkv, g, d, page = 3, 4, 16, 2, 2, 32, 16
+    bits = rng.random((b, rows, window)) < 0.3
+    bits[:, :, 0] = False  # column 0 is seen by no row: poisoned, and in the same page as seen ones
+    bits[0, 1, :] = False  # a row with no window key at all
+    lengths = np.array([5, 0, 40], np.int32)
+    named = bits.any(axis=1)
+    k, v, table = paged_pools(rng, b, 40 + window, hkv, d, page, jnp.float32,
+                              lambda bb, pos: pos < lengths[bb] or (0 <= pos - lengths[bb] < window
+                                                                     and named[bb, pos - lengths[bb]]))
+    q = jnp.asarray(rng.standard_normal((b, rows, hkv * g, d)), jnp.float32)
+    mask = pack_mask_rows(jnp.asarray(bits))
+    lengths = jnp.asarray(lengths)
+    po, plse = prefix_decode(q, k, v, table, lengths, page_size=page, backend="reference")
+    po = jnp.where(jnp.isneginf(plse)[..., None], jnp.nan, po)
+    out = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=window, page_size=page,
+                                poison_outputs=True, backend="interpret")
+    ref = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=window, page_size=page,
+                                backend="reference")
+    assert rel_err(out, ref) < 1e-5
+    # Request 1 (P = 0), row 1 of request 0 sees its prefix only: the empty request row is exactly 0.
+    empty = ~np.asarray(unpack_mask_rows(mask, window)).any(-1) & (np.asarray(lengths) == 0)[:, None]
+    assert np.all(np.asarray(out)[empty] == 0)
+
+
+def test_window_without_causal_prefix_attends_window_only():
+    rng = np.random.default_rng(5)
+    b, rows, hkv, g, d, page = 2, 8, 1, 4, 16, 16
+    lengths = np.array([20, 3], np.int32)
+    k, v, table = paged_pools(rng, b, 40, hkv, d, page, jnp.float32,
+                              lambda bb, pos: lengths[bb] <= pos < lengths[bb] + rows)  # prefix poisoned
+    q = jnp.asarray(rng.standard_normal((b, rows, hkv * g, d)), jnp.float32)
+    mask = ancestor_mask(random_parents(rng, b, rows))
+    po = jnp.asarray(rng.standard_normal((b, rows, hkv * g, d)), jnp.float32)
+    plse = jnp.asarray(rng.standard_normal((b, rows, hkv * g)), jnp.float32)
+    lengths = jnp.asarray(lengths)
+    out = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=rows, page_size=page,
+                                causal_prefix=False, poison_outputs=True, backend="interpret")
+    ref = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=rows, page_size=page,
+                                causal_prefix=False, backend="reference")
+    assert rel_err(out, ref) < 1e-5
+    # Independent check: merge of the given partial with a per-row softmax over visible window keys.
+    kk = np.asarray(k, np.float64)
+    vv = np.asarray(v, np.float64)
+    bits = np.asarray(unpack_mask_rows(mask, rows))
+    expect = np.zeros(out.shape)
+    for bb in range(b):
+        for r in range(rows):
+            pos = [int(lengths[bb]) + j for j in range(rows) if bits[bb, r, j]]
+            slots = [int(table[bb, p // page]) * page + p % page for p in pos]
+            for h in range(hkv * g):
+                s = np.asarray(q[bb, r, h], np.float64) @ kk[slots, h // g].T * d ** -0.5
+                s2 = s / np.log(2)
+                lse_w = np.log2(np.sum(np.exp2(s2)))
+                o_w = np.exp2(s2 - lse_w) @ vv[slots, h // g]
+                lp = float(plse[bb, r, h])
+                mx = max(lp, lse_w)
+                wp, ww = 2 ** (lp - mx), 2 ** (lse_w - mx)
+                expect[bb, r, h] = (wp * np.asarray(po[bb, r, h]) + ww * o_w) / (wp + ww)
+    assert rel_err(out, expect) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8])
+def test_window_mla_latent_layout(dtype):
+    """MLA: one latent row [latent | rope] per token is both key (two score terms) and value."""
+    rng = np.random.default_rng(3)
+    b, rows, hq, lat, rope, page = 2, 6, 4, 64, 16, 16
+    lengths = np.array([2, 30], np.int32)
+    lp, _, table = paged_pools(rng, b, 30 + rows, 1, lat + rope, page, dtype,
+                               lambda bb, pos: pos < lengths[bb] + rows)
+    latent = lp[:, 0, :]  # the 2-D latent pool [S, latent + rope]
+    q = jnp.asarray(rng.standard_normal((b, rows, hq, lat + rope)), jnp.float32).astype(jnp.bfloat16)
+    po = jnp.asarray(rng.standard_normal((b, rows, hq, lat)), jnp.float32)
+    plse = jnp.asarray(rng.standard_normal((b, rows, hq)) + 3.0, jnp.float32)
+    mask = ancestor_mask(random_parents(rng, b, rows))
+    lengths = jnp.asarray(lengths)
+    kw = dict(window=rows, page_size=page, scale=0.1, rope_dim=rope)
+    out = tree_window_attention(q, latent, None, table, lengths, mask, po, plse, poison_outputs=True,
+                                backend="interpret", **kw)
+    ref = tree_window_attention(q, latent, None, table, lengths, mask, po, plse, backend="reference", **kw)
+    assert out.shape == (b, rows, hq, lat)
+    assert rel_err(out, ref) < 1e-2
+    # The rope channels matter: dropping them changes the answer.
+    q_norope = q.at[..., lat:].set(0)
+    ref2 = tree_window_attention(q_norope, latent, None, table, lengths, mask, po, plse, backend="reference", **kw)
+    assert rel_err(ref2, ref) > 1e-2
+
+
+def test_merge_reference_drops_empty_partials():
+    oa = jnp.asarray([[1.0, 2.0], [jnp.nan, jnp.nan]])
+    la = jnp.asarray([0.0, -jnp.inf])
+    ob = jnp.asarray([[3.0, 4.0], [5.0, 6.0]])
+    lb = jnp.asarray([0.0, 1.0])
+    out, lse = merge_partials_reference(oa, la, ob, lb)
+    np.testing.assert_allclose(np.asarray(out), [[2.0, 3.0], [5.0, 6.0]])
+    np.testing.assert_allclose(np.asarray(lse), [1.0, 1.0])
+
+
+def test_window_rejects_bad_inputs():
+    q = jnp.zeros((1, 4, 2, 16))
+    pool = jnp.zeros((64, 1, 16))
+    table = jnp.zeros((1, 4), jnp.int32)
+    lengths = jnp.zeros((1,), jnp.int32)
+    mask = jnp.zeros((1, 4, 2), jnp.uint32)
+    po, plse = jnp.zeros((1, 4, 2, 16)), jnp.zeros((1, 4, 2))
+    with pytest.raises(ValueError, match="window must be in"):
+        tree_window_attention(q, pool, pool, table, lengths, mask, po, plse, window=65, page_size=16)
+    with pytest.raises(ValueError, match="uint32"):
+        tree_window_attention(q, pool, pool, table, lengths, mask.astype(jnp.int32), po, plse, window=4,
+                              page_size=16)
+    with pytest.raises(ValueError, match="v_pool=None"):
+        tree_window_attention(jnp.zeros((1, 4, 2, 32)), jnp.zeros((64, 1, 32)), jnp.zeros((64, 1, 32)) + 1,
+                              table, lengths, mask, po, plse, window=4, page_size=16, rope_dim=16)
+    with pytest.raises(ValueError, match="rope_dim"):
+        tree_window_attention(jnp.zeros((1, 4, 2, 24)), jnp.zeros((64, 1, 24)), None, table, lengths, mask,
+                              po, plse, window=4, page_size=16, rope_dim=8)
+    with pytest.raises(ValueError, match="prefix_lse2"):
+        tree_window_attention(q, pool, pool, table, lengths, mask, po, plse[..., :1], window=4, page_size=16)
