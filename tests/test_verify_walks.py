@@ -10,7 +10,7 @@ from jax.scipy.special import gammaincc
 from treespec_jax.sampling.keyed import SamplingParams, sample_at
 from treespec_jax.sampling.rejection import walk_keys
 from treespec_jax.tree import verify
-from treespec_jax.tree.masks import chain_parents
+from treespec_jax.tree.masks import chain_parents, depths
 
 P_MIN = 1e-4  # chi-square p-value floor; seeds are fixed, so a pass is reproducible
 
@@ -100,10 +100,13 @@ class WalkTest(chex.TestCase):
         params = SamplingParams.create([1.0, 0.6, 0.0], [0, 8, 0], [1.0, 0.9, 1.0])
         draws = np.asarray(self.variant(verify.keyed_targets)(
             jnp.asarray(logits), jnp.asarray(parents), jnp.asarray(seeds), jnp.asarray(vc), params))
+        # Passing precomputed depths (TreeSpec.depths) gives the same draws.
+        with_depths = verify.keyed_targets(jnp.asarray(logits), jnp.asarray(parents), jnp.asarray(seeds),
+                                           jnp.asarray(vc), params, depths(jnp.asarray(parents)))
+        np.testing.assert_array_equal(np.asarray(with_depths), draws)
         plain = jax.jit(sample_at)
         for i in range(b):
             one = SamplingParams.create(params.temperature[i:i + 1], params.top_k[i:i + 1], params.top_p[i:i + 1])
-            depth, cur = [], None
             for j in range(n):
                 d, cur = 0, j
                 while parents[i, cur] >= 0:

@@ -80,34 +80,42 @@ def greedy_walk(node_tokens: jax.Array, parents: jax.Array, target_tokens: jax.A
     return AcceptedPath(path=path, accept_len=depth + 1, predicts=predicts)
 
 
-def node_sample_positions(parents: jax.Array, verified_len: jax.Array) -> jax.Array:
+def node_sample_positions(parents: jax.Array, verified_len: jax.Array, depths: jax.Array | None = None) -> jax.Array:
     """`[B, N]` absolute position each node's output predicts: vc + depth + 1.
 
     verified_len `[B]` int32 is vc, the committed length before this step's forward (the root,
-    node 0, sits at position vc).
+    node 0, sits at position vc). `depths [B, N]` (e.g. `TreeSpec.depths`) skips recomputing them
+    from `parents`.
     """
-    return verified_len.astype(jnp.int32)[:, None] + masks.depths(parents) + 1
+    if depths is None:
+        depths = masks.depths(parents)
+    elif depths.shape != parents.shape:
+        raise ValueError(f"depths has shape {depths.shape}; expected the tree's {parents.shape}")
+    return verified_len.astype(jnp.int32)[:, None] + depths.astype(jnp.int32) + 1
 
 
 def keyed_targets(node_logits: jax.Array, parents: jax.Array, seeds: jax.Array, verified_len: jax.Array,
-                  params: SamplingParams) -> jax.Array:
+                  params: SamplingParams, depths: jax.Array | None = None) -> jax.Array:
     """Target draw after every node: `node_logits [B, N, V]` -> `[B, N]` int32.
 
     Node i draws with its request's seed and parameters at position vc + depth[i] + 1, i.e. exactly
     what plain decoding would draw for that position given the same logits.
     """
-    return sample_at(node_logits, seeds, node_sample_positions(parents, verified_len), params)
+    return sample_at(node_logits, seeds, node_sample_positions(parents, verified_len, depths), params)
 
 
 def keyed_sample_walk(node_logits: jax.Array, node_tokens: jax.Array, parents: jax.Array, seeds: jax.Array,
-                      verified_len: jax.Array, params: SamplingParams) -> AcceptedPath:
+                      verified_len: jax.Array, params: SamplingParams,
+                      depths: jax.Array | None = None) -> AcceptedPath:
     """Sampled verify: keyed draws at every node (`keyed_targets`), then the greedy walk over them.
 
     node_logits `[B, N, V]`, node_tokens / parents `[B, N]`, seeds / verified_len `[B]`, params per
-    request `[B]`. Temperature-0 requests reduce to `greedy_walk` over the argmax.
+    request `[B]`, optional depths `[B, N]`. Temperature-0 requests reduce to `greedy_walk` over
+    the argmax.
     """
     _check_tree(node_tokens, parents)
-    return greedy_walk(node_tokens, parents, keyed_targets(node_logits, parents, seeds, verified_len, params))
+    targets = keyed_targets(node_logits, parents, seeds, verified_len, params, depths)
+    return greedy_walk(node_tokens, parents, targets)
 
 
 def rejection_walk(target_probs: jax.Array, node_tokens: jax.Array, parents: jax.Array, keys: jax.Array,
