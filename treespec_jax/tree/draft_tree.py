@@ -99,7 +99,7 @@ def _clean_scores(x: jax.Array) -> jax.Array:
 
 
 def rank_order(scores: jax.Array) -> jax.Array:
-    """`[B, M]` -> `[B, M]` int32 indices in rank order: score desc, index asc, NaN last."""
+    """`[B, M]` -> `[B, M]` int32 indices in rank order: score desc, index asc; NaN ranks as -inf."""
     # A stable sort of the negated (cleaned) scores keeps equal scores in index order.
     return jnp.argsort(-_clean_scores(scores), axis=-1, stable=True).astype(jnp.int32)
 
@@ -260,6 +260,10 @@ def select_tree(record: CandidateRecord, root_tokens: jax.Array, num_nodes: int)
     a wider per-request buffer, pass a strided slice of it, e.g. `flat[::stride]` for a flat
     `[B * stride]` array or `x[:, 0]` for `[B, stride]`; any `[B]` array works, jitted or not.
     Returns a DraftTree with tokens / parents / depths / entries / scores `[B, N]`.
+
+    Precondition (true for records built by `seed_lanes` / `expand_lanes`): no entry outscores its
+    parent, so the kept set is closed under parents. A hand-built record that breaks this can
+    produce parents of -1 below the root; nothing here can check it without a host round trip.
     """
     shape = TreeShape(record.topk, record.num_steps, num_nodes)
     b, e = record.scores.shape
