@@ -29,7 +29,7 @@ from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit, pack_accepted_rows
 from pallas_kernels.linear.gdn_tree import GdnKernelConfig, branch_points, gdn_tree_verify
-from treespec_jax.linear.gdn import GdnLayerConfig, gdn_commit_replay, gdn_verify
+from treespec_jax.linear.gdn import GdnLayerConfig, GdnTree, gdn_commit_replay
 from treespec_jax.tree.masks import ancestor_mask
 
 QWEN = dict(H=16, HV=32, DK=128, DV=128)
@@ -101,13 +101,15 @@ def width(d):
 # Conformance
 # ----------------------------------------------------------------------------------------------
 
-def conformance(quick: bool) -> bool:
+def conformance(quick: bool, only=None) -> bool:
     ok = True
     tol = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
     cases = [(SMALL, 2, 14, jnp.float32), (QWEN, 2, 8, jnp.float32), (QWEN, 2, 16, jnp.bfloat16),
              (QWEN, 3, 33, jnp.float32), (QWEN, 2, 64, jnp.bfloat16)]
     if quick:
         cases = cases[:2]
+    if only is not None:
+        cases = [cases[i] for i in only]
     rng = np.random.default_rng(0)
 
     def check(name, cond, detail=""):
@@ -210,26 +212,30 @@ def copy_bandwidth() -> float:
     return 2 * x.size * 4 / statistics.median(times)
 
 
-def bench_case(bsz, t, rng, bw, block_v=None, sweep=False):
+def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None):
     d = QWEN
     dtype = jnp.bfloat16
     x = inputs(jax.random.key(bsz * 1000 + t), bsz, t, d, dtype)
     args = args_of(x)
     parents = jnp.asarray(random_tree(rng, bsz, t))
-    kcfg = GdnKernelConfig(block_v=block_v)
+    # The tree's kernel-facing forms are built once per step and shared by every layer.
+    tree = jax.block_until_ready(GdnTree.from_parents(parents))
+    kcfg = GdnKernelConfig(*launch) if launch else GdnKernelConfig()
+    ccfg = GdnKernelConfig(*chunked_launch) if chunked_launch else GdnKernelConfig()
     nodes = jnp.zeros((bsz, t, d["HV"], d["DK"], d["DV"]), jnp.float32)
     payload = jnp.zeros((bsz, t, width(d)), dtype)
     out0 = jnp.zeros(x["v"].shape, dtype)
     res = {}
 
-    def verify_step(tree, store, chunked=False):
+    def verify_step(is_tree, store, chunked=False):
         def step(c):
             ns, pl_, _ = c
             if chunked:
-                o, pl_ = gdn_chunked_verify(*args, ancestor_mask(parents), pl_, config=kcfg)
+                o, pl_ = gdn_chunked_verify(*args, tree.ancestor_mask, pl_, config=ccfg)
                 return ns, pl_, o
-            r = gdn_tree_verify(*args, parents if tree else None, ns, store=store,
-                                payload=pl_ if store == "branch_points" else None, config=kcfg)
+            r = gdn_tree_verify(*args, parents if is_tree else None, ns, store=store,
+                                payload=pl_ if store == "branch_points" else None,
+                                branch=tree.branch if is_tree else None, config=kcfg)
             return r.node_states, (r.payload if r.payload is not None else pl_), r.out
         return step
 
@@ -238,8 +244,12 @@ def bench_case(bsz, t, rng, bw, block_v=None, sweep=False):
                ("tree_replay_rec", True, "branch_points", False),
                ("chain_staged", False, "every_node", False),
                ("tree_staged", True, "every_node", False)]
-    for name, tree, store, chunked in kernels[: 2 if sweep else 4]:
-        res[name], carry = time_step(verify_step(tree, store), carry)
+    for name, is_tree, store, chunked in kernels[: 2 if sweep else 4]:
+        if sweep == "chunked":
+            break
+        t0 = time.time()
+        res[name], carry = time_step(verify_step(is_tree, store), carry)
+        log(f"    {name} {res[name]*1e6:.1f}us (compile+time {time.time() - t0:.1f}s)")
     if t <= 16:
         res["tree_chunked"], carry = time_step(verify_step(True, None, chunked=True), carry)
     if sweep:
@@ -263,7 +273,11 @@ def bench_case(bsz, t, rng, bw, block_v=None, sweep=False):
     return res
 
 
-def bench(quick: bool, budget_s: float, use_fla: bool):
+def parse_launch(text):
+    return [tuple(int(v) for v in item.split(":")) for item in text.split(",") if item]
+
+
+def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep_chunked, sweep_at):
     bw = copy_bandwidth()
     log(f"device copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
     rng = np.random.default_rng(1)
@@ -271,7 +285,6 @@ def bench(quick: bool, budget_s: float, use_fla: bool):
     state_node = d["HV"] * d["DK"] * d["DV"] * 4
     payload_node = width(d) * 2
     rows = []
-    configs = [(b, t) for b in (1, 32, 64) for t in (8, 16, 64)]
     if quick:
         configs = [(1, 16), (32, 16)]
     for bsz, t in configs:
@@ -291,20 +304,22 @@ def bench(quick: bool, budget_s: float, use_fla: bool):
             f"commit {r['replay_commit']*1e6:7.1f}us floor_rw {r['floor_rw']*1e6:6.1f}us")
     fla = fla_reference(bw) if use_fla else {}
     sweep = []
-    if not quick:
-        for bsz, t in [(1, 16), (32, 16)]:
-            for bv in (16, 32, 64, 128):
+    for bsz, t in sweep_at:
+        for kind, launches in (("recurrent", sweep_rec), ("chunked", sweep_chunked if t <= 16 else [])):
+            for launch in launches:
                 if time.time() - _T0 > budget_s + 40:
                     break
                 try:
-                    r = bench_case(bsz, t, rng, bw, block_v=bv, sweep=True)
+                    if kind == "recurrent":
+                        r = bench_case(bsz, t, rng, bw, launch=launch, sweep=True)
+                    else:
+                        r = bench_case(bsz, t, rng, bw, chunked_launch=launch, sweep="chunked")
                 except Exception as e:
-                    log(f"sweep B={bsz} T={t} block_v={bv} raised {e!r}"[:2000])
+                    log(f"sweep {kind} B={bsz} T={t} launch={launch} raised {e!r}"[:2000])
                     continue
-                sweep.append((bsz, t, bv, r))
-                log(f"sweep B={bsz} T={t} block_v={bv}: chain_replay {r['chain_replay']*1e6:.1f}us "
-                    f"tree_replay(rec) {r['tree_replay_rec']*1e6:.1f}us chunked "
-                    f"{r.get('tree_chunked', float('nan'))*1e6:.1f}us")
+                sweep.append((bsz, t, kind, launch, r))
+                log(f"sweep {kind} B={bsz} T={t} (block_v, warps, stages)={launch}: "
+                    + " ".join(f"{k} {v*1e6:.1f}us" for k, v in r.items()))
 
     print("\n## GDN tree verify, Qwen3-Next dims (H=16, HV=32, dk=dv=128), bf16 in, fp32 state")
     print(f"copy bandwidth {bw/1e12:.2f} TB/s; times are medians (us); ratios vs our chain verify")
@@ -322,11 +337,11 @@ def bench(quick: bool, budget_s: float, use_fla: bool):
               f"| {r['chain_replay'] / r['floor_r']:.1f}x | {r['replay_commit']*1e6:.1f} (acc {r['accept_mean']:.1f}) "
               f"| {staged_b/1024:.0f} KiB | {replay_b/1024:.1f} KiB |")
     if sweep:
-        print("\n| B | T | block_v | chain | tree rec | chunked |")
-        print("|---|---|---|---|---|---|")
-        for bsz, t, bv, r in sweep:
-            print(f"| {bsz} | {t} | {bv} | {r['chain_replay']*1e6:.1f} | {r['tree_replay_rec']*1e6:.1f} "
-                  f"| {r.get('tree_chunked', float('nan'))*1e6:.1f} |")
+        print("\n| B | T | kernel | (block_v, warps, stages) | chain (us) | tree recurrent (us) | chunked (us) |")
+        print("|---|---|---|---|---|---|---|")
+        for bsz, t, kind, launch, r in sweep:
+            print(f"| {bsz} | {t} | {kind} | {launch} | {r.get('chain_replay', float('nan'))*1e6:.1f} "
+                  f"| {r.get('tree_replay_rec', float('nan'))*1e6:.1f} | {r.get('tree_chunked', float('nan'))*1e6:.1f} |")
     if fla:
         print("\n| fla fused_recurrent chain, T=16 | us |")
         print("|---|---|")
@@ -376,13 +391,24 @@ def main(argv=None) -> int:
     p.add_argument("--no-fla", action="store_true", help="skip the flash-linear-attention reference")
     p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new timing configs after this")
     p.add_argument("--skip-conformance", action="store_true")
+    p.add_argument("--conformance-cases", default=None, help="comma list of case indices to run (default all)")
+    p.add_argument("--configs", default="1x8,1x16,1x64,32x8,32x16,32x64,64x8,64x16,64x64",
+                   help="BxT timing configs")
+    p.add_argument("--sweep-recurrent", default="", help="block_v:warps:stages,... for the recurrent kernels")
+    p.add_argument("--sweep-chunked", default="", help="block_v:warps:stages,... for the chunked form")
+    p.add_argument("--sweep-at", default="32x16", help="BxT configs the sweeps run at")
+    p.add_argument("--inner", type=int, default=INNER, help="kernel calls per timed jit call")
     a = p.parse_args(argv)
+    globals()["INNER"] = a.inner
+    bxt = lambda text: [tuple(int(v) for v in c.split("x")) for c in text.split(",") if c]
     log(f"jax {jax.__version__} devices {jax.devices()}")
     ok = True
     if not a.skip_conformance:
-        ok = conformance(a.quick)
+        only = None if a.conformance_cases is None else [int(i) for i in a.conformance_cases.split(",")]
+        ok = conformance(a.quick, only)
         log(f"conformance: {'PASS' if ok else 'FAIL'}")
-    bench(a.quick, a.budget_s, not a.no_fla)
+    bench(a.quick, a.budget_s, not a.no_fla, bxt(a.configs), parse_launch(a.sweep_recurrent),
+          parse_launch(a.sweep_chunked), bxt(a.sweep_at))
     return 0 if ok else 1
 
 

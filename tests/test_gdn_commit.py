@@ -10,7 +10,7 @@ from gdn_numpy import B, DK, DV, H, HV, per_path_numpy, random_inputs, random_pa
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit, pack_accepted_rows
 from treespec_jax.linear.gdn import (
-    FusedChainGdnLayer, GdnLayerConfig, GdnTreeLayer, gdn_commit_replay, gdn_commit_staged, gdn_verify)
+    FusedChainGdnLayer, GdnLayerConfig, GdnTree, GdnTreeLayer, gdn_commit_replay, gdn_commit_staged, gdn_verify)
 from treespec_jax.support import BackendGroup, TreeSupportError, resolve_tree_support
 
 WIDTH = GdnPayloadLayout(H, HV, DK, DV).width
@@ -50,11 +50,11 @@ def test_replay_and_staged_commits_equal_last_accepted_state(t, shape):
     path, accept = random_path(rng, tree_parents)
     _, ref_states = per_path_numpy(x, tree_parents, use_qk_l2norm=True)
     args = _args(x)
-    jp = None if parents is None else jnp.asarray(parents)
+    tree = None if parents is None else GdnTree.from_parents(jnp.asarray(parents))
 
     replay_cfg = GdnLayerConfig(H, HV, DK, DV, mode="replay_ssm")
     ver = gdn_verify(replay_cfg, *args, node_states=_nan_states(t),
-                     payload=jnp.full((B, t, WIDTH), jnp.nan, jnp.float32), parents=jp, backend="interpret")
+                     payload=jnp.full((B, t, WIDTH), jnp.nan, jnp.float32), tree=tree, backend="interpret")
     pool_replay, packed = gdn_commit_replay(replay_cfg, args[7], args[8], ver.payload, jnp.asarray(path),
                                             jnp.asarray(accept), args[5], args[6], backend="interpret")
     _check_pool(pool_replay, x, path, accept, ref_states)
@@ -64,7 +64,7 @@ def test_replay_and_staged_commits_equal_last_accepted_state(t, shape):
         np.testing.assert_array_equal(np.asarray(packed)[b, : accept[b]], rows[b, path[b, : accept[b]]])
 
     staged_cfg = GdnLayerConfig(H, HV, DK, DV, mode="staged")
-    st = gdn_verify(staged_cfg, *args, node_states=_nan_states(t), parents=jp, backend="interpret")
+    st = gdn_verify(staged_cfg, *args, node_states=_nan_states(t), tree=tree, backend="interpret")
     pool_staged = gdn_commit_staged(args[7], args[8], st.node_states, jnp.asarray(path), jnp.asarray(accept))
     _check_pool(pool_staged, x, path, accept, ref_states)
     assert rel_err(pool_staged, pool_replay) < TOL

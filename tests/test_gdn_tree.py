@@ -12,7 +12,7 @@ from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
 from pallas_kernels.linear.gdn_tree import branch_points, gdn_tree_verify
 from treespec_jax.linear.gdn import (
-    GDN_TREE_VERIFY_CHUNKED_MAX_NODES, GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GdnLayerConfig, gdn_verify,
+    GDN_TREE_VERIFY_CHUNKED_MAX_NODES, GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GdnLayerConfig, GdnTree, gdn_verify,
     parents_from_ancestor_mask, verify_kernel_for)
 from treespec_jax.tree.masks import ancestor_mask, ancestor_mask_bool
 
@@ -132,9 +132,10 @@ def test_layer_verify_dispatch_and_modes_agree():
     mask = ancestor_mask(jnp.asarray(parents))
     replay_cfg = GdnLayerConfig(H, HV, DK, DV, mode="replay_ssm")
     staged_cfg = GdnLayerConfig(H, HV, DK, DV, mode="staged")
+    tree = GdnTree.from_ancestor_mask(mask)
     replay = gdn_verify(replay_cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t),
-                        ancestor_mask=mask, backend="interpret")
-    staged = gdn_verify(staged_cfg, *_args(x), node_states=_nan_states(t), ancestor_mask=mask,
+                        tree=tree, backend="interpret")
+    staged = gdn_verify(staged_cfg, *_args(x), node_states=_nan_states(t), tree=tree,
                         backend="interpret")
     assert rel_err(replay.out, ref_out) < TOL
     assert rel_err(staged.out, replay.out) < TOL
@@ -184,11 +185,19 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="share one dtype"):
         gdn_tree_verify(*args, parents, _nan_states(t), store="branch_points",
                         payload=_nan_payload(t, jnp.bfloat16), backend="interpret")
+    with pytest.raises(ValueError, match="block_v=4"):
+        from pallas_kernels.linear.gdn_tree import GdnKernelConfig
+        gdn_tree_verify(*args, parents, _nan_states(t), store="every_node",
+                        config=GdnKernelConfig(block_v=4), backend="interpret")
+    with pytest.raises(ValueError, match="block_v=8 must be a power of two >= 16"):
+        gdn_chunked_verify(*args, ancestor_mask(parents), _nan_payload(t),
+                           config=GdnKernelConfig(block_v=8), backend="interpret")
     with pytest.raises(ValueError, match="block_v=24"):
         from pallas_kernels.linear.gdn_tree import GdnKernelConfig
         gdn_tree_verify(*args, parents, _nan_states(t), store="every_node",
                         config=GdnKernelConfig(block_v=24), backend="interpret")
     with pytest.raises(ValueError, match="needs this layer's payload"):
-        gdn_verify(GdnLayerConfig(H, HV, DK, DV), *args, node_states=_nan_states(t), parents=parents)
+        gdn_verify(GdnLayerConfig(H, HV, DK, DV), *args, node_states=_nan_states(t),
+                   tree=GdnTree.from_parents(parents))
     with pytest.raises(ValueError, match="'eager'"):
         GdnLayerConfig(H, HV, DK, DV, mode="eager")

@@ -133,7 +133,7 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
         out, _ = gdn_chunked_reference(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, anc,
                                        use_qk_l2norm=use_qk_l2norm, scale=scale)
         return out.astype(v.dtype), pack_payload(k, v, a, b)
-    block_v, num_warps, num_stages = pick_launch(dims, config)
+    block_v, num_warps, num_stages = pick_launch(dims, config, chunked=True)
     kernel = functools.partial(_chunked_kernel, nodes=dims.nodes, group=dims.group, block_v=block_v,
                                use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout)
     out, payload = pl.pallas_call(

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import resolve_backend
+from pallas_kernels.common import next_pow2, resolve_backend
 from pallas_kernels.linear.gdn_common import GdnDims, default_scale, gates, gdn_dims, l2_normalize
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_tree_verify_reference
@@ -41,11 +41,19 @@ STORES = ("every_node", "branch_points")
 
 @dataclass(frozen=True)
 class GdnKernelConfig:
-    """Launch knobs of the GDN kernels; None picks a default from the shapes."""
+    """Launch knobs of the GDN kernels; None picks the per-kernel default (see `pick_launch`)."""
 
-    block_v: int | None = None  # dv columns per program (power of two, 16..dv); splits dv for small batches
+    block_v: int | None = None  # dv columns per program (power of two dividing dv)
     num_warps: int | None = None  # Triton warps per program
-    num_stages: int = 1  # Triton software-pipelining stages (the node loop carries a dependency)
+    num_stages: int | None = None  # Triton software-pipelining stages of the node loop
+
+
+# Defaults (block_v, num_warps, num_stages). The recurrent kernels (tree verify, replay commit) are
+# latency bound on the per-node reductions over dk: narrow dv tiles in one warp keep the reductions
+# inside a warp and give many independent programs (the same shape flash-linear-attention's
+# fused_recurrent uses). The chunked form needs dot operands >= 16 wide.
+RECURRENT_LAUNCH = (8, 1, 3)
+CHUNKED_LAUNCH = (32, 4, 1)
 
 
 class GdnVerifyResult(NamedTuple):
@@ -62,21 +70,21 @@ def branch_points(parents: jax.Array) -> jax.Array:
     return jnp.any(child_of & not_next, axis=-2)
 
 
-def pick_launch(dims: GdnDims, config: GdnKernelConfig | None) -> tuple[int, int, int]:
-    """(block_v, num_warps, num_stages): split dv until the grid has enough programs to fill the GPU."""
+def pick_launch(dims: GdnDims, config: GdnKernelConfig | None, *, chunked: bool = False
+                ) -> tuple[int, int, int]:
+    """(block_v, num_warps, num_stages) for one launch; explicit config fields win."""
     config = config or GdnKernelConfig()
     dv = dims.head_v_dim
-    block_v = config.block_v
-    if block_v is None:
-        block_v = dv
-        while block_v > 32 and dims.batch * dims.num_v_heads * (dv // block_v) < 512:
-            block_v //= 2
-    if block_v < 16 or block_v & (block_v - 1) or dv % block_v:
-        raise ValueError(f"block_v={block_v} must be a power of two >= 16 dividing dv={dv}")
-    num_warps = config.num_warps
-    if num_warps is None:
-        num_warps = 4 if dims.head_k_dim * block_v <= 64 * 64 else 8
-    return block_v, num_warps, config.num_stages
+    d_block_v, d_warps, d_stages = CHUNKED_LAUNCH if chunked else RECURRENT_LAUNCH
+    min_block_v = 16 if chunked else 8  # Triton dot operands need >= 16 columns
+    block_v = min(dv, d_block_v) if config.block_v is None else config.block_v
+    if block_v < min_block_v or block_v & (block_v - 1) or dv % block_v:
+        raise ValueError(f"block_v={block_v} must be a power of two >= {min_block_v} dividing dv={dv}")
+    num_warps = d_warps if config.num_warps is None else config.num_warps
+    num_stages = d_stages if config.num_stages is None else config.num_stages
+    if num_warps < 1 or num_warps & (num_warps - 1) or num_stages < 1:
+        raise ValueError(f"num_warps={num_warps} must be a power of two and num_stages={num_stages} >= 1")
+    return block_v, num_warps, num_stages
 
 
 def _check_tree_inputs(dims: GdnDims, parents, node_states, payload, k, v, a, b, store):
@@ -110,7 +118,7 @@ def check_payload(dims: GdnDims, payload, k, v, a, b) -> GdnPayloadLayout:
 def _verify_kernel(parents_ref, branch_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref,
                    dtb_ref, pool_ref, _nodes_in_ref, *rest, chain: bool, store: str, nodes: int,
                    group: int, block_v: int, use_qk_l2norm: bool, scale: float,
-                   layout: GdnPayloadLayout | None, compiled: bool):
+                   layout: GdnPayloadLayout | None, compiled: bool, nodes_pow2: int):
     if layout is not None:
         _payload_in_ref, o_ref, nodes_ref, payload_ref = rest
     else:
@@ -123,13 +131,23 @@ def _verify_kernel(parents_ref, branch_ref, slots_ref, q_ref, k_ref, v_ref, a_re
     slot = slots_ref[b]
     alog = alog_ref[hv]
     dtb = dtb_ref[hv]
+    if not chain:
+        # One vector load of the request's parents and branch flags up front, so no node waits on a
+        # dependent scalar load before deciding whether to reload.
+        node_ids = jnp.arange(nodes_pow2, dtype=jnp.int32)
+        in_window = node_ids < nodes
+        parents_vec = plgpu.load(parents_ref.at[b, pl.ds(0, nodes_pow2)], mask=in_window, other=-1)
+        branch_vec = plgpu.load(branch_ref.at[b, pl.ds(0, nodes_pow2)], mask=in_window, other=0)
+
+        def pick(vec, t):
+            return jnp.sum(jnp.where(node_ids == t, vec, 0))
 
     def committed():
         return pool_ref[slot, hv, :, cols].astype(jnp.float32)
 
     def body(t, h):
         if not chain:
-            p = parents_ref[b, t]
+            p = pick(parents_vec, t)
 
             def reload():
                 if compiled:
@@ -156,7 +174,7 @@ def _verify_kernel(parents_ref, branch_ref, slots_ref, q_ref, k_ref, v_ref, a_re
         if store == "every_node":
             nodes_ref[b, t, hv, :, cols] = h
         elif not chain:
-            @pl.when(branch_ref[b, t] != 0)
+            @pl.when(pick(branch_vec, t) != 0)
             def _():
                 nodes_ref[b, t, hv, :, cols] = h
         if layout is not None:
@@ -192,7 +210,8 @@ def _verify_reference(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, pa
 
 
 def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, parents, node_states, *,
-                    store: Store, payload: jax.Array | None = None, use_qk_l2norm: bool = True,
+                    store: Store, payload: jax.Array | None = None, branch: jax.Array | None = None,
+                    use_qk_l2norm: bool = True,
                     scale: float | None = None, config: GdnKernelConfig | None = None,
                     backend: str | None = None) -> GdnVerifyResult:
     """GDN verify over a tree of T nodes (recurrent form). Shapes in `gdn_common`.
@@ -200,6 +219,8 @@ def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, pare
     parents: `[B, T] int32` (parents[t] < t, -1 for a root) or None for a chain (no parent loads).
     node_states: `[B, T, HV, dk, dv]` fp32, updated in place (donate it under jit); see `store`.
     payload: optional `[B, T, width]` buffer for the replay payload rows, updated in place.
+    branch: optional precomputed `branch_points(parents)` `[B, T]` (compute it once per step and
+    share it across layers; computed here when None).
     Returns `GdnVerifyResult(out, node_states, payload)`.
     """
     dims = gdn_dims(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots)
@@ -213,14 +234,19 @@ def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, pare
     chain = parents is None
     if chain:
         parents = jnp.zeros((dims.batch, dims.nodes), jnp.int32)  # never read
-    branch = branch_points(parents).astype(jnp.int32) if (store == "branch_points" and not chain) \
-        else jnp.zeros((dims.batch, dims.nodes), jnp.int32)
+    if store == "branch_points" and not chain:
+        branch = branch_points(parents) if branch is None else branch
+        if branch.shape != (dims.batch, dims.nodes):
+            raise ValueError(f"branch must be [B, T] = {(dims.batch, dims.nodes)}; got {branch.shape}")
+        branch = branch.astype(jnp.int32)
+    else:
+        branch = jnp.zeros((dims.batch, dims.nodes), jnp.int32)  # never read
     layout = None if payload is None else GdnPayloadLayout(
         dims.num_k_heads, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim)
     kernel = functools.partial(
         _verify_kernel, chain=chain, store=store, nodes=dims.nodes, group=dims.group,
         block_v=block_v, use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout,
-        compiled=kind == "compiled")
+        compiled=kind == "compiled", nodes_pow2=max(2, next_pow2(dims.nodes)))
     out_shape = [jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(node_states.shape, jnp.float32)]
     args = [parents.astype(jnp.int32), branch, state_slots.astype(jnp.int32), q, k, v, a, b,
             A_log.astype(jnp.float32), dt_bias.astype(jnp.float32), state_pool, node_states]

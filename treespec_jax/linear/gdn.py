@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit, pack_accepted_rows
-from pallas_kernels.linear.gdn_tree import GdnKernelConfig, gdn_tree_verify
+from pallas_kernels.linear.gdn_tree import GdnKernelConfig, branch_points, gdn_tree_verify
 from treespec_jax.support import Capability, TreeBackend, TreeSupport
 from treespec_jax.tree.masks import ancestor_mask as packed_ancestor_mask
 from treespec_jax.tree.masks import unpack_mask_rows
@@ -109,36 +109,49 @@ def parents_from_ancestor_mask(mask: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(anc, jnp.arange(t, dtype=jnp.int32), -1), axis=-1).astype(jnp.int32)
 
 
+class GdnTree(NamedTuple):
+    """One step's tree in the forms the GDN kernels read; build it once per step for all layers."""
+
+    parents: jax.Array  # [B, T] int32, parents[t] < t, -1 for a root
+    ancestor_mask: jax.Array  # [B, T, 2] uint32 packed ancestor-or-self rows (what attention reads)
+    branch: jax.Array  # [B, T] bool: node has a child other than t + 1 (ReplaySSM workspace rows)
+
+    @classmethod
+    def from_parents(cls, parents: jax.Array) -> "GdnTree":
+        parents = parents.astype(jnp.int32)
+        return cls(parents, packed_ancestor_mask(parents), branch_points(parents))
+
+    @classmethod
+    def from_ancestor_mask(cls, mask: jax.Array) -> "GdnTree":
+        parents = parents_from_ancestor_mask(mask)
+        return cls(parents, mask, branch_points(parents))
+
+
 def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, *,
                node_states: jax.Array, payload: jax.Array | None = None,
-               parents: jax.Array | None = None, ancestor_mask: jax.Array | None = None,
-               backend: str | None = None) -> GdnVerifyOutput:
+               tree: GdnTree | None = None, backend: str | None = None) -> GdnVerifyOutput:
     """One GDN layer's verify over T nodes per request (shapes in `pallas_kernels.linear.gdn_common`).
 
-    Tree: `parents [B, T]` and/or `ancestor_mask [B, T, 2] uint32` (the masks attention reads);
-    neither = a chain. node_states: the staged scratch or the shared ReplaySSM workspace (updated in
-    place, donate it). payload: this layer's `[B, T, width]` rows, required under ReplaySSM.
+    tree: the step's `GdnTree` (None = a chain). node_states: the staged scratch or the shared
+    ReplaySSM workspace (updated in place, donate it). payload: this layer's `[B, T, width]` rows,
+    required under ReplaySSM.
     """
     _check_layer(cfg, q, v)
-    tree = parents is not None or ancestor_mask is not None
     t = q.shape[1]
     if cfg.mode == "replay_ssm" and payload is None:
         raise ValueError("ReplaySSM verify needs this layer's payload buffer [B, T, width] (payload=None)")
     if cfg.mode == "staged" and payload is not None:
         raise ValueError("staged verify writes no replay payload; pass payload=None")
-    kernel = verify_kernel_for(cfg.mode, t, tree)
+    kernel = verify_kernel_for(cfg.mode, t, tree is not None)
     common = dict(use_qk_l2norm=cfg.use_qk_l2norm, scale=cfg.scale, config=cfg.kernel, backend=backend)
     if kernel == "chunked":
-        if ancestor_mask is None:
-            ancestor_mask = packed_ancestor_mask(parents)
         out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
-                                          ancestor_mask, payload, **common)
+                                          tree.ancestor_mask, payload, **common)
         return GdnVerifyOutput(out, node_states, payload)
-    if kernel == "recurrent_tree" and parents is None:
-        parents = parents_from_ancestor_mask(ancestor_mask)
     store = "every_node" if cfg.mode == "staged" else "branch_points"
     res = gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
-                          parents if tree else None, node_states, store=store, payload=payload, **common)
+                          None if tree is None else tree.parents, node_states, store=store,
+                          payload=payload, branch=None if tree is None else tree.branch, **common)
     return GdnVerifyOutput(res.out, res.node_states, res.payload)
 
 
