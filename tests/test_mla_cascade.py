@@ -220,6 +220,10 @@ def test_mla_rejects_bad_input():
         mla_decode(q, pool, table.astype(jnp.float32), plen, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE)
     with pytest.raises(ValueError, match="block_q must be a power of two >= 16, got 24"):
         MlaDecodeConfig(block_q=24)
+    # Default key step: a 64-key page step for 16-bit caches, 32 for FP8, never past a page.
+    assert MlaDecodeConfig().key_block(jnp.bfloat16, 64) == 64
+    assert MlaDecodeConfig().key_block(FP8, 64) == 32
+    assert MlaDecodeConfig().key_block(jnp.bfloat16, 16) == 16
     with pytest.raises(ValueError, match="rope_dim must be a power of two >= 16, got 12"):
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=12, page_size=PAGE, scale=SCALE)
     config = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE)
