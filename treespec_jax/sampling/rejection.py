@@ -82,7 +82,8 @@ def tree_rejection_sample(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Recursive rejection sampling over a batch of trees.
 
-    target_probs `[B, N, V]` float: target distribution at each node (what it predicts next).
+    target_probs `[B, N, V]` float: target distribution at each node (what it predicts next); each
+      row should sum to 1 (it is renormalised once; a row with no mass is left as is).
     node_tokens `[B, N]` int32, parents `[B, N]` int32 (parents[:, 0] = -1, parents[j] < j).
     keys `[B]` typed PRNG keys (`jax.random.key`), one per request.
     draft_probs `[B, N, V]` or None: the draft distribution each node's children were sampled from
@@ -98,8 +99,10 @@ def tree_rejection_sample(
     if draft_probs is not None and draft_probs.shape != (b, n, v):
         raise ValueError(f"draft_probs has shape {draft_probs.shape}; expected {(b, n, v)}")
     sampled_q = draft_probs is not None
+    # Rows are renormalised once so float error in a softmax cannot bias the acceptance test.
     target_probs = target_probs.astype(jnp.float32)
-    draft = draft_probs.astype(jnp.float32) if sampled_q else None
+    target_probs = _normalise(target_probs, target_probs)
+    draft = _normalise(draft_probs.astype(jnp.float32), draft_probs.astype(jnp.float32)) if sampled_q else None
     first_child, next_sibling = child_tables(parents)
     rows = jnp.arange(b)
     vocab_ids = jnp.arange(v, dtype=jnp.int32)
