@@ -18,8 +18,8 @@ widens the FP8 values to bf16.
 
 Kernel layout: grid (query tile, split, request). The R * Hq query rows of a request (flat index
 r * Hq + h, padded to a power of two >= 16) are cut into tiles of `block_q` rows; each program walks
-its split's key blocks (`block_k` keys inside one page) with a base-2 online softmax and writes an
-unnormalised-free partial (out, lse2). The query tile is the fastest grid axis, so the tiles of one
+its split's key blocks (`block_k` keys inside one page) with a base-2 online softmax and writes a
+normalised partial (out, lse2). The query tile is the fastest grid axis, so the tiles of one
 request stream the same latent pages at about the same time and share them through L2. Split-K
 partials (used when B * tiles alone cannot fill the GPU) are merged by LSE in plain jnp.
 """
