@@ -92,6 +92,26 @@ def test_mla_decode_matches_reference(dtype, config):
     np.testing.assert_array_equal(np.asarray(out)[empty], 0.0)
 
 
+def test_mla_decode_without_rope_channels():
+    """rope_dim = 0 (kv_lora_rank = every channel), fp32 cache: the rope term drops out."""
+    rng = np.random.default_rng(13)
+    b, r, maxp = 2, 2, 2
+    plen = np.array([5, 30], np.int32)
+    table = disjoint_page_table(4, b, maxp, 5)
+    pool = np.full((5 * PAGE, LORA), np.nan, np.float32)
+    for i in range(b):
+        pos = np.arange(plen[i])
+        pool[table[i, pos // PAGE] * PAGE + pos % PAGE] = rng.standard_normal((plen[i], LORA))
+    pool = jnp.asarray(pool)
+    q = jnp.asarray(rng.standard_normal((b, r, H, LORA)), jnp.float32)
+    args = (q, pool, jnp.asarray(table), jnp.asarray(plen))
+    out, lse = mla_decode(*args, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE, backend="interpret",
+                          poison_outputs=True)
+    ref_out, ref_lse = mla_decode_reference(*args, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE)
+    assert rel_err(out, ref_out) < 1e-5
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-4)
+
+
 def test_mla_decode_reference_matches_numpy_loop():
     rng = np.random.default_rng(4)
     b, r, maxp = 3, 3, 3
