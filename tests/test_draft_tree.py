@@ -81,9 +81,10 @@ def eagle2_select(req, root, n):
 
 
 def expected_lane_masks(req, k, s_steps):
-    """Lane-window masks from the record's parent links: slot t*K + r for every lane ancestor."""
+    """Lane-window masks from the record's parent links: slot t*K + r for every lane ancestor.
+    Lanes picked at the last step own no slot, except seed lanes, which always own slot r."""
     slot_of = {}
-    for t, entries in enumerate(req["lanes"][: s_steps - 1]):
+    for t, entries in enumerate(req["lanes"][: max(s_steps - 1, 1)]):
         for r, e in enumerate(entries):
             slot_of[e] = t * k + r
     masks = []
@@ -180,10 +181,11 @@ def random_config(rng):
     return k, s, n
 
 
-# Named configs: the accepted examples, the deepest legal round, and random ones over the legal
-# range (K <= 16, S <= 10, N <= min(64, E + 1)). The chain (K = 1) has its own test below.
+# Named configs: the accepted examples, the deepest legal round, a seeds-only round (S = 1, every
+# seed kept), and random ones over the legal range (K <= 16, S <= 10, N <= min(64, E + 1)).
+# The chain (K = 1) has its own test below.
 _rng = np.random.default_rng(2026)
-CONFIGS = [(4, 5, 16), (16, 5, 64), (8, 9, 64), (2, 10, 30)] + [random_config(_rng) for _ in range(2)]
+CONFIGS = [(4, 5, 16), (16, 5, 64), (8, 9, 64), (2, 10, 30), (3, 1, 4)] + [random_config(_rng) for _ in range(2)]
 
 
 class SelectTreeTest(chex.TestCase):

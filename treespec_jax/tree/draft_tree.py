@@ -23,7 +23,8 @@ never fed and own no slot.
 Lane ancestor mask: `Lanes.masks [B, K, 2] uint32` (the `tree.masks` packing: word 0 = bits 0..31,
 word 1 = bits 32..63) has bit w set iff lane-window slot w holds the lane itself or one of its lane
 ancestors. A seed lane r has mask 1 << r; lane r chosen at step s has (parent lane's mask) |
-1 << (s K + r). Lanes chosen at the final step get their parent lane's mask (no bit of their own).
+1 << (s K + r). Lanes chosen at a final step s = S-1 >= 1 get their parent lane's mask (no bit of
+their own); seed lanes always get 1 << r, even when S = 1 never feeds them.
 Lane attention lets row r see window slot w iff bit w of masks[r] is set.
 
 Node numbering (`select_tree`). Node 0 is the request's root token. The kept entries are numbered
