@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -394,6 +395,9 @@ def main(argv=None):
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--tune", action="store_true", help="also time a few prefix-kernel configurations")
     ap.add_argument("--markdown", default=None, help="write the conformance summary and table to this file")
+    ap.add_argument("--results", default=str(Path(__file__).resolve().parent / "RESULTS.md"),
+                    help="append a dated section here (benchmarks/RESULTS.md by default)")
+    ap.add_argument("--no-results", action="store_true", help="do not append to the results file")
     args = ap.parse_args(argv)
     print(f"jax {jax.__version__} devices {jax.devices()}", flush=True)
     checks = Checks()
@@ -440,6 +444,10 @@ def main(argv=None):
     if args.markdown:
         with open(args.markdown, "w") as fh:
             fh.write(md + "\n")
+    if not args.no_results:
+        cmd = "python3 benchmarks/bench_cascade.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        with open(args.results, "a") as fh:  # one append, so concurrent writers do not clobber
+            fh.write(f"\n## Cascade tree attention (GQA), {stamp}\n\ncommand: `{cmd.strip()}`\n\n{md}\n")
     return 0 if checks.all_ok else 1
 
 
