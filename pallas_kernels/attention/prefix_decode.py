@@ -12,15 +12,15 @@ Request b has R query rows and P = lengths[b] committed keys; row r sees keys [0
 Kernel layout. One program owns every query row of one KV head: the R rows times the G = Hq / Hkv
 heads of its group, stacked as row `r * G + g` (no head folding limit: R * G is any size). Rows are
 padded to a power of two >= 16 (Triton dot operands) and cut into `block_rows` tiles. The grid is
-(row_tiles, splits, Hkv, B); tiles of one (b, head, split) are adjacent in launch order so they share
-K/V through L2. Each program walks its split's pages, one page (page_size keys, a power of two) per
+(row_tiles, splits, Hkv, B), row tiles leading, so the tiles of one (b, head, split) launch close
+together and can share its K/V through L2. Each program walks its split's pages, one page (page_size keys, a power of two) per
 step, loading the page id as a scalar from the page table, and keeps a base-2 online softmax. With
 more than one split the partials are merged by their LSEs in a small XLA epilogue.
 
 FP8 E4M3 pools (unscaled): the query is cast to FP8 before the kernel (what the prefix half of an FP8
 cache multiplies; the reference does the same). K and V are widened after loading to fp16, which
-holds every E4M3 value exactly and which Hopper converts to natively (E4M3 -> bf16 is not native and
-measured slower), and both dots run in fp16 with fp32 accumulation. `fp8_score_dot=True` asks for a
+holds every E4M3 value exactly and which Hopper converts to natively (E4M3 -> bf16 is not native;
+the first GPU run widened to bf16 and was slower, see benchmarks/RESULTS.md), and both dots run in fp16 with fp32 accumulation. `fp8_score_dot=True` asks for a
 native FP8 x FP8 score dot instead (compiled GPU path only; it measured slower on the H200, see
 benchmarks/RESULTS.md).
 
@@ -47,7 +47,9 @@ from pallas_kernels.common import next_pow2, resolve_backend
 _TARGET_PROGRAMS = 528
 # A split shorter than this many pages costs more in its merge than it saves.
 _MIN_PAGES_PER_SPLIT = 4
-# Measured best on the H200 at B=32, P=32768, N=64, Hq=32, Hkv=8, D=128 (benchmarks/RESULTS.md).
+# Best of the first H200 tuning at B=32, P=32768, N=64, Hq=32, Hkv=8, D=128 (benchmarks/RESULTS.md).
+# The second run measured 256 rows / 8 warps 6% faster there, about the run-to-run spread; not
+# adopted without a confirming run.
 DEFAULT_BLOCK_ROWS = 128
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2

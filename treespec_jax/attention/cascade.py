@@ -84,8 +84,8 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
     if not 1 <= window <= MAX_TREE_NODES:
         raise ValueError(f"cascade_attention: window must be in [1, {MAX_TREE_NODES}], got {window}")
     b, r, hq, d = q.shape
-    if mask.shape != (b, r, 2):
-        raise ValueError(f"cascade_attention: mask must be [B={b}, R={r}, 2] uint32, got {mask.shape}")
+    if mask.shape != (b, r, 2) or mask.dtype != jnp.uint32:
+        raise ValueError(f"cascade_attention: mask must be [B={b}, R={r}, 2] uint32, got {mask.shape} {mask.dtype}")
     if k_pool.shape[-1] != d or v_pool.shape[-1] != d or d < 16 or d & (d - 1):
         raise ValueError(f"cascade_attention: head dims q {d}, k {k_pool.shape[-1]}, v {v_pool.shape[-1]} "
                          "must match and be a power of two >= 16")
@@ -106,7 +106,7 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
         qr, k_pool, v_pool, page_table, prefix_lengths, query_rows=r, group=group, page_size=page_size,
         scale=scale, num_splits=num_splits, interpret=interpret, fp8_score_dot=fp8_score_dot)
     out = tree_window_row_layout(
-        qr, k_pool, v_pool, page_table, prefix_lengths, mask.astype(jnp.uint32), prefix_out, prefix_lse2,
+        qr, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2,
         query_rows=r, group=group, window=window, page_size=page_size, scale=scale, causal_prefix=True,
         value_dim=d, interpret=interpret)
     return rows_to_heads(out, r, hq)
