@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.attention.prefix_decode import merge_splits, prefix_decode
+from pallas_kernels.attention.prefix_decode import default_num_splits, merge_splits, prefix_decode
 
 FP8 = jnp.float8_e4m3fn
 
@@ -148,3 +148,13 @@ def test_prefix_decode_rejects_bad_inputs():
         prefix_decode(q, pool, pool, table, lengths, page_size=16, num_splits=0)
     with pytest.raises(ValueError, match="backend"):
         prefix_decode(q, pool, pool, table, lengths, page_size=16, backend="cuda")
+
+
+def test_default_num_splits_fills_the_gpu_only_when_needed():
+    # B=32, Hkv=8, two row tiles: 512 programs already fill 132 SMs twice -> no split.
+    assert default_num_splits(32, 8, 2, 513, sms=132) == 1
+    # B=1: 16 programs -> split toward four programs per SM (33 splits of 16 pages).
+    assert default_num_splits(1, 8, 2, 513, sms=132) == 33
+    # Short prefixes never split below four pages per split.
+    assert default_num_splits(1, 8, 2, 8, sms=132) == 2
+    assert default_num_splits(1, 1, 1, 3, sms=132) == 1

@@ -42,9 +42,11 @@ from pallas_kernels.attention.reference import (LOG2E, is_fp8, prefix_decode_ref
                                                 quantize_query_for_pool)
 from pallas_kernels.common import next_pow2, resolve_backend
 
-# Programs we want in flight before splitting the key axis: about four per SM of an H200 (132 SMs),
-# so the last wave of a split launch is not a nearly empty one.
-_TARGET_PROGRAMS = 528
+# The key axis is split only when (B, Hkv, row tiles) gives fewer than two programs per SM; a split
+# launch then aims at four per SM so its last wave is not a nearly empty one. On the H200 this gave
+# B=32,P=32k,N=64 no split (512 programs) and B=1,P=32k,N=64 33 splits (benchmarks/RESULTS.md).
+_SPLIT_BELOW_PROGRAMS_PER_SM = 2
+_SPLIT_TARGET_PROGRAMS_PER_SM = 4
 # A split shorter than this many pages costs more in its merge than it saves.
 _MIN_PAGES_PER_SPLIT = 4
 # Best of the first H200 tuning at B=32, P=32768, N=64, Hq=32, Hkv=8, D=128 (benchmarks/RESULTS.md).
@@ -122,13 +124,13 @@ def num_sms() -> int:
     return int(getattr(dev, "core_count", 0) or 132)
 
 
-def default_num_splits(batch: int, kv_heads: int, row_tiles: int, max_pages: int) -> int:
+def default_num_splits(batch: int, kv_heads: int, row_tiles: int, max_pages: int, sms: int | None = None) -> int:
     """Split the key axis only when (B, Hkv, row tiles) leaves the GPU underfilled (e.g. B = 1)."""
+    sms = sms or num_sms()
     programs = batch * kv_heads * row_tiles
-    target = max(_TARGET_PROGRAMS, 4 * num_sms())
-    if programs >= target:
+    if programs >= _SPLIT_BELOW_PROGRAMS_PER_SM * sms:
         return 1
-    want = -(-target // programs)
+    want = -(-_SPLIT_TARGET_PROGRAMS_PER_SM * sms // programs)
     return max(1, min(want, max_pages // _MIN_PAGES_PER_SPLIT))
 
 
