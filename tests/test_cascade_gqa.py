@@ -174,3 +174,43 @@ def test_cascade_rejects_bad_configuration():
         lane_attention(q, pool, pool, table, lengths, mask, steps=18, config=cfg)
     with pytest.raises(ValueError, match="mask"):
         cascade_attention(q, pool, pool, table, lengths, mask[:, :2], window=4, config=cfg)
+
+
+def test_kernels_lower_to_triton_ir(monkeypatch):
+    """The compiled path must lower to Triton IR (bf16 and FP8 pools, MLA layout). Lowering runs on
+    the CPU once the GPU query is answered with an sm_90 device; compiling the IR to PTX needs the
+    GPU (benchmarks/bench_cascade.py)."""
+    import types
+
+    import jax
+    import jax._src.pallas.triton.pallas_call_registration as registration
+
+    from pallas_kernels.attention.prefix_decode import prefix_decode_row_layout
+    from pallas_kernels.attention.tree_window import tree_window_row_layout
+
+    monkeypatch.setattr(registration, "gpu_info_lib", types.SimpleNamespace(
+        get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
+    sd = jax.ShapeDtypeStruct
+    b, r, hkv, g, d, page, pages = 2, 16, 2, 4, 64, 32, 8
+    rows = r * g
+    for dtype in (jnp.bfloat16, FP8):
+        pool = sd((b * pages * page, hkv, d), dtype)
+        common = (pool, pool, sd((b, pages), jnp.int32), sd((b,), jnp.int32))
+        pre = lambda qr, *a: prefix_decode_row_layout(qr, *a, query_rows=r, group=g, page_size=page, scale=0.1,
+                                                      num_splits=2, interpret=False, poison_outputs=True)
+        text = jax.jit(pre).trace(sd((b, hkv, rows, d), jnp.bfloat16), *common).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "prefix_decode" in text
+        win = lambda qr, kp, vp, pt, ln, m, po, pl_: tree_window_row_layout(
+            qr, kp, vp, pt, ln, m, po, pl_, query_rows=r, group=g, window=r, page_size=page, scale=0.1,
+            value_dim=d, interpret=False)
+        jax.jit(win).trace(sd((b, hkv, rows, d), jnp.bfloat16), *common, sd((b, r, 2), jnp.uint32),
+                           sd((b, hkv, rows, d), jnp.float32), sd((b, hkv, rows), jnp.float32)).lower(
+            lowering_platforms=("cuda",))
+    latent = sd((b * pages * page, 1, 80), jnp.bfloat16)
+    mla = lambda qr, kp, pt, ln, m, po, pl_: tree_window_row_layout(
+        qr, kp, None, pt, ln, m, po, pl_, query_rows=r, group=4, window=r, page_size=page, scale=0.1,
+        rope_dim=16, value_dim=64, interpret=False)
+    jax.jit(mla).trace(sd((b, 1, 64, 80), jnp.bfloat16), latent, sd((b, pages), jnp.int32), sd((b,), jnp.int32),
+                       sd((b, r, 2), jnp.uint32), sd((b, 1, 64, 64), jnp.float32), sd((b, 1, 64), jnp.float32)).lower(
+        lowering_platforms=("cuda",))

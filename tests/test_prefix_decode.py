@@ -158,3 +158,19 @@ def test_default_num_splits_fills_the_gpu_only_when_needed():
     # Short prefixes never split below four pages per split.
     assert default_num_splits(1, 8, 2, 8, sms=132) == 2
     assert default_num_splits(1, 1, 1, 3, sms=132) == 1
+
+
+def test_prefix_decode_row_tiles_and_sliding_window():
+    """block_rows=16 cuts 20 query rows (R=5, G=4) into two tiles, the second mostly padding; the
+    causal staircase then crosses tile and page edges differently per tile."""
+    rng = np.random.default_rng(21)
+    page, hkv, g, d, rows = 16, 2, 4, 16, 5
+    lengths = np.array([67, 4], np.int32)
+    k, v, table = make_pools(rng, 2, 80, hkv, d, page, jnp.float32, lengths)
+    q = jnp.asarray(rng.standard_normal((2, rows, hkv * g, d)), jnp.float32)
+    for sw in (None, 23):
+        out, lse = prefix_decode(q, k, v, table, jnp.asarray(lengths), page_size=page, block_rows=16,
+                                 sliding_window=sw, num_splits=2, poison_outputs=True, backend="interpret")
+        nout, nlse = numpy_prefix(q, k, v, table, lengths, page, d ** -0.5, sw)
+        assert rel_err(out, nout) < 1e-5
+        check_lse(lse, nlse, 1e-4)
