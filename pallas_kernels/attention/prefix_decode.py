@@ -18,7 +18,8 @@ step, loading the page id as a scalar from the page table, and keeps a base-2 on
 more than one split the partials are merged by their LSEs in a small XLA epilogue.
 
 FP8 E4M3 pools (unscaled): the query is cast to FP8 before the kernel (what the prefix half of an FP8
-cache multiplies; the reference does the same). K and V are widened after loading to fp16, which
+cache multiplies; the reference does the same; unscaled E4M3 holds magnitudes up to 448, so a query
+beyond that is not representable, as in any unscaled FP8 decode). K and V are widened after loading to fp16, which
 holds every E4M3 value exactly and which Hopper converts to natively (E4M3 -> bf16 is not native;
 the first GPU run widened to bf16 and was slower, see benchmarks/RESULTS.md), and both dots run in fp16 with fp32 accumulation. `fp8_score_dot=True` asks for a
 native FP8 x FP8 score dot instead (compiled GPU path only; it measured slower on the H200, see
