@@ -90,22 +90,26 @@ def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, has_z, mode, layout):
         u = (dtp * x_raw.astype(jnp.float32))[:, None] * b_raw.astype(jnp.float32)[None, :]
         return jnp.exp(dtp * neg_a), u, x_raw, b_raw, dt_raw
 
-    def rebuild(p):
-        """State after node p, accumulated leaf to root over h0 (p == -1 gives h0)."""
+    def rebuild(p, t):
+        """State after node p, accumulated leaf to root over h0 (p == -1 gives h0).
+
+        The walk also stops when a parent pointer fails to decrease (a malformed tree): the result
+        is then unspecified, but the kernel always terminates and never reads past node t.
+        """
 
         def body(carry):
-            s, acc, scale = carry
+            s, _, acc, scale = carry
             a, u, *_ = node_terms(s)
-            return parents_ref[b, s], acc + scale * u, scale * a
+            return parents_ref[b, s], s, acc + scale * u, scale * a
 
-        _, acc, scale = lax.while_loop(
-            lambda c: c[0] >= 0, body, (p, jnp.zeros_like(h0), jnp.float32(1.0)))
+        _, _, acc, scale = lax.while_loop(
+            lambda c: (c[0] >= 0) & (c[0] < c[1]), body, (p, t, jnp.zeros_like(h0), jnp.float32(1.0)))
         return acc + scale * h0
 
     def step(t, state):
         if tree:
             p = parents_ref[b, t]
-            state = lax.cond(p == t - 1, lambda: state, lambda: rebuild(p))
+            state = lax.cond(p == t - 1, lambda: state, lambda: rebuild(p, t))
         a, u, x_raw, b_raw, dt_raw = node_terms(t)
         state = a * state + u
         c_t = plgpu.load(c_ref.at[b, t, g, pl.ds(0, NP)], mask=nmask, other=0.0).astype(jnp.float32)
@@ -182,7 +186,9 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
 
     Shapes: `x [B, T, H, P]`, `dt [B, T, H]`, `A_log/D/dt_bias [H]`, `B/C [B, T, G, N]`,
     `state_pool [S, H, P, N]`, `state_slots [B] int32` (< 0: padded request), `parents [B, T] int32`
-    (-1 <= parents[t] < t; None: the chain, compiled without any parent test), `z [B, T, H, P]`.
+    (-1 <= parents[t] < t; None: the chain, compiled without any parent test; a parent outside that
+    range gives unspecified values for that node and its descendants but never hangs or reads out of
+    bounds), `z [B, T, H, P]`.
     Returns `(y [B, T, H, P] in x.dtype, side)` where side is the updated scratch (staged), the
     updated payload (replay) or None (outputs).
     """
