@@ -30,8 +30,12 @@ def is_fp8(dtype) -> bool:
 
 
 def quantize_query_for_pool(q: jax.Array, pool_dtype) -> jax.Array:
-    """The query the prefix half actually multiplies: cast to FP8 (E4M3, unscaled) under an FP8 pool."""
-    return q.astype(pool_dtype) if is_fp8(pool_dtype) else q
+    """The query the prefix half actually multiplies: cast to FP8 (E4M3, unscaled) under an FP8 pool.
+
+    The barrier keeps the rounding under jit: XLA on the GPU may fold a narrowing convert followed
+    by a widening one into nothing (excess precision), which would skip the FP8 quantisation.
+    """
+    return jax.lax.optimization_barrier(q.astype(pool_dtype)) if is_fp8(pool_dtype) else q
 
 
 def _gather_positions(pool: jax.Array, page_table: jax.Array, positions: jax.Array, page_size: int):
