@@ -101,6 +101,23 @@ def test_chain_as_parents_equals_chain_kernel():
     assert rel_err(y_chain, np_conv(inp, slots, chain, True)[0]) < 1e-6
 
 
+def test_malformed_parents_stay_in_bounds():
+    """A self-loop or forward parent pointer ends that path; other nodes stay exact."""
+    rng = np.random.default_rng(25)
+    nb, T, D, W = 2, 8, 16, 4
+    inp = conv_inputs(rng, nb, T, D, W)
+    parents = random_parents(rng, nb, T)
+    good = parents.copy()
+    parents[0, 5] = 5
+    parents[1, 3] = 50  # far past the window
+    slots = np.array([0, 1], np.int32)
+    y, _ = run(inp, slots, parents, backend="interpret")
+    y_ref, _ = np_conv(inp, slots, good, False)
+    assert np.isfinite(np.asarray(y)).all()
+    assert rel_err(np.asarray(y)[0, :5], y_ref[0, :5]) < 1e-6
+    assert rel_err(np.asarray(y)[1, :3], y_ref[1, :3]) < 1e-6
+
+
 def test_reference_matches_per_path():
     rng = np.random.default_rng(22)
     nb, T, D, W = 2, 16, 24, 4

@@ -10,7 +10,8 @@ No node depends on another node's result, so a branch costs what a chain step co
 form (`parents=None`) computes the parent as t-1 instead of loading it.
 
 Layouts: `x [B, T, D]`, `conv_pool [S, W-1, D]` (oldest column first; one column is contiguous
-over channels), `weight [D, W]`, `bias [D]`, `parents [B, T] int32` (-1 <= parents[t] < t),
+over channels), `weight [D, W]`, `bias [D]`, `parents [B, T] int32` (-1 <= parents[t] < t; a
+parent outside that range gives unspecified values for that node but no out-of-bounds read),
 `state_slots [B] int32`. Node state rows `[B, T, W-1, D]` (same row layout as the pool) are written
 into a caller buffer when given (aliased in and out). A padded request (slot < 0) reads no state
 and writes no state row; its outputs are zeros.
@@ -76,7 +77,10 @@ def _conv_kernel(*refs, T, W, BD, D, tree, has_bias, silu, write_states):
                 plgpu.store(rows_ref.at[b, t, jnp.int32(W - 2 - lag), pl.ds(d0, BD)], col.astype(rows_ref.dtype),
                             mask=dmask & live)
             if lag < W - 1:
-                cur = jnp.where(on_path, parent(jnp.maximum(cur, 0)), cur - 1)
+                nxt = parent(jnp.maximum(cur, 0)) if tree else cur - 1
+                if tree:  # a parent that does not decrease (malformed tree) ends the path: in bounds
+                    nxt = jnp.where(nxt < cur, nxt, -1)
+                cur = jnp.where(on_path, nxt, cur - 1)
         if silu:
             acc = acc * jax.nn.sigmoid(acc)
         plgpu.store(y_ref.at[b, t, pl.ds(d0, BD)], jnp.where(live, acc, 0.0).astype(y_ref.dtype), mask=dmask)
