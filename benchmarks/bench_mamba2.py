@@ -155,6 +155,8 @@ def conformance(quick: bool) -> bool:
         check(f"{name} replay y == staged y", 0.0 if np.array_equal(np.asarray(y2, np.float32), np.asarray(y, np.float32)) else 1.0, 0.0)
         want = np.asarray(lay.pack(a["B"], a["x"], a["dt"]), np.float32)
         check(f"{name} payload rows exact", 0.0 if np.array_equal(np.asarray(pay, np.float32)[live], want[live]) else 1.0, 0.0)
+        yu, _ = jax.jit(lambda a, s, p: scan(a, s, p, unroll=True))(a, slots, parents)
+        check(f"{name} unrolled tree kernel", rel_err(yu, y_ref), tol)
         y3, _ = jax.jit(lambda a, s: scan(a, s, None))(a, slots)
         y3_ref, _ = scan(a, slots, None, backend="reference")
         check(f"{name} chain kernel", rel_err(y3, y3_ref), tol)
@@ -228,7 +230,7 @@ def copy_bandwidth() -> float:
     return 2 * x.size * 4 / statistics.median(times)
 
 
-def bench_case(nb, t, rng, bw, staged: bool):
+def bench_case(nb, t, rng, bw, staged: bool, unroll_variant: bool = False):
     d = NEMOTRON
     H, P, N, G = d["H"], d["P"], d["N"], d["G"]
     state_bytes = H * P * N * 4
@@ -238,12 +240,12 @@ def bench_case(nb, t, rng, bw, staged: bool):
     lay = Mamba2PayloadLayout(G, N, H, P)
     res = {}
 
-    def verify_step(tree, mode):
+    def verify_step(tree, mode, unroll=False):
         def step(c):
             side, i, acc = c
             slots = (jnp.arange(nb, dtype=jnp.int32) + i * nb) % (nb * sets)
             kw = {"scratch": side} if mode == "staged" else {"payload": side} if mode == "replay" else {}
-            y, side2 = scan(a, slots, parents if tree else None, mode=mode, **kw)
+            y, side2 = scan(a, slots, parents if tree else None, mode=mode, unroll=unroll, **kw)
             return (side if side2 is None else side2), (i + 1) % sets, acc + y[0, 0, 0, 0].astype(jnp.float32)
         return step
 
@@ -253,6 +255,11 @@ def bench_case(nb, t, rng, bw, staged: bool):
                     else jnp.zeros((nb, t, lay.width), jnp.bfloat16))  # donated: fresh per run
             sec, _ = time_step(verify_step(tree, mode), (side, jnp.int32(0), jnp.float32(0)))
             res[(mode, tree)] = sec
+    if unroll_variant:
+        for tree in (True, False):
+            side = jnp.zeros((nb, t, lay.width), jnp.bfloat16)
+            res[("unrolled", tree)], _ = time_step(verify_step(tree, "replay", unroll=True),
+                                                   (side, jnp.int32(0), jnp.float32(0)))
     # ReplaySSM commit over a random accepted path per request (payload already packed).
     path, acc = random_paths(rng, np.asarray(parents))
     payload = lay.pack(a["B"], a["x"], a["dt"])
@@ -306,7 +313,7 @@ def sweep_tiles(nb=32, t=16):
         ", ".join(f"block_p={bp} warps={nw}: {sec * 1e6:.1f} us" for (bp, nw), sec in out.items()))
 
 
-def bench(quick: bool, budget_s: float, sweep: bool = False):
+def bench(quick: bool, budget_s: float, sweep: bool = False, unroll_variant: bool = False):
     bw = copy_bandwidth()
     log(f"device copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
     if sweep:
@@ -328,7 +335,7 @@ def bench(quick: bool, budget_s: float, sweep: bool = False):
             break
         staged = (nb, t) in ((32, 16), (1, 16), (64, 8))
         try:
-            r = bench_case(nb, t, rng, bw, staged)
+            r = bench_case(nb, t, rng, bw, staged, unroll_variant)
         except Exception:
             traceback.print_exc()
             continue
@@ -341,6 +348,9 @@ def bench(quick: bool, budget_s: float, sweep: bool = False):
                 f"floor {floor * 1e6:6.1f} us (x{tree / floor:4.1f}) | commit({r['mean_accept']:.1f} rows) "
                 f"{r['commit'] * 1e6:6.1f} us | conv tree {r[('conv', True)] * 1e6:6.1f} chain "
                 f"{r[('conv', False)] * 1e6:6.1f} us (floor {r['conv_bytes'] / bw * 1e6:5.1f})")
+        if ("unrolled", True) in r:
+            line += (f" | unrolled replay-verify tree {r[('unrolled', True)] * 1e6:7.1f} chain "
+                     f"{r[('unrolled', False)] * 1e6:7.1f} us")
         if ("staged", True) in r:
             st_floor = (r["state_bytes"] * (1 + t)) / bw  # read once, write T node states
             line += (f" | staged tree {r[('staged', True)] * 1e6:7.1f} chain {r[('staged', False)] * 1e6:7.1f} us "
@@ -360,6 +370,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=150.0, help="stop starting new timing configs after this")
     p.add_argument("--skip-conformance", action="store_true")
     p.add_argument("--sweep", action="store_true", help="also time a few (block_p, num_warps) tilings")
+    p.add_argument("--unroll", action="store_true", help="also time the unrolled node loop (mamba2_tree_scan(unroll=True))")
     a = p.parse_args(argv)
     log(f"jax {jax.__version__} devices {jax.devices()}")
     ok = True
@@ -370,7 +381,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
             ok = False
         log(f"conformance: {'PASS' if ok else 'FAIL'}")
-    bench(a.quick, a.budget_s, a.sweep)
+    bench(a.quick, a.budget_s, a.sweep, a.unroll)
     return 0 if ok else 1
 
 

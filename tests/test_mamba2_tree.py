@@ -165,6 +165,20 @@ def test_chain_as_parents_equals_chain_kernel():
     assert rel_err(y_chain, np_mamba2(inp, slots, np.asarray(chain_parents(nb, T)))[0]) < 2e-5
 
 
+def test_unrolled_node_loop_matches_rolled():
+    rng = np.random.default_rng(15)
+    nb, T, P = 2, 14, 8
+    inp = mamba2_inputs(rng, nb, T, P, 2)
+    parents = random_parents(rng, nb, T)
+    slots = np.array([2, -1], np.int32)
+    y, st = scan(inp, slots, parents, mode="staged", scratch=jnp.full((nb, T, H, P, N), jnp.nan), backend="interpret")
+    yu, stu = scan(inp, slots, parents, mode="staged", scratch=jnp.full((nb, T, H, P, N), jnp.nan), unroll=True,
+                   backend="interpret")
+    assert rel_err(yu, np.asarray(y, np.float64)) < 1e-6
+    assert rel_err(stu[0], np.asarray(st[0], np.float64)) < 1e-6
+    assert np.isnan(np.asarray(stu[1])).all()
+
+
 def test_replay_mode_same_outputs_and_payload_rows():
     rng = np.random.default_rng(10)
     nb, T, P, G = 2, 16, 8, 2

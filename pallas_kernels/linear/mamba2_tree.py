@@ -50,7 +50,7 @@ def _softplus(v):
     return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
 
 
-def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, has_z, mode, layout):
+def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, has_z, mode, layout, unroll):
     refs = list(refs)
     parents_ref = refs.pop(0) if tree else None
     slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref, b_ref, c_ref = refs[:8]
@@ -134,7 +134,14 @@ def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, has_z, mode, layout):
                         jnp.full((1,), dt_raw, dtype=pdt), mask=jnp.full((1,), (pt == 0) & live))
         return state
 
-    lax.fori_loop(0, T, step, h0)
+    if unroll:
+        # Straight-line nodes: every node's x/B/C/dt loads are independent of the state, so the
+        # compiler can issue them ahead instead of paying their latency once per loop trip.
+        state = h0
+        for t in range(T):
+            state = step(jnp.int32(t), state)
+    else:
+        lax.fori_loop(0, T, step, h0)
 
 
 def _check(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z, mode, scratch, payload):
@@ -181,7 +188,8 @@ def _check(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z, 
 
 
 def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents=None, *, z=None,
-                     mode="outputs", scratch=None, payload=None, block_p=None, num_warps=4, backend=None):
+                     mode="outputs", scratch=None, payload=None, block_p=None, num_warps=4, unroll=False,
+                     backend=None):
     """Mamba2 verify scan; see the module docstring.
 
     Shapes: `x [B, T, H, P]`, `dt [B, T, H]`, `A_log/D/dt_bias [H]`, `B/C [B, T, G, N]`,
@@ -189,6 +197,8 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
     (-1 <= parents[t] < t; None: the chain, compiled without any parent test; a parent outside that
     range gives unspecified values for that node and its descendants but never hangs or reads out of
     bounds), `z [B, T, H, P]`.
+    `block_p` (power of two) and `num_warps` pick the program tile; `unroll=True` emits the node
+    loop as straight-line code (same results; an experiment for load latency, not yet timed on GPU).
     Returns `(y [B, T, H, P] in x.dtype, side)` where side is the updated scratch (staged), the
     updated payload (replay) or None (outputs).
     """
@@ -221,7 +231,7 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
         inputs.append(side)
         out_shape.append(jax.ShapeDtypeStruct(side.shape, side.dtype))
     kernel = functools.partial(_scan_kernel, T=T, H=H, P=P, N=N, G=G, BP=BP, NP=NP, tree=tree,
-                               has_z=z is not None, mode=mode, layout=layout)
+                               has_z=z is not None, mode=mode, layout=layout, unroll=bool(unroll))
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
