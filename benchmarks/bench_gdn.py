@@ -323,19 +323,18 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
 
     print("\n## GDN tree verify, Qwen3-Next dims (H=16, HV=32, dk=dv=128), bf16 in, fp32 state")
     print(f"copy bandwidth {bw/1e12:.2f} TB/s; times are medians (us); ratios vs our chain verify")
-    print("| B | T | chain (ReplaySSM) | tree ReplaySSM (kernel used) | tree/chain | staged chain | staged tree "
-          "| staged tree/chain | floor r+w | chain/floor_r | commit (move+replay) | staged B/node | ReplaySSM B/node |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for bsz, t, r, tree_best in rows:
-        used = "chunked" if 8 <= t <= 16 else "recurrent"
-        tree_t = r["tree_chunked"] if used == "chunked" else r["tree_replay_rec"]
-        staged_b = state_node
-        replay_b = r["branch_frac"] * state_node + payload_node if used == "recurrent" else payload_node
-        print(f"| {bsz} | {t} | {r['chain_replay']*1e6:.1f} | {tree_t*1e6:.1f} ({used}; rec {r['tree_replay_rec']*1e6:.1f}) "
-              f"| {tree_t / r['chain_replay']:.2f}x | {r['chain_staged']*1e6:.1f} | {r['tree_staged']*1e6:.1f} "
+    print("| B | T | chain (ReplaySSM) | tree ReplaySSM recurrent (default) | tree/chain | chunked form (opt-in) "
+          "| staged chain | staged tree | staged tree/chain | floor r+w | chain/floor_r | commit (move+replay) "
+          "| staged B/node | ReplaySSM B/node (recurrent) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for bsz, t, r, _ in rows:
+        replay_b = r["branch_frac"] * state_node + payload_node
+        print(f"| {bsz} | {t} | {r['chain_replay']*1e6:.1f} | {r['tree_replay_rec']*1e6:.1f} "
+              f"| {r['tree_replay_rec'] / r['chain_replay']:.2f}x | {r.get('tree_chunked', float('nan'))*1e6:.1f} "
+              f"| {r['chain_staged']*1e6:.1f} | {r['tree_staged']*1e6:.1f} "
               f"| {r['tree_staged'] / r['chain_staged']:.2f}x | {r['floor_rw']*1e6:.1f} "
               f"| {r['chain_replay'] / r['floor_r']:.1f}x | {r['replay_commit']*1e6:.1f} (acc {r['accept_mean']:.1f}) "
-              f"| {staged_b/1024:.0f} KiB | {replay_b/1024:.1f} KiB |")
+              f"| {state_node/1024:.0f} KiB | {replay_b/1024:.1f} KiB |")
     if sweep:
         print("\n| B | T | kernel | (block_v, warps, stages) | chain (us) | tree recurrent (us) | chunked (us) |")
         print("|---|---|---|---|---|---|---|")

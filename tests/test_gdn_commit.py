@@ -52,7 +52,8 @@ def test_replay_and_staged_commits_equal_last_accepted_state(t, shape):
     args = _args(x)
     tree = None if parents is None else GdnTree.from_parents(jnp.asarray(parents))
 
-    replay_cfg = GdnLayerConfig(H, HV, DK, DV, mode="replay_ssm")
+    # T=16 takes the chunked form (payload from the chunked kernel), the others the recurrent one.
+    replay_cfg = GdnLayerConfig(H, HV, DK, DV, mode="replay_ssm", chunked_tree_verify=t == 16)
     ver = gdn_verify(replay_cfg, *args, node_states=_nan_states(t),
                      payload=jnp.full((B, t, WIDTH), jnp.nan, jnp.float32), tree=tree, backend="interpret")
     pool_replay, packed = gdn_commit_replay(replay_cfg, args[7], args[8], ver.payload, jnp.asarray(path),

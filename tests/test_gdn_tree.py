@@ -10,7 +10,7 @@ from gdn_numpy import B, DK, DV, H, HV, branch_rows, chain, per_path_numpy, rand
 from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
-from pallas_kernels.linear.gdn_tree import branch_points, gdn_tree_verify
+from pallas_kernels.linear.gdn_tree import GdnKernelConfig, branch_points, gdn_tree_verify
 from treespec_jax.linear.gdn import (
     GDN_TREE_VERIFY_CHUNKED_MAX_NODES, GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GdnLayerConfig, GdnTree, gdn_verify,
     parents_from_ancestor_mask, verify_kernel_for)
@@ -50,9 +50,11 @@ def test_recurrent_tree_staged_and_replay(t, l2):
     assert rel_err(staged.out, ref_out) < TOL
     assert rel_err(staged.node_states, ref_states) < TOL  # every scratch row written (NaN fails)
 
+    # ReplaySSM here runs with dv split into two tiles of 8 columns (one program each).
     replay = gdn_tree_verify(*args, jnp.asarray(parents), _nan_states(t), store="branch_points",
-                             payload=_nan_payload(t), use_qk_l2norm=l2, backend="interpret")
-    np.testing.assert_array_equal(np.asarray(replay.out), np.asarray(staged.out))
+                             payload=_nan_payload(t), use_qk_l2norm=l2, config=GdnKernelConfig(block_v=8),
+                             backend="interpret")
+    assert rel_err(replay.out, staged.out) < 1e-6
     # The committed pool is only read.
     np.testing.assert_array_equal(_bits(args[7]), pool_before)
     # The workspace holds exactly the branch points; every other row keeps its NaN poison.
@@ -116,21 +118,23 @@ def test_chunked_reference_states_match_per_path():
 
 
 def test_layer_verify_dispatch_and_modes_agree():
-    """gdn_verify picks chunked for 8..16-node trees under ReplaySSM; masks alone describe the tree."""
+    """With chunked_tree_verify, gdn_verify picks the chunked form for 8..16-node ReplaySSM trees;
+    masks alone describe the tree."""
     assert (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_MAX_NODES) == (8, 16)
-    assert verify_kernel_for("replay_ssm", 16, True) == "chunked"
-    assert verify_kernel_for("replay_ssm", 8, True) == "chunked"
-    assert verify_kernel_for("replay_ssm", 7, True) == "recurrent_tree"
-    assert verify_kernel_for("replay_ssm", 17, True) == "recurrent_tree"
-    assert verify_kernel_for("staged", 16, True) == "recurrent_tree"
-    assert verify_kernel_for("replay_ssm", 16, False) == "recurrent_chain"
+    assert verify_kernel_for("replay_ssm", 16, True, True) == "chunked"
+    assert verify_kernel_for("replay_ssm", 8, True, True) == "chunked"
+    assert verify_kernel_for("replay_ssm", 7, True, True) == "recurrent_tree"
+    assert verify_kernel_for("replay_ssm", 17, True, True) == "recurrent_tree"
+    assert verify_kernel_for("replay_ssm", 16, True, False) == "recurrent_tree"
+    assert verify_kernel_for("staged", 16, True, True) == "recurrent_tree"
+    assert verify_kernel_for("replay_ssm", 16, False, True) == "recurrent_chain"
     t = 12
     rng = np.random.default_rng(11)
     x = random_inputs(rng, B, t)
     parents = random_tree(rng, B, t)
     ref_out, _ = per_path_numpy(x, parents, use_qk_l2norm=True)
     mask = ancestor_mask(jnp.asarray(parents))
-    replay_cfg = GdnLayerConfig(H, HV, DK, DV, mode="replay_ssm")
+    replay_cfg = GdnLayerConfig(H, HV, DK, DV, mode="replay_ssm", chunked_tree_verify=True)
     staged_cfg = GdnLayerConfig(H, HV, DK, DV, mode="staged")
     tree = GdnTree.from_ancestor_mask(mask)
     replay = gdn_verify(replay_cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t),
@@ -186,14 +190,12 @@ def test_bad_inputs_are_named():
         gdn_tree_verify(*args, parents, _nan_states(t), store="branch_points",
                         payload=_nan_payload(t, jnp.bfloat16), backend="interpret")
     with pytest.raises(ValueError, match="block_v=4"):
-        from pallas_kernels.linear.gdn_tree import GdnKernelConfig
         gdn_tree_verify(*args, parents, _nan_states(t), store="every_node",
                         config=GdnKernelConfig(block_v=4), backend="interpret")
     with pytest.raises(ValueError, match="block_v=8 must be a power of two >= 16"):
         gdn_chunked_verify(*args, ancestor_mask(parents), _nan_payload(t),
                            config=GdnKernelConfig(block_v=8), backend="interpret")
     with pytest.raises(ValueError, match="block_v=24"):
-        from pallas_kernels.linear.gdn_tree import GdnKernelConfig
         gdn_tree_verify(*args, parents, _nan_states(t), store="every_node",
                         config=GdnKernelConfig(block_v=24), backend="interpret")
     with pytest.raises(ValueError, match="needs this layer's payload"):

@@ -48,12 +48,12 @@ class GdnKernelConfig:
     num_stages: int | None = None  # Triton software-pipelining stages of the node loop
 
 
-# Defaults (block_v, num_warps, num_stages). The recurrent kernels (tree verify, replay commit) are
-# latency bound on the per-node reductions over dk: narrow dv tiles in one warp keep the reductions
-# inside a warp and give many independent programs (the same shape flash-linear-attention's
-# fused_recurrent uses). The chunked form needs dot operands >= 16 wide.
-RECURRENT_LAUNCH = (8, 1, 3)
-CHUNKED_LAUNCH = (32, 4, 1)
+# Default launch (measured on an H200, benchmarks/RESULTS.md "GDN tree verify"): split dv into
+# tiles until the grid has at least this many programs, but keep tiles >= 32 columns wide. Narrow
+# one-warp tiles (block_v 8, as flash-linear-attention's fused_recurrent uses) measured 2-3x slower
+# here for the tree and staged kernels: their state stores become 32-byte strided segments.
+MIN_PROGRAMS = 512
+MIN_DEFAULT_BLOCK_V = 32
 
 
 class GdnVerifyResult(NamedTuple):
@@ -72,16 +72,27 @@ def branch_points(parents: jax.Array) -> jax.Array:
 
 def pick_launch(dims: GdnDims, config: GdnKernelConfig | None, *, chunked: bool = False
                 ) -> tuple[int, int, int]:
-    """(block_v, num_warps, num_stages) for one launch; explicit config fields win."""
+    """(block_v, num_warps, num_stages) for one launch; explicit config fields win.
+
+    Default: halve block_v from dv while the (B, HV, dv / block_v) grid has fewer than MIN_PROGRAMS
+    programs (small batches need dv tiles to fill the GPU), then 4 warps for tiles of at most
+    64 x 64 state elements, 8 above, and one pipeline stage (each node depends on the last).
+    """
     config = config or GdnKernelConfig()
     dv = dims.head_v_dim
-    d_block_v, d_warps, d_stages = CHUNKED_LAUNCH if chunked else RECURRENT_LAUNCH
     min_block_v = 16 if chunked else 8  # Triton dot operands need >= 16 columns
-    block_v = min(dv, d_block_v) if config.block_v is None else config.block_v
+    block_v = config.block_v
+    if block_v is None:
+        block_v = dv
+        while (block_v > MIN_DEFAULT_BLOCK_V
+               and dims.batch * dims.num_v_heads * (dv // block_v) < MIN_PROGRAMS):
+            block_v //= 2
     if block_v < min_block_v or block_v & (block_v - 1) or dv % block_v:
         raise ValueError(f"block_v={block_v} must be a power of two >= {min_block_v} dividing dv={dv}")
-    num_warps = d_warps if config.num_warps is None else config.num_warps
-    num_stages = d_stages if config.num_stages is None else config.num_stages
+    num_warps = config.num_warps
+    if num_warps is None:
+        num_warps = 4 if dims.head_k_dim * block_v <= 64 * 64 else 8
+    num_stages = 1 if config.num_stages is None else config.num_stages
     if num_warps < 1 or num_warps & (num_warps - 1) or num_stages < 1:
         raise ValueError(f"num_warps={num_warps} must be a power of two and num_stages={num_stages} >= 1")
     return block_v, num_warps, num_stages

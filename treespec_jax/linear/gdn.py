@@ -1,11 +1,12 @@
 """GDN layers under tree verify: the verify call and the commit, in ReplaySSM and staged modes.
 
 Modes (`GdnStateMode`):
-  "replay_ssm" (default) The committed state pool is never written during verify. Trees of
-               GDN_TREE_VERIFY_CHUNKED_MIN_NODES .. GDN_TREE_VERIFY_CHUNKED_MAX_NODES nodes run the
-               chunked tree form (no node states at all); other trees run the recurrent kernel,
-               which stores only branch-point states in the one workspace every layer shares
-               (`[B, T, HV, dk, dv]`, one layer's worth) and reloads a branch's parent from there.
+  "replay_ssm" (default) The committed state pool is never written during verify. With
+               `chunked_tree_verify`, trees of GDN_TREE_VERIFY_CHUNKED_MIN_NODES ..
+               GDN_TREE_VERIFY_CHUNKED_MAX_NODES nodes run the chunked tree form (no node states at
+               all); other trees run the recurrent kernel, which stores only branch-point states in
+               the one workspace every layer shares (`[B, T, HV, dk, dv]`, one layer's worth) and
+               reloads a branch's parent from there.
                Verify writes each node's replay payload row `[k | v | a | b]`; the commit packs the
                accepted path's rows to the window front (`pallas_kernels.row_move.move_rows`) and
                replays min(accept_len, T) of them over the committed state in place.
@@ -57,6 +58,9 @@ class GdnLayerConfig:
     scale: float | None = None  # query scale; None = dk ** -0.5
     mode: GdnStateMode = "replay_ssm"  # "staged" is --disable-replay-ssm
     kernel: GdnKernelConfig = GdnKernelConfig()  # launch knobs shared by the GDN kernels
+    # ReplaySSM trees of 8..16 nodes in the chunked form. Off by default: on the H200 our chunked
+    # kernel measured 3.5-7x slower than the recurrent tree kernel (benchmarks/RESULTS.md).
+    chunked_tree_verify: bool = False
 
     def __post_init__(self):
         if self.mode not in STATE_MODES:
@@ -76,13 +80,13 @@ class GdnVerifyOutput(NamedTuple):
     payload: jax.Array | None  # ReplaySSM payload rows [B, T, width]; None when staged
 
 
-def verify_kernel_for(mode: GdnStateMode, num_nodes: int, is_tree: bool) -> str:
+def verify_kernel_for(mode: GdnStateMode, num_nodes: int, is_tree: bool, chunked_tree_verify: bool) -> str:
     """Which kernel a verify runs: "chunked", "recurrent_tree" or "recurrent_chain"."""
     if mode not in STATE_MODES:
         raise ValueError(f"GDN state mode {mode!r} is not one of {STATE_MODES}")
     if not is_tree:
         return "recurrent_chain"
-    if mode == "replay_ssm" and (GDN_TREE_VERIFY_CHUNKED_MIN_NODES <= num_nodes
+    if chunked_tree_verify and mode == "replay_ssm" and (GDN_TREE_VERIFY_CHUNKED_MIN_NODES <= num_nodes
                                  <= GDN_TREE_VERIFY_CHUNKED_MAX_NODES):
         return "chunked"
     return "recurrent_tree"
@@ -142,7 +146,7 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
         raise ValueError("ReplaySSM verify needs this layer's payload buffer [B, T, width] (payload=None)")
     if cfg.mode == "staged" and payload is not None:
         raise ValueError("staged verify writes no replay payload; pass payload=None")
-    kernel = verify_kernel_for(cfg.mode, t, tree is not None)
+    kernel = verify_kernel_for(cfg.mode, t, tree is not None, cfg.chunked_tree_verify)
     common = dict(use_qk_l2norm=cfg.use_qk_l2norm, scale=cfg.scale, config=cfg.kernel, backend=backend)
     if kernel == "chunked":
         out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
