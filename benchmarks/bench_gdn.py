@@ -17,9 +17,11 @@ fla-core wheel was carried) is the outside reference.
 from __future__ import annotations
 
 import argparse
+import datetime
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +103,9 @@ def width(d):
 # Conformance
 # ----------------------------------------------------------------------------------------------
 
+CONFORMANCE_LINES: list[str] = []
+
+
 def conformance(quick: bool, only=None) -> bool:
     ok = True
     tol = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -115,7 +120,9 @@ def conformance(quick: bool, only=None) -> bool:
     def check(name, cond, detail=""):
         nonlocal ok
         ok &= bool(cond)
-        log(f"  {'PASS' if cond else 'FAIL'} {name} {detail}")
+        line = f"{'PASS' if cond else 'FAIL'} {name} {detail}".strip()
+        CONFORMANCE_LINES.append(f"- {line}")
+        log(f"  {line}")
 
     for i, case in enumerate(cases):
         try:
@@ -126,58 +133,59 @@ def conformance(quick: bool, only=None) -> bool:
 
 
 def conformance_case(i, d, bsz, t, dtype, tol, rng, check):
-    if True:
-        x = inputs(jax.random.key(100 + i), bsz, t, d, dtype)
-        args = args_of(x)
-        parents = jnp.asarray(random_tree(rng, bsz, t))
-        nodes = jnp.full((bsz, t, d["HV"], d["DK"], d["DV"]), jnp.nan, jnp.float32)
-        payload = jnp.full((bsz, t, width(d)), jnp.nan, dtype)
-        tag = f"dims={d} B={bsz} T={t} {jnp.dtype(dtype).name}"
-        log(f"case {tag}")
-        with jax.default_matmul_precision("highest"):
-            ref = gdn_tree_verify(*args, parents, nodes, store="every_node", backend="reference")
-            ref_chain = gdn_tree_verify(*args, None, nodes, store="every_node", backend="reference")
-        pool_bits = np.asarray(x["state_pool"]).view(np.uint32).copy()
-        st = gdn_tree_verify(*args, parents, nodes, store="every_node", backend="pallas")
-        e1, e2 = rel_err(st.out, ref.out), rel_err(st.node_states, ref.node_states)
-        check("staged tree out/states", max(e1, e2) < tol, f"{e1:.2e} {e2:.2e}")
-        rp = gdn_tree_verify(*args, parents, nodes, store="branch_points", payload=payload, backend="pallas")
-        br = np.asarray(branch_points(parents))
-        ws = np.asarray(rp.node_states)
-        e3 = rel_err(rp.out, ref.out)
-        e4 = rel_err(ws[br], np.asarray(ref.node_states)[br]) if br.any() else 0.0
-        check("replay tree out / branch rows", max(e3, e4) < tol, f"{e3:.2e} {e4:.2e}")
-        check("replay workspace non-branch rows untouched (NaN)", np.isnan(ws[~br]).all())
-        check("replay payload == [k|v|a|b]", np.array_equal(
-            np.asarray(rp.payload.astype(jnp.float32)),
-            np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
-        check("pool bitwise untouched by verify", np.array_equal(np.asarray(args[7]).view(np.uint32), pool_bits))
-        ch = gdn_tree_verify(*args, None, nodes, store="every_node", backend="pallas")
-        e5 = rel_err(ch.out, ref_chain.out)
-        check("chain kernel vs reference", e5 < tol, f"{e5:.2e}")
-        if t <= 16:
-            out, pl_ = gdn_chunked_verify(*args, ancestor_mask(parents), payload, backend="pallas")
-            e6 = rel_err(out, ref.out)
-            check("chunked vs recurrent reference", e6 < tol, f"{e6:.2e}")
-            check("chunked payload == [k|v|a|b]", np.array_equal(
-                np.asarray(pl_.astype(jnp.float32)), np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
-        # ReplaySSM commit along a random accepted path equals the state at the last accepted node.
-        path_np, acc_np = random_path(rng, np.asarray(parents))
-        acc_np[0] = 0 if bsz > 2 else acc_np[0]  # a padded request commits nothing
-        path, acc = jnp.asarray(path_np), jnp.asarray(acc_np)
-        packed = pack_accepted_rows(rp.payload, path, acc)
-        new_pool = gdn_replay_commit(x["state_pool"], x["state_slots"], packed, acc, x["A_log"],
-                                     x["dt_bias"], num_k_heads=d["H"], head_k_dim=d["DK"], backend="pallas")
-        ref_states = np.asarray(ref.node_states)
-        errs, untouched = [], True
-        slots = np.asarray(x["state_slots"])
-        for b in range(bsz):
-            if acc_np[b] == 0:
-                untouched &= np.array_equal(np.asarray(new_pool[slots[b]]), np.asarray(x["state_pool"][slots[b]]))
-            else:
-                errs.append(rel_err(new_pool[slots[b]], ref_states[b, path_np[b, acc_np[b] - 1]]))
-        check("replay commit == state at last accepted node", max(errs) < tol and untouched,
-              f"{max(errs):.2e}")
+    """One conformance case: every GDN kernel compiled vs the fp32 references."""
+    x = inputs(jax.random.key(100 + i), bsz, t, d, dtype)
+    args = args_of(x)
+    parents = jnp.asarray(random_tree(rng, bsz, t))
+    nodes = jnp.full((bsz, t, d["HV"], d["DK"], d["DV"]), jnp.nan, jnp.float32)
+    payload = jnp.full((bsz, t, width(d)), jnp.nan, dtype)
+    tag = f"dims={d} B={bsz} T={t} {jnp.dtype(dtype).name}"
+    log(f"case {tag}")
+    CONFORMANCE_LINES.append(f"- case {tag}")
+    with jax.default_matmul_precision("highest"):
+        ref = gdn_tree_verify(*args, parents, nodes, store="every_node", backend="reference")
+        ref_chain = gdn_tree_verify(*args, None, nodes, store="every_node", backend="reference")
+    pool_bits = np.asarray(x["state_pool"]).view(np.uint32).copy()
+    st = gdn_tree_verify(*args, parents, nodes, store="every_node", backend="pallas")
+    e1, e2 = rel_err(st.out, ref.out), rel_err(st.node_states, ref.node_states)
+    check("staged tree out/states", max(e1, e2) < tol, f"{e1:.2e} {e2:.2e}")
+    rp = gdn_tree_verify(*args, parents, nodes, store="branch_points", payload=payload, backend="pallas")
+    br = np.asarray(branch_points(parents))
+    ws = np.asarray(rp.node_states)
+    e3 = rel_err(rp.out, ref.out)
+    e4 = rel_err(ws[br], np.asarray(ref.node_states)[br]) if br.any() else 0.0
+    check("replay tree out / branch rows", max(e3, e4) < tol, f"{e3:.2e} {e4:.2e}")
+    check("replay workspace non-branch rows untouched (NaN)", np.isnan(ws[~br]).all())
+    check("replay payload == [k|v|a|b]", np.array_equal(
+        np.asarray(rp.payload.astype(jnp.float32)),
+        np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
+    check("pool bitwise untouched by verify", np.array_equal(np.asarray(args[7]).view(np.uint32), pool_bits))
+    ch = gdn_tree_verify(*args, None, nodes, store="every_node", backend="pallas")
+    e5 = rel_err(ch.out, ref_chain.out)
+    check("chain kernel vs reference", e5 < tol, f"{e5:.2e}")
+    if t <= 16:
+        out, pl_ = gdn_chunked_verify(*args, ancestor_mask(parents), payload, backend="pallas")
+        e6 = rel_err(out, ref.out)
+        check("chunked vs recurrent reference", e6 < tol, f"{e6:.2e}")
+        check("chunked payload == [k|v|a|b]", np.array_equal(
+            np.asarray(pl_.astype(jnp.float32)), np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
+    # ReplaySSM commit along a random accepted path equals the state at the last accepted node.
+    path_np, acc_np = random_path(rng, np.asarray(parents))
+    acc_np[0] = 0 if bsz > 2 else acc_np[0]  # a padded request commits nothing
+    path, acc = jnp.asarray(path_np), jnp.asarray(acc_np)
+    packed = pack_accepted_rows(rp.payload, path, acc)
+    new_pool = gdn_replay_commit(x["state_pool"], x["state_slots"], packed, acc, x["A_log"],
+                                 x["dt_bias"], num_k_heads=d["H"], head_k_dim=d["DK"], backend="pallas")
+    ref_states = np.asarray(ref.node_states)
+    errs, untouched = [], True
+    slots = np.asarray(x["state_slots"])
+    for b in range(bsz):
+        if acc_np[b] == 0:
+            untouched &= np.array_equal(np.asarray(new_pool[slots[b]]), np.asarray(x["state_pool"][slots[b]]))
+        else:
+            errs.append(rel_err(new_pool[slots[b]], ref_states[b, path_np[b, acc_np[b] - 1]]))
+    check("replay commit == state at last accepted node", max(errs) < tol and untouched,
+          f"{max(errs):.2e}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,31 +329,33 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
                 log(f"sweep {kind} B={bsz} T={t} (block_v, warps, stages)={launch}: "
                     + " ".join(f"{k} {v*1e6:.1f}us" for k, v in r.items()))
 
-    print("\n## GDN tree verify, Qwen3-Next dims (H=16, HV=32, dk=dv=128), bf16 in, fp32 state")
-    print(f"copy bandwidth {bw/1e12:.2f} TB/s; times are medians (us); ratios vs our chain verify")
-    print("| B | T | chain (ReplaySSM) | tree ReplaySSM recurrent (default) | tree/chain | chunked form (opt-in) "
+    md = []
+    md.append("\n### GDN tree verify, Qwen3-Next dims (H=16, HV=32, dk=dv=128), bf16 in, fp32 state")
+    md.append(f"copy bandwidth {bw/1e12:.2f} TB/s; times are medians (us); ratios vs our chain verify")
+    md.append("| B | T | chain (ReplaySSM) | tree ReplaySSM recurrent (default) | tree/chain | chunked form (opt-in) "
           "| staged chain | staged tree | staged tree/chain | floor r+w | chain/floor_r | commit (move+replay) "
           "| staged B/node | ReplaySSM B/node (recurrent) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for bsz, t, r, _ in rows:
         replay_b = r["branch_frac"] * state_node + payload_node
-        print(f"| {bsz} | {t} | {r['chain_replay']*1e6:.1f} | {r['tree_replay_rec']*1e6:.1f} "
+        md.append(f"| {bsz} | {t} | {r['chain_replay']*1e6:.1f} | {r['tree_replay_rec']*1e6:.1f} "
               f"| {r['tree_replay_rec'] / r['chain_replay']:.2f}x | {r.get('tree_chunked', float('nan'))*1e6:.1f} "
               f"| {r['chain_staged']*1e6:.1f} | {r['tree_staged']*1e6:.1f} "
               f"| {r['tree_staged'] / r['chain_staged']:.2f}x | {r['floor_rw']*1e6:.1f} "
               f"| {r['chain_replay'] / r['floor_r']:.1f}x | {r['replay_commit']*1e6:.1f} (acc {r['accept_mean']:.1f}) "
               f"| {state_node/1024:.0f} KiB | {replay_b/1024:.1f} KiB |")
     if sweep:
-        print("\n| B | T | kernel | (block_v, warps, stages) | chain (us) | tree recurrent (us) | chunked (us) |")
-        print("|---|---|---|---|---|---|---|")
+        md.append("\n| B | T | kernel | (block_v, warps, stages) | chain (us) | tree recurrent (us) | chunked (us) |")
+        md.append("|---|---|---|---|---|---|---|")
         for bsz, t, kind, launch, r in sweep:
-            print(f"| {bsz} | {t} | {kind} | {launch} | {r.get('chain_replay', float('nan'))*1e6:.1f} "
+            md.append(f"| {bsz} | {t} | {kind} | {launch} | {r.get('chain_replay', float('nan'))*1e6:.1f} "
                   f"| {r.get('tree_replay_rec', float('nan'))*1e6:.1f} | {r.get('tree_chunked', float('nan'))*1e6:.1f} |")
     if fla:
-        print("\n| fla fused_recurrent chain, T=16 | us |")
-        print("|---|---|")
+        md.append("\n| fla fused_recurrent chain, T=16 | us |")
+        md.append("|---|---|")
         for k, v in fla.items():
-            print(f"| {k} | {v*1e6:.1f} |")
+            md.append(f"| {k} | {v*1e6:.1f} |")
+    return "\n".join(md)
 
 
 def fla_reference(bw):
@@ -397,6 +407,10 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-chunked", default="", help="block_v:warps:stages,... for the chunked form")
     p.add_argument("--sweep-at", default="32x16", help="BxT configs the sweeps run at")
     p.add_argument("--inner", type=int, default=INNER, help="kernel calls per timed jit call")
+    p.add_argument("--markdown", default=None, help="also write the dated section to this file (e.g. $OUT/gdn.md)")
+    p.add_argument("--results", default=str(Path(__file__).resolve().parent / "RESULTS.md"),
+                   help="append the dated section here (benchmarks/RESULTS.md by default)")
+    p.add_argument("--no-results", action="store_true", help="do not append to the results file")
     a = p.parse_args(argv)
     globals()["INNER"] = a.inner
     bxt = lambda text: [tuple(int(v) for v in c.split("x")) for c in text.split(",") if c]
@@ -406,8 +420,20 @@ def main(argv=None) -> int:
         only = None if a.conformance_cases is None else [int(i) for i in a.conformance_cases.split(",")]
         ok = conformance(a.quick, only)
         log(f"conformance: {'PASS' if ok else 'FAIL'}")
-    bench(a.quick, a.budget_s, not a.no_fla, bxt(a.configs), parse_launch(a.sweep_recurrent),
-          parse_launch(a.sweep_chunked), bxt(a.sweep_at))
+    tables = bench(a.quick, a.budget_s, not a.no_fla, bxt(a.configs), parse_launch(a.sweep_recurrent),
+                   parse_launch(a.sweep_chunked), bxt(a.sweep_at))
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = "python3 benchmarks/bench_gdn.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    md = (f"\n## GDN tree verify and commits (bench_gdn.py), {stamp}\n\n"
+          f"jax {jax.__version__}, {jax.devices()[0].device_kind}; command: `{cmd.strip()}`\n\n"
+          f"conformance: {'PASS' if ok else 'FAIL'}\n" + "\n".join(CONFORMANCE_LINES) + "\n" + tables + "\n")
+    print(md, flush=True)
+    if a.markdown:
+        with open(a.markdown, "w") as fh:
+            fh.write(md)
+    if not a.no_results:
+        with open(a.results, "a") as fh:  # one append, so concurrent writers do not clobber each other
+            fh.write(md)
     return 0 if ok else 1
 
 
