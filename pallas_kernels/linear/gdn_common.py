@@ -7,7 +7,9 @@ Shapes (one layer, one verify window of T nodes for B requests):
     a, b          [B, T, HV]         gate and beta pre-activations
     A_log, dt_bias [HV]              per value head parameters
     state_pool    [S, HV, dk, dv]    committed recurrent states, fp32, one row per request slot
-    state_slots   [B] int32          pool row of each request
+    state_slots   [B] int32          pool row of each request; must be a valid row even for a
+                                     padded request (verify reads it; give padded requests a dummy
+                                     row and accept_len 0 so the commit writes nothing)
 
 State layout: `[HV, dk, dv]` fp32 per request (key dim major), so `h^T k` is a reduction over the
 leading axis of a `[dk, dv]` tile and a dv-tile of the state is a strided 2-D block.
