@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import timing
+from benchmarks.timing import measure_copy_bandwidth
 from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit, pack_accepted_rows
@@ -192,32 +193,9 @@ def conformance_case(i, d, bsz, t, dtype, tol, rng, check):
 # Timing
 # ----------------------------------------------------------------------------------------------
 
-def time_step(step, carry, reps=7):
+def time_step(step, carry):
     """Median seconds per step; `step(carry) -> carry` runs INNER times per jitted call (donated)."""
-    def many(c):
-        for _ in range(INNER):
-            c = step(c)
-        return c
-    f = jax.jit(many, donate_argnums=0)
-    carry = jax.block_until_ready(f(carry))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        carry = jax.block_until_ready(f(carry))
-        times.append((time.perf_counter() - t0) / INNER)
-    return statistics.median(times), carry
-
-
-def copy_bandwidth() -> float:
-    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)  # 1 GiB
-    f = jax.jit(lambda y: y * 1.0001, donate_argnums=0)
-    x = jax.block_until_ready(f(x))
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        x = jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t0)
-    return 2 * x.size * 4 / statistics.median(times)
+    return timing.time_step(step, carry, inner=INNER, reps=7)
 
 
 def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None):
@@ -286,7 +264,7 @@ def parse_launch(text):
 
 
 def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep_chunked, sweep_at):
-    bw = copy_bandwidth()
+    bw = measure_copy_bandwidth()
     log(f"device copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
     rng = np.random.default_rng(1)
     d = QWEN

@@ -18,7 +18,6 @@ writes, over the measured device copy bandwidth).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 import traceback
@@ -27,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import timing
+from benchmarks.timing import measure_copy_bandwidth
 from pallas_kernels.linear.conv_tree import conv_tree_update
 from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout
 from pallas_kernels.linear.mamba2_replay import mamba2_replay_commit
@@ -202,32 +203,9 @@ def conformance(quick: bool) -> bool:
 # Timing
 # ----------------------------------------------------------------------------------------------
 
-def time_step(step, carry, reps=5):
+def time_step(step, carry):
     """Median seconds per step; `step(carry) -> carry` runs INNER times per jitted call (donated)."""
-    def many(c):
-        for _ in range(INNER):
-            c = step(c)
-        return c
-    f = jax.jit(many, donate_argnums=0)
-    carry = jax.block_until_ready(f(carry))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        carry = jax.block_until_ready(f(carry))
-        times.append((time.perf_counter() - t0) / INNER)
-    return statistics.median(times), carry
-
-
-def copy_bandwidth() -> float:
-    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)  # 1 GiB
-    f = jax.jit(lambda y: y * 1.0001, donate_argnums=0)
-    x = jax.block_until_ready(f(x))
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        x = jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t0)
-    return 2 * x.size * 4 / statistics.median(times)
+    return timing.time_step(step, carry, inner=INNER, reps=5)
 
 
 def bench_case(nb, t, rng, bw, staged: bool, unroll_variant: bool = False):
@@ -314,7 +292,7 @@ def sweep_tiles(nb=32, t=16):
 
 
 def bench(quick: bool, budget_s: float, sweep: bool = False, unroll_variant: bool = False):
-    bw = copy_bandwidth()
+    bw = measure_copy_bandwidth()
     log(f"device copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
     if sweep:
         try:

@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import datetime
 import re
-import statistics
 import sys
 import time
 import traceback
@@ -37,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import measure_ceilings, median_time
 from pallas_kernels.attention.mla_decode import MlaDecodeConfig, mla_decode, mla_decode_reference
 from pallas_kernels.attention.reference import dense_tree_visibility
 from pallas_kernels.row_move import move_rows, move_rows_reference
@@ -60,37 +60,6 @@ DECODE_CONFIGS = (
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def median_time(fn, *args, samples=9, inner=None):
-    """Median seconds per call: warm-up, then `samples` rounds of `inner` back-to-back calls."""
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = time.perf_counter() - t0
-    inner = inner or max(1, min(20, int(0.03 / max(one, 1e-6))))
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times)
-
-
-def measure_ceilings():
-    """(copy bandwidth bytes/s counting read + write, bf16 matmul FLOP/s), measured here."""
-    x = jax.random.normal(jax.random.PRNGKey(1), (1 << 30,), jnp.float32).astype(jnp.bfloat16)  # 2 GiB
-    t = median_time(jax.jit(lambda a: a * jnp.bfloat16(2)), x, samples=7, inner=3)
-    bw = 2 * x.nbytes / t
-    del x
-    n = 8192
-    a = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.PRNGKey(3), (n, n), jnp.bfloat16)
-    t = median_time(jax.jit(lambda u, v: jnp.dot(u, v, preferred_element_type=jnp.bfloat16)), a, b,
-                    samples=7, inner=3)
-    return bw, 2 * n ** 3 / t
 
 
 def rel_err(out, ref) -> float:

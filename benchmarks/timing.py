@@ -1,0 +1,107 @@
+"""Timing and device ceilings shared by every GPU benchmark module.
+
+Speed is reported as ratios against baselines measured in the same run, so every module takes its
+floors from `measure_ceilings()` here: the copy bandwidth (bytes read + written per second) and the
+bf16 matmul rate, both measured on random data.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def median_time(fn, *args, samples=15, inner=None):
+    """Median seconds per call of `fn(*args)`: warm-up, then `samples` rounds of `inner` calls.
+
+    `inner` defaults to enough back-to-back calls to fill ~20 ms, so launch gaps of tiny kernels
+    are amortised the same way in every module.
+    """
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = time.perf_counter() - t0
+    inner = inner or max(1, min(20, int(0.02 / max(one, 1e-6))))
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def time_step(step, carry, *, inner: int, reps: int = 7):
+    """Median seconds per `step(carry) -> carry`, run `inner` times inside one jitted call.
+
+    The carry is donated, so kernels that update buffers in place are timed without copies.
+    Returns (seconds per step, final carry).
+    """
+    def many(c):
+        for _ in range(inner):
+            c = step(c)
+        return c
+
+    f = jax.jit(many, donate_argnums=0)
+    carry = jax.block_until_ready(f(carry))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        carry = jax.block_until_ready(f(carry))
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times), carry
+
+
+def _torch_copy_bandwidth() -> float | None:
+    """Device-to-device copy through torch, which often streams faster than an XLA elementwise op."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    bw = 2 * src.numel() * 2 / statistics.median(times)
+    del src, dst
+    torch.cuda.empty_cache()
+    return bw
+
+
+def measure_copy_bandwidth() -> float:
+    """Bytes per second, read + write, of the best large device copy available (2 GiB, random)."""
+    x = jax.random.normal(jax.random.PRNGKey(1), (1 << 30,), jnp.float32).astype(jnp.bfloat16)
+    bw = 2 * x.nbytes / median_time(jax.jit(lambda a: a * jnp.bfloat16(2)), x, samples=10, inner=5)
+    del x
+    try:
+        bw = max(bw, _torch_copy_bandwidth() or 0.0)
+    except Exception as exc:  # a torch without a working GPU must not cost the XLA figure
+        print(f"  torch copy bandwidth unavailable: {exc}", flush=True)
+    return bw
+
+
+def measure_matmul_flops(n: int = 8192) -> float:
+    """bf16 matmul FLOP/s on random [n, n] operands."""
+    a = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(3), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda u, v: jnp.dot(u, v, preferred_element_type=jnp.bfloat16))
+    return 2 * n ** 3 / median_time(mm, a, b, samples=10, inner=3)
+
+
+def measure_ceilings() -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s), measured here."""
+    return measure_copy_bandwidth(), measure_matmul_flops()
