@@ -5,23 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.scipy.special import gammaincc
+from chi_square import P_MIN, chi_square_p
 
 from treespec_jax.sampling import keyed
 from treespec_jax.sampling.keyed import SamplingParams, sample_at
-
-P_MIN = 1e-4  # chi-square p-value floor; seeds are fixed, so a pass is reproducible
-
-
-def chi_square_p(counts, probs):
-    """Pearson chi-square p-value of `counts` against `probs`; zero-probability bins must be empty."""
-    counts, probs = np.asarray(counts, np.float64), np.asarray(probs, np.float64)
-    assert counts[probs == 0].sum() == 0, f"drew a zero-probability token: {counts}, {probs}"
-    live = probs > 0
-    expected = probs[live] * counts.sum()
-    stat = ((counts[live] - expected) ** 2 / expected).sum()
-    dof = live.sum() - 1
-    return float(gammaincc(dof / 2.0, stat / 2.0)) if dof > 0 else 1.0
 
 
 def np_filtered_probs(logits, temperature, top_k, top_p):
