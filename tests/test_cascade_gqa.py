@@ -196,17 +196,23 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
     for dtype in (jnp.bfloat16, FP8):
         pool = sd((b * pages * page, hkv, d), dtype)
         common = (pool, pool, sd((b, pages), jnp.int32), sd((b,), jnp.int32))
-        pre = lambda qr, *a: prefix_decode_row_layout(qr, *a, query_rows=r, group=g, page_size=page, scale=0.1,
-                                                      num_splits=2, interpret=False, poison_outputs=True)
-        text = jax.jit(pre).trace(sd((b, hkv, rows, d), jnp.bfloat16), *common).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert "prefix_decode" in text
-        win = lambda qr, kp, vp, pt, ln, m, po, pl_: tree_window_row_layout(
-            qr, kp, vp, pt, ln, m, po, pl_, query_rows=r, group=g, window=r, page_size=page, scale=0.1,
-            value_dim=d, interpret=False)
-        jax.jit(win).trace(sd((b, hkv, rows, d), jnp.bfloat16), *common, sd((b, r, 2), jnp.uint32),
-                           sd((b, hkv, rows, d), jnp.float32), sd((b, hkv, rows), jnp.float32)).lower(
-            lowering_platforms=("cuda",))
+        # pages_per_step 1 and 2 (two pages per online-softmax step), with the launch knobs the
+        # GPU benchmark sweeps (block_rows, num_warps, num_stages).
+        for pps, br, nw, ns in ((1, None, None, None), (2, 32, 8, 3)):
+            pre = lambda qr, *a: prefix_decode_row_layout(
+                qr, *a, query_rows=r, group=g, page_size=page, scale=0.1, num_splits=2, interpret=False,
+                poison_outputs=True, pages_per_step=pps, block_rows=br, num_warps=nw, num_stages=ns)
+            text = jax.jit(pre).trace(sd((b, hkv, rows, d), jnp.bfloat16), *common).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert "prefix_decode" in text
+        # The window kernel with its default tiles and with smaller row tiles over 8 warps.
+        for br, nw in ((None, None), (16, 8)):
+            win = lambda qr, kp, vp, pt, ln, m, po, pl_: tree_window_row_layout(
+                qr, kp, vp, pt, ln, m, po, pl_, query_rows=r, group=g, window=r, page_size=page, scale=0.1,
+                value_dim=d, interpret=False, block_rows=br, num_warps=nw)
+            jax.jit(win).trace(sd((b, hkv, rows, d), jnp.bfloat16), *common, sd((b, r, 2), jnp.uint32),
+                               sd((b, hkv, rows, d), jnp.float32), sd((b, hkv, rows), jnp.float32)).lower(
+                lowering_platforms=("cuda",))
     latent = sd((b * pages * page, 1, 80), jnp.bfloat16)
     mla = lambda qr, kp, pt, ln, m, po, pl_: tree_window_row_layout(
         qr, kp, None, pt, ln, m, po, pl_, query_rows=r, group=4, window=r, page_size=page, scale=0.1,

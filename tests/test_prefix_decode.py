@@ -174,3 +174,36 @@ def test_prefix_decode_row_tiles_and_sliding_window():
         nout, nlse = numpy_prefix(q, k, v, table, lengths, page, d ** -0.5, sw)
         assert rel_err(out, nout) < 1e-5
         check_lse(lse, nlse, 1e-4)
+
+
+@pytest.mark.parametrize("pages_per_step,splits,sw", [(2, 3, None), (4, None, 21)])
+def test_prefix_decode_pages_per_step(pages_per_step, splits, sw):
+    """Several pages per online-softmax step: ragged lengths end mid-step (and mid-page), the
+    max_pages = 7 table is not a multiple of the step so the last step runs past it, three splits
+    round to whole steps (one split may be empty), and block_rows=16 makes two row tiles whose causal
+    staircases cross step edges differently. Checked against the per-row numpy loop."""
+    rng = np.random.default_rng(40 + pages_per_step)
+    page, hkv, g, d, rows = 16, 2, 4, 16, 5
+    lengths = np.array([0, 3, 101, 44, 33], np.int32)  # P = 0, P < R, mid-page/step ends
+    k, v, table = make_pools(rng, 5, 7 * page, hkv, d, page, jnp.float32, lengths)
+    assert table.shape[1] == 7
+    q = jnp.asarray(rng.standard_normal((5, rows, hkv * g, d)), jnp.float32)
+    out, lse = prefix_decode(q, k, v, table, jnp.asarray(lengths), page_size=page, block_rows=16,
+                             pages_per_step=pages_per_step, num_splits=splits, sliding_window=sw,
+                             poison_outputs=True, backend="interpret")
+    nout, nlse = numpy_prefix(q, k, v, table, lengths, page, d ** -0.5, sw)
+    assert rel_err(out, nout) < 1e-5
+    check_lse(lse, nlse, 1e-4)
+
+
+def test_prefix_decode_rejects_bad_pages_per_step():
+    q = jnp.zeros((1, 2, 4, 16))
+    pool = jnp.zeros((256, 2, 16))
+    table = jnp.zeros((1, 4), jnp.int32)
+    lengths = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match="pages_per_step must be a power of two >= 1, got 3"):
+        prefix_decode(q, pool, pool, table, lengths, page_size=16, pages_per_step=3)
+    with pytest.raises(ValueError, match="pages_per_step must be a power of two >= 1, got 0"):
+        prefix_decode(q, pool, pool, table, lengths, page_size=16, pages_per_step=0)
+    with pytest.raises(ValueError, match="pages_per_step=8 x page_size=64 = 512 keys"):
+        prefix_decode(q, pool, pool, table, lengths, page_size=64, pages_per_step=8)

@@ -194,3 +194,40 @@ def test_window_rejects_bad_inputs():
                               po, plse, window=4, page_size=16, rope_dim=8)
     with pytest.raises(ValueError, match="prefix_lse2"):
         tree_window_attention(q, pool, pool, table, lengths, mask, po, plse[..., :1], window=4, page_size=16)
+
+
+@pytest.mark.parametrize("block_rows,num_warps", [(16, 8), (32, None)])
+def test_window_row_tiles(block_rows, num_warps):
+    """block_rows splits a KV head's R * G = 36 rows (padded to 64) over several programs; each tile
+    finds its own tail coverage and mask words. Checked against the reference."""
+    rng = np.random.default_rng(block_rows)
+    b, rows, hkv, g, d, page = 2, 9, 2, 4, 16, 16
+    lengths = np.array([3, 41], np.int32)
+    k, v, table = paged_pools(rng, b, 41 + rows, hkv, d, page, jnp.float32,
+                              lambda bb, pos: pos < lengths[bb] + rows)
+    q = jnp.asarray(rng.standard_normal((b, rows, hkv * g, d)), jnp.float32)
+    mask = ancestor_mask(random_parents(rng, b, rows))
+    lengths = jnp.asarray(lengths)
+    po, plse = prefix_decode(q, k, v, table, lengths, page_size=page, backend="reference")
+    out = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=rows, page_size=page,
+                                block_rows=block_rows, num_warps=num_warps, poison_outputs=True,
+                                backend="interpret")
+    ref = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=rows, page_size=page,
+                                backend="reference")
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_window_rejects_bad_launch_options():
+    q = jnp.zeros((1, 4, 2, 16))
+    pool = jnp.zeros((64, 1, 16))
+    table = jnp.zeros((1, 4), jnp.int32)
+    lengths = jnp.zeros((1,), jnp.int32)
+    mask = jnp.zeros((1, 4, 2), jnp.uint32)
+    po, plse = jnp.zeros((1, 4, 2, 16)), jnp.zeros((1, 4, 2))
+    kw = dict(window=4, page_size=16)
+    with pytest.raises(ValueError, match="block_rows must be a power of two >= 16, got 24"):
+        tree_window_attention(q, pool, pool, table, lengths, mask, po, plse, block_rows=24, **kw)
+    with pytest.raises(ValueError, match="num_warps must be one of 1, 2, 4, 8, 16, got 3"):
+        tree_window_attention(q, pool, pool, table, lengths, mask, po, plse, num_warps=3, **kw)
+    with pytest.raises(ValueError, match="num_stages must be >= 1, got 0"):
+        tree_window_attention(q, pool, pool, table, lengths, mask, po, plse, num_stages=0, **kw)

@@ -13,8 +13,10 @@ Kernel layout. One program owns every query row of one KV head: the R rows times
 heads of its group, stacked as row `r * G + g` (no head folding limit: R * G is any size). Rows are
 padded to a power of two >= 16 (Triton dot operands) and cut into `block_rows` tiles. The grid is
 (row_tiles, splits, Hkv, B), row tiles leading, so the tiles of one (b, head, split) launch close
-together and can share its K/V through L2. Each program walks its split's pages, one page (page_size keys, a power of two) per
-step, loading the page id as a scalar from the page table, and keeps a base-2 online softmax. With
+together and can share its K/V through L2. Each program walks its split's pages, `pages_per_step`
+pages (each page_size keys, a power of two) per online-softmax step, loading each page id as a
+scalar from the page table, and keeps a base-2 online softmax: the pages of a step get one score
+dot each, one shared max/rescale, then one PV dot each. With
 more than one split the partials are merged by their LSEs in a small XLA epilogue.
 
 FP8 E4M3 pools (unscaled): the query is cast to FP8 before the kernel (what the prefix half of an FP8
@@ -25,8 +27,9 @@ the first GPU run widened to bf16 and was slower, see benchmarks/RESULTS.md), an
 native FP8 x FP8 score dot instead (compiled GPU path only; it measured slower on the H200, see
 benchmarks/RESULTS.md).
 
-Pages that every real row of a tile sees entirely run without load or score masks; only the pages
-at the edges of a tile's coverage (the causal staircase, the last partial page) take the masked step.
+Steps that every real row of a tile sees entirely run without load or score masks; only the steps
+at the edges of a tile's coverage (the causal staircase, the last partial page or step) take the
+masked step.
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ _MIN_PAGES_PER_SPLIT = 4
 DEFAULT_BLOCK_ROWS = 128
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
+# Pages per online-softmax step: 1 = one page (64 keys at page 64) per max/rescale; 2 halves the
+# rescale work and the loop trips per key at the price of more live registers (both pages' scores).
+DEFAULT_PAGES_PER_STEP = 1
+# Most keys one step may hold when it groups pages (the [block_rows, keys] fp32 score tiles live in
+# registers). A single page may be larger; it is one step as before.
+MAX_KEYS_PER_STEP = 256
 
 
 # --------------------------------------------------------------------------------------------------
@@ -72,6 +81,17 @@ def choose_block_rows(total_rows: int, block_rows: int | None) -> int:
     if block < 16 or block & (block - 1):
         raise ValueError(f"block_rows must be a power of two >= 16, got {block}")
     return min(block, total_rows)
+
+
+def check_pages_per_step(pages_per_step: int, page_size: int, what: str) -> int:
+    """Validates the pages grouped into one online-softmax step; returns it as an int."""
+    pps = int(pages_per_step)
+    if pps < 1 or pps & (pps - 1):
+        raise ValueError(f"{what}: pages_per_step must be a power of two >= 1, got {pages_per_step}")
+    if pps > 1 and pps * page_size > MAX_KEYS_PER_STEP:
+        raise ValueError(f"{what}: pages_per_step={pps} x page_size={page_size} = {pps * page_size} keys "
+                         f"per step exceeds {MAX_KEYS_PER_STEP}")
+    return pps
 
 
 def heads_to_rows(x: jax.Array, num_kv_heads: int, total_rows: int, fill=0.0) -> jax.Array:
@@ -140,14 +160,15 @@ def default_num_splits(batch: int, kv_heads: int, row_tiles: int, max_pages: int
 # --------------------------------------------------------------------------------------------------
 
 def _prefix_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *,
-                   query_rows: int, group: int, block_rows: int, page_size: int,
-                   pages_per_split: int, scale2: float, sliding_window: int | None,
+                   query_rows: int, group: int, block_rows: int, page_size: int, pages_per_step: int,
+                   steps_per_split: int, scale2: float, sliding_window: int | None,
                    dot_dtype, fp8_score_dot: bool):
     tile = pl.program_id(0)
     split = pl.program_id(1)
     head = pl.program_id(2)
     b = pl.program_id(3)
     length = lengths_ref[b]
+    step_keys = page_size * pages_per_step
 
     rows = tile * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
     real_row = rows < query_rows * group
@@ -157,14 +178,20 @@ def _prefix_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, ls
     lo = jnp.zeros_like(hi) if sliding_window is None else jnp.maximum(hi - sliding_window, 0)
     tile_hi = jnp.max(hi)
     tile_lo = jnp.min(jnp.where(real_row, lo, tile_hi))
-    # Keys every real row of the tile sees: [max lo, min hi). Pages wholly inside it need no masks.
+    # Keys every real row of the tile sees: [max lo, min hi). Steps wholly inside it need no masks.
     all_lo = jnp.max(jnp.where(real_row, lo, 0))
     all_hi = jnp.min(jnp.where(real_row, hi, tile_hi))
 
-    first_page = jnp.maximum(split * pages_per_split, tile_lo // page_size)
-    end_page = jnp.minimum((split + 1) * pages_per_split, (tile_hi + page_size - 1) // page_size)
-    full_first = jnp.clip((all_lo + page_size - 1) // page_size, first_page, end_page)
-    full_end = jnp.clip(all_hi // page_size, full_first, end_page)
+    # A step is `pages_per_step` consecutive pages; splits hold whole steps, so no step straddles two.
+    first_step = jnp.maximum(split * steps_per_split, tile_lo // step_keys)
+    end_step = jnp.minimum((split + 1) * steps_per_split, (tile_hi + step_keys - 1) // step_keys)
+    full_first = jnp.clip((all_lo + step_keys - 1) // step_keys, first_step, end_step)
+    full_end = jnp.clip(all_hi // step_keys, full_first, end_step)
+    # Pages of an edge step may lie outside the tile's coverage (past the request's last page, or
+    # before a sliding window); their loads are fully masked, and their page-table reads are clamped
+    # to pages the tile covers so no table entry past the request's own is ever read.
+    first_page = tile_lo // page_size
+    last_page = jnp.maximum((tile_hi + page_size - 1) // page_size - 1, first_page)
 
     q = q_ref[...]
     if not fp8_score_dot:
@@ -172,43 +199,56 @@ def _prefix_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, ls
     d = q.shape[-1]
     key_iota = lax.broadcasted_iota(jnp.int32, (page_size,), 0)
 
-    def step(page, carry, masked: bool):
+    def step(index, carry, masked: bool):
         m, l, acc = carry
-        page_id = page_table_ref[b, page]
-        slots = pl.ds(page_id * page_size, page_size)
-        pos = page * page_size + key_iota  # [page]
-        if masked:
-            load_ok = ((pos >= tile_lo) & (pos < tile_hi))[:, None]
-            k = plgpu.load(k_ref.at[slots, head, :], mask=load_ok, other=0.0)
-            v = plgpu.load(v_ref.at[slots, head, :], mask=load_ok, other=0.0)
-        else:
-            k = k_ref[slots, head, :]
-            v = v_ref[slots, head, :]
-        if not fp8_score_dot:
-            k = k.astype(dot_dtype)
-        # Raw scores; the base-2 scale is applied inside exp2's argument (one FMA per score), and
-        # to the row max (scale2 > 0, so max commutes with it).
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        if masked:
-            vis = (pos[None, :] < hi[:, None]) & (pos[None, :] >= lo[:, None])
-            s = jnp.where(vis, s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1) * scale2)
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        else:
-            m_new = jnp.maximum(m, jnp.max(s, axis=1) * scale2)
-            m_use = m_new  # every score of a full page is finite
+        # Score every page of the step first (one dot each, no concatenation), then one shared
+        # max / rescale, then one PV dot per page.
+        scores, values = [], []
+        for i in range(pages_per_step):
+            page = index * pages_per_step + i
+            pos = page * page_size + key_iota  # [page]
+            if masked:
+                page_id = page_table_ref[b, jnp.clip(page, first_page, last_page)]
+            else:
+                page_id = page_table_ref[b, page]
+            slots = pl.ds(page_id * page_size, page_size)
+            if masked:
+                load_ok = ((pos >= tile_lo) & (pos < tile_hi))[:, None]
+                k = plgpu.load(k_ref.at[slots, head, :], mask=load_ok, other=0.0)
+                v = plgpu.load(v_ref.at[slots, head, :], mask=load_ok, other=0.0)
+            else:
+                k = k_ref[slots, head, :]
+                v = v_ref[slots, head, :]
+            if not fp8_score_dot:
+                k = k.astype(dot_dtype)
+            # Raw scores; the base-2 scale is applied inside exp2's argument (one FMA per score), and
+            # to the row max (scale2 > 0, so max commutes with it).
+            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            if masked:
+                vis = (pos[None, :] < hi[:, None]) & (pos[None, :] >= lo[:, None])
+                s = jnp.where(vis, s, -jnp.inf)
+            scores.append(s)
+            values.append(v)
+        step_max = functools.reduce(jnp.maximum, [jnp.max(s, axis=1) for s in scores])
+        m_new = jnp.maximum(m, step_max * scale2)
+        # A masked step may leave a row with no visible key yet (m_new = -inf); every score of a
+        # full step is finite.
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(s * scale2 - m_use[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        pv = jnp.dot(p.astype(dot_dtype), v.astype(dot_dtype), preferred_element_type=jnp.float32)
-        return m_new, l, acc * alpha[:, None] + pv
+        l = l * alpha
+        acc = acc * alpha[:, None]
+        for s, v in zip(scores, values):
+            p = jnp.exp2(s * scale2 - m_use[:, None])
+            l = l + jnp.sum(p, axis=1)
+            acc = acc + jnp.dot(p.astype(dot_dtype), v.astype(dot_dtype), preferred_element_type=jnp.float32)
+        return m_new, l, acc
 
     masked_step = functools.partial(step, masked=True)
     carry = (jnp.full((block_rows,), -jnp.inf, jnp.float32), jnp.zeros((block_rows,), jnp.float32),
              jnp.zeros((block_rows, d), jnp.float32))
-    carry = lax.fori_loop(first_page, full_first, masked_step, carry)
+    carry = lax.fori_loop(first_step, full_first, masked_step, carry)
     carry = lax.fori_loop(full_first, full_end, functools.partial(step, masked=False), carry)
-    m, l, acc = lax.fori_loop(full_end, end_page, masked_step, carry)
+    m, l, acc = lax.fori_loop(full_end, end_step, masked_step, carry)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     out_ref[...] = jnp.where(seen[:, None], acc / l_safe[:, None], 0.0)
@@ -228,21 +268,27 @@ def merge_splits(out: jax.Array, lse: jax.Array):
 
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "num_splits",
                                              "sliding_window", "block_rows", "num_warps", "num_stages",
-                                             "interpret", "fp8_score_dot", "poison_outputs"))
+                                             "pages_per_step", "interpret", "fp8_score_dot",
+                                             "poison_outputs"))
 def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                              page_size: int, scale: float, num_splits=None, sliding_window=None,
-                             block_rows=None, num_warps=None, num_stages=None, interpret: bool = False,
-                             fp8_score_dot: bool = False, poison_outputs: bool = False):
+                             block_rows=None, num_warps=None, num_stages=None, pages_per_step=None,
+                             interpret: bool = False, fp8_score_dot: bool = False,
+                             poison_outputs: bool = False):
     """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, D]` (row `r * G + g`,
     T = padded_rows(R * G)) -> (out `[B, Hkv, T, D]` f32, lse2 `[B, Hkv, T]` f32). The cascade keeps
     this layout between its two halves, so q is transposed once on the way in and the final output
-    once on the way out. Inputs are assumed validated by the public entry points."""
+    once on the way out. Inputs are assumed validated by the public entry points (pages_per_step
+    is checked here too, since the benchmarks call this directly)."""
     b, hkv, total, d = qr.shape
     block = choose_block_rows(total, block_rows)
     tiles = total // block
+    pps = check_pages_per_step(DEFAULT_PAGES_PER_STEP if pages_per_step is None else pages_per_step,
+                               page_size, "prefix_decode")
     max_pages = page_table.shape[1]
     splits = num_splits or default_num_splits(b, hkv, tiles, max_pages)
-    pages_per_split = -(-max_pages // splits)
+    # Splits hold whole steps; a trailing split may then be empty (lse2 = -inf, dropped by the merge).
+    steps_per_split = -(-(-(-max_pages // splits)) // pps)
 
     fp8 = is_fp8(k_pool.dtype)
     qr = quantize_query_for_pool(qr, k_pool.dtype)
@@ -252,7 +298,7 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
 
     kernel = functools.partial(
         _prefix_kernel, query_rows=query_rows, group=group, block_rows=block, page_size=page_size,
-        pages_per_split=pages_per_split, scale2=float(scale) * LOG2E, sliding_window=sliding_window,
+        pages_per_step=pps, steps_per_split=steps_per_split, scale2=float(scale) * LOG2E, sliding_window=sliding_window,
         dot_dtype=dot_dtype, fp8_score_dot=fp8_score_dot and fp8 and not interpret)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out_shape = (jax.ShapeDtypeStruct((splits, b, hkv, total, d), jnp.float32),
@@ -287,19 +333,19 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "scale", "num_splits", "sliding_window",
-                                             "block_rows", "num_warps", "num_stages", "interpret",
-                                             "fp8_score_dot", "poison_outputs"))
+                                             "block_rows", "num_warps", "num_stages", "pages_per_step",
+                                             "interpret", "fp8_score_dot", "poison_outputs"))
 def _prefix_decode_pallas(q, k_pool, v_pool, page_table, lengths, *, page_size, scale, num_splits,
-                          sliding_window, block_rows, num_warps, num_stages, interpret, fp8_score_dot,
-                          poison_outputs):
+                          sliding_window, block_rows, num_warps, num_stages, pages_per_step, interpret,
+                          fp8_score_dot, poison_outputs):
     b, r, hq, d = q.shape
     hkv = k_pool.shape[1]
     qr = heads_to_rows(q, hkv, padded_rows(r * (hq // hkv)))
     out, lse = prefix_decode_row_layout(
         qr, k_pool, v_pool, page_table, lengths, query_rows=r, group=hq // hkv, page_size=page_size,
         scale=scale, num_splits=num_splits, sliding_window=sliding_window, block_rows=block_rows,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret, fp8_score_dot=fp8_score_dot,
-        poison_outputs=poison_outputs)
+        num_warps=num_warps, num_stages=num_stages, pages_per_step=pages_per_step, interpret=interpret,
+        fp8_score_dot=fp8_score_dot, poison_outputs=poison_outputs)
     return rows_to_heads(out, r, hq), rows_to_heads(lse, r, hq)
 
 
@@ -315,14 +361,17 @@ def prefix_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table
                   lengths: jax.Array, *, page_size: int, scale: float | None = None,
                   num_splits: int | None = None, sliding_window: int | None = None,
                   block_rows: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, fp8_score_dot: bool = False,
-                  poison_outputs: bool = False, backend: str | None = None):
+                  num_stages: int | None = None, pages_per_step: int | None = None,
+                  fp8_score_dot: bool = False, poison_outputs: bool = False,
+                  backend: str | None = None):
     """Causal multi-query paged decode; see the module docstring.
 
     Shapes: `q [B, R, Hq, D]`, `k_pool/v_pool [S, Hkv, D]`, `page_table [B, maxp] int32`,
     `lengths [B] int32` -> `(out [B, R, Hq, D] f32, lse2 [B, R, Hq] f32)`.
     `scale` defaults to D^-1/2. `num_splits=None` picks a split of the key axis that fills the GPU.
-    `block_rows`, `num_warps`, `num_stages` tune the compiled kernel; `poison_outputs` fills the
+    `block_rows`, `num_warps`, `num_stages` tune the compiled kernel; `pages_per_step` (a power of
+    two, at most MAX_KEYS_PER_STEP keys when > 1; None = DEFAULT_PAGES_PER_STEP) groups pages into one
+    online-softmax step; `poison_outputs` fills the
     kernel's output buffers with NaN first (tests); `fp8_score_dot` uses an FP8 x FP8 score dot on GPU.
     """
     check_paged_inputs(q, k_pool, v_pool, page_table, lengths, page_size, "prefix_decode")
@@ -336,6 +385,8 @@ def prefix_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table
         raise ValueError(f"prefix_decode: num_splits must be >= 1, got {num_splits}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"prefix_decode: sliding_window must be >= 1, got {sliding_window}")
+    if pages_per_step is not None:
+        check_pages_per_step(pages_per_step, page_size, "prefix_decode")
     scale = float(d ** -0.5 if scale is None else scale)
     kind = resolve_backend(backend)
     if kind == "reference":
@@ -344,8 +395,8 @@ def prefix_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table
     return _prefix_decode_pallas(
         q, k_pool, v_pool, page_table, lengths, page_size=page_size, scale=scale,
         num_splits=num_splits, sliding_window=sliding_window, block_rows=block_rows,
-        num_warps=num_warps, num_stages=num_stages, interpret=kind == "interpret",
-        fp8_score_dot=fp8_score_dot, poison_outputs=poison_outputs)
+        num_warps=num_warps, num_stages=num_stages, pages_per_step=pages_per_step,
+        interpret=kind == "interpret", fp8_score_dot=fp8_score_dot, poison_outputs=poison_outputs)
 
 
 __all__ = ["prefix_decode", "prefix_decode_row_layout", "merge_splits", "default_num_splits"]

@@ -28,8 +28,9 @@ the latent block feeds both dots. `k_pool` may then be `[S, Dk]` or `[S, 1, Dk]`
 FP8 pools: the query stays unquantised; K/V are widened to the query's dtype after loading.
 
 One code path for every size: the kernel walks the pages spanned by positions
-[P - R + 1, P + window) one page at a time; the grid is (row_tiles, Hkv, B) with all R * G query
-rows of a KV head in one program (padded to a power of two >= 16, tiled by `block_rows`).
+[P - R + 1, P + window) one page at a time; the grid is (row_tiles, Hkv, B): the R * G query rows of
+a KV head (padded to a power of two >= 16) are cut into `block_rows` tiles, one program each, so a
+small batch can still fill the GPU by taking smaller tiles.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ from treespec_jax.tree.masks import MAX_TREE_NODES
 
 # Rows per program are sized so the fp32 accumulator tile stays about 16K elements (registers).
 _ACC_ELEMENTS = 16384
+# Launch defaults. DEFAULT_BLOCK_ROWS = None sizes row tiles by _ACC_ELEMENTS (128 rows at D = 128);
+# a smaller power of two splits a KV head's rows over more programs (more parallelism at small B,
+# fewer live registers per program). 4 warps and 3 stages are what Pallas Triton picks when unset.
+DEFAULT_BLOCK_ROWS: int | None = None
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 3
 
 
 def default_block_rows(total_rows: int, widest_dim: int) -> int:
@@ -57,6 +64,17 @@ def default_block_rows(total_rows: int, widest_dim: int) -> int:
     while block > 16 and block * widest_dim > _ACC_ELEMENTS:
         block //= 2
     return min(block, total_rows)
+
+
+def check_launch(block_rows, num_warps, num_stages, what: str):
+    """Launch options: block_rows a power of two >= 16, num_warps one of 1..16 (powers of two),
+    num_stages >= 1; None means the module default."""
+    if block_rows is not None and (block_rows < 16 or block_rows & (block_rows - 1)):
+        raise ValueError(f"{what}: block_rows must be a power of two >= 16, got {block_rows}")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{what}: num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
+    if num_stages is not None and num_stages < 1:
+        raise ValueError(f"{what}: num_stages must be >= 1, got {num_stages}")
 
 
 def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_size: int,
@@ -161,6 +179,8 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
     shared = v_pool is None
     main_dim = dk - rope_dim
     dv = value_dim
+    check_launch(block_rows, num_warps, num_stages, "tree_window_attention")
+    block_rows = DEFAULT_BLOCK_ROWS if block_rows is None else block_rows
     block = min(block_rows or default_block_rows(total, max(main_dim, dv)), total)
     tiles = total // block
 
@@ -211,7 +231,8 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
         out_shape=out_shape,
         input_output_aliases=aliases,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or DEFAULT_NUM_WARPS,
+                                             num_stages=num_stages or DEFAULT_NUM_STAGES),
         name="tree_window_attention",
     )(*args)
 
@@ -249,7 +270,9 @@ def tree_window_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | N
     or None when the value is the key row's leading `value_dim` channels, `page_table [B, maxp]`,
     `prefix_lengths [B]`, `mask [B, R, 2] uint32`, `prefix_out [B, R, Hq, Dv]`,
     `prefix_lse2 [B, R, Hq]` (base 2) -> `[B, R, Hq, Dv]` in q's dtype (f32 for the reference).
-    `scale` defaults to Dk^-1/2.
+    `scale` defaults to Dk^-1/2. `block_rows` (rows per program, a power of two >= 16; smaller
+    splits a KV head's rows over more programs), `num_warps` and `num_stages` tune the compiled
+    kernel; None takes DEFAULT_BLOCK_ROWS / DEFAULT_NUM_WARPS / DEFAULT_NUM_STAGES.
     """
     if k_pool.ndim == 2:
         k_pool = k_pool[:, None, :]
@@ -288,8 +311,7 @@ def tree_window_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | N
         raise ValueError(f"tree_window_attention: prefix_out must be {(b, r, hq, value_dim)}, got {prefix_out.shape}")
     if prefix_lse2.shape != (b, r, hq):
         raise ValueError(f"tree_window_attention: prefix_lse2 must be {(b, r, hq)}, got {prefix_lse2.shape}")
-    if block_rows is not None and (block_rows < 16 or block_rows & (block_rows - 1)):
-        raise ValueError(f"tree_window_attention: block_rows must be a power of two >= 16, got {block_rows}")
+    check_launch(block_rows, num_warps, num_stages, "tree_window_attention")
     scale = float(dk ** -0.5 if scale is None else scale)
     kind = resolve_backend(backend)
     if kind == "reference":
