@@ -3,6 +3,12 @@
 Run on the GPU machine from the repository root:
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_cascade.py [--quick] [--markdown FILE]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_cascade.py --variants [--budget-s 130]
+
+`--variants` runs the launch-variant sweep of benchmarks/cascade_variants.py instead (prefix
+pages_per_step / block_rows / warps / stages, window block_rows / warps; per-variant compiled
+conformance first). `--variants --smoke` runs that sweep on tiny shapes in interpret mode (CPU, no
+results appended unless --results is given).
 
 1. Conformance: the COMPILED Pallas kernels against the fp32 references on random, poisoned inputs
    (NaN in every slot no row may see, NaN-filled outputs): prefix decode (GQA groups 1/4, page 16/64,
@@ -395,10 +401,27 @@ def main(argv=None):
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--tune", action="store_true", help="also time a few prefix-kernel configurations")
     ap.add_argument("--markdown", default=None, help="write the conformance summary and table to this file")
-    ap.add_argument("--results", default=str(Path(__file__).resolve().parent / "RESULTS.md"),
-                    help="append a dated section here (benchmarks/RESULTS.md by default)")
+    ap.add_argument("--results", default=None,
+                    help="append a dated section here (benchmarks/RESULTS.md by default; --smoke appends "
+                         "only when this is given)")
     ap.add_argument("--no-results", action="store_true", help="do not append to the results file")
+    ap.add_argument("--variants", action="store_true", help="launch-variant sweep (cascade_variants.py)")
+    ap.add_argument("--smoke", action="store_true", help="with --variants: tiny shapes, interpret mode")
+    ap.add_argument("--budget-s", type=float, default=130.0,
+                    help="with --variants: skip the remaining variant timings after this many seconds "
+                         "(the final default/recommended cascades still run)")
     args = ap.parse_args(argv)
+    cmd = "python3 benchmarks/bench_cascade.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.variants:
+        # Imported here: cascade_variants imports this module for its helpers.
+        from benchmarks import cascade_variants
+        md, ok = cascade_variants.run_variants(args, smoke=args.smoke)
+        results = args.results or (None if args.smoke else str(Path(__file__).resolve().parent / "RESULTS.md"))
+        if results and not args.no_results:
+            cascade_variants.append_results(results, md, cmd)
+            print(f"appended a section to {results}", flush=True)
+        return 0 if ok else 1
+    args.results = args.results or str(Path(__file__).resolve().parent / "RESULTS.md")
     print(f"jax {jax.__version__} devices {jax.devices()}", flush=True)
     checks = Checks()
     if not args.skip_conformance:
@@ -445,7 +468,6 @@ def main(argv=None):
         with open(args.markdown, "w") as fh:
             fh.write(md + "\n")
     if not args.no_results:
-        cmd = "python3 benchmarks/bench_cascade.py " + " ".join(argv if argv is not None else sys.argv[1:])
         with open(args.results, "a") as fh:  # one append, so concurrent writers do not clobber
             fh.write(f"\n## Cascade tree attention (GQA), {stamp}\n\ncommand: `{cmd.strip()}`\n\n{md}\n")
     return 0 if checks.all_ok else 1

@@ -207,3 +207,11 @@ def test_prefix_decode_rejects_bad_pages_per_step():
         prefix_decode(q, pool, pool, table, lengths, page_size=16, pages_per_step=0)
     with pytest.raises(ValueError, match="pages_per_step=8 x page_size=64 = 512 keys"):
         prefix_decode(q, pool, pool, table, lengths, page_size=64, pages_per_step=8)
+
+
+def test_default_pages_per_step_respects_the_key_bound(monkeypatch):
+    import pallas_kernels.attention.prefix_decode as pd
+    monkeypatch.setattr(pd, "DEFAULT_PAGES_PER_STEP", 4)
+    assert pd.default_pages_per_step(16) == 4
+    assert pd.default_pages_per_step(128) == 2
+    assert pd.default_pages_per_step(512) == 1  # one large page is still one step

@@ -94,6 +94,15 @@ def check_pages_per_step(pages_per_step: int, page_size: int, what: str) -> int:
     return pps
 
 
+def default_pages_per_step(page_size: int) -> int:
+    """DEFAULT_PAGES_PER_STEP, reduced for large pages so a default step stays within
+    MAX_KEYS_PER_STEP keys (an explicit pages_per_step is validated, never reduced)."""
+    pps = DEFAULT_PAGES_PER_STEP
+    while pps > 1 and pps * page_size > MAX_KEYS_PER_STEP:
+        pps //= 2
+    return pps
+
+
 def heads_to_rows(x: jax.Array, num_kv_heads: int, total_rows: int, fill=0.0) -> jax.Array:
     """`[B, R, Hq, ...]` -> `[B, Hkv, total_rows, ...]`, row `r * G + g` = head `h * G + g`, padded."""
     b, r, hq = x.shape[:3]
@@ -283,7 +292,7 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
     b, hkv, total, d = qr.shape
     block = choose_block_rows(total, block_rows)
     tiles = total // block
-    pps = check_pages_per_step(DEFAULT_PAGES_PER_STEP if pages_per_step is None else pages_per_step,
+    pps = check_pages_per_step(default_pages_per_step(page_size) if pages_per_step is None else pages_per_step,
                                page_size, "prefix_decode")
     max_pages = page_table.shape[1]
     splits = num_splits or default_num_splits(b, hkv, tiles, max_pages)
@@ -370,7 +379,7 @@ def prefix_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table
     `lengths [B] int32` -> `(out [B, R, Hq, D] f32, lse2 [B, R, Hq] f32)`.
     `scale` defaults to D^-1/2. `num_splits=None` picks a split of the key axis that fills the GPU.
     `block_rows`, `num_warps`, `num_stages` tune the compiled kernel; `pages_per_step` (a power of
-    two, at most MAX_KEYS_PER_STEP keys when > 1; None = DEFAULT_PAGES_PER_STEP) groups pages into one
+    two, at most MAX_KEYS_PER_STEP keys when > 1; None = `default_pages_per_step(page_size)`) groups pages into one
     online-softmax step; `poison_outputs` fills the
     kernel's output buffers with NaN first (tests); `fp8_score_dot` uses an FP8 x FP8 score dot on GPU.
     """
