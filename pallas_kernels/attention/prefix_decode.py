@@ -54,8 +54,9 @@ _SPLIT_TARGET_PROGRAMS_PER_SM = 4
 # A split shorter than this many pages costs more in its merge than it saves.
 _MIN_PAGES_PER_SPLIT = 4
 # Best of the first H200 tuning at B=32, P=32768, N=64, Hq=32, Hkv=8, D=128 (benchmarks/RESULTS.md).
-# The second run measured 256 rows / 8 warps 6% faster there, about the run-to-run spread; not
-# adopted without a confirming run.
+# The second run measured 256 rows / 8 warps 6% faster there and the variant sweep (run 3) 3%,
+# within the run-to-run spread; two pages per step gained 1% at 8 warps and doubled the time at 4
+# warps. The defaults stay until a change beats the spread.
 DEFAULT_BLOCK_ROWS = 128
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
