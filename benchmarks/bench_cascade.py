@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -40,9 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import measure_ceilings, median_time
 from pallas_kernels.attention.prefix_decode import (heads_to_rows, padded_rows, prefix_decode,
                                                     prefix_decode_row_layout)
-from pallas_kernels.attention.reference import (cascade_dense_reference, prefix_decode_reference,
+from pallas_kernels.attention.reference import (cascade_dense_reference,
                                                 sliding_lane_dense_reference)
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, sliding_lane_attention
@@ -229,57 +228,6 @@ def conformance(checks: Checks, seed=0):
 # ------------------------------------------------------------------------------------------------
 # Timing
 # ------------------------------------------------------------------------------------------------
-
-def median_time(fn, *args, samples=15, inner=None):
-    """Median seconds per call: warm-up, then `samples` rounds of `inner` back-to-back calls."""
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = time.perf_counter() - t0
-    inner = inner or max(1, min(20, int(0.02 / max(one, 1e-6))))
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times)
-
-
-def measure_ceilings():
-    x = jax.random.normal(jax.random.PRNGKey(1), (1 << 30,), jnp.float32).astype(jnp.bfloat16)  # 2 GiB
-    copy = jax.jit(lambda a: a * jnp.bfloat16(2))
-    t = median_time(copy, x, samples=10, inner=5)
-    bw = 2 * x.nbytes / t
-    del x
-    try:  # torch's device copy, when present, often streams faster than an XLA elementwise op
-        import torch
-        if torch.cuda.is_available():
-            src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
-            dst = torch.empty_like(src)
-            for _ in range(3):
-                dst.copy_(src)
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(10):
-                start.record()
-                dst.copy_(src)
-                stop.record()
-                stop.synchronize()
-                times.append(start.elapsed_time(stop) / 1e3)
-            bw = max(bw, 2 * src.numel() * 2 / statistics.median(times))
-            del src, dst
-            torch.cuda.empty_cache()
-    except Exception as exc:
-        print(f"  torch copy bandwidth unavailable: {exc}", flush=True)
-    n = 8192
-    a = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.bfloat16)
-    bb = jax.random.normal(jax.random.PRNGKey(3), (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda u, v: jnp.dot(u, v, preferred_element_type=jnp.bfloat16))
-    t = median_time(mm, a, bb, samples=10, inner=3)
-    return bw, 2 * n ** 3 / t
-
 
 def dense_baseline(q, kp, vp, table, lengths, mask, window):
     """jax.nn.dot_product_attention over pre-gathered K/V with the tree mask (cudnn, else xla)."""

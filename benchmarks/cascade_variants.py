@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import bench_cascade as bc
+from benchmarks.timing import measure_matmul_flops, median_time
 from pallas_kernels.attention.prefix_decode import (heads_to_rows, padded_rows, prefix_decode,
                                                     prefix_decode_row_layout, rows_to_heads)
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
@@ -213,7 +214,7 @@ def run_variants(args, smoke: bool):
     matmul_rate = float("nan")
     if not smoke:
         try:
-            _, matmul_rate = bc.measure_ceilings()
+            matmul_rate = measure_matmul_flops()
             print(f"  bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s", flush=True)
         except Exception as exc:
             print(f"  matmul rate unavailable: {type(exc).__name__}: {exc}", flush=True)
@@ -228,7 +229,7 @@ def run_variants(args, smoke: bool):
         if clock.over(f"{shape.name} {kernel} {label}"):
             return None
         try:
-            t = bc.median_time(fn, *fn_args, samples=dims["samples"], inner=dims["inner"])
+            t = median_time(fn, *fn_args, samples=dims["samples"], inner=dims["inner"])
         except Exception as exc:
             print(f"  {shape.name} {kernel} {label} FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             traceback.print_exc(limit=2)
