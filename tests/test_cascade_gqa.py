@@ -4,6 +4,7 @@ draft lanes, sliding-window lanes, FP8; and the dense reference against a per-ro
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_fixtures import poisoned_paged_pools, random_parents, rel_err
 
 from pallas_kernels.attention.reference import cascade_dense_reference, sliding_lane_dense_reference
 from treespec_jax.attention import (CascadeConfig, cascade_attention, lane_attention, sliding_lane_attention,
@@ -11,39 +12,6 @@ from treespec_jax.attention import (CascadeConfig, cascade_attention, lane_atten
 from treespec_jax.tree.masks import ancestor_mask, pack_mask_rows, unpack_mask_rows
 
 FP8 = jnp.float8_e4m3fn
-
-
-def random_parents(rng, batch, n):
-    par = np.full((batch, n), -1, np.int32)
-    for j in range(1, n):
-        par[:, j] = rng.integers(0, j, size=batch)
-    return jnp.asarray(par)
-
-
-def pools(rng, batch, max_len, hkv, d, page, dtype, live_fn):
-    """Pools + random page table; slots where `live_fn(b, pos)` is False and unowned pages are NaN/inf."""
-    per_req = -(-max_len // page)
-    num_pages = batch * per_req + 2
-    perm = rng.permutation(num_pages)
-    table = perm[: batch * per_req].reshape(batch, per_req)
-    k = rng.standard_normal((num_pages * page, hkv, d)).astype(np.float32)
-    v = rng.standard_normal((num_pages * page, hkv, d)).astype(np.float32)
-    live = np.zeros(num_pages * page, bool)
-    for b in range(batch):
-        for pos in range(per_req * page):
-            if live_fn(b, pos):
-                live[table[b, pos // page] * page + pos % page] = True
-    bad = np.array([np.nan, np.inf, -np.inf], np.float32)[np.arange(live.size) % 3]
-    k[~live] = bad[~live, None, None]
-    v[~live] = bad[~live, None, None]
-    return jnp.asarray(k).astype(dtype), jnp.asarray(v).astype(dtype), jnp.asarray(table, jnp.int32)
-
-
-def rel_err(out, ref):
-    out = np.asarray(jnp.asarray(out, jnp.float32))
-    ref = np.asarray(jnp.asarray(ref, jnp.float32))
-    assert np.all(np.isfinite(out)), "non-finite output: poison leaked into a row"
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 @pytest.mark.parametrize("n,group,page,dtype,tol", [
@@ -54,7 +22,7 @@ def test_verify_matches_dense_attention(n, group, page, dtype, tol):
     rng = np.random.default_rng(n + group)
     b, hkv, d = 3, 2, 16
     lengths = np.array([0, 70, n // 3], np.int32)  # P = 0, long, P < R
-    k, v, table = pools(rng, b, 70 + n, hkv, d, page, dtype, lambda bb, pos: pos < lengths[bb] + n)
+    k, v, table = poisoned_paged_pools(rng, b, 70 + n, hkv, d, page, dtype, lambda bb, pos: pos < lengths[bb] + n)
     q = jnp.asarray(rng.standard_normal((b, n, hkv * group, d)), jnp.float32).astype(jnp.bfloat16)
     mask = ancestor_mask(random_parents(rng, b, n))
     lengths = jnp.asarray(lengths)
@@ -90,7 +58,7 @@ def test_lanes_match_dense_attention(step):
     w = (steps - 1) * kk
     written = (step + 1) * kk
     frontier = np.array([2, 37], np.int32)
-    k, v, table = pools(rng, b, 37 + w, hkv, d, page, jnp.float32,
+    k, v, table = poisoned_paged_pools(rng, b, 37 + w, hkv, d, page, jnp.float32,
                         lambda bb, pos: pos < frontier[bb] + written)
     q = jnp.asarray(rng.standard_normal((b, kk, hkv * g, d)), jnp.float32)
     bits = lane_masks(rng, b, kk, step)[:, :, :w]
@@ -109,7 +77,7 @@ def test_sliding_window_lanes_with_row_page_tables():
     b, kk, hkv, g, d, page, w, sw = 2, 3, 1, 2, 16, 16, 6, 20
     frontier = np.array([10, 50], np.int32)
     row_lengths = np.array([[10, 7, 1], [50, 33, 0]], np.int32)
-    k, v, table = pools(rng, b, 64, hkv, d, page, jnp.float32, lambda bb, pos: pos < frontier[bb] + w)
+    k, v, table = poisoned_paged_pools(rng, b, 64, hkv, d, page, jnp.float32, lambda bb, pos: pos < frontier[bb] + w)
     # Row tables: request b's own pages, rotated per row so the rows really read different slots.
     tnp = np.asarray(table)
     row_tables = np.stack([np.stack([np.roll(tnp[bb], -r) for r in range(kk)]) for bb in range(b)])
@@ -135,7 +103,7 @@ def test_dense_reference_matches_numpy_loop_and_reference_composition():
     rng = np.random.default_rng(4)
     b, n, hkv, g, d, page = 2, 5, 2, 2, 16, 16
     lengths = np.array([3, 21], np.int32)
-    k, v, table = pools(rng, b, 21 + n, hkv, d, page, jnp.float32, lambda bb, pos: pos < lengths[bb] + n)
+    k, v, table = poisoned_paged_pools(rng, b, 21 + n, hkv, d, page, jnp.float32, lambda bb, pos: pos < lengths[bb] + n)
     q = jnp.asarray(rng.standard_normal((b, n, hkv * g, d)), jnp.float32)
     mask = ancestor_mask(random_parents(rng, b, n))
     dense, _ = cascade_dense_reference(q, k, v, table, jnp.asarray(lengths), mask, window=n, page_size=page,

@@ -1,7 +1,6 @@
 """GDN tree verify: recurrent (staged / ReplaySSM), chain, chunked form; Pallas in interpret mode
 against an fp64 numpy recurrence along each node's root path."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

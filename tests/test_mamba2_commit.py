@@ -13,7 +13,7 @@ from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout
 from pallas_kernels.linear.mamba2_replay import mamba2_replay_commit
 from treespec_jax.linear.conv import conv_commit_from_inputs, conv_commit_staged
 from treespec_jax.linear.mamba2 import (
-    Mamba2CommitConfig, Mamba2Dims, Mamba2Layer, Mamba2Pools, Mamba2Weights, mamba2_commit, mamba2_verify,
+    Mamba2CommitConfig, Mamba2Dims, Mamba2Layer, Mamba2Pools, Mamba2Weights, mamba2_verify,
     new_verify_scratch, pack_path_rows,
 )
 from treespec_jax.support import LinearAttentionLayerSpec, TreeSupportError, resolve_tree_support

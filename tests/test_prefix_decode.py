@@ -3,10 +3,10 @@ reference vs an independent per-row numpy loop."""
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_fixtures import poisoned_paged_pools, rel_err
 
 from pallas_kernels.attention.prefix_decode import default_num_splits, merge_splits, prefix_decode
 
@@ -14,29 +14,9 @@ FP8 = jnp.float8_e4m3fn
 
 
 def make_pools(rng, batch, max_len, hkv, d, page, dtype, owned_len):
-    """Random slot-major pools + a random page table. Unowned pages and every owned slot at or past
-    `owned_len[b]` hold NaN or +-inf (alternating), so any stray read shows up."""
-    per_req = -(-max_len // page)
-    num_pages = batch * per_req + 3
-    perm = rng.permutation(num_pages)
-    table = perm[: batch * per_req].reshape(batch, per_req)
-    k = rng.standard_normal((num_pages * page, hkv, d)).astype(np.float32)
-    v = rng.standard_normal((num_pages * page, hkv, d)).astype(np.float32)
-    live = np.zeros(num_pages * page, bool)
-    for b in range(batch):
-        for pos in range(int(owned_len[b])):
-            live[table[b, pos // page] * page + pos % page] = True
-    poison = np.where(np.arange(live.size) % 3 == 0, np.nan, np.where(np.arange(live.size) % 3 == 1, np.inf, -np.inf))
-    k[~live] = poison[~live, None, None]
-    v[~live] = poison[~live, None, None]
-    return jnp.asarray(k).astype(dtype), jnp.asarray(v).astype(dtype), jnp.asarray(table, jnp.int32)
-
-
-def rel_err(out, ref):
-    out = np.asarray(out, np.float32)
-    ref = np.asarray(ref, np.float32)
-    assert np.all(np.isfinite(out)), "non-finite output (poison reached it or an element was not written)"
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    """Poisoned pools where request b owns positions below owned_len[b]."""
+    return poisoned_paged_pools(rng, batch, max_len, hkv, d, page, dtype,
+                                lambda b, pos: pos < int(owned_len[b]), spare_pages=3)
 
 
 def check_lse(lse, ref, tol):

@@ -1,10 +1,10 @@
 """Tree window kernel (prefix tail + masked window + merge): Pallas interpret mode against the fp32
 reference fed by a reference prefix partial; poison in every slot a row cannot see."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_fixtures import poisoned_paged_pools, random_parents, rel_err
 
 from pallas_kernels.attention.prefix_decode import prefix_decode
 from pallas_kernels.attention.reference import merge_partials_reference
@@ -12,40 +12,6 @@ from pallas_kernels.attention.tree_window import tree_window_attention
 from treespec_jax.tree.masks import ancestor_mask, pack_mask_rows, unpack_mask_rows
 
 FP8 = jnp.float8_e4m3fn
-
-
-def random_parents(rng, batch, n):
-    par = np.full((batch, n), -1, np.int32)
-    for j in range(1, n):
-        par[:, j] = rng.integers(0, j, size=batch)
-    return jnp.asarray(par)
-
-
-def paged_pools(rng, batch, max_len, hkv, width, page, dtype, seen_slots_fn):
-    """Random pools and page table; every slot for which `seen_slots_fn(b, pos)` is False (and every
-    page no request owns) holds NaN/+inf/-inf."""
-    per_req = -(-max_len // page)
-    num_pages = batch * per_req + 2
-    perm = rng.permutation(num_pages)
-    table = perm[: batch * per_req].reshape(batch, per_req)
-    k = rng.standard_normal((num_pages * page, hkv, width)).astype(np.float32)
-    v = rng.standard_normal((num_pages * page, hkv, width)).astype(np.float32)
-    live = np.zeros(num_pages * page, bool)
-    for b in range(batch):
-        for pos in range(per_req * page):
-            if seen_slots_fn(b, pos):
-                live[table[b, pos // page] * page + pos % page] = True
-    bad = np.array([np.nan, np.inf, -np.inf], np.float32)[np.arange(live.size) % 3]
-    k[~live] = bad[~live, None, None]
-    v[~live] = bad[~live, None, None]
-    return jnp.asarray(k).astype(dtype), jnp.asarray(v).astype(dtype), jnp.asarray(table, jnp.int32)
-
-
-def rel_err(out, ref):
-    out = np.asarray(jnp.asarray(out, jnp.float32))
-    ref = np.asarray(jnp.asarray(ref, jnp.float32))
-    assert np.all(np.isfinite(out)), "non-finite output: poison leaked or an element was not written"
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 @pytest.mark.parametrize("group,page,dtype,rows", [
@@ -58,7 +24,7 @@ def test_window_matches_reference_on_random_trees(group, page, dtype, rows):
     hkv, d, b = 2, 16, 4
     lengths = np.array([0, rows // 2, 90, 33], np.int32)  # P = 0, P < R, ragged
     # Every committed key and the window (written by the verify forward) is live; the rest is poison.
-    k, v, table = paged_pools(rng, b, 90 + rows, hkv, d, page, dtype,
+    k, v, table = poisoned_paged_pools(rng, b, 90 + rows, hkv, d, page, dtype,
                               lambda bb, pos: pos < lengths[bb] + rows)
     q = jnp.asarray(rng.standard_normal((b, rows, group * hkv, d)), jnp.float32)
     q = q.astype(jnp.float32 if dtype == jnp.float32 else jnp.bfloat16)
@@ -83,7 +49,7 @@ def test_window_lane_mask_hides_unwritten_slots_and_nonfinite_prefix_partial():
     bits[0, 1, :] = False  # a row with no window key at all
     lengths = np.array([5, 0, 40], np.int32)
     named = bits.any(axis=1)
-    k, v, table = paged_pools(rng, b, 40 + window, hkv, d, page, jnp.float32,
+    k, v, table = poisoned_paged_pools(rng, b, 40 + window, hkv, d, page, jnp.float32,
                               lambda bb, pos: pos < lengths[bb] or (0 <= pos - lengths[bb] < window
                                                                      and named[bb, pos - lengths[bb]]))
     q = jnp.asarray(rng.standard_normal((b, rows, hkv * g, d)), jnp.float32)
@@ -105,7 +71,7 @@ def test_window_without_causal_prefix_attends_window_only():
     rng = np.random.default_rng(5)
     b, rows, hkv, g, d, page = 2, 8, 1, 4, 16, 16
     lengths = np.array([20, 3], np.int32)
-    k, v, table = paged_pools(rng, b, 40, hkv, d, page, jnp.float32,
+    k, v, table = poisoned_paged_pools(rng, b, 40, hkv, d, page, jnp.float32,
                               lambda bb, pos: lengths[bb] <= pos < lengths[bb] + rows)  # prefix poisoned
     q = jnp.asarray(rng.standard_normal((b, rows, hkv * g, d)), jnp.float32)
     mask = ancestor_mask(random_parents(rng, b, rows))
@@ -144,7 +110,7 @@ def test_window_mla_latent_layout(dtype):
     rng = np.random.default_rng(3)
     b, rows, hq, lat, rope, page = 2, 6, 4, 64, 16, 16
     lengths = np.array([2, 30], np.int32)
-    lp, _, table = paged_pools(rng, b, 30 + rows, 1, lat + rope, page, dtype,
+    lp, _, table = poisoned_paged_pools(rng, b, 30 + rows, 1, lat + rope, page, dtype,
                                lambda bb, pos: pos < lengths[bb] + rows)
     latent = lp[:, 0, :]  # the 2-D latent pool [S, latent + rope]
     q = jnp.asarray(rng.standard_normal((b, rows, hq, lat + rope)), jnp.float32).astype(jnp.bfloat16)
@@ -203,7 +169,7 @@ def test_window_row_tiles(block_rows, num_warps):
     rng = np.random.default_rng(block_rows)
     b, rows, hkv, g, d, page = 2, 9, 2, 4, 16, 16
     lengths = np.array([3, 41], np.int32)
-    k, v, table = paged_pools(rng, b, 41 + rows, hkv, d, page, jnp.float32,
+    k, v, table = poisoned_paged_pools(rng, b, 41 + rows, hkv, d, page, jnp.float32,
                               lambda bb, pos: pos < lengths[bb] + rows)
     q = jnp.asarray(rng.standard_normal((b, rows, hkv * g, d)), jnp.float32)
     mask = ancestor_mask(random_parents(rng, b, rows))

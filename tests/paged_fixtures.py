@@ -1,0 +1,42 @@
+"""Shared fixtures of the attention tests: random trees, poisoned paged pools, relative error."""
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def random_parents(rng, batch, n):
+    """`[batch, n] int32` random trees: parents[0] = -1, parents[j] uniform in [0, j)."""
+    par = np.full((batch, n), -1, np.int32)
+    for j in range(1, n):
+        par[:, j] = rng.integers(0, j, size=batch)
+    return jnp.asarray(par)
+
+
+def poisoned_paged_pools(rng, batch, max_len, hkv, width, page, dtype, live_fn, spare_pages=2):
+    """Random slot-major K/V pools `[num_pages * page, hkv, width]` and a random page table.
+
+    Every slot for which `live_fn(b, pos)` is False, and every page no request owns
+    (`spare_pages` of them), holds NaN / +inf / -inf in turn, so any stray read shows up.
+    """
+    per_req = -(-max_len // page)
+    num_pages = batch * per_req + spare_pages
+    table = rng.permutation(num_pages)[: batch * per_req].reshape(batch, per_req)
+    k = rng.standard_normal((num_pages * page, hkv, width)).astype(np.float32)
+    v = rng.standard_normal((num_pages * page, hkv, width)).astype(np.float32)
+    live = np.zeros(num_pages * page, bool)
+    for b in range(batch):
+        for pos in range(per_req * page):
+            if live_fn(b, pos):
+                live[table[b, pos // page] * page + pos % page] = True
+    bad = np.array([np.nan, np.inf, -np.inf], np.float32)[np.arange(live.size) % 3]
+    k[~live] = bad[~live, None, None]
+    v[~live] = bad[~live, None, None]
+    return jnp.asarray(k).astype(dtype), jnp.asarray(v).astype(dtype), jnp.asarray(table, jnp.int32)
+
+
+def rel_err(out, ref):
+    """||out - ref|| / ||ref||; any non-finite output fails (poison leaked or an element unwritten)."""
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    ref = np.asarray(jnp.asarray(ref, jnp.float32))
+    assert np.all(np.isfinite(out)), "non-finite output: poison leaked or an element was not written"
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
