@@ -16,7 +16,6 @@ Padded requests (slot < 0) are skipped by both commits.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.linear.conv_tree import conv_tree_update
