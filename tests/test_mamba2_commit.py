@@ -132,7 +132,7 @@ def test_layer_glue_staged_and_replay_agree_with_per_path(tree):
     slots = jnp.asarray([2, 0], jnp.int32)
     outs = {}
     for replay in (True, False):
-        layer = Mamba2Layer("layers.0", DIMS, Mamba2CommitConfig(replay_ssm=replay, backend="interpret"))
+        layer = Mamba2Layer("layers.0", DIMS, Mamba2CommitConfig(mode="replay_ssm" if replay else "staged", backend="interpret"))
         scratch = new_verify_scratch(DIMS, layer.cfg, nb, T, act_dtype=jnp.float32)
         scratch = jax.tree.map(lambda s: jnp.full_like(s, jnp.nan), scratch)
         res = layer.verify(weights, pools, slots, xbc, dt, jnp.asarray(parents) if tree else None, scratch, z)
@@ -168,7 +168,7 @@ def test_layer_declares_tree_support_and_checks_scratch():
         Mamba2Dims(nheads=4, headdim=8, dstate=16, ngroups=3)
     rng = np.random.default_rng(35)
     weights, pools, xbc, dt, _ = _layer_inputs(rng, 2, 4)
-    staged_scratch = new_verify_scratch(DIMS, Mamba2CommitConfig(replay_ssm=False), 2, 4, act_dtype=jnp.float32)
-    with pytest.raises(ValueError, match="scratch does not match replay_ssm=True"):
+    staged_scratch = new_verify_scratch(DIMS, Mamba2CommitConfig(mode="staged"), 2, 4, act_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="scratch does not match mode='replay_ssm'"):
         mamba2_verify(DIMS, Mamba2CommitConfig(backend="interpret"), weights, pools, jnp.asarray([0, 1]), xbc, dt,
                       None, staged_scratch)

@@ -25,7 +25,7 @@ without reading parents and never reloads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,7 @@ from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit, pack_accepted_rows
 from pallas_kernels.linear.gdn_tree import GdnKernelConfig, branch_points, gdn_tree_verify
+from treespec_jax.linear.state_mode import StateMode, check_state_mode
 from treespec_jax.support import Capability, TreeBackend, TreeSupport
 from treespec_jax.tree.masks import ancestor_mask as packed_ancestor_mask
 from treespec_jax.tree.masks import unpack_mask_rows
@@ -42,8 +43,7 @@ from treespec_jax.tree.masks import unpack_mask_rows
 GDN_TREE_VERIFY_CHUNKED_MIN_NODES = 8
 GDN_TREE_VERIFY_CHUNKED_MAX_NODES = 16
 
-GdnStateMode = Literal["replay_ssm", "staged"]
-STATE_MODES = ("replay_ssm", "staged")
+GdnStateMode = StateMode  # one mode for every linear-attention layer (linear.state_mode)
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,7 @@ class GdnLayerConfig:
     chunked_tree_verify: bool = False
 
     def __post_init__(self):
-        if self.mode not in STATE_MODES:
-            raise ValueError(f"GDN state mode {self.mode!r} is not one of {STATE_MODES}")
+        check_state_mode(self.mode, "GDN")
         if self.num_k_heads < 1 or self.num_v_heads % self.num_k_heads:
             raise ValueError(f"num_v_heads={self.num_v_heads} must be a positive multiple of "
                              f"num_k_heads={self.num_k_heads}")
@@ -82,8 +81,7 @@ class GdnVerifyOutput(NamedTuple):
 
 def verify_kernel_for(mode: GdnStateMode, num_nodes: int, is_tree: bool, chunked_tree_verify: bool) -> str:
     """Which kernel a verify runs: "chunked", "recurrent_tree" or "recurrent_chain"."""
-    if mode not in STATE_MODES:
-        raise ValueError(f"GDN state mode {mode!r} is not one of {STATE_MODES}")
+    check_state_mode(mode, "GDN")
     if not is_tree:
         return "recurrent_chain"
     if chunked_tree_verify and mode == "replay_ssm" and (GDN_TREE_VERIFY_CHUNKED_MIN_NODES <= num_nodes

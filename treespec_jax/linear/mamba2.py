@@ -6,9 +6,9 @@ chain):
 1. `mamba2_verify`: the tree conv over the raw `xBC [B, T, conv_dim]` (channels ordered
    `[x (H*P) | B (G*N) | C (G*N)]` as in Mamba2's in_proj), then the SSM tree scan. Every node
    starts from its parent's state; roots read the committed pools in place.
-   - staged (`replay_ssm=False`): per-node SSM states go to `scratch.ssm [B, T, H, P, N]` and
+   - staged (`mode="staged"`): per-node SSM states go to `scratch.ssm [B, T, H, P, N]` and
      per-node conv rows to `scratch.conv_rows [B, T, W-1, conv_dim]`.
-   - ReplaySSM (`replay_ssm=True`, the default): no state is written anywhere; the scan writes each
+   - ReplaySSM (`mode="replay_ssm"`, the default): no state is written anywhere; the scan writes each
      node's payload row `[B | x | dt]` into `scratch.ssm [B, T, width]` and the conv keeps nothing
      (its commit rebuilds from the raw inputs, which the result carries).
 2. `mamba2_commit(path, accept_len)`: path[b, d] is the accepted node at depth d.
@@ -35,6 +35,7 @@ from pallas_kernels.linear.mamba2_replay import mamba2_replay_commit
 from pallas_kernels.linear.mamba2_tree import mamba2_tree_scan
 from pallas_kernels.row_move import move_rows
 from treespec_jax.linear.conv import conv_commit_from_inputs, conv_commit_staged, conv_verify
+from treespec_jax.linear.state_mode import StateMode, check_state_mode
 from treespec_jax.support import Capability, TreeBackend, TreeSupport
 
 __all__ = [
@@ -76,8 +77,15 @@ class Mamba2Dims:
 class Mamba2CommitConfig:
     """How verify keeps what the commit needs."""
 
-    replay_ssm: bool = True  # ReplaySSM (default): no per-node states; False: staged per-node states
+    mode: StateMode = "replay_ssm"  # ReplaySSM (default): no per-node states; "staged": per-node states
     backend: str | None = None  # kernel backend for every kernel called here (see pallas_kernels.common)
+
+    def __post_init__(self):
+        check_state_mode(self.mode, "Mamba2")
+
+    @property
+    def replay_ssm(self) -> bool:
+        return self.mode == "replay_ssm"
 
 
 class Mamba2Weights(NamedTuple):
@@ -140,7 +148,7 @@ def mamba2_verify(dims: Mamba2Dims, cfg: Mamba2CommitConfig, weights: Mamba2Weig
     if xbc.ndim != 3 or xbc.shape[2] != dims.conv_dim:
         raise ValueError(f"xbc must be [B, T, {dims.conv_dim}] for {dims}, got {xbc.shape}")
     if cfg.replay_ssm != (scratch.conv_rows is None):
-        raise ValueError(f"scratch does not match replay_ssm={cfg.replay_ssm}: allocate it with new_verify_scratch")
+        raise ValueError(f"scratch does not match mode={cfg.mode!r}: allocate it with new_verify_scratch")
     conv_y, conv_rows = conv_verify(xbc, pools.conv, state_slots, weights.conv_weight, weights.conv_bias, parents,
                                     silu=True, node_states=scratch.conv_rows, backend=cfg.backend)
     x, B, C = _split_xbc(dims, conv_y)
