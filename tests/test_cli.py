@@ -62,7 +62,7 @@ def test_every_refusal_and_blocker_listed_at_once(capsys):
     assert code == 2
     for fragment in ["draft-lane slots exceed num_draft_tokens = 8", "multi-depth MTP", "pipeline parallelism",
                      "structured output", "mixed prefill/decode", "disaggregation", "attention data parallelism",
-                     "tree blocker: verify target/auto/attention", "sliding window 4096", "attention sinks"]:
+                     "tree blocker: verify target/cascade/attention", "sliding window 4096", "attention sinks"]:
         assert fragment in err, fragment
     assert "refused, 8 problem(s)" in err
 

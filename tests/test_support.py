@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from treespec_jax.config import (
+    BackendsConfig,
     ConfigError,
     KVCacheConfig,
     ModelConfig,
@@ -276,10 +277,10 @@ def test_config_blockers_reach_check_startup():
         model=ModelConfig(dtype="fp16", sliding_window=1024, linear_attention="kda"),
         kv_cache=KVCacheConfig(dtype="bf16"),
     ))
-    assert any("verify target/auto/attention" in p and "sliding window 1024" in p
+    assert any("verify target/cascade/attention" in p and "sliding window 1024" in p
                and "kv dtype 'bf16'" in p for p in problems), problems
-    assert any("verify target/auto/linear_attention" in p and "KDA" in p for p in problems)
-    assert any("lanes drafter/auto/attention" in p and "kv dtype 'bf16'" in p for p in problems)
+    assert any("verify target/cascade/linear_attention" in p and "KDA" in p for p in problems)
+    assert any("lanes drafter/cascade/attention" in p and "kv dtype 'bf16'" in p for p in problems)
 
 
 def test_config_draft_facts():
@@ -308,7 +309,22 @@ def test_describe_backends_follows_config():
                       sampling=SamplingConfig(backend="rejection", temperature=1.0))
     verify_root, draft_root = describe_backends(cfg)
     out = resolve_tree_support(verify_root, draft_root)
-    assert "target/auto/linear_attention" in out.verify_paths and "target/rejection" in out.verify_paths
-    layer = verify_root.children[0].children[0]
+    assert "target/cascade/linear_attention" in out.verify_paths and "target/rejection" in out.verify_paths
+    layer = verify_root.children[0].child_backends()[0]
     assert (layer.kv_dtype, layer.model_dtype) == ("fp8_e4m3", "bf16")
     assert describe_backends(ServeConfig())[1] is None  # no drafter without an algorithm
+
+
+def test_attention_backend_choice_picks_the_real_backend_node():
+    from treespec_jax.attention.backends import CascadeBackend, MlaCascadeBackend, attention_backend_node
+
+    cfg = tree_config(backends=BackendsConfig(attention_backend="mla_cascade", drafter_attention_backend="cascade"))
+    verify_root, draft_root = describe_backends(cfg)
+    out = resolve_tree_support(verify_root, draft_root)
+    assert "target/mla_cascade/attention" in out.verify_paths
+    assert "drafter/cascade/attention" in out.lanes_paths
+    assert isinstance(verify_root.children[0], MlaCascadeBackend)
+    # The cascades run both roles themselves; their layers can still refuse.
+    assert CascadeBackend().tree_support() == TreeSupport.full()
+    with pytest.raises(ValueError, match="'flashinfer'"):
+        attention_backend_node("flashinfer", ())

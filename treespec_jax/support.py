@@ -440,6 +440,9 @@ def describe_backends(config) -> tuple[TreeBackend, TreeBackend | None]:
     holds the drafter with its attention layer (and a linear-attention layer if it has one).
     Once real backends exist, the engine resolves over those instead.
     """
+    # Imported here: the backend nodes subclass TreeBackend, defined above in this module.
+    from treespec_jax.attention.backends import attention_backend_node
+
     model, spec = config.model, config.speculative
     kv_group = CacheGroupSpec(name="kv_group")
     target_layers: list[TreeBackend] = [
@@ -457,7 +460,7 @@ def describe_backends(config) -> tuple[TreeBackend, TreeBackend | None]:
     verify_root = BackendGroup(
         name="target",
         children=(
-            BackendGroup(name=config.backends.attention_backend, children=tuple(target_layers)),
+            attention_backend_node(config.backends.attention_backend, tuple(target_layers)),
             SamplingBackendSpec(name=config.sampling.backend),
         ),
     )
@@ -481,7 +484,7 @@ def describe_backends(config) -> tuple[TreeBackend, TreeBackend | None]:
         name="drafter",
         algorithm=spec.algorithm,
         mtp_depth=spec.mtp_depth,
-        layers=(BackendGroup(name=config.backends.drafter_attention_backend, children=tuple(draft_layers)),),
+        layers=(attention_backend_node(config.backends.drafter_attention_backend, tuple(draft_layers)),),
     )
     return verify_root, draft_root
 
