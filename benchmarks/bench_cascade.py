@@ -355,6 +355,8 @@ def main(argv=None):
     ap.add_argument("--no-results", action="store_true", help="do not append to the results file")
     ap.add_argument("--variants", action="store_true", help="launch-variant sweep (cascade_variants.py)")
     ap.add_argument("--smoke", action="store_true", help="with --variants: tiny shapes, interpret mode")
+    ap.add_argument("--focus", choices=("both", "prefix", "window"), default="both",
+                    help="with --variants: sweep one kernel's variants, the other keeps its default")
     ap.add_argument("--budget-s", type=float, default=130.0,
                     help="with --variants: skip the remaining variant timings after this many seconds "
                          "(the final default/recommended cascades still run)")
