@@ -1,10 +1,12 @@
 """The whole GPU suite in one device call: conformance of every compiled kernel, then timings.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_suite.py [--quick] [--only cascade,gdn]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_suite.py --quick --out $OUT 2>&1 | tee $OUT/suite.log
 
 Runs each benchmark module's `main(argv)` in turn (cascade, mla, gdn, mamba2); a failure in one
-is reported and the others still run. Each module appends its own dated section to
-benchmarks/RESULTS.md; this driver prints a one-line status per module last.
+is reported and the others still run. On the device machine the working tree is a copy, so with
+`--out DIR` every module that writes a dated markdown section writes it to DIR/<module>.md instead
+of appending to that copy's benchmarks/RESULTS.md (bring the files back and append them here);
+mamba2 reports on stdout only. This driver prints a one-line status per module last.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# name -> (module, quick-mode flags, flags that send its markdown section to a file)
 SUITES = {
-    "cascade": ("benchmarks.bench_cascade", ["--quick"], []),
-    "mla": ("benchmarks.bench_mla", [], []),
-    "gdn": ("benchmarks.bench_gdn", ["--quick", "--no-fla"], []),
-    "mamba2": ("benchmarks.bench_mamba2", ["--quick"], []),
+    "cascade": ("benchmarks.bench_cascade", ["--quick"], lambda md: ["--markdown", md, "--no-results"]),
+    "mla": ("benchmarks.bench_mla", [], lambda md: ["--markdown", md]),
+    "gdn": ("benchmarks.bench_gdn", ["--quick", "--no-fla"], lambda md: ["--markdown", md, "--no-results"]),
+    "mamba2": ("benchmarks.bench_mamba2", ["--quick"], lambda md: []),
 }
 
 
@@ -30,6 +33,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="each module's quick mode")
     p.add_argument("--only", default=",".join(SUITES), help=f"comma list of {sorted(SUITES)}")
+    p.add_argument("--out", default=None, help="folder for each module's markdown section (e.g. $OUT)")
     a = p.parse_args(argv)
     names = [n for n in a.only.split(",") if n]
     unknown = [n for n in names if n not in SUITES]
@@ -37,10 +41,11 @@ def main(argv=None) -> int:
         p.error(f"unknown suites {unknown}; choose from {sorted(SUITES)}")
     status = {}
     for name in names:
-        module, quick_args, full_args = SUITES[name]
+        module, quick_args, markdown_args = SUITES[name]
+        argv = (quick_args if a.quick else []) + (markdown_args(str(Path(a.out) / f"{name}.md")) if a.out else [])
         t0 = time.perf_counter()
         try:
-            code = importlib.import_module(module).main(quick_args if a.quick else full_args)
+            code = importlib.import_module(module).main(argv)
             ok = code in (None, 0) or isinstance(code, dict)
             status[name] = f"{'ok' if ok else f'FAILED (exit {code})'} in {time.perf_counter() - t0:.0f} s"
         except Exception:  # keep going: one broken module must not hide the others' numbers
