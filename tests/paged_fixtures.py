@@ -1,15 +1,7 @@
-"""Shared fixtures of the attention tests: random trees, poisoned paged pools, relative error."""
+"""Shared fixtures of the attention tests: poisoned paged pools and relative error."""
 
 import jax.numpy as jnp
 import numpy as np
-
-
-def random_parents(rng, batch, n):
-    """`[batch, n] int32` random trees: parents[0] = -1, parents[j] uniform in [0, j)."""
-    par = np.full((batch, n), -1, np.int32)
-    for j in range(1, n):
-        par[:, j] = rng.integers(0, j, size=batch)
-    return jnp.asarray(par)
 
 
 def poisoned_paged_pools(rng, batch, max_len, hkv, width, page, dtype, live_fn, spare_pages=2):

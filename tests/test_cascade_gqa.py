@@ -4,7 +4,8 @@ draft lanes, sliding-window lanes, FP8; and the dense reference against a per-ro
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_fixtures import poisoned_paged_pools, random_parents, rel_err
+from paged_fixtures import poisoned_paged_pools, rel_err
+from trees import random_parents
 
 from pallas_kernels.attention.reference import cascade_dense_reference, sliding_lane_dense_reference
 from treespec_jax.attention import (CascadeConfig, cascade_attention, lane_attention, sliding_lane_attention,

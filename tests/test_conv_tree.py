@@ -4,19 +4,12 @@ chain-as-parents vs the parent-less kernel; padded requests; silu on/off; bad in
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from trees import random_parents
 
 from pallas_kernels.linear.conv_tree import conv_tree_update
 from treespec_jax.tree.masks import chain_parents
 
 S = 5
-
-
-def random_parents(rng, nb, T):
-    par = np.full((nb, T), -1, np.int32)
-    for b in range(nb):
-        for j in range(1, T):
-            par[b, j] = rng.integers(0, j)
-    return par
 
 
 def conv_inputs(rng, nb, T, D, W, with_bias=True):

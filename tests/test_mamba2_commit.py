@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_conv_tree import np_conv
-from test_mamba2_tree import H, N, S, _j, mamba2_inputs, np_mamba2, path_to, random_parents, rel_err, scan
+from test_mamba2_tree import H, N, S, _j, mamba2_inputs, np_mamba2, path_to, rel_err, scan
+from trees import random_parents
 
 from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout
 from pallas_kernels.linear.mamba2_replay import mamba2_replay_commit

@@ -5,6 +5,7 @@ requests; bad inputs."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from trees import random_parents
 
 from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout
 from pallas_kernels.linear.mamba2_tree import mamba2_tree_scan
@@ -13,15 +14,6 @@ from treespec_jax.tree.masks import chain_parents
 H = 4
 N = 16
 S = 5  # pool slots
-
-
-def random_parents(rng, nb, T, forest=False):
-    """Random trees: parents[j] uniform over earlier nodes (many branch points); a forest adds roots."""
-    par = np.full((nb, T), -1, np.int32)
-    for b in range(nb):
-        for j in range(1, T):
-            par[b, j] = rng.integers(-1 if forest else 0, j)
-    return par
 
 
 def mamba2_inputs(rng, nb, T, P, G, with_z=True, dtype=np.float32):

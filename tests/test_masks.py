@@ -1,16 +1,9 @@
 import chex
 import numpy as np
 import pytest
+from trees import random_parents
 
 from treespec_jax.tree import masks
-
-
-def random_parents(rng, batch, n):
-    parents = np.full((batch, n), -1, np.int32)
-    for b in range(batch):
-        for j in range(1, n):
-            parents[b, j] = rng.integers(0, j)
-    return parents
 
 
 def python_mask(parents_row):

@@ -6,13 +6,10 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from trees import random_parents
 
 from treespec_jax.tree import masks
 from treespec_jax.tree.spec import TreeSpec
-
-
-def random_parents(rng, b, n):
-    return np.stack([np.array([-1] + [rng.integers(0, j) for j in range(1, n)]) for _ in range(b)]).astype(np.int32)
 
 
 def random_root_path(rng, parents_row):

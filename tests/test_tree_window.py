@@ -4,7 +4,8 @@ reference fed by a reference prefix partial; poison in every slot a row cannot s
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_fixtures import poisoned_paged_pools, random_parents, rel_err
+from paged_fixtures import poisoned_paged_pools, rel_err
+from trees import random_parents
 
 from pallas_kernels.attention.prefix_decode import prefix_decode
 from pallas_kernels.attention.reference import merge_partials_reference

@@ -6,15 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from chi_square import P_MIN, chi_square_p
+from trees import random_parents
 
 from treespec_jax.sampling.keyed import SamplingParams, sample_at
 from treespec_jax.sampling.rejection import walk_keys
 from treespec_jax.tree import verify
 from treespec_jax.tree.masks import chain_parents, depths
-
-
-def random_parents(rng, b, n):
-    return np.stack([np.array([-1] + [rng.integers(0, j) for j in range(1, n)]) for _ in range(b)]).astype(np.int32)
 
 
 def python_greedy_walk(tokens, parents, target):
