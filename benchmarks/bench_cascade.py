@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.report import rel_err
 from benchmarks.timing import measure_ceilings, median_time
 from pallas_kernels.attention.prefix_decode import (heads_to_rows, padded_rows, prefix_decode,
                                                     prefix_decode_row_layout)
@@ -92,14 +93,6 @@ def poison_beyond(pool, table, lengths, page):
     if not slots:
         return pool
     return pool.at[np.asarray(slots)].set(jnp.nan)
-
-
-def rel_err(out, ref):
-    out = jnp.asarray(out, jnp.float32)
-    ref = jnp.asarray(ref, jnp.float32)
-    if not bool(jnp.all(jnp.isfinite(out))):
-        return float("nan")
-    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
 
 
 def lse_err(lse, ref):

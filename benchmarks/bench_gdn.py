@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.report import log, rel_err
 from benchmarks import timing
 from benchmarks.timing import measure_copy_bandwidth
 from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
@@ -38,18 +39,7 @@ from treespec_jax.tree.masks import ancestor_mask
 QWEN = dict(H=16, HV=32, DK=128, DV=128)
 SMALL = dict(H=2, HV=4, DK=16, DV=16)
 INNER = 10  # kernel calls per timed jit call
-_T0 = time.time()
-
-
-def log(*a):
-    print(f"[{time.time() - _T0:6.1f}s]", *a, flush=True)
-
-
-def rel_err(out, ref) -> float:
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
-    err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
-    return float(err) if np.isfinite(err) else float("inf")
+_T0 = time.time()  # this module's start, for its --budget-s
 
 
 def random_tree(rng, batch, t, p_extend=0.5):

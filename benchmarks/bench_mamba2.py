@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.report import log, rel_err
 from benchmarks import timing
 from benchmarks.timing import measure_copy_bandwidth
 from pallas_kernels.linear.conv_tree import conv_tree_update
@@ -38,21 +39,8 @@ NEMOTRON = dict(H=128, P=64, N=128, G=8)
 SMALL = dict(H=4, P=16, N=16, G=2)
 CONV_W = 4
 INNER = 10  # kernel calls per timed jit call
+_T0 = time.time()  # this module's start, for its --budget-s
 POOL_BYTES = 512 << 20  # rotate slots through at least this much state (H200 L2 is 60 MB)
-_T0 = time.time()
-
-
-def log(*a):
-    print(f"[{time.time() - _T0:6.1f}s]", *a, flush=True)
-
-
-def rel_err(out, ref) -> float:
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
-    if np.isnan(out).any():
-        return float("inf")
-    err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
-    return float(err) if np.isfinite(err) else float("inf")
 
 
 def dfs_tree(rng, batch, t, p_extend=0.5):

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.report import log, rel_err
 from benchmarks.timing import measure_ceilings, median_time
 from pallas_kernels.attention.mla_decode import MlaDecodeConfig, mla_decode, mla_decode_reference
 from pallas_kernels.attention.reference import dense_tree_visibility
@@ -56,18 +57,6 @@ DECODE_CONFIGS = (
     MlaDecodeConfig(block_q=64, block_k=64, num_warps=8, num_stages=2),
     MlaDecodeConfig(block_q=32, block_k=32, num_warps=4, num_stages=2),
 )
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def rel_err(out, ref) -> float:
-    out = jnp.asarray(out, jnp.float32)
-    ref = jnp.asarray(ref, jnp.float32)
-    if not bool(jnp.all(jnp.isfinite(out))):
-        return float("nan")
-    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
 
 
 def make_latent(key, rng, lengths: np.ndarray, dtype):
