@@ -46,6 +46,7 @@ from pallas_kernels.attention.reference import (cascade_dense_reference,
                                                 sliding_lane_dense_reference)
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, sliding_lane_attention
+from treespec_jax.cache.paged import slot_of
 from treespec_jax.tree.masks import ancestor_mask
 
 FP8 = jnp.float8_e4m3fn
@@ -227,7 +228,7 @@ def dense_baseline(q, kp, vp, table, lengths, mask, window):
     b, n = q.shape[:2]
     t = int(np.asarray(lengths).max()) + window
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    slots = jnp.take_along_axis(table, pos // PAGE, axis=1) * PAGE + pos % PAGE
+    slots = slot_of(table, pos, PAGE)
     kd = kp[slots].astype(q.dtype)
     vd = vp[slots].astype(q.dtype)
     from pallas_kernels.attention.reference import dense_tree_visibility

@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from treespec_jax.cache.paged import slot_of
 from treespec_jax.tree.masks import unpack_mask_rows
 
 LOG2E = math.log2(math.e)
@@ -45,8 +46,7 @@ def _gather_positions(pool: jax.Array, page_table: jax.Array, positions: jax.Arr
     """
     max_pos = page_table.shape[1] * page_size - 1
     pos = jnp.clip(positions, 0, max_pos)
-    pages = jnp.take_along_axis(page_table, pos // page_size, axis=1)
-    return pool[pages * page_size + pos % page_size].astype(jnp.float32)
+    return pool[slot_of(page_table, pos, page_size)].astype(jnp.float32)
 
 
 def _masked_softmax_parts(scores: jax.Array, visible: jax.Array):

@@ -17,15 +17,3 @@ def slot_of(page_table: jax.Array, positions: jax.Array, page_size: int) -> jax.
     """`page_table [B, P]`, `positions [B, T] int32` -> slots `[B, T] int32`."""
     pages = jnp.take_along_axis(page_table, positions // page_size, axis=1)
     return pages * page_size + positions % page_size
-
-
-def gather_rows(pool: jax.Array, page_table: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
-    """Rows at `positions [B, T]` -> `[B, T, ...row]`."""
-    return pool[slot_of(page_table, positions, page_size)]
-
-
-def write_rows(pool: jax.Array, page_table: jax.Array, positions: jax.Array, rows: jax.Array,
-               page_size: int) -> jax.Array:
-    """Writes `rows [B, T, ...row]` at `positions [B, T]`; returns the updated pool."""
-    slots = slot_of(page_table, positions, page_size)
-    return pool.at[slots.reshape(-1)].set(rows.reshape((-1,) + rows.shape[2:]))
