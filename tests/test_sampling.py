@@ -123,3 +123,18 @@ def test_params_validation_names_bad_values():
         sample_at(jnp.zeros((2, 3, 4)), jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32), params)
     with pytest.raises(ValueError, match="seeds"):
         sample_at(jnp.zeros((2, 3, 4)), jnp.zeros((3,), jnp.int32), jnp.zeros((2, 3), jnp.int32), params)
+
+
+def test_target_probs_is_the_distribution_sample_at_draws_from():
+    """Rejection sampling verifies against `target_probs`; it must apply the same masks."""
+    rng = np.random.default_rng(5)
+    settings = [(0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.6), (0.9, 7, 0.8), (0.0, 3, 0.5)]
+    logits = rng.standard_normal((len(settings), 24)).astype(np.float32) * 2
+    t, k, p = (np.array(c) for c in zip(*settings))
+    got = np.asarray(keyed.target_probs(jnp.asarray(logits), SamplingParams.create(t, k, p)))
+    for row, (temp, top_k, top_p) in enumerate(settings):
+        if temp == 0:
+            want = np.eye(24)[np.argmax(logits[row])]
+        else:
+            want = np_filtered_probs(logits[row], temp, top_k, top_p)
+        np.testing.assert_allclose(got[row], want, atol=1e-5)

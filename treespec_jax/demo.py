@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from treespec_jax.config import ConfigError, ServeConfig
-from treespec_jax.sampling.keyed import SamplingParams, sample_at
+from treespec_jax.sampling.keyed import SamplingParams, sample_at, target_probs
 from treespec_jax.tree import masks
 from treespec_jax.tree.draft_tree import CandidateRecord, expand_lanes, seed_lanes, select_tree
 from treespec_jax.tree.verify import greedy_walk, keyed_targets, rejection_walk
@@ -167,7 +167,7 @@ def spec_step(cfg, target, drafter, seq, length, seeds, sp, key, *, topk, num_st
     vis = masks.ancestor_mask_bool(tree.parents)
     node_logits = window_logits(cfg, target, seq, length, tree.tokens, tree.depths, vis)
     if sampler == "rejection":
-        probs = jax.nn.softmax(node_logits / jnp.maximum(sp.temperature, 1e-6)[:, None, None], axis=-1)
+        probs = target_probs(node_logits, sp)  # the same masks plain decoding samples under
         keys = jax.random.split(key, b)
         accepted = rejection_walk(probs, tree.tokens, tree.parents, keys)
     else:

@@ -122,6 +122,25 @@ def _sample_rows(logits, seeds, positions, temperature, top_k, top_p):
     return jnp.where(sampled_row, sampled, greedy)
 
 
+def target_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """The distribution `sample_at` draws from: `logits [..., V]` -> probabilities `[..., V]` f32.
+
+    Softmax of the top-k / top-p filtered logits / temperature; a temperature-0 row is the one-hot
+    of its argmax. Rejection sampling verifies against exactly this, so both samplers honour the
+    same masks. `params` fields are per request, a prefix of the leading shape.
+    """
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    cols = [_broadcast_lead(x, lead, f"params.{n}").reshape(-1)
+            for n, x in (("temperature", params.temperature), ("top_k", params.top_k), ("top_p", params.top_p))]
+    temperature, top_k, top_p = cols
+    flat = logits.reshape((-1, vocab)).astype(jnp.float32)
+    sampled_row = temperature > 0
+    scaled = jax.vmap(filter_logits)(flat / jnp.where(sampled_row, temperature, 1.0)[:, None], top_k, top_p)
+    greedy = jax.nn.one_hot(jnp.argmax(flat, axis=-1), vocab, dtype=jnp.float32)
+    probs = jnp.where(sampled_row[:, None], jax.nn.softmax(scaled, axis=-1), greedy)
+    return probs.reshape(logits.shape)
+
+
 def sample_at(logits: jax.Array, seeds: jax.Array, positions: jax.Array, params: SamplingParams) -> jax.Array:
     """Keyed draw for every row of `logits [..., V]` -> tokens `[...]` int32.
 
