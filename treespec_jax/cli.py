@@ -36,7 +36,8 @@ def _flag_fields() -> list[tuple[str | None, dataclasses.Field, typing.Any]]:
     return out
 
 
-def _dest(section: str | None, name: str) -> str:
+def flag_dest(section: str | None, name: str) -> str:
+    """The argparse dest of a config field's flag (for callers that set their own defaults)."""
     return f"cfg__{section or ''}__{name}"
 
 
@@ -63,7 +64,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         kind, optional = base_type(annotation)
         where = f"{section}.{f.name}" if section else f.name
         doc = f"{f.metadata['doc']} [{where}, default {f.default!r}]"
-        common = dict(dest=_dest(section, f.name), default=argparse.SUPPRESS, help=doc)
+        common = dict(dest=flag_dest(section, f.name), default=argparse.SUPPRESS, help=doc)
         if kind is bool:
             parser.add_argument(f.metadata["flag"], action=argparse.BooleanOptionalAction, **common)
         else:
@@ -74,7 +75,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                 metavar=None if f.metadata.get("choices") else kind.__name__.upper(),
                 **common,
             )
-    parser.add_argument("--random-seed", dest=_dest(None, "seed"), type=int, default=argparse.SUPPRESS, metavar="INT",
+    parser.add_argument("--random-seed", dest=flag_dest(None, "seed"), type=int, default=argparse.SUPPRESS, metavar="INT",
                         help="alias of --seed")
 
 
@@ -92,7 +93,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         except tomllib.TOMLDecodeError as err:
             raise ConfigError([f"{source}: not valid TOML: {err}"]) from None
     for section, f, _ in _flag_fields():
-        dest = _dest(section, f.name)
+        dest = flag_dest(section, f.name)
         if not hasattr(args, dest):
             continue
         value = getattr(args, dest)

@@ -196,7 +196,7 @@ def run_spec(cfg, target, drafter, seq, length, seeds, sp, new_tokens, *, topk, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from treespec_jax.cli import add_config_flags, _dest
+    from treespec_jax.cli import add_config_flags, flag_dest
 
     p = argparse.ArgumentParser(prog="treespec demo", description=__doc__.splitlines()[0])
     add_config_flags(p)
@@ -206,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-noise", type=float, default=0.1, help="relative weight noise of the demo drafter")
     p.add_argument("--no-chain", action="store_true", help="skip the K = 1 chain comparison")
     # The demo's defaults are a tree (K=4, S=5, N=16, EAGLE3); every config flag overrides them.
-    p.set_defaults(**{_dest("speculative", "algorithm"): "EAGLE3", _dest("speculative", "topk"): 4,
-                      _dest("speculative", "num_steps"): 5, _dest("speculative", "num_draft_tokens"): 16})
+    p.set_defaults(**{flag_dest("speculative", "algorithm"): "EAGLE3", flag_dest("speculative", "topk"): 4,
+                      flag_dest("speculative", "num_steps"): 5, flag_dest("speculative", "num_draft_tokens"): 16})
     return p
 
 
