@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2, resolve_backend
+from pallas_kernels.linear.branch_slots import branch_points
 from pallas_kernels.linear.gdn_common import GdnDims, default_scale, gates, gdn_dims, l2_normalize
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_tree_verify_reference
@@ -60,14 +61,6 @@ class GdnVerifyResult(NamedTuple):
     out: jax.Array  # [B, T, HV, dv] in v's dtype
     node_states: jax.Array  # [B, T, HV, dk, dv] fp32: the staged scratch or the ReplaySSM workspace
     payload: jax.Array | None  # [B, T, width] replay payload rows, when a payload buffer was given
-
-
-def branch_points(parents: jax.Array) -> jax.Array:
-    """`parents [B, T]` -> `[B, T] bool`: node s has a child c with c != s + 1."""
-    t = parents.shape[-1]
-    child_of = jax.nn.one_hot(parents, t, dtype=jnp.bool_)  # [B, c, s]; parent -1 -> no bit
-    not_next = jnp.arange(t)[:, None] != jnp.arange(t)[None, :] + 1  # c != s + 1
-    return jnp.any(child_of & not_next, axis=-2)
 
 
 def pick_launch(dims: GdnDims, config: GdnKernelConfig | None, *, chunked: bool = False
