@@ -38,11 +38,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.dense import time_dense_attention
 from benchmarks.report import rel_err
 from benchmarks.timing import measure_ceilings, median_time
 from pallas_kernels.attention.prefix_decode import (heads_to_rows, padded_rows, prefix_decode,
                                                     prefix_decode_row_layout)
-from pallas_kernels.attention.reference import (cascade_dense_reference,
+from pallas_kernels.attention.reference import (cascade_dense_reference, dense_tree_visibility,
                                                 sliding_lane_dense_reference)
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, sliding_lane_attention
@@ -224,23 +225,14 @@ def conformance(checks: Checks, seed=0):
 # ------------------------------------------------------------------------------------------------
 
 def dense_baseline(q, kp, vp, table, lengths, mask, window):
-    """jax.nn.dot_product_attention over pre-gathered K/V with the tree mask (cudnn, else xla)."""
+    """Dense masked attention over pre-gathered K/V with the tree mask (benchmarks.dense)."""
     b, n = q.shape[:2]
     t = int(np.asarray(lengths).max()) + window
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     slots = slot_of(table, pos, PAGE)
-    kd = kp[slots].astype(q.dtype)
-    vd = vp[slots].astype(q.dtype)
-    from pallas_kernels.attention.reference import dense_tree_visibility
-    vis = dense_tree_visibility(lengths, mask, t, window)[:, None]  # [B, 1, N, T]
-    for impl in ("cudnn", "xla"):
-        try:
-            f = jax.jit(lambda qq, kk, vv, mm: jax.nn.dot_product_attention(qq, kk, vv, mask=mm, implementation=impl))
-            jax.block_until_ready(f(q, kd, vd, vis))
-            return impl, median_time(f, q, kd, vd, vis, samples=7)
-        except Exception as exc:
-            print(f"  dense {impl} unavailable: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-    return "none", float("nan")
+    vis = dense_tree_visibility(lengths, mask, t, window)  # [B, N, T]
+    return time_dense_attention(q, kp[slots].astype(q.dtype), vp[slots].astype(q.dtype), vis,
+                                q.shape[-1] ** -0.5)
 
 
 def tune_prefix(q, kp, vp, table, lengths):

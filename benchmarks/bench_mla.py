@@ -36,12 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.dense import time_dense_attention
 from benchmarks.report import log, rel_err
 from benchmarks.timing import measure_ceilings, median_time
 from pallas_kernels.attention.mla_decode import MlaDecodeConfig, mla_decode, mla_decode_reference
 from pallas_kernels.attention.reference import dense_tree_visibility
 from pallas_kernels.row_move import move_rows, move_rows_reference
 from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
+from treespec_jax.cache.paged import slot_of
 from treespec_jax.cache.pools import BufferSpec, CacheGroupSpec, LayerKV
 from treespec_jax.cache.routing import CompactionRouter, compact_window_rows
 from treespec_jax.tree.masks import ancestor_mask
@@ -211,6 +213,7 @@ def run_mla(results, ceilings, rng, dtype):
     flop = 2 * B * N * HQ * (P + N) * (2 * LORA + ROPE)
     flop_floor = flop / flops
     floor = max(byte_floor, flop_floor)
+    time_dense_mla(results, q, pool, table_t, lengths, mask, dname)
     for label, dcfg in mla_variants(dtype):
         name = f"mla[{dname},{label}]"
         try:
@@ -249,6 +252,18 @@ def run_mla(results, ceilings, rng, dtype):
             f"{flop / t_cas / 1e12:.0f} TFLOP/s")
 
 
+def time_dense_mla(results, q, pool, table, lengths, mask, dname):
+    """XLA dense masked attention over the gathered latent rows (one KV head; key = the whole row,
+    value = its leading LORA channels), the baseline the issue asks for; gather not timed."""
+    t = table.shape[1] * PAGE
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (B, t))
+    rows = pool[slot_of(table, pos, PAGE)].astype(jnp.bfloat16)  # [B, T, LORA + ROPE]
+    vis = dense_tree_visibility(lengths, mask, t, N)
+    impl, sec = time_dense_attention(q, rows[:, :, None, :], rows[:, :, None, :LORA], vis, SCALE, samples=5)
+    results.setdefault("dense", []).append((dname, impl, sec * 1e3))
+    log(f"{dname}: dense XLA baseline ({impl}) {sec * 1e3:.3f} ms")
+
+
 def markdown(results) -> str:
     bw, flops = results["ceilings"]
     lines = [f"### MLA cascade + KV compaction ({results['date']}, {results['device']}, jax {jax.__version__})",
@@ -267,6 +282,9 @@ def markdown(results) -> str:
         lines.append(f"| {r['dtype']} | {r['variant']} | {r['cascade_ms']:.3f} | {r['decode_ms']:.3f} | "
                      f"{r['byte_floor_ms']:.3f} | {r['flop_floor_ms']:.3f} | {r['vs_floor']:.2f}x | "
                      f"{100 * r['window_overhead']:.1f}% | {r['tflops']:.0f} |")
+    for dname, impl, ms in results.get("dense", []):
+        lines.append(f"\nDense masked attention in XLA over the gathered {dname} latent rows ({impl}, gather not "
+                     f"timed): {ms:.3f} ms.")
     if "compaction_ms" in results:
         lines += ["", f"Compaction, {LAYERS} latent layers (bf16, [S, {LORA + ROPE}] each, B={B}, N={N}, random "
                   f"accepted paths, pools donated): {results['compaction_ms']:.3f} ms for "
