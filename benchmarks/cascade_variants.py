@@ -1,8 +1,8 @@
 """Launch-variant sweep of the GQA cascade kernels (`bench_cascade.py --variants`).
 
 Prefix decode variants: pages_per_step {1, 2} x (block_rows, num_warps, num_stages) in
-{(128, 4, 2), (128, 8, 3), (256, 8, 2), (64, 4, 3)}. Window variants: block_rows {16, 32, 64, default}
-x num_warps {4, 8} ("default" = the accumulator rule of `tree_window.default_block_rows`, 128 rows at
+{(128, 4, 2), (128, 8, 3), (256, 8, 2), (64, 4, 3)}. Window variants: block_rows {16, 64, 128, default}
+x num_warps {4, 8} ("default" = the rule of `tree_window.default_block_rows`, 16 or 64 rows at
 D = 128). The first entry of each list is today's default.
 
 1. Conformance: every variant's COMPILED kernel against the fp32 reference on one small random case
@@ -45,7 +45,7 @@ from treespec_jax.tree.masks import ancestor_mask
 PREFIX_LAUNCH = [(128, 4, 2), (128, 8, 3), (256, 8, 2), (64, 4, 3)]
 PREFIX_VARIANTS = [dict(pages_per_step=pps, block_rows=br, num_warps=nw, num_stages=ns)
                    for pps in (1, 2) for (br, nw, ns) in PREFIX_LAUNCH]
-WINDOW_VARIANTS = [dict(block_rows=br, num_warps=nw) for br in (None, 16, 32, 64) for nw in (4, 8)]
+WINDOW_VARIANTS = [dict(block_rows=br, num_warps=nw) for br in (None, 16, 64, 128) for nw in (4, 8)]
 
 REAL = dict(hq=32, hkv=8, d=128, page=64, shapes=[(32, 32768, 64), (1, 32768, 64), (64, 4096, 64)],
             samples=5, inner=10, check_rows=64)

@@ -49,18 +49,24 @@ from pallas_kernels.attention.reference import LOG2E, tree_window_reference
 from pallas_kernels.common import resolve_backend
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
-# Rows per program are sized so the fp32 accumulator tile stays about 16K elements (registers).
+# Rows per program are capped so the fp32 accumulator tile stays about 16K elements (registers).
 _ACC_ELEMENTS = 16384
-# Launch defaults. DEFAULT_BLOCK_ROWS = None sizes row tiles by _ACC_ELEMENTS (128 rows at D = 128);
-# a smaller power of two splits a KV head's rows over more programs (more parallelism at small B,
-# fewer live registers per program). 4 warps and 3 stages are what Pallas Triton picks when unset.
+# Launch defaults. DEFAULT_BLOCK_ROWS = None picks rows per program by `default_block_rows`; a power
+# of two overrides it. 4 warps and 3 stages are what Pallas Triton picks when unset.
 DEFAULT_BLOCK_ROWS: int | None = None
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
+# Row-tile rule, from the H200 window sweep (benchmarks/RESULTS.md, "Cascade kernel launch
+# variants", 03:42 UTC): 16-row tiles won at B=1 and B=32 (P=32768, N=64; 61 vs 62 us and 91 vs
+# 94 us against 128 rows), 64-row tiles at B=64, P=4096 (115 vs 155 us). A small grid wants many
+# small tiles; once 64-row tiles give this many programs, 64 rows (fewer K/V re-reads) win.
+_WIDE_TILE_PROGRAMS = 2048
 
 
-def default_block_rows(total_rows: int, widest_dim: int) -> int:
-    block = 128
+def default_block_rows(total_rows: int, widest_dim: int, grid_without_rows: int = 1) -> int:
+    """Rows per program: 64 when (B x Hkv) x (total_rows / 64) programs reach _WIDE_TILE_PROGRAMS,
+    else 16; capped by the accumulator budget and by `total_rows` (a power of two >= 16)."""
+    block = 64 if grid_without_rows * max(1, total_rows // 64) >= _WIDE_TILE_PROGRAMS else 16
     while block > 16 and block * widest_dim > _ACC_ELEMENTS:
         block //= 2
     return min(block, total_rows)
@@ -181,7 +187,7 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
     dv = value_dim
     check_launch(block_rows, num_warps, num_stages, "tree_window_attention")
     block_rows = DEFAULT_BLOCK_ROWS if block_rows is None else block_rows
-    block = min(block_rows or default_block_rows(total, max(main_dim, dv)), total)
+    block = min(block_rows or default_block_rows(total, max(main_dim, dv), b * hkv), total)
     tiles = total // block
 
     words = jax.lax.bitcast_convert_type(mask.astype(jnp.uint32), jnp.int32)  # [B, R, 2]
