@@ -9,6 +9,12 @@ columns, and once the path runs out the remaining (older) columns come from the 
 No node depends on another node's result, so a branch costs what a chain step costs; the chain
 form (`parents=None`) computes the parent as t-1 instead of loading it.
 
+The hops are precomputed once per step (`conv_lag_sources(parents, W) -> [B, T, W-1] int32`, tiny
+XLA work shared by every conv layer of the step), so a node's W-1 column loads all issue at once
+instead of each waiting on the previous hop's parent load. Source `c >= 0` is node c's input;
+`c < 0` is committed column W - 1 + c (-1 the newest). `walk="parents"` keeps the earlier in-kernel
+pointer chase (the measured baseline); both give the same windows bit for bit.
+
 Layouts: `x [B, T, D]`, `conv_pool [S, W-1, D]` (oldest column first; one column is contiguous
 over channels), `weight [D, W]`, `bias [D]`, `parents [B, T] int32` (-1 <= parents[t] < t; a
 parent outside that range gives unspecified values for that node but no out-of-bounds read),
@@ -31,10 +37,36 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import next_pow2, resolve_backend
 from pallas_kernels.linear.mamba2_reference import conv_tree_update_reference
 
+WALKS = ("precomputed", "parents")
 
-def _conv_kernel(*refs, T, W, BD, D, tree, has_bias, silu, write_states):
+
+def sanitize_parents(parents: jax.Array) -> jax.Array:
+    """Every parent outside [0, t) becomes -1: a malformed pointer ends the path (never a cycle)."""
+    parents = parents.astype(jnp.int32)
+    node = jnp.arange(parents.shape[-1], dtype=jnp.int32)
+    return jnp.where((parents >= 0) & (parents < node), parents, -1)
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
+def conv_lag_sources(parents: jax.Array, width: int) -> jax.Array:
+    """`parents [B, T]` -> `[B, T, width-1] int32`: where the column at lag 1..width-1 of node t's
+    window comes from (see the module docstring: >= 0 a node, < 0 a committed column)."""
+    if not isinstance(width, int) or width < 2:
+        raise ValueError(f"conv width must be an int >= 2, got {width!r}")
+    par = sanitize_parents(parents)
+    cur = jnp.broadcast_to(jnp.arange(par.shape[-1], dtype=jnp.int32), par.shape)
+    lags = []
+    for _ in range(width - 1):
+        up = jnp.take_along_axis(par, jnp.maximum(cur, 0), axis=1)
+        cur = jnp.where(cur >= 0, up, cur - 1)  # off the path: step back through committed columns
+        lags.append(cur)
+    return jnp.stack(lags, axis=-1)
+
+
+def _conv_kernel(*refs, T, W, BD, D, tree, walk, has_bias, silu, write_states):
     refs = list(refs)
-    parents_ref = refs.pop(0) if tree else None
+    tree_ref = refs.pop(0) if tree else None  # parents [B, T] (walk="parents") or lag sources [B, T, W-1]
+    precomputed = tree and walk == "precomputed"
     slots_ref, x_ref, w_ref = refs[:3]
     refs = refs[3:]
     bias_ref = refs.pop(0) if has_bias else None
@@ -56,7 +88,7 @@ def _conv_kernel(*refs, T, W, BD, D, tree, has_bias, silu, write_states):
             if has_bias else jnp.zeros((BD,), jnp.float32))
 
     def parent(s):
-        return parents_ref[b, s] if tree else s - 1
+        return tree_ref[b, s] if tree else s - 1
 
     def node(t, carry):
         # `cur` is the node supplying the column at this lag. Once the path has run out it counts
@@ -64,7 +96,13 @@ def _conv_kernel(*refs, T, W, BD, D, tree, has_bias, silu, write_states):
         # before, so the committed column is W - 1 + cur. Integer arithmetic only, no counters.
         cur = t
         acc = base
+        if precomputed:
+            # All W-1 sources up front (independent loads), clamped so a bad table stays in bounds:
+            # a node <= t, or one of the W-1 committed columns.
+            srcs = [t] + [jnp.clip(tree_ref[b, t, jnp.int32(j)], -(W - 1), t) for j in range(W - 1)]
         for lag in range(W):
+            if precomputed:
+                cur = srcs[lag]
             on_path = cur >= 0
             col = plgpu.load(x_ref.at[b, jnp.maximum(cur, 0), pl.ds(d0, BD)], mask=dmask & on_path, other=0.0)
             col = col.astype(jnp.float32)
@@ -76,7 +114,7 @@ def _conv_kernel(*refs, T, W, BD, D, tree, has_bias, silu, write_states):
             if write_states and lag < W - 1:
                 plgpu.store(rows_ref.at[b, t, jnp.int32(W - 2 - lag), pl.ds(d0, BD)], col.astype(rows_ref.dtype),
                             mask=dmask & live)
-            if lag < W - 1:
+            if lag < W - 1 and not precomputed:
                 nxt = parent(jnp.maximum(cur, 0)) if tree else cur - 1
                 if tree:  # a parent that does not decrease (malformed tree) ends the path: in bounds
                     nxt = jnp.where(nxt < cur, nxt, -1)
@@ -90,12 +128,15 @@ def _conv_kernel(*refs, T, W, BD, D, tree, has_bias, silu, write_states):
 
 
 def conv_tree_update(x, conv_pool, state_slots, weight, bias=None, parents=None, *, silu=False,
-                     node_states=None, block_d=None, num_warps=4, backend=None):
+                     node_states=None, lags=None, walk="precomputed", block_d=None, num_warps=4, backend=None):
     """Tree conv update; see the module docstring.
 
     Shapes: `x [B, T, D]`, `conv_pool [S, W-1, D]`, `state_slots [B] int32`, `weight [D, W]`,
     `bias [D]` or None, `parents [B, T] int32` or None (the chain), `node_states [B, T, W-1, D]` or
-    None. Returns `(y [B, T, D] in x.dtype, node_states or None)`. The committed pool is only read.
+    None, `lags [B, T, W-1] int32` = `conv_lag_sources(parents, W)` (computed here when None; pass
+    it to share one table across layers), `walk` "precomputed" (default) or "parents" (the
+    in-kernel pointer chase; ignores `lags`). Returns `(y [B, T, D] in x.dtype, node_states or
+    None)`. The committed pool is only read.
     """
     if x.ndim != 3:
         raise ValueError(f"x must be [B, T, D], got shape {x.shape}")
@@ -115,6 +156,13 @@ def conv_tree_update(x, conv_pool, state_slots, weight, bias=None, parents=None,
         raise ValueError(f"node_states must be [B, T, W-1, D] = {(nb, T, W - 1, D)}, got {node_states.shape}")
     if block_d is not None and (block_d < 1 or block_d & (block_d - 1)):
         raise ValueError(f"block_d must be a power of two, got {block_d}")
+    if walk not in WALKS:
+        raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
+    if lags is not None:
+        if parents is None:
+            raise ValueError("lags given without parents: a chain (parents=None) takes no lag table")
+        if lags.shape != (nb, T, W - 1) or not jnp.issubdtype(lags.dtype, jnp.integer):
+            raise ValueError(f"lags must be [B, T, W-1] = {(nb, T, W - 1)} integers, got {lags.shape} {lags.dtype}")
     kind = resolve_backend(backend)
     if kind == "reference":
         y, rows = conv_tree_update_reference(x, conv_pool, state_slots, weight, bias, parents, silu)
@@ -126,7 +174,12 @@ def conv_tree_update(x, conv_pool, state_slots, weight, bias=None, parents=None,
     BD = min(next_pow2(D), block_d or 256)
     tree = parents is not None
     write_states = node_states is not None
-    inputs = ([parents.astype(jnp.int32)] if tree else []) + [state_slots.astype(jnp.int32), x, weight]
+    if tree and walk == "precomputed":
+        # The kernel reads only the lag table (it replaces the parents input).
+        parents = (conv_lag_sources(parents, W) if lags is None else lags).astype(jnp.int32)
+    elif tree:
+        parents = sanitize_parents(parents)
+    inputs = ([parents] if tree else []) + [state_slots.astype(jnp.int32), x, weight]
     inputs += ([bias] if bias is not None else []) + [conv_pool]
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
     aliases = {}
@@ -134,7 +187,7 @@ def conv_tree_update(x, conv_pool, state_slots, weight, bias=None, parents=None,
         aliases = {len(inputs): 1}
         inputs.append(node_states)
         out_shape.append(jax.ShapeDtypeStruct(node_states.shape, node_states.dtype))
-    kernel = functools.partial(_conv_kernel, T=T, W=W, BD=BD, D=D, tree=tree, has_bias=bias is not None,
+    kernel = functools.partial(_conv_kernel, T=T, W=W, BD=BD, D=D, tree=tree, walk=walk, has_bias=bias is not None,
                                silu=silu, write_states=write_states)
     outs = pl.pallas_call(
         kernel,

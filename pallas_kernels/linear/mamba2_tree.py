@@ -6,11 +6,23 @@ optionally `y_t *= silu(z_t)`; a root (parent -1) starts from the committed stat
 
 Grid `(B, H, cdiv(P, block_p))`: one program owns a `[block_p, N]` tile of one request's head
 state and walks the nodes in index order, keeping the state in registers. Node t continues from
-node t-1's state when p(t) == t-1, so a chain never reloads anything. At a branch (p(t) != t-1)
-the program rebuilds the parent's state from `h0` (also held in registers) by walking the parent
-pointers up to the root: because the update is elementwise with a scalar decay per node,
-`h_p = (prod of decays) h0 + sum_s (decays after s) dt'_s x_s B_s^T` can be accumulated leaf to
-root, so no node state is ever stored for reuse and no workspace exists.
+node t-1's state when p(t) == t-1, so a chain never reloads anything. At a branch (p(t) != t-1,
+p(t) >= 0) the parent's state comes, in this order of preference, from:
+
+1. a *branch slot*: the program carries `branch_slots` extra `[block_p, N]` fp32 tiles, and the
+   per-step `BranchSlotPlan` (`pallas_kernels.linear.branch_slots`) says which branch point's state
+   each slot keeps (after node t, slot i takes the state when save_slot[t] == i) and which slot a
+   branch reads (load_slot[t]); the pick is a select on a scalar, no memory traffic;
+2. a *replay* (a spilled branch point, or `branch_slots=0`): the parent's state rebuilt from `h0`
+   by re-running the updates of its root path. With `walk="precomputed"` (default) the path comes
+   from the step's ancestor list (`Mamba2ScanPlan.paths [B, T, T]`, root first), so each replayed
+   node's loads depend on a loop counter, not on the previous node's parent pointer; the replay is
+   the forward recurrence itself, so a replayed state equals the one the walk computed the first
+   time. `walk="parents"` is the earlier kernel's walk (parent pointers chased leaf to root,
+   `h_p = (prod of decays) h0 + sum_s (decays after s) dt'_s x_s B_s^T`), kept as the measured
+   baseline; with `branch_slots=0` it is exactly that kernel.
+
+No node state is ever stored for reuse: slots live in registers and replays read only the inputs.
 
 Modes (what is written besides `y`):
 - "staged": every node's state goes to `scratch [B, T, H, P, N]` (aliased in and out, so rows of
@@ -26,6 +38,7 @@ A padded request (state slot < 0) reads no state, writes zeros to `y` and nothin
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,25 +47,85 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2, resolve_backend
+from pallas_kernels.linear.branch_slots import (
+    DEFAULT_BRANCH_SLOTS,
+    BranchSlotPlan,
+    branch_slot_plan,
+    check_num_slots,
+)
 from pallas_kernels.linear.mamba2_reference import (
     Mamba2PayloadLayout,
     mamba2_tree_scan_reference,
     payload_dtype,
 )
+from treespec_jax.tree.masks import ancestor_mask_bool
 
 MODES = ("staged", "replay", "outputs")
+WALKS = ("precomputed", "parents")
 # A [block_p, N] fp32 tile of this many elements keeps h, h0 and the walk accumulator in registers
-# at 4 warps without spilling on Hopper (three such tiles live at a branch).
+# at 4 warps without spilling on Hopper (three such tiles live at a branch, plus the branch slots).
 _TILE_ELEMS = 2048
+
+
+class Mamba2ScanPlan(NamedTuple):
+    """What a tree scan needs besides `parents`, built once per step and shared by every layer."""
+
+    slots: BranchSlotPlan  # save_slot / load_slot / spill, [B, T] each
+    depth: jax.Array  # [B, T] int32: strict ancestors of node t (a root has 0)
+    paths: jax.Array  # [B, T, T] int32: paths[b, t, d] = node at depth d on root..t, -1 past depth t
+
+
+def sanitize_parents(parents: jax.Array) -> jax.Array:
+    """`[B, T]` -> int32 with every parent outside [0, t) replaced by -1 (a root).
+
+    Every kernel here treats a malformed pointer (self-loop, forward, below -1) as a root, so a
+    malformed tree gives unspecified values for that node's subtree but never an unbounded walk.
+    """
+    parents = parents.astype(jnp.int32)
+    node = jnp.arange(parents.shape[-1], dtype=jnp.int32)
+    return jnp.where((parents >= 0) & (parents < node), parents, -1)
+
+
+def ancestor_paths(parents: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`parents [B, T]` -> `(depth [B, T], paths [B, T, T])` int32, see `Mamba2ScanPlan`.
+
+    The ancestors of t are the set bits of its ancestor-or-self row; along a root path indices
+    increase, so sorting them gives the path root first.
+    """
+    parents = sanitize_parents(parents)
+    t = parents.shape[-1]
+    anc = ancestor_mask_bool(parents)  # [B, t, s]
+    depth = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
+    keys = jnp.sort(jnp.where(anc, jnp.arange(t, dtype=jnp.int32), t), axis=-1)
+    paths = jnp.where(jnp.arange(t)[None, None, :] <= depth[..., None], keys, -1)
+    return depth, paths.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("branch_slots",))
+def mamba2_scan_plan(parents: jax.Array, branch_slots: int | None = None) -> Mamba2ScanPlan:
+    """The per-step plan for `parents [B, T]` (-1 <= parents[t] < t): slot plan and ancestor list.
+
+    Tiny XLA work ([B, T, T] ints); compute it once per step and pass it to every layer's scan.
+    """
+    num = DEFAULT_BRANCH_SLOTS if branch_slots is None else check_num_slots(branch_slots)
+    clean = sanitize_parents(parents)
+    depth, paths = ancestor_paths(clean)
+    return Mamba2ScanPlan(branch_slot_plan(clean, num), depth, paths)
 
 
 def _softplus(v):
     return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
 
 
-def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, has_z, mode, layout, unroll):
+def _scan_kernel(*refs, T, TP, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, layout, unroll):
     refs = list(refs)
-    parents_ref = refs.pop(0) if tree else None
+    parents_ref = depth_ref = paths_ref = save_ref = load_ref = None
+    if tree:
+        parents_ref = refs.pop(0)
+        if walk == "precomputed":
+            depth_ref, paths_ref = refs.pop(0), refs.pop(0)
+        if K:
+            save_ref, load_ref = refs.pop(0), refs.pop(0)
     slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref, b_ref, c_ref = refs[:8]
     refs = refs[8:]
     z_ref = refs.pop(0) if has_z else None
@@ -81,6 +154,24 @@ def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, has_z, mode, layout, unroll
     h0 = plgpu.load(pool_ref.at[jnp.maximum(slot, 0), h, pl.ds(p0, BP), pl.ds(0, NP)],
                     mask=tmask & live, other=0.0).astype(jnp.float32)
 
+    new_path = tree and (walk == "precomputed" or K > 0)
+    if new_path:
+        # The request's per-node plan, loaded once as [TP] vectors; a node picks its entry with a
+        # masked sum, so no node waits on a dependent scalar load before choosing its start state.
+        node_ids = jnp.arange(TP, dtype=jnp.int32)
+        in_window = node_ids < T
+
+        def vec(ref):
+            return plgpu.load(ref.at[b, pl.ds(0, TP)], mask=in_window, other=-1)
+
+        def pick(v, t):
+            return jnp.sum(jnp.where(node_ids == t, v, 0))
+
+        parents_vec = vec(parents_ref)
+        depth_vec = vec(depth_ref) if walk == "precomputed" else None
+        save_vec = vec(save_ref) if K else None
+        load_vec = vec(load_ref) if K else None
+
     def node_terms(s):
         """Decay, rank-1 input term and raw inputs of node s."""
         dt_raw = dt_ref[b, s, h]
@@ -90,7 +181,7 @@ def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, has_z, mode, layout, unroll
         u = (dtp * x_raw.astype(jnp.float32))[:, None] * b_raw.astype(jnp.float32)[None, :]
         return jnp.exp(dtp * neg_a), u, x_raw, b_raw, dt_raw
 
-    def rebuild(p, t):
+    def rebuild_by_parents(p, t):
         """State after node p, accumulated leaf to root over h0 (p == -1 gives h0).
 
         The walk also stops when a parent pointer fails to decrease (a malformed tree): the result
@@ -106,12 +197,47 @@ def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, has_z, mode, layout, unroll
             lambda c: (c[0] >= 0) & (c[0] < c[1]), body, (p, t, jnp.zeros_like(h0), jnp.float32(1.0)))
         return acc + scale * h0
 
-    def step(t, state):
-        if tree:
+    def rebuild(p, t):
+        """State after node p (0 <= p < t) replayed from h0 along the precomputed root path."""
+        if walk == "parents":
+            return rebuild_by_parents(p, t)
+        steps = jnp.clip(pick(depth_vec, p), 0, p) + 1  # a path to p holds at most p + 1 nodes
+
+        def body(d, st):
+            s = jnp.clip(paths_ref[b, p, d], 0, p)
+            a, u, *_ = node_terms(s)
+            return a * st + u
+
+        return lax.fori_loop(0, steps, body, h0)
+
+    def start_state(t, state, kept):
+        """The state node t updates: its parent's (from the carry, a slot, h0 or a replay)."""
+        if not new_path:  # the earlier kernel, unchanged
             p = parents_ref[b, t]
-            state = lax.cond(p == t - 1, lambda: state, lambda: rebuild(p, t))
+            return lax.cond(p == t - 1, lambda: state, lambda: rebuild_by_parents(p, t))
+        p = pick(parents_vec, t)
+        branch = p != t - 1
+        replay = branch & (p >= 0)
+        if K:
+            ls = pick(load_vec, t)
+            from_slot = (p >= 0) & (ls >= 0) & (ls < K)  # slot ids past this kernel's K replay
+            slot_state = kept[0]
+            for i in range(1, K):
+                slot_state = jnp.where(ls == i, kept[i], slot_state)
+            state = jnp.where(branch & from_slot, slot_state, state)
+            replay = replay & ((ls < 0) | (ls >= K))  # spilled: no slot holds the parent
+        state = jnp.where(branch & (p < 0), h0, state)
+        return lax.cond(replay, lambda: rebuild(jnp.maximum(p, 0), t), lambda: state)
+
+    def step(t, carry):
+        state, kept = carry
+        if tree:
+            state = start_state(t, state, kept)
         a, u, x_raw, b_raw, dt_raw = node_terms(t)
         state = a * state + u
+        if K:
+            sv = pick(save_vec, t)
+            kept = tuple(jnp.where(sv == i, state, kept[i]) for i in range(K))
         c_t = plgpu.load(c_ref.at[b, t, g, pl.ds(0, NP)], mask=nmask, other=0.0).astype(jnp.float32)
         y = jnp.sum(state * c_t[None, :], axis=1) + d_skip * x_raw.astype(jnp.float32)
         if has_z:
@@ -132,16 +258,16 @@ def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, has_z, mode, layout, unroll
                         mask=nmask & first_of_group)
             plgpu.store(side_ref.at[b, t, pl.ds(layout.dt_offset + h, 1)],
                         jnp.full((1,), dt_raw, dtype=pdt), mask=jnp.full((1,), (pt == 0) & live))
-        return state
+        return state, kept
 
+    carry = (h0, tuple(jnp.zeros_like(h0) for _ in range(K)))
     if unroll:
         # Straight-line nodes: every node's x/B/C/dt loads are independent of the state, so the
         # compiler can issue them ahead instead of paying their latency once per loop trip.
-        state = h0
         for t in range(T):
-            state = step(jnp.int32(t), state)
+            carry = step(jnp.int32(t), carry)
     else:
-        lax.fori_loop(0, T, step, h0)
+        lax.fori_loop(0, T, step, carry)
 
 
 def _check(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z, mode, scratch, payload):
@@ -187,22 +313,51 @@ def _check(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z, 
     return layout
 
 
+def check_plan(plan, nb: int, T: int) -> None:
+    """Refuses a plan whose arrays do not fit `[B, T]` = (nb, T), naming the bad field."""
+    if not isinstance(plan, Mamba2ScanPlan):
+        raise ValueError(f"plan must be a Mamba2ScanPlan (mamba2_scan_plan(parents)), got {type(plan).__name__}")
+    fields = dict(zip(BranchSlotPlan._fields, plan.slots))
+    fields.update(depth=plan.depth, paths=plan.paths)
+    for name, arr in fields.items():
+        want = (nb, T, T) if name == "paths" else (nb, T)
+        if arr.shape != want:
+            raise ValueError(f"plan.{name} must be {list(want)}, got {list(arr.shape)}")
+
+
 def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents=None, *, z=None,
-                     mode="outputs", scratch=None, payload=None, block_p=None, num_warps=4, unroll=False,
-                     backend=None):
+                     mode="outputs", scratch=None, payload=None, branch_slots=None, plan=None, walk="precomputed",
+                     block_p=None, num_warps=4, unroll=False, backend=None):
     """Mamba2 verify scan; see the module docstring.
 
     Shapes: `x [B, T, H, P]`, `dt [B, T, H]`, `A_log/D/dt_bias [H]`, `B/C [B, T, G, N]`,
     `state_pool [S, H, P, N]`, `state_slots [B] int32` (< 0: padded request), `parents [B, T] int32`
     (-1 <= parents[t] < t; None: the chain, compiled without any parent test; a parent outside that
-    range gives unspecified values for that node and its descendants but never hangs or reads out of
-    bounds), `z [B, T, H, P]`.
+    range is read as a root, so that node and its descendants get unspecified values but nothing
+    hangs or reads out of bounds), `z [B, T, H, P]`.
+    `branch_slots` (0..MAX_BRANCH_SLOTS, None: DEFAULT_BRANCH_SLOTS) register tiles keep branch
+    points; `plan` is `mamba2_scan_plan(parents, branch_slots)`, computed here when None (pass it to
+    share one plan across layers; slot ids >= branch_slots in it are replayed instead). `walk`
+    picks the replay of spilled branch points ("precomputed" ancestor list, or "parents": the
+    earlier pointer chase, which ignores `plan.paths`). Slots, plan and walk change speed only.
     `block_p` (power of two) and `num_warps` pick the program tile; `unroll=True` emits the node
-    loop as straight-line code (same results; an experiment for load latency, not yet timed on GPU).
+    loop as straight-line code (same results).
     Returns `(y [B, T, H, P] in x.dtype, side)` where side is the updated scratch (staged), the
     updated payload (replay) or None (outputs).
     """
     layout = _check(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z, mode, scratch, payload)
+    K = DEFAULT_BRANCH_SLOTS if branch_slots is None else check_num_slots(branch_slots)
+    if walk not in WALKS:
+        raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
+    nb, T, H, P = x.shape
+    if plan is not None:
+        if parents is None:
+            raise ValueError("plan given without parents: a chain (parents=None) takes no plan")
+        check_plan(plan, nb, T)
+    if block_p is not None and (not isinstance(block_p, int) or block_p < 1 or block_p & (block_p - 1)):
+        raise ValueError(f"block_p must be a power of two, got {block_p}")
+    if not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):
+        raise ValueError(f"num_warps must be a power of two, got {num_warps}")
     kind = resolve_backend(backend)
     if kind == "reference":
         y, states = mamba2_tree_scan_reference(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z)
@@ -214,14 +369,23 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
             side = jnp.where(live[:, None, None], layout.pack(B, x, dt).astype(payload.dtype), payload)
         return y.astype(x.dtype), side
 
-    nb, T, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     NP = next_pow2(N)
-    if block_p is not None and (block_p < 1 or block_p & (block_p - 1)):
-        raise ValueError(f"block_p must be a power of two, got {block_p}")
     BP = min(next_pow2(P), block_p) if block_p else max(1, min(next_pow2(P), _TILE_ELEMS // NP))
     tree = parents is not None
-    inputs = ([parents.astype(jnp.int32)] if tree else []) + [
+    tree_inputs = []
+    if tree:
+        parents = sanitize_parents(parents)
+        if plan is None and (walk == "precomputed" or K):
+            plan = mamba2_scan_plan(parents, K)
+        tree_inputs = [parents]
+        if walk == "precomputed":
+            tree_inputs += [plan.depth.astype(jnp.int32), plan.paths.astype(jnp.int32)]
+        if K:
+            tree_inputs += [plan.slots.save_slot.astype(jnp.int32), plan.slots.load_slot.astype(jnp.int32)]
+    else:
+        K = 0  # a chain has no branch points
+    inputs = tree_inputs + [
         state_slots.astype(jnp.int32), x, dt, A_log, dt_bias, D, B, C] + ([z] if z is not None else []) + [state_pool]
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
     aliases = {}
@@ -230,8 +394,8 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
         aliases = {len(inputs): 1}
         inputs.append(side)
         out_shape.append(jax.ShapeDtypeStruct(side.shape, side.dtype))
-    kernel = functools.partial(_scan_kernel, T=T, H=H, P=P, N=N, G=G, BP=BP, NP=NP, tree=tree,
-                               has_z=z is not None, mode=mode, layout=layout, unroll=bool(unroll))
+    kernel = functools.partial(_scan_kernel, T=T, TP=next_pow2(T), H=H, P=P, N=N, G=G, BP=BP, NP=NP, tree=tree,
+                               walk=walk, K=K, has_z=z is not None, mode=mode, layout=layout, unroll=bool(unroll))
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -242,3 +406,7 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
         name="mamba2_tree_scan" if tree else "mamba2_chain_scan",
     )(*inputs)
     return outs[0], (outs[1] if mode != "outputs" else None)
+
+
+__all__ = ["MODES", "WALKS", "Mamba2ScanPlan", "ancestor_paths", "check_plan", "mamba2_scan_plan",
+           "mamba2_tree_scan", "sanitize_parents"]
