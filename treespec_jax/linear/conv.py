@@ -1,7 +1,8 @@
 """Conv verify and commit glue for linear-attention layers (the causal depthwise conv before the SSM).
 
-Verify runs `pallas_kernels.linear.conv_tree.conv_tree_update` over the step's tree; the committed
-conv pool `[S, W-1, D]` is only read. The commit then writes each request's new committed window,
+Verify runs `pallas_kernels.linear.conv_tree.conv_tree_update` over the step's tree (with the
+step's shared lag-source table when the caller has one); the committed conv pool `[S, W-1, D]` is
+only read. The commit then writes each request's new committed window,
 which is the window of the last accepted node, path[accept_len - 1]. Two equivalent sources:
 
 - staged: the verify wrote every node's state row into `node_states [B, T, W-1, D]`; copy row
@@ -24,14 +25,15 @@ __all__ = ["conv_verify", "conv_commit_staged", "conv_commit_from_inputs"]
 
 
 def conv_verify(x, conv_pool, state_slots, weight, bias=None, parents=None, *, silu=True, node_states=None,
-                backend=None):
+                lags=None, backend=None):
     """Tree conv over a verify window. `x [B, T, D]` -> `(y [B, T, D], node_states or None)`.
 
     Pass `node_states [B, T, W-1, D]` (a donated verify scratch) for the staged commit; leave it
-    None under ReplaySSM, whose commit rebuilds the window from the packed inputs.
+    None under ReplaySSM, whose commit rebuilds the window from the packed inputs. `lags` is the
+    step's `conv_lag_sources(parents, W)` table (computed by the kernel wrapper when None).
     """
     return conv_tree_update(x, conv_pool, state_slots, weight, bias, parents, silu=silu,
-                            node_states=node_states, backend=backend)
+                            node_states=node_states, lags=lags, backend=backend)
 
 
 def _scatter_rows(pool, state_slots, rows):

@@ -20,6 +20,11 @@ chain):
      (`mamba2_replay_commit`, in place) and rebuild the conv window from the packed inputs.
 
 A padded request (state slot < 0) reads and writes no pool row.
+
+Per step, not per layer: `mamba2_step_plan(parents, conv_width, branch_slots)` (or
+`Mamba2Layer.step_plan`) builds the scan's branch-slot plan and ancestor list and the conv's lag
+sources once; pass the result as `plan=` to every layer's verify of that step. Without it each
+layer rebuilds the same tiny tables.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout, payload_dtype
 from pallas_kernels.linear.mamba2_replay import mamba2_replay_commit
-from pallas_kernels.linear.mamba2_tree import mamba2_tree_scan
+from pallas_kernels.linear.branch_slots import check_num_slots
+from pallas_kernels.linear.conv_tree import conv_lag_sources
+from pallas_kernels.linear.mamba2_tree import Mamba2ScanPlan, mamba2_scan_plan, mamba2_tree_scan
 from pallas_kernels.row_move import move_rows
 from treespec_jax.linear.conv import conv_commit_from_inputs, conv_commit_staged, conv_verify
 from treespec_jax.linear.state_mode import StateMode, check_state_mode
@@ -40,8 +47,8 @@ from treespec_jax.support import Capability, TreeBackend, TreeSupport
 
 __all__ = [
     "Mamba2Dims", "Mamba2CommitConfig", "Mamba2Weights", "Mamba2Pools", "Mamba2VerifyScratch",
-    "Mamba2VerifyResult", "new_verify_scratch", "mamba2_verify", "mamba2_commit", "pack_path_rows",
-    "Mamba2Layer",
+    "Mamba2VerifyResult", "Mamba2StepPlan", "mamba2_step_plan", "new_verify_scratch", "mamba2_verify",
+    "mamba2_commit", "pack_path_rows", "Mamba2Layer",
 ]
 
 
@@ -79,9 +86,14 @@ class Mamba2CommitConfig:
 
     mode: StateMode = "replay_ssm"  # ReplaySSM (default): no per-node states; "staged": per-node states
     backend: str | None = None  # kernel backend for every kernel called here (see pallas_kernels.common)
+    # Register tiles the tree scan keeps branch points in (None: DEFAULT_BRANCH_SLOTS); 0 replays
+    # every branch from the committed state. Speed only: every value gives the same results.
+    branch_slots: int | None = None
 
     def __post_init__(self):
         check_state_mode(self.mode, "Mamba2")
+        if self.branch_slots is not None:
+            check_num_slots(self.branch_slots)
 
     @property
     def replay_ssm(self) -> bool:
@@ -104,6 +116,21 @@ class Mamba2Pools(NamedTuple):
 class Mamba2VerifyScratch(NamedTuple):
     ssm: jax.Array  # staged: [B, T, H, P, N] node states; ReplaySSM: [B, T, width] payload rows
     conv_rows: jax.Array | None  # staged: [B, T, W-1, conv_dim]; ReplaySSM: None
+
+
+class Mamba2StepPlan(NamedTuple):
+    """Per-step tree tables shared by every Mamba2 layer of the step (built by `mamba2_step_plan`)."""
+
+    scan: Mamba2ScanPlan  # branch-slot plan, depths and root paths for the SSM scan
+    conv_lags: jax.Array  # [B, T, W-1] int32 lag sources for the tree conv
+
+
+def mamba2_step_plan(parents: jax.Array | None, conv_width: int,
+                     branch_slots: int | None = None) -> Mamba2StepPlan | None:
+    """`parents [B, T]` -> the step's shared plan (None for a chain: it needs none)."""
+    if parents is None:
+        return None
+    return Mamba2StepPlan(mamba2_scan_plan(parents, branch_slots), conv_lag_sources(parents, conv_width))
 
 
 class Mamba2VerifyResult(NamedTuple):
@@ -139,25 +166,36 @@ def _split_xbc(dims: Mamba2Dims, xbc: jax.Array):
 
 def mamba2_verify(dims: Mamba2Dims, cfg: Mamba2CommitConfig, weights: Mamba2Weights, pools: Mamba2Pools,
                   state_slots: jax.Array, xbc: jax.Array, dt: jax.Array, parents: jax.Array | None,
-                  scratch: Mamba2VerifyScratch, z: jax.Array | None = None) -> Mamba2VerifyResult:
+                  scratch: Mamba2VerifyScratch, z: jax.Array | None = None,
+                  plan: Mamba2StepPlan | None = None) -> Mamba2VerifyResult:
     """Verify forward of one Mamba2 layer over T nodes; see the module docstring.
 
     `xbc [B, T, conv_dim]` raw (pre-conv), `dt [B, T, H]`, `parents [B, T] int32` or None (chain),
-    `z [B, T, H, P]` optional gate, `state_slots [B] int32`. The pools are only read.
+    `z [B, T, H, P]` optional gate, `state_slots [B] int32`, `plan` the step's
+    `mamba2_step_plan(parents, dims.conv_width, cfg.branch_slots)` (built here when None). The pools
+    are only read.
     """
     if xbc.ndim != 3 or xbc.shape[2] != dims.conv_dim:
         raise ValueError(f"xbc must be [B, T, {dims.conv_dim}] for {dims}, got {xbc.shape}")
     if cfg.replay_ssm != (scratch.conv_rows is None):
         raise ValueError(f"scratch does not match mode={cfg.mode!r}: allocate it with new_verify_scratch")
+    if plan is not None and not isinstance(plan, Mamba2StepPlan):
+        raise ValueError(f"plan must be a Mamba2StepPlan (mamba2_step_plan), got {type(plan).__name__}")
+    if plan is None:
+        plan = mamba2_step_plan(parents, dims.conv_width, cfg.branch_slots)
+    elif parents is None:
+        raise ValueError("plan given without parents: a chain (parents=None) takes no plan")
+    lags, scan_plan = (None, None) if plan is None else (plan.conv_lags, plan.scan)
     conv_y, conv_rows = conv_verify(xbc, pools.conv, state_slots, weights.conv_weight, weights.conv_bias, parents,
-                                    silu=True, node_states=scratch.conv_rows, backend=cfg.backend)
+                                    silu=True, node_states=scratch.conv_rows, lags=lags, backend=cfg.backend)
     x, B, C = _split_xbc(dims, conv_y)
+    scan_kw = dict(z=z, branch_slots=cfg.branch_slots, plan=scan_plan, backend=cfg.backend)
     if cfg.replay_ssm:
         y, payload = mamba2_tree_scan(x, dt, weights.A_log, B, C, weights.D, weights.dt_bias, pools.ssm, state_slots,
-                                      parents, z=z, mode="replay", payload=scratch.ssm, backend=cfg.backend)
+                                      parents, mode="replay", payload=scratch.ssm, **scan_kw)
         return Mamba2VerifyResult(y, Mamba2VerifyScratch(payload, None), xbc)
     y, states = mamba2_tree_scan(x, dt, weights.A_log, B, C, weights.D, weights.dt_bias, pools.ssm, state_slots,
-                                 parents, z=z, mode="staged", scratch=scratch.ssm, backend=cfg.backend)
+                                 parents, mode="staged", scratch=scratch.ssm, **scan_kw)
     return Mamba2VerifyResult(y, Mamba2VerifyScratch(states, conv_rows), None)
 
 
@@ -224,8 +262,14 @@ class Mamba2Layer(TreeBackend):
             Capability.refused("mamba2 linear-attention layer in draft lanes (lanes keep no per-lane recurrent state)"),
         )
 
-    def verify(self, weights, pools, state_slots, xbc, dt, parents, scratch, z=None) -> Mamba2VerifyResult:
-        return mamba2_verify(self.dims, self.cfg, weights, pools, state_slots, xbc, dt, parents, scratch, z)
+    def step_plan(self, parents) -> Mamba2StepPlan | None:
+        """The step's shared tables for this layer's shape; layers of equal conv width and slot
+        count share one (build it once per step, pass it to every layer's verify)."""
+        return mamba2_step_plan(parents, self.dims.conv_width, self.cfg.branch_slots)
+
+    def verify(self, weights, pools, state_slots, xbc, dt, parents, scratch, z=None,
+               plan: Mamba2StepPlan | None = None) -> Mamba2VerifyResult:
+        return mamba2_verify(self.dims, self.cfg, weights, pools, state_slots, xbc, dt, parents, scratch, z, plan)
 
     def commit(self, weights, pools, state_slots, result, path, accept_len) -> Mamba2Pools:
         return mamba2_commit(self.dims, self.cfg, weights, pools, state_slots, result, path, accept_len)
