@@ -1,7 +1,7 @@
 """Launch-variant sweep of the GQA cascade kernels (`bench_cascade.py --variants`).
 
-Prefix decode variants: pages_per_step {1, 2} x (block_rows, num_warps, num_stages) in
-{(128, 4, 2), (128, 8, 3), (256, 8, 2), (64, 4, 3)}. Window variants: block_rows {16, 64, 128, default}
+Prefix decode variants: PREFIX_LAUNCH's (pages_per_step, block_rows, num_warps, num_stages,
+prefetch_page_ids) tuples ("/pf" in a label = page ids read one step ahead). Window variants: block_rows {16, 64, 128, default}
 x num_warps {4, 8} ("default" = the rule of `tree_window.default_block_rows`, 16 or 64 rows at
 D = 128). The first entry of each list is today's default.
 
@@ -42,9 +42,11 @@ from pallas_kernels.attention.prefix_decode import (heads_to_rows, padded_rows, 
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
 from treespec_jax.tree.masks import ancestor_mask
 
-PREFIX_LAUNCH = [(128, 4, 2), (128, 8, 3), (256, 8, 2), (64, 4, 3)]
-PREFIX_VARIANTS = [dict(pages_per_step=pps, block_rows=br, num_warps=nw, num_stages=ns)
-                   for pps in (1, 2) for (br, nw, ns) in PREFIX_LAUNCH]
+# (pages_per_step, block_rows, num_warps, num_stages, prefetch_page_ids); the first is the default.
+PREFIX_LAUNCH = [(1, 128, 4, 2, False), (1, 128, 4, 2, True), (1, 128, 4, 3, True), (1, 256, 8, 2, False),
+                 (1, 256, 8, 2, True), (2, 128, 8, 3, True), (1, 64, 4, 3, True)]
+PREFIX_VARIANTS = [dict(pages_per_step=pps, block_rows=br, num_warps=nw, num_stages=ns, prefetch_page_ids=pf)
+                   for (pps, br, nw, ns, pf) in PREFIX_LAUNCH]
 WINDOW_VARIANTS = [dict(block_rows=br, num_warps=nw) for br in (None, 16, 64, 128) for nw in (4, 8)]
 
 REAL = dict(hq=32, hkv=8, d=128, page=64, shapes=[(32, 32768, 64), (1, 32768, 64), (64, 4096, 64)],
@@ -54,7 +56,8 @@ SMOKE = dict(hq=8, hkv=2, d=16, page=16, shapes=[(2, 160, 16), (1, 160, 16), (3,
 
 
 def prefix_label(v):
-    return f"pps{v['pages_per_step']}/rows{v['block_rows']}/w{v['num_warps']}/s{v['num_stages']}"
+    pf = "/pf" if v.get("prefetch_page_ids") else ""
+    return f"pps{v['pages_per_step']}/rows{v['block_rows']}/w{v['num_warps']}/s{v['num_stages']}{pf}"
 
 
 def window_label(v):
@@ -400,7 +403,8 @@ def run_variants(args, smoke: bool):
     summary.append(
         "- to adopt: pallas_kernels/attention/prefix_decode.py DEFAULT_PAGES_PER_STEP = "
         f"{rp['pages_per_step']}, DEFAULT_BLOCK_ROWS = {rp['block_rows']}, DEFAULT_NUM_WARPS = {rp['num_warps']}, "
-        f"DEFAULT_NUM_STAGES = {rp['num_stages']}; pallas_kernels/attention/tree_window.py DEFAULT_BLOCK_ROWS = "
+        f"DEFAULT_NUM_STAGES = {rp['num_stages']}, DEFAULT_PREFETCH_PAGE_IDS = {rp['prefetch_page_ids']}; "
+        "pallas_kernels/attention/tree_window.py DEFAULT_BLOCK_ROWS = "
         f"{rw['block_rows']}, DEFAULT_NUM_WARPS = {rw['num_warps']}")
     if clock.skipped:
         summary.append(f"- skipped for the time budget: {'; '.join(clock.skipped)}")

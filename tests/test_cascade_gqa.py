@@ -167,10 +167,11 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
         common = (pool, pool, sd((b, pages), jnp.int32), sd((b,), jnp.int32))
         # pages_per_step 1 and 2 (two pages per online-softmax step), with the launch knobs the
         # GPU benchmark sweeps (block_rows, num_warps, num_stages).
-        for pps, br, nw, ns in ((1, None, None, None), (2, 32, 8, 3)):
+        for pps, br, nw, ns, pf in ((1, None, None, None, False), (2, 32, 8, 3, True), (1, None, None, None, True)):
             pre = lambda qr, *a: prefix_decode_row_layout(
                 qr, *a, query_rows=r, group=g, page_size=page, scale=0.1, num_splits=2, interpret=False,
-                poison_outputs=True, pages_per_step=pps, block_rows=br, num_warps=nw, num_stages=ns)
+                poison_outputs=True, pages_per_step=pps, block_rows=br, num_warps=nw, num_stages=ns,
+                prefetch_page_ids=pf)
             text = jax.jit(pre).trace(sd((b, hkv, rows, d), jnp.bfloat16), *common).lower(
                 lowering_platforms=("cuda",)).as_text()
             assert "prefix_decode" in text

@@ -156,12 +156,14 @@ def test_prefix_decode_row_tiles_and_sliding_window():
         check_lse(lse, nlse, 1e-4)
 
 
-@pytest.mark.parametrize("pages_per_step,splits,sw", [(2, 3, None), (4, None, 21)])
-def test_prefix_decode_pages_per_step(pages_per_step, splits, sw):
+@pytest.mark.parametrize("pages_per_step,splits,sw,prefetch", [(2, 3, None, False), (4, None, 21, True),
+                                                               (1, 3, None, True)])
+def test_prefix_decode_pages_per_step(pages_per_step, splits, sw, prefetch):
     """Several pages per online-softmax step: ragged lengths end mid-step (and mid-page), the
     max_pages = 7 table is not a multiple of the step so the last step runs past it, three splits
     round to whole steps (one split may be empty), and block_rows=16 makes two row tiles whose causal
-    staircases cross step edges differently. Checked against the per-row numpy loop."""
+    staircases cross step edges differently; `prefetch` reads page ids one step ahead. Checked
+    against the per-row numpy loop."""
     rng = np.random.default_rng(40 + pages_per_step)
     page, hkv, g, d, rows = 16, 2, 4, 16, 5
     lengths = np.array([0, 3, 101, 44, 33], np.int32)  # P = 0, P < R, mid-page/step ends
@@ -170,7 +172,7 @@ def test_prefix_decode_pages_per_step(pages_per_step, splits, sw):
     q = jnp.asarray(rng.standard_normal((5, rows, hkv * g, d)), jnp.float32)
     out, lse = prefix_decode(q, k, v, table, jnp.asarray(lengths), page_size=page, block_rows=16,
                              pages_per_step=pages_per_step, num_splits=splits, sliding_window=sw,
-                             poison_outputs=True, backend="interpret")
+                             poison_outputs=True, prefetch_page_ids=prefetch, backend="interpret")
     nout, nlse = numpy_prefix(q, k, v, table, lengths, page, d ** -0.5, sw)
     assert rel_err(out, nout) < 1e-5
     check_lse(lse, nlse, 1e-4)

@@ -63,6 +63,8 @@ DEFAULT_NUM_STAGES = 2
 # Pages per online-softmax step: 1 = one page (64 keys at page 64) per max/rescale; 2 halves the
 # rescale work and the loop trips per key at the price of more live registers (both pages' scores).
 DEFAULT_PAGES_PER_STEP = 1
+# Read the next step's page ids one step ahead in the unmasked loop (see `_prefix_kernel`).
+DEFAULT_PREFETCH_PAGE_IDS = False
 # Most keys one step may hold when it groups pages (the [block_rows, keys] fp32 score tiles live in
 # registers). A single page may be larger; it is one step as before.
 MAX_KEYS_PER_STEP = 256
@@ -172,7 +174,7 @@ def default_num_splits(batch: int, kv_heads: int, row_tiles: int, max_pages: int
 def _prefix_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *,
                    query_rows: int, group: int, block_rows: int, page_size: int, pages_per_step: int,
                    steps_per_split: int, scale2: float, sliding_window: int | None,
-                   dot_dtype, fp8_score_dot: bool):
+                   dot_dtype, fp8_score_dot: bool, prefetch_page_ids: bool):
     tile = pl.program_id(0)
     split = pl.program_id(1)
     head = pl.program_id(2)
@@ -209,7 +211,7 @@ def _prefix_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, ls
     d = q.shape[-1]
     key_iota = lax.broadcasted_iota(jnp.int32, (page_size,), 0)
 
-    def step(index, carry, masked: bool):
+    def step(index, carry, masked: bool, page_ids=None):
         m, l, acc = carry
         # Score every page of the step first (one dot each, no concatenation), then one shared
         # max / rescale, then one PV dot per page.
@@ -217,7 +219,9 @@ def _prefix_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, ls
         for i in range(pages_per_step):
             page = index * pages_per_step + i
             pos = page * page_size + key_iota  # [page]
-            if masked:
+            if page_ids is not None:
+                page_id = page_ids[i]
+            elif masked:
                 page_id = page_table_ref[b, jnp.clip(page, first_page, last_page)]
             else:
                 page_id = page_table_ref[b, page]
@@ -257,7 +261,22 @@ def _prefix_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, ls
     carry = (jnp.full((block_rows,), -jnp.inf, jnp.float32), jnp.zeros((block_rows,), jnp.float32),
              jnp.zeros((block_rows, d), jnp.float32))
     carry = lax.fori_loop(first_step, full_first, masked_step, carry)
-    carry = lax.fori_loop(full_first, full_end, functools.partial(step, masked=False), carry)
+    if prefetch_page_ids:
+        # The next step's page ids are read while this step computes, so no K/V load waits on a
+        # page-table read issued in its own iteration. Reads are clamped to the tile's pages.
+        def ids_of(index):
+            return tuple(page_table_ref[b, jnp.minimum(index * pages_per_step + i, last_page)]
+                         for i in range(pages_per_step))
+
+        def full_step(index, carry):
+            *mla, ids = carry
+            nxt = ids_of(index + 1)
+            return (*step(index, tuple(mla), masked=False, page_ids=ids), nxt)
+
+        *carry, _ = lax.fori_loop(full_first, full_end, full_step, (*carry, ids_of(full_first)))
+        carry = tuple(carry)
+    else:
+        carry = lax.fori_loop(full_first, full_end, functools.partial(step, masked=False), carry)
     m, l, acc = lax.fori_loop(full_end, end_step, masked_step, carry)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
@@ -279,12 +298,12 @@ def merge_splits(out: jax.Array, lse: jax.Array):
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "num_splits",
                                              "sliding_window", "block_rows", "num_warps", "num_stages",
                                              "pages_per_step", "interpret", "fp8_score_dot",
-                                             "poison_outputs"))
+                                             "poison_outputs", "prefetch_page_ids"))
 def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                              page_size: int, scale: float, num_splits=None, sliding_window=None,
                              block_rows=None, num_warps=None, num_stages=None, pages_per_step=None,
                              interpret: bool = False, fp8_score_dot: bool = False,
-                             poison_outputs: bool = False):
+                             poison_outputs: bool = False, prefetch_page_ids: bool | None = None):
     """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, D]` (row `r * G + g`,
     T = padded_rows(R * G)) -> (out `[B, Hkv, T, D]` f32, lse2 `[B, Hkv, T]` f32). The cascade keeps
     this layout between its two halves, so q is transposed once on the way in and the final output
@@ -309,7 +328,8 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
     kernel = functools.partial(
         _prefix_kernel, query_rows=query_rows, group=group, block_rows=block, page_size=page_size,
         pages_per_step=pps, steps_per_split=steps_per_split, scale2=float(scale) * LOG2E, sliding_window=sliding_window,
-        dot_dtype=dot_dtype, fp8_score_dot=fp8_score_dot and fp8 and not interpret)
+        dot_dtype=dot_dtype, fp8_score_dot=fp8_score_dot and fp8 and not interpret,
+        prefetch_page_ids=DEFAULT_PREFETCH_PAGE_IDS if prefetch_page_ids is None else bool(prefetch_page_ids))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out_shape = (jax.ShapeDtypeStruct((splits, b, hkv, total, d), jnp.float32),
                  jax.ShapeDtypeStruct((splits, b, hkv, total), jnp.float32))
@@ -344,10 +364,11 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
 
 @functools.partial(jax.jit, static_argnames=("page_size", "scale", "num_splits", "sliding_window",
                                              "block_rows", "num_warps", "num_stages", "pages_per_step",
-                                             "interpret", "fp8_score_dot", "poison_outputs"))
+                                             "interpret", "fp8_score_dot", "poison_outputs",
+                                             "prefetch_page_ids"))
 def _prefix_decode_pallas(q, k_pool, v_pool, page_table, lengths, *, page_size, scale, num_splits,
                           sliding_window, block_rows, num_warps, num_stages, pages_per_step, interpret,
-                          fp8_score_dot, poison_outputs):
+                          fp8_score_dot, poison_outputs, prefetch_page_ids):
     b, r, hq, d = q.shape
     hkv = k_pool.shape[1]
     qr = heads_to_rows(q, hkv, padded_rows(r * (hq // hkv)))
@@ -355,7 +376,7 @@ def _prefix_decode_pallas(q, k_pool, v_pool, page_table, lengths, *, page_size, 
         qr, k_pool, v_pool, page_table, lengths, query_rows=r, group=hq // hkv, page_size=page_size,
         scale=scale, num_splits=num_splits, sliding_window=sliding_window, block_rows=block_rows,
         num_warps=num_warps, num_stages=num_stages, pages_per_step=pages_per_step, interpret=interpret,
-        fp8_score_dot=fp8_score_dot, poison_outputs=poison_outputs)
+        fp8_score_dot=fp8_score_dot, poison_outputs=poison_outputs, prefetch_page_ids=prefetch_page_ids)
     return rows_to_heads(out, r, hq), rows_to_heads(lse, r, hq)
 
 
@@ -373,7 +394,7 @@ def prefix_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table
                   block_rows: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, pages_per_step: int | None = None,
                   fp8_score_dot: bool = False, poison_outputs: bool = False,
-                  backend: str | None = None):
+                  prefetch_page_ids: bool | None = None, backend: str | None = None):
     """Causal multi-query paged decode; see the module docstring.
 
     Shapes: `q [B, R, Hq, D]`, `k_pool/v_pool [S, Hkv, D]`, `page_table [B, maxp] int32`,
@@ -382,7 +403,9 @@ def prefix_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table
     `block_rows`, `num_warps`, `num_stages` tune the compiled kernel; `pages_per_step` (a power of
     two, at most MAX_KEYS_PER_STEP keys when > 1; None = `default_pages_per_step(page_size)`) groups pages into one
     online-softmax step; `poison_outputs` fills the
-    kernel's output buffers with NaN first (tests); `fp8_score_dot` uses an FP8 x FP8 score dot on GPU.
+    kernel's output buffers with NaN first (tests); `fp8_score_dot` uses an FP8 x FP8 score dot on GPU;
+    `prefetch_page_ids` (None = DEFAULT_PREFETCH_PAGE_IDS) reads each unmasked step's page ids one
+    step ahead.
     """
     check_paged_inputs(q, k_pool, v_pool, page_table, lengths, page_size, "prefix_decode")
     if v_pool.shape[-1] != q.shape[-1] or k_pool.shape[-1] != q.shape[-1]:
@@ -406,7 +429,8 @@ def prefix_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table
         q, k_pool, v_pool, page_table, lengths, page_size=page_size, scale=scale,
         num_splits=num_splits, sliding_window=sliding_window, block_rows=block_rows,
         num_warps=num_warps, num_stages=num_stages, pages_per_step=pages_per_step,
-        interpret=kind == "interpret", fp8_score_dot=fp8_score_dot, poison_outputs=poison_outputs)
+        interpret=kind == "interpret", fp8_score_dot=fp8_score_dot, poison_outputs=poison_outputs,
+        prefetch_page_ids=prefetch_page_ids)
 
 
 __all__ = ["prefix_decode", "prefix_decode_row_layout", "merge_splits", "default_num_splits"]
