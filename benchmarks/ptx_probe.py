@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 benchmarks/ptx_probe.py --dump /tmp/ptx [--markdown $OUT/ptx.md]
 
 Compiles the cascade prefix and window kernels and the GDN tree kernel once at a benchmark shape
-with XLA's dump enabled, then counts, per PTX entry point, the Hopper warpgroup MMA (`wgmma`), the
+with XLA's dump enabled, then counts, per PTX entry point in any dumped file, the Hopper warpgroup MMA (`wgmma`), the
 Ampere-style warp MMA (`mma.sync`), async copies (`cp.async`) and bulk tensor copies
 (`cp.async.bulk`). A compute-bound attention kernel that shows `mma.sync` and no `wgmma` runs at
 most about half the H200's bf16 rate; this probe tells which case we are in.
@@ -30,14 +30,14 @@ PATTERNS = {
 def count_ptx(folder: Path) -> dict[str, dict[str, int]]:
     """`{entry name: {instruction family: count}}` over every .ptx file under `folder`."""
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for path in sorted(folder.rglob("*.ptx")):
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         entry = None
         for line in path.read_text(errors="replace").splitlines():
             m = re.search(r"\.entry\s+([\w$]+)", line)
             if m:
                 entry = m.group(1)
             if entry is None:
-                continue
+                entry = f"{path.name} (no .entry)"
             for name, pat in PATTERNS.items():
                 if pat.search(line):
                     counts[entry][name] += 1
@@ -75,6 +75,11 @@ def main(argv=None) -> int:
         raise SystemExit("ptx_probe must set XLA_FLAGS before jax is imported; run it as a script")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={a.dump}").strip()
     compile_kernels()
+    files = sorted(p for p in Path(a.dump).rglob("*") if p.is_file())
+    print(f"{len(files)} dumped files; names with ptx/triton/cubin/llir:")
+    for f in files:
+        if any(tag in f.name.lower() for tag in ("ptx", "triton", "cubin", "llir", "ttgir")):
+            print(f"  {f.name} ({f.stat().st_size} B)")
     counts = count_ptx(Path(a.dump))
     lines = ["| PTX entry | " + " | ".join(PATTERNS) + " |", "|---|" + "---|" * len(PATTERNS)]
     for entry, c in sorted(counts.items()):
