@@ -1,6 +1,7 @@
 """Mamba2 tree verify scan: Pallas (interpret mode) and the fp32 reference against a per-path fp64
 numpy recurrence; chain-as-parents vs the parent-less kernel; staged vs ReplaySSM outputs; padded
-requests; bad inputs."""
+requests; bad inputs; branch slots (0/1/2, a tree that overflows them), both replay walks, the
+per-step plan shared by layers, and the Triton lowering for sm_90."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -159,7 +160,7 @@ def test_chain_as_parents_equals_chain_kernel():
 
 def test_unrolled_node_loop_matches_rolled():
     rng = np.random.default_rng(15)
-    nb, T, P = 2, 14, 8
+    nb, T, P = 2, 10, 8
     inp = mamba2_inputs(rng, nb, T, P, 2)
     parents = random_parents(rng, nb, T)
     slots = np.array([2, -1], np.int32)
@@ -236,3 +237,182 @@ def test_bad_inputs_name_the_value():
         scan(inp, slots, None, block_p=6, backend="interpret")
     with pytest.raises(ValueError, match="unknown kernel backend 'triton'"):
         scan(inp, slots, None, backend="triton")
+
+
+# ----------------------------------------------------------------------------------------------
+# Branch slots, the precomputed ancestor walk and the per-step plan
+# ----------------------------------------------------------------------------------------------
+
+# Depth-first tree with branch points nested three deep (0 > 1 > 2 and 8 > 9): one slot spills
+# most of them, two slots keep all but nodes 2 and 9, three keep everything.
+NESTED = np.array([-1, 0, 1, 2, 2, 1, 5, 5, 0, 8, 9, 9, 8, 12, 12, 0], np.int32)
+
+
+def test_ancestor_paths_and_plan_match_numpy():
+    from pallas_kernels.linear.mamba2_tree import ancestor_paths, mamba2_scan_plan
+
+    rng = np.random.default_rng(40)
+    parents = np.concatenate([NESTED[None], random_parents(rng, 2, 16, forest=True)])
+    parents[2, 5], parents[2, 9] = 9, -7  # malformed pointers read as roots
+    clean = np.where((parents >= 0) & (parents < np.arange(16)), parents, -1)
+    depth, paths = (np.asarray(a) for a in ancestor_paths(jnp.asarray(parents)))
+    for b in range(3):
+        for t in range(16):
+            want = path_to(clean[b], t)
+            assert depth[b, t] == len(want) - 1
+            np.testing.assert_array_equal(paths[b, t], want + [-1] * (16 - len(want)))
+    plan = mamba2_scan_plan(jnp.asarray(parents), 1)
+    assert np.asarray(plan.slots.spill)[0].sum() == 6 and (np.asarray(plan.slots.save_slot) < 1).all()
+    np.testing.assert_array_equal(np.asarray(plan.paths), paths)
+
+
+def _slot_trees(rng, T=16):
+    """Request 0: the nested tree; 1: random (many spills); 2: a padded request."""
+    return np.concatenate([NESTED[None, :T], random_parents(rng, 2, T)])
+
+
+@pytest.mark.parametrize("branch_slots,walk", [(0, "precomputed"), (2, "precomputed"), (1, "parents"),
+                                               (0, "parents")])
+def test_branch_slots_and_walks_match_per_path(branch_slots, walk):
+    """Every slot count and walk: y and staged states equal the per-path recurrence; ReplaySSM y is
+    bitwise the staged y; payload rows exact; padded rows and the pool untouched."""
+    from pallas_kernels.linear.mamba2_tree import mamba2_scan_plan
+
+    rng = np.random.default_rng(41 + branch_slots)
+    nb, T, P, G = 3, 16, 8, 2
+    inp = mamba2_inputs(rng, nb, T, P, G)
+    parents = _slot_trees(rng, T)
+    slots = np.array([3, 0, -1], np.int32)
+    plan = mamba2_scan_plan(jnp.asarray(parents), branch_slots)
+    spill, load = np.asarray(plan.slots.spill), np.asarray(plan.slots.load_slot)
+    if branch_slots:  # the cases below really mix slot reads and replays
+        assert (load >= 0).any() and spill.any()
+    pool_before = inp["state_pool"].copy()
+    kw = dict(branch_slots=branch_slots, walk=walk, backend="interpret")
+    y, states = scan(inp, slots, parents, mode="staged", scratch=jnp.full((nb, T, H, P, N), jnp.nan), plan=plan, **kw)
+    layout = Mamba2PayloadLayout(G, N, H, P)
+    y_r, payload = scan(inp, slots, parents, mode="replay", payload=jnp.full((nb, T, layout.width), jnp.nan), **kw)
+    y_ref, st_ref = np_mamba2(inp, slots, parents)
+    live = slots >= 0
+    assert rel_err(np.asarray(y)[live], y_ref[live]) < 2e-5
+    assert rel_err(np.asarray(states)[live], st_ref[live]) < 2e-5
+    np.testing.assert_array_equal(np.asarray(y_r), np.asarray(y))
+    a = _j(inp)
+    np.testing.assert_array_equal(np.asarray(payload)[live], np.asarray(layout.pack(a["B"], a["x"], a["dt"]))[live])
+    assert np.isnan(np.asarray(payload)[~live]).all() and np.isnan(np.asarray(states)[~live]).all()
+    assert np.all(np.asarray(y)[~live] == 0.0)
+    np.testing.assert_array_equal(inp["state_pool"], pool_before)
+
+
+def test_slot_reads_are_really_taken_from_the_plan():
+    """A plan whose loads name the wrong slot gives wrong branches (so the slot path is exercised),
+    while slot ids past the kernel's slot count fall back to an exact replay."""
+    from pallas_kernels.linear.branch_slots import BranchSlotPlan
+    from pallas_kernels.linear.mamba2_tree import mamba2_scan_plan
+
+    rng = np.random.default_rng(43)
+    nb, T, P = 1, 16, 8
+    inp = mamba2_inputs(rng, nb, T, P, 1, with_z=False)
+    parents, slots = NESTED[None], np.array([1], np.int32)
+    y_ref = np_mamba2(inp, slots, parents)[0]
+    plan = mamba2_scan_plan(jnp.asarray(parents), 2)
+    s = plan.slots
+    swapped = plan._replace(slots=BranchSlotPlan(s.save_slot, jnp.where(s.load_slot >= 0, 1 - s.load_slot, -1), s.spill))
+    y_bad, _ = scan(inp, slots, parents, branch_slots=2, plan=swapped, backend="interpret")
+    assert rel_err(y_bad, y_ref) > 1e-2
+    wide = mamba2_scan_plan(jnp.asarray(parents), 3)  # saves into slot 2, which a 2-slot kernel lacks
+    assert (np.asarray(wide.slots.load_slot) == 2).any()
+    y_wide, _ = scan(inp, slots, parents, branch_slots=2, plan=wide, backend="interpret")
+    assert rel_err(y_wide, y_ref) < 2e-5
+
+
+def test_malformed_parents_terminate_in_every_walk():
+    rng = np.random.default_rng(44)
+    nb, T, P = 2, 8, 8
+    inp = mamba2_inputs(rng, nb, T, P, 1)
+    parents = random_parents(rng, nb, T)
+    good = parents.copy()
+    parents[0, 5] = 5
+    parents[1, 4] = 70
+    slots = np.array([0, 1], np.int32)
+    y_ref, _ = np_mamba2(inp, slots, good)
+    for kw in (dict(branch_slots=2), dict(branch_slots=0, walk="parents")):
+        y, _ = scan(inp, slots, parents, backend="interpret", **kw)
+        assert np.isfinite(np.asarray(y)).all()
+        assert rel_err(np.asarray(y)[0, :5], y_ref[0, :5]) < 2e-5
+        assert rel_err(np.asarray(y)[1, :4], y_ref[1, :4]) < 2e-5
+
+
+def test_layer_shares_one_step_plan():
+    """Two layers of a step reuse one plan: same y as each building its own, any slot count."""
+    import jax
+    from test_mamba2_commit import DIMS, _layer_inputs
+
+    from treespec_jax.linear.mamba2 import Mamba2CommitConfig, Mamba2Layer, new_verify_scratch
+
+    rng = np.random.default_rng(45)
+    nb, T = 2, 8
+    weights, pools, xbc, dt, z = _layer_inputs(rng, nb, T)
+    parents = jnp.asarray(random_parents(rng, nb, T))
+    slots = jnp.asarray([1, 3], jnp.int32)
+    layers = [Mamba2Layer(f"layers.{i}", DIMS, Mamba2CommitConfig(backend="interpret", branch_slots=n))
+              for i, n in enumerate((2, 0))]
+    plan = layers[0].step_plan(parents)
+    assert plan.conv_lags.shape == (nb, T, DIMS.conv_width - 1) and layers[0].step_plan(None) is None
+    scratch = jax.tree.map(lambda s: jnp.full_like(s, jnp.nan),
+                           new_verify_scratch(DIMS, layers[0].cfg, nb, T, act_dtype=jnp.float32))
+    shared = layers[0].verify(weights, pools, slots, xbc, dt, parents, scratch, z, plan=plan)
+    own = layers[0].verify(weights, pools, slots, xbc, dt, parents, scratch, z)
+    np.testing.assert_array_equal(np.asarray(shared.y), np.asarray(own.y))
+    np.testing.assert_array_equal(np.asarray(shared.scratch.ssm), np.asarray(own.scratch.ssm))
+    no_slots = layers[1].verify(weights, pools, slots, xbc, dt, parents, scratch, z, plan=layers[1].step_plan(parents))
+    assert rel_err(no_slots.y, np.asarray(shared.y, np.float64)) < 1e-6
+    with pytest.raises(ValueError, match="branch slots must be an int in"):
+        Mamba2CommitConfig(branch_slots=9)
+
+
+def test_plan_and_slot_arguments_are_checked():
+    from pallas_kernels.linear.mamba2_tree import mamba2_scan_plan
+
+    rng = np.random.default_rng(46)
+    nb, T, P = 2, 6, 8
+    inp = mamba2_inputs(rng, nb, T, P, 1)
+    slots = np.array([0, 1], np.int32)
+    parents = random_parents(rng, nb, T)
+    with pytest.raises(ValueError, match="branch slots must be an int in .0, 4., got 5"):
+        scan(inp, slots, parents, branch_slots=5, backend="interpret")
+    with pytest.raises(ValueError, match="walk must be one of"):
+        scan(inp, slots, parents, walk="pointers", backend="interpret")
+    with pytest.raises(ValueError, match=r"plan.save_slot must be \[2, 6\], got \[2, 7\]"):
+        scan(inp, slots, parents, plan=mamba2_scan_plan(jnp.asarray(random_parents(rng, nb, T + 1))),
+             backend="interpret")
+    with pytest.raises(ValueError, match="plan given without parents"):
+        scan(inp, slots, None, plan=mamba2_scan_plan(jnp.asarray(parents)), backend="interpret")
+    with pytest.raises(ValueError, match="num_warps must be a power of two, got 3"):
+        scan(inp, slots, parents, num_warps=3, backend="interpret")
+
+
+def test_tree_scan_lowers_to_triton_for_sm90(monkeypatch):
+    """Pallas -> Triton IR for sm_90 without a GPU, for the slot and walk variants (the PTX compile
+    and the numbers are the GPU bench's)."""
+    import jax
+    import jax._src.pallas.triton.pallas_call_registration as reg
+
+    import pallas_kernels.common as common
+
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: reg.gpu_info_lib.GpuInfo(
+        gpu_version=None, arch_name="sm_90", compute_capability=90))
+    monkeypatch.setattr(common, "on_gpu", lambda: True)
+    nb, T, P, G, Nn, Hh = 2, 16, 64, 2, 128, 4
+    sd = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    lay = Mamba2PayloadLayout(G, Nn, Hh, P)
+    args = (sd((nb, T, Hh, P), bf), sd((nb, T, Hh), bf), sd((Hh,), jnp.float32), sd((nb, T, G, Nn), bf),
+            sd((nb, T, G, Nn), bf), sd((Hh,), jnp.float32), sd((Hh,), jnp.float32), sd((6, Hh, P, Nn), jnp.float32),
+            sd((nb,), jnp.int32), sd((nb, T), jnp.int32), sd((nb, T, lay.width), bf))
+    for kw in (dict(branch_slots=2), dict(branch_slots=1, walk="parents", block_p=16, num_warps=2)):
+        def f(x, dt, al, B, C, D, dtb, pool, sl, par, pay, kw=kw):
+            return mamba2_tree_scan(x, dt, al, B, C, D, dtb, pool, sl, par, z=x, mode="replay", payload=pay, **kw)
+
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text, kw
