@@ -1,12 +1,13 @@
 """Tree conv update: Pallas (interpret mode) and the fp32 reference against per-path numpy windows;
-chain-as-parents vs the parent-less kernel; padded requests; silu on/off; bad inputs."""
+chain-as-parents vs the parent-less kernel; padded requests; silu on/off; bad inputs; the
+precomputed lag-source table (shared per step) vs the in-kernel parent walk; Triton lowering."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from trees import random_parents
 
-from pallas_kernels.linear.conv_tree import conv_tree_update
+from pallas_kernels.linear.conv_tree import conv_lag_sources, conv_tree_update
 from treespec_jax.tree.masks import chain_parents
 
 S = 5
@@ -94,7 +95,8 @@ def test_chain_as_parents_equals_chain_kernel():
     assert rel_err(y_chain, np_conv(inp, slots, chain, True)[0]) < 1e-6
 
 
-def test_malformed_parents_stay_in_bounds():
+@pytest.mark.parametrize("walk", ["precomputed", "parents"])
+def test_malformed_parents_stay_in_bounds(walk):
     """A self-loop or forward parent pointer ends that path; other nodes stay exact."""
     rng = np.random.default_rng(25)
     nb, T, D, W = 2, 8, 16, 4
@@ -104,11 +106,80 @@ def test_malformed_parents_stay_in_bounds():
     parents[0, 5] = 5
     parents[1, 3] = 50  # far past the window
     slots = np.array([0, 1], np.int32)
-    y, _ = run(inp, slots, parents, backend="interpret")
+    y, _ = run(inp, slots, parents, walk=walk, backend="interpret")
     y_ref, _ = np_conv(inp, slots, good, False)
     assert np.isfinite(np.asarray(y)).all()
     assert rel_err(np.asarray(y)[0, :5], y_ref[0, :5]) < 1e-6
     assert rel_err(np.asarray(y)[1, :3], y_ref[1, :3]) < 1e-6
+
+
+def np_lag_sources(parents, W):
+    """Per node, the source of lags 1..W-1: ancestors up the path, then committed columns -1, -2, ..."""
+    nb, T = parents.shape
+    out = np.zeros((nb, T, W - 1), np.int32)
+    for b in range(nb):
+        for t in range(T):
+            cur = t
+            for j in range(W - 1):
+                cur = int(parents[b, cur]) if cur >= 0 else cur - 1
+                out[b, t, j] = cur
+    return out
+
+
+def test_lag_sources_match_numpy():
+    rng = np.random.default_rng(26)
+    parents = np.concatenate([random_parents(rng, 2, 16), random_parents(rng, 1, 16, forest=True),
+                              np.asarray(chain_parents(1, 16))])
+    for W in (2, 4):
+        np.testing.assert_array_equal(np.asarray(conv_lag_sources(jnp.asarray(parents), W)), np_lag_sources(parents, W))
+    with pytest.raises(ValueError, match="conv width must be an int >= 2, got 1"):
+        conv_lag_sources(jnp.asarray(parents), 1)
+
+
+def test_shared_lag_table_equals_parent_walk():
+    """One precomputed table (as the layer glue shares it) == the in-kernel parent walk, bit for bit,
+    padded request and node rows included; a wrong table gives wrong windows."""
+    rng = np.random.default_rng(27)
+    nb, T, D, W = 3, 16, 24, 4
+    inp = conv_inputs(rng, nb, T, D, W)
+    parents = random_parents(rng, nb, T)
+    slots = np.array([2, -1, 4], np.int32)
+    inp["conv_pool"][[0, 1, 3]] = np.nan  # slots no live request owns
+    lags = conv_lag_sources(jnp.asarray(parents), W)
+    outs = {}
+    for name, kw in (("table", dict(lags=lags)), ("parents", dict(walk="parents"))):
+        outs[name] = run(inp, slots, parents, silu=True, node_states=jnp.full((nb, T, W - 1, D), jnp.nan),
+                         backend="interpret", **kw)
+    for a, b in zip(outs["table"], outs["parents"]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    y_ref, rows_ref = np_conv(inp, slots, parents, True)
+    live = slots >= 0
+    assert rel_err(np.asarray(outs["table"][0])[live], y_ref[live]) < 1e-6
+    assert np.isnan(np.asarray(outs["table"][1])[1]).all() and np.all(np.asarray(outs["table"][0])[1] == 0.0)
+    y_bad, _ = run(inp, slots, parents, silu=True, lags=jnp.roll(lags, 1, axis=1), backend="interpret")
+    assert rel_err(np.asarray(y_bad)[live], y_ref[live]) > 1e-2
+
+
+def test_conv_lowers_to_triton_for_sm90(monkeypatch):
+    """Pallas -> Triton IR for sm_90 without a GPU, both walks (PTX and numbers are the GPU bench's)."""
+    import jax
+    import jax._src.pallas.triton.pallas_call_registration as reg
+
+    import pallas_kernels.common as common
+
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: reg.gpu_info_lib.GpuInfo(
+        gpu_version=None, arch_name="sm_90", compute_capability=90))
+    monkeypatch.setattr(common, "on_gpu", lambda: True)
+    nb, T, D = 2, 16, 1024
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    args = (sd((nb, T, D), bf), sd((6, 3, D), bf), sd((nb,), jnp.int32), sd((D, 4), bf), sd((D,), bf),
+            sd((nb, T), jnp.int32), sd((nb, T, 3, D), bf))
+    for walk in ("precomputed", "parents"):
+        def f(x, pool, sl, w, bias, par, rows, walk=walk):
+            return conv_tree_update(x, pool, sl, w, bias, par, silu=True, node_states=rows, walk=walk)
+
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text, walk
 
 
 def test_reference_matches_per_path():
@@ -148,3 +219,10 @@ def test_bad_inputs_name_the_value():
         run(inp, slots, None, block_d=12, backend="interpret")
     with pytest.raises(ValueError, match="state_slots must be"):
         run(inp, np.array([0], np.int32), None, backend="interpret")
+    parents = random_parents(rng, nb, T)
+    with pytest.raises(ValueError, match=r"lags must be \[B, T, W-1\] = \(2, 6, 3\)"):
+        run(inp, slots, parents, lags=jnp.zeros((nb, T, W), jnp.int32), backend="interpret")
+    with pytest.raises(ValueError, match="lags given without parents"):
+        run(inp, slots, None, lags=jnp.zeros((nb, T, W - 1), jnp.int32), backend="interpret")
+    with pytest.raises(ValueError, match="walk must be one of"):
+        run(inp, slots, parents, walk="hops", backend="interpret")
