@@ -1,23 +1,30 @@
 """Mamba2 tree verify scan, ReplaySSM commit and tree conv on the GPU: compiled conformance, then timing.
 
 Run: PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_mamba2.py [--quick] [--budget-s S]
+     [--branch-slots 0,2] [--configs 32x16,64x16] [--markdown FILE] [--sweep] [--tiles 16x4,16x2]
 
 Conformance (compiled Pallas Triton vs the fp32 jnp references; fresh random inputs; scratch,
 payload and node-row buffers poisoned with NaN; a padded request in every batch): the tree scan in
-staged, ReplaySSM and outputs-only modes, the chain kernel, z gating, bf16 inputs, the replay
-commit (vs the staged state at the last accepted node), the tree conv, at small and Nemotron-H dims.
+staged, ReplaySSM and outputs-only modes for every scan variant timed below (branch slots 0, 1, 2
+with the precomputed ancestor walk, and the earlier kernel: parent-pointer walk, no slots) on trees
+that spill (a nested depth-first tree overflows 1 and 2 slots), the chain kernel, z gating, bf16
+inputs, the replay commit (vs the staged state at the last accepted node), the tree conv with the
+precomputed lag table and with the earlier parent walk, at small and Nemotron-H dims.
 
 Timing (Nemotron-H-like: H=128, headdim 64, dstate 128, ngroups 8, bf16 activations, fp32 state;
-conv dim 2*8*128 + 128*64 = 10240, width 4; B in {1, 32, 64}; random depth-first trees of 8, 16, 64
-nodes): each kernel runs INNER times inside one jitted function, with the request slots rotated
-through a pool several times the L2 so each call reads cold state; median over reps. Ratios: tree
-vs our chain kernel (parents=None) of the same node count, and vs the byte floor (state read, plus
-writes, over the measured device copy bandwidth).
+conv dim 2*8*128 + 128*64 = 10240, width 4; random depth-first trees): each kernel runs INNER
+times inside one jitted function, with the request slots rotated through a pool several times the
+L2 so each call reads cold state; median over reps. Per B x T config, all in one run: the chain
+kernel (parents=None), the earlier tree kernel ("old": parent-pointer replay, no slots), and the
+tree kernel at each `--branch-slots` count with the per-step plan built outside the timed layer
+(as the layer glue shares it; its own cost is timed once as "plan"). Ratios are tree / chain of
+the same run, and vs the byte floor (state read over the measured device copy bandwidth).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 import time
 import traceback
@@ -29,11 +36,11 @@ import numpy as np
 from benchmarks.report import log, rel_err
 from benchmarks import timing
 from benchmarks.timing import measure_copy_bandwidth
-from pallas_kernels.linear.conv_tree import conv_tree_update
+from pallas_kernels.linear.conv_tree import conv_lag_sources, conv_tree_update
 from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout
 from pallas_kernels.linear.mamba2_replay import mamba2_replay_commit
-from pallas_kernels.linear.mamba2_tree import mamba2_tree_scan
-from treespec_jax.linear.mamba2 import pack_path_rows
+from pallas_kernels.linear.mamba2_tree import mamba2_scan_plan, mamba2_tree_scan
+from treespec_jax.linear.mamba2 import mamba2_step_plan, pack_path_rows
 
 NEMOTRON = dict(H=128, P=64, N=128, G=8)
 SMALL = dict(H=4, P=16, N=16, G=2)
@@ -41,6 +48,13 @@ CONV_W = 4
 INNER = 10  # kernel calls per timed jit call
 _T0 = time.time()  # this module's start, for its --budget-s
 POOL_BYTES = 512 << 20  # rotate slots through at least this much state (H200 L2 is 60 MB)
+TIMING_DIMS = NEMOTRON  # --smoke swaps in SMALL
+SMOKE = False
+# Depth-first tree whose branch points nest three deep: overflows 1 and 2 slots, fits 3.
+NESTED16 = [-1, 0, 1, 2, 2, 1, 5, 5, 0, 8, 9, 9, 8, 12, 12, 0]
+OLD = dict(branch_slots=0, walk="parents")  # the kernel before branch slots: the timed baseline
+DEFAULT_CONFIGS = "32x16,1x16,64x16,32x64,64x64,1x64,32x8,1x8,64x8"
+QUICK_CONFIGS = "32x16,1x16"
 
 
 def dfs_tree(rng, batch, t, p_extend=0.5):
@@ -71,6 +85,16 @@ def tree_stats(parents):
     # A branch at node i walks its parent's path: depth(parent) + 1 replayed updates.
     replays = np.where(is_branch, np.take_along_axis(depth, np.maximum(parents[:, 1:], 0), 1) + 1, 0)
     return float(is_branch.sum(1).mean()), int(depth.max()), float(replays.sum(1).mean() / t)
+
+
+def replays_with_slots(parents, k):
+    """Mean replayed ancestor updates per tree node when branch points get `k` register slots."""
+    plan = mamba2_scan_plan(jnp.asarray(parents), k)
+    load, depth = np.asarray(plan.slots.load_slot), np.asarray(plan.depth)
+    t = parents.shape[1]
+    p = parents
+    branch = (p >= 0) & (p != np.arange(t) - 1) & (load < 0)
+    return float(np.where(branch, np.take_along_axis(depth, np.maximum(p, 0), 1) + 1, 0).sum(1).mean() / t)
 
 
 def random_paths(rng, parents):
@@ -106,62 +130,97 @@ def scan(a, slots, parents, **kw):
                             slots, parents, z=a.get("z"), **kw)
 
 
+def variant_name(kw):
+    return "old (parent walk, 0 slots)" if kw.get("walk") == "parents" else f"slots={kw['branch_slots']}"
+
+
 # ----------------------------------------------------------------------------------------------
 # Conformance
 # ----------------------------------------------------------------------------------------------
 
-def conformance(quick: bool) -> bool:
+def conformance(quick: bool, results: list | None = None, smoke: bool = False) -> bool:
+    """Every check logs one line; `results` (if given) collects (name, passed) for the markdown."""
     ok = True
 
     def check(name, err, tol):
         nonlocal ok
-        good = err <= tol
+        good = bool(err <= tol)  # NaN / inf never pass (rel_err gives inf for a non-finite output)
         ok &= good
+        if results is not None:
+            results.append((name, good))
         log(f"  {'PASS' if good else 'FAIL'} {name}: rel err {err:.2e} (tol {tol:.0e})")
 
-    rng = np.random.default_rng(0)
-    cases = [("small", SMALL, 3, 16, jnp.float32, 2e-5), ("small", SMALL, 3, 64, jnp.float32, 2e-5),
-             ("small-bf16", SMALL, 3, 33, jnp.bfloat16, 1e-2), ("nemotron", NEMOTRON, 2, 16, jnp.bfloat16, 1e-2)]
-    if quick:
-        cases = cases[1:2] + cases[-1:]
+    def same(name, a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        check(name, 0.0 if a.shape == b.shape and np.array_equal(a, b) else 1.0, 0.0)
 
-    def one_case(tag, d, nb, t, act, tol):
+    rng = np.random.default_rng(0)
+    full_variants = [dict(branch_slots=2, walk="precomputed"), dict(branch_slots=1, walk="precomputed"),
+                     dict(branch_slots=0, walk="precomputed"), OLD]
+    cases = [("small", SMALL, 3, 16, jnp.float32, 2e-5, full_variants),
+             ("small", SMALL, 3, 64, jnp.float32, 2e-5, full_variants),
+             ("small-bf16", SMALL, 3, 33, jnp.bfloat16, 1e-2, full_variants[:1]),
+             ("nemotron", NEMOTRON, 2, 16, jnp.bfloat16, 1e-2, [full_variants[0], OLD])]
+    if quick:
+        cases = [cases[0], cases[-1]]
+    if smoke:  # CPU plumbing check (interpret mode): one small case
+        cases = cases[:1]
+
+    def one_case(tag, d, nb, t, act, tol, variants):
         H, P, N, G = d["H"], d["P"], d["N"], d["G"]
         a = mamba_inputs(jax.random.key(t * 7 + nb), nb, t, d, 6, act=act)
-        parents = jnp.asarray(dfs_tree(rng, nb, t))
+        par = dfs_tree(rng, nb, t)
+        par[0, :16] = NESTED16[: min(t, 16)] if t >= 16 else par[0, :16]  # a tree that overflows the slots
+        parents = jnp.asarray(par)
         slots = jnp.asarray([4, -1, 1] if nb == 3 else [3, -1], jnp.int32)  # one padded request
+        live = np.asarray(slots) >= 0
         name = f"{tag} B={nb} T={t}"
         y_ref, s_ref = scan(a, slots, parents, mode="staged", scratch=jnp.zeros((nb, t, H, P, N)), backend="reference")
-        scratch = jnp.full((nb, t, H, P, N), jnp.nan, jnp.float32)
-        y, st = jax.jit(lambda a, s, p, sc: scan(a, s, p, mode="staged", scratch=sc))(a, slots, parents, scratch)
-        live = np.asarray(slots) >= 0
-        check(f"{name} staged y", rel_err(y, y_ref), tol)
-        check(f"{name} staged states", rel_err(np.asarray(st)[live], np.asarray(s_ref)[live]), tol)
-        check(f"{name} padded scratch untouched", 0.0 if np.isnan(np.asarray(st)[~live]).all() else 1.0, 0.0)
         lay = Mamba2PayloadLayout(G, N, H, P)
-        pay0 = jnp.full((nb, t, lay.width), jnp.nan, act)
-        y2, pay = jax.jit(lambda a, s, p, pl_: scan(a, s, p, mode="replay", payload=pl_))(a, slots, parents, pay0)
-        check(f"{name} replay y == staged y", 0.0 if np.array_equal(np.asarray(y2, np.float32), np.asarray(y, np.float32)) else 1.0, 0.0)
-        want = np.asarray(lay.pack(a["B"], a["x"], a["dt"]), np.float32)
-        check(f"{name} payload rows exact", 0.0 if np.array_equal(np.asarray(pay, np.float32)[live], want[live]) else 1.0, 0.0)
+        want_pay = np.asarray(lay.pack(a["B"], a["x"], a["dt"]), np.float32)
+        st_default = None
+        for kw in variants:
+            vname = f"{name} {variant_name(kw)}"
+            if kw.get("walk") != "parents" and kw["branch_slots"]:
+                sp = np.asarray(mamba2_scan_plan(parents, kw["branch_slots"]).slots.spill)[live]
+                log(f"  {vname}: {int(sp.sum())} spilled branch points (replayed) among the live requests")
+            scratch = jnp.full((nb, t, H, P, N), jnp.nan, jnp.float32)
+            y, st = jax.jit(lambda a, s, p, sc, kw=kw: scan(a, s, p, mode="staged", scratch=sc, **kw))(
+                a, slots, parents, scratch)
+            check(f"{vname} staged y", rel_err(np.asarray(y)[live], np.asarray(y_ref)[live]), tol)
+            check(f"{vname} staged states", rel_err(np.asarray(st)[live], np.asarray(s_ref)[live]), tol)
+            check(f"{vname} padded y zero / scratch untouched",
+                  0.0 if (np.asarray(y, np.float32)[~live] == 0).all() and np.isnan(np.asarray(st)[~live]).all()
+                  else 1.0, 0.0)
+            pay0 = jnp.full((nb, t, lay.width), jnp.nan, act)
+            y2, pay = jax.jit(lambda a, s, p, pl_, kw=kw: scan(a, s, p, mode="replay", payload=pl_, **kw))(
+                a, slots, parents, pay0)
+            same(f"{vname} replay y == staged y (bitwise)", y2, y)
+            same(f"{vname} payload rows exact", np.asarray(pay, np.float32)[live], want_pay[live])
+            check(f"{vname} padded payload untouched", 0.0 if np.isnan(np.asarray(pay, np.float32)[~live]).all()
+                  else 1.0, 0.0)
+            y3, _ = jax.jit(lambda a, s, p, kw=kw: scan(a, s, p, **kw))(a, slots, parents)
+            same(f"{vname} outputs-only y == staged y (bitwise)", y3, y)
+            if st_default is None:
+                st_default, pay_default = st, pay
         yu, _ = jax.jit(lambda a, s, p: scan(a, s, p, unroll=True))(a, slots, parents)
-        check(f"{name} unrolled tree kernel", rel_err(yu, y_ref), tol)
+        check(f"{name} unrolled tree kernel (default slots)", rel_err(np.asarray(yu)[live], np.asarray(y_ref)[live]), tol)
         y3, _ = jax.jit(lambda a, s: scan(a, s, None))(a, slots)
         y3_ref, _ = scan(a, slots, None, backend="reference")
         check(f"{name} chain kernel", rel_err(y3, y3_ref), tol)
-        path, acc = random_paths(rng, np.asarray(parents))
-        packed = pack_path_rows(pay, jnp.asarray(path), jnp.asarray(acc))
+        path, acc = random_paths(rng, par)
+        packed = pack_path_rows(pay_default, jnp.asarray(path), jnp.asarray(acc))
         commit = jax.jit(lambda pk, ac, pool, s: mamba2_replay_commit(pk, ac, pool, s, a["A_log"], a["dt_bias"],
                                                                        ngroups=G, dstate=N))
         new_pool = np.asarray(commit(packed, jnp.asarray(acc), a["state_pool"], slots))
         for b in np.nonzero(live)[0]:
             last = path[b, acc[b] - 1]
-            check(f"{name} replay commit b={b} vs staged state", rel_err(new_pool[int(slots[b])], np.asarray(st)[b, last]),
+            check(f"{name} replay commit b={b} vs staged state", rel_err(new_pool[int(slots[b])],
+                                                                          np.asarray(st_default)[b, last]),
                   2e-5 if act == jnp.float32 else 1e-2)
         untouched = [s for s in range(6) if s not in set(np.asarray(slots)[live].tolist())]
-        check(f"{name} other pool slots untouched",
-              0.0 if np.array_equal(new_pool[untouched], np.asarray(a["state_pool"])[untouched]) else 1.0, 0.0)
-        # Tree conv at this batch over this layer's conv dim ([x | B | C]).
+        same(f"{name} other pool slots untouched", new_pool[untouched], np.asarray(a["state_pool"])[untouched])
+        # Tree conv at this batch over this layer's conv dim ([x | B | C]): lag table and parent walk.
         cd = 2 * G * N + H * P
         k1, k2, k3, k4 = jax.random.split(jax.random.key(t), 4)
         xc = jax.random.normal(k1, (nb, t, cd), jnp.float32).astype(act)
@@ -169,14 +228,19 @@ def conformance(quick: bool) -> bool:
         w = jax.random.normal(k3, (cd, CONV_W), jnp.float32).astype(act)
         bias = jax.random.normal(k4, (cd,), jnp.float32).astype(act)
         rows0 = jnp.full((nb, t, CONV_W - 1, cd), jnp.nan, act)
-        yc, rows = jax.jit(lambda x, p, r: conv_tree_update(x, cpool, slots, w, bias, p, silu=True, node_states=r))(
-            xc, parents, rows0)
         yc_ref, rows_ref = conv_tree_update(xc, cpool, slots, w, bias, parents, silu=True, node_states=rows0,
                                             backend="reference")
-        check(f"{name} conv y", rel_err(yc, yc_ref), 2e-6 if act == jnp.float32 else 1e-2)
-        check(f"{name} conv rows exact", 0.0 if np.array_equal(np.asarray(rows, np.float32)[live],
-                                                               np.asarray(rows_ref, np.float32)[live]) else 1.0, 0.0)
-        check(f"{name} conv padded rows untouched", 0.0 if np.isnan(np.asarray(rows, np.float32)[~live]).all() else 1.0, 0.0)
+        lags = conv_lag_sources(parents, CONV_W)
+        for cname, ckw in (("lag table", dict(lags=lags)), ("parent walk (old)", dict(walk="parents"))):
+            yc, rows = jax.jit(lambda x, p, r, ckw=ckw: conv_tree_update(x, cpool, slots, w, bias, p, silu=True,
+                                                                         node_states=r, **ckw))(xc, parents, rows0)
+            check(f"{name} conv {cname} y", rel_err(np.asarray(yc)[live], np.asarray(yc_ref)[live]),
+                  2e-6 if act == jnp.float32 else 1e-2)
+            same(f"{name} conv {cname} rows exact", np.asarray(rows, np.float32)[live],
+                 np.asarray(rows_ref, np.float32)[live])
+            check(f"{name} conv {cname} padded rows untouched, y zero",
+                  0.0 if np.isnan(np.asarray(rows, np.float32)[~live]).all()
+                  and (np.asarray(yc, np.float32)[~live] == 0).all() else 1.0, 0.0)
 
     for case in cases:
         try:
@@ -184,6 +248,8 @@ def conformance(quick: bool) -> bool:
         except Exception:  # a kernel that fails to lower or run fails conformance; keep going
             traceback.print_exc()
             ok = False
+            if results is not None:
+                results.append((f"{case[0]} B={case[2]} T={case[3]}: exception (see log)", False))
     return ok
 
 
@@ -196,38 +262,52 @@ def time_step(step, carry):
     return timing.time_step(step, carry, inner=INNER, reps=5)
 
 
-def bench_case(nb, t, rng, bw, staged: bool, unroll_variant: bool = False):
-    d = NEMOTRON
+def bench_case(nb, t, rng, slot_counts, launch, staged=False, unroll_variant=False):
+    d = TIMING_DIMS
     H, P, N, G = d["H"], d["P"], d["N"], d["G"]
     state_bytes = H * P * N * 4
     sets = max(2, -(-POOL_BYTES // (nb * state_bytes)))  # rotate through >= POOL_BYTES of state
     a = mamba_inputs(jax.random.key(nb * 100 + t), nb, t, d, nb * sets)
-    parents = jnp.asarray(dfs_tree(rng, nb, t))
+    par = dfs_tree(rng, nb, t)
+    parents = jnp.asarray(par)
     lay = Mamba2PayloadLayout(G, N, H, P)
+    plans = {k: mamba2_scan_plan(parents, k) for k in slot_counts}
     res = {}
 
-    def verify_step(tree, mode, unroll=False):
+    def verify_step(tree, mode, kw):
         def step(c):
             side, i, acc = c
             slots = (jnp.arange(nb, dtype=jnp.int32) + i * nb) % (nb * sets)
-            kw = {"scratch": side} if mode == "staged" else {"payload": side} if mode == "replay" else {}
-            y, side2 = scan(a, slots, parents if tree else None, mode=mode, unroll=unroll, **kw)
+            skw = {"scratch": side} if mode == "staged" else {"payload": side} if mode == "replay" else {}
+            y, side2 = scan(a, slots, parents if tree else None, mode=mode, **launch, **skw, **kw)
             return (side if side2 is None else side2), (i + 1) % sets, acc + y[0, 0, 0, 0].astype(jnp.float32)
         return step
 
-    for mode in ["replay", "staged"] if staged else ["replay"]:
-        for tree in (True, False):
-            side = (jnp.zeros((nb, t, H, P, N), jnp.float32) if mode == "staged"
-                    else jnp.zeros((nb, t, lay.width), jnp.bfloat16))  # donated: fresh per run
-            sec, _ = time_step(verify_step(tree, mode), (side, jnp.int32(0), jnp.float32(0)))
-            res[(mode, tree)] = sec
+    def side_for(mode):  # donated: fresh per run
+        return (jnp.zeros((nb, t, H, P, N), jnp.float32) if mode == "staged"
+                else jnp.zeros((nb, t, lay.width), jnp.bfloat16))
+
+    def timed(key, tree, mode, kw):
+        res[key], _ = time_step(verify_step(tree, mode, kw), (side_for(mode), jnp.int32(0), jnp.float32(0)))
+
+    timed(("replay", "chain"), False, "replay", {})
+    timed(("replay", "old"), True, "replay", OLD)
+    for k in slot_counts:
+        timed(("replay", k), True, "replay", dict(branch_slots=k, plan=plans[k]))
+    if staged:
+        k = max(slot_counts)
+        timed(("staged", "chain"), False, "staged", {})
+        timed(("staged", "old"), True, "staged", OLD)
+        timed(("staged", k), True, "staged", dict(branch_slots=k, plan=plans[k]))
     if unroll_variant:
-        for tree in (True, False):
-            side = jnp.zeros((nb, t, lay.width), jnp.bfloat16)
-            res[("unrolled", tree)], _ = time_step(verify_step(tree, "replay", unroll=True),
-                                                   (side, jnp.int32(0), jnp.float32(0)))
+        k = max(slot_counts)
+        timed(("unrolled", k), True, "replay", dict(branch_slots=k, plan=plans[k], unroll=True))
+        timed(("unrolled", "chain"), False, "replay", dict(unroll=True))
+    # The per-step plan (scan slots + ancestor list + conv lags), built once per step for all layers.
+    plan_fn = jax.jit(lambda p: mamba2_step_plan(p, CONV_W, max(slot_counts)))
+    res["plan"] = timing.median_time(plan_fn, parents, samples=10)
     # ReplaySSM commit over a random accepted path per request (payload already packed).
-    path, acc = random_paths(rng, np.asarray(parents))
+    path, acc = random_paths(rng, par)
     payload = lay.pack(a["B"], a["x"], a["dt"])
     acc_j = jnp.asarray(acc)
 
@@ -238,116 +318,235 @@ def bench_case(nb, t, rng, bw, staged: bool, unroll_variant: bool = False):
         return pool, (i + 1) % sets
     res["commit"], _ = time_step(commit_step, (a["state_pool"], jnp.int32(0)))
     res["mean_accept"] = float(acc.mean())
-    # Tree conv (Nemotron conv dim), node rows written (staged) and not (ReplaySSM).
+    # Tree conv (Nemotron conv dim), outputs only (ReplaySSM keeps no conv rows).
     cd = 2 * G * N + H * P
     xc = jax.random.normal(jax.random.key(1), (nb, t, cd), jnp.float32).astype(jnp.bfloat16)
     cpool = jax.random.normal(jax.random.key(2), (nb * sets, CONV_W - 1, cd), jnp.float32).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.key(3), (cd, CONV_W), jnp.float32).astype(jnp.bfloat16)
     bias = jnp.zeros((cd,), jnp.bfloat16) + 0.1
+    lags = conv_lag_sources(parents, CONV_W)
 
-    def conv_step(tree):
+    def conv_step(tree, kw):
         def step(c):
             i, acc = c
             slots = (jnp.arange(nb, dtype=jnp.int32) + i * nb) % (nb * sets)
-            y, _ = conv_tree_update(xc, cpool, slots, w, bias, parents if tree else None, silu=True)
+            y, _ = conv_tree_update(xc, cpool, slots, w, bias, parents if tree else None, silu=True, **kw)
             return (i + 1) % sets, acc + y[0, 0, 0].astype(jnp.float32)
         return step
-    for tree in (True, False):
-        res[("conv", tree)], _ = time_step(conv_step(tree), (jnp.int32(0), jnp.float32(0)))
-    res["stats"] = tree_stats(np.asarray(parents))
+    for key, tree, kw in (("chain", False, {}), ("old", True, dict(walk="parents")), ("new", True, dict(lags=lags))):
+        res[("conv", key)], _ = time_step(conv_step(tree, kw), (jnp.int32(0), jnp.float32(0)))
+    res["stats"] = tree_stats(par)
+    res["replays"] = {k: replays_with_slots(par, k) for k in slot_counts}
+    res["spills"] = {k: float(np.asarray(plans[k].slots.spill).sum(1).mean()) for k in slot_counts}
     res["state_bytes"] = nb * state_bytes
     res["conv_bytes"] = nb * t * cd * 2 * 2 + nb * (CONV_W - 1) * cd * 2  # x read + y write + state read
     return res
 
 
-def sweep_tiles(nb=32, t=16):
-    """Tree ReplaySSM verify at one shape over a few (block_p, num_warps) choices."""
-    d = NEMOTRON
-    H, P, N, G = d["H"], d["P"], d["N"], d["G"]
+def sweep_tiles(tiles, slot_counts, nb=32, t=16):
+    if SMOKE:
+        nb, t = 2, 8
+    """Tree ReplaySSM verify (outputs only) at one shape over (block_p, num_warps) choices, for the
+    old kernel, each slot count and the chain."""
+    d = TIMING_DIMS
+    H, P, N = d["H"], d["P"], d["N"]
     sets = max(2, -(-POOL_BYTES // (nb * H * P * N * 4)))
     a = mamba_inputs(jax.random.key(5), nb, t, d, nb * sets)
     parents = jnp.asarray(dfs_tree(np.random.default_rng(5), nb, t))
-    out = {}
-    for bp, nw in ((16, 4), (8, 4), (32, 4), (16, 8), (16, 2)):
-        def step(c, bp=bp, nw=nw):
-            i, acc = c
-            slots = (jnp.arange(nb, dtype=jnp.int32) + i * nb) % (nb * sets)
-            y, _ = scan(a, slots, parents, block_p=bp, num_warps=nw)
-            return (i + 1) % sets, acc + y[0, 0, 0, 0].astype(jnp.float32)
-        out[(bp, nw)], _ = time_step(step, (jnp.int32(0), jnp.float32(0)))
-    log(f"tile sweep B={nb} T={t} tree outputs-only: " +
-        ", ".join(f"block_p={bp} warps={nw}: {sec * 1e6:.1f} us" for (bp, nw), sec in out.items()))
+    plans = {k: mamba2_scan_plan(parents, k) for k in slot_counts}
+    variants = [("chain", None, {}), ("old", parents, OLD)] + [
+        (f"slots={k}", parents, dict(branch_slots=k, plan=plans[k])) for k in slot_counts]
+    lines = []
+    for bp, nw in tiles:
+        out = {}
+        for vname, par, kw in variants:
+            def step(c, bp=bp, nw=nw, par=par, kw=kw):
+                i, acc = c
+                slots = (jnp.arange(nb, dtype=jnp.int32) + i * nb) % (nb * sets)
+                y, _ = scan(a, slots, par, block_p=bp, num_warps=nw, **kw)
+                return (i + 1) % sets, acc + y[0, 0, 0, 0].astype(jnp.float32)
+            try:
+                out[vname], _ = time_step(step, (jnp.int32(0), jnp.float32(0)))
+            except Exception:
+                traceback.print_exc()
+                out[vname] = float("nan")
+        line = f"| {bp} | {nw} | " + " | ".join(f"{out[v] * 1e6:.1f}" for v, _, _ in variants) + " |"
+        log(f"tile sweep B={nb} T={t} block_p={bp} warps={nw}: " +
+            ", ".join(f"{v} {out[v] * 1e6:.1f} us" for v, _, _ in variants))
+        lines.append(line)
+    head = ("| block_p | warps | " + " | ".join(v for v, _, _ in variants) + " |\n|" + " --- |" * (2 + len(variants)))
+    return f"Tile sweep, B={nb} T={t}, outputs-only mode (median us):\n\n{head}\n" + "\n".join(lines)
 
 
-def bench(quick: bool, budget_s: float, sweep: bool = False, unroll_variant: bool = False):
-    bw = measure_copy_bandwidth()
-    log(f"device copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
-    if sweep:
+def parse_configs(text):
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
         try:
-            sweep_tiles()
-        except Exception:
-            traceback.print_exc()
-    # Most informative first, so a budget cut drops the least.
-    shapes = [(32, 16), (1, 16), (64, 64), (32, 64), (1, 64), (64, 16), (32, 8), (1, 8), (64, 8)]
-    if quick:
-        shapes = [(1, 16), (32, 16)]
+            nb, t = (int(v) for v in item.split("x"))
+        except ValueError:
+            raise ValueError(f"config {item!r} is not BxT (e.g. 32x16)") from None
+        if nb < 1 or not 1 <= t <= 64:
+            raise ValueError(f"config {item!r}: need B >= 1 and 1 <= T <= 64")
+        out.append((nb, t))
+    return out
+
+
+def parse_ints(text, what):
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be a comma list of ints, got {text!r}") from None
+    if not vals:
+        raise ValueError(f"{what} is empty")
+    return vals
+
+
+def parse_tiles(text):
+    out = []
+    for item in text.split(","):
+        try:
+            bp, nw = (int(v) for v in item.strip().lower().split("x"))
+        except ValueError:
+            raise ValueError(f"tile {item!r} is not BLOCK_PxWARPS (e.g. 16x4)") from None
+        out.append((bp, nw))
+    return out
+
+
+def bench(configs, slot_counts, budget_s, launch, staged=False, unroll_variant=False):
+    """Times every config; returns (log lines, markdown table rows)."""
+    bw = measure_copy_bandwidth() if jax.default_backend() == "gpu" else 1e11  # CPU smoke: a stand-in
+    log(f"device copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
     rng = np.random.default_rng(1)
-    d = NEMOTRON
-    lay = Mamba2PayloadLayout(d["G"], d["N"], d["H"], d["P"])
-    rows = []
-    for nb, t in shapes:
+    rows, notes = [], []
+    for nb, t in configs:
         if time.time() - _T0 > budget_s:
             log(f"budget reached; skipping B={nb} T={t} and later")
-            break
-        staged = (nb, t) in ((32, 16), (1, 16), (64, 8))
+            rows.append(f"| {nb} | {t} | skipped (budget) |")
+            continue
         try:
-            r = bench_case(nb, t, rng, bw, staged, unroll_variant)
+            r = bench_case(nb, t, rng, slot_counts, launch, staged, unroll_variant)
         except Exception:
             traceback.print_exc()
+            rows.append(f"| {nb} | {t} | error (see log) |")
             continue
-        # Byte floors: bytes that must move / copy bandwidth (which counts read + write bytes).
         floor = r["state_bytes"] / bw  # read the committed state once
-        tree, chain = r[("replay", True)], r[("replay", False)]
-        line = (f"B={nb:2d} T={t:2d} branches~{r['stats'][0]:.1f} depth {r['stats'][1]:2d} replays/node "
-                f"{r['stats'][2]:.2f} | replay-verify tree "
-                f"{tree * 1e6:7.1f} us chain {chain * 1e6:7.1f} us tree/chain {tree / chain:4.2f} "
-                f"floor {floor * 1e6:6.1f} us (x{tree / floor:4.1f}) | commit({r['mean_accept']:.1f} rows) "
-                f"{r['commit'] * 1e6:6.1f} us | conv tree {r[('conv', True)] * 1e6:6.1f} chain "
-                f"{r[('conv', False)] * 1e6:6.1f} us (floor {r['conv_bytes'] / bw * 1e6:5.1f})")
-        if ("unrolled", True) in r:
-            line += (f" | unrolled replay-verify tree {r[('unrolled', True)] * 1e6:7.1f} chain "
-                     f"{r[('unrolled', False)] * 1e6:7.1f} us")
-        if ("staged", True) in r:
-            st_floor = (r["state_bytes"] * (1 + t)) / bw  # read once, write T node states
-            line += (f" | staged tree {r[('staged', True)] * 1e6:7.1f} chain {r[('staged', False)] * 1e6:7.1f} us "
-                     f"(floor {st_floor * 1e6:6.1f})")
-        log(line)
-        rows.append(line)
-    per_node_staged = d["H"] * d["P"] * d["N"] * 4
-    per_node_replay = lay.width * 2
-    log(f"bytes written per node per request (besides y): staged {per_node_staged} B (fp32 state), "
-        f"ReplaySSM {per_node_replay} B (bf16 payload row) = {per_node_staged / per_node_replay:.0f}x less")
-    return rows
+        chain, old = r[("replay", "chain")], r[("replay", "old")]
+        us = lambda s: f"{s * 1e6:.1f}"
+        slot_txt = " ".join(f"slots={k} {us(r[('replay', k)])} us ({r[('replay', k)] / chain:.2f}x, "
+                            f"{r['spills'][k]:.1f} spills, {r['replays'][k]:.2f} replays/node)" for k in slot_counts)
+        log(f"B={nb:2d} T={t:2d} branches~{r['stats'][0]:.1f} depth {r['stats'][1]:2d} | ReplaySSM verify chain "
+            f"{us(chain)} us, old tree {us(old)} us ({old / chain:.2f}x, {r['stats'][2]:.2f} replays/node), "
+            f"{slot_txt} | floor {us(floor)} us | plan {us(r['plan'])} us/step | commit({r['mean_accept']:.1f} rows) "
+            f"{us(r['commit'])} us | conv chain {us(r[('conv', 'chain')])} old {us(r[('conv', 'old')])} "
+            f"lag-table {us(r[('conv', 'new')])} us (floor {us(r['conv_bytes'] / bw)})")
+        if ("staged", "chain") in r:
+            k = max(slot_counts)
+            line = (f"staged verify B={nb} T={t}: chain {us(r[('staged', 'chain')])}, old tree "
+                    f"{us(r[('staged', 'old')])}, slots={k} {us(r[('staged', k)])} us")
+            log("    " + line)
+            notes.append(line)
+        if ("unrolled", "chain") in r:
+            k = max(slot_counts)
+            line = (f"unrolled node loop B={nb} T={t}: ReplaySSM chain {us(r[('unrolled', 'chain')])}, "
+                    f"slots={k} {us(r[('unrolled', k)])} us")
+            log("    " + line)
+            notes.append(line)
+        cells = [str(nb), str(t), f"{r['stats'][0]:.1f} / {r['stats'][1]}", us(chain), f"{us(old)} ({old / chain:.2f}x)"]
+        cells += [f"{us(r[('replay', k)])} ({r[('replay', k)] / chain:.2f}x; {r['spills'][k]:.1f} sp)" for k in slot_counts]
+        cells += [us(floor), us(r["plan"]), us(r["commit"]),
+                  f"{us(r[('conv', 'chain')])} / {us(r[('conv', 'old')])} / {us(r[('conv', 'new')])}"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return bw, rows, notes
+
+
+def markdown(args_line, conf, bw, rows, notes, slot_counts, launch, sweep_md):
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    dev = jax.devices()[0]
+    out = [f"## Mamba2 tree scan: branch slots, ancestor-list replay, conv lag table ({date}, "
+           f"{getattr(dev, 'device_kind', dev.platform)}, jax {jax.__version__})", "",
+           f"Command: `python3 benchmarks/bench_mamba2.py {args_line}`", ""]
+    if conf is not None:
+        passed = sum(1 for _, g in conf if g)
+        out.append(f"Compiled conformance: {'PASS' if passed == len(conf) else 'FAIL'} ({passed}/{len(conf)} checks; "
+                   "NaN-poisoned scratch/payload/rows, a padded request per batch, every timed variant).")
+        out += [f"- FAIL {n}" for n, g in conf if not g]
+        out.append("")
+    if rows:
+        launch_txt = ", ".join(f"{k}={v}" for k, v in launch.items()) or "defaults"
+        out.append(f"Timing, Nemotron-H-like dims, ReplaySSM verify (y + payload rows), cold state, median us per "
+                   f"layer call; launch {launch_txt}; copy bandwidth {bw / 1e12:.2f} TB/s. \"old\" is the kernel "
+                   "before this change (parent-pointer replay, no slots); \"sp\" = spilled branch points per tree. "
+                   "Plan = the per-step tables (all layers share them). Conv: chain / old parent walk / lag table.")
+        out.append("")
+        head = (["B", "T", "branches / depth", "chain", "old tree"] + [f"slots={k}" for k in slot_counts] +
+                ["floor", "plan", "commit", "conv chain / old / new"])
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + " --- |" * len(head))
+        out += rows
+        out.append("")
+        out += [f"- {n}" for n in notes] + ([""] if notes else [])
+    if SMOKE:
+        out.append("SMOKE RUN (small dims, CPU interpret mode): the numbers mean nothing.\n")
+    if sweep_md:
+        out += [sweep_md, ""]
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="two conformance cases, two timing configs")
+    p.add_argument("--quick", action="store_true",
+                   help=f"two conformance cases, timing configs {QUICK_CONFIGS} (unless --configs)")
     p.add_argument("--budget-s", type=float, default=150.0, help="stop starting new timing configs after this")
     p.add_argument("--skip-conformance", action="store_true")
-    p.add_argument("--sweep", action="store_true", help="also time a few (block_p, num_warps) tilings")
-    p.add_argument("--unroll", action="store_true", help="also time the unrolled node loop (mamba2_tree_scan(unroll=True))")
+    p.add_argument("--skip-timing", action="store_true")
+    p.add_argument("--configs", default=None, help=f"BxT list (default {DEFAULT_CONFIGS})")
+    p.add_argument("--branch-slots", default="0,2", help="slot counts to time the tree kernel at (comma list)")
+    p.add_argument("--block-p", type=int, default=None, help="launch: state rows per program (power of two)")
+    p.add_argument("--num-warps", type=int, default=None, help="launch: warps per program")
+    p.add_argument("--staged", action="store_true", help="also time staged verify (chain, old tree, max slots)")
+    p.add_argument("--sweep", action="store_true", help="also time (block_p, num_warps) tilings at B=32 T=16")
+    p.add_argument("--tiles", default="16x4,16x2,32x4,8x4,16x8", help="tilings for --sweep (BLOCK_PxWARPS)")
+    p.add_argument("--unroll", action="store_true", help="also time the unrolled node loop (unroll=True)")
+    p.add_argument("--markdown", default=None, help="write a dated markdown section (for RESULTS.md) to this file")
+    p.add_argument("--smoke", action="store_true", help="CPU plumbing check: small dims, interpret mode, numbers "
+                   "meaningless")
     a = p.parse_args(argv)
+    if a.smoke:
+        global TIMING_DIMS, POOL_BYTES, INNER, SMOKE
+        TIMING_DIMS, POOL_BYTES, INNER, SMOKE = SMALL, 1 << 16, 1, True
+        a.configs = a.configs or "2x8"
+    configs = parse_configs(a.configs or (QUICK_CONFIGS if a.quick else DEFAULT_CONFIGS))
+    slot_counts = parse_ints(a.branch_slots, "--branch-slots")
+    tiles = parse_tiles(a.tiles)
+    launch = {k: v for k, v in (("block_p", a.block_p), ("num_warps", a.num_warps)) if v is not None}
     log(f"jax {jax.__version__} devices {jax.devices()}")
-    ok = True
+    ok, conf = True, None
     if not a.skip_conformance:
+        conf = []
         try:
-            ok = conformance(a.quick)
+            ok = conformance(a.quick, conf, a.smoke)
         except Exception:  # report and still time what compiles
             traceback.print_exc()
             ok = False
+            conf.append(("conformance: exception (see log)", False))
         log(f"conformance: {'PASS' if ok else 'FAIL'}")
-    bench(a.quick, a.budget_s, a.sweep, a.unroll)
+    bw, rows, notes, sweep_md = 0.0, [], [], ""
+    if not a.skip_timing:
+        if a.sweep:
+            try:
+                sweep_md = sweep_tiles(tiles, slot_counts)
+            except Exception:
+                traceback.print_exc()
+        bw, rows, notes = bench(configs, slot_counts, a.budget_s, launch, a.staged, a.unroll)
+    if a.markdown:
+        text = markdown(" ".join(sys.argv[1:] if argv is None else argv), conf, bw, rows, notes, slot_counts, launch,
+                        sweep_md)
+        with open(a.markdown, "w") as fh:
+            fh.write(text + "\n")
+        log(f"wrote {a.markdown}")
     return 0 if ok else 1
 
 
