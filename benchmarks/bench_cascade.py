@@ -316,7 +316,7 @@ def time_mla_window(b=32, p=8192, n=16, hq=128, lat=512, rope=64):
 def table_markdown(rows, ceilings, tune):
     bw, flops = ceilings
     lines = [f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} TFLOP/s; "
-             f"prefix kernel defaults {tune or 'block_rows=128, num_warps=4, num_stages=2'}", "",
+             f"prefix kernel launch {tune or 'prefix_decode.default_launch'}", "",
              "| shape | KV | prefix ms | window ms | cascade ms | cascade fp8-dot ms | byte floor ms | FLOP floor ms "
              "| cascade / max floor | window overhead | prefix TB/s | dense (impl) ms | dense / cascade |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -42,9 +42,11 @@ from pallas_kernels.attention.prefix_decode import (heads_to_rows, padded_rows, 
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
 from treespec_jax.tree.masks import ancestor_mask
 
-# (pages_per_step, block_rows, num_warps, num_stages, prefetch_page_ids); the first is the default.
-PREFIX_LAUNCH = [(1, 128, 4, 2, False), (1, 128, 4, 2, True), (1, 128, 4, 3, True), (1, 256, 8, 2, False),
-                 (1, 256, 8, 2, True), (2, 128, 8, 3, True), (1, 64, 4, 3, True)]
+# (pages_per_step, block_rows, num_warps, num_stages, prefetch_page_ids); None = the module default
+# (`prefix_decode.default_launch`), which is the first variant.
+PREFIX_LAUNCH = [(None,) * 5, (2, 256, 8, 3, True), (4, 128, 8, 3, True), (2, 128, 8, 2, True),
+                 (2, 128, 8, 4, True), (2, 128, 4, 3, True), (2, 64, 4, 3, True), (1, 64, 4, 3, True),
+                 (1, 128, 4, 2, False)]
 PREFIX_VARIANTS = [dict(pages_per_step=pps, block_rows=br, num_warps=nw, num_stages=ns, prefetch_page_ids=pf)
                    for (pps, br, nw, ns, pf) in PREFIX_LAUNCH]
 WINDOW_VARIANTS = [dict(block_rows=br, num_warps=nw) for br in (None, 16, 64, 128) for nw in (4, 8)]
@@ -56,6 +58,8 @@ SMOKE = dict(hq=8, hkv=2, d=16, page=16, shapes=[(2, 160, 16), (1, 160, 16), (3,
 
 
 def prefix_label(v):
+    if all(x is None for x in v.values()):
+        return "default"
     pf = "/pf" if v.get("prefetch_page_ids") else ""
     return f"pps{v['pages_per_step']}/rows{v['block_rows']}/w{v['num_warps']}/s{v['num_stages']}{pf}"
 
@@ -399,13 +403,10 @@ def run_variants(args, smoke: bool):
                    + ", ".join(f"{k} {v:.3f}" for k, v in sorted(p_scores.items(), key=lambda kv: kv[1])) + ")")
     summary.append(f"- recommended window: {rec_w} (geomean over shapes: "
                    + ", ".join(f"{k} {v:.3f}" for k, v in sorted(w_scores.items(), key=lambda kv: kv[1])) + ")")
-    rp, rw = by_label_p[rec_p], by_label_w[rec_w]
+    rw = by_label_w[rec_w]
     summary.append(
-        "- to adopt: pallas_kernels/attention/prefix_decode.py DEFAULT_PAGES_PER_STEP = "
-        f"{rp['pages_per_step']}, DEFAULT_BLOCK_ROWS = {rp['block_rows']}, DEFAULT_NUM_WARPS = {rp['num_warps']}, "
-        f"DEFAULT_NUM_STAGES = {rp['num_stages']}, DEFAULT_PREFETCH_PAGE_IDS = {rp['prefetch_page_ids']}; "
-        "pallas_kernels/attention/tree_window.py DEFAULT_BLOCK_ROWS = "
-        f"{rw['block_rows']}, DEFAULT_NUM_WARPS = {rw['num_warps']}")
+        f"- to adopt: prefix_decode.py launch {rec_p} (WIDE_GRID_LAUNCH / SPLIT_LAUNCH by the shapes' "
+        f"best above); tree_window.py rows {rw['block_rows']}, warps {rw['num_warps']}")
     if clock.skipped:
         summary.append(f"- skipped for the time budget: {'; '.join(clock.skipped)}")
     conf = [f"conformance: {sum(r[3] for r in checks.rows)}/{len(checks.rows)} passed"]

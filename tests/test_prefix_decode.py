@@ -191,9 +191,18 @@ def test_prefix_decode_rejects_bad_pages_per_step():
         prefix_decode(q, pool, pool, table, lengths, page_size=64, pages_per_step=8)
 
 
-def test_default_pages_per_step_respects_the_key_bound(monkeypatch):
-    import pallas_kernels.attention.prefix_decode as pd
-    monkeypatch.setattr(pd, "DEFAULT_PAGES_PER_STEP", 4)
-    assert pd.default_pages_per_step(16) == 4
-    assert pd.default_pages_per_step(128) == 2
-    assert pd.default_pages_per_step(512) == 1  # one large page is still one step
+def test_default_pages_per_step_respects_the_key_bound():
+    from pallas_kernels.attention import prefix_decode as pd
+    assert pd.default_pages_per_step(16, 4) == 4
+    assert pd.default_pages_per_step(128, 4) == 2
+    assert pd.default_pages_per_step(512, 4) == 1  # one large page is still one step
+
+
+def test_default_launch_follows_the_split_decision():
+    from pallas_kernels.attention.prefix_decode import SPLIT_LAUNCH, WIDE_GRID_LAUNCH, default_launch
+    # B=32, Hkv=8, 256 rows: 512 programs of 128 rows fill 132 SMs unsplit.
+    assert default_launch(32, 8, 256, 513, sms=132) == WIDE_GRID_LAUNCH
+    # B=1: 16 programs, the key axis is split, and the split launch's smaller tiles apply.
+    assert default_launch(1, 8, 256, 513, sms=132) == SPLIT_LAUNCH
+    # A table too short to split keeps the wide launch.
+    assert default_launch(1, 1, 16, 3, sms=132) == WIDE_GRID_LAUNCH

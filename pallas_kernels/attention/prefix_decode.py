@@ -34,6 +34,7 @@ masked step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -53,18 +54,30 @@ _SPLIT_BELOW_PROGRAMS_PER_SM = 2
 _SPLIT_TARGET_PROGRAMS_PER_SM = 4
 # A split shorter than this many pages costs more in its merge than it saves.
 _MIN_PAGES_PER_SPLIT = 4
-# Best of the first H200 tuning at B=32, P=32768, N=64, Hq=32, Hkv=8, D=128 (benchmarks/RESULTS.md).
-# The second run measured 256 rows / 8 warps 6% faster there and the variant sweep (run 3) 3%,
-# within the run-to-run spread; two pages per step gained 1% at 8 warps and doubled the time at 4
-# warps. The defaults stay until a change beats the spread.
-DEFAULT_BLOCK_ROWS = 128
-DEFAULT_NUM_WARPS = 4
-DEFAULT_NUM_STAGES = 2
-# Pages per online-softmax step: 1 = one page (64 keys at page 64) per max/rescale; 2 halves the
-# rescale work and the loop trips per key at the price of more live registers (both pages' scores).
-DEFAULT_PAGES_PER_STEP = 1
-# Read the next step's page ids one step ahead in the unmasked loop (see `_prefix_kernel`).
-DEFAULT_PREFETCH_PAGE_IDS = False
+@dataclasses.dataclass(frozen=True)
+class PrefixLaunch:
+    """Launch shape of the prefix kernel."""
+
+    pages_per_step: int  # pages per online-softmax step (one max / rescale per step)
+    block_rows: int  # query rows per program (power of two >= 16)
+    num_warps: int  # Triton warps per program
+    num_stages: int  # Triton software-pipelining stages of the key loop
+    prefetch_page_ids: bool  # read the next step's page ids while this step computes
+
+
+# Defaults from the H200 prefix sweep (benchmarks/RESULTS.md, "Cascade kernel launch variants",
+# 03:49 UTC; Hq=32, Hkv=8, D=128, page 64). A grid that fills the GPU without splitting the key axis
+# (B=32,P=32k and B=64,P=4k with N=64) ran fastest with two pages per step, 8 warps, 3 stages and
+# page ids read a step ahead (2.77 vs 3.26 ms and 0.68 vs 0.87 ms against the earlier 1-page,
+# 4-warp, 2-stage launch); the prefetch is what makes 3 stages pay (without it that launch measured
+# 3.26 ms). A split launch (B=1,P=32k) ran fastest with 64-row tiles, 4 warps, 3 stages and the
+# prefetch (0.134 vs 0.159 ms).
+WIDE_GRID_LAUNCH = PrefixLaunch(pages_per_step=2, block_rows=128, num_warps=8, num_stages=3,
+                                prefetch_page_ids=True)
+SPLIT_LAUNCH = PrefixLaunch(pages_per_step=1, block_rows=64, num_warps=4, num_stages=3,
+                            prefetch_page_ids=True)
+DEFAULT_BLOCK_ROWS = WIDE_GRID_LAUNCH.block_rows  # row tiles the split decision is made with
+DEFAULT_PAGES_PER_STEP = WIDE_GRID_LAUNCH.pages_per_step
 # Most keys one step may hold when it groups pages (the [block_rows, keys] fp32 score tiles live in
 # registers). A single page may be larger; it is one step as before.
 MAX_KEYS_PER_STEP = 256
@@ -86,6 +99,15 @@ def choose_block_rows(total_rows: int, block_rows: int | None) -> int:
     return min(block, total_rows)
 
 
+def default_launch(batch: int, kv_heads: int, total_rows: int, max_pages: int, sms: int | None = None
+                   ) -> PrefixLaunch:
+    """WIDE_GRID_LAUNCH when its row tiles fill the GPU unsplit, else SPLIT_LAUNCH."""
+    tiles = total_rows // min(WIDE_GRID_LAUNCH.block_rows, total_rows)
+    if default_num_splits(batch, kv_heads, tiles, max_pages, sms) == 1:
+        return WIDE_GRID_LAUNCH
+    return SPLIT_LAUNCH
+
+
 def check_pages_per_step(pages_per_step: int, page_size: int, what: str) -> int:
     """Validates the pages grouped into one online-softmax step; returns it as an int."""
     pps = int(pages_per_step)
@@ -97,10 +119,10 @@ def check_pages_per_step(pages_per_step: int, page_size: int, what: str) -> int:
     return pps
 
 
-def default_pages_per_step(page_size: int) -> int:
-    """DEFAULT_PAGES_PER_STEP, reduced for large pages so a default step stays within
+def default_pages_per_step(page_size: int, pages_per_step: int = DEFAULT_PAGES_PER_STEP) -> int:
+    """A default launch's pages per step, reduced for large pages so the step stays within
     MAX_KEYS_PER_STEP keys (an explicit pages_per_step is validated, never reduced)."""
-    pps = DEFAULT_PAGES_PER_STEP
+    pps = pages_per_step
     while pps > 1 and pps * page_size > MAX_KEYS_PER_STEP:
         pps //= 2
     return pps
@@ -310,11 +332,12 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
     once on the way out. Inputs are assumed validated by the public entry points (pages_per_step
     is checked here too, since the benchmarks call this directly)."""
     b, hkv, total, d = qr.shape
-    block = choose_block_rows(total, block_rows)
-    tiles = total // block
-    pps = check_pages_per_step(default_pages_per_step(page_size) if pages_per_step is None else pages_per_step,
-                               page_size, "prefix_decode")
     max_pages = page_table.shape[1]
+    launch = default_launch(b, hkv, total, max_pages)
+    block = choose_block_rows(total, launch.block_rows if block_rows is None else block_rows)
+    tiles = total // block
+    pps = check_pages_per_step(default_pages_per_step(page_size, launch.pages_per_step)
+                               if pages_per_step is None else pages_per_step, page_size, "prefix_decode")
     splits = num_splits or default_num_splits(b, hkv, tiles, max_pages)
     # Splits hold whole steps; a trailing split may then be empty (lse2 = -inf, dropped by the merge).
     steps_per_split = -(-(-(-max_pages // splits)) // pps)
@@ -329,7 +352,7 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
         _prefix_kernel, query_rows=query_rows, group=group, block_rows=block, page_size=page_size,
         pages_per_step=pps, steps_per_split=steps_per_split, scale2=float(scale) * LOG2E, sliding_window=sliding_window,
         dot_dtype=dot_dtype, fp8_score_dot=fp8_score_dot and fp8 and not interpret,
-        prefetch_page_ids=DEFAULT_PREFETCH_PAGE_IDS if prefetch_page_ids is None else bool(prefetch_page_ids))
+        prefetch_page_ids=launch.prefetch_page_ids if prefetch_page_ids is None else bool(prefetch_page_ids))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out_shape = (jax.ShapeDtypeStruct((splits, b, hkv, total, d), jnp.float32),
                  jax.ShapeDtypeStruct((splits, b, hkv, total), jnp.float32))
@@ -353,8 +376,8 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
         out_shape=out_shape,
         input_output_aliases=aliases,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or DEFAULT_NUM_WARPS,
-                                             num_stages=num_stages or DEFAULT_NUM_STAGES),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or launch.num_warps,
+                                             num_stages=num_stages or launch.num_stages),
         name="prefix_decode",
     )(*args)
     if splits > 1:
@@ -401,11 +424,11 @@ def prefix_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table
     `lengths [B] int32` -> `(out [B, R, Hq, D] f32, lse2 [B, R, Hq] f32)`.
     `scale` defaults to D^-1/2. `num_splits=None` picks a split of the key axis that fills the GPU.
     `block_rows`, `num_warps`, `num_stages` tune the compiled kernel; `pages_per_step` (a power of
-    two, at most MAX_KEYS_PER_STEP keys when > 1; None = `default_pages_per_step(page_size)`) groups pages into one
+    two, at most MAX_KEYS_PER_STEP keys when > 1) groups pages into one
     online-softmax step; `poison_outputs` fills the
     kernel's output buffers with NaN first (tests); `fp8_score_dot` uses an FP8 x FP8 score dot on GPU;
-    `prefetch_page_ids` (None = DEFAULT_PREFETCH_PAGE_IDS) reads each unmasked step's page ids one
-    step ahead.
+    `prefetch_page_ids` reads each unmasked step's page ids one step ahead. Every launch knob left
+    None comes from `default_launch` (WIDE_GRID_LAUNCH, or SPLIT_LAUNCH when the key axis is split).
     """
     check_paged_inputs(q, k_pool, v_pool, page_table, lengths, page_size, "prefix_decode")
     if v_pool.shape[-1] != q.shape[-1] or k_pool.shape[-1] != q.shape[-1]:
@@ -433,4 +456,5 @@ def prefix_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table
         prefetch_page_ids=prefetch_page_ids)
 
 
-__all__ = ["prefix_decode", "prefix_decode_row_layout", "merge_splits", "default_num_splits"]
+__all__ = ["prefix_decode", "prefix_decode_row_layout", "merge_splits", "default_num_splits", "default_launch",
+           "PrefixLaunch", "WIDE_GRID_LAUNCH", "SPLIT_LAUNCH"]
