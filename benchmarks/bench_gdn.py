@@ -1,17 +1,22 @@
 """GDN tree verify / commit on the GPU: compiled conformance first, then timing.
 
 Run: PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_gdn.py [--quick] [--no-fla] [--budget-s S]
+     [--configs 32x16,32x64,64x16] [--branch-slots 0,2]
 
 Conformance (compiled Pallas Triton vs the fp32 jnp references, fresh random inputs, NaN-poisoned
-outputs and workspaces): recurrent tree verify in staged and ReplaySSM modes, the chain kernel,
-the chunked tree form, the ReplaySSM commit, at small and Qwen3-Next dims.
+outputs and workspaces): recurrent tree verify in staged and ReplaySSM modes with 0 and 2 branch
+register slots (ReplaySSM writes the workspace at exactly the spilled branch points; the cases'
+random trees include ones that overflow the slots), the chain kernel, the chunked tree form, the
+ReplaySSM commit, at small and Qwen3-Next dims.
 
 Timing (Qwen3-Next dims H=16, HV=32, dk=dv=128, bf16 inputs, fp32 state; B in {1, 32, 64};
 trees of 8, 16, 64 nodes): each kernel runs 10 times inside one jitted function (buffers donated,
-so aliased outputs are updated in place); median over reps. Ratios are against our chain verify
-of the same node count measured in the same run, and against the state read (+ write) byte floor
-at the measured device copy bandwidth. flash-linear-attention's fused_recurrent chain (if the
-fla-core wheel was carried) is the outside reference.
+so aliased outputs are updated in place); median over reps. The tree kernels are timed once per
+`--branch-slots` entry (0 = every branch point through the workspace, the pre-slot path; 2 = the
+default), each against the chain verify of the same node count measured in the same run, and
+against the state read (+ write) byte floor at the measured device copy bandwidth.
+flash-linear-attention's fused_recurrent chain (if the fla-core wheel was carried) is the outside
+reference.
 """
 
 from __future__ import annotations
@@ -32,13 +37,16 @@ from benchmarks.timing import measure_copy_bandwidth
 from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit, pack_accepted_rows
-from pallas_kernels.linear.gdn_tree import GdnKernelConfig, branch_points, gdn_tree_verify
+from pallas_kernels.linear.gdn_common import GdnDims
+from pallas_kernels.linear.gdn_tree import (
+    GdnKernelConfig, branch_points, branch_slot_plan, gdn_tree_verify, pick_launch, spilled_rows)
 from treespec_jax.linear.gdn import GdnLayerConfig, GdnTree, gdn_commit_replay
 from treespec_jax.tree.masks import ancestor_mask
 
 QWEN = dict(H=16, HV=32, DK=128, DV=128)
 SMALL = dict(H=2, HV=4, DK=16, DV=16)
 INNER = 10  # kernel calls per timed jit call
+DEFAULT_CONFIGS = [(1, 8), (1, 16), (1, 64), (32, 8), (32, 16), (32, 64), (64, 8), (64, 16), (64, 64)]
 _T0 = time.time()  # this module's start, for its --budget-s
 
 
@@ -90,6 +98,10 @@ def width(d):
     return GdnPayloadLayout(d["H"], d["HV"], d["DK"], d["DV"]).width
 
 
+def dims_of(d, bsz, t):
+    return GdnDims(bsz, t, d["H"], d["HV"], d["DK"], d["DV"], bsz + 1)
+
+
 # ----------------------------------------------------------------------------------------------
 # Conformance
 # ----------------------------------------------------------------------------------------------
@@ -115,19 +127,30 @@ def conformance(quick: bool, only=None) -> bool:
         CONFORMANCE_LINES.append(f"- {line}")
         log(f"  {line}")
 
+    slot_rows = {"kept": 0, "spilled": 0}
     for i, case in enumerate(cases):
         try:
-            conformance_case(i, *case, tol[case[3]], rng, check)
+            conformance_case(i, *case, tol[case[3]], rng, check, slot_rows)
         except Exception as e:  # report and go on: one broken lowering must not hide the rest
             check(f"case {i} raised", False, repr(e)[:2000])
+    # Both slot paths ran compiled: branch points kept in a register slot and spilled ones.
+    check(f"slots={CONFORMANCE_SLOTS[-1]} exercised kept and spilled branch points", min(slot_rows.values()) > 0,
+          f"kept {slot_rows['kept']} spilled {slot_rows['spilled']}")
     return ok
 
 
-def conformance_case(i, d, bsz, t, dtype, tol, rng, check):
+CONFORMANCE_SLOTS = (0, 2)  # branch register slots checked compiled: none (pre-slot path) and the default
+
+
+def conformance_case(i, d, bsz, t, dtype, tol, rng, check, slot_rows):
     """One conformance case: every GDN kernel compiled vs the fp32 references."""
     x = inputs(jax.random.key(100 + i), bsz, t, d, dtype)
     args = args_of(x)
-    parents = jnp.asarray(random_tree(rng, bsz, t))
+    parents_np = random_tree(rng, bsz, t)
+    if i == 0:
+        # Request 0 nests 3 branch points (0 -> 1 -> 2 -> 3, each with a later child): 2 slots spill.
+        parents_np[0] = [-1, 0, 1, 2, 2, 1, 0] + list(range(6, t - 1))
+    parents = jnp.asarray(parents_np)
     nodes = jnp.full((bsz, t, d["HV"], d["DK"], d["DV"]), jnp.nan, jnp.float32)
     payload = jnp.full((bsz, t, width(d)), jnp.nan, dtype)
     tag = f"dims={d} B={bsz} T={t} {jnp.dtype(dtype).name}"
@@ -137,20 +160,39 @@ def conformance_case(i, d, bsz, t, dtype, tol, rng, check):
         ref = gdn_tree_verify(*args, parents, nodes, store="every_node", backend="reference")
         ref_chain = gdn_tree_verify(*args, None, nodes, store="every_node", backend="reference")
     pool_bits = np.asarray(x["state_pool"]).view(np.uint32).copy()
-    st = gdn_tree_verify(*args, parents, nodes, store="every_node", backend="pallas")
-    e1, e2 = rel_err(st.out, ref.out), rel_err(st.node_states, ref.node_states)
-    check("staged tree out/states", max(e1, e2) < tol, f"{e1:.2e} {e2:.2e}")
-    rp = gdn_tree_verify(*args, parents, nodes, store="branch_points", payload=payload, backend="pallas")
     br = np.asarray(branch_points(parents))
-    ws = np.asarray(rp.node_states)
-    e3 = rel_err(rp.out, ref.out)
-    e4 = rel_err(ws[br], np.asarray(ref.node_states)[br]) if br.any() else 0.0
-    check("replay tree out / branch rows", max(e3, e4) < tol, f"{e3:.2e} {e4:.2e}")
-    check("replay workspace non-branch rows untouched (NaN)", np.isnan(ws[~br]).all())
-    check("replay payload == [k|v|a|b]", np.array_equal(
-        np.asarray(rp.payload.astype(jnp.float32)),
-        np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
-    check("pool bitwise untouched by verify", np.array_equal(np.asarray(args[7]).view(np.uint32), pool_bits))
+    ref_states = np.asarray(ref.node_states)
+    for slots in CONFORMANCE_SLOTS:
+        cfg = GdnKernelConfig(branch_slots=slots)
+        launch = pick_launch(dims_of(d, bsz, t), cfg, branch_slots=slots)
+        st = gdn_tree_verify(*args, parents, nodes, store="every_node", config=cfg, backend="pallas")
+        e1, e2 = rel_err(st.out, ref.out), rel_err(st.node_states, ref.node_states)
+        check(f"slots={slots} staged tree out/states", max(e1, e2) < tol, f"{e1:.2e} {e2:.2e} launch {launch}")
+        plan = branch_slot_plan(parents, slots)
+        spill = np.asarray(spilled_rows(plan, slots))
+        rp = gdn_tree_verify(*args, parents, nodes, store="branch_points", payload=payload, plan=plan,
+                             config=cfg, backend="pallas")
+        ws = np.asarray(rp.node_states)
+        e3 = rel_err(rp.out, ref.out)
+        e4 = rel_err(ws[spill], ref_states[spill]) if spill.any() else 0.0
+        kept, spilled = int((br & ~spill).sum()), int(spill.sum())
+        if slots:
+            slot_rows["kept"] += kept
+            slot_rows["spilled"] += spilled
+        check(f"slots={slots} replay tree out / spilled rows", max(e3, e4) < tol,
+              f"{e3:.2e} {e4:.2e} (branch points {int(br.sum())}: {kept} in slots, {spilled} spilled)")
+        check(f"slots={slots} replay spilled rows are branch points" + (" (all of them)" if slots == 0 else ""),
+              not (spill & ~br).any() and (slots or np.array_equal(spill, br)))
+        check(f"slots={slots} replay workspace untouched (NaN) off the spilled rows", np.isnan(ws[~spill]).all())
+        same = np.array_equal(ws[spill].view(np.uint32), np.asarray(st.node_states)[spill].view(np.uint32))
+        line = f"INFO slots={slots} spilled rows bitwise == staged states: {same}"
+        CONFORMANCE_LINES.append(f"- {line}")
+        log(f"  {line}")
+        check(f"slots={slots} replay payload == [k|v|a|b]", np.array_equal(
+            np.asarray(rp.payload.astype(jnp.float32)),
+            np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
+        check(f"slots={slots} pool bitwise untouched by verify",
+              np.array_equal(np.asarray(args[7]).view(np.uint32), pool_bits))
     ch = gdn_tree_verify(*args, None, nodes, store="every_node", backend="pallas")
     e5 = rel_err(ch.out, ref_chain.out)
     check("chain kernel vs reference", e5 < tol, f"{e5:.2e}")
@@ -167,7 +209,6 @@ def conformance_case(i, d, bsz, t, dtype, tol, rng, check):
     packed = pack_accepted_rows(rp.payload, path, acc)
     new_pool = gdn_replay_commit(x["state_pool"], x["state_slots"], packed, acc, x["A_log"],
                                  x["dt_bias"], num_k_heads=d["H"], head_k_dim=d["DK"], backend="pallas")
-    ref_states = np.asarray(ref.node_states)
     errs, untouched = [], True
     slots = np.asarray(x["state_slots"])
     for b in range(bsz):
@@ -188,7 +229,12 @@ def time_step(step, carry):
     return timing.time_step(step, carry, inner=INNER, reps=7)
 
 
-def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None):
+def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, slots_list=(0, 2)):
+    """Times one (B, T): the chains once, the tree kernels once per branch-slot count in `slots_list`.
+
+    Tree timings are keyed `tree_replay_rec@<slots>` / `tree_staged@<slots>`; `launch@<slots>` is the
+    (block_v, warps, stages) each ran with.
+    """
     d = QWEN
     dtype = jnp.bfloat16
     x = inputs(jax.random.key(bsz * 1000 + t), bsz, t, d, dtype)
@@ -196,14 +242,17 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None):
     parents = jnp.asarray(random_tree(rng, bsz, t))
     # The tree's kernel-facing forms are built once per step and shared by every layer.
     tree = jax.block_until_ready(GdnTree.from_parents(parents))
-    kcfg = GdnKernelConfig(*launch) if launch else GdnKernelConfig()
+    plans = {s: jax.block_until_ready(branch_slot_plan(parents, s)) for s in slots_list}
+    knobs = tuple(launch) if launch else ()
     ccfg = GdnKernelConfig(*chunked_launch) if chunked_launch else GdnKernelConfig()
     nodes = jnp.zeros((bsz, t, d["HV"], d["DK"], d["DV"]), jnp.float32)
     payload = jnp.zeros((bsz, t, width(d)), dtype)
     out0 = jnp.zeros(x["v"].shape, dtype)
     res = {}
 
-    def verify_step(is_tree, store, chunked=False):
+    def verify_step(is_tree, store, chunked=False, slots=0):
+        kcfg = GdnKernelConfig(*knobs, branch_slots=slots)
+
         def step(c):
             ns, pl_, _ = c
             if chunked:
@@ -211,29 +260,39 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None):
                 return ns, pl_, o
             r = gdn_tree_verify(*args, parents if is_tree else None, ns, store=store,
                                 payload=pl_ if store == "branch_points" else None,
-                                branch=tree.branch if is_tree else None, config=kcfg)
+                                plan=plans[slots] if is_tree else None, config=kcfg)
             return r.node_states, (r.payload if r.payload is not None else pl_), r.out
         return step
 
     carry = (nodes, payload, out0)
-    kernels = [("chain_replay", False, "branch_points", False),
-               ("tree_replay_rec", True, "branch_points", False),
-               ("chain_staged", False, "every_node", False),
-               ("tree_staged", True, "every_node", False)]
-    for name, is_tree, store, chunked in kernels[: 2 if sweep else 4]:
+    kernels = [("chain_replay", False, "branch_points", None)]
+    kernels += [(f"tree_replay_rec@{s}", True, "branch_points", s) for s in slots_list]
+    if not sweep:
+        kernels += [("chain_staged", False, "every_node", None)]
+        kernels += [(f"tree_staged@{s}", True, "every_node", s) for s in slots_list]
+    for name, is_tree, store, slots in kernels:
         if sweep == "chunked":
             break
         t0 = time.time()
-        res[name], carry = time_step(verify_step(is_tree, store), carry)
+        res[name], carry = time_step(verify_step(is_tree, store, slots=slots or 0), carry)
+        if is_tree:
+            res[f"launch@{slots}"] = pick_launch(dims_of(d, bsz, t), GdnKernelConfig(*knobs, branch_slots=slots),
+                                                 branch_slots=slots)
         log(f"    {name} {res[name]*1e6:.1f}us (compile+time {time.time() - t0:.1f}s)")
+    if sweep != "chunked":
+        res["launch_chain"] = pick_launch(dims_of(d, bsz, t), GdnKernelConfig(*knobs))
     if t <= 16:
         res["tree_chunked"], carry = time_step(verify_step(True, None, chunked=True), carry)
+    br = np.asarray(branch_points(parents))
+    res["branch_frac"] = float(br.sum()) / (bsz * t)
+    for s in slots_list:
+        res[f"spill_frac@{s}"] = float(np.asarray(spilled_rows(plans[s], s)).sum()) / (bsz * t)
     if sweep:
         return res
     # ReplaySSM commit along the greedy-first path (row move + replay).
     path_np, acc_np = random_path(rng, np.asarray(parents))
     path, acc = jnp.asarray(path_np), jnp.asarray(acc_np)
-    cfg = GdnLayerConfig(d["H"], d["HV"], d["DK"], d["DV"], kernel=kcfg)
+    cfg = GdnLayerConfig(d["H"], d["HV"], d["DK"], d["DV"], kernel=GdnKernelConfig(*knobs))
 
     def commit_step(c):
         pool, pl_ = c
@@ -243,8 +302,6 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None):
     state_bytes = bsz * d["HV"] * d["DK"] * d["DV"] * 4
     res["floor_rw"] = 2 * state_bytes / bw
     res["floor_r"] = state_bytes / bw
-    nbranch = float(np.asarray(branch_points(parents)).sum()) / bsz
-    res["branch_frac"] = nbranch / t
     res["accept_mean"] = float(acc_np.mean())
     return res
 
@@ -253,7 +310,21 @@ def parse_launch(text):
     return [tuple(int(v) for v in item.split(":")) for item in text.split(",") if item]
 
 
-def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep_chunked, sweep_at):
+def parse_slots(text):
+    slots = [int(v) for v in text.split(",") if v != ""]
+    if not slots:
+        raise ValueError(f"--branch-slots needs at least one slot count, got {text!r}")
+    for s in slots:
+        GdnKernelConfig(branch_slots=s)  # refuses a count outside 0..MAX_BRANCH_SLOTS by name
+    return list(dict.fromkeys(slots))
+
+
+def _us(r, key):
+    return f"{r[key]*1e6:.1f}" if key in r else "-"
+
+
+def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep_chunked, sweep_at,
+          slots_list=(0, 2)):
     bw = measure_copy_bandwidth()
     log(f"device copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
     rng = np.random.default_rng(1)
@@ -261,23 +332,23 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
     state_node = d["HV"] * d["DK"] * d["DV"] * 4
     payload_node = width(d) * 2
     rows = []
-    if quick:
-        configs = [(1, 16), (32, 16)]
+    if configs is None:
+        configs = [(1, 16), (32, 16)] if quick else DEFAULT_CONFIGS
     for bsz, t in configs:
         if time.time() - _T0 > budget_s:
             log(f"budget reached; skipping B={bsz} T={t}")
             continue
         try:
-            r = bench_case(bsz, t, rng, bw)
+            r = bench_case(bsz, t, rng, bw, slots_list=slots_list)
         except Exception as e:
             log(f"B={bsz} T={t} raised {e!r}"[:3000])
             continue
-        tree_best = min(r["tree_replay_rec"], r.get("tree_chunked", float("inf")))
-        rows.append((bsz, t, r, tree_best))
-        log(f"B={bsz:3d} T={t:3d} chain_replay {r['chain_replay']*1e6:8.1f}us tree_replay(rec) "
-            f"{r['tree_replay_rec']*1e6:8.1f}us chunked {r.get('tree_chunked', float('nan'))*1e6:8.1f}us "
-            f"chain_staged {r['chain_staged']*1e6:8.1f}us tree_staged {r['tree_staged']*1e6:8.1f}us "
-            f"commit {r['replay_commit']*1e6:7.1f}us floor_rw {r['floor_rw']*1e6:6.1f}us")
+        rows.append((bsz, t, r))
+        for s in slots_list:
+            log(f"B={bsz:3d} T={t:3d} slots={s} chain_replay {_us(r, 'chain_replay')}us tree_replay(rec) "
+                f"{_us(r, f'tree_replay_rec@{s}')}us ({r[f'tree_replay_rec@{s}'] / r['chain_replay']:.2f}x) "
+                f"chunked {_us(r, 'tree_chunked')}us chain_staged {_us(r, 'chain_staged')}us tree_staged "
+                f"{_us(r, f'tree_staged@{s}')}us commit {_us(r, 'replay_commit')}us floor_rw {_us(r, 'floor_rw')}us")
     fla = fla_reference(bw) if use_fla else {}
     sweep = []
     for bsz, t in sweep_at:
@@ -287,37 +358,49 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
                     break
                 try:
                     if kind == "recurrent":
-                        r = bench_case(bsz, t, rng, bw, launch=launch, sweep=True)
+                        r = bench_case(bsz, t, rng, bw, launch=launch, sweep=True, slots_list=slots_list)
                     else:
-                        r = bench_case(bsz, t, rng, bw, chunked_launch=launch, sweep="chunked")
+                        r = bench_case(bsz, t, rng, bw, chunked_launch=launch, sweep="chunked",
+                                       slots_list=slots_list)
                 except Exception as e:
                     log(f"sweep {kind} B={bsz} T={t} launch={launch} raised {e!r}"[:2000])
                     continue
                 sweep.append((bsz, t, kind, launch, r))
                 log(f"sweep {kind} B={bsz} T={t} (block_v, warps, stages)={launch}: "
-                    + " ".join(f"{k} {v*1e6:.1f}us" for k, v in r.items()))
+                    + " ".join(f"{k} {v*1e6:.1f}us" for k, v in r.items() if isinstance(v, float) and k.startswith(("chain", "tree"))))
 
     md = []
     md.append("\n### GDN tree verify, Qwen3-Next dims (H=16, HV=32, dk=dv=128), bf16 in, fp32 state")
-    md.append(f"copy bandwidth {bw/1e12:.2f} TB/s; times are medians (us); ratios vs our chain verify")
-    md.append("| B | T | chain (ReplaySSM) | tree ReplaySSM recurrent (default) | tree/chain | chunked form (opt-in) "
-          "| staged chain | staged tree | staged tree/chain | floor r+w | chain/floor_r | commit (move+replay) "
-          "| staged B/node | ReplaySSM B/node (recurrent) |")
-    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for bsz, t, r, _ in rows:
-        replay_b = r["branch_frac"] * state_node + payload_node
-        md.append(f"| {bsz} | {t} | {r['chain_replay']*1e6:.1f} | {r['tree_replay_rec']*1e6:.1f} "
-              f"| {r['tree_replay_rec'] / r['chain_replay']:.2f}x | {r.get('tree_chunked', float('nan'))*1e6:.1f} "
-              f"| {r['chain_staged']*1e6:.1f} | {r['tree_staged']*1e6:.1f} "
-              f"| {r['tree_staged'] / r['chain_staged']:.2f}x | {r['floor_rw']*1e6:.1f} "
-              f"| {r['chain_replay'] / r['floor_r']:.1f}x | {r['replay_commit']*1e6:.1f} (acc {r['accept_mean']:.1f}) "
-              f"| {state_node/1024:.0f} KiB | {replay_b/1024:.1f} KiB |")
+    md.append(f"copy bandwidth {bw/1e12:.2f} TB/s; times are medians (us); ratios vs our chain verify of the "
+              "same run. `slots` = branch register slots of the tree kernels (0: every branch point goes "
+              "through the workspace, the pre-slot path; the chain carries none); launch = (block_v, warps, "
+              "stages) of the tree kernel (chain's in the chain column's parentheses).")
+    md.append("| B | T | slots | tree launch | chain (ReplaySSM) | tree ReplaySSM recurrent | tree/chain "
+              "| branch / spilled nodes | chunked form (opt-in) | staged chain | staged tree | staged tree/chain "
+              "| floor r+w | chain/floor_r | commit (move+replay) | staged B/node | ReplaySSM B/node (recurrent) |")
+    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for bsz, t, r in rows:
+        for s in slots_list:
+            replay_b = r[f"spill_frac@{s}"] * state_node + payload_node
+            tree_rec = r[f"tree_replay_rec@{s}"]
+            md.append(
+                f"| {bsz} | {t} | {s} | {r[f'launch@{s}']} | {_us(r, 'chain_replay')} {r['launch_chain']} "
+                f"| {tree_rec*1e6:.1f} | {tree_rec / r['chain_replay']:.2f}x "
+                f"| {r['branch_frac']:.0%} / {r[f'spill_frac@{s}']:.0%} | {_us(r, 'tree_chunked')} "
+                f"| {_us(r, 'chain_staged')} | {_us(r, f'tree_staged@{s}')} "
+                f"| {r[f'tree_staged@{s}'] / r['chain_staged']:.2f}x | {_us(r, 'floor_rw')} "
+                f"| {r['chain_replay'] / r['floor_r']:.1f}x | {_us(r, 'replay_commit')} (acc {r['accept_mean']:.1f}) "
+                f"| {state_node/1024:.0f} KiB | {replay_b/1024:.1f} KiB |")
     if sweep:
-        md.append("\n| B | T | kernel | (block_v, warps, stages) | chain (us) | tree recurrent (us) | chunked (us) |")
-        md.append("|---|---|---|---|---|---|---|")
+        md.append("\n| B | T | kernel | (block_v, warps, stages) | slots | chain (us) | tree recurrent (us) "
+                  "| tree/chain | chunked (us) |")
+        md.append("|---|---|---|---|---|---|---|---|---|")
         for bsz, t, kind, launch, r in sweep:
-            md.append(f"| {bsz} | {t} | {kind} | {launch} | {r.get('chain_replay', float('nan'))*1e6:.1f} "
-                  f"| {r.get('tree_replay_rec', float('nan'))*1e6:.1f} | {r.get('tree_chunked', float('nan'))*1e6:.1f} |")
+            for s in (slots_list if kind == "recurrent" else [None]):
+                tree = r.get(f"tree_replay_rec@{s}", float("nan"))
+                chain = r.get("chain_replay", float("nan"))
+                md.append(f"| {bsz} | {t} | {kind} | {launch} | {'-' if s is None else s} | {chain*1e6:.1f} "
+                          f"| {tree*1e6:.1f} | {tree / chain:.2f}x | {r.get('tree_chunked', float('nan'))*1e6:.1f} |")
     if fla:
         md.append("\n| fla fused_recurrent chain, T=16 | us |")
         md.append("|---|---|")
@@ -364,13 +447,18 @@ def fla_reference(bw):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="two conformance cases, two timing configs")
+    p.add_argument("--quick", action="store_true",
+                   help="two conformance cases; timing at 1x16 and 32x16 unless --configs is given")
     p.add_argument("--no-fla", action="store_true", help="skip the flash-linear-attention reference")
     p.add_argument("--budget-s", type=float, default=200.0, help="stop starting new timing configs after this")
     p.add_argument("--skip-conformance", action="store_true")
     p.add_argument("--conformance-cases", default=None, help="comma list of case indices to run (default all)")
-    p.add_argument("--configs", default="1x8,1x16,1x64,32x8,32x16,32x64,64x8,64x16,64x64",
-                   help="BxT timing configs")
+    p.add_argument("--configs", default=None,
+                   help="BxT timing configs (default " + ",".join(f"{b}x{t}" for b, t in DEFAULT_CONFIGS)
+                   + "; --quick: 1x16,32x16); an explicit list wins over --quick")
+    p.add_argument("--branch-slots", default="0,2",
+                   help="branch register slot counts the tree kernels are timed with, each against the "
+                        "chain of the same run (0 = the pre-slot workspace path)")
     p.add_argument("--sweep-recurrent", default="", help="block_v:warps:stages,... for the recurrent kernels")
     p.add_argument("--sweep-chunked", default="", help="block_v:warps:stages,... for the chunked form")
     p.add_argument("--sweep-at", default="32x16", help="BxT configs the sweeps run at")
@@ -382,14 +470,16 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     globals()["INNER"] = a.inner
     bxt = lambda text: [tuple(int(v) for v in c.split("x")) for c in text.split(",") if c]
+    slots_list = parse_slots(a.branch_slots)  # bad values are refused before any GPU work
+    configs = None if a.configs is None else bxt(a.configs)
     log(f"jax {jax.__version__} devices {jax.devices()}")
     ok = True
     if not a.skip_conformance:
         only = None if a.conformance_cases is None else [int(i) for i in a.conformance_cases.split(",")]
         ok = conformance(a.quick, only)
         log(f"conformance: {'PASS' if ok else 'FAIL'}")
-    tables = bench(a.quick, a.budget_s, not a.no_fla, bxt(a.configs), parse_launch(a.sweep_recurrent),
-                   parse_launch(a.sweep_chunked), bxt(a.sweep_at))
+    tables = bench(a.quick, a.budget_s, not a.no_fla, configs, parse_launch(a.sweep_recurrent),
+                   parse_launch(a.sweep_chunked), bxt(a.sweep_at), slots_list)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmd = "python3 benchmarks/bench_gdn.py " + " ".join(argv if argv is not None else sys.argv[1:])
     md = (f"\n## GDN tree verify and commits (bench_gdn.py), {stamp}\n\n"

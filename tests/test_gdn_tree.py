@@ -9,7 +9,10 @@ from gdn_numpy import B, DK, DV, H, HV, branch_rows, chain, per_path_numpy, rand
 from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
-from pallas_kernels.linear.gdn_tree import GdnKernelConfig, branch_points, gdn_tree_verify
+from pallas_kernels.linear.branch_slots import DEFAULT_BRANCH_SLOTS, MAX_BRANCH_SLOTS, branch_slot_plan
+from pallas_kernels.linear.gdn_common import GdnDims
+from pallas_kernels.linear.gdn_tree import (
+    MAX_LIVE_STATE_ELEMENTS, GdnKernelConfig, branch_points, gdn_tree_verify, pick_launch, spilled_rows)
 from treespec_jax.linear.gdn import (
     GDN_TREE_VERIFY_CHUNKED_MAX_NODES, GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GdnLayerConfig, GdnTree, gdn_verify,
     parents_from_ancestor_mask, verify_kernel_for)
@@ -35,36 +38,84 @@ def _bits(x):
     return np.asarray(x).view(np.uint32)
 
 
-@pytest.mark.parametrize("t, l2", [(1, True), (6, False), (14, True), (33, False), (64, True)])
-def test_recurrent_tree_staged_and_replay(t, l2):
+def _check_replay_workspace(ws, parents, plan, slots, ref_states, staged_states):
+    """Workspace rows: the state at exactly the spilled branch points, NaN poison everywhere else."""
+    spill = np.asarray(spilled_rows(plan, slots))
+    branch = branch_rows(parents)
+    assert not (spill & ~branch).any(), "a non-branch node was stored"
+    if slots == 0:
+        np.testing.assert_array_equal(spill, branch)  # no slots: every branch point is stored
+    assert np.isnan(ws[~spill]).all()
+    if spill.any():
+        assert rel_err(ws[spill], ref_states[spill]) < TOL
+        np.testing.assert_array_equal(_bits(ws[spill]), _bits(np.asarray(staged_states)[spill]))
+    return spill
+
+
+# slots 0 (every branch point to the workspace), 1 (random trees overflow it) and 2 (the default).
+@pytest.mark.parametrize("t, l2, slots", [(1, True, 2), (6, False, 0), (14, True, 2), (33, False, 1),
+                                          (64, True, 2)])
+def test_recurrent_tree_staged_and_replay(t, l2, slots):
     rng = np.random.default_rng(100 + t)
     x = random_inputs(rng, B, t)
     parents = random_tree(rng, B, t)
     ref_out, ref_states = per_path_numpy(x, parents, use_qk_l2norm=l2)
     args = _args(x)
     pool_before = _bits(x["state_pool"]).copy()
+    plan = branch_slot_plan(jnp.asarray(parents), slots)
 
     staged = gdn_tree_verify(*args, jnp.asarray(parents), _nan_states(t), store="every_node",
-                             use_qk_l2norm=l2, backend="interpret")
+                             use_qk_l2norm=l2, config=GdnKernelConfig(branch_slots=slots),
+                             backend="interpret")
     assert rel_err(staged.out, ref_out) < TOL
     assert rel_err(staged.node_states, ref_states) < TOL  # every scratch row written (NaN fails)
 
     # ReplaySSM here runs with dv split into two tiles of 8 columns (one program each).
     replay = gdn_tree_verify(*args, jnp.asarray(parents), _nan_states(t), store="branch_points",
-                             payload=_nan_payload(t), use_qk_l2norm=l2, config=GdnKernelConfig(block_v=8),
-                             backend="interpret")
+                             payload=_nan_payload(t), plan=plan, use_qk_l2norm=l2,
+                             config=GdnKernelConfig(block_v=8, branch_slots=slots), backend="interpret")
+    assert rel_err(replay.out, ref_out) < TOL
     assert rel_err(replay.out, staged.out) < 1e-6
     # The committed pool is only read.
     np.testing.assert_array_equal(_bits(args[7]), pool_before)
-    # The workspace holds exactly the branch points; every other row keeps its NaN poison.
-    ws = np.asarray(replay.node_states)
-    branch = branch_rows(parents)
-    assert np.isnan(ws[~branch]).all()
-    if branch.any():
-        assert rel_err(ws[branch], ref_states[branch]) < TOL
-    np.testing.assert_array_equal(np.asarray(branch_points(jnp.asarray(parents))), branch)
+    spill = _check_replay_workspace(np.asarray(replay.node_states), parents, plan, slots, ref_states,
+                                    staged.node_states)
+    if t >= 33:
+        assert spill.any() and (spill != branch_rows(parents)).any()  # some kept, some spilled
+    np.testing.assert_array_equal(np.asarray(branch_points(jnp.asarray(parents))), branch_rows(parents))
     # Payload rows are the inputs as read.
     np.testing.assert_array_equal(np.asarray(replay.payload), np.asarray(pack_payload(*args[1:5])))
+
+
+def test_branch_slots_keep_the_workspace_empty_and_spill_when_short():
+    """Trees with at most 2 branch points alive at once: 2 slots hold all of them (the workspace stays
+    NaN, so a kernel that read it would fail), 1 slot spills some, and a plan made for more slots than
+    the launch carries (or fewer) still verifies exactly."""
+    t = 14
+    rng = np.random.default_rng(21)
+    x = random_inputs(rng, B, t)
+    # Request 0: branch points 0 (children 1, 6, 12), 1 (2, 4), 6 (7, 9). Request 1: 0 (1, 5, 9), 6 (7, 12).
+    parents = np.array([[-1, 0, 1, 2, 1, 4, 0, 6, 7, 6, 9, 10, 0, 12],
+                        [-1, 0, 1, 2, 3, 0, 5, 6, 7, 0, 9, 10, 6, 12]], np.int32)
+    ref_out, ref_states = per_path_numpy(x, parents, use_qk_l2norm=True)
+    args = _args(x)
+    p = jnp.asarray(parents)
+    staged = gdn_tree_verify(*args, p, _nan_states(t), store="every_node", backend="interpret")
+    for plan_slots, launch_slots in ((2, 2), (1, 1), (4, 1), (0, 2)):
+        plan = branch_slot_plan(p, plan_slots)
+        res = gdn_tree_verify(*args, p, _nan_states(t), store="branch_points", plan=plan,
+                              config=GdnKernelConfig(branch_slots=launch_slots), backend="interpret")
+        assert rel_err(res.out, ref_out) < TOL, (plan_slots, launch_slots)
+        spill = _check_replay_workspace(np.asarray(res.node_states), parents, plan, launch_slots,
+                                        ref_states, staged.node_states)
+        if (plan_slots, launch_slots) == (2, 2):
+            assert not spill.any() and branch_rows(parents).sum() == 5
+        if (plan_slots, launch_slots) in ((1, 1), (4, 1)):
+            assert spill.any() and (spill != branch_rows(parents)).any()
+        if (plan_slots, launch_slots) == (4, 1):  # the reference writes the same rows
+            ref = gdn_tree_verify(*args, p, _nan_states(t), store="branch_points", plan=plan,
+                                  config=GdnKernelConfig(branch_slots=launch_slots), backend="reference")
+            np.testing.assert_array_equal(np.isnan(np.asarray(ref.node_states)).any(axis=(2, 3, 4)), ~spill)
 
 
 def test_chain_as_parents_equals_chain_kernel():
@@ -145,6 +196,30 @@ def test_layer_verify_dispatch_and_modes_agree():
     assert np.isnan(np.asarray(replay.node_states)).all()  # the chunked form keeps no node states
 
 
+def test_layer_glue_shares_one_plan_across_slot_counts():
+    """`GdnTree` computes the branch-slot plan once per step; a layer launched with 0 slots on it and
+    one with 2 slots on a plan-less tree both verify exactly and write only their spilled rows."""
+    t = 14
+    rng = np.random.default_rng(12)
+    x = random_inputs(rng, B, t)
+    parents = random_tree(rng, B, t)
+    ref_out, ref_states = per_path_numpy(x, parents, use_qk_l2norm=True)
+    tree = GdnTree.from_parents(jnp.asarray(parents))
+    assert tree.plan is not None
+    np.testing.assert_array_equal(np.asarray(tree.plan.save_slot),
+                                  np.asarray(branch_slot_plan(jnp.asarray(parents), DEFAULT_BRANCH_SLOTS).save_slot))
+    for slots, tr in ((0, tree), (2, tree._replace(plan=None))):
+        cfg = GdnLayerConfig(H, HV, DK, DV, kernel=GdnKernelConfig(branch_slots=slots))
+        res = gdn_verify(cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tr,
+                         backend="interpret")
+        assert rel_err(res.out, ref_out) < TOL
+        spill = np.asarray(spilled_rows(tree.plan, slots))
+        ws = np.asarray(res.node_states)
+        assert np.isnan(ws[~spill]).all() and rel_err(ws[spill], ref_states[spill]) < TOL
+        if slots == 0:
+            np.testing.assert_array_equal(spill, branch_rows(parents))
+
+
 def test_parents_from_ancestor_mask_64_nodes():
     rng = np.random.default_rng(3)
     parents = random_tree(rng, B, 64)
@@ -202,3 +277,84 @@ def test_bad_inputs_are_named():
                    tree=GdnTree.from_parents(parents))
     with pytest.raises(ValueError, match="'eager'"):
         GdnLayerConfig(H, HV, DK, DV, mode="eager")
+
+
+def test_pick_launch_budgets_branch_slots():
+    """Slots shrink the default dv tile so (1 + slots) x dk x block_v stays within the live-state
+    budget; an explicit config wins; nonsense values are refused by name."""
+    qwen = lambda batch: GdnDims(batch, 16, 16, 32, 128, 128, batch + 1)  # noqa: E731
+    assert pick_launch(qwen(32), None) == (128, 8, 1)  # chain / zero slots: as before slots
+    assert pick_launch(qwen(32), None, branch_slots=2) == (32, 4, 1)
+    assert pick_launch(qwen(32), None, branch_slots=1) == (64, 8, 1)
+    assert pick_launch(qwen(1), None, branch_slots=2) == (32, 4, 1)
+    for slots in range(MAX_BRANCH_SLOTS + 1):
+        block_v, _, _ = pick_launch(qwen(64), None, branch_slots=slots)
+        assert (1 + slots) * 128 * block_v <= MAX_LIVE_STATE_ELEMENTS
+    assert pick_launch(qwen(32), GdnKernelConfig(block_v=128, num_warps=2, branch_slots=2),
+                       branch_slots=2) == (128, 2, 1)
+    assert GdnKernelConfig().resolved_branch_slots == DEFAULT_BRANCH_SLOTS
+    assert GdnKernelConfig(branch_slots=0).resolved_branch_slots == 0
+    for bad in (-1, MAX_BRANCH_SLOTS + 1, 1.5, True):
+        with pytest.raises(ValueError, match="branch_slots|branch slots"):
+            GdnKernelConfig(branch_slots=bad)
+    for field, bad in (("block_v", 0), ("num_warps", -4), ("num_stages", 0), ("num_warps", 2.0)):
+        with pytest.raises(ValueError, match=f"{field}="):
+            GdnKernelConfig(**{field: bad})
+    with pytest.raises(ValueError, match="num_warps=64"):
+        pick_launch(qwen(32), GdnKernelConfig(num_warps=64))
+    with pytest.raises(ValueError, match="num_warps=3"):
+        pick_launch(qwen(32), GdnKernelConfig(num_warps=3))
+
+
+def test_plan_inputs_are_checked():
+    t = 6
+    rng = np.random.default_rng(4)
+    x = random_inputs(rng, B, t)
+    args = _args(x)
+    parents = jnp.asarray(random_tree(rng, B, t))
+    plan = branch_slot_plan(parents, 2)
+    with pytest.raises(ValueError, match="plan.load_slot must be"):
+        gdn_tree_verify(*args, parents, _nan_states(t), store="branch_points",
+                        plan=plan._replace(load_slot=plan.load_slot[:, :3]), backend="interpret")
+    with pytest.raises(ValueError, match="plan was given for a chain"):
+        gdn_tree_verify(*args, None, _nan_states(t), store="branch_points", plan=plan, backend="interpret")
+    with pytest.raises(ValueError, match="BranchSlotPlan"):
+        gdn_tree_verify(*args, parents, _nan_states(t), store="branch_points", plan=tuple(plan)[:2],
+                        backend="interpret")
+
+
+def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
+    """Qwen3-Next dims lower Pallas -> Triton IR with 0 and 2 branch slots, in both store modes and as
+    a chain (no GPU needed; compiling to PTX and running is benchmarks/bench_gdn.py's conformance)."""
+    import jax
+    import jax._src.pallas.triton.pallas_call_registration as reg
+
+    import pallas_kernels.common as common
+
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: reg.gpu_info_lib.GpuInfo(
+        gpu_version=None, arch_name="sm_90", compute_capability=90))
+    monkeypatch.setattr(common, "on_gpu", lambda: True)
+    sd = jax.ShapeDtypeStruct
+    bsz, t, h, hv, dk, dv = 4, 16, 16, 32, 128, 128
+    width = GdnPayloadLayout(h, hv, dk, dv).width
+    ins = (sd((bsz, t, h, dk), jnp.bfloat16), sd((bsz, t, h, dk), jnp.bfloat16), sd((bsz, t, hv, dv), jnp.bfloat16),
+           sd((bsz, t, hv), jnp.bfloat16), sd((bsz, t, hv), jnp.bfloat16), sd((hv,), jnp.float32),
+           sd((hv,), jnp.float32), sd((bsz + 1, hv, dk, dv), jnp.float32), sd((bsz,), jnp.int32))
+    nodes = sd((bsz, t, hv, dk, dv), jnp.float32)
+    for slots, store, tree in ((2, "branch_points", True), (0, "branch_points", True), (2, "every_node", True),
+                               (2, "branch_points", False)):
+        cfg = GdnKernelConfig(branch_slots=slots)
+
+        def fn(*a):
+            parents = branch_slot_plan_input = None
+            if tree:
+                parents = a[9]
+                branch_slot_plan_input = branch_slot_plan(parents, slots)
+            pay = a[11] if store == "branch_points" else None
+            return gdn_tree_verify(*a[:9], parents, a[10], store=store, payload=pay,
+                                   plan=branch_slot_plan_input, config=cfg)
+
+        text = jax.jit(fn, donate_argnums=(10, 11)).trace(
+            *ins, sd((bsz, t), jnp.int32), nodes, sd((bsz, t, width), jnp.bfloat16)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text and "gdn_tree_verify" in text, (slots, store, tree)
