@@ -117,7 +117,7 @@ def _softplus(v):
     return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
 
 
-def _scan_kernel(*refs, T, TP, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, layout, unroll):
+def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, layout, unroll):
     refs = list(refs)
     parents_ref = depth_ref = paths_ref = save_ref = load_ref = None
     if tree:
@@ -155,22 +155,6 @@ def _scan_kernel(*refs, T, TP, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, l
                     mask=tmask & live, other=0.0).astype(jnp.float32)
 
     new_path = tree and (walk == "precomputed" or K > 0)
-    if new_path:
-        # The request's per-node plan, loaded once as [TP] vectors; a node picks its entry with a
-        # masked sum, so no node waits on a dependent scalar load before choosing its start state.
-        node_ids = jnp.arange(TP, dtype=jnp.int32)
-        in_window = node_ids < T
-
-        def vec(ref):
-            return plgpu.load(ref.at[b, pl.ds(0, TP)], mask=in_window, other=-1)
-
-        def pick(v, t):
-            return jnp.sum(jnp.where(node_ids == t, v, 0))
-
-        parents_vec = vec(parents_ref)
-        depth_vec = vec(depth_ref) if walk == "precomputed" else None
-        save_vec = vec(save_ref) if K else None
-        load_vec = vec(load_ref) if K else None
 
     def node_terms(s):
         """Decay, rank-1 input term and raw inputs of node s."""
@@ -201,7 +185,7 @@ def _scan_kernel(*refs, T, TP, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, l
         """State after node p (0 <= p < t) replayed from h0 along the precomputed root path."""
         if walk == "parents":
             return rebuild_by_parents(p, t)
-        steps = jnp.clip(pick(depth_vec, p), 0, p) + 1  # a path to p holds at most p + 1 nodes
+        steps = jnp.clip(depth_ref[b, p], 0, p) + 1  # a path to p holds at most p + 1 nodes
 
         def body(d, st):
             s = jnp.clip(paths_ref[b, p, d], 0, p)
@@ -215,11 +199,13 @@ def _scan_kernel(*refs, T, TP, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, l
         if not new_path:  # the earlier kernel, unchanged
             p = parents_ref[b, t]
             return lax.cond(p == t - 1, lambda: state, lambda: rebuild_by_parents(p, t))
-        p = pick(parents_vec, t)
+        # Plan entries are scalar loads at (b, t): their addresses never depend on the state, and a
+        # request's row of each table sits in one cache line after the first node.
+        p = parents_ref[b, t]
         branch = p != t - 1
         replay = branch & (p >= 0)
         if K:
-            ls = pick(load_vec, t)
+            ls = load_ref[b, t]
             from_slot = (p >= 0) & (ls >= 0) & (ls < K)  # slot ids past this kernel's K replay
             slot_state = kept[0]
             for i in range(1, K):
@@ -236,7 +222,7 @@ def _scan_kernel(*refs, T, TP, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, l
         a, u, x_raw, b_raw, dt_raw = node_terms(t)
         state = a * state + u
         if K:
-            sv = pick(save_vec, t)
+            sv = save_ref[b, t]
             kept = tuple(jnp.where(sv == i, state, kept[i]) for i in range(K))
         c_t = plgpu.load(c_ref.at[b, t, g, pl.ds(0, NP)], mask=nmask, other=0.0).astype(jnp.float32)
         y = jnp.sum(state * c_t[None, :], axis=1) + d_skip * x_raw.astype(jnp.float32)
@@ -394,7 +380,7 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
         aliases = {len(inputs): 1}
         inputs.append(side)
         out_shape.append(jax.ShapeDtypeStruct(side.shape, side.dtype))
-    kernel = functools.partial(_scan_kernel, T=T, TP=next_pow2(T), H=H, P=P, N=N, G=G, BP=BP, NP=NP, tree=tree,
+    kernel = functools.partial(_scan_kernel, T=T, H=H, P=P, N=N, G=G, BP=BP, NP=NP, tree=tree,
                                walk=walk, K=K, has_z=z is not None, mode=mode, layout=layout, unroll=bool(unroll))
     outs = pl.pallas_call(
         kernel,
