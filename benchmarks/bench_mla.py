@@ -56,8 +56,9 @@ LAYERS = 32
 # Decode tilings tried; each that compiles and conforms is timed.
 DECODE_CONFIGS = (
     MlaDecodeConfig(),  # the defaults (block_k by cache dtype, FP8 score dot)
-    MlaDecodeConfig(block_q=64, block_k=64, num_warps=8, num_stages=2),
-    MlaDecodeConfig(block_q=32, block_k=32, num_warps=4, num_stages=2),
+    MlaDecodeConfig(num_stages=3, prefetch_page_ids=True),
+    MlaDecodeConfig(prefetch_page_ids=True),
+    MlaDecodeConfig(block_q=64, block_k=64, num_warps=8, num_stages=3, prefetch_page_ids=True),
 )
 
 
@@ -178,7 +179,8 @@ def mla_variants(dtype):
     """(label, decode config) in the order tried for this cache dtype."""
     out = []
     for i, cfg in enumerate(DECODE_CONFIGS):
-        tag = f"bq{cfg.block_q}/bk{cfg.key_block(dtype, PAGE)}/w{cfg.num_warps}/s{cfg.num_stages}"
+        tag = (f"bq{cfg.block_q}/bk{cfg.key_block(dtype, PAGE)}/w{cfg.num_warps}/s{cfg.num_stages}"
+               + ("/pf" if cfg.prefetch_page_ids else ""))
         if dtype == FP8:
             out.append((tag + "/fp8dot", dataclasses.replace(cfg, fp8_score_dot=True)))
             if i == 0:  # the widened FP8 dot once, for comparison

@@ -70,6 +70,9 @@ def numpy_decode(q, pool, table, plen, scale):
     (jnp.bfloat16, MlaDecodeConfig(block_q=32, block_k=16, num_splits=3)),
     (FP8, MlaDecodeConfig(block_q=32, block_k=16, num_splits=2, fp8_score_dot=True)),
     (FP8, MlaDecodeConfig(block_q=16, block_k=16, num_splits=1, fp8_score_dot=False)),
+    # Unmasked leading blocks with page ids read one block ahead (split and unsplit).
+    (jnp.bfloat16, MlaDecodeConfig(block_q=16, block_k=16, num_splits=2, prefetch_page_ids=True)),
+    (FP8, MlaDecodeConfig(block_q=32, block_k=16, num_splits=1, fp8_score_dot=True, prefetch_page_ids=True)),
 ])
 def test_mla_decode_matches_reference(dtype, config):
     rng = np.random.default_rng(3)
@@ -205,9 +208,9 @@ def test_mla_kernels_lower_to_triton_for_sm90(monkeypatch):
         gpu_version=None, arch_name="sm_90", compute_capability=90))
     monkeypatch.setattr(common, "on_gpu", lambda: True)
     b, n, hq, lora, rope, page, maxp = 4, 16, 128, 512, 64, 64, 8
-    config = MlaCascadeConfig(kv_lora_rank=lora, rope_dim=rope, page_size=page, scale=0.07,
-                              decode=MlaDecodeConfig(fp8_score_dot=True))
     for dtype in (jnp.bfloat16, FP8):
+        config = MlaCascadeConfig(kv_lora_rank=lora, rope_dim=rope, page_size=page, scale=0.07,
+                                  decode=MlaDecodeConfig(fp8_score_dot=True, prefetch_page_ids=dtype == FP8))
         args = (jax.ShapeDtypeStruct((b, n, hq, lora + rope), jnp.bfloat16),
                 jax.ShapeDtypeStruct((b * maxp * page, lora + rope), dtype),
                 jax.ShapeDtypeStruct((b, maxp), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
@@ -244,6 +247,10 @@ def test_mla_rejects_bad_input():
         mla_decode(q, pool, table.astype(jnp.float32), plen, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE)
     with pytest.raises(ValueError, match="block_q must be a power of two >= 16, got 24"):
         MlaDecodeConfig(block_q=24)
+    with pytest.raises(ValueError, match="num_splits must be >= 1, got 0"):
+        MlaDecodeConfig(num_splits=0)
+    with pytest.raises(ValueError, match="num_warps"):
+        MlaDecodeConfig(num_warps=3)
     # Default key step: a 64-key page step for 16-bit caches, 32 for FP8, never past a page.
     assert MlaDecodeConfig().key_block(jnp.bfloat16, 64) == 64
     assert MlaDecodeConfig().key_block(FP8, 64) == 32
