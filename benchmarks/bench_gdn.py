@@ -324,14 +324,14 @@ def _us(r, key):
 
 
 def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep_chunked, sweep_at,
-          slots_list=(0, 2)):
+          slots_list=(0, 2), progress=None):
+    """Times every config, then the sweeps; returns the markdown tables. `progress(tables)` (if given)
+    gets the tables so far after each measured config, so a run cut short still leaves its rows."""
     bw = measure_copy_bandwidth()
     log(f"device copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
     rng = np.random.default_rng(1)
-    d = QWEN
-    state_node = d["HV"] * d["DK"] * d["DV"] * 4
-    payload_node = width(d) * 2
-    rows = []
+    rows, sweep, fla = [], [], {}
+    show = lambda: render(rows, sweep, fla, bw, slots_list)  # noqa: E731
     if configs is None:
         configs = [(1, 16), (32, 16)] if quick else DEFAULT_CONFIGS
     for bsz, t in configs:
@@ -349,8 +349,9 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
                 f"{_us(r, f'tree_replay_rec@{s}')}us ({r[f'tree_replay_rec@{s}'] / r['chain_replay']:.2f}x) "
                 f"chunked {_us(r, 'tree_chunked')}us chain_staged {_us(r, 'chain_staged')}us tree_staged "
                 f"{_us(r, f'tree_staged@{s}')}us commit {_us(r, 'replay_commit')}us floor_rw {_us(r, 'floor_rw')}us")
-    fla = fla_reference(bw) if use_fla else {}
-    sweep = []
+        if progress:
+            progress(show())
+    fla.update(fla_reference(bw) if use_fla else {})
     for bsz, t in sweep_at:
         for kind, launches in (("recurrent", sweep_rec), ("chunked", sweep_chunked if t <= 16 else [])):
             for launch in launches:
@@ -368,6 +369,16 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
                 sweep.append((bsz, t, kind, launch, r))
                 log(f"sweep {kind} B={bsz} T={t} (block_v, warps, stages)={launch}: "
                     + " ".join(f"{k} {v*1e6:.1f}us" for k, v in r.items() if isinstance(v, float) and k.startswith(("chain", "tree"))))
+                if progress:
+                    progress(show())
+    return show()
+
+
+def render(rows, sweep, fla, bw, slots_list):
+    """The timing tables as markdown."""
+    d = QWEN
+    state_node = d["HV"] * d["DK"] * d["DV"] * 4
+    payload_node = width(d) * 2
 
     md = []
     md.append("\n### GDN tree verify, Qwen3-Next dims (H=16, HV=32, dk=dv=128), bf16 in, fp32 state")
@@ -478,17 +489,29 @@ def main(argv=None) -> int:
         only = None if a.conformance_cases is None else [int(i) for i in a.conformance_cases.split(",")]
         ok = conformance(a.quick, only)
         log(f"conformance: {'PASS' if ok else 'FAIL'}")
-    tables = bench(a.quick, a.budget_s, not a.no_fla, configs, parse_launch(a.sweep_recurrent),
-                   parse_launch(a.sweep_chunked), bxt(a.sweep_at), slots_list)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmd = "python3 benchmarks/bench_gdn.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = (f"\n## GDN tree verify and commits (bench_gdn.py), {stamp}\n\n"
-          f"jax {jax.__version__}, {jax.devices()[0].device_kind}; command: `{cmd.strip()}`\n\n"
-          f"conformance: {'PASS' if ok else 'FAIL'}\n" + "\n".join(CONFORMANCE_LINES) + "\n" + tables + "\n")
+
+    def section(tables, note=""):
+        return (f"\n## GDN tree verify and commits (bench_gdn.py), {stamp}\n\n"
+                f"jax {jax.__version__}, {jax.devices()[0].device_kind}; command: `{cmd.strip()}`\n\n"
+                f"conformance: {'PASS' if ok else 'FAIL'}\n" + "\n".join(CONFORMANCE_LINES) + "\n" + tables
+                + "\n" + note)
+
+    def write_markdown(md):
+        if a.markdown:
+            with open(a.markdown, "w") as fh:
+                fh.write(md)
+
+    # The section so far is rewritten after conformance and after every timed config, so a run
+    # stopped by a time limit still leaves what it measured.
+    write_markdown(section("", "\n(timing not reached yet)\n"))
+    tables = bench(a.quick, a.budget_s, not a.no_fla, configs, parse_launch(a.sweep_recurrent),
+                   parse_launch(a.sweep_chunked), bxt(a.sweep_at), slots_list,
+                   progress=lambda t: write_markdown(section(t, "\n(run still in progress)\n")))
+    md = section(tables)
     print(md, flush=True)
-    if a.markdown:
-        with open(a.markdown, "w") as fh:
-            fh.write(md)
+    write_markdown(md)
     if not a.no_results:
         with open(a.results, "a") as fh:  # one append, so concurrent writers do not clobber each other
             fh.write(md)
