@@ -94,9 +94,10 @@ def test_branch_slots_keep_the_workspace_empty_and_spill_when_short():
     t = 14
     rng = np.random.default_rng(21)
     x = random_inputs(rng, B, t)
-    # Request 0: branch points 0 (children 1, 6, 12), 1 (2, 4), 6 (7, 9). Request 1: 0 (1, 5, 9), 6 (7, 12).
+    # Request 0: branch points 0 (children 1, 6, 12), 1 (2, 4), 6 (7, 9). Request 1, a forest: branch
+    # points 0 (1, 5) and 6 (7, 12); node 9 is a second root (reads the committed state).
     parents = np.array([[-1, 0, 1, 2, 1, 4, 0, 6, 7, 6, 9, 10, 0, 12],
-                        [-1, 0, 1, 2, 3, 0, 5, 6, 7, 0, 9, 10, 6, 12]], np.int32)
+                        [-1, 0, 1, 2, 3, 0, 5, 6, 7, -1, 9, 10, 6, 12]], np.int32)
     ref_out, ref_states = per_path_numpy(x, parents, use_qk_l2norm=True)
     args = _args(x)
     p = jnp.asarray(parents)
