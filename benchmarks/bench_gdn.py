@@ -327,13 +327,15 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
           slots_list=(0, 2), progress=None):
     """Times every config, then the sweeps; returns the markdown tables. `progress(tables)` (if given)
     gets the tables so far after each measured config, so a run cut short still leaves its rows."""
+    if configs is None:
+        configs = [(1, 16), (32, 16)] if quick else DEFAULT_CONFIGS
+    if not configs and not (sweep_at and (sweep_rec or sweep_chunked)) and not use_fla:
+        return "\n(no timing requested)"
     bw = measure_copy_bandwidth()
     log(f"device copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
     rng = np.random.default_rng(1)
     rows, sweep, fla = [], [], {}
     show = lambda: render(rows, sweep, fla, bw, slots_list)  # noqa: E731
-    if configs is None:
-        configs = [(1, 16), (32, 16)] if quick else DEFAULT_CONFIGS
     for bsz, t in configs:
         if time.time() - _T0 > budget_s:
             log(f"budget reached; skipping B={bsz} T={t}")
