@@ -35,17 +35,19 @@ def main() -> int:
     rows = n * g
     for b, p in ((32, 32768), (64, 4096), (1, 32768)):
         key = jax.random.PRNGKey(b)
-        q = jax.random.normal(key, (b, rows, hkv, d), jnp.bfloat16)
-        k = jax.random.normal(jax.random.fold_in(key, 1), (b, p, hkv, d), jnp.bfloat16)
-        v = jax.random.normal(jax.random.fold_in(key, 2), (b, p, hkv, d), jnp.bfloat16)
+        # attention_mgpu stages K/V through fp16 shared memory, so it takes fp16 inputs (same speed
+        # class as bf16 on the tensor cores); ours runs bf16.
+        q = jax.random.normal(key, (b, rows, hkv, d), jnp.float16)
+        k = jax.random.normal(jax.random.fold_in(key, 1), (b, p, hkv, d), jnp.float16)
+        v = jax.random.normal(jax.random.fold_in(key, 2), (b, p, hkv, d), jnp.float16)
         flop = 4 * b * rows * hkv * p * d
-        for bq, bkv, steps in ((64, 128, 2), (64, 64, 4), (64, 128, 3)):
+        for bq, bkv, steps in ((64, 128, 2), (64, 64, 4), (128, 128, 2)):
             try:
                 cfg = am.TuningConfig(block_q=bq, block_kv=bkv, max_concurrent_steps=steps)
                 f = jax.jit(lambda q, k, v, cfg=cfg: am.attention(q, k, v, cfg))
                 out = f(q, k, v)
-                ref = am.attention_reference(q[:1], k[:1], v[:1])
-                err = float(jnp.linalg.norm((out[:1] - ref).astype(jnp.float32)) /
+                ref = am.attention_reference(q[:1, :, :2], k[:1, :, :2], v[:1, :, :2])
+                err = float(jnp.linalg.norm((out[:1, :, :2] - ref).astype(jnp.float32)) /
                             jnp.linalg.norm(ref.astype(jnp.float32)))
                 t = median_time(f, q, k, v, samples=7)
                 log(f"B={b} P={p}: attention_mgpu bq{bq}/bkv{bkv}/steps{steps} {t * 1e3:.3f} ms, "
@@ -56,8 +58,8 @@ def main() -> int:
         pages = b * p // page
         rng = np.random.default_rng(0)
         table = jnp.asarray(rng.permutation(pages).reshape(b, p // page), jnp.int32)
-        kp = k.reshape(b * p, hkv, d)[jnp.asarray(rng.permutation(b * p))]
-        qr = jnp.transpose(q, (0, 2, 1, 3))  # [B, Hkv, rows, D]
+        kp = k.reshape(b * p, hkv, d)[jnp.asarray(rng.permutation(b * p))].astype(jnp.bfloat16)
+        qr = jnp.transpose(q, (0, 2, 1, 3)).astype(jnp.bfloat16)  # [B, Hkv, rows, D]
         lengths = jnp.full((b,), p + n - 1, jnp.int32)  # every row sees about P keys
         lengths = jnp.minimum(lengths, p)
         g_fn = jax.jit(lambda qr, kp, vp, t, ln: prefix_decode_row_layout(
