@@ -94,7 +94,9 @@ def replays_with_slots(parents, k):
     t = parents.shape[1]
     p = parents
     branch = (p >= 0) & (p != np.arange(t) - 1) & (load < 0)
-    return float(np.where(branch, np.take_along_axis(depth, np.maximum(p, 0), 1) + 1, 0).sum(1).mean() / t)
+    # A replay reruns the parent's path from the resume point (a slot-held ancestor) or the root.
+    n = np.take_along_axis(depth, np.maximum(p, 0), 1) + 1 - np.asarray(plan.resume_depth)
+    return float(np.where(branch, n, 0).sum(1).mean() / t)
 
 
 def random_paths(rng, parents):

@@ -264,6 +264,23 @@ def test_ancestor_paths_and_plan_match_numpy():
     plan = mamba2_scan_plan(jnp.asarray(parents), 1)
     assert np.asarray(plan.slots.spill)[0].sum() == 6 and (np.asarray(plan.slots.save_slot) < 1).all()
     np.testing.assert_array_equal(np.asarray(plan.paths), paths)
+    # Resume points: walk the nodes like the kernel, tracking which node each slot holds; a replay
+    # must resume from the deepest ancestor-or-self of the parent that a slot holds.
+    for k in (1, 2):
+        plan = mamba2_scan_plan(jnp.asarray(parents), k)
+        save, rs, rd = (np.asarray(a) for a in (plan.slots.save_slot, plan.resume_slot, plan.resume_depth))
+        resumed = 0
+        for b in range(3):
+            held = {}
+            for t in range(16):
+                p = int(clean[b, t])
+                cands = [(depth[b, o], j) for j, o in held.items() if p >= 0 and o in path_to(clean[b], p)]
+                want = max(cands) if cands else (-1, -1)
+                assert (rs[b, t], rd[b, t]) == (want[1], want[0] + 1), (k, b, t)
+                resumed += rs[b, t] >= 0
+                if save[b, t] >= 0:
+                    held[int(save[b, t])] = t
+        assert resumed
 
 
 def _slot_trees(rng, T=16):

@@ -13,12 +13,13 @@ p(t) >= 0) the parent's state comes, in this order of preference, from:
    per-step `BranchSlotPlan` (`pallas_kernels.linear.branch_slots`) says which branch point's state
    each slot keeps (after node t, slot i takes the state when save_slot[t] == i) and which slot a
    branch reads (load_slot[t]); the pick is a select on a scalar, no memory traffic;
-2. a *replay* (a spilled branch point, or `branch_slots=0`): the parent's state rebuilt from `h0`
-   by re-running the updates of its root path. With `walk="precomputed"` (default) the path comes
+2. a *replay* (a spilled branch point, or `branch_slots=0`): the parent's state rebuilt by
+   re-running the updates of its root path. With `walk="precomputed"` (default) the path comes
    from the step's ancestor list (`Mamba2ScanPlan.paths [B, T, T]`, root first), so each replayed
-   node's loads depend on a loop counter, not on the previous node's parent pointer; the replay is
-   the forward recurrence itself, so a replayed state equals the one the walk computed the first
-   time. `walk="parents"` is the earlier kernel's walk (parent pointers chased leaf to root,
+   node's loads depend on a loop counter, not on the previous node's parent pointer, and the replay
+   starts from the deepest ancestor a slot still holds (`resume_slot`/`resume_depth`), else from
+   `h0`; it is the forward recurrence itself, so a replayed state equals the one the walk computed
+   the first time. `walk="parents"` is the earlier kernel's walk (parent pointers chased leaf to root,
    `h_p = (prod of decays) h0 + sum_s (decays after s) dt'_s x_s B_s^T`), kept as the measured
    baseline; with `branch_slots=0` it is exactly that kernel.
 
@@ -73,6 +74,10 @@ class Mamba2ScanPlan(NamedTuple):
     slots: BranchSlotPlan  # save_slot / load_slot / spill, [B, T] each
     depth: jax.Array  # [B, T] int32: strict ancestors of node t (a root has 0)
     paths: jax.Array  # [B, T, T] int32: paths[b, t, d] = node at depth d on root..t, -1 past depth t
+    # A replay (node t whose parent p is spilled) resumes from the deepest ancestor of p that a slot
+    # still holds when node t starts: that slot (-1: none, start from h0) and the depth after it.
+    resume_slot: jax.Array  # [B, T] int32
+    resume_depth: jax.Array  # [B, T] int32: first path depth the replay reruns (0 from h0)
 
 
 def sanitize_parents(parents: jax.Array) -> jax.Array:
@@ -86,19 +91,44 @@ def sanitize_parents(parents: jax.Array) -> jax.Array:
     return jnp.where((parents >= 0) & (parents < node), parents, -1)
 
 
+def _ancestor_paths(parents: jax.Array):
+    parents = sanitize_parents(parents)
+    t = parents.shape[-1]
+    anc = ancestor_mask_bool(parents)  # [B, t, s]: s is t or an ancestor of t
+    depth = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
+    keys = jnp.sort(jnp.where(anc, jnp.arange(t, dtype=jnp.int32), t), axis=-1)
+    paths = jnp.where(jnp.arange(t)[None, None, :] <= depth[..., None], keys, -1)
+    return anc, depth, paths.astype(jnp.int32)
+
+
 def ancestor_paths(parents: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`parents [B, T]` -> `(depth [B, T], paths [B, T, T])` int32, see `Mamba2ScanPlan`.
 
     The ancestors of t are the set bits of its ancestor-or-self row; along a root path indices
     increase, so sorting them gives the path root first.
     """
-    parents = sanitize_parents(parents)
-    t = parents.shape[-1]
-    anc = ancestor_mask_bool(parents)  # [B, t, s]
-    depth = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
-    keys = jnp.sort(jnp.where(anc, jnp.arange(t, dtype=jnp.int32), t), axis=-1)
-    paths = jnp.where(jnp.arange(t)[None, None, :] <= depth[..., None], keys, -1)
-    return depth, paths.astype(jnp.int32)
+    _, depth, paths = _ancestor_paths(parents)
+    return depth, paths
+
+
+def _resume_points(parents, anc, depth, save_slot, num_slots):
+    """Per node: the slot holding the deepest ancestor-or-self of its parent when the node starts,
+    and that ancestor's depth + 1 (-1 and 0 when no slot holds one)."""
+    batch, t = parents.shape
+    if num_slots == 0:
+        return jnp.full((batch, t), -1, jnp.int32), jnp.zeros((batch, t), jnp.int32)
+    node = jnp.arange(t, dtype=jnp.int32)
+    hit = save_slot[:, :, None] == jnp.arange(num_slots)[None, None, :]  # [B, s, j]
+    last = lax.cummax(jnp.where(hit, node[None, :, None], -1), axis=1)  # last save into j up to s
+    occ = jnp.concatenate([jnp.full((batch, 1, num_slots), -1, jnp.int32), last[:, :-1]], axis=1)  # before t
+    p = jnp.maximum(parents, 0)
+    anc_p = jnp.take_along_axis(anc, p[:, :, None], axis=1)  # [B, t, s]: ancestor-or-self rows of p
+    held = (occ >= 0) & jnp.take_along_axis(anc_p, jnp.maximum(occ, 0), axis=2) & (parents >= 0)[:, :, None]
+    occ_depth = jnp.where(held, jnp.take_along_axis(depth, jnp.maximum(occ, 0).reshape(batch, -1), axis=1)
+                          .reshape(occ.shape), -1)
+    best = jnp.argmax(occ_depth, axis=-1).astype(jnp.int32)  # deepest held ancestor
+    best_depth = jnp.max(occ_depth, axis=-1)
+    return jnp.where(best_depth >= 0, best, -1), best_depth + 1
 
 
 @functools.partial(jax.jit, static_argnames=("branch_slots",))
@@ -109,8 +139,10 @@ def mamba2_scan_plan(parents: jax.Array, branch_slots: int | None = None) -> Mam
     """
     num = DEFAULT_BRANCH_SLOTS if branch_slots is None else check_num_slots(branch_slots)
     clean = sanitize_parents(parents)
-    depth, paths = ancestor_paths(clean)
-    return Mamba2ScanPlan(branch_slot_plan(clean, num), depth, paths)
+    anc, depth, paths = _ancestor_paths(clean)
+    slots = branch_slot_plan(clean, num)
+    resume_slot, resume_depth = _resume_points(clean, anc, depth, slots.save_slot, num)
+    return Mamba2ScanPlan(slots, depth, paths, resume_slot, resume_depth)
 
 
 def _softplus(v):
@@ -119,13 +151,15 @@ def _softplus(v):
 
 def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, layout, unroll):
     refs = list(refs)
-    parents_ref = depth_ref = paths_ref = save_ref = load_ref = None
+    parents_ref = depth_ref = paths_ref = save_ref = load_ref = rslot_ref = rdepth_ref = None
     if tree:
         parents_ref = refs.pop(0)
         if walk == "precomputed":
             depth_ref, paths_ref = refs.pop(0), refs.pop(0)
         if K:
             save_ref, load_ref = refs.pop(0), refs.pop(0)
+        if K and walk == "precomputed":
+            rslot_ref, rdepth_ref = refs.pop(0), refs.pop(0)
     slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref, b_ref, c_ref = refs[:8]
     refs = refs[8:]
     z_ref = refs.pop(0) if has_z else None
@@ -181,18 +215,31 @@ def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, layou
             lambda c: (c[0] >= 0) & (c[0] < c[1]), body, (p, t, jnp.zeros_like(h0), jnp.float32(1.0)))
         return acc + scale * h0
 
-    def rebuild(p, t):
-        """State after node p (0 <= p < t) replayed from h0 along the precomputed root path."""
+    def select(kept, i):
+        out = kept[0]
+        for j in range(1, K):
+            out = jnp.where(i == j, kept[j], out)
+        return out
+
+    def rebuild(p, t, kept):
+        """State after node p (0 <= p < t) replayed along the precomputed root path, from the
+        deepest ancestor a slot still holds (the plan's resume point) or else from h0."""
         if walk == "parents":
             return rebuild_by_parents(p, t)
-        steps = jnp.clip(depth_ref[b, p], 0, p) + 1  # a path to p holds at most p + 1 nodes
+        end = jnp.clip(depth_ref[b, p], 0, p) + 1  # a path to p holds at most p + 1 nodes
+        start, st0 = 0, h0
+        if K:
+            rs = rslot_ref[b, t]
+            resume = (rs >= 0) & (rs < K)
+            st0 = jnp.where(resume, select(kept, rs), h0)
+            start = jnp.where(resume, jnp.clip(rdepth_ref[b, t], 0, end), 0)
 
         def body(d, st):
             s = jnp.clip(paths_ref[b, p, d], 0, p)
             a, u, *_ = node_terms(s)
             return a * st + u
 
-        return lax.fori_loop(0, steps, body, h0)
+        return lax.fori_loop(start, end, body, st0)
 
     def start_state(t, state, kept):
         """The state node t updates: its parent's (from the carry, a slot, h0 or a replay)."""
@@ -207,13 +254,10 @@ def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, layou
         if K:
             ls = load_ref[b, t]
             from_slot = (p >= 0) & (ls >= 0) & (ls < K)  # slot ids past this kernel's K replay
-            slot_state = kept[0]
-            for i in range(1, K):
-                slot_state = jnp.where(ls == i, kept[i], slot_state)
-            state = jnp.where(branch & from_slot, slot_state, state)
+            state = jnp.where(branch & from_slot, select(kept, ls), state)
             replay = replay & ((ls < 0) | (ls >= K))  # spilled: no slot holds the parent
         state = jnp.where(branch & (p < 0), h0, state)
-        return lax.cond(replay, lambda: rebuild(jnp.maximum(p, 0), t), lambda: state)
+        return lax.cond(replay, lambda: rebuild(jnp.maximum(p, 0), t, kept), lambda: state)
 
     def step(t, carry):
         state, kept = carry
@@ -304,7 +348,7 @@ def check_plan(plan, nb: int, T: int) -> None:
     if not isinstance(plan, Mamba2ScanPlan):
         raise ValueError(f"plan must be a Mamba2ScanPlan (mamba2_scan_plan(parents)), got {type(plan).__name__}")
     fields = dict(zip(BranchSlotPlan._fields, plan.slots))
-    fields.update(depth=plan.depth, paths=plan.paths)
+    fields.update(depth=plan.depth, paths=plan.paths, resume_slot=plan.resume_slot, resume_depth=plan.resume_depth)
     for name, arr in fields.items():
         want = (nb, T, T) if name == "paths" else (nb, T)
         if arr.shape != want:
@@ -369,6 +413,8 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
             tree_inputs += [plan.depth.astype(jnp.int32), plan.paths.astype(jnp.int32)]
         if K:
             tree_inputs += [plan.slots.save_slot.astype(jnp.int32), plan.slots.load_slot.astype(jnp.int32)]
+        if K and walk == "precomputed":
+            tree_inputs += [plan.resume_slot.astype(jnp.int32), plan.resume_depth.astype(jnp.int32)]
     else:
         K = 0  # a chain has no branch points
     inputs = tree_inputs + [
