@@ -417,13 +417,16 @@ def parse_tiles(text):
     return out
 
 
-def bench(configs, slot_counts, budget_s, launch, staged=False, unroll_variant=False):
-    """Times every config; returns (log lines, markdown table rows)."""
+def bench(configs, slot_counts, budget_s, launch, staged=False, unroll_variant=False, on_row=None):
+    """Times every config; returns (bandwidth, markdown table rows, extra lines). `on_row(bw, rows,
+    notes)` runs after each config, so a run cut short still leaves its finished rows behind."""
     bw = measure_copy_bandwidth() if jax.default_backend() == "gpu" else 1e11  # CPU smoke: a stand-in
     log(f"device copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
     rng = np.random.default_rng(1)
     rows, notes = [], []
     for nb, t in configs:
+        if on_row is not None and rows:
+            on_row(bw, rows, notes)
         if time.time() - _T0 > budget_s:
             log(f"budget reached; skipping B={nb} T={t} and later")
             rows.append(f"| {nb} | {t} | skipped (budget) |")
@@ -461,6 +464,8 @@ def bench(configs, slot_counts, budget_s, launch, staged=False, unroll_variant=F
         cells += [us(floor), us(r["plan"]), us(r["commit"]),
                   f"{us(r[('conv', 'chain')])} / {us(r[('conv', 'old')])} / {us(r[('conv', 'new')])}"]
         rows.append("| " + " | ".join(cells) + " |")
+    if on_row is not None:
+        on_row(bw, rows, notes)
     return bw, rows, notes
 
 
@@ -509,7 +514,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-p", type=int, default=None, help="launch: state rows per program (power of two)")
     p.add_argument("--num-warps", type=int, default=None, help="launch: warps per program")
     p.add_argument("--staged", action="store_true", help="also time staged verify (chain, old tree, max slots)")
-    p.add_argument("--sweep", action="store_true", help="also time (block_p, num_warps) tilings at B=32 T=16")
+    p.add_argument("--sweep", action="store_true", help="after the configs (budget permitting), time "
+                   "(block_p, num_warps) tilings at B=32 T=16 for the chain, old tree and each slot count")
     p.add_argument("--tiles", default="16x4,16x2,32x4,8x4,16x8", help="tilings for --sweep (BLOCK_PxWARPS)")
     p.add_argument("--unroll", action="store_true", help="also time the unrolled node loop (unroll=True)")
     p.add_argument("--markdown", default=None, help="write a dated markdown section (for RESULTS.md) to this file")
@@ -535,19 +541,31 @@ def main(argv=None) -> int:
             ok = False
             conf.append(("conformance: exception (see log)", False))
         log(f"conformance: {'PASS' if ok else 'FAIL'}")
-    bw, rows, notes, sweep_md = 0.0, [], [], ""
+    args_line = " ".join(sys.argv[1:] if argv is None else argv)
+    state = dict(bw=0.0, rows=[], notes=[], sweep="")
+
+    def write_md(bw=None, rows=None, notes=None):
+        """(Re)writes the whole section: after conformance and after every timed config."""
+        if bw is not None:
+            state.update(bw=bw, rows=list(rows), notes=list(notes))
+        if a.markdown:
+            text = markdown(args_line, conf, state["bw"], state["rows"], state["notes"], slot_counts, launch,
+                            state["sweep"])
+            with open(a.markdown, "w") as fh:
+                fh.write(text + "\n")
+
+    write_md()
     if not a.skip_timing:
-        if a.sweep:
+        bench(configs, slot_counts, a.budget_s, launch, a.staged, a.unroll, on_row=write_md)
+        if a.sweep and time.time() - _T0 <= a.budget_s:
             try:
-                sweep_md = sweep_tiles(tiles, slot_counts)
+                state["sweep"] = sweep_tiles(tiles, slot_counts)
             except Exception:
                 traceback.print_exc()
-        bw, rows, notes = bench(configs, slot_counts, a.budget_s, launch, a.staged, a.unroll)
+            write_md()
+        elif a.sweep:
+            log("budget reached; skipping the tile sweep")
     if a.markdown:
-        text = markdown(" ".join(sys.argv[1:] if argv is None else argv), conf, bw, rows, notes, slot_counts, launch,
-                        sweep_md)
-        with open(a.markdown, "w") as fh:
-            fh.write(text + "\n")
         log(f"wrote {a.markdown}")
     return 0 if ok else 1
 
