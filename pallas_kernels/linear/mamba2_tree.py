@@ -249,6 +249,7 @@ def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, layou
         # Plan entries are scalar loads at (b, t): their addresses never depend on the state, and a
         # request's row of each table sits in one cache line after the first node.
         p = parents_ref[b, t]
+        p = jnp.where((p >= 0) & (p < t), p, -1)  # a malformed pointer reads as a root (in bounds)
         branch = p != t - 1
         replay = branch & (p >= 0)
         if K:
@@ -405,7 +406,8 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
     tree = parents is not None
     tree_inputs = []
     if tree:
-        parents = sanitize_parents(parents)
+        # The kernel reads malformed pointers as roots itself (no extra XLA op per layer call).
+        parents = parents.astype(jnp.int32)
         if plan is None and (walk == "precomputed" or K):
             plan = mamba2_scan_plan(parents, K)
         tree_inputs = [parents]
