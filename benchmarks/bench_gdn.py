@@ -41,6 +41,7 @@ from pallas_kernels.linear.gdn_common import GdnDims
 from pallas_kernels.linear.gdn_tree import (
     GdnKernelConfig, branch_points, branch_slot_plan, gdn_tree_verify, pick_launch, spilled_rows)
 from treespec_jax.linear.gdn import GdnLayerConfig, GdnTree, gdn_commit_replay
+from treespec_jax.tree import draft_tree
 from treespec_jax.tree.masks import ancestor_mask
 
 QWEN = dict(H=16, HV=32, DK=128, DV=128)
@@ -51,11 +52,50 @@ _T0 = time.time()  # this module's start, for its --budget-s
 
 
 def random_tree(rng, batch, t, p_extend=0.5):
+    """The bench's historical trees: node i extends i - 1 with probability 1/2, else a uniformly random
+    earlier node (not DFS numbered, so branch points stay alive long and overlap)."""
     parents = np.full((batch, t), -1, np.int32)
     for b in range(batch):
         for i in range(1, t):
             parents[b, i] = i - 1 if rng.random() < p_extend else rng.integers(0, i)
     return parents
+
+
+# (topk K, steps S) of the drafter round that selects a T-node tree (WORKSPACE's config examples).
+EAGLE_SHAPES = {8: (2, 4), 16: (4, 5), 32: (4, 6), 64: (8, 6)}
+
+
+def eagle_shape(t):
+    if t in EAGLE_SHAPES:
+        return EAGLE_SHAPES[t]
+    for k in (4, 2, 8):
+        for s in range(10, 1, -1):
+            if (s - 1) * k <= t <= k + (s - 1) * k * k + 1:
+                return k, s
+    raise ValueError(f"no drafter round (K, S) selects T={t} nodes")
+
+
+def eagle_tree(rng, batch, t):
+    """Trees as the drafter builds them: a K-wide, S-step round of top-K children (log-probs of a
+    random softmax over 64 tokens), best T-1 entries kept and numbered depth first, best child first
+    (`draft_tree.select_tree`), so branch points nest like a stack."""
+    k, steps = eagle_shape(t)
+
+    def topk_logprobs(shape):
+        logits = 2.5 * rng.standard_normal(shape + (64,))
+        lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        return jnp.asarray(-np.sort(-lp, axis=-1)[..., :k], jnp.float32)
+
+    def tokens(shape):
+        return jnp.asarray(rng.integers(0, 1000, shape), jnp.int32)
+
+    lanes, cands = draft_tree.seed_lanes(topk_logprobs((batch,)), tokens((batch, k)))
+    record = draft_tree.CandidateRecord.empty(batch, k, steps).write(0, cands)
+    for step in range(1, steps):
+        lanes, cands = draft_tree.expand_lanes(lanes, topk_logprobs((batch, k)), tokens((batch, k, k)), step,
+                                               num_steps=steps)
+        record = record.write(step, cands)
+    return np.asarray(draft_tree.select_tree(record, jnp.zeros((batch,), jnp.int32), t).parents)
 
 
 def random_path(rng, parents):
@@ -229,20 +269,24 @@ def time_step(step, carry):
     return timing.time_step(step, carry, inner=INNER, reps=7)
 
 
-def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, slots_list=(0, 2)):
+def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, slots_list=(0, 2),
+               eagle_trees=True):
     """Times one (B, T): the chains once, the tree kernels once per branch-slot count in `slots_list`.
 
-    Tree timings are keyed `tree_replay_rec@<slots>` / `tree_staged@<slots>`; `launch@<slots>` is the
-    (block_v, warps, stages) each ran with.
+    Tree timings are keyed `tree_replay_rec@<slots>` / `tree_staged@<slots>` (the bench's random
+    trees) and `eagle_replay_rec@<slots>` (drafter-shaped trees, ReplaySSM only); `launch@<slots>` is
+    the (block_v, warps, stages) each ran with.
     """
     d = QWEN
     dtype = jnp.bfloat16
     x = inputs(jax.random.key(bsz * 1000 + t), bsz, t, d, dtype)
     args = args_of(x)
     parents = jnp.asarray(random_tree(rng, bsz, t))
+    eagle = jnp.asarray(eagle_tree(rng, bsz, t)) if eagle_trees else None
     # The tree's kernel-facing forms are built once per step and shared by every layer.
     tree = jax.block_until_ready(GdnTree.from_parents(parents))
     plans = {s: jax.block_until_ready(branch_slot_plan(parents, s)) for s in slots_list}
+    eagle_plans = {s: jax.block_until_ready(branch_slot_plan(eagle, s)) for s in slots_list} if eagle_trees else {}
     knobs = tuple(launch) if launch else ()
     ccfg = GdnKernelConfig(*chunked_launch) if chunked_launch else GdnKernelConfig()
     nodes = jnp.zeros((bsz, t, d["HV"], d["DK"], d["DV"]), jnp.float32)
@@ -250,23 +294,26 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, s
     out0 = jnp.zeros(x["v"].shape, dtype)
     res = {}
 
-    def verify_step(is_tree, store, chunked=False, slots=0):
+    def verify_step(is_tree, store, chunked=False, slots=0, drafter_tree=False):
         kcfg = GdnKernelConfig(*knobs, branch_slots=slots)
+        tree_parents, tree_plans = (eagle, eagle_plans) if drafter_tree else (parents, plans)
 
         def step(c):
             ns, pl_, _ = c
             if chunked:
                 o, pl_ = gdn_chunked_verify(*args, tree.ancestor_mask, pl_, config=ccfg)
                 return ns, pl_, o
-            r = gdn_tree_verify(*args, parents if is_tree else None, ns, store=store,
+            r = gdn_tree_verify(*args, tree_parents if is_tree else None, ns, store=store,
                                 payload=pl_ if store == "branch_points" else None,
-                                plan=plans[slots] if is_tree else None, config=kcfg)
+                                plan=tree_plans[slots] if is_tree else None, config=kcfg)
             return r.node_states, (r.payload if r.payload is not None else pl_), r.out
         return step
 
     carry = (nodes, payload, out0)
     kernels = [("chain_replay", False, "branch_points", None)]
     kernels += [(f"tree_replay_rec@{s}", True, "branch_points", s) for s in slots_list]
+    if eagle_trees:
+        kernels += [(f"eagle_replay_rec@{s}", True, "branch_points", s) for s in slots_list]
     if not sweep:
         kernels += [("chain_staged", False, "every_node", None)]
         kernels += [(f"tree_staged@{s}", True, "every_node", s) for s in slots_list]
@@ -274,7 +321,8 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, s
         if sweep == "chunked":
             break
         t0 = time.time()
-        res[name], carry = time_step(verify_step(is_tree, store, slots=slots or 0), carry)
+        step = verify_step(is_tree, store, slots=slots or 0, drafter_tree=name.startswith("eagle"))
+        res[name], carry = time_step(step, carry)
         if is_tree:
             res[f"launch@{slots}"] = pick_launch(dims_of(d, bsz, t), GdnKernelConfig(*knobs, branch_slots=slots),
                                                  branch_slots=slots)
@@ -287,6 +335,10 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, s
     res["branch_frac"] = float(br.sum()) / (bsz * t)
     for s in slots_list:
         res[f"spill_frac@{s}"] = float(np.asarray(spilled_rows(plans[s], s)).sum()) / (bsz * t)
+    if eagle_trees:
+        res["eagle_branch_frac"] = float(np.asarray(branch_points(eagle)).sum()) / (bsz * t)
+        for s in slots_list:
+            res[f"eagle_spill_frac@{s}"] = float(np.asarray(spilled_rows(eagle_plans[s], s)).sum()) / (bsz * t)
     if sweep:
         return res
     # ReplaySSM commit along the greedy-first path (row move + replay).
@@ -324,7 +376,7 @@ def _us(r, key):
 
 
 def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep_chunked, sweep_at,
-          slots_list=(0, 2), progress=None):
+          slots_list=(0, 2), progress=None, eagle_trees=True):
     """Times every config, then the sweeps; returns the markdown tables. `progress(tables)` (if given)
     gets the tables so far after each measured config, so a run cut short still leaves its rows."""
     if configs is None:
@@ -341,7 +393,7 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
             log(f"budget reached; skipping B={bsz} T={t}")
             continue
         try:
-            r = bench_case(bsz, t, rng, bw, slots_list=slots_list)
+            r = bench_case(bsz, t, rng, bw, slots_list=slots_list, eagle_trees=eagle_trees)
         except Exception as e:
             log(f"B={bsz} T={t} raised {e!r}"[:3000])
             continue
@@ -350,7 +402,9 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
             log(f"B={bsz:3d} T={t:3d} slots={s} chain_replay {_us(r, 'chain_replay')}us tree_replay(rec) "
                 f"{_us(r, f'tree_replay_rec@{s}')}us ({r[f'tree_replay_rec@{s}'] / r['chain_replay']:.2f}x) "
                 f"chunked {_us(r, 'tree_chunked')}us chain_staged {_us(r, 'chain_staged')}us tree_staged "
-                f"{_us(r, f'tree_staged@{s}')}us commit {_us(r, 'replay_commit')}us floor_rw {_us(r, 'floor_rw')}us")
+                f"{_us(r, f'tree_staged@{s}')}us commit {_us(r, 'replay_commit')}us floor_rw {_us(r, 'floor_rw')}us"
+                + (f" eagle_tree {_us(r, f'eagle_replay_rec@{s}')}us "
+                   f"({r[f'eagle_replay_rec@{s}'] / r['chain_replay']:.2f}x)" if eagle_trees else ""))
         if progress:
             progress(show())
     fla.update(fla_reference(bw) if use_fla else {})
@@ -361,10 +415,11 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
                     break
                 try:
                     if kind == "recurrent":
-                        r = bench_case(bsz, t, rng, bw, launch=launch, sweep=True, slots_list=slots_list)
+                        r = bench_case(bsz, t, rng, bw, launch=launch, sweep=True, slots_list=slots_list,
+                                       eagle_trees=eagle_trees)
                     else:
                         r = bench_case(bsz, t, rng, bw, chunked_launch=launch, sweep="chunked",
-                                       slots_list=slots_list)
+                                       slots_list=slots_list, eagle_trees=False)
                 except Exception as e:
                     log(f"sweep {kind} B={bsz} T={t} launch={launch} raised {e!r}"[:2000])
                     continue
@@ -387,33 +442,45 @@ def render(rows, sweep, fla, bw, slots_list):
     md.append(f"copy bandwidth {bw/1e12:.2f} TB/s; times are medians (us); ratios vs our chain verify of the "
               "same run. `slots` = branch register slots of the tree kernels (0: every branch point goes "
               "through the workspace, the pre-slot path; the chain carries none); launch = (block_v, warps, "
-              "stages) of the tree kernel (chain's in the chain column's parentheses).")
+              "stages) of the tree kernel (chain's in the chain column's parentheses). Tree columns use the "
+              "bench's random trees (comparable with earlier runs); the drafter-tree columns use "
+              "`select_tree` trees (K-wide S-step rounds, DFS numbered); branch / spilled = share of nodes "
+              "that are branch points / that spill to the workspace.")
     md.append("| B | T | slots | tree launch | chain (ReplaySSM) | tree ReplaySSM recurrent | tree/chain "
-              "| branch / spilled nodes | chunked form (opt-in) | staged chain | staged tree | staged tree/chain "
+              "| branch / spilled nodes | drafter tree ReplaySSM | drafter tree/chain | drafter branch / spilled "
+              "| chunked form (opt-in) | staged chain | staged tree | staged tree/chain "
               "| floor r+w | chain/floor_r | commit (move+replay) | staged B/node | ReplaySSM B/node (recurrent) |")
-    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for bsz, t, r in rows:
         for s in slots_list:
             replay_b = r[f"spill_frac@{s}"] * state_node + payload_node
             tree_rec = r[f"tree_replay_rec@{s}"]
+            if f"eagle_replay_rec@{s}" in r:
+                eagle = (f"| {_us(r, f'eagle_replay_rec@{s}')} | {r[f'eagle_replay_rec@{s}'] / r['chain_replay']:.2f}x "
+                         f"| {r['eagle_branch_frac']:.0%} / {r[f'eagle_spill_frac@{s}']:.0%} ")
+            else:
+                eagle = "| - | - | - "
             md.append(
                 f"| {bsz} | {t} | {s} | {r[f'launch@{s}']} | {_us(r, 'chain_replay')} {r['launch_chain']} "
                 f"| {tree_rec*1e6:.1f} | {tree_rec / r['chain_replay']:.2f}x "
-                f"| {r['branch_frac']:.0%} / {r[f'spill_frac@{s}']:.0%} | {_us(r, 'tree_chunked')} "
+                f"| {r['branch_frac']:.0%} / {r[f'spill_frac@{s}']:.0%} " + eagle + f"| {_us(r, 'tree_chunked')} "
                 f"| {_us(r, 'chain_staged')} | {_us(r, f'tree_staged@{s}')} "
                 f"| {r[f'tree_staged@{s}'] / r['chain_staged']:.2f}x | {_us(r, 'floor_rw')} "
                 f"| {r['chain_replay'] / r['floor_r']:.1f}x | {_us(r, 'replay_commit')} (acc {r['accept_mean']:.1f}) "
                 f"| {state_node/1024:.0f} KiB | {replay_b/1024:.1f} KiB |")
     if sweep:
         md.append("\n| B | T | kernel | (block_v, warps, stages) | slots | chain (us) | tree recurrent (us) "
-                  "| tree/chain | chunked (us) |")
-        md.append("|---|---|---|---|---|---|---|---|---|")
+                  "| tree/chain | drafter tree (us) | drafter tree/chain | chunked (us) |")
+        md.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        nan = float("nan")
         for bsz, t, kind, launch, r in sweep:
             for s in (slots_list if kind == "recurrent" else [None]):
-                tree = r.get(f"tree_replay_rec@{s}", float("nan"))
-                chain = r.get("chain_replay", float("nan"))
+                tree = r.get(f"tree_replay_rec@{s}", nan)
+                eagle = r.get(f"eagle_replay_rec@{s}", nan)
+                chain = r.get("chain_replay", nan)
                 md.append(f"| {bsz} | {t} | {kind} | {launch} | {'-' if s is None else s} | {chain*1e6:.1f} "
-                          f"| {tree*1e6:.1f} | {tree / chain:.2f}x | {r.get('tree_chunked', float('nan'))*1e6:.1f} |")
+                          f"| {tree*1e6:.1f} | {tree / chain:.2f}x | {eagle*1e6:.1f} | {eagle / chain:.2f}x "
+                          f"| {r.get('tree_chunked', nan)*1e6:.1f} |")
     if fla:
         md.append("\n| fla fused_recurrent chain, T=16 | us |")
         md.append("|---|---|")
@@ -472,6 +539,8 @@ def main(argv=None) -> int:
     p.add_argument("--branch-slots", default="0,2",
                    help="branch register slot counts the tree kernels are timed with, each against the "
                         "chain of the same run (0 = the pre-slot workspace path)")
+    p.add_argument("--no-drafter-trees", action="store_true",
+                   help="time only the bench's random trees, not also drafter-shaped (select_tree) trees")
     p.add_argument("--sweep-recurrent", default="", help="block_v:warps:stages,... for the recurrent kernels")
     p.add_argument("--sweep-chunked", default="", help="block_v:warps:stages,... for the chunked form")
     p.add_argument("--sweep-at", default="32x16", help="BxT configs the sweeps run at")
@@ -510,7 +579,8 @@ def main(argv=None) -> int:
     write_markdown(section("", "\n(timing not reached yet)\n"))
     tables = bench(a.quick, a.budget_s, not a.no_fla, configs, parse_launch(a.sweep_recurrent),
                    parse_launch(a.sweep_chunked), bxt(a.sweep_at), slots_list,
-                   progress=lambda t: write_markdown(section(t, "\n(run still in progress)\n")))
+                   progress=lambda t: write_markdown(section(t, "\n(run still in progress)\n")),
+                   eagle_trees=not a.no_drafter_trees)
     md = section(tables)
     print(md, flush=True)
     write_markdown(md)
