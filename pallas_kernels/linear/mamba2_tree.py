@@ -262,9 +262,15 @@ def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, layou
 
     def step(t, carry):
         state, kept = carry
-        if tree:
+        if new_path:
+            # Node t's own loads first: they do not depend on the start state, so they are in
+            # flight while the branch picks a slot or replays.
+            a, u, x_raw, b_raw, dt_raw = node_terms(t)
             state = start_state(t, state, kept)
-        a, u, x_raw, b_raw, dt_raw = node_terms(t)
+        else:  # the chain and the earlier tree kernel, in their original order
+            if tree:
+                state = start_state(t, state, kept)
+            a, u, x_raw, b_raw, dt_raw = node_terms(t)
         state = a * state + u
         if K:
             sv = save_ref[b, t]
