@@ -5,9 +5,10 @@ Run: PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_gdn.py [--quick] [
 
 Conformance (compiled Pallas Triton vs the fp32 jnp references, fresh random inputs, NaN-poisoned
 outputs and workspaces): recurrent tree verify in staged and ReplaySSM modes with 0 and 2 branch
-register slots (ReplaySSM writes the workspace at exactly the spilled branch points; the cases'
-random trees include ones that overflow the slots), the chain kernel, the chunked tree form, the
-ReplaySSM commit, at small and Qwen3-Next dims.
+register slots and every timed `--branch-slots` count (ReplaySSM writes the workspace at exactly the
+spilled branch points; the cases' trees include ones that overflow the slots, and a plan made for
+more slots than the launch carries), the chain kernel, the chunked tree form, the ReplaySSM commit,
+at small and Qwen3-Next dims.
 
 Timing (Qwen3-Next dims H=16, HV=32, dk=dv=128, bf16 inputs, fp32 state; B in {1, 32, 64};
 trees of 8, 16, 64 nodes): each kernel runs 10 times inside one jitted function (buffers donated,
@@ -45,6 +46,7 @@ from treespec_jax.tree import draft_tree
 from treespec_jax.tree.masks import ancestor_mask
 
 QWEN = dict(H=16, HV=32, DK=128, DV=128)
+CONFORMANCE_SLOTS = (0, 2)  # branch register slots always checked compiled: none (pre-slot path), the default
 SMALL = dict(H=2, HV=4, DK=16, DV=16)
 INNER = 10  # kernel calls per timed jit call
 DEFAULT_CONFIGS = [(1, 8), (1, 16), (1, 64), (32, 8), (32, 16), (32, 64), (64, 8), (64, 16), (64, 64)]
@@ -149,8 +151,10 @@ def dims_of(d, bsz, t):
 CONFORMANCE_LINES: list[str] = []
 
 
-def conformance(quick: bool, only=None) -> bool:
+def conformance(quick: bool, only=None, slots_list=CONFORMANCE_SLOTS) -> bool:
+    """Every case at each slot count of CONFORMANCE_SLOTS plus `slots_list` (the timed ones)."""
     ok = True
+    slots_list = tuple(sorted(set(CONFORMANCE_SLOTS) | set(slots_list)))
     tol = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
     cases = [(SMALL, 2, 14, jnp.float32), (QWEN, 2, 8, jnp.float32), (QWEN, 2, 16, jnp.bfloat16),
              (QWEN, 3, 33, jnp.float32), (QWEN, 2, 64, jnp.bfloat16)]
@@ -170,19 +174,16 @@ def conformance(quick: bool, only=None) -> bool:
     slot_rows = {"kept": 0, "spilled": 0}
     for i, case in enumerate(cases):
         try:
-            conformance_case(i, *case, tol[case[3]], rng, check, slot_rows)
+            conformance_case(i, *case, tol[case[3]], rng, check, slot_rows, slots_list)
         except Exception as e:  # report and go on: one broken lowering must not hide the rest
             check(f"case {i} raised", False, repr(e)[:2000])
     # Both slot paths ran compiled: branch points kept in a register slot and spilled ones.
-    check(f"slots={CONFORMANCE_SLOTS[-1]} exercised kept and spilled branch points", min(slot_rows.values()) > 0,
+    check("slots > 0 exercised kept and spilled branch points", min(slot_rows.values()) > 0,
           f"kept {slot_rows['kept']} spilled {slot_rows['spilled']}")
     return ok
 
 
-CONFORMANCE_SLOTS = (0, 2)  # branch register slots checked compiled: none (pre-slot path) and the default
-
-
-def conformance_case(i, d, bsz, t, dtype, tol, rng, check, slot_rows):
+def conformance_case(i, d, bsz, t, dtype, tol, rng, check, slot_rows, slots_list):
     """One conformance case: every GDN kernel compiled vs the fp32 references."""
     x = inputs(jax.random.key(100 + i), bsz, t, d, dtype)
     args = args_of(x)
@@ -202,7 +203,7 @@ def conformance_case(i, d, bsz, t, dtype, tol, rng, check, slot_rows):
     pool_bits = np.asarray(x["state_pool"]).view(np.uint32).copy()
     br = np.asarray(branch_points(parents))
     ref_states = np.asarray(ref.node_states)
-    for slots in CONFORMANCE_SLOTS:
+    for slots in slots_list:
         cfg = GdnKernelConfig(branch_slots=slots)
         launch = pick_launch(dims_of(d, bsz, t), cfg, branch_slots=slots)
         st = gdn_tree_verify(*args, parents, nodes, store="every_node", config=cfg, backend="pallas")
@@ -233,6 +234,16 @@ def conformance_case(i, d, bsz, t, dtype, tol, rng, check, slot_rows):
             np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
         check(f"slots={slots} pool bitwise untouched by verify",
               np.array_equal(np.asarray(args[7]).view(np.uint32), pool_bits))
+    if i == 0:
+        # A plan made for more slots than the launch carries: the missing slots spill to the workspace.
+        plan = branch_slot_plan(parents, 4)
+        spill = np.asarray(spilled_rows(plan, 1))
+        rp = gdn_tree_verify(*args, parents, nodes, store="branch_points", payload=payload, plan=plan,
+                             config=GdnKernelConfig(branch_slots=1), backend="pallas")
+        ws = np.asarray(rp.node_states)
+        e = max(rel_err(rp.out, ref.out), rel_err(ws[spill], ref_states[spill]) if spill.any() else 0.0)
+        check("4-slot plan on a 1-slot launch: out / spilled rows, NaN elsewhere",
+              e < tol and np.isnan(ws[~spill]).all() and spill.any(), f"{e:.2e}")
     ch = gdn_tree_verify(*args, None, nodes, store="every_node", backend="pallas")
     e5 = rel_err(ch.out, ref_chain.out)
     check("chain kernel vs reference", e5 < tol, f"{e5:.2e}")
@@ -558,7 +569,7 @@ def main(argv=None) -> int:
     ok = True
     if not a.skip_conformance:
         only = None if a.conformance_cases is None else [int(i) for i in a.conformance_cases.split(",")]
-        ok = conformance(a.quick, only)
+        ok = conformance(a.quick, only, slots_list)
         log(f"conformance: {'PASS' if ok else 'FAIL'}")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmd = "python3 benchmarks/bench_gdn.py " + " ".join(argv if argv is not None else sys.argv[1:])
