@@ -214,7 +214,8 @@ def _verify_kernel(parents_ref, save_ref, load_ref, spill_ref, slots_ref, q_ref,
         node_ids = jnp.arange(nodes_pow2, dtype=jnp.int32)
         in_window = node_ids < nodes
         window = pl.ds(0, nodes_pow2)
-        code_vec = plgpu.load(parents_ref.at[b, window], mask=in_window, other=-1) + 1
+        # Any negative parent is a root (as in the reference), never a wrapped row index.
+        code_vec = jnp.maximum(plgpu.load(parents_ref.at[b, window], mask=in_window, other=-1), -1) + 1
         if num_slots or spill_store:
             save_vec = plgpu.load(save_ref.at[b, window], mask=in_window, other=-1)
         if num_slots:
