@@ -127,22 +127,6 @@ def test_forest_roots_read_committed_state():
     assert rel_err(y, np_mamba2(inp, slots, parents)[0]) < 2e-5
 
 
-def test_malformed_parents_terminate():
-    """A self-loop or forward parent pointer must not hang the walk; earlier nodes stay exact."""
-    rng = np.random.default_rng(14)
-    nb, T, P = 2, 8, 8
-    inp = mamba2_inputs(rng, nb, T, P, 1)
-    parents = random_parents(rng, nb, T)
-    good = parents.copy()
-    parents[0, 5] = 5  # self-loop
-    parents[1, 4] = 7  # points forward
-    slots = np.array([0, 1], np.int32)
-    y, _ = scan(inp, slots, parents, backend="interpret")
-    y_ref, _ = np_mamba2(inp, slots, good)
-    assert rel_err(np.asarray(y)[0, :5], y_ref[0, :5]) < 2e-5
-    assert rel_err(np.asarray(y)[1, :4], y_ref[1, :4]) < 2e-5
-
-
 def test_chain_as_parents_equals_chain_kernel():
     rng = np.random.default_rng(9)
     nb, T, P = 2, 14, 16
@@ -344,6 +328,7 @@ def test_slot_reads_are_really_taken_from_the_plan():
 
 
 def test_malformed_parents_terminate_in_every_walk():
+    """A self-loop or out-of-range parent must not hang or read out of bounds; earlier nodes exact."""
     rng = np.random.default_rng(44)
     nb, T, P = 2, 8, 8
     inp = mamba2_inputs(rng, nb, T, P, 1)
