@@ -87,6 +87,17 @@ def tree_stats(parents):
     return float(is_branch.sum(1).mean()), int(depth.max()), float(replays.sum(1).mean() / t)
 
 
+def drafter_tree(rng, batch, t):
+    """Trees as the drafter selects them (K-wide S-step rounds, depth-first, best child first), from
+    bench_gdn's builder so both benches time the same shapes; None where it cannot be imported."""
+    try:
+        from benchmarks.bench_gdn import eagle_tree
+        return np.asarray(eagle_tree(rng, batch, t), np.int32)
+    except Exception as exc:  # an optional comparison: report and keep timing the random trees
+        log(f"drafter-shaped trees unavailable for T={t}: {exc!r}")
+        return None
+
+
 def replays_with_slots(parents, k):
     """Mean replayed ancestor updates per tree node when branch points get `k` register slots."""
     plan = mamba2_scan_plan(jnp.asarray(parents), k)
@@ -264,7 +275,7 @@ def time_step(step, carry):
     return timing.time_step(step, carry, inner=INNER, reps=5)
 
 
-def bench_case(nb, t, rng, slot_counts, launch, staged=False, unroll_variant=False):
+def bench_case(nb, t, rng, slot_counts, launch, staged=False, unroll_variant=False, drafter=True):
     d = TIMING_DIMS
     H, P, N, G = d["H"], d["P"], d["N"], d["G"]
     state_bytes = H * P * N * 4
@@ -275,6 +286,7 @@ def bench_case(nb, t, rng, slot_counts, launch, staged=False, unroll_variant=Fal
     lay = Mamba2PayloadLayout(G, N, H, P)
     plans = {k: mamba2_scan_plan(parents, k) for k in slot_counts}
     res = {}
+    dpar = drafter_tree(rng, nb, t) if drafter and t > 1 else None
 
     def verify_step(tree, mode, kw):
         def step(c):
@@ -296,6 +308,24 @@ def bench_case(nb, t, rng, slot_counts, launch, staged=False, unroll_variant=Fal
     timed(("replay", "old"), True, "replay", OLD)
     for k in slot_counts:
         timed(("replay", k), True, "replay", dict(branch_slots=k, plan=plans[k]))
+    if dpar is not None:  # the same timings over drafter-shaped trees
+        dparents = jnp.asarray(dpar)
+        dplans = {k: mamba2_scan_plan(dparents, k) for k in slot_counts}
+
+        def dtimed(key, kw):
+            def step(c):
+                side, i, acc = c
+                slots = (jnp.arange(nb, dtype=jnp.int32) + i * nb) % (nb * sets)
+                y, side2 = scan(a, slots, dparents, mode="replay", payload=side, **launch, **kw)
+                return side2, (i + 1) % sets, acc + y[0, 0, 0, 0].astype(jnp.float32)
+            res[key], _ = time_step(step, (side_for("replay"), jnp.int32(0), jnp.float32(0)))
+
+        dtimed(("drafter", "old"), OLD)
+        for k in slot_counts:
+            dtimed(("drafter", k), dict(branch_slots=k, plan=dplans[k]))
+        res["drafter_stats"] = tree_stats(dpar)
+        res["drafter_replays"] = {k: replays_with_slots(dpar, k) for k in slot_counts}
+        res["drafter_spills"] = {k: float(np.asarray(dplans[k].slots.spill).sum(1).mean()) for k in slot_counts}
     if staged:
         k = max(slot_counts)
         timed(("staged", "chain"), False, "staged", {})
@@ -417,7 +447,7 @@ def parse_tiles(text):
     return out
 
 
-def bench(configs, slot_counts, budget_s, launch, staged=False, unroll_variant=False, on_row=None):
+def bench(configs, slot_counts, budget_s, launch, staged=False, unroll_variant=False, on_row=None, drafter=True):
     """Times every config; returns (bandwidth, markdown table rows, extra lines). `on_row(bw, rows,
     notes)` runs after each config, so a run cut short still leaves its finished rows behind."""
     bw = measure_copy_bandwidth() if jax.default_backend() == "gpu" else 1e11  # CPU smoke: a stand-in
@@ -432,7 +462,7 @@ def bench(configs, slot_counts, budget_s, launch, staged=False, unroll_variant=F
             rows.append(f"| {nb} | {t} | skipped (budget) |")
             continue
         try:
-            r = bench_case(nb, t, rng, slot_counts, launch, staged, unroll_variant)
+            r = bench_case(nb, t, rng, slot_counts, launch, staged, unroll_variant, drafter)
         except Exception:
             traceback.print_exc()
             rows.append(f"| {nb} | {t} | error (see log) |")
@@ -459,11 +489,25 @@ def bench(configs, slot_counts, budget_s, launch, staged=False, unroll_variant=F
                     f"slots={k} {us(r[('unrolled', k)])} us")
             log("    " + line)
             notes.append(line)
-        cells = [str(nb), str(t), f"{r['stats'][0]:.1f} / {r['stats'][1]}", us(chain), f"{us(old)} ({old / chain:.2f}x)"]
+        cells = [str(nb), str(t), "random", f"{r['stats'][0]:.1f} / {r['stats'][1]}", us(chain),
+                 f"{us(old)} ({old / chain:.2f}x)"]
         cells += [f"{us(r[('replay', k)])} ({r[('replay', k)] / chain:.2f}x; {r['spills'][k]:.1f} sp)" for k in slot_counts]
         cells += [us(floor), us(r["plan"]), us(r["commit"]),
                   f"{us(r[('conv', 'chain')])} / {us(r[('conv', 'old')])} / {us(r[('conv', 'new')])}"]
         rows.append("| " + " | ".join(cells) + " |")
+        if ("drafter", "old") in r:
+            dold = r[("drafter", "old")]
+            cells = [str(nb), str(t), "drafter", f"{r['drafter_stats'][0]:.1f} / {r['drafter_stats'][1]}", us(chain),
+                     f"{us(dold)} ({dold / chain:.2f}x)"]
+            cells += [f"{us(r[('drafter', k)])} ({r[('drafter', k)] / chain:.2f}x; {r['drafter_spills'][k]:.1f} sp)"
+                      for k in slot_counts]
+            cells += ["", "", "", ""]
+            rows.append("| " + " | ".join(cells) + " |")
+            log(f"    drafter-shaped trees: branches~{r['drafter_stats'][0]:.1f} depth {r['drafter_stats'][1]} | old "
+                f"{us(dold)} us ({dold / chain:.2f}x, {r['drafter_stats'][2]:.2f} replays/node) " +
+                " ".join(f"slots={k} {us(r[('drafter', k)])} us ({r[('drafter', k)] / chain:.2f}x, "
+                         f"{r['drafter_spills'][k]:.1f} spills, {r['drafter_replays'][k]:.2f} replays/node)"
+                         for k in slot_counts))
     if on_row is not None:
         on_row(bw, rows, notes)
     return bw, rows, notes
@@ -486,9 +530,11 @@ def markdown(args_line, conf, bw, rows, notes, slot_counts, launch, sweep_md):
         out.append(f"Timing, Nemotron-H-like dims, ReplaySSM verify (y + payload rows), cold state, median us per "
                    f"layer call; launch {launch_txt}; copy bandwidth {bw / 1e12:.2f} TB/s. \"old\" is the kernel "
                    "before this change (parent-pointer replay, no slots); \"sp\" = spilled branch points per tree. "
-                   "Plan = the per-step tables (all layers share them). Conv: chain / old parent walk / lag table.")
+                   "Plan = the per-step tables (all layers share them). Conv: chain / old parent walk / lag table. "
+                   "Trees: \"random\" = this bench's random depth-first trees (comparable with earlier runs), "
+                   "\"drafter\" = `select_tree` trees of a K-wide S-step round (bench_gdn's builder).")
         out.append("")
-        head = (["B", "T", "branches / depth", "chain", "old tree"] + [f"slots={k}" for k in slot_counts] +
+        head = (["B", "T", "tree", "branches / depth", "chain", "old tree"] + [f"slots={k}" for k in slot_counts] +
                 ["floor", "plan", "commit", "conv chain / old / new"])
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + " --- |" * len(head))
@@ -518,6 +564,8 @@ def main(argv=None) -> int:
                    "(block_p, num_warps) tilings at B=32 T=16 for the chain, old tree and each slot count")
     p.add_argument("--tiles", default="16x4,16x2,32x4,8x4,16x8", help="tilings for --sweep (BLOCK_PxWARPS)")
     p.add_argument("--unroll", action="store_true", help="also time the unrolled node loop (unroll=True)")
+    p.add_argument("--no-drafter-trees", action="store_true",
+                   help="time only the random trees, not also drafter-shaped (select_tree) trees")
     p.add_argument("--markdown", default=None, help="write a dated markdown section (for RESULTS.md) to this file")
     p.add_argument("--smoke", action="store_true", help="CPU plumbing check: small dims, interpret mode, numbers "
                    "meaningless")
@@ -556,7 +604,8 @@ def main(argv=None) -> int:
 
     write_md()
     if not a.skip_timing:
-        bench(configs, slot_counts, a.budget_s, launch, a.staged, a.unroll, on_row=write_md)
+        bench(configs, slot_counts, a.budget_s, launch, a.staged, a.unroll, on_row=write_md,
+              drafter=not a.no_drafter_trees)
         if a.sweep and time.time() - _T0 <= a.budget_s:
             try:
                 state["sweep"] = sweep_tiles(tiles, slot_counts)
