@@ -275,7 +275,7 @@ def time_step(step, carry):
     return timing.time_step(step, carry, inner=INNER, reps=5)
 
 
-def bench_case(nb, t, rng, slot_counts, launch, staged=False, unroll_variant=False, drafter=True):
+def bench_case(nb, t, rng, slot_counts, launch, staged=False, unroll_variant=False, drafter=True, commit=True):
     d = TIMING_DIMS
     H, P, N, G = d["H"], d["P"], d["N"], d["G"]
     state_bytes = H * P * N * 4
@@ -348,7 +348,7 @@ def bench_case(nb, t, rng, slot_counts, launch, staged=False, unroll_variant=Fal
         slots = (jnp.arange(nb, dtype=jnp.int32) + i * nb) % (nb * sets)
         pool = mamba2_replay_commit(payload, acc_j, pool, slots, a["A_log"], a["dt_bias"], ngroups=G, dstate=N)
         return pool, (i + 1) % sets
-    res["commit"], _ = time_step(commit_step, (a["state_pool"], jnp.int32(0)))
+    res["commit"] = time_step(commit_step, (a["state_pool"], jnp.int32(0)))[0] if commit else float("nan")
     res["mean_accept"] = float(acc.mean())
     # Tree conv (Nemotron conv dim), outputs only (ReplaySSM keeps no conv rows).
     cd = 2 * G * N + H * P
@@ -447,7 +447,8 @@ def parse_tiles(text):
     return out
 
 
-def bench(configs, slot_counts, budget_s, launch, staged=False, unroll_variant=False, on_row=None, drafter=True):
+def bench(configs, slot_counts, budget_s, launch, staged=False, unroll_variant=False, on_row=None, drafter=True,
+          commit=True):
     """Times every config; returns (bandwidth, markdown table rows, extra lines). `on_row(bw, rows,
     notes)` runs after each config, so a run cut short still leaves its finished rows behind."""
     bw = measure_copy_bandwidth() if jax.default_backend() == "gpu" else 1e11  # CPU smoke: a stand-in
@@ -462,7 +463,7 @@ def bench(configs, slot_counts, budget_s, launch, staged=False, unroll_variant=F
             rows.append(f"| {nb} | {t} | skipped (budget) |")
             continue
         try:
-            r = bench_case(nb, t, rng, slot_counts, launch, staged, unroll_variant, drafter)
+            r = bench_case(nb, t, rng, slot_counts, launch, staged, unroll_variant, drafter, commit)
         except Exception:
             traceback.print_exc()
             rows.append(f"| {nb} | {t} | error (see log) |")
@@ -564,6 +565,7 @@ def main(argv=None) -> int:
                    "(block_p, num_warps) tilings at B=32 T=16 for the chain, old tree and each slot count")
     p.add_argument("--tiles", default="16x4,16x2,32x4,8x4,16x8", help="tilings for --sweep (BLOCK_PxWARPS)")
     p.add_argument("--unroll", action="store_true", help="also time the unrolled node loop (unroll=True)")
+    p.add_argument("--skip-commit", action="store_true", help="do not time the ReplaySSM commit (unchanged here)")
     p.add_argument("--no-drafter-trees", action="store_true",
                    help="time only the random trees, not also drafter-shaped (select_tree) trees")
     p.add_argument("--markdown", default=None, help="write a dated markdown section (for RESULTS.md) to this file")
@@ -605,7 +607,7 @@ def main(argv=None) -> int:
     write_md()
     if not a.skip_timing:
         bench(configs, slot_counts, a.budget_s, launch, a.staged, a.unroll, on_row=write_md,
-              drafter=not a.no_drafter_trees)
+              drafter=not a.no_drafter_trees, commit=not a.skip_commit)
         if a.sweep and time.time() - _T0 <= a.budget_s:
             try:
                 state["sweep"] = sweep_tiles(tiles, slot_counts)
