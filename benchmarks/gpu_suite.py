@@ -6,7 +6,7 @@ Runs each benchmark module's `main(argv)` in turn (cascade, mla, gdn, mamba2); a
 is reported and the others still run. On the device machine the working tree is a copy, so with
 `--out DIR` every module that writes a dated markdown section writes it to DIR/<module>.md instead
 of appending to that copy's benchmarks/RESULTS.md (bring the files back and append them here);
-mamba2 reports on stdout only. This driver prints a one-line status per module last.
+This driver prints a one-line status per module last.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ SUITES = {
     "cascade": ("benchmarks.bench_cascade", ["--quick"], lambda md: ["--markdown", md, "--no-results"]),
     "mla": ("benchmarks.bench_mla", [], lambda md: ["--markdown", md]),
     "gdn": ("benchmarks.bench_gdn", ["--quick", "--no-fla"], lambda md: ["--markdown", md, "--no-results"]),
-    "mamba2": ("benchmarks.bench_mamba2", ["--quick"], lambda md: []),
+    "mamba2": ("benchmarks.bench_mamba2", ["--quick"], lambda md: ["--markdown", md]),
 }
 
 
