@@ -5,7 +5,7 @@
 Runs each benchmark module's `main(argv)` in turn (cascade, mla, gdn, mamba2); a failure in one
 is reported and the others still run. On the device machine the working tree is a copy, so with
 `--out DIR` every module that writes a dated markdown section writes it to DIR/<module>.md instead
-of appending to that copy's benchmarks/RESULTS.md (bring the files back and append them here);
+of appending to that copy's benchmarks/RESULTS.md (bring the files back and append them here).
 This driver prints a one-line status per module last.
 """
 
