@@ -205,10 +205,14 @@ def test_layer_glue_shares_one_plan_across_slot_counts():
     x = random_inputs(rng, B, t)
     parents = random_tree(rng, B, t)
     ref_out, ref_states = per_path_numpy(x, parents, use_qk_l2norm=True)
-    tree = GdnTree.from_parents(jnp.asarray(parents))
+    tree = GdnTree.from_parents(jnp.asarray(parents), num_slots=2)
     assert tree.plan is not None
     np.testing.assert_array_equal(np.asarray(tree.plan.save_slot),
-                                  np.asarray(branch_slot_plan(jnp.asarray(parents), DEFAULT_BRANCH_SLOTS).save_slot))
+                                  np.asarray(branch_slot_plan(jnp.asarray(parents), 2).save_slot))
+    # The default plan (DEFAULT_BRANCH_SLOTS) keeps nothing in slots: every branch point spills.
+    default = GdnTree.from_parents(jnp.asarray(parents)).plan
+    np.testing.assert_array_equal(np.asarray(default.spill), branch_rows(parents) if DEFAULT_BRANCH_SLOTS == 0
+                                  else np.asarray(default.spill))
     for slots, tr in ((0, tree), (2, tree._replace(plan=None))):
         cfg = GdnLayerConfig(H, HV, DK, DV, kernel=GdnKernelConfig(branch_slots=slots))
         res = gdn_verify(cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tr,

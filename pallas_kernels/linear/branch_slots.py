@@ -30,9 +30,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Register slots a tree kernel keeps by default. Each costs one state tile of registers per
-# program; 2 covers the nesting of the K=4..8-wide trees the drafter builds (a deeper nest spills).
-DEFAULT_BRANCH_SLOTS = 2
+# Register slots a tree kernel keeps by default: none. On the H200 (benchmarks/RESULTS.md, 04:10 and
+# 04:15 UTC, B=32, T=16) two slots made both scans slower than their slot-less paths even though
+# they cut the spilled branch points from 29% to 8% of nodes: GDN ReplaySSM tree 429 vs 374 us (the
+# slot tiles force 32-column tiles and per-node selects), Mamba2 1374 vs 970 us. Slots stay an
+# option (GdnKernelConfig.branch_slots, Mamba2CommitConfig.branch_slots) for kernels where they pay.
+DEFAULT_BRANCH_SLOTS = 0
 MAX_BRANCH_SLOTS = 4
 
 
@@ -73,6 +76,9 @@ def branch_slot_plan(parents: jax.Array, num_slots: int = DEFAULT_BRANCH_SLOTS) 
     batch, t = parents.shape
     last = _last_reuse(parents)  # [B, T]
     is_branch = last >= 0
+    if num_slots == 0:  # every branch point spills; no scan (a few XLA ops less per step)
+        none = jnp.full((batch, t), -1, jnp.int32)
+        return BranchSlotPlan(none, none, is_branch)
 
     def step(free_at, node):
         # free_at [B, S]: the last node that reads the slot's occupant (-1 = never used). A slot

@@ -14,14 +14,16 @@ p(t) >= 0) the parent's state comes, in this order of preference, from:
    each slot keeps (after node t, slot i takes the state when save_slot[t] == i) and which slot a
    branch reads (load_slot[t]); the pick is a select on a scalar, no memory traffic;
 2. a *replay* (a spilled branch point, or `branch_slots=0`): the parent's state rebuilt by
-   re-running the updates of its root path. With `walk="precomputed"` (default) the path comes
+   re-running the updates of its root path. With `walk="precomputed"` the path comes
    from the step's ancestor list (`Mamba2ScanPlan.paths [B, T, T]`, root first), so each replayed
    node's loads depend on a loop counter, not on the previous node's parent pointer, and the replay
    starts from the deepest ancestor a slot still holds (`resume_slot`/`resume_depth`), else from
    `h0`; it is the forward recurrence itself, so a replayed state equals the one the walk computed
-   the first time. `walk="parents"` is the earlier kernel's walk (parent pointers chased leaf to root,
-   `h_p = (prod of decays) h0 + sum_s (decays after s) dt'_s x_s B_s^T`), kept as the measured
-   baseline; with `branch_slots=0` it is exactly that kernel.
+   the first time. `walk="parents"` (default) is the earlier kernel's walk (parent pointers chased
+   leaf to root, `h_p = (prod of decays) h0 + sum_s (decays after s) dt'_s x_s B_s^T`); with
+   `branch_slots=0` (default) it is exactly that kernel. It stays the default because it measured
+   fastest on the H200 (B=32, T=16, random trees: 970 us against 1166 us for the precomputed walk
+   and 1374 us with two slots; benchmarks/RESULTS.md 04:15 UTC).
 
 No node state is ever stored for reuse: slots live in registers and replays read only the inputs.
 
@@ -363,7 +365,7 @@ def check_plan(plan, nb: int, T: int) -> None:
 
 
 def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents=None, *, z=None,
-                     mode="outputs", scratch=None, payload=None, branch_slots=None, plan=None, walk="precomputed",
+                     mode="outputs", scratch=None, payload=None, branch_slots=None, plan=None, walk="parents",
                      block_p=None, num_warps=4, unroll=False, backend=None):
     """Mamba2 verify scan; see the module docstring.
 
@@ -375,8 +377,8 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
     `branch_slots` (0..MAX_BRANCH_SLOTS, None: DEFAULT_BRANCH_SLOTS) register tiles keep branch
     points; `plan` is `mamba2_scan_plan(parents, branch_slots)`, computed here when None (pass it to
     share one plan across layers; slot ids >= branch_slots in it are replayed instead). `walk`
-    picks the replay of spilled branch points ("precomputed" ancestor list, or "parents": the
-    earlier pointer chase, which ignores `plan.paths`). Slots, plan and walk change speed only.
+    picks the replay of spilled branch points ("parents", the default: the pointer chase, which
+    ignores `plan.paths`; or "precomputed": the ancestor list). Slots, plan and walk change speed only.
     `block_p` (power of two) and `num_warps` pick the program tile; `unroll=True` emits the node
     loop as straight-line code (same results).
     Returns `(y [B, T, H, P] in x.dtype, side)` where side is the updated scratch (staged), the

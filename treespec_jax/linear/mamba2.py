@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout, payload_dtype
 from pallas_kernels.linear.mamba2_replay import mamba2_replay_commit
-from pallas_kernels.linear.branch_slots import check_num_slots
+from pallas_kernels.linear.branch_slots import DEFAULT_BRANCH_SLOTS, check_num_slots
 from pallas_kernels.linear.conv_tree import conv_lag_sources
 from pallas_kernels.linear.mamba2_tree import Mamba2ScanPlan, mamba2_scan_plan, mamba2_tree_scan
 from pallas_kernels.row_move import move_rows
@@ -127,8 +127,10 @@ class Mamba2StepPlan(NamedTuple):
 
 def mamba2_step_plan(parents: jax.Array | None, conv_width: int,
                      branch_slots: int | None = None) -> Mamba2StepPlan | None:
-    """`parents [B, T]` -> the step's shared plan (None for a chain: it needs none)."""
-    if parents is None:
+    """`parents [B, T]` -> the step's shared plan; None for a chain, and None with the default
+    kernels (no branch slots, parent-walk replay and conv), which read the parents themselves."""
+    slots = DEFAULT_BRANCH_SLOTS if branch_slots is None else check_num_slots(branch_slots)
+    if parents is None or slots == 0:
         return None
     return Mamba2StepPlan(mamba2_scan_plan(parents, branch_slots), conv_lag_sources(parents, conv_width))
 
