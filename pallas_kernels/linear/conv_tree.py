@@ -12,9 +12,10 @@ form (`parents=None`) computes the parent as t-1 instead of loading it.
 The hops are precomputed once per step (`conv_lag_sources(parents, W) -> [B, T, W-1] int32`, tiny
 XLA work shared by every conv layer of the step), so a node's W-1 column loads all issue at once
 instead of each waiting on the previous hop's parent load. Source `c >= 0` is node c's input;
-`c < 0` is committed column W - 1 + c (-1 the newest). `walk="parents"` (default) keeps the
-earlier in-kernel pointer chase; both give the same windows bit for bit, and both measured the same
-on the H200 (B=32, T=16: 39.8 vs 40.1 us), so the default needs no per-step table.
+`c < 0` is committed column W - 1 + c (-1 the newest). `walk="parents"` keeps the earlier in-kernel
+pointer chase; both give the same windows bit for bit. The table is the default: on the H200
+(benchmarks/RESULTS.md, 04:15 and 04:21 UTC, T=16) it tied the pointer chase at B=1 and B=32
+(20.8 vs 21.2, 40.1 vs 39.8 us) and beat it at B=64 (56.2 vs 73.1 us).
 
 Layouts: `x [B, T, D]`, `conv_pool [S, W-1, D]` (oldest column first; one column is contiguous
 over channels), `weight [D, W]`, `bias [D]`, `parents [B, T] int32` (-1 <= parents[t] < t; a
@@ -129,14 +130,14 @@ def _conv_kernel(*refs, T, W, BD, D, tree, walk, has_bias, silu, write_states):
 
 
 def conv_tree_update(x, conv_pool, state_slots, weight, bias=None, parents=None, *, silu=False,
-                     node_states=None, lags=None, walk="parents", block_d=None, num_warps=4, backend=None):
+                     node_states=None, lags=None, walk="precomputed", block_d=None, num_warps=4, backend=None):
     """Tree conv update; see the module docstring.
 
     Shapes: `x [B, T, D]`, `conv_pool [S, W-1, D]`, `state_slots [B] int32`, `weight [D, W]`,
     `bias [D]` or None, `parents [B, T] int32` or None (the chain), `node_states [B, T, W-1, D]` or
     None, `lags [B, T, W-1] int32` = `conv_lag_sources(parents, W)` (computed here when None; pass
-    it to share one table across layers), `walk` "parents" (default: the in-kernel pointer chase;
-    ignores `lags`) or "precomputed" (reads `lags`). Returns `(y [B, T, D] in x.dtype, node_states or
+    it to share one table across layers), `walk` "precomputed" (default, reads `lags`) or
+    "parents" (the in-kernel pointer chase; ignores `lags`). Returns `(y [B, T, D] in x.dtype, node_states or
     None)`. The committed pool is only read.
     """
     if x.ndim != 3:

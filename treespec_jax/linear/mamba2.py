@@ -121,18 +121,19 @@ class Mamba2VerifyScratch(NamedTuple):
 class Mamba2StepPlan(NamedTuple):
     """Per-step tree tables shared by every Mamba2 layer of the step (built by `mamba2_step_plan`)."""
 
-    scan: Mamba2ScanPlan  # branch-slot plan, depths and root paths for the SSM scan
+    scan: Mamba2ScanPlan | None  # branch-slot plan, depths and root paths (None: no branch slots)
     conv_lags: jax.Array  # [B, T, W-1] int32 lag sources for the tree conv
 
 
 def mamba2_step_plan(parents: jax.Array | None, conv_width: int,
                      branch_slots: int | None = None) -> Mamba2StepPlan | None:
-    """`parents [B, T]` -> the step's shared plan; None for a chain, and None with the default
-    kernels (no branch slots, parent-walk replay and conv), which read the parents themselves."""
-    slots = DEFAULT_BRANCH_SLOTS if branch_slots is None else check_num_slots(branch_slots)
-    if parents is None or slots == 0:
+    """`parents [B, T]` -> the step's shared plan (None for a chain: it needs none). With no branch
+    slots (the default) the scan replays by parent walk and needs no scan plan (`scan` is None)."""
+    if parents is None:
         return None
-    return Mamba2StepPlan(mamba2_scan_plan(parents, branch_slots), conv_lag_sources(parents, conv_width))
+    slots = DEFAULT_BRANCH_SLOTS if branch_slots is None else check_num_slots(branch_slots)
+    scan = mamba2_scan_plan(parents, branch_slots) if slots else None
+    return Mamba2StepPlan(scan, conv_lag_sources(parents, conv_width))
 
 
 class Mamba2VerifyResult(NamedTuple):
