@@ -423,6 +423,7 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
         for kind, launches in (("recurrent", sweep_rec), ("chunked", sweep_chunked if t <= 16 else [])):
             for launch in launches:
                 if time.time() - _T0 > budget_s + 40:
+                    log(f"budget reached; skipping the {kind} sweep at B={bsz} T={t} from launch {launch}")
                     break
                 try:
                     if kind == "recurrent":
