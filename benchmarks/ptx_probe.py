@@ -19,11 +19,11 @@ from collections import defaultdict
 from pathlib import Path
 
 PATTERNS = {
-    "wgmma": re.compile(r"\bwgmma\.mma_async"),
-    "mma.sync": re.compile(r"\bmma\.sync"),
-    "cp.async": re.compile(r"\bcp\.async\.(?:ca|cg)"),
-    "cp.async.bulk": re.compile(r"\bcp\.async\.bulk"),
-    "ld.global": re.compile(r"\bld\.global"),
+    "wgmma": re.compile(r"wgmma\.mma_async|llvm\.nvvm\.wgmma|warp_group_dot"),
+    "mma v3 layout": re.compile(r"versionMajor = 3"),
+    "mma.sync": re.compile(r"\bmma\.sync|llvm\.nvvm\.mma\.|versionMajor = 2"),
+    "cp.async": re.compile(r"\bcp\.async\.(?:ca|cg)|async_copy_global_to_local"),
+    "cp.async.bulk": re.compile(r"\bcp\.async\.bulk|async_tma_copy"),
 }
 
 
@@ -33,9 +33,9 @@ def count_ptx(folder: Path) -> dict[str, dict[str, int]]:
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         entry = None
         for line in path.read_text(errors="replace").splitlines():
-            m = re.search(r"\.entry\s+([\w$]+)", line)
+            m = re.search(r"\.entry\s+([\w$]+)|define\s+[^@]*@([\w$.]+)\(", line)
             if m:
-                entry = m.group(1)
+                entry = f"{path.name}: {m.group(1) or m.group(2)}"
             if entry is None:
                 entry = f"{path.name} (no .entry)"
             for name, pat in PATTERNS.items():
@@ -73,15 +73,18 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if "jax" in sys.modules:
         raise SystemExit("ptx_probe must set XLA_FLAGS before jax is imported; run it as a script")
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={a.dump}").strip()
+    # --xla_gpu_dump_llvmir also writes each Triton kernel's pass log (`*.triton-passes.log`, the
+    # TTGIR after every pass) and the LLVM IR: plain --xla_dump_to wrote no PTX on jax 0.11.2.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_dump_to={a.dump} --xla_gpu_dump_llvmir=true").strip()
     compile_kernels()
     files = sorted(p for p in Path(a.dump).rglob("*") if p.is_file())
     print(f"{len(files)} dumped files; names with ptx/triton/cubin/llir:")
     for f in files:
-        if any(tag in f.name.lower() for tag in ("ptx", "triton", "cubin", "llir", "ttgir")):
+        if any(tag in f.name.lower() for tag in ("ptx", "triton", "cubin", "llir", "ttgir", ".ll")):
             print(f"  {f.name} ({f.stat().st_size} B)")
     counts = count_ptx(Path(a.dump))
-    lines = ["| PTX entry | " + " | ".join(PATTERNS) + " |", "|---|" + "---|" * len(PATTERNS)]
+    lines = ["| entry (or file) | " + " | ".join(PATTERNS) + " |", "|---|" + "---|" * len(PATTERNS)]
     for entry, c in sorted(counts.items()):
         if any(c.values()):
             lines.append(f"| {entry} | " + " | ".join(str(c.get(k, 0)) for k in PATTERNS) + " |")
