@@ -207,3 +207,45 @@ def test_default_row_tiles_follow_the_grid_size():
     assert default_block_rows(256, 128, 64 * 8) == 64  # B=64: 2048 programs at 64 rows
     assert default_block_rows(256, 512, 64 * 8) == 32  # MLA latent: accumulator cap
     assert default_block_rows(16, 128, 64 * 8) == 16  # never past the rows there are
+
+
+@pytest.mark.parametrize("r", [5, 24])
+def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r):
+    """`prefix_whole_pages=True` (the Mosaic GPU prefix half reads whole pages only): with a prefix
+    partial over keys [0, min(P - R + 1 + r, whole)), the window kernel adds the rest of the prefix
+    and the tree window; the merge equals one dense attention. R < page and R > page both run."""
+    from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads
+    from pallas_kernels.attention.reference import (_gather_positions, cascade_dense_reference,
+                                                    dense_attention_reference)
+    from pallas_kernels.attention.tree_window import tree_window_row_layout
+
+    rng = np.random.default_rng(70 + r)
+    b, hkv, g, d, page, w = 3, 2, 2, 16, 16, r
+    lengths = np.array([0, 37, 50], np.int32)  # P = 0, partial last page, P < R for r = 24 on req 0
+    k, v, table = poisoned_paged_pools(rng, b, int(lengths.max()) + w, hkv, d, page, jnp.float32,
+                                       lambda bb, pos: pos < lengths[bb] + w)
+    q = jnp.asarray(rng.standard_normal((b, r, hkv * g, d)), jnp.float32)
+    parents = random_parents(rng, b, w)
+    mask = ancestor_mask(jnp.asarray(parents))
+    lens = jnp.asarray(lengths)
+    # Prefix partial over whole pages only.
+    t = table.shape[1] * page
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    kk, vv = _gather_positions(k, table, pos, page), _gather_positions(v, table, pos, page)
+    whole = (lens // page) * page
+    hi = jnp.minimum(lens[:, None] - r + 1 + jnp.arange(r)[None, :], whole[:, None])  # [B, R]
+    vis = pos[:, None, :] < hi[:, :, None]
+    p_out, p_lse = dense_attention_reference(q, kk, vv, vis, d ** -0.5)
+    total = padded_rows(r * g)
+    out = tree_window_row_layout(
+        heads_to_rows(q, hkv, total), k, v, table, lens, mask, heads_to_rows(p_out, hkv, total),
+        heads_to_rows(p_lse, hkv, total, fill=-jnp.inf), query_rows=r, group=g, window=w, page_size=page,
+        scale=d ** -0.5, value_dim=d, interpret=True, poison_outputs=True, prefix_whole_pages=True)
+    got = rows_to_heads(out, r, hkv * g)
+    ref, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=w, page_size=page, scale=d ** -0.5)
+    assert rel_err(got, ref) < 1e-5
+    # The reference half with the same flag agrees too.
+    from pallas_kernels.attention.reference import tree_window_reference
+    ref2 = tree_window_reference(q, k, v, table, lens, mask, p_out, p_lse, window=w, page_size=page,
+                                 scale=d ** -0.5, prefix_whole_pages=True)
+    assert rel_err(ref2, ref) < 1e-5

@@ -106,31 +106,46 @@ def prefix_decode_reference(q, k_pool, v_pool, page_table, lengths, *, page_size
     return dense_attention_reference(q, k, v, visible, scale)
 
 
-def window_positions(prefix_lengths: jax.Array, rows: int, window: int):
-    """Positions the window half may read: `[B, (rows - 1) + window]`, tail first then window."""
-    offs = jnp.arange(-(rows - 1), window, dtype=jnp.int32)
+def window_lead(rows: int, whole_pages_of: int | None = None) -> int:
+    """Prefix positions before P the window half may read: R - 1, or (prefix half on whole pages
+    of `whole_pages_of` keys) up to page - 1 more of the last partial page."""
+    return rows - 1 if whole_pages_of is None else max(rows - 1, whole_pages_of - 1)
+
+
+def window_positions(prefix_lengths: jax.Array, rows: int, window: int, lead: int | None = None):
+    """Positions the window half may read: `[B, lead + window]`, tail first then window."""
+    lead = rows - 1 if lead is None else lead
+    offs = jnp.arange(-lead, window, dtype=jnp.int32)
     return prefix_lengths[:, None] + offs[None, :]
 
 
-def window_visibility(prefix_lengths, mask, *, rows: int, window: int, causal_prefix: bool):
-    """`[B, R, (R - 1) + W] bool` over `window_positions`: the missed prefix tail, then mask bits."""
+def window_visibility(prefix_lengths, mask, *, rows: int, window: int, causal_prefix: bool,
+                      whole_pages_of: int | None = None):
+    """`[B, R, lead + W] bool` over `window_positions`: the missed prefix tail, then mask bits.
+
+    `whole_pages_of=page`: the prefix half covered only whole pages below P, so row r's tail starts
+    at min(P - R + 1 + r, (P // page) * page)."""
     b = prefix_lengths.shape[0]
-    pos = window_positions(prefix_lengths, rows, window)  # [B, T]
+    lead = window_lead(rows, whole_pages_of)
+    pos = window_positions(prefix_lengths, rows, window, lead)  # [B, T]
     p = prefix_lengths[:, None, None]
     r_idx = jnp.arange(rows)[None, :, None]
     posb = pos[:, None, :]
-    tail = (posb < p) & (posb >= p - rows + 1 + r_idx) & (posb >= 0)
+    start = p - rows + 1 + r_idx
+    if whole_pages_of is not None:
+        start = jnp.minimum(start, (p // whole_pages_of) * whole_pages_of)
+    tail = (posb < p) & (posb >= start) & (posb >= 0)
     if not causal_prefix:
         tail = jnp.zeros_like(tail)
     bits = unpack_mask_rows(mask, window)  # [B, R, W]
-    win = jnp.concatenate([jnp.zeros((b, rows, rows - 1), bool), bits], axis=-1)
+    win = jnp.concatenate([jnp.zeros((b, rows, lead), bool), bits], axis=-1)
     return tail | win
 
 
 def tree_window_reference(q, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2, *,
                           window: int, page_size: int, scale: float, causal_prefix: bool = True,
-                          rope_dim: int = 0, value_dim: int | None = None):
-    """fp32 window half + merge with the prefix partial.
+                          rope_dim: int = 0, value_dim: int | None = None, prefix_whole_pages: bool = False):
+    """fp32 window half + merge with the prefix partial (`prefix_whole_pages`: see window_visibility).
 
     `q [B, R, Hq, Dk]`, `k_pool [S, Hkv, Dk]`, `v_pool [S, Hkv, Dv]` or None (MLA: the value is the
     first `value_dim` channels of the key row), `mask [B, R, 2] uint32`, `prefix_out [B, R, Hq, Dv]`,
@@ -139,7 +154,8 @@ def tree_window_reference(q, k_pool, v_pool, page_table, prefix_lengths, mask, p
     """
     del rope_dim  # the rope channels are simply part of the key row for a dense dot
     b, r = q.shape[:2]
-    pos = window_positions(prefix_lengths, r, window)
+    whole = page_size if prefix_whole_pages else None
+    pos = window_positions(prefix_lengths, r, window, window_lead(r, whole))
     k = _gather_positions(k_pool, page_table, pos, page_size)
     if v_pool is None:
         if value_dim is None:
@@ -147,7 +163,8 @@ def tree_window_reference(q, k_pool, v_pool, page_table, prefix_lengths, mask, p
         v = k[..., :value_dim]
     else:
         v = _gather_positions(v_pool, page_table, pos, page_size)
-    visible = window_visibility(prefix_lengths, mask, rows=r, window=window, causal_prefix=causal_prefix)
+    visible = window_visibility(prefix_lengths, mask, rows=r, window=window, causal_prefix=causal_prefix,
+                                whole_pages_of=whole)
     w_out, w_lse = dense_attention_reference(q, k, v, visible, scale)
     return merge_partials_reference(prefix_out, prefix_lse2, w_out, w_lse)[0]
 

@@ -85,7 +85,7 @@ def check_launch(block_rows, num_warps, num_stages, what: str):
 
 def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_size: int,
                    window: int, scale2: float, causal_prefix: bool, main_dim: int, rope_dim: int,
-                   shared_kv: bool):
+                   shared_kv: bool, prefix_whole_pages: bool = False):
     refs = list(refs)
     plen_ref, pt_ref, q_ref = refs[:3]
     refs = refs[3:]
@@ -105,6 +105,11 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
     if causal_prefix:
         tail_lo = jnp.where(real_row, jnp.maximum(length - query_rows + 1 + r, 0), length)
         lo = jnp.maximum(length - query_rows + 1, 0)
+        if prefix_whole_pages:
+            # The prefix half stopped at the last whole page below P.
+            whole = (length // page_size) * page_size
+            tail_lo = jnp.minimum(tail_lo, whole)
+            lo = jnp.minimum(lo, whole)
     else:
         tail_lo = jnp.full((block_rows,), length, jnp.int32)
         lo = length
@@ -171,12 +176,13 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
 
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "window", "page_size", "scale",
                                              "causal_prefix", "rope_dim", "value_dim", "block_rows",
-                                             "num_warps", "num_stages", "interpret", "poison_outputs"))
+                                             "num_warps", "num_stages", "interpret", "poison_outputs",
+                                             "prefix_whole_pages"))
 def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out_rows,
                            prefix_lse2_rows, *, query_rows: int, group: int, window: int, page_size: int,
                            scale: float, causal_prefix: bool = True, rope_dim: int = 0, value_dim: int,
                            block_rows=None, num_warps=None, num_stages=None, interpret: bool = False,
-                           poison_outputs: bool = False):
+                           poison_outputs: bool = False, prefix_whole_pages: bool = False):
     """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, Dk]`, `mask [B, R, 2]`,
     `prefix_out_rows [B, Hkv, T, Dv]` f32, `prefix_lse2_rows [B, Hkv, T]` -> `[B, Hkv, T, Dv]` in
     qr's dtype. Inputs are assumed validated by `tree_window_attention`."""
@@ -217,7 +223,7 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
     kernel = functools.partial(
         _window_kernel, query_rows=r, group=group, block_rows=block, page_size=page_size,
         window=window, scale2=float(scale) * LOG2E, causal_prefix=causal_prefix, main_dim=main_dim,
-        rope_dim=rope_dim, shared_kv=shared)
+        rope_dim=rope_dim, shared_kv=shared, prefix_whole_pages=prefix_whole_pages)
     out_shape = jax.ShapeDtypeStruct((b, hkv, total, dv), qr.dtype)
     aliases = {}
     if poison_outputs:

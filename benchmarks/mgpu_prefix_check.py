@@ -1,0 +1,144 @@
+"""First GPU run of the experimental Mosaic GPU prefix kernel: compile, conformance, timing.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/mgpu_prefix_check.py [--skip-timing]
+
+1. Conformance (bf16, D=128, page 64, G=4, R=64, ragged P incl. 0 and a partial last page, NaN/inf
+   in every slot no request owns): `prefix_decode_mgpu_row_layout` against a dense fp32 attention
+   over whole pages below P (its contract), then prefix + `tree_window_row_layout(...,
+   prefix_whole_pages=True)` against one dense fp32 attention of the whole verify.
+2. Timing (bf16, Hq=32, Hkv=8, D=128, N=64, page 64, random page tables): the Mosaic GPU prefix
+   against the Pallas Triton `prefix_decode_row_layout` on the same inputs, and both cascades.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.report import log, rel_err  # noqa: E402
+from benchmarks.timing import measure_matmul_flops, median_time  # noqa: E402
+from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, prefix_decode_row_layout  # noqa: E402
+from pallas_kernels.attention.prefix_decode_mgpu import prefix_decode_mgpu_row_layout  # noqa: E402
+from pallas_kernels.attention.reference import (_gather_positions, cascade_dense_reference,  # noqa: E402
+                                                dense_attention_reference)
+from pallas_kernels.attention.tree_window import tree_window_row_layout  # noqa: E402
+from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
+
+PAGE = 64
+
+
+def pools(rng, b, lengths, w, hkv, d, dtype):
+    per_req = -(-(int(lengths.max()) + w) // PAGE)
+    num_pages = b * per_req + 2
+    table = rng.permutation(num_pages)[: b * per_req].reshape(b, per_req).astype(np.int32)
+    k = rng.standard_normal((num_pages * PAGE, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((num_pages * PAGE, hkv, d)).astype(np.float32)
+    live = np.zeros(num_pages * PAGE, bool)
+    for i in range(b):
+        pos = np.arange(lengths[i] + w)
+        live[table[i, pos // PAGE] * PAGE + pos % PAGE] = True
+    k[~live] = np.nan
+    v[~live] = np.inf
+    return jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table)
+
+
+def conformance() -> bool:
+    rng = np.random.default_rng(0)
+    b, hkv, g, d, r = 3, 2, 4, 128, 64
+    lengths = np.array([0, 100, 1000], np.int32)
+    k, v, table = pools(rng, b, lengths, r, hkv, d, jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((b, r, hkv * g, d)), jnp.bfloat16)
+    lens = jnp.asarray(lengths)
+    total = padded_rows(r * g)
+    qr = heads_to_rows(q, hkv, total)
+    out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
+                                             scale=d ** -0.5)
+    t = table.shape[1] * PAGE
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    kk, vv = _gather_positions(k, table, pos, PAGE), _gather_positions(v, table, pos, PAGE)
+    whole = (lens // PAGE) * PAGE
+    hi = jnp.minimum(lens[:, None] - r + 1 + jnp.arange(r)[None, :], whole[:, None])
+    ref_out, ref_lse = dense_attention_reference(q.astype(jnp.float32), kk, vv, pos[:, None, :] < hi[:, :, None],
+                                                 d ** -0.5)
+    got = jnp.transpose(out[:, :, : r * g].reshape(b, hkv, r, g, d), (0, 2, 1, 3, 4)).reshape(b, r, hkv * g, d)
+    e_out = rel_err(got, ref_out)
+    lse_rows = jnp.transpose(lse[:, :, : r * g].reshape(b, hkv, r, g), (0, 2, 1, 3)).reshape(b, r, hkv * g)
+    fin = jnp.isfinite(ref_lse)
+    lse_ok = bool(jnp.all(jnp.isfinite(lse_rows) == fin)) and float(
+        jnp.max(jnp.abs(jnp.where(fin, lse_rows - ref_lse, 0.0)))) < 5e-2
+    mask = ancestor_mask(jnp.asarray(np.stack([np.r_[-1, rng.integers(0, np.arange(1, r))] for _ in range(b)])
+                                     .astype(np.int32)))
+    win = tree_window_row_layout(qr, k, v, table, lens, mask, out, lse, query_rows=r, group=g, window=r,
+                                 page_size=PAGE, scale=d ** -0.5, value_dim=d, prefix_whole_pages=True)
+    cas = jnp.transpose(win[:, :, : r * g].reshape(b, hkv, r, g, d), (0, 2, 1, 3, 4)).reshape(b, r, hkv * g, d)
+    dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=r, page_size=PAGE, scale=d ** -0.5)
+    e_cas = rel_err(cas, dense)
+    ok = e_out < 2e-2 and lse_ok and e_cas < 2e-2
+    log(f"conformance: prefix rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}, cascade rel {e_cas:.2e} -> "
+        f"{'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def timing():
+    flops_rate = measure_matmul_flops()
+    hq, hkv, d, n = 32, 8, 128, 64
+    g = hq // hkv
+    total = padded_rows(n * g)
+    for b, p in ((32, 32768), (64, 4096)):
+        rng = np.random.default_rng(b)
+        per_req = (p + n) // PAGE + 1
+        table = jnp.asarray(rng.permutation(b * per_req).reshape(b, per_req), jnp.int32)
+        k = jax.random.normal(jax.random.PRNGKey(1), (b * per_req * PAGE, hkv, d), jnp.bfloat16)
+        v = jax.random.normal(jax.random.PRNGKey(2), (b * per_req * PAGE, hkv, d), jnp.bfloat16)
+        qr = jax.random.normal(jax.random.PRNGKey(3), (b, hkv, total, d), jnp.bfloat16)
+        lens = jnp.full((b,), p, jnp.int32)
+        mask = ancestor_mask(jnp.asarray(np.stack([np.r_[-1, rng.integers(0, np.arange(1, n))] for _ in range(b)])
+                                         .astype(np.int32)))
+        kw = dict(query_rows=n, group=g, page_size=PAGE, scale=d ** -0.5)
+        mg = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, **kw))
+        tr = jax.jit(lambda *a: prefix_decode_row_layout(*a, **kw))
+
+        def cascade(prefix, whole):
+            def f(qr, k, v, table, lens, mask):
+                out, lse = prefix(qr, k, v, table, lens)
+                return tree_window_row_layout(qr, k, v, table, lens, mask, out, lse, window=n, value_dim=d,
+                                              prefix_whole_pages=whole, **kw)
+            return jax.jit(f)
+
+        flop = 4 * b * n * hq * (p + n) * d
+        res = {}
+        for name, fn, args in (("mgpu prefix", mg, (qr, k, v, table, lens)), ("triton prefix", tr, (qr, k, v, table, lens)),
+                               ("mgpu cascade", cascade(mg, True), (qr, k, v, table, lens, mask)),
+                               ("triton cascade", cascade(tr, False), (qr, k, v, table, lens, mask))):
+            try:
+                res[name] = median_time(fn, *args, samples=7)
+                log(f"B={b} P={p} N={n}: {name} {res[name] * 1e3:.3f} ms, {flop / res[name] / 1e12:.0f} TFLOP/s, "
+                    f"{flop / flops_rate / res[name]:.2f} of the FLOP floor's speed")
+            except Exception as exc:  # noqa: BLE001
+                log(f"B={b} P={p}: {name} FAILED {type(exc).__name__}: {str(exc)[:400]}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip-timing", action="store_true")
+    a = ap.parse_args()
+    try:
+        ok = conformance()
+    except Exception:  # noqa: BLE001 - the first run is expected to find lowering problems
+        traceback.print_exc()
+        return 1
+    if ok and not a.skip_timing:
+        timing()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""EXPERIMENTAL, NOT YET COMPILED: the prefix half on Mosaic GPU (Hopper wgmma + TMA, warp-specialised).
+
+Status (2026-11-30): written without a GPU (Mosaic GPU lowering needs the CUDA plugin, so not even
+lowering was checked). `benchmarks/mgpu_prefix_check.py` is the first thing to run on the H200:
+it compiles this kernel, compares it with `prefix_decode_row_layout` and the fp32 reference, and
+times both. Nothing imports this module by default.
+
+Why: JAX's own dense Mosaic GPU flash attention ran the prefix half's work 1.22x (B=32, P=32768)
+and 1.39x (B=64, P=4096) faster than our Pallas Triton prefix kernel (benchmarks/RESULTS.md,
+"Mosaic GPU flash attention ... second try"); issue #3's 1.5x-of-floor target needs that class of
+kernel.
+
+Contract (same row layout as `prefix_decode.prefix_decode_row_layout`, one difference):
+    qr [B, Hkv, T, D] (row r * G + g; T a multiple of 128), k_pool / v_pool [S, Hkv, D],
+    page_table [B, maxp] int32, lengths [B] int32 (P)
+    -> out [B, Hkv, T, D] f32, lse2 [B, Hkv, T] f32 (base 2)
+Row r sees keys [0, min(P - R + 1 + r, whole)) with whole = (P // page_size) * page_size: only
+*whole pages*. TMA cannot mask a load, and the slots of the last, partial page past P may hold
+anything (NaN included), which a zero softmax weight would still turn into NaN. The window kernel
+covers the rest of each row's prefix (`tree_window_attention(..., prefix_whole_pages=True)`).
+
+Layout of one CTA (grid (row tiles of 128, Hkv, B)): warpgroups 0 and 1 each own 64 query rows and
+run the online softmax with wgmma (QK^T and PV from shared memory, fp32 accumulators in registers);
+warpgroup 2 only issues TMA copies of one page of K and of V per step into a ring of `stages`
+buffers, reading the page id from the table, and waits until both compute warpgroups released a
+buffer before refilling it. Steps whose keys every row of a warpgroup sees run without masks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LOG2E = math.log2(math.e)
+ROWS_PER_WG = 64
+COMPUTE_WGS = 2
+ROWS_PER_CTA = ROWS_PER_WG * COMPUTE_WGS
+
+
+def _smem_transforms(minor: int, dtype):
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(minor * bits)
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int):
+    """Shapes this kernel takes; raises naming the first unsupported value."""
+    b, hkv, total, d = qr.shape
+    if total % ROWS_PER_CTA:
+        raise ValueError(f"prefix_decode_mgpu: padded rows per KV head must be a multiple of {ROWS_PER_CTA}, "
+                         f"got {total}")
+    if page_size not in (64, 128):
+        raise ValueError(f"prefix_decode_mgpu: page_size must be 64 or 128 (one page per step), got {page_size}")
+    if d % 64 or d > 256:
+        raise ValueError(f"prefix_decode_mgpu: head dim must be a multiple of 64 up to 256, got {d}")
+    dtypes = {jnp.dtype(x.dtype) for x in (qr, k_pool, v_pool)}
+    if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"prefix_decode_mgpu: q, K and V must share one 16-bit dtype, got "
+                         f"{qr.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages"))
+def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
+                                  page_size: int, scale: float, stages: int = 2):
+    """See the module docstring. `stages`: K/V page buffers in flight (>= 2)."""
+    check_mgpu_inputs(qr, k_pool, v_pool, page_size)
+    b, hkv, total, d = qr.shape
+    dtype = qr.dtype
+    block = page_size
+    scale2 = float(scale) * LOG2E
+    in_tf = _smem_transforms(d, dtype)
+    out_tf = _smem_transforms(d, jnp.float32)
+
+    def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped):
+        (q_smem, k_smem, v_smem, o_smem, lse_smem), (q_ready, k_ready, v_ready), (k_free, v_free) = scoped
+        bi = lax.axis_index("batch")
+        head = lax.axis_index("heads")
+        tile = lax.axis_index("tiles")
+        wg = lax.axis_index("wg")
+        length = len_gmem[bi]
+        whole = (length // block) * block
+        cta_row0 = tile * ROWS_PER_CTA
+        last_real = jnp.minimum(cta_row0 + ROWS_PER_CTA - 1, query_rows * group - 1)
+        cta_hi = jnp.clip(length - query_rows + 1 + last_real // group, 0, whole)
+        steps = cta_hi // block  # every key the CTA reads lies in a whole page below P
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            row0 = cta_row0 + wg * ROWS_PER_WG
+            plgpu.copy_gmem_to_smem(q_gmem.at[bi, head, pl.ds(row0, ROWS_PER_WG)], q_smem.at[wg], q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+            shape = (ROWS_PER_WG, block)
+            row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+            col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+            row_hi = jnp.minimum(length - query_rows + 1 + row // group, whole)  # [rows, block]
+            # Keys below the first row's bound are seen by every row of this warpgroup.
+            open_steps = jnp.clip(length - query_rows + 1 + row0 // group, 0, whole) // block
+            open_steps = jnp.minimum(open_steps, steps)
+
+            def step(i, carry, masked: bool):
+                acc, m, l = carry
+                slot = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(k_ready.at[slot])
+
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    s = jnp.where(col + i * block < row_hi, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1) * scale2)
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+                alpha = jnp.exp2(m - m_use)
+                p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_use, shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                def values(acc_ref):
+                    plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+
+                acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            m = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, d), jnp.float32), plgpu.Layout.WGMMA)
+            carry = lax.fori_loop(0, open_steps, functools.partial(step, masked=False), (acc, m, l))
+            acc, m, l = lax.fori_loop(open_steps, steps, functools.partial(step, masked=True), carry)
+            seen = l > 0
+            l_safe = jnp.where(seen, l, 1.0)
+            o_smem.at[wg][...] = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
+                                           acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
+            lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[bi, head, pl.ds(row0, ROWS_PER_WG)])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[bi, head, pl.ds(row0, ROWS_PER_WG)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            @pl.loop(0, steps)
+            def _fetch(i):
+                slot = lax.rem(i, jnp.int32(stages))
+                page_rows = pl.ds(pt_gmem[bi, i] * block, block)
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(k_gmem.at[page_rows, head], k_smem.at[slot], k_ready.at[slot])
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(v_gmem.at[page_rows, head], v_smem.at[slot], v_ready.at[slot])
+
+    def entry(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem):
+        pl.run_scoped(
+            lambda *scoped: body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped),
+            (plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), dtype, transforms=in_tf),
+             plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
+             plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
+             plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), jnp.float32, transforms=out_tf),
+             plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32)),
+            (plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=stages)),
+            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
+            collective_axes="wg",
+        )
+
+    out, lse = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((b, hkv, total, d), jnp.float32),
+                  jax.ShapeDtypeStruct((b, hkv, total), jnp.float32)),
+        grid=(total // ROWS_PER_CTA, hkv, b),
+        grid_names=("tiles", "heads", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(qr, k_pool, v_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
+    return out, lse
+
+
+__all__ = ["prefix_decode_mgpu_row_layout", "check_mgpu_inputs"]
