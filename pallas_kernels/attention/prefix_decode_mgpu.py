@@ -84,11 +84,14 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
         tile = lax.axis_index("tiles")
         wg = lax.axis_index("wg")
         length = len_gmem[bi]
-        whole = (length // block) * block
+        # Non-negative operands only, so truncating lax.div is floor division.
+        whole = lax.div(length, jnp.int32(block)) * block
         cta_row0 = tile * ROWS_PER_CTA
         last_real = jnp.minimum(cta_row0 + ROWS_PER_CTA - 1, query_rows * group - 1)
-        cta_hi = jnp.clip(length - query_rows + 1 + last_real // group, 0, whole)
-        steps = cta_hi // block  # every key the CTA reads lies in a whole page below P
+        cta_hi = jnp.clip(length - query_rows + 1 + lax.div(last_real, jnp.int32(group)), 0, whole)
+        # Blocks up to cta_hi, rounded up: cta_hi <= whole, so every block read is a whole page
+        # below P (finite values); per-row bounds are masked in the last steps.
+        steps = lax.div(cta_hi + block - 1, jnp.int32(block))
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -99,10 +102,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             shape = (ROWS_PER_WG, block)
             row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
             col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-            row_hi = jnp.minimum(length - query_rows + 1 + row // group, whole)  # [rows, block]
+            row_hi = jnp.minimum(length - query_rows + 1 + lax.div(row, jnp.int32(group)), whole)  # [rows, block]
             # Keys below the first row's bound are seen by every row of this warpgroup.
-            open_steps = jnp.clip(length - query_rows + 1 + row0 // group, 0, whole) // block
-            open_steps = jnp.minimum(open_steps, steps)
+            first_hi = jnp.clip(length - query_rows + 1 + lax.div(row0, jnp.int32(group)), 0, whole)
+            open_steps = jnp.minimum(lax.div(first_hi, jnp.int32(block)), steps)
 
             def step(i, carry, masked: bool):
                 acc, m, l = carry
