@@ -1,9 +1,12 @@
 """EXPERIMENTAL, NOT YET COMPILED: the prefix half on Mosaic GPU (Hopper wgmma + TMA, warp-specialised).
 
-Status (2026-11-30): written without a GPU (Mosaic GPU lowering needs the CUDA plugin, so not even
-lowering was checked). `benchmarks/mgpu_prefix_check.py` is the first thing to run on the H200:
-it compiles this kernel, compares it with `prefix_decode_row_layout` and the fp32 reference, and
-times both. Nothing imports this module by default.
+Status (2026-11-30): written without GPU time left. Its logic (page-table TMA copies, the buffer
+ring and its barriers, masking, the online softmax) runs in Pallas' GPU interpreter on the CPU and
+matches dense fp32 attention (`tests/test_prefix_decode_mgpu.py`); the interpreter has no rule for
+the accumulator `run_state` idiom, so interpreted runs add P V with a plain dot where the compiled
+kernel uses wgmma. The compiled kernel has never run: `benchmarks/mgpu_prefix_check.py` is the
+first thing to run on the H200 (conformance, then timing against the Triton prefix). Nothing but
+that script and the test imports this module.
 
 Why: JAX's own dense Mosaic GPU flash attention ran the prefix half's work 1.22x (B=32, P=32768)
 and 1.39x (B=64, P=4096) faster than our Pallas Triton prefix kernel (benchmarks/RESULTS.md,
@@ -65,10 +68,11 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int):
                          f"{qr.dtype}, {k_pool.dtype}, {v_pool.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages"))
+@functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
-                                  page_size: int, scale: float, stages: int = 2):
-    """See the module docstring. `stages`: K/V page buffers in flight (>= 2)."""
+                                  page_size: int, scale: float, stages: int = 2, interpret: bool = False):
+    """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `interpret` runs
+    Pallas' Mosaic GPU interpreter (CPU tests)."""
     check_mgpu_inputs(qr, k_pool, v_pool, page_size)
     b, hkv, total, d = qr.shape
     dtype = qr.dtype
@@ -128,10 +132,15 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 plgpu.barrier_wait(v_ready.at[slot])
 
-                def values(acc_ref):
-                    plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+                if interpret:
+                    # The GPU interpreter can neither run run_state nor store into an accumulator,
+                    # so interpreted runs add P V with a plain dot on the same shared-memory tile.
+                    acc = acc + jnp.dot(p.astype(dtype), v_smem.at[slot][...], preferred_element_type=jnp.float32)
+                else:
+                    def values(acc_ref):
+                        plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
 
-                acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                    acc = pl.run_state(values)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
@@ -171,6 +180,14 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
 
                 plgpu.copy_gmem_to_smem(v_gmem.at[page_rows, head], v_smem.at[slot], v_ready.at[slot])
 
+            # Observe the last release of every buffer used, so no barrier phase is left unseen
+            # when the scope ends (the GPU interpreter checks this).
+            @pl.loop(jnp.maximum(steps - stages, 0), steps)
+            def _drain(i):
+                slot = lax.rem(i, jnp.int32(stages))
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
     def entry(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem):
         pl.run_scoped(
             lambda *scoped: body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped),
@@ -194,6 +211,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        # Pallas' GPU interpreter simulates shared memory, TMA and barriers on the CPU.
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(qr, k_pool, v_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
     return out, lse
 

@@ -1,0 +1,79 @@
+"""The Mosaic GPU prefix half (experimental) in Pallas' GPU interpreter, against dense fp32 attention.
+
+The interpreter simulates shared memory, TMA copies, barriers and wgmma on the CPU, so these tests
+check the kernel's indexing, page-table reads, masking and synchronisation. They cannot check the
+compiled kernel (benchmarks/mgpu_prefix_check.py does that on the GPU).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from paged_fixtures import poisoned_paged_pools, rel_err
+from trees import random_parents
+
+from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads
+from pallas_kernels.attention.prefix_decode_mgpu import check_mgpu_inputs, prefix_decode_mgpu_row_layout
+from pallas_kernels.attention.reference import (_gather_positions, cascade_dense_reference,
+                                                dense_attention_reference)
+from pallas_kernels.attention.tree_window import tree_window_row_layout
+from treespec_jax.tree.masks import ancestor_mask
+
+PAGE = 64
+
+
+def whole_page_prefix_reference(q, k, v, table, lengths, r, scale):
+    """Dense fp32 attention of row r over keys [0, min(P - R + 1 + r, (P // page) * page))."""
+    b = q.shape[0]
+    t = table.shape[1] * PAGE
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    kk, vv = _gather_positions(k, table, pos, PAGE), _gather_positions(v, table, pos, PAGE)
+    whole = (lengths // PAGE) * PAGE
+    hi = jnp.minimum(lengths[:, None] - r + 1 + jnp.arange(r)[None, :], whole[:, None])
+    return dense_attention_reference(q.astype(jnp.float32), kk, vv, pos[:, None, :] < hi[:, :, None], scale)
+
+
+@pytest.mark.parametrize("r,g,lengths", [
+    (32, 4, [0, 70, 200]),  # P = 0, partial last pages
+    # Two 128-row CTAs per KV head: at P = 260 the first one's bound (P - 32) ends mid-page below
+    # the last whole page, so its last block is partly masked.
+    (64, 4, [260, 130, 20]),
+    (16, 8, [20, 128, 300]),  # P < R, P a whole number of pages, group 8
+])
+def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths):
+    rng = np.random.default_rng(r * g)
+    b, hkv, d = len(lengths), 2, 64
+    lengths = np.asarray(lengths, np.int32)
+    k, v, table = poisoned_paged_pools(rng, b, int(lengths.max()) + r, hkv, d, PAGE, jnp.bfloat16,
+                                       lambda bb, pos: pos < lengths[bb] + r)
+    q = jnp.asarray(rng.standard_normal((b, r, hkv * g, d)), jnp.bfloat16)
+    lens = jnp.asarray(lengths)
+    total = padded_rows(r * g)
+    qr = heads_to_rows(q, hkv, total)
+    out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
+                                             scale=d ** -0.5, interpret=True)
+    ref_out, ref_lse = whole_page_prefix_reference(q, k, v, table, lens, r, d ** -0.5)
+    assert rel_err(rows_to_heads(out, r, hkv * g), ref_out) < 1e-2
+    got_lse = np.asarray(rows_to_heads(lse, r, hkv * g))
+    fin = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(got_lse), fin)  # rows that see no key: -inf, out 0
+    np.testing.assert_allclose(got_lse[fin], np.asarray(ref_lse)[fin], atol=2e-3)
+    # Whole cascade: the window kernel covers the partial last page and the tree window.
+    mask = ancestor_mask(jnp.asarray(random_parents(rng, b, r)))
+    win = tree_window_row_layout(qr, k, v, table, lens, mask, out, lse, query_rows=r, group=g, window=r,
+                                 page_size=PAGE, scale=d ** -0.5, value_dim=d, interpret=True,
+                                 prefix_whole_pages=True)
+    dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=r, page_size=PAGE, scale=d ** -0.5)
+    assert rel_err(rows_to_heads(win, r, hkv * g), dense) < 1e-2
+
+
+def test_mgpu_prefix_refuses_unsupported_shapes():
+    bf = jnp.bfloat16
+    pool = jnp.zeros((128, 1, 64), bf)
+    with pytest.raises(ValueError, match="multiple of 128, got 64"):
+        check_mgpu_inputs(jnp.zeros((1, 1, 64, 64), bf), pool, pool, 64)
+    with pytest.raises(ValueError, match="page_size must be 64 or 128"):
+        check_mgpu_inputs(jnp.zeros((1, 1, 128, 64), bf), pool, pool, 32)
+    with pytest.raises(ValueError, match="head dim"):
+        check_mgpu_inputs(jnp.zeros((1, 1, 128, 48), bf), jnp.zeros((128, 1, 48), bf), jnp.zeros((128, 1, 48), bf), 64)
+    with pytest.raises(ValueError, match="16-bit dtype"):
+        check_mgpu_inputs(jnp.zeros((1, 1, 128, 64), jnp.float32), pool, pool, 64)
