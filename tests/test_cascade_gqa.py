@@ -35,6 +35,30 @@ def test_verify_matches_dense_attention(n, group, page, dtype, tol):
     assert rel_err(out, composed) < 1e-2
 
 
+def test_verify_through_the_mosaic_gpu_prefix_kernel():
+    """CascadeConfig(prefix_kernel="mosaic_gpu") (experimental; Pallas' GPU interpreter here): the
+    prefix half over whole pages plus the window over the partial page equals dense attention."""
+    rng = np.random.default_rng(5)
+    b, hkv, group, d, n, page = 2, 2, 4, 64, 32, 64
+    lengths = np.array([100, 7], np.int32)
+    k, v, table = poisoned_paged_pools(rng, b, 100 + n, hkv, d, page, jnp.bfloat16,
+                                       lambda bb, pos: pos < lengths[bb] + n)
+    q = jnp.asarray(rng.standard_normal((b, n, hkv * group, d)), jnp.bfloat16)
+    mask = ancestor_mask(random_parents(rng, b, n))
+    lengths = jnp.asarray(lengths)
+    cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu")
+    out = verify_attention(q, k, v, table, lengths, mask, config=cfg)
+    dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
+    assert rel_err(out, dense) < 1e-2
+    with pytest.raises(ValueError, match="prefix_kernel must be one of"):
+        CascadeConfig(page_size=page, prefix_kernel="cuda")
+    with pytest.raises(ValueError, match="does not split the key axis"):
+        CascadeConfig(page_size=page, prefix_kernel="mosaic_gpu", num_splits=4)
+    with pytest.raises(ValueError, match="page_size must be 64 or 128"):
+        verify_attention(q, k, v, table, lengths, mask,
+                         config=CascadeConfig(page_size=32, backend="interpret", prefix_kernel="mosaic_gpu"))
+
+
 def lane_masks(rng, batch, k, step):
     """Lane masks after draft step `step` (SEMANTICS): seed lane r has bit r; the lane chosen as lane r
     at step s has its parent lane's bits | bit s*K + r."""

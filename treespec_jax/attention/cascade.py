@@ -29,9 +29,13 @@ import jax.numpy as jnp
 
 from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to_rows, padded_rows,
                                                     prefix_decode, prefix_decode_row_layout, rows_to_heads)
+from pallas_kernels.attention.prefix_decode_mgpu import check_mgpu_inputs, prefix_decode_mgpu_row_layout
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
 from pallas_kernels.common import resolve_backend
 from treespec_jax.tree.masks import MAX_TREE_NODES
+
+
+PREFIX_KERNELS = ("triton", "mosaic_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +50,17 @@ class CascadeConfig:
     backend: str | None = None
     # Native FP8 x FP8 score dot in the prefix half on GPU (else FP8 K is widened to bf16).
     fp8_score_dot: bool = False
+    # Prefix-half kernel: "triton" (Pallas Triton, every shape) or "mosaic_gpu" (EXPERIMENTAL and
+    # never compiled yet: wgmma/TMA over whole pages, 16-bit pools, page 64/128, no key split; the
+    # window kernel then covers the partial last page). See prefix_decode_mgpu.
+    prefix_kernel: str = "triton"
 
     def __post_init__(self):
+        if self.prefix_kernel not in PREFIX_KERNELS:
+            raise ValueError(f"CascadeConfig.prefix_kernel must be one of {PREFIX_KERNELS}, got {self.prefix_kernel!r}")
+        if self.prefix_kernel == "mosaic_gpu" and self.num_splits not in (None, 1):
+            raise ValueError(f"CascadeConfig: the mosaic_gpu prefix kernel does not split the key axis, "
+                             f"got num_splits={self.num_splits}")
         if self.page_size < 16 or self.page_size & (self.page_size - 1):
             raise ValueError(f"CascadeConfig.page_size must be a power of two >= 16, got {self.page_size}")
         if self.scale is not None and not self.scale > 0:
@@ -89,26 +102,35 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
     if k_pool.shape[-1] != d or v_pool.shape[-1] != d or d < 16 or d & (d - 1):
         raise ValueError(f"cascade_attention: head dims q {d}, k {k_pool.shape[-1]}, v {v_pool.shape[-1]} "
                          "must match and be a power of two >= 16")
+    mosaic = config.prefix_kernel == "mosaic_gpu"
+    if mosaic:
+        check_mgpu_inputs(jax.ShapeDtypeStruct((b, k_pool.shape[1], padded_rows(r * (hq // k_pool.shape[1])), d),
+                                               q.dtype), k_pool, v_pool, config.page_size)
     return _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, window=window,
                          page_size=config.page_size, scale=scale, num_splits=config.num_splits,
-                         fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret")
+                         fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret", mosaic=mosaic)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "num_splits", "fp8_score_dot",
-                                             "interpret"))
+                                             "interpret", "mosaic"))
 def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window, page_size, scale,
-                  num_splits, fp8_score_dot, interpret):
+                  num_splits, fp8_score_dot, interpret, mosaic=False):
     b, r, hq, d = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
     qr = heads_to_rows(q, hkv, padded_rows(r * group))
-    prefix_out, prefix_lse2 = prefix_decode_row_layout(
-        qr, k_pool, v_pool, page_table, prefix_lengths, query_rows=r, group=group, page_size=page_size,
-        scale=scale, num_splits=num_splits, interpret=interpret, fp8_score_dot=fp8_score_dot)
+    if mosaic:
+        prefix_out, prefix_lse2 = prefix_decode_mgpu_row_layout(
+            qr, k_pool, v_pool, page_table, prefix_lengths, query_rows=r, group=group, page_size=page_size,
+            scale=scale, interpret=interpret)
+    else:
+        prefix_out, prefix_lse2 = prefix_decode_row_layout(
+            qr, k_pool, v_pool, page_table, prefix_lengths, query_rows=r, group=group, page_size=page_size,
+            scale=scale, num_splits=num_splits, interpret=interpret, fp8_score_dot=fp8_score_dot)
     out = tree_window_row_layout(
         qr, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2,
         query_rows=r, group=group, window=window, page_size=page_size, scale=scale, causal_prefix=True,
-        value_dim=d, interpret=interpret)
+        value_dim=d, interpret=interpret, prefix_whole_pages=mosaic)
     return rows_to_heads(out, r, hq)
 
 
