@@ -6,8 +6,9 @@
    in every slot no request owns): `prefix_decode_mgpu_row_layout` against a dense fp32 attention
    over whole pages below P (its contract), then prefix + `tree_window_row_layout(...,
    prefix_whole_pages=True)` against one dense fp32 attention of the whole verify.
-2. Timing (bf16, Hq=32, Hkv=8, D=128, N=64, page 64, random page tables): the Mosaic GPU prefix
-   against the Pallas Triton `prefix_decode_row_layout` on the same inputs, and both cascades.
+2. Timing (bf16, Hq=32, Hkv=8, D=128, N=64, page 64, random page tables; B=32/P=32k, B=64/P=4k,
+   B=1/P=32k with a key split): the Mosaic GPU prefix (turn-taking on/off, 2 or 3 stages) against
+   the Pallas Triton `prefix_decode_row_layout` on the same inputs, and both cascades.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def timing():
     hq, hkv, d, n = 32, 8, 128, 64
     g = hq // hkv
     total = padded_rows(n * g)
-    for b, p in ((32, 32768), (64, 4096)):
+    for b, p in ((32, 32768), (64, 4096), (1, 32768)):
         rng = np.random.default_rng(b)
         per_req = (p + n) // PAGE + 1
         table = jnp.asarray(rng.permutation(b * per_req).reshape(b, per_req), jnp.int32)
@@ -104,6 +105,8 @@ def timing():
                                          .astype(np.int32)))
         kw = dict(query_rows=n, group=g, page_size=PAGE, scale=d ** -0.5)
         mg = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, **kw))
+        mg_serial = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, pingpong=False, **kw))
+        mg_stages3 = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, stages=3, **kw))
         tr = jax.jit(lambda *a: prefix_decode_row_layout(*a, **kw))
 
         def cascade(prefix, whole):
@@ -115,7 +118,10 @@ def timing():
 
         flop = 4 * b * n * hq * (p + n) * d
         res = {}
-        for name, fn, args in (("mgpu prefix", mg, (qr, k, v, table, lens)), ("triton prefix", tr, (qr, k, v, table, lens)),
+        for name, fn, args in (("mgpu prefix", mg, (qr, k, v, table, lens)),
+                               ("mgpu prefix, no turn-taking", mg_serial, (qr, k, v, table, lens)),
+                               ("mgpu prefix, 3 stages", mg_stages3, (qr, k, v, table, lens)),
+                               ("triton prefix", tr, (qr, k, v, table, lens)),
                                ("mgpu cascade", cascade(mg, True), (qr, k, v, table, lens, mask)),
                                ("triton cascade", cascade(tr, False), (qr, k, v, table, lens, mask))):
             try:

@@ -32,14 +32,14 @@ def whole_page_prefix_reference(q, k, v, table, lengths, r, scale):
     return dense_attention_reference(q.astype(jnp.float32), kk, vv, pos[:, None, :] < hi[:, :, None], scale)
 
 
-@pytest.mark.parametrize("r,g,lengths", [
-    (32, 4, [0, 70, 200]),  # P = 0, partial last pages
+@pytest.mark.parametrize("r,g,lengths,splits,pingpong", [
+    (32, 4, [0, 70, 200], 1, True),  # P = 0, partial last pages
     # Two 128-row CTAs per KV head: at P = 260 the first one's bound (P - 32) ends mid-page below
-    # the last whole page, so its last block is partly masked.
-    (64, 4, [260, 130, 20]),
-    (16, 8, [20, 128, 300]),  # P < R, P a whole number of pages, group 8
+    # the last whole page, so its last block is partly masked. Three key splits (one may be empty).
+    (64, 4, [260, 130, 20], 3, True),
+    (16, 8, [20, 128, 300], 2, False),  # P < R, P a whole number of pages, group 8, no turn-taking
 ])
-def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths):
+def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong):
     rng = np.random.default_rng(r * g)
     b, hkv, d = len(lengths), 2, 64
     lengths = np.asarray(lengths, np.int32)
@@ -50,7 +50,8 @@ def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths):
     total = padded_rows(r * g)
     qr = heads_to_rows(q, hkv, total)
     out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
-                                             scale=d ** -0.5, interpret=True)
+                                             scale=d ** -0.5, num_splits=splits, pingpong=pingpong,
+                                             interpret=True)
     ref_out, ref_lse = whole_page_prefix_reference(q, k, v, table, lens, r, d ** -0.5)
     assert rel_err(rows_to_heads(out, r, hkv * g), ref_out) < 1e-2
     got_lse = np.asarray(rows_to_heads(lse, r, hkv * g))

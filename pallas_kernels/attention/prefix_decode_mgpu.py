@@ -22,11 +22,13 @@ Row r sees keys [0, min(P - R + 1 + r, whole)) with whole = (P // page_size) * p
 anything (NaN included), which a zero softmax weight would still turn into NaN. The window kernel
 covers the rest of each row's prefix (`tree_window_attention(..., prefix_whole_pages=True)`).
 
-Layout of one CTA (grid (row tiles of 128, Hkv, B)): warpgroups 0 and 1 each own 64 query rows and
-run the online softmax with wgmma (QK^T and PV from shared memory, fp32 accumulators in registers);
-warpgroup 2 only issues TMA copies of one page of K and of V per step into a ring of `stages`
-buffers, reading the page id from the table, and waits until both compute warpgroups released a
-buffer before refilling it. Steps whose keys every row of a warpgroup sees run without masks.
+Layout of one CTA (grid (row tiles of 128, key splits, Hkv, B)): warpgroups 0 and 1 each own 64
+query rows and run the online softmax with wgmma (QK^T and PV from shared memory, fp32 accumulators
+in registers), taking turns on the tensor cores (`pingpong`) so one's softmax overlaps the other's
+matmuls; warpgroup 2 only issues TMA copies of one page of K and of V per step into a ring of
+`stages` buffers, reading the page id from the table, and waits until both compute warpgroups
+released a buffer before refilling it. Steps whose keys every row of a warpgroup sees run without
+masks. A small grid splits the key axis; the partials merge by LSE (`prefix_decode.merge_splits`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.attention.prefix_decode import default_num_splits, merge_splits
 
 LOG2E = math.log2(math.e)
 ROWS_PER_WG = 64
@@ -68,13 +72,26 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int):
                          f"{qr.dtype}, {k_pool.dtype}, {v_pool.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "num_splits",
+                                             "pingpong", "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
-                                  page_size: int, scale: float, stages: int = 2, interpret: bool = False):
-    """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `interpret` runs
-    Pallas' Mosaic GPU interpreter (CPU tests)."""
+                                  page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
+                                  pingpong: bool = True, interpret: bool = False):
+    """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
+    per (row tile, KV head, request) along the key axis, merged by LSE (None: split only when the
+    grid leaves SMs idle, as `prefix_decode.default_num_splits`); `pingpong`: the two compute
+    warpgroups take turns on the tensor cores (one's softmax overlaps the other's matmuls);
+    `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     check_mgpu_inputs(qr, k_pool, v_pool, page_size)
+    if stages < 2:
+        raise ValueError(f"prefix_decode_mgpu: stages must be >= 2, got {stages}")
     b, hkv, total, d = qr.shape
+    max_pages = page_table.shape[1]
+    tiles = total // ROWS_PER_CTA
+    splits = num_splits or default_num_splits(b, hkv, tiles, max_pages)
+    if splits < 1:
+        raise ValueError(f"prefix_decode_mgpu: num_splits must be >= 1, got {num_splits}")
+    steps_per_split = -(-max_pages // splits)
     dtype = qr.dtype
     block = page_size
     scale2 = float(scale) * LOG2E
@@ -82,7 +99,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     out_tf = _smem_transforms(d, jnp.float32)
 
     def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped):
-        (q_smem, k_smem, v_smem, o_smem, lse_smem), (q_ready, k_ready, v_ready), (k_free, v_free) = scoped
+        (q_smem, k_smem, v_smem, o_smem, lse_smem), (q_ready, k_ready, v_ready), (k_free, v_free), turn = scoped
+        split = lax.axis_index("splits")
         bi = lax.axis_index("batch")
         head = lax.axis_index("heads")
         tile = lax.axis_index("tiles")
@@ -96,6 +114,13 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
         # Blocks up to cta_hi, rounded up: cta_hi <= whole, so every block read is a whole page
         # below P (finite values); per-row bounds are masked in the last steps.
         steps = lax.div(cta_hi + block - 1, jnp.int32(block))
+        # This CTA's share of the key blocks (a trailing split may get none).
+        lo = split * steps_per_split
+        hi = jnp.maximum(jnp.minimum(lo + steps_per_split, steps), lo)
+
+        def take_turn():
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -109,15 +134,17 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             row_hi = jnp.minimum(length - query_rows + 1 + lax.div(row, jnp.int32(group)), whole)  # [rows, block]
             # Keys below the first row's bound are seen by every row of this warpgroup.
             first_hi = jnp.clip(length - query_rows + 1 + lax.div(row0, jnp.int32(group)), 0, whole)
-            open_steps = jnp.minimum(lax.div(first_hi, jnp.int32(block)), steps)
+            open_end = jnp.clip(lax.div(first_hi, jnp.int32(block)), lo, hi)
 
             def step(i, carry, masked: bool):
                 acc, m, l = carry
-                slot = lax.rem(i, jnp.int32(stages))
+                slot = lax.rem(i - lo, jnp.int32(stages))
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def scores(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                    if pingpong:
+                        take_turn()  # the other warpgroup's matmuls go next
                     return acc_ref[...]
 
                 s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
@@ -130,7 +157,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                 p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_use, shape, [0]))
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if pingpong:
+                    plgpu.barrier_arrive(turn)  # softmax done
                 plgpu.barrier_wait(v_ready.at[slot])
+                if pingpong:
+                    plgpu.barrier_wait(turn)  # the tensor cores are ours again
 
                 if interpret:
                     # The GPU interpreter can neither run run_state nor store into an accumulator,
@@ -147,34 +178,38 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             m = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, d), jnp.float32), plgpu.Layout.WGMMA)
-            carry = lax.fori_loop(0, open_steps, functools.partial(step, masked=False), (acc, m, l))
-            acc, m, l = lax.fori_loop(open_steps, steps, functools.partial(step, masked=True), carry)
+            if pingpong:
+                pl.when(wg == 1)(take_turn)  # start half a step behind warpgroup 0
+            carry = lax.fori_loop(lo, open_end, functools.partial(step, masked=False), (acc, m, l))
+            acc, m, l = lax.fori_loop(open_end, hi, functools.partial(step, masked=True), carry)
+            if pingpong:
+                pl.when(wg == 0)(take_turn)
             seen = l > 0
             l_safe = jnp.where(seen, l, 1.0)
             o_smem.at[wg][...] = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
                                            acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
             lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[bi, head, pl.ds(row0, ROWS_PER_WG)])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[bi, head, pl.ds(row0, ROWS_PER_WG)])
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[split, bi, head, pl.ds(row0, ROWS_PER_WG)])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[split, bi, head, pl.ds(row0, ROWS_PER_WG)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
-            @pl.loop(0, steps)
+            @pl.loop(lo, hi)
             def _fetch(i):
-                slot = lax.rem(i, jnp.int32(stages))
+                slot = lax.rem(i - lo, jnp.int32(stages))
                 page_rows = pl.ds(pt_gmem[bi, i] * block, block)
 
-                @pl.when(i >= stages)
+                @pl.when(i - lo >= stages)
                 def _():
                     plgpu.barrier_wait(k_free.at[slot])
 
                 plgpu.copy_gmem_to_smem(k_gmem.at[page_rows, head], k_smem.at[slot], k_ready.at[slot])
 
-                @pl.when(i >= stages)
+                @pl.when(i - lo >= stages)
                 def _():
                     plgpu.barrier_wait(v_free.at[slot])
 
@@ -182,9 +217,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
 
             # Observe the last release of every buffer used, so no barrier phase is left unseen
             # when the scope ends (the GPU interpreter checks this).
-            @pl.loop(jnp.maximum(steps - stages, 0), steps)
+            @pl.loop(jnp.maximum(hi - stages, lo), hi)
             def _drain(i):
-                slot = lax.rem(i, jnp.int32(stages))
+                slot = lax.rem(i - lo, jnp.int32(stages))
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
@@ -199,22 +234,25 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             (plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=stages)),
             (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             collective_axes="wg",
         )
 
     out, lse = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((b, hkv, total, d), jnp.float32),
-                  jax.ShapeDtypeStruct((b, hkv, total), jnp.float32)),
-        grid=(total // ROWS_PER_CTA, hkv, b),
-        grid_names=("tiles", "heads", "batch"),
+        out_type=(jax.ShapeDtypeStruct((splits, b, hkv, total, d), jnp.float32),
+                  jax.ShapeDtypeStruct((splits, b, hkv, total), jnp.float32)),
+        grid=(tiles, splits, hkv, b),
+        grid_names=("tiles", "splits", "heads", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         # Pallas' GPU interpreter simulates shared memory, TMA and barriers on the CPU.
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(qr, k_pool, v_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
-    return out, lse
+    if splits > 1:
+        return merge_splits(out, lse)
+    return out[0], lse[0]
 
 
 __all__ = ["prefix_decode_mgpu_row_layout", "check_mgpu_inputs"]
