@@ -51,7 +51,7 @@ def pools(rng, b, lengths, w, hkv, d, dtype):
     return jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table)
 
 
-def conformance() -> bool:
+def conformance(interpret: bool = False) -> bool:
     rng = np.random.default_rng(0)
     b, hkv, g, d, r = 3, 2, 4, 128, 64
     lengths = np.array([0, 100, 1000], np.int32)
@@ -61,7 +61,7 @@ def conformance() -> bool:
     total = padded_rows(r * g)
     qr = heads_to_rows(q, hkv, total)
     out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
-                                             scale=d ** -0.5)
+                                             scale=d ** -0.5, interpret=interpret)
     t = table.shape[1] * PAGE
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     kk, vv = _gather_positions(k, table, pos, PAGE), _gather_positions(v, table, pos, PAGE)
@@ -78,7 +78,8 @@ def conformance() -> bool:
     mask = ancestor_mask(jnp.asarray(np.stack([np.r_[-1, rng.integers(0, np.arange(1, r))] for _ in range(b)])
                                      .astype(np.int32)))
     win = tree_window_row_layout(qr, k, v, table, lens, mask, out, lse, query_rows=r, group=g, window=r,
-                                 page_size=PAGE, scale=d ** -0.5, value_dim=d, prefix_whole_pages=True)
+                                 page_size=PAGE, scale=d ** -0.5, value_dim=d, prefix_whole_pages=True,
+                                 interpret=interpret)
     cas = jnp.transpose(win[:, :, : r * g].reshape(b, hkv, r, g, d), (0, 2, 1, 3, 4)).reshape(b, r, hkv * g, d)
     dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=r, page_size=PAGE, scale=d ** -0.5)
     e_cas = rel_err(cas, dense)
@@ -135,13 +136,14 @@ def timing():
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--interpret", action="store_true", help="conformance only, in the interpreters (CPU)")
     a = ap.parse_args()
     try:
-        ok = conformance()
+        ok = conformance(a.interpret)
     except Exception:  # noqa: BLE001 - the first run is expected to find lowering problems
         traceback.print_exc()
         return 1
-    if ok and not a.skip_timing:
+    if ok and not (a.skip_timing or a.interpret):
         timing()
     return 0 if ok else 1
 
