@@ -28,8 +28,7 @@ from benchmarks.report import log, rel_err  # noqa: E402
 from benchmarks.timing import measure_matmul_flops, median_time  # noqa: E402
 from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, prefix_decode_row_layout  # noqa: E402
 from pallas_kernels.attention.prefix_decode_mgpu import prefix_decode_mgpu_row_layout  # noqa: E402
-from pallas_kernels.attention.reference import (_gather_positions, cascade_dense_reference,  # noqa: E402
-                                                dense_attention_reference)
+from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference  # noqa: E402
 from pallas_kernels.attention.tree_window import tree_window_row_layout  # noqa: E402
 from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
 
@@ -62,13 +61,8 @@ def conformance(interpret: bool = False) -> bool:
     qr = heads_to_rows(q, hkv, total)
     out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
                                              scale=d ** -0.5, interpret=interpret)
-    t = table.shape[1] * PAGE
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    kk, vv = _gather_positions(k, table, pos, PAGE), _gather_positions(v, table, pos, PAGE)
-    whole = (lens // PAGE) * PAGE
-    hi = jnp.minimum(lens[:, None] - r + 1 + jnp.arange(r)[None, :], whole[:, None])
-    ref_out, ref_lse = dense_attention_reference(q.astype(jnp.float32), kk, vv, pos[:, None, :] < hi[:, :, None],
-                                                 d ** -0.5)
+    ref_out, ref_lse = prefix_decode_reference(q, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
+                                               whole_pages=True)
     got = jnp.transpose(out[:, :, : r * g].reshape(b, hkv, r, g, d), (0, 2, 1, 3, 4)).reshape(b, r, hkv * g, d)
     e_out = rel_err(got, ref_out)
     lse_rows = jnp.transpose(lse[:, :, : r * g].reshape(b, hkv, r, g), (0, 2, 1, 3)).reshape(b, r, hkv * g)

@@ -13,23 +13,11 @@ from trees import random_parents
 
 from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads
 from pallas_kernels.attention.prefix_decode_mgpu import check_mgpu_inputs, prefix_decode_mgpu_row_layout
-from pallas_kernels.attention.reference import (_gather_positions, cascade_dense_reference,
-                                                dense_attention_reference)
+from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference
 from pallas_kernels.attention.tree_window import tree_window_row_layout
 from treespec_jax.tree.masks import ancestor_mask
 
 PAGE = 64
-
-
-def whole_page_prefix_reference(q, k, v, table, lengths, r, scale):
-    """Dense fp32 attention of row r over keys [0, min(P - R + 1 + r, (P // page) * page))."""
-    b = q.shape[0]
-    t = table.shape[1] * PAGE
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    kk, vv = _gather_positions(k, table, pos, PAGE), _gather_positions(v, table, pos, PAGE)
-    whole = (lengths // PAGE) * PAGE
-    hi = jnp.minimum(lengths[:, None] - r + 1 + jnp.arange(r)[None, :], whole[:, None])
-    return dense_attention_reference(q.astype(jnp.float32), kk, vv, pos[:, None, :] < hi[:, :, None], scale)
 
 
 @pytest.mark.parametrize("r,g,lengths,splits,pingpong", [
@@ -52,7 +40,8 @@ def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong):
     out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
                                              scale=d ** -0.5, num_splits=splits, pingpong=pingpong,
                                              interpret=True)
-    ref_out, ref_lse = whole_page_prefix_reference(q, k, v, table, lens, r, d ** -0.5)
+    ref_out, ref_lse = prefix_decode_reference(q, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
+                                               whole_pages=True)
     assert rel_err(rows_to_heads(out, r, hkv * g), ref_out) < 1e-2
     got_lse = np.asarray(rows_to_heads(lse, r, hkv * g))
     fin = np.isfinite(np.asarray(ref_lse))

@@ -215,8 +215,7 @@ def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r):
     partial over keys [0, min(P - R + 1 + r, whole)), the window kernel adds the rest of the prefix
     and the tree window; the merge equals one dense attention. R < page and R > page both run."""
     from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads
-    from pallas_kernels.attention.reference import (_gather_positions, cascade_dense_reference,
-                                                    dense_attention_reference)
+    from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference
     from pallas_kernels.attention.tree_window import tree_window_row_layout
 
     rng = np.random.default_rng(70 + r)
@@ -229,13 +228,8 @@ def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r):
     mask = ancestor_mask(jnp.asarray(parents))
     lens = jnp.asarray(lengths)
     # Prefix partial over whole pages only.
-    t = table.shape[1] * page
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    kk, vv = _gather_positions(k, table, pos, page), _gather_positions(v, table, pos, page)
-    whole = (lens // page) * page
-    hi = jnp.minimum(lens[:, None] - r + 1 + jnp.arange(r)[None, :], whole[:, None])  # [B, R]
-    vis = pos[:, None, :] < hi[:, :, None]
-    p_out, p_lse = dense_attention_reference(q, kk, vv, vis, d ** -0.5)
+    p_out, p_lse = prefix_decode_reference(q, k, v, table, lens, page_size=page, scale=d ** -0.5,
+                                           whole_pages=True)
     total = padded_rows(r * g)
     out = tree_window_row_layout(
         heads_to_rows(q, hkv, total), k, v, table, lens, mask, heads_to_rows(p_out, hkv, total),

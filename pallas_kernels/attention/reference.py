@@ -85,13 +85,14 @@ def dense_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, visible:
 
 
 def prefix_decode_reference(q, k_pool, v_pool, page_table, lengths, *, page_size: int, scale: float,
-                            sliding_window: int | None = None):
+                            sliding_window: int | None = None, whole_pages: bool = False):
     """fp32 causal multi-query paged decode.
 
     `q [B, R, Hq, D]`, pools `[S, Hkv, D]`, `page_table [B, maxp] int32`, `lengths [B] int32`
     -> (out `[B, R, Hq, D]` f32, lse2 `[B, R, Hq]` f32). Row r sees keys
-    `[max(0, lim - sliding_window), lim)` with `lim = max(0, P - R + 1 + r)`. Under an FP8 pool the
-    query is quantised to FP8 first, exactly as the kernel does.
+    `[max(0, lim - sliding_window), lim)` with `lim = max(0, P - R + 1 + r)`, capped at
+    (P // page_size) * page_size with `whole_pages` (the Mosaic GPU prefix half's contract). Under
+    an FP8 pool the query is quantised to FP8 first, exactly as the kernel does.
     """
     q = quantize_query_for_pool(q, k_pool.dtype)
     b, r = q.shape[:2]
@@ -100,6 +101,8 @@ def prefix_decode_reference(q, k_pool, v_pool, page_table, lengths, *, page_size
     k = _gather_positions(k_pool, page_table, pos, page_size)
     v = _gather_positions(v_pool, page_table, pos, page_size)
     lim = lengths[:, None] - r + 1 + jnp.arange(r)[None, :]  # [B, R]
+    if whole_pages:
+        lim = jnp.minimum(lim, ((lengths // page_size) * page_size)[:, None])
     visible = pos[:, None, :] < lim[:, :, None]
     if sliding_window is not None:
         visible &= pos[:, None, :] >= (lim - sliding_window)[:, :, None]
