@@ -5,9 +5,10 @@ Modes (`GdnStateMode`):
                `chunked_tree_verify`, trees of GDN_TREE_VERIFY_CHUNKED_MIN_NODES ..
                GDN_TREE_VERIFY_CHUNKED_MAX_NODES nodes run the chunked tree form (no node states at
                all); other trees run the recurrent kernel, which keeps up to
-               `GdnKernelConfig.branch_slots` branch-point states in register slots and stores only
-               the spilled ones (no free slot) in the one workspace every layer shares (`[B, T, HV,
-               dk, dv]`, one layer's worth), reloading a spilled branch's parent from there.
+               `GdnKernelConfig.branch_slots` branch-point states in register slots (default none:
+               slots measured slower on the H200) and stores the rest (spilled: no free slot) in
+               the one workspace every layer shares (`[B, T, HV, dk, dv]`, one layer's worth),
+               reloading a spilled branch's parent from there.
                Verify writes each node's replay payload row `[k | v | a | b]`; the commit packs the
                accepted path's rows to the window front (`pallas_kernels.row_move.move_rows`) and
                replays min(accept_len, T) of them over the committed state in place.
