@@ -299,6 +299,10 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, s
     plans = {s: jax.block_until_ready(branch_slot_plan(parents, s)) for s in slots_list}
     eagle_plans = {s: jax.block_until_ready(branch_slot_plan(eagle, s)) for s in slots_list} if eagle_trees else {}
     knobs = tuple(launch) if launch else ()
+
+    def kernel_config(slots=None):
+        # launch = (block_v, warps, stages[, value_major]) from --sweep-recurrent ("32:4:1:v").
+        return GdnKernelConfig(*knobs[:3], branch_slots=slots, value_major=len(knobs) > 3 and bool(knobs[3]))
     ccfg = GdnKernelConfig(*chunked_launch) if chunked_launch else GdnKernelConfig()
     nodes = jnp.zeros((bsz, t, d["HV"], d["DK"], d["DV"]), jnp.float32)
     payload = jnp.zeros((bsz, t, width(d)), dtype)
@@ -306,7 +310,7 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, s
     res = {}
 
     def verify_step(is_tree, store, chunked=False, slots=0, drafter_tree=False):
-        kcfg = GdnKernelConfig(*knobs, branch_slots=slots)
+        kcfg = kernel_config(slots)
         tree_parents, tree_plans = (eagle, eagle_plans) if drafter_tree else (parents, plans)
 
         def step(c):
@@ -335,11 +339,10 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, s
         step = verify_step(is_tree, store, slots=slots or 0, drafter_tree=name.startswith("eagle"))
         res[name], carry = time_step(step, carry)
         if is_tree:
-            res[f"launch@{slots}"] = pick_launch(dims_of(d, bsz, t), GdnKernelConfig(*knobs, branch_slots=slots),
-                                                 branch_slots=slots)
+            res[f"launch@{slots}"] = pick_launch(dims_of(d, bsz, t), kernel_config(slots), branch_slots=slots)
         log(f"    {name} {res[name]*1e6:.1f}us (compile+time {time.time() - t0:.1f}s)")
     if sweep != "chunked":
-        res["launch_chain"] = pick_launch(dims_of(d, bsz, t), GdnKernelConfig(*knobs))
+        res["launch_chain"] = pick_launch(dims_of(d, bsz, t), kernel_config())
     if t <= 16:
         res["tree_chunked"], carry = time_step(verify_step(True, None, chunked=True), carry)
     br = np.asarray(branch_points(parents))
@@ -355,7 +358,7 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, s
     # ReplaySSM commit along the greedy-first path (row move + replay).
     path_np, acc_np = random_path(rng, np.asarray(parents))
     path, acc = jnp.asarray(path_np), jnp.asarray(acc_np)
-    cfg = GdnLayerConfig(d["H"], d["HV"], d["DK"], d["DV"], kernel=GdnKernelConfig(*knobs))
+    cfg = GdnLayerConfig(d["H"], d["HV"], d["DK"], d["DV"], kernel=GdnKernelConfig(*knobs[:3]))
 
     def commit_step(c):
         pool, pl_ = c
@@ -370,7 +373,8 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, s
 
 
 def parse_launch(text):
-    return [tuple(int(v) for v in item.split(":")) for item in text.split(",") if item]
+    """"block_v:warps:stages[:v],..." -> tuples; a trailing "v" = value-major state tiles (1)."""
+    return [tuple(1 if v == "v" else int(v) for v in item.split(":")) for item in text.split(",") if item]
 
 
 def parse_slots(text):
@@ -553,7 +557,8 @@ def main(argv=None) -> int:
                         "chain of the same run (0 = the pre-slot workspace path)")
     p.add_argument("--no-drafter-trees", action="store_true",
                    help="time only the bench's random trees, not also drafter-shaped (select_tree) trees")
-    p.add_argument("--sweep-recurrent", default="", help="block_v:warps:stages,... for the recurrent kernels")
+    p.add_argument("--sweep-recurrent", default="",
+                   help="block_v:warps:stages[:v],... for the recurrent kernels (v: value-major state tiles)")
     p.add_argument("--sweep-chunked", default="", help="block_v:warps:stages,... for the chunked form")
     p.add_argument("--sweep-at", default="32x16", help="BxT configs the sweeps run at")
     p.add_argument("--inner", type=int, default=INNER, help="kernel calls per timed jit call")

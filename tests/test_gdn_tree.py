@@ -52,10 +52,11 @@ def _check_replay_workspace(ws, parents, plan, slots, ref_states, staged_states)
     return spill
 
 
-# slots 0 (every branch point to the workspace), 1 (random trees overflow it) and 2 (the default).
-@pytest.mark.parametrize("t, l2, slots", [(1, True, 2), (6, False, 0), (14, True, 2), (33, False, 1),
-                                          (64, True, 2)])
-def test_recurrent_tree_staged_and_replay(t, l2, slots):
+# slots 0 (every branch point to the workspace, the default), 1 (random trees overflow it) and 2;
+# vm = value-major state tiles in registers.
+@pytest.mark.parametrize("t, l2, slots, vm", [(1, True, 2, False), (6, False, 0, True), (14, True, 2, False),
+                                              (33, False, 1, True), (64, True, 2, False)])
+def test_recurrent_tree_staged_and_replay(t, l2, slots, vm):
     rng = np.random.default_rng(100 + t)
     x = random_inputs(rng, B, t)
     parents = random_tree(rng, B, t)
@@ -65,7 +66,7 @@ def test_recurrent_tree_staged_and_replay(t, l2, slots):
     plan = branch_slot_plan(jnp.asarray(parents), slots)
 
     staged = gdn_tree_verify(*args, jnp.asarray(parents), _nan_states(t), store="every_node",
-                             use_qk_l2norm=l2, config=GdnKernelConfig(branch_slots=slots),
+                             use_qk_l2norm=l2, config=GdnKernelConfig(branch_slots=slots, value_major=vm),
                              backend="interpret")
     assert rel_err(staged.out, ref_out) < TOL
     assert rel_err(staged.node_states, ref_states) < TOL  # every scratch row written (NaN fails)
@@ -73,7 +74,8 @@ def test_recurrent_tree_staged_and_replay(t, l2, slots):
     # ReplaySSM here runs with dv split into two tiles of 8 columns (one program each).
     replay = gdn_tree_verify(*args, jnp.asarray(parents), _nan_states(t), store="branch_points",
                              payload=_nan_payload(t), plan=plan, use_qk_l2norm=l2,
-                             config=GdnKernelConfig(block_v=8, branch_slots=slots), backend="interpret")
+                             config=GdnKernelConfig(block_v=8, branch_slots=slots, value_major=vm),
+                             backend="interpret")
     assert rel_err(replay.out, ref_out) < TOL
     assert rel_err(replay.out, staged.out) < 1e-6
     # The committed pool is only read.
@@ -346,9 +348,10 @@ def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
            sd((bsz, t, hv), jnp.bfloat16), sd((bsz, t, hv), jnp.bfloat16), sd((hv,), jnp.float32),
            sd((hv,), jnp.float32), sd((bsz + 1, hv, dk, dv), jnp.float32), sd((bsz,), jnp.int32))
     nodes = sd((bsz, t, hv, dk, dv), jnp.float32)
-    for slots, store, tree in ((2, "branch_points", True), (0, "branch_points", True), (2, "every_node", True),
-                               (2, "branch_points", False)):
-        cfg = GdnKernelConfig(branch_slots=slots)
+    for slots, store, tree, vm in ((2, "branch_points", True, False), (0, "branch_points", True, True),
+                                   (2, "every_node", True, True), (2, "branch_points", False, False),
+                                   (0, "branch_points", False, True)):
+        cfg = GdnKernelConfig(branch_slots=slots, value_major=vm)
 
         def fn(*a):
             parents = branch_slot_plan_input = None

@@ -63,8 +63,14 @@ class GdnKernelConfig:
     # None = DEFAULT_BRANCH_SLOTS. 0 stores every branch point to the workspace (no slots). Only the
     # tree verify reads it; chains, the chunked form and the replay commit carry no slots.
     branch_slots: int | None = None
+    # Hold the state tile as [block_v, dk] in registers (memory keeps [dk, dv]) so the two per-node
+    # reductions over dk run along the tile's fast axis, as flash-linear-attention's transposed
+    # state layout does. Recurrent tree/chain verify only; not measured on a GPU yet.
+    value_major: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.value_major, bool):
+            raise ValueError(f"GdnKernelConfig.value_major={self.value_major!r} must be a bool")
         for name in ("block_v", "num_warps", "num_stages"):
             val = getattr(self, name)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
@@ -193,7 +199,14 @@ _LOAD_SHIFT, _SAVE_SHIFT, _SPILL_SHIFT = 16, 20, 24
 def _verify_kernel(parents_ref, save_ref, load_ref, spill_ref, slots_ref, q_ref, k_ref, v_ref, a_ref,
                    b_ref, alog_ref, dtb_ref, pool_ref, _nodes_in_ref, *rest, chain: bool, store: str,
                    nodes: int, group: int, block_v: int, use_qk_l2norm: bool, scale: float,
-                   layout: GdnPayloadLayout | None, compiled: bool, nodes_pow2: int, num_slots: int):
+                   layout: GdnPayloadLayout | None, compiled: bool, nodes_pow2: int, num_slots: int,
+                   value_major: bool = False):
+    # value_major: the state tile lives in registers as [block_v, dk] (memory keeps [dk, dv]), so
+    # both per-node reductions over dk run along the tile's fast axis.
+    def tile_in(x):
+        return x.T if value_major else x
+
+    tile_out = tile_in
     if layout is not None:
         _payload_in_ref, o_ref, nodes_ref, payload_ref = rest
     else:
@@ -234,7 +247,7 @@ def _verify_kernel(parents_ref, save_ref, load_ref, spill_ref, slots_ref, q_ref,
             return ((code >> shift) & 15) - 1
 
     def committed():
-        return pool_ref[slot, hv, :, cols].astype(jnp.float32)
+        return tile_in(pool_ref[slot, hv, :, cols].astype(jnp.float32))
 
     def body(t, carry):
         h, kept = carry[0], carry[1:]
@@ -247,7 +260,7 @@ def _verify_kernel(parents_ref, save_ref, load_ref, spill_ref, slots_ref, q_ref,
                     # The parent's tile was stored by other threads of this program.
                     plgpu.debug_barrier()
                 return jax.lax.cond(p < 0, committed,
-                                    lambda: nodes_ref[b, jnp.maximum(p, 0), hv, :, cols])
+                                    lambda: tile_in(nodes_ref[b, jnp.maximum(p, 0), hv, :, cols]))
 
             def reload():
                 if not num_slots:
@@ -275,15 +288,20 @@ def _verify_kernel(parents_ref, save_ref, load_ref, spill_ref, slots_ref, q_ref,
         q = q * scale
         g, beta = gates(a_raw, b_raw, alog, dtb)
         h = h * jnp.exp(g)
-        delta = beta * (v_raw.astype(jnp.float32) - jnp.sum(h * k[:, None], axis=0))
-        h = h + k[:, None] * delta[None, :]
-        o_ref[b, t, hv, cols] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)
+        if value_major:  # h [block_v, dk]
+            delta = beta * (v_raw.astype(jnp.float32) - jnp.sum(h * k[None, :], axis=1))
+            h = h + delta[:, None] * k[None, :]
+            o_ref[b, t, hv, cols] = jnp.sum(h * q[None, :], axis=1).astype(o_ref.dtype)
+        else:  # h [dk, block_v]
+            delta = beta * (v_raw.astype(jnp.float32) - jnp.sum(h * k[:, None], axis=0))
+            h = h + k[:, None] * delta[None, :]
+            o_ref[b, t, hv, cols] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)
         if store == "every_node":
-            nodes_ref[b, t, hv, :, cols] = h
+            nodes_ref[b, t, hv, :, cols] = tile_out(h)
         elif spill_store:
             @pl.when(((code >> _SPILL_SHIFT) & 1) != 0)
             def _():
-                nodes_ref[b, t, hv, :, cols] = h
+                nodes_ref[b, t, hv, :, cols] = tile_out(h)
         if layout is not None:
             dv = v_ref.shape[-1]
             payload_ref[b, t, pl.ds(layout.v_offset + hv * dv + vt * block_v, block_v)] = v_raw
@@ -301,7 +319,7 @@ def _verify_kernel(parents_ref, save_ref, load_ref, spill_ref, slots_ref, q_ref,
             kept = tuple(jnp.where(save_slot == i, h, kept[i]) for i in range(num_slots))
         return (h, *kept)
 
-    empty = [jnp.zeros((dk, block_v), jnp.float32) for _ in range(num_slots)]
+    empty = [jnp.zeros((block_v, dk) if value_major else (dk, block_v), jnp.float32) for _ in range(num_slots)]
     jax.lax.fori_loop(0, nodes, body, (committed(), *empty))
 
 
@@ -359,7 +377,8 @@ def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, pare
     kernel = functools.partial(
         _verify_kernel, chain=chain, store=store, nodes=dims.nodes, group=dims.group,
         block_v=block_v, use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout,
-        compiled=kind == "compiled", nodes_pow2=max(2, next_pow2(dims.nodes)), num_slots=num_slots)
+        compiled=kind == "compiled", nodes_pow2=max(2, next_pow2(dims.nodes)), num_slots=num_slots,
+        value_major=(config or GdnKernelConfig()).value_major)
     out_shape = [jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(node_states.shape, jnp.float32)]
     args = [parents.astype(jnp.int32), *plan_args, state_slots.astype(jnp.int32), q, k, v, a, b,
             A_log.astype(jnp.float32), dt_bias.astype(jnp.float32), state_pool, node_states]
