@@ -32,3 +32,21 @@ def rel_err(out, ref):
     ref = np.asarray(jnp.asarray(ref, jnp.float32))
     assert np.all(np.isfinite(out)), "non-finite output: poison leaked or an element was not written"
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def verify_case(rng, lengths, rows, hkv, group, width, page, dtype, q_dtype=None):
+    """A poisoned verify problem: pools live at positions < P + rows, random tree masks over `rows`.
+
+    Returns `(q [B, rows, Hkv * group, width], k_pool, v_pool, page_table, lengths [B] int32,
+    mask [B, rows, 2] uint32)`; q is `q_dtype` (default `dtype`).
+    """
+    from treespec_jax.tree.masks import ancestor_mask
+    from trees import random_parents
+
+    lengths = np.asarray(lengths, np.int32)
+    b = len(lengths)
+    k, v, table = poisoned_paged_pools(rng, b, int(lengths.max()) + rows, hkv, width, page, dtype,
+                                       lambda bb, pos: pos < lengths[bb] + rows)
+    q = jnp.asarray(rng.standard_normal((b, rows, hkv * group, width)), q_dtype or dtype)
+    mask = ancestor_mask(jnp.asarray(random_parents(rng, b, rows)))
+    return q, k, v, table, jnp.asarray(lengths), mask

@@ -4,7 +4,7 @@ draft lanes, sliding-window lanes, FP8; and the dense reference against a per-ro
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_fixtures import poisoned_paged_pools, rel_err
+from paged_fixtures import poisoned_paged_pools, rel_err, verify_case
 from trees import random_parents
 
 from pallas_kernels.attention.reference import cascade_dense_reference, sliding_lane_dense_reference
@@ -38,14 +38,9 @@ def test_verify_matches_dense_attention(n, group, page, dtype, tol):
 def test_verify_through_the_mosaic_gpu_prefix_kernel():
     """CascadeConfig(prefix_kernel="mosaic_gpu") (experimental; Pallas' GPU interpreter here): the
     prefix half over whole pages plus the window over the partial page equals dense attention."""
-    rng = np.random.default_rng(5)
-    b, hkv, group, d, n, page = 2, 2, 4, 64, 32, 64
-    lengths = np.array([100, 7], np.int32)
-    k, v, table = poisoned_paged_pools(rng, b, 100 + n, hkv, d, page, jnp.bfloat16,
-                                       lambda bb, pos: pos < lengths[bb] + n)
-    q = jnp.asarray(rng.standard_normal((b, n, hkv * group, d)), jnp.bfloat16)
-    mask = ancestor_mask(random_parents(rng, b, n))
-    lengths = jnp.asarray(lengths)
+    d, n, page = 64, 32, 64
+    q, k, v, table, lengths, mask = verify_case(np.random.default_rng(5), [100, 7], n, 2, 4, d, page,
+                                                jnp.bfloat16)
     cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu")
     out = verify_attention(q, k, v, table, lengths, mask, config=cfg)
     dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)

@@ -8,14 +8,12 @@ compiled kernel (benchmarks/mgpu_prefix_check.py does that on the GPU).
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_fixtures import poisoned_paged_pools, rel_err
-from trees import random_parents
+from paged_fixtures import rel_err, verify_case
 
 from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads
 from pallas_kernels.attention.prefix_decode_mgpu import check_mgpu_inputs, prefix_decode_mgpu_row_layout
 from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference
 from pallas_kernels.attention.tree_window import tree_window_row_layout
-from treespec_jax.tree.masks import ancestor_mask
 
 PAGE = 64
 
@@ -28,13 +26,9 @@ PAGE = 64
     (16, 8, [20, 128, 300], 2, False),  # P < R, P a whole number of pages, group 8, no turn-taking
 ])
 def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong):
-    rng = np.random.default_rng(r * g)
-    b, hkv, d = len(lengths), 2, 64
-    lengths = np.asarray(lengths, np.int32)
-    k, v, table = poisoned_paged_pools(rng, b, int(lengths.max()) + r, hkv, d, PAGE, jnp.bfloat16,
-                                       lambda bb, pos: pos < lengths[bb] + r)
-    q = jnp.asarray(rng.standard_normal((b, r, hkv * g, d)), jnp.bfloat16)
-    lens = jnp.asarray(lengths)
+    hkv, d = 2, 64
+    q, k, v, table, lens, mask = verify_case(np.random.default_rng(r * g), lengths, r, hkv, g, d, PAGE,
+                                             jnp.bfloat16)
     total = padded_rows(r * g)
     qr = heads_to_rows(q, hkv, total)
     out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
@@ -48,7 +42,6 @@ def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong):
     np.testing.assert_array_equal(np.isfinite(got_lse), fin)  # rows that see no key: -inf, out 0
     np.testing.assert_allclose(got_lse[fin], np.asarray(ref_lse)[fin], atol=2e-3)
     # Whole cascade: the window kernel covers the partial last page and the tree window.
-    mask = ancestor_mask(jnp.asarray(random_parents(rng, b, r)))
     win = tree_window_row_layout(qr, k, v, table, lens, mask, out, lse, query_rows=r, group=g, window=r,
                                  page_size=PAGE, scale=d ** -0.5, value_dim=d, interpret=True,
                                  prefix_whole_pages=True)

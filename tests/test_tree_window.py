@@ -4,7 +4,7 @@ reference fed by a reference prefix partial; poison in every slot a row cannot s
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_fixtures import poisoned_paged_pools, rel_err
+from paged_fixtures import poisoned_paged_pools, rel_err, verify_case
 from trees import random_parents
 
 from pallas_kernels.attention.prefix_decode import prefix_decode
@@ -218,15 +218,10 @@ def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r):
     from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference
     from pallas_kernels.attention.tree_window import tree_window_row_layout
 
-    rng = np.random.default_rng(70 + r)
-    b, hkv, g, d, page, w = 3, 2, 2, 16, 16, r
-    lengths = np.array([0, 37, 50], np.int32)  # P = 0, partial last page, P < R for r = 24 on req 0
-    k, v, table = poisoned_paged_pools(rng, b, int(lengths.max()) + w, hkv, d, page, jnp.float32,
-                                       lambda bb, pos: pos < lengths[bb] + w)
-    q = jnp.asarray(rng.standard_normal((b, r, hkv * g, d)), jnp.float32)
-    parents = random_parents(rng, b, w)
-    mask = ancestor_mask(jnp.asarray(parents))
-    lens = jnp.asarray(lengths)
+    hkv, g, d, page, w = 2, 2, 16, 16, r
+    # P = 0, a partial last page, P < R for r = 24.
+    q, k, v, table, lens, mask = verify_case(np.random.default_rng(70 + r), [0, 37, 50], r, hkv, g, d, page,
+                                             jnp.float32)
     # Prefix partial over whole pages only.
     p_out, p_lse = prefix_decode_reference(q, k, v, table, lens, page_size=page, scale=d ** -0.5,
                                            whole_pages=True)
