@@ -140,11 +140,12 @@ def _pv_dtype(pool_dtype):
 
 
 def mla_decode_reference(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int, page_size: int,
-                         scale: float):
+                         scale: float, whole_pages: bool = False):
     """Pure-jnp fp32 reference; same signature and outputs as `mla_decode`.
 
     Under an FP8 cache the query is quantised to FP8 first (the decode's defined input); all
-    arithmetic after that is fp32.
+    arithmetic after that is fp32. `whole_pages` caps every row's keys at (P // page_size) *
+    page_size, the contract of the Mosaic GPU decode (`mla_decode_mgpu`).
     """
     _check(q, latent_pool, page_table, prefix_len, kv_lora_rank, page_size)
     b, r, hq, _ = q.shape
@@ -160,6 +161,8 @@ def mla_decode_reference(q, latent_pool, page_table, prefix_len, *, kv_lora_rank
     hi = jax.lax.Precision.HIGHEST  # a true fp32 reference on GPU too (no TF32)
     s = jnp.einsum("brhc,bkc->brhk", qf, rows, precision=hi) * (scale * LOG2E)
     cover = plen[:, None] - r + 1 + jnp.arange(r, dtype=jnp.int32)[None, :]  # [B, R]
+    if whole_pages:
+        cover = jnp.minimum(cover, ((plen // page_size) * page_size)[:, None])
     vis = pos[None, None, :] < cover[:, :, None]  # [B, R, K]
     s = jnp.where(vis[:, :, None, :], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)

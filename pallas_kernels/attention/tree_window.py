@@ -251,10 +251,10 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
 
 @functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "causal_prefix", "rope_dim",
                                              "value_dim", "block_rows", "num_warps", "num_stages",
-                                             "interpret", "poison_outputs"))
+                                             "interpret", "poison_outputs", "prefix_whole_pages"))
 def _tree_window_pallas(q, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2, *,
                         window, page_size, scale, causal_prefix, rope_dim, value_dim, block_rows,
-                        num_warps, num_stages, interpret, poison_outputs):
+                        num_warps, num_stages, interpret, poison_outputs, prefix_whole_pages=False):
     b, r, hq, dk = q.shape
     hkv = k_pool.shape[1]
     total = padded_rows(r * (hq // hkv))
@@ -264,7 +264,8 @@ def _tree_window_pallas(q, k_pool, v_pool, page_table, prefix_lengths, mask, pre
         heads_to_rows(prefix_lse2.astype(jnp.float32), hkv, total, fill=-jnp.inf),
         query_rows=r, group=hq // hkv, window=window, page_size=page_size, scale=scale,
         causal_prefix=causal_prefix, rope_dim=rope_dim, value_dim=value_dim, block_rows=block_rows,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret, poison_outputs=poison_outputs)
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret, poison_outputs=poison_outputs,
+        prefix_whole_pages=prefix_whole_pages)
     return rows_to_heads(out, r, hq)
 
 
@@ -275,7 +276,7 @@ def tree_window_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | N
                           rope_dim: int = 0, value_dim: int | None = None,
                           block_rows: int | None = None, num_warps: int | None = None,
                           num_stages: int | None = None, poison_outputs: bool = False,
-                          backend: str | None = None) -> jax.Array:
+                          prefix_whole_pages: bool = False, backend: str | None = None) -> jax.Array:
     """Window half + merge; see the module docstring.
 
     Shapes: `q [B, R, Hq, Dk]`, `k_pool [S, Hkv, Dk]` (MLA: `[S, Dk]` allowed), `v_pool [S, Hkv, Dv]`
@@ -285,6 +286,8 @@ def tree_window_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | N
     `scale` defaults to Dk^-1/2. `block_rows` (rows per program, a power of two >= 16; smaller
     splits a KV head's rows over more programs), `num_warps` and `num_stages` tune the compiled
     kernel; None takes DEFAULT_BLOCK_ROWS / DEFAULT_NUM_WARPS / DEFAULT_NUM_STAGES.
+    `prefix_whole_pages`: the prefix partial covers only whole pages below P (a TMA prefix half), so
+    each row's tail starts at min(P - R + 1 + r, (P // page_size) * page_size).
     """
     if k_pool.ndim == 2:
         k_pool = k_pool[:, None, :]
@@ -329,12 +332,13 @@ def tree_window_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | N
     if kind == "reference":
         return tree_window_reference(q, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out,
                                      prefix_lse2, window=window, page_size=page_size, scale=scale,
-                                     causal_prefix=causal_prefix, rope_dim=rope_dim, value_dim=value_dim)
+                                     causal_prefix=causal_prefix, rope_dim=rope_dim, value_dim=value_dim,
+                                     prefix_whole_pages=prefix_whole_pages)
     return _tree_window_pallas(
         q, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2, window=window,
         page_size=page_size, scale=scale, causal_prefix=causal_prefix, rope_dim=rope_dim,
         value_dim=value_dim, block_rows=block_rows, num_warps=num_warps, num_stages=num_stages,
-        interpret=kind == "interpret", poison_outputs=poison_outputs)
+        interpret=kind == "interpret", poison_outputs=poison_outputs, prefix_whole_pages=prefix_whole_pages)
 
 
 __all__ = ["tree_window_attention", "tree_window_row_layout"]

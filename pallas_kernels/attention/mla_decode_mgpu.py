@@ -1,0 +1,220 @@
+"""EXPERIMENTAL, NOT YET COMPILED: the MLA latent prefix decode on Mosaic GPU (wgmma + TMA).
+
+Status (2026-11-30): written after the session's GPU time was spent. Its logic runs in Pallas' GPU
+interpreter on the CPU against the fp32 reference (`tests/test_mla_decode_mgpu.py`); interpreted
+runs add P V with a plain dot where the compiled kernel uses wgmma (the interpreter has no rule for
+the accumulator `run_state` idiom). The compiled kernel has never run: the first GPU call is
+`benchmarks/mgpu_prefix_check.py --mla`.
+
+Why: the Pallas Triton latent decode runs at about 35% of the H200's bf16 rate and its cascade
+(4.5 ms at B=32, P=8192, N=16, 128 heads) is slower than XLA's dense einsum over gathered rows
+(3.7 ms, benchmarks/RESULTS.md). A 64-row fp32 accumulator over all 512 latent value channels does
+not fit one warpgroup's registers, which caps the Triton tiles.
+
+Contract (as `mla_decode.mla_decode`, whole pages only, like `prefix_decode_mgpu`):
+    q [B, R, Hq, L + Dr] (16-bit; flat row r * Hq + h), latent_pool [S, L + Dr] (same dtype),
+    page_table [B, maxp] int32, prefix_len [B] int32 (P)
+    -> out [B, R, Hq, L] f32, lse2 [B, R, Hq] f32 (base 2)
+Row r sees keys [0, min(P - R + 1 + r, (P // page_size) * page_size)); the tree window kernel
+(`prefix_whole_pages=True`) covers the rest of the prefix. The value is each key row's first L
+channels.
+
+One CTA per (64-row tile, key split, request): the memory warpgroup TMA-copies the query tile once
+and `block_k` latent rows per step (a page slice found through the page table) into a ring of
+`stages` buffers. Both compute warpgroups score the same 64 rows against the whole row (latent +
+rope) and run the same online softmax, and each accumulates half of the L value channels, so an
+accumulator is [64, L / 2] fp32. The score matmul is done twice (1.5x the useful FLOPs at
+L = 512, Dr = 64) in exchange for no score exchange between warpgroups; sharing P through shared
+memory is the next step if the compiled kernel is matmul-bound.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.attention.prefix_decode import default_num_splits, merge_splits
+from pallas_kernels.attention.prefix_decode_mgpu import _smem_transforms
+
+LOG2E = math.log2(math.e)
+ROWS = 64  # query rows per CTA (one wgmma M tile)
+
+
+def check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank: int, page_size: int, block_k: int):
+    """Shapes this kernel takes; raises naming the first unsupported value."""
+    c = q.shape[-1]
+    if latent_pool.ndim != 2 or latent_pool.shape[1] != c:
+        raise ValueError(f"mla_decode_mgpu: latent_pool must be [S, {c}], got {latent_pool.shape}")
+    if c % 64 or kv_lora_rank % 128 or not 0 < kv_lora_rank < c:
+        raise ValueError(f"mla_decode_mgpu: row width {c} must be a multiple of 64 and kv_lora_rank "
+                         f"{kv_lora_rank} a multiple of 128 below it")
+    if block_k not in (32, 64) or page_size % block_k:
+        raise ValueError(f"mla_decode_mgpu: block_k must be 32 or 64 and divide page_size {page_size}, "
+                         f"got {block_k}")
+    dtypes = {jnp.dtype(q.dtype), jnp.dtype(latent_pool.dtype)}
+    if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"mla_decode_mgpu: q and the latent pool must share one 16-bit dtype, got "
+                         f"{q.dtype}, {latent_pool.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
+                                             "num_splits", "interpret"))
+def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int, page_size: int, scale: float,
+                    block_k: int = 32, stages: int = 2, num_splits: int | None = None, interpret: bool = False):
+    """See the module docstring. `block_k` keys per step (32 keeps the query tile, two latent buffers
+    and an output staging tile within shared memory at L + Dr = 576)."""
+    check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank, page_size, block_k)
+    if stages < 2:
+        raise ValueError(f"mla_decode_mgpu: stages must be >= 2, got {stages}")
+    b, r, hq, c = q.shape
+    dtype = q.dtype
+    half = kv_lora_rank // 2
+    rows = r * hq
+    rows_pad = -(-rows // ROWS) * ROWS
+    tiles = rows_pad // ROWS
+    max_blocks = page_table.shape[1] * (page_size // block_k)
+    splits = num_splits or default_num_splits(b, 1, tiles, max_blocks)
+    blocks_per_split = -(-max_blocks // splits)
+    scale2 = float(scale) * LOG2E
+    qf = jnp.pad(q.reshape(b, rows, c), ((0, 0), (0, rows_pad - rows), (0, 0)))
+
+    def body(q_gmem, lat_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped):
+        (q_smem, kv_smem, o_smem, lse_smem), (q_ready, kv_ready, kv_free, o_free) = scoped
+        tile = lax.axis_index("tiles")
+        split = lax.axis_index("splits")
+        bi = lax.axis_index("batch")
+        wg = lax.axis_index("wg")
+        length = len_gmem[bi]
+        whole = lax.div(length, jnp.int32(page_size)) * page_size
+        row0 = tile * ROWS
+        last_real = jnp.minimum(row0 + ROWS - 1, rows - 1)
+        cta_hi = jnp.clip(length - r + 1 + lax.div(last_real, jnp.int32(hq)), 0, whole)
+        steps = lax.div(cta_hi + block_k - 1, jnp.int32(block_k))
+        lo = split * blocks_per_split
+        hi = jnp.maximum(jnp.minimum(lo + blocks_per_split, steps), lo)
+
+        def compute(w: int):
+            plgpu.set_max_registers(232, action="increase")
+            plgpu.barrier_wait(q_ready)
+            shape = (ROWS, block_k)
+            row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+            col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+            row_hi = jnp.minimum(length - r + 1 + lax.div(row, jnp.int32(hq)), whole)
+            first_hi = jnp.clip(length - r + 1 + lax.div(row0, jnp.int32(hq)), 0, whole)
+            open_end = jnp.clip(lax.div(first_hi, jnp.int32(block_k)), lo, hi)
+            cols = pl.ds(w * half, half)  # this warpgroup's value channels (static)
+
+            def step(i, carry, masked: bool):
+                acc, m, l = carry
+                slot = lax.rem(i - lo, jnp.int32(stages))
+                plgpu.barrier_wait(kv_ready.at[slot])
+
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+                if masked:
+                    s = jnp.where(col + i * block_k < row_hi, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1) * scale2)
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+                alpha = jnp.exp2(m - m_use)
+                p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_use, shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if interpret:
+                    # No interpreter rule for run_state: same acc + P V through a plain dot.
+                    v = kv_smem.at[slot][...][:, w * half:(w + 1) * half]
+                    acc = acc + jnp.dot(p.astype(dtype), v, preferred_element_type=jnp.float32)
+                else:
+                    def values(acc_ref):
+                        plgpu.wgmma(acc_ref, p.astype(dtype), kv_smem.at[slot].at[:, cols])
+
+                    acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(kv_free.at[slot])
+                return acc, m_new, l
+
+            m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
+            carry = lax.fori_loop(lo, open_end, functools.partial(step, masked=False), (acc, m, l))
+            acc, m, l = lax.fori_loop(open_end, hi, functools.partial(step, masked=True), carry)
+            seen = l > 0
+            l_safe = jnp.where(seen, l, 1.0)
+            out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
+                            acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
+            # One staging tile for both halves: warpgroup 1 writes after warpgroup 0's copy is done.
+            if w == 1:
+                plgpu.barrier_wait(o_free)
+            o_smem[...] = out
+            if w == 0:
+                lse_smem[...] = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[split, bi, pl.ds(row0, ROWS), cols])
+            if w == 0:
+                plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[split, bi, pl.ds(row0, ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+            if w == 0:
+                plgpu.barrier_arrive(o_free)
+
+        pl.when(wg == 0)(lambda: compute(0))
+        pl.when(wg == 1)(lambda: compute(1))
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            plgpu.copy_gmem_to_smem(q_gmem.at[bi, pl.ds(row0, ROWS)], q_smem, q_ready)
+
+            @pl.loop(lo, hi)
+            def _fetch(i):
+                slot = lax.rem(i - lo, jnp.int32(stages))
+                key0 = i * block_k
+                start = pt_gmem[bi, lax.div(key0, jnp.int32(page_size))] * page_size + lax.rem(key0, jnp.int32(page_size))
+
+                @pl.when(i - lo >= stages)
+                def _():
+                    plgpu.barrier_wait(kv_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(lat_gmem.at[pl.ds(start, block_k)], kv_smem.at[slot], kv_ready.at[slot])
+
+            @pl.loop(jnp.maximum(hi - stages, lo), hi)
+            def _drain(i):
+                plgpu.barrier_wait(kv_free.at[lax.rem(i - lo, jnp.int32(stages))])
+
+    def entry(q_gmem, lat_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem):
+        pl.run_scoped(
+            lambda *scoped: body(q_gmem, lat_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped),
+            (plgpu.SMEM((ROWS, c), dtype, transforms=_smem_transforms(c, dtype)),
+             plgpu.SMEM((stages, block_k, c), dtype, transforms=_smem_transforms(c, dtype)),
+             plgpu.SMEM((ROWS, half), jnp.float32, transforms=_smem_transforms(half, jnp.float32)),
+             plgpu.SMEM((ROWS,), jnp.float32)),
+            (plgpu.Barrier(), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier()),
+            collective_axes="wg",
+        )
+
+    out, lse = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((splits, b, rows_pad, kv_lora_rank), jnp.float32),
+                  jax.ShapeDtypeStruct((splits, b, rows_pad), jnp.float32)),
+        grid=(tiles, splits, b),
+        grid_names=("tiles", "splits", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(qf, latent_pool, page_table.astype(jnp.int32), prefix_len.astype(jnp.int32))
+    if splits > 1:
+        out, lse = merge_splits(out, lse)
+    else:
+        out, lse = out[0], lse[0]
+    return (out[:, :rows].reshape(b, r, hq, kv_lora_rank), lse[:, :rows].reshape(b, r, hq))
+
+
+__all__ = ["mla_decode_mgpu", "check_mla_mgpu_inputs"]
