@@ -62,3 +62,30 @@ def test_mgpu_mla_refuses_unsupported_shapes():
         check_mla_mgpu_inputs(q, jnp.zeros((64, 192), bf), 128, 16, 32)
     with pytest.raises(ValueError, match="16-bit dtype"):
         check_mla_mgpu_inputs(q, jnp.zeros((64, 192), jnp.float32), 128, 64, 32)
+
+
+def test_mla_verify_through_the_mosaic_gpu_decode():
+    """MlaCascadeConfig(prefix_kernel="mosaic_gpu") end to end (interpreter) equals dense attention;
+    an FP8 cache is refused by name."""
+    from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
+
+    rng = np.random.default_rng(9)
+    n, hq = 8, 4
+    lengths = np.array([150, 3], np.int32)
+    b = len(lengths)
+    pool, _, table = poisoned_paged_pools(rng, b, int(lengths.max()) + n, 1, LORA + ROPE, PAGE, jnp.bfloat16,
+                                          lambda bb, pos: pos < lengths[bb] + n)
+    pool = pool[:, 0]
+    q = jnp.asarray(rng.standard_normal((b, n, hq, LORA + ROPE)), jnp.bfloat16)
+    mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
+    lens = jnp.asarray(lengths)
+    cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
+                           prefix_kernel="mosaic_gpu")
+    got = mla_verify_attention(q, pool, table, lens, mask, config=cfg)
+    dense, _ = cascade_dense_reference(q, pool[:, None, :], pool[:, None, :LORA], table, lens, mask, window=n,
+                                       page_size=PAGE, scale=SCALE)
+    assert rel_err(got, dense) < 1e-2
+    with pytest.raises(ValueError, match="16-bit dtype"):
+        mla_verify_attention(q, pool.astype(jnp.float8_e4m3fn), table, lens, mask, config=cfg)
+    with pytest.raises(ValueError, match="prefix_kernel"):
+        MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, prefix_kernel="x")

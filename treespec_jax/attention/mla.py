@@ -25,8 +25,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention.mla_decode import FP8, MlaDecodeConfig, mla_decode, quantize_query
+from pallas_kernels.attention.mla_decode_mgpu import check_mla_mgpu_inputs, mla_decode_mgpu
+from pallas_kernels.common import resolve_backend
 from pallas_kernels.attention.tree_window import tree_window_attention
 from treespec_jax.tree.masks import MAX_TREE_NODES
+
+# Keys per step of the Mosaic GPU latent decode (32 keeps its shared memory within the H200's at
+# L + Dr = 576).
+MLA_MGPU_BLOCK_K = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +51,15 @@ class MlaCascadeConfig:
     backend: str | None = None
     # Tiling of the prefix half's latent decode.
     decode: MlaDecodeConfig = MlaDecodeConfig()
+    # Prefix-half kernel: "triton" (Pallas Triton, every cache dtype) or "mosaic_gpu" (EXPERIMENTAL,
+    # never compiled yet: wgmma/TMA over whole pages, 16-bit caches; the window kernel covers the
+    # partial last page). See pallas_kernels.attention.mla_decode_mgpu.
+    prefix_kernel: str = "triton"
 
     def __post_init__(self):
+        if self.prefix_kernel not in ("triton", "mosaic_gpu"):
+            raise ValueError(f"MlaCascadeConfig.prefix_kernel must be 'triton' or 'mosaic_gpu', "
+                             f"got {self.prefix_kernel!r}")
         if self.kv_lora_rank < 16 or self.kv_lora_rank & (self.kv_lora_rank - 1):
             raise ValueError(f"MlaCascadeConfig.kv_lora_rank must be a power of two >= 16, got {self.kv_lora_rank}")
         if self.rope_dim < 16 or self.rope_dim & (self.rope_dim - 1):
@@ -90,14 +103,24 @@ def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.
     _check(q, latent_pool, config)
     model = jnp.dtype(config.model_dtype)
     q = quantize_absorbed_query(q, latent_pool.dtype)
-    prefix_out, prefix_lse2 = mla_decode(
-        q, latent_pool, page_table, prefix_lengths, kv_lora_rank=config.kv_lora_rank,
-        page_size=config.page_size, scale=config.scale, backend=config.backend, config=config.decode)
+    mosaic = config.prefix_kernel == "mosaic_gpu" and resolve_backend(config.backend) != "reference"
+    if mosaic:
+        check_mla_mgpu_inputs(q, latent_pool, config.kv_lora_rank, config.page_size,
+                              MLA_MGPU_BLOCK_K)
+        prefix_out, prefix_lse2 = mla_decode_mgpu(
+            q, latent_pool, page_table, prefix_lengths, kv_lora_rank=config.kv_lora_rank,
+            page_size=config.page_size, scale=config.scale, block_k=MLA_MGPU_BLOCK_K,
+            interpret=resolve_backend(config.backend) == "interpret")
+    else:
+        prefix_out, prefix_lse2 = mla_decode(
+            q, latent_pool, page_table, prefix_lengths, kv_lora_rank=config.kv_lora_rank,
+            page_size=config.page_size, scale=config.scale, backend=config.backend, config=config.decode)
     # FP8 -> model dtype is exact; the window kernel widens the FP8 latent rows to the same dtype.
     out = tree_window_attention(
         q.astype(model), latent_pool, None, page_table, prefix_lengths, mask, prefix_out, prefix_lse2,
         window=window, page_size=config.page_size, scale=config.scale, causal_prefix=True,
-        rope_dim=config.rope_dim, value_dim=config.kv_lora_rank, backend=config.backend)
+        rope_dim=config.rope_dim, value_dim=config.kv_lora_rank, prefix_whole_pages=mosaic,
+        backend=config.backend)
     return out.astype(model)
 
 
