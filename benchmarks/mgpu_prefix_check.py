@@ -1,11 +1,14 @@
 """First GPU run of the experimental Mosaic GPU prefix kernel: compile, conformance, timing.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/mgpu_prefix_check.py [--skip-timing]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/mgpu_prefix_check.py [--skip-timing] [--mla] [--interpret]
 
 1. Conformance (bf16, D=128, page 64, G=4, R=64, ragged P incl. 0 and a partial last page, NaN/inf
    in every slot no request owns): `prefix_decode_mgpu_row_layout` against a dense fp32 attention
    over whole pages below P (its contract), then prefix + `tree_window_row_layout(...,
    prefix_whole_pages=True)` against one dense fp32 attention of the whole verify.
+`--mla` adds the Mosaic GPU MLA latent decode: conformance against the whole-pages fp32 reference,
+then DeepSeek-V3 shapes against the Triton latent decode and both MLA cascades.
+
 2. Timing (bf16, Hq=32, Hkv=8, D=128, N=64, page 64, random page tables; B=32/P=32k, B=64/P=4k,
    B=1/P=32k with a key split): the Mosaic GPU prefix (turn-taking on/off, 2 or 3 stages) against
    the Pallas Triton `prefix_decode_row_layout` on the same inputs, and both cascades.
@@ -127,18 +130,94 @@ def timing():
                 log(f"B={b} P={p}: {name} FAILED {type(exc).__name__}: {str(exc)[:400]}")
 
 
+def mla_check(interpret: bool = False, timing_too: bool = True) -> bool:
+    """The Mosaic GPU MLA latent decode: conformance (small), then DeepSeek-V3 shapes (B=32,
+    P=8192, N=16, 128 heads, latent 512 + rope 64) against the Triton latent decode and both cascades."""
+    from pallas_kernels.attention.mla_decode import mla_decode, mla_decode_reference
+    from pallas_kernels.attention.mla_decode_mgpu import mla_decode_mgpu
+    from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
+
+    lora, rope, scale = 512, 64, 0.07
+    rng = np.random.default_rng(1)
+    b, r, hq = 2, 16, 16
+    lengths = np.array([300, 40], np.int32)
+    per_req = -(-(int(lengths.max()) + r) // PAGE)
+    num_pages = b * per_req + 2
+    table = jnp.asarray(rng.permutation(num_pages)[: b * per_req].reshape(b, per_req).astype(np.int32))
+    pool = np.full((num_pages * PAGE, lora + rope), np.nan, np.float32)
+    for i in range(b):
+        pos = np.arange(lengths[i] + r)
+        pool[np.asarray(table)[i, pos // PAGE] * PAGE + pos % PAGE] = rng.standard_normal((len(pos), lora + rope))
+    pool = jnp.asarray(pool, jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((b, r, hq, lora + rope)), jnp.bfloat16)
+    lens = jnp.asarray(lengths)
+    out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE, scale=scale,
+                               interpret=interpret)
+    ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE, scale=scale,
+                                            whole_pages=True)
+    e_out = rel_err(out, ref_out)
+    fin = jnp.isfinite(ref_lse)
+    lse_ok = bool(jnp.all(jnp.isfinite(lse) == fin)) and float(
+        jnp.max(jnp.abs(jnp.where(fin, lse - ref_lse, 0.0)))) < 5e-2
+    ok = e_out < 2e-2 and lse_ok
+    log(f"MLA conformance: decode rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'} -> {'PASS' if ok else 'FAIL'}")
+    if not ok or not timing_too:
+        return ok
+    flops_rate = measure_matmul_flops()
+    b, n, hq, p = 32, 16, 128, 8192
+    per_req = (p + n) // PAGE + 1
+    table = jnp.asarray(np.random.default_rng(2).permutation(b * per_req).reshape(b, per_req), jnp.int32)
+    pool = jax.random.normal(jax.random.PRNGKey(4), (b * per_req * PAGE, lora + rope), jnp.bfloat16)
+    q = jax.random.normal(jax.random.PRNGKey(5), (b, n, hq, lora + rope), jnp.bfloat16)
+    lens = jnp.full((b,), p, jnp.int32)
+    mask = ancestor_mask(jnp.asarray(np.stack([np.r_[-1, np.random.default_rng(i).integers(0, np.arange(1, n))]
+                                               for i in range(b)]).astype(np.int32)))
+    flop = 2 * b * n * hq * (p + n) * (2 * lora + rope)
+    kw = dict(kv_lora_rank=lora, page_size=PAGE, scale=scale)
+    fns = {
+        "mgpu decode": jax.jit(lambda *a: mla_decode_mgpu(*a, **kw)),
+        "mgpu decode, 3 stages": jax.jit(lambda *a: mla_decode_mgpu(*a, stages=3, **kw)),
+        "triton decode": jax.jit(lambda *a: mla_decode(*a, **kw)),
+    }
+    for name, fn in fns.items():
+        try:
+            t = median_time(fn, q, pool, table, lens, samples=7)
+            log(f"MLA B={b} P={p} N={n}: {name} {t * 1e3:.3f} ms, {flop / t / 1e12:.0f} TFLOP/s "
+                f"({flop / flops_rate / t:.2f} of the FLOP floor's speed)")
+        except Exception as exc:  # noqa: BLE001
+            log(f"MLA: {name} FAILED {type(exc).__name__}: {str(exc)[:400]}")
+    for kernel in ("mosaic_gpu", "triton"):
+        cfg = MlaCascadeConfig(kv_lora_rank=lora, rope_dim=rope, page_size=PAGE, scale=scale, prefix_kernel=kernel)
+        try:
+            t = median_time(jax.jit(lambda *a, c=cfg: mla_verify_attention(*a, config=c)), q, pool, table, lens,
+                            mask, samples=7)
+            log(f"MLA B={b} P={p} N={n}: cascade ({kernel}) {t * 1e3:.3f} ms, "
+                f"{flop / flops_rate / t:.2f} of the FLOP floor's speed")
+        except Exception as exc:  # noqa: BLE001
+            log(f"MLA: cascade ({kernel}) FAILED {type(exc).__name__}: {str(exc)[:400]}")
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--interpret", action="store_true", help="conformance only, in the interpreters (CPU)")
+    ap.add_argument("--mla", action="store_true", help="also the MLA latent decode (conformance, then timing)")
     a = ap.parse_args()
+    timing_too = not (a.skip_timing or a.interpret)
     try:
         ok = conformance(a.interpret)
     except Exception:  # noqa: BLE001 - the first run is expected to find lowering problems
         traceback.print_exc()
-        return 1
-    if ok and not (a.skip_timing or a.interpret):
+        ok = False
+    if ok and timing_too:
         timing()
+    if a.mla:
+        try:
+            ok = mla_check(a.interpret, timing_too) and ok
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            ok = False
     return 0 if ok else 1
 
 
