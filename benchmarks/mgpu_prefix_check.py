@@ -176,7 +176,6 @@ def mla_check(interpret: bool = False, timing_too: bool = True) -> bool:
     kw = dict(kv_lora_rank=lora, page_size=PAGE, scale=scale)
     fns = {
         "mgpu decode": jax.jit(lambda *a: mla_decode_mgpu(*a, **kw)),
-        "mgpu decode, 3 stages": jax.jit(lambda *a: mla_decode_mgpu(*a, stages=3, **kw)),
         "triton decode": jax.jit(lambda *a: mla_decode(*a, **kw)),
     }
     for name, fn in fns.items():
