@@ -151,16 +151,19 @@ def mla_check(interpret: bool = False, timing_too: bool = True) -> bool:
     pool = jnp.asarray(pool, jnp.bfloat16)
     q = jnp.asarray(rng.standard_normal((b, r, hq, lora + rope)), jnp.bfloat16)
     lens = jnp.asarray(lengths)
-    out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE, scale=scale,
-                               interpret=interpret)
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE, scale=scale,
                                             whole_pages=True)
-    e_out = rel_err(out, ref_out)
     fin = jnp.isfinite(ref_lse)
-    lse_ok = bool(jnp.all(jnp.isfinite(lse) == fin)) and float(
-        jnp.max(jnp.abs(jnp.where(fin, lse - ref_lse, 0.0)))) < 5e-2
-    ok = e_out < 2e-2 and lse_ok
-    log(f"MLA conformance: decode rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'} -> {'PASS' if ok else 'FAIL'}")
+    ok = True
+    for share in (False, True):
+        out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE, scale=scale,
+                                   share_scores=share, interpret=interpret)
+        e_out = rel_err(out, ref_out)
+        lse_ok = bool(jnp.all(jnp.isfinite(lse) == fin)) and float(
+            jnp.max(jnp.abs(jnp.where(fin, lse - ref_lse, 0.0)))) < 5e-2
+        ok = ok and e_out < 2e-2 and lse_ok
+        log(f"MLA conformance (share_scores={share}): decode rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'} -> "
+            f"{'PASS' if e_out < 2e-2 and lse_ok else 'FAIL'}")
     if not ok or not timing_too:
         return ok
     flops_rate = measure_matmul_flops()
@@ -176,6 +179,7 @@ def mla_check(interpret: bool = False, timing_too: bool = True) -> bool:
     kw = dict(kv_lora_rank=lora, page_size=PAGE, scale=scale)
     fns = {
         "mgpu decode": jax.jit(lambda *a: mla_decode_mgpu(*a, **kw)),
+        "mgpu decode, shared scores": jax.jit(lambda *a: mla_decode_mgpu(*a, share_scores=True, **kw)),
         "triton decode": jax.jit(lambda *a: mla_decode(*a, **kw)),
     }
     for name, fn in fns.items():

@@ -19,11 +19,12 @@ from treespec_jax.tree.masks import ancestor_mask
 LORA, ROPE, PAGE, SCALE = 128, 64, 64, 0.09
 
 
-@pytest.mark.parametrize("r,hq,lengths,block_k,splits", [
-    (4, 8, [0, 70, 200], 32, 1),  # P = 0, partial last pages; 32 rows padded to one 64-row tile
-    (16, 8, [260, 20], 64, 2),  # two row tiles, the first ending mid-page below the last whole page
+@pytest.mark.parametrize("r,hq,lengths,block_k,splits,share", [
+    (4, 8, [0, 70, 200], 32, 1, False),  # P = 0, partial last pages; 32 rows padded to one 64-row tile
+    (16, 8, [260, 20], 64, 2, False),  # two row tiles, the first ending mid-page below the last whole page
+    (16, 8, [260, 0, 90], 32, 2, True),  # warpgroup 0 hands P and alpha to warpgroup 1
 ])
-def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits):
+def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, share):
     rng = np.random.default_rng(r * hq + block_k)
     lengths = np.asarray(lengths, np.int32)
     b = len(lengths)
@@ -33,7 +34,7 @@ def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, s
     q = jnp.asarray(rng.standard_normal((b, r, hq, LORA + ROPE)), jnp.bfloat16)
     lens = jnp.asarray(lengths)
     out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
-                               block_k=block_k, num_splits=splits, interpret=True)
+                               block_k=block_k, num_splits=splits, share_scores=share, interpret=True)
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE,
                                             scale=SCALE, whole_pages=True)
     assert out.shape == (b, r, hq, LORA) and lse.shape == (b, r, hq)

@@ -23,9 +23,11 @@ One CTA per (64-row tile, key split, request): the memory warpgroup TMA-copies t
 and `block_k` latent rows per step (a page slice found through the page table) into a ring of
 `stages` buffers. Both compute warpgroups score the same 64 rows against the whole row (latent +
 rope) and run the same online softmax, and each accumulates half of the L value channels, so an
-accumulator is [64, L / 2] fp32. The score matmul is done twice (1.5x the useful FLOPs at
-L = 512, Dr = 64) in exchange for no score exchange between warpgroups; sharing P through shared
-memory is the next step if the compiled kernel is matmul-bound.
+accumulator is [64, L / 2] fp32. By default the score matmul is done twice (1.5x the useful
+FLOPs at L = 512, Dr = 64) in exchange for no exchange between warpgroups; `share_scores=True`
+lets warpgroup 0 alone score and hand P and the rescale factors to warpgroup 1 through shared
+memory (double-buffered), so the tensor cores do only the useful work. Which is faster is for
+the GPU check to say.
 """
 
 from __future__ import annotations
@@ -64,11 +66,14 @@ def check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank: int, page_size: int, blo
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
-                                             "num_splits", "interpret"))
+                                             "num_splits", "share_scores", "interpret"))
 def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int, page_size: int, scale: float,
-                    block_k: int = 32, stages: int = 2, num_splits: int | None = None, interpret: bool = False):
+                    block_k: int = 32, stages: int = 2, num_splits: int | None = None,
+                    share_scores: bool = False, interpret: bool = False):
     """See the module docstring. `block_k` keys per step (32 keeps the query tile, two latent buffers
-    and an output staging tile within shared memory at L + Dr = 576)."""
+    and an output staging tile within shared memory at L + Dr = 576). `share_scores`: warpgroup 0
+    alone scores and runs the softmax and hands P and the rescale factors to warpgroup 1 through
+    shared memory (no duplicated score matmul; warpgroup 1 waits on warpgroup 0 each step)."""
     check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank, page_size, block_k)
     if stages < 2:
         raise ValueError(f"mla_decode_mgpu: stages must be >= 2, got {stages}")
@@ -85,7 +90,8 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
     qf = jnp.pad(q.reshape(b, rows, c), ((0, 0), (0, rows_pad - rows), (0, 0)))
 
     def body(q_gmem, lat_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped):
-        (q_smem, kv_smem, o_smem, lse_smem), (q_ready, kv_ready, kv_free, o_free) = scoped
+        (q_smem, kv_smem, o_smem, lse_smem, p_smem, alpha_smem, l_smem), \
+            (q_ready, kv_ready, kv_free, o_free, p_ready, p_free, l_ready) = scoped
         tile = lax.axis_index("tiles")
         split = lax.axis_index("splits")
         bi = lax.axis_index("batch")
@@ -110,6 +116,19 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
             open_end = jnp.clip(lax.div(first_hi, jnp.int32(block_k)), lo, hi)
             cols = pl.ds(w * half, half)  # this warpgroup's value channels (static)
 
+            def add_values(acc, p_operand, slot):
+                """acc + P V[:, this warpgroup's half]; P in registers or a shared-memory ref."""
+                if interpret:
+                    # No interpreter rule for run_state: same acc + P V through a plain dot.
+                    pv = p_operand if isinstance(p_operand, jax.Array) else p_operand[...]
+                    v = kv_smem.at[slot][...][:, w * half:(w + 1) * half]
+                    return acc + jnp.dot(pv.astype(dtype), v, preferred_element_type=jnp.float32)
+
+                def values(acc_ref):
+                    plgpu.wgmma(acc_ref, p_operand, kv_smem.at[slot].at[:, cols])
+
+                return pl.run_state(values)(plgpu.ACC.init(acc))
+
             def step(i, carry, masked: bool):
                 acc, m, l = carry
                 slot = lax.rem(i - lo, jnp.int32(stages))
@@ -128,23 +147,52 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
                 p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_use, shape, [0]))
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                if interpret:
-                    # No interpreter rule for run_state: same acc + P V through a plain dot.
-                    v = kv_smem.at[slot][...][:, w * half:(w + 1) * half]
-                    acc = acc + jnp.dot(p.astype(dtype), v, preferred_element_type=jnp.float32)
-                else:
-                    def values(acc_ref):
-                        plgpu.wgmma(acc_ref, p.astype(dtype), kv_smem.at[slot].at[:, cols])
+                p16 = p.astype(dtype)
+                if share_scores:  # hand P and alpha to warpgroup 1 (two buffers, alternating)
+                    pslot = lax.rem(i - lo, jnp.int32(2))
 
-                    acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                    @pl.when(i - lo >= 2)
+                    def _():
+                        plgpu.barrier_wait(p_free.at[pslot])
+
+                    p_smem.at[pslot][...] = p16
+                    alpha_smem.at[pslot][...] = alpha
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(p_ready.at[pslot])
+                acc = add_values(acc, p16, slot)
                 plgpu.barrier_arrive(kv_free.at[slot])
                 return acc, m_new, l
+
+            def follow(i, acc):
+                """Warpgroup 1 under share_scores: rescale, then add P V from warpgroup 0's P."""
+                slot = lax.rem(i - lo, jnp.int32(stages))
+                pslot = lax.rem(i - lo, jnp.int32(2))
+                plgpu.barrier_wait(kv_ready.at[slot])
+                plgpu.barrier_wait(p_ready.at[pslot])
+                alpha = plgpu.load(alpha_smem.at[pslot], layout=plgpu.Layout.WGMMA.reduce(1))
+                acc = add_values(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem.at[pslot], slot)
+                plgpu.barrier_arrive(p_free.at[pslot])
+                plgpu.barrier_arrive(kv_free.at[slot])
+                return acc
 
             m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
-            carry = lax.fori_loop(lo, open_end, functools.partial(step, masked=False), (acc, m, l))
-            acc, m, l = lax.fori_loop(open_end, hi, functools.partial(step, masked=True), carry)
+            if share_scores and w == 1:
+                acc = lax.fori_loop(lo, hi, follow, acc)
+                plgpu.barrier_wait(l_ready)
+                l = plgpu.load(l_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+            else:
+                carry = lax.fori_loop(lo, open_end, functools.partial(step, masked=False), (acc, m, l))
+                acc, m, l = lax.fori_loop(open_end, hi, functools.partial(step, masked=True), carry)
+            if share_scores and w == 0:
+                l_smem[...] = l
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(l_ready)
+
+                @pl.loop(jnp.maximum(hi - 2, lo), hi)  # observe warpgroup 1's last P releases
+                def _(i):
+                    plgpu.barrier_wait(p_free.at[lax.rem(i - lo, jnp.int32(2))])
             seen = l > 0
             l_safe = jnp.where(seen, l, 1.0)
             out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
@@ -193,9 +241,13 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
             (plgpu.SMEM((ROWS, c), dtype, transforms=_smem_transforms(c, dtype)),
              plgpu.SMEM((stages, block_k, c), dtype, transforms=_smem_transforms(c, dtype)),
              plgpu.SMEM((ROWS, half), jnp.float32, transforms=_smem_transforms(half, jnp.float32)),
+             plgpu.SMEM((ROWS,), jnp.float32),
+             plgpu.SMEM((2, ROWS, block_k), dtype, transforms=_smem_transforms(block_k, dtype)),
+             plgpu.SMEM((2, ROWS), jnp.float32),
              plgpu.SMEM((ROWS,), jnp.float32)),
             (plgpu.Barrier(), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier()),
+             plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(),
+             plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier()),
             collective_axes="wg",
         )
 
