@@ -24,6 +24,7 @@ PAGE = 64
     # the last whole page, so its last block is partly masked. Three key splits (one may be empty).
     (64, 4, [260, 130, 20], 3, True),
     (16, 8, [20, 128, 300], 2, False),  # P < R, P a whole number of pages, group 8, no turn-taking
+    (16, 4, [50, 300], 1, True),  # 64 rows per KV head: one compute warpgroup per CTA
 ])
 def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong):
     hkv, d = 2, 64
@@ -52,8 +53,8 @@ def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong):
 def test_mgpu_prefix_refuses_unsupported_shapes():
     bf = jnp.bfloat16
     pool = jnp.zeros((128, 1, 64), bf)
-    with pytest.raises(ValueError, match="multiple of 128, got 64"):
-        check_mgpu_inputs(jnp.zeros((1, 1, 64, 64), bf), pool, pool, 64)
+    with pytest.raises(ValueError, match="multiple of 64, got 32"):
+        check_mgpu_inputs(jnp.zeros((1, 1, 32, 64), bf), pool, pool, 64)
     with pytest.raises(ValueError, match="page_size must be 64 or 128"):
         check_mgpu_inputs(jnp.zeros((1, 1, 128, 64), bf), pool, pool, 32)
     with pytest.raises(ValueError, match="head dim"):

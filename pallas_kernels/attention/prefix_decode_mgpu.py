@@ -14,7 +14,7 @@ and 1.39x (B=64, P=4096) faster than our Pallas Triton prefix kernel (benchmarks
 kernel.
 
 Contract (same row layout as `prefix_decode.prefix_decode_row_layout`, one difference):
-    qr [B, Hkv, T, D] (row r * G + g; T a multiple of 128), k_pool / v_pool [S, Hkv, D],
+    qr [B, Hkv, T, D] (row r * G + g; T a multiple of 64), k_pool / v_pool [S, Hkv, D],
     page_table [B, maxp] int32, lengths [B] int32 (P)
     -> out [B, Hkv, T, D] f32, lse2 [B, Hkv, T] f32 (base 2)
 Row r sees keys [0, min(P - R + 1 + r, whole)) with whole = (P // page_size) * page_size: only
@@ -22,12 +22,12 @@ Row r sees keys [0, min(P - R + 1 + r, whole)) with whole = (P // page_size) * p
 anything (NaN included), which a zero softmax weight would still turn into NaN. The window kernel
 covers the rest of each row's prefix (`tree_window_attention(..., prefix_whole_pages=True)`).
 
-Layout of one CTA (grid (row tiles of 128, key splits, Hkv, B)): warpgroups 0 and 1 each own 64
-query rows and run the online softmax with wgmma (QK^T and PV from shared memory, fp32 accumulators
-in registers), taking turns on the tensor cores (`pingpong`) so one's softmax overlaps the other's
-matmuls; warpgroup 2 only issues TMA copies of one page of K and of V per step into a ring of
-`stages` buffers, reading the page id from the table, and waits until both compute warpgroups
-released a buffer before refilling it. Steps whose keys every row of a warpgroup sees run without
+Layout of one CTA (grid (row tiles, key splits, Hkv, B)): two compute warpgroups each own 64 query
+rows (one when a KV head has only 64 rows, e.g. N=16 with G=4) and run the online softmax with
+wgmma (QK^T and PV from shared memory, fp32 accumulators in registers), taking turns on the tensor
+cores (`pingpong`) so one's softmax overlaps the other's matmuls; the last warpgroup only issues
+TMA copies of one page of K and of V per step into a ring of `stages` buffers, reading the page id
+from the table, and waits until every compute warpgroup released a buffer before refilling it. Steps whose keys every row of a warpgroup sees run without
 masks. A small grid splits the key axis; the partials merge by LSE (`prefix_decode.merge_splits`).
 """
 
@@ -59,8 +59,8 @@ def _smem_transforms(minor: int, dtype):
 def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int):
     """Shapes this kernel takes; raises naming the first unsupported value."""
     b, hkv, total, d = qr.shape
-    if total % ROWS_PER_CTA:
-        raise ValueError(f"prefix_decode_mgpu: padded rows per KV head must be a multiple of {ROWS_PER_CTA}, "
+    if total % ROWS_PER_WG:
+        raise ValueError(f"prefix_decode_mgpu: padded rows per KV head must be a multiple of {ROWS_PER_WG}, "
                          f"got {total}")
     if page_size not in (64, 128):
         raise ValueError(f"prefix_decode_mgpu: page_size must be 64 or 128 (one page per step), got {page_size}")
@@ -87,7 +87,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
         raise ValueError(f"prefix_decode_mgpu: stages must be >= 2, got {stages}")
     b, hkv, total, d = qr.shape
     max_pages = page_table.shape[1]
-    tiles = total // ROWS_PER_CTA
+    # Two compute warpgroups per CTA when the rows fill them; a 64-row head (e.g. N=16, G=4) gets one.
+    wgs = COMPUTE_WGS if total % ROWS_PER_CTA == 0 else 1
+    rows_per_cta = ROWS_PER_WG * wgs
+    pingpong = pingpong and wgs == 2  # taking turns needs two warpgroups
+    tiles = total // rows_per_cta
     splits = num_splits or default_num_splits(b, hkv, tiles, max_pages)
     if splits < 1:
         raise ValueError(f"prefix_decode_mgpu: num_splits must be >= 1, got {num_splits}")
@@ -108,8 +112,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
         length = len_gmem[bi]
         # Non-negative operands only, so truncating lax.div is floor division.
         whole = lax.div(length, jnp.int32(block)) * block
-        cta_row0 = tile * ROWS_PER_CTA
-        last_real = jnp.minimum(cta_row0 + ROWS_PER_CTA - 1, query_rows * group - 1)
+        cta_row0 = tile * rows_per_cta
+        last_real = jnp.minimum(cta_row0 + rows_per_cta - 1, query_rows * group - 1)
         cta_hi = jnp.clip(length - query_rows + 1 + lax.div(last_real, jnp.int32(group)), 0, whole)
         # Blocks up to cta_hi, rounded up: cta_hi <= whole, so every block read is a whole page
         # below P (finite values); per-row bounds are masked in the last steps.
@@ -122,7 +126,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
 
-        @pl.when(wg < COMPUTE_WGS)
+        @pl.when(wg < wgs)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             row0 = cta_row0 + wg * ROWS_PER_WG
@@ -194,7 +198,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[split, bi, head, pl.ds(row0, ROWS_PER_WG)])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == COMPUTE_WGS)
+        @pl.when(wg == wgs)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
@@ -226,15 +230,15 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     def entry(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem):
         pl.run_scoped(
             lambda *scoped: body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped),
-            (plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), dtype, transforms=in_tf),
+            (plgpu.SMEM((wgs, ROWS_PER_WG, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
-             plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, d), jnp.float32, transforms=out_tf),
-             plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG), jnp.float32)),
-            (plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=stages),
+             plgpu.SMEM((wgs, ROWS_PER_WG, d), jnp.float32, transforms=out_tf),
+             plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32)),
+            (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=stages)),
-            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=wgs),
             collective_axes="wg",
         )
 
@@ -244,7 +248,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                   jax.ShapeDtypeStruct((splits, b, hkv, total), jnp.float32)),
         grid=(tiles, splits, hkv, b),
         grid_names=("tiles", "splits", "heads", "batch"),
-        num_threads=COMPUTE_WGS + 1,
+        num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         # Pallas' GPU interpreter simulates shared memory, TMA and barriers on the CPU.
