@@ -9,8 +9,8 @@
 `--mla` adds the Mosaic GPU MLA latent decode: conformance against the whole-pages fp32 reference,
 then DeepSeek-V3 shapes against the Triton latent decode and both MLA cascades.
 
-2. Timing (bf16, Hq=32, Hkv=8, D=128, N=64, page 64, random page tables; B=32/P=32k, B=64/P=4k,
-   B=1/P=32k with a key split): the Mosaic GPU prefix (turn-taking on/off, 2 or 3 stages) against
+2. Timing (bf16, Hq=32, Hkv=8, D=128, page 64, random page tables; N=64 at B=32/P=32k, B=64/P=4k,
+   B=1/P=32k (a key split), and B=8/P=8k/N=16 (one compute warpgroup per CTA)): the Mosaic GPU prefix (turn-taking on/off, 2 or 3 stages) against
    the Pallas Triton `prefix_decode_row_layout` on the same inputs, and both cascades.
 """
 
@@ -88,10 +88,10 @@ def conformance(interpret: bool = False) -> bool:
 
 def timing():
     flops_rate = measure_matmul_flops()
-    hq, hkv, d, n = 32, 8, 128, 64
+    hq, hkv, d = 32, 8, 128
     g = hq // hkv
-    total = padded_rows(n * g)
-    for b, p in ((32, 32768), (64, 4096), (1, 32768)):
+    for b, p, n in ((32, 32768, 64), (64, 4096, 64), (1, 32768, 64), (8, 8192, 16)):
+        total = padded_rows(n * g)
         rng = np.random.default_rng(b)
         per_req = (p + n) // PAGE + 1
         table = jnp.asarray(rng.permutation(b * per_req).reshape(b, per_req), jnp.int32)
