@@ -86,11 +86,15 @@ def conformance(interpret: bool = False) -> bool:
     return ok
 
 
-def timing():
-    flops_rate = measure_matmul_flops()
-    hq, hkv, d = 32, 8, 128
+FULL_SHAPES = ((32, 32768, 64), (64, 4096, 64), (1, 32768, 64), (8, 8192, 16))
+SMOKE_SHAPES = ((2, 200, 32), (1, 300, 16))
+
+
+def timing(shapes=FULL_SHAPES, hq=32, hkv=8, d=128, samples=7, interpret=False):
+    """`--smoke` runs this on tiny shapes in the interpreters (a CPU check of the script itself)."""
+    flops_rate = measure_matmul_flops(512 if interpret else 8192)
     g = hq // hkv
-    for b, p, n in ((32, 32768, 64), (64, 4096, 64), (1, 32768, 64), (8, 8192, 16)):
+    for b, p, n in shapes:
         total = padded_rows(n * g)
         rng = np.random.default_rng(b)
         per_req = (p + n) // PAGE + 1
@@ -101,7 +105,7 @@ def timing():
         lens = jnp.full((b,), p, jnp.int32)
         mask = ancestor_mask(jnp.asarray(np.stack([np.r_[-1, rng.integers(0, np.arange(1, n))] for _ in range(b)])
                                          .astype(np.int32)))
-        kw = dict(query_rows=n, group=g, page_size=PAGE, scale=d ** -0.5)
+        kw = dict(query_rows=n, group=g, page_size=PAGE, scale=d ** -0.5, interpret=interpret)
         mg = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, **kw))
         mg_serial = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, pingpong=False, **kw))
         mg_stages3 = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, stages=3, **kw))
@@ -123,21 +127,21 @@ def timing():
                                ("mgpu cascade", cascade(mg, True), (qr, k, v, table, lens, mask)),
                                ("triton cascade", cascade(tr, False), (qr, k, v, table, lens, mask))):
             try:
-                res[name] = median_time(fn, *args, samples=7)
+                res[name] = median_time(fn, *args, samples=samples)
                 log(f"B={b} P={p} N={n}: {name} {res[name] * 1e3:.3f} ms, {flop / res[name] / 1e12:.0f} TFLOP/s, "
                     f"{flop / flops_rate / res[name]:.2f} of the FLOP floor's speed")
             except Exception as exc:  # noqa: BLE001
                 log(f"B={b} P={p}: {name} FAILED {type(exc).__name__}: {str(exc)[:400]}")
 
 
-def mla_check(interpret: bool = False, timing_too: bool = True) -> bool:
+def mla_check(interpret: bool = False, timing_too: bool = True, smoke: bool = False) -> bool:
     """The Mosaic GPU MLA latent decode: conformance (small), then DeepSeek-V3 shapes (B=32,
     P=8192, N=16, 128 heads, latent 512 + rope 64) against the Triton latent decode and both cascades."""
     from pallas_kernels.attention.mla_decode import mla_decode, mla_decode_reference
     from pallas_kernels.attention.mla_decode_mgpu import mla_decode_mgpu
     from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
 
-    lora, rope, scale = 512, 64, 0.07
+    lora, rope, scale = (128, 64, 0.07) if smoke else (512, 64, 0.07)
     rng = np.random.default_rng(1)
     b, r, hq = 2, 16, 16
     lengths = np.array([300, 40], np.int32)
@@ -166,8 +170,8 @@ def mla_check(interpret: bool = False, timing_too: bool = True) -> bool:
             f"{'PASS' if e_out < 2e-2 and lse_ok else 'FAIL'}")
     if not ok or not timing_too:
         return ok
-    flops_rate = measure_matmul_flops()
-    b, n, hq, p = 32, 16, 128, 8192
+    flops_rate = measure_matmul_flops(512 if smoke else 8192)
+    b, n, hq, p = (2, 8, 8, 300) if smoke else (32, 16, 128, 8192)
     per_req = (p + n) // PAGE + 1
     table = jnp.asarray(np.random.default_rng(2).permutation(b * per_req).reshape(b, per_req), jnp.int32)
     pool = jax.random.normal(jax.random.PRNGKey(4), (b * per_req * PAGE, lora + rope), jnp.bfloat16)
@@ -177,23 +181,25 @@ def mla_check(interpret: bool = False, timing_too: bool = True) -> bool:
                                                for i in range(b)]).astype(np.int32)))
     flop = 2 * b * n * hq * (p + n) * (2 * lora + rope)
     kw = dict(kv_lora_rank=lora, page_size=PAGE, scale=scale)
+    backend = "interpret" if smoke else None
     fns = {
-        "mgpu decode": jax.jit(lambda *a: mla_decode_mgpu(*a, **kw)),
-        "mgpu decode, shared scores": jax.jit(lambda *a: mla_decode_mgpu(*a, share_scores=True, **kw)),
-        "triton decode": jax.jit(lambda *a: mla_decode(*a, **kw)),
+        "mgpu decode": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, **kw)),
+        "mgpu decode, shared scores": jax.jit(lambda *a: mla_decode_mgpu(*a, share_scores=True, interpret=smoke, **kw)),
+        "triton decode": jax.jit(lambda *a: mla_decode(*a, backend=backend, **kw)),
     }
     for name, fn in fns.items():
         try:
-            t = median_time(fn, q, pool, table, lens, samples=7)
+            t = median_time(fn, q, pool, table, lens, samples=1 if smoke else 7)
             log(f"MLA B={b} P={p} N={n}: {name} {t * 1e3:.3f} ms, {flop / t / 1e12:.0f} TFLOP/s "
                 f"({flop / flops_rate / t:.2f} of the FLOP floor's speed)")
         except Exception as exc:  # noqa: BLE001
             log(f"MLA: {name} FAILED {type(exc).__name__}: {str(exc)[:400]}")
     for kernel in ("mosaic_gpu", "triton"):
-        cfg = MlaCascadeConfig(kv_lora_rank=lora, rope_dim=rope, page_size=PAGE, scale=scale, prefix_kernel=kernel)
+        cfg = MlaCascadeConfig(kv_lora_rank=lora, rope_dim=rope, page_size=PAGE, scale=scale, prefix_kernel=kernel,
+                               backend=backend)
         try:
             t = median_time(jax.jit(lambda *a, c=cfg: mla_verify_attention(*a, config=c)), q, pool, table, lens,
-                            mask, samples=7)
+                            mask, samples=1 if smoke else 7)
             log(f"MLA B={b} P={p} N={n}: cascade ({kernel}) {t * 1e3:.3f} ms, "
                 f"{flop / flops_rate / t:.2f} of the FLOP floor's speed")
         except Exception as exc:  # noqa: BLE001
@@ -206,7 +212,11 @@ def main() -> int:
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--interpret", action="store_true", help="conformance only, in the interpreters (CPU)")
     ap.add_argument("--mla", action="store_true", help="also the MLA latent decode (conformance, then timing)")
+    ap.add_argument("--smoke", action="store_true", help="the timing code on tiny shapes in the interpreters (CPU)")
     a = ap.parse_args()
+    if a.smoke:
+        timing(SMOKE_SHAPES, hq=8, hkv=2, d=64, samples=1, interpret=True)
+        return 0 if mla_check(interpret=True, timing_too=True, smoke=True) else 1
     timing_too = not (a.skip_timing or a.interpret)
     try:
         ok = conformance(a.interpret)
