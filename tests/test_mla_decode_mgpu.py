@@ -20,9 +20,9 @@ LORA, ROPE, PAGE, SCALE = 128, 64, 64, 0.09
 
 
 @pytest.mark.parametrize("r,hq,lengths,block_k,splits,share", [
-    (4, 8, [0, 70, 200], 32, 1, False),  # P = 0, partial last pages; 32 rows padded to one 64-row tile
+    (4, 8, [0, 70, 200], 64, 1, False),  # P = 0, partial last pages; 32 rows padded to one 64-row tile
     (16, 8, [260, 20], 64, 2, False),  # two row tiles, the first ending mid-page below the last whole page
-    (16, 8, [260, 0, 90], 32, 2, True),  # warpgroup 0 hands P and alpha to warpgroup 1
+    (16, 8, [260, 0, 90], 64, 2, True),  # warpgroup 0 hands P and alpha to warpgroup 1
 ])
 def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, share):
     rng = np.random.default_rng(r * hq + block_k)
@@ -56,13 +56,16 @@ def test_mgpu_mla_refuses_unsupported_shapes():
     bf = jnp.bfloat16
     q = jnp.zeros((1, 2, 4, 192), bf)
     with pytest.raises(ValueError, match="latent_pool must be"):
-        check_mla_mgpu_inputs(q, jnp.zeros((64, 128), bf), 128, 64, 32)
+        check_mla_mgpu_inputs(q, jnp.zeros((64, 128), bf), 128, 64, 64)
     with pytest.raises(ValueError, match="kv_lora_rank"):
-        check_mla_mgpu_inputs(q, jnp.zeros((64, 192), bf), 96, 64, 32)
-    with pytest.raises(ValueError, match="block_k must be 32 or 64"):
-        check_mla_mgpu_inputs(q, jnp.zeros((64, 192), bf), 128, 16, 32)
+        check_mla_mgpu_inputs(q, jnp.zeros((64, 192), bf), 96, 64, 64)
+    with pytest.raises(ValueError, match="block_k must be a multiple of 64"):
+        check_mla_mgpu_inputs(q, jnp.zeros((64, 192), bf), 128, 64, 32)
+    with pytest.raises(ValueError, match="more than 232448"):  # share_scores at DeepSeek widths
+        mla_decode_mgpu(jnp.zeros((1, 2, 4, 576), bf), jnp.zeros((64 * 64, 576), bf), jnp.zeros((1, 64), jnp.int32),
+                        jnp.zeros((1,), jnp.int32), kv_lora_rank=512, page_size=64, scale=0.1, share_scores=True)
     with pytest.raises(ValueError, match="16-bit dtype"):
-        check_mla_mgpu_inputs(q, jnp.zeros((64, 192), jnp.float32), 128, 64, 32)
+        check_mla_mgpu_inputs(q, jnp.zeros((64, 192), jnp.float32), 128, 64, 64)
 
 
 def test_mla_verify_through_the_mosaic_gpu_decode():
@@ -90,3 +93,21 @@ def test_mla_verify_through_the_mosaic_gpu_decode():
         mla_verify_attention(q, pool.astype(jnp.float8_e4m3fn), table, lens, mask, config=cfg)
     with pytest.raises(ValueError, match="prefix_kernel"):
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, prefix_kernel="x")
+
+
+@pytest.mark.parametrize("lora,rope,share", [(512, 64, False), (256, 64, True)])
+def test_mgpu_mla_decode_lowers_to_mosaic_gpu(lora, rope, share):
+    """The compiled path lowers to a Mosaic GPU module on the CPU, including Mosaic's layout
+    inference and its shared-memory check (the cubin is built on the GPU machine): DeepSeek-V3
+    widths (latent 512 + rope 64, 128 heads), and score sharing at a width where it fits."""
+    import jax
+
+    import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
+
+    sd = jax.ShapeDtypeStruct
+    c = lora + rope
+    fn = lambda q, pool, t, ln: mla_decode_mgpu(q, pool, t, ln, kv_lora_rank=lora, page_size=64, scale=0.07,  # noqa: E731
+                                                share_scores=share, num_splits=2)
+    text = jax.jit(fn).trace(sd((2, 16, 128, c), jnp.bfloat16), sd((64 * 64, c), jnp.bfloat16),
+                             sd((2, 32), jnp.int32), sd((2,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

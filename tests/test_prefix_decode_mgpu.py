@@ -61,3 +61,26 @@ def test_mgpu_prefix_refuses_unsupported_shapes():
         check_mgpu_inputs(jnp.zeros((1, 1, 128, 48), bf), jnp.zeros((128, 1, 48), bf), jnp.zeros((128, 1, 48), bf), 64)
     with pytest.raises(ValueError, match="16-bit dtype"):
         check_mgpu_inputs(jnp.zeros((1, 1, 128, 64), jnp.float32), pool, pool, 64)
+    big = jnp.zeros((256, 1, 128), bf)
+    with pytest.raises(ValueError, match="page_size=128, stages=3, head dim 128 need"):
+        check_mgpu_inputs(jnp.zeros((1, 1, 256, 128), bf), big, big, 128, stages=3)
+
+
+@pytest.mark.parametrize("total,splits,pingpong,page,stages", [(256, 1, True, 64, 2), (64, 3, False, 64, 3),
+                                                                (256, 1, True, 128, 2)])
+def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages):
+    """The compiled path (wgmma PV through run_state, not the interpreter's dot) lowers to a Mosaic GPU
+    module on the CPU; compiling that module to a cubin needs the GPU machine."""
+    import jax
+
+    import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
+
+    sd = jax.ShapeDtypeStruct
+    b, hkv, d = 2, 8, 128
+    fn = lambda qr, k, v, t, ln: prefix_decode_mgpu_row_layout(  # noqa: E731
+        qr, k, v, t, ln, query_rows=total // 4, group=4, page_size=page, scale=0.1, num_splits=splits,
+        pingpong=pingpong, stages=stages)
+    pool = sd((64 * page, hkv, d), jnp.bfloat16)
+    text = jax.jit(fn).trace(sd((b, hkv, total, d), jnp.bfloat16), pool, pool, sd((b, 32), jnp.int32),
+                             sd((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

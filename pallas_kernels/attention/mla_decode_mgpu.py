@@ -46,6 +46,20 @@ from pallas_kernels.attention.prefix_decode_mgpu import _smem_transforms
 
 LOG2E = math.log2(math.e)
 ROWS = 64  # query rows per CTA (one wgmma M tile)
+OUT_CHUNK = 16  # value columns per output copy (the fp32 staging tile is [ROWS, OUT_CHUNK])
+# Dynamic shared memory per block on Hopper (H100/H200), and what Mosaic GPU adds to our buffers
+# (swizzle alignment, barriers): at L + Dr = 576 it reported 2.9 KB over the buffers' sum.
+MAX_SMEM_BYTES = 232448
+SMEM_OVERHEAD = 4096
+
+
+def smem_bytes(width: int, itemsize: int, block_k: int, stages: int, share_scores: bool) -> int:
+    """Shared memory the kernel allocates: query tile, latent ring, output staging, P exchange."""
+    total = (ROWS * width * itemsize + stages * block_k * width * itemsize + ROWS * OUT_CHUNK * 4 + ROWS * 4
+             + SMEM_OVERHEAD)
+    if share_scores:
+        total += 2 * ROWS * block_k * itemsize + 2 * ROWS * 4 + ROWS * 4
+    return total
 
 
 def check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank: int, page_size: int, block_k: int):
@@ -56,8 +70,9 @@ def check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank: int, page_size: int, blo
     if c % 64 or kv_lora_rank % 128 or not 0 < kv_lora_rank < c:
         raise ValueError(f"mla_decode_mgpu: row width {c} must be a multiple of 64 and kv_lora_rank "
                          f"{kv_lora_rank} a multiple of 128 below it")
-    if block_k not in (32, 64) or page_size % block_k:
-        raise ValueError(f"mla_decode_mgpu: block_k must be 32 or 64 and divide page_size {page_size}, "
+    if block_k % 64 or page_size % block_k:
+        # The P V product's contraction runs over the step's keys: a wgmma K of 64 at least.
+        raise ValueError(f"mla_decode_mgpu: block_k must be a multiple of 64 dividing page_size {page_size}, "
                          f"got {block_k}")
     dtypes = {jnp.dtype(q.dtype), jnp.dtype(latent_pool.dtype)}
     if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -68,16 +83,21 @@ def check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank: int, page_size: int, blo
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
                                              "num_splits", "share_scores", "interpret"))
 def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int, page_size: int, scale: float,
-                    block_k: int = 32, stages: int = 2, num_splits: int | None = None,
+                    block_k: int = 64, stages: int = 2, num_splits: int | None = None,
                     share_scores: bool = False, interpret: bool = False):
-    """See the module docstring. `block_k` keys per step (32 keeps the query tile, two latent buffers
-    and an output staging tile within shared memory at L + Dr = 576). `share_scores`: warpgroup 0
+    """See the module docstring. `block_k` keys per step (a multiple of 64: the P V contraction).
+    At L + Dr = 576 the query tile and two 64-key latent buffers take 216 KiB of the 227 KiB of
+    shared memory, so the output leaves in [64, 16] fp32 pieces and `share_scores` does not fit. `share_scores`: warpgroup 0
     alone scores and runs the softmax and hands P and the rescale factors to warpgroup 1 through
     shared memory (no duplicated score matmul; warpgroup 1 waits on warpgroup 0 each step)."""
     check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank, page_size, block_k)
     if stages < 2:
         raise ValueError(f"mla_decode_mgpu: stages must be >= 2, got {stages}")
     b, r, hq, c = q.shape
+    need = smem_bytes(c, q.dtype.itemsize, block_k, stages, share_scores)
+    if need > MAX_SMEM_BYTES:
+        raise ValueError(f"mla_decode_mgpu: block_k={block_k}, stages={stages}, share_scores={share_scores} at "
+                         f"row width {c} need {need} bytes of shared memory, more than {MAX_SMEM_BYTES}")
     dtype = q.dtype
     half = kv_lora_rank // 2
     rows = r * hq
@@ -197,16 +217,20 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
             l_safe = jnp.where(seen, l, 1.0)
             out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
                             acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
-            # One staging tile for both halves: warpgroup 1 writes after warpgroup 0's copy is done.
+            # One small staging tile for both halves, piece by piece: warpgroup 1 starts after
+            # warpgroup 0's last copy has left shared memory.
             if w == 1:
                 plgpu.barrier_wait(o_free)
-            o_smem[...] = out
             if w == 0:
                 lse_smem[...] = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[split, bi, pl.ds(row0, ROWS), cols])
-            if w == 0:
+                plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[split, bi, pl.ds(row0, ROWS)])
+            for j in range(half // OUT_CHUNK):
+                plgpu.wait_smem_to_gmem(0)  # the previous piece has been read out
+                o_smem[...] = out[:, j * OUT_CHUNK:(j + 1) * OUT_CHUNK]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    o_smem, out_gmem.at[split, bi, pl.ds(row0, ROWS), pl.ds(w * half + j * OUT_CHUNK, OUT_CHUNK)])
             plgpu.wait_smem_to_gmem(0)
             if w == 0:
                 plgpu.barrier_arrive(o_free)
@@ -240,11 +264,12 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
             lambda *scoped: body(q_gmem, lat_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped),
             (plgpu.SMEM((ROWS, c), dtype, transforms=_smem_transforms(c, dtype)),
              plgpu.SMEM((stages, block_k, c), dtype, transforms=_smem_transforms(c, dtype)),
-             plgpu.SMEM((ROWS, half), jnp.float32, transforms=_smem_transforms(half, jnp.float32)),
+             plgpu.SMEM((ROWS, OUT_CHUNK), jnp.float32, transforms=_smem_transforms(OUT_CHUNK, jnp.float32)),
              plgpu.SMEM((ROWS,), jnp.float32),
-             plgpu.SMEM((2, ROWS, block_k), dtype, transforms=_smem_transforms(block_k, dtype)),
-             plgpu.SMEM((2, ROWS), jnp.float32),
-             plgpu.SMEM((ROWS,), jnp.float32)),
+             # P / alpha / l exchange between the warpgroups (share_scores only).
+             plgpu.SMEM((2, ROWS, block_k), dtype, transforms=_smem_transforms(block_k, dtype)) if share_scores else None,
+             plgpu.SMEM((2, ROWS), jnp.float32) if share_scores else None,
+             plgpu.SMEM((ROWS,), jnp.float32) if share_scores else None),
             (plgpu.Barrier(), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(),
              plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier()),

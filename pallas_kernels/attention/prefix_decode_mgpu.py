@@ -48,6 +48,18 @@ LOG2E = math.log2(math.e)
 ROWS_PER_WG = 64
 COMPUTE_WGS = 2
 ROWS_PER_CTA = ROWS_PER_WG * COMPUTE_WGS
+OUT_CHUNK = 32  # output columns per fp32 staging tile
+# Dynamic shared memory per block on Hopper, and what Mosaic GPU adds to our buffers (swizzle
+# alignment, barriers; about 3 KB measured by lowering).
+MAX_SMEM_BYTES = 232448
+SMEM_OVERHEAD = 4096
+
+
+def smem_bytes(total_rows: int, width: int, itemsize: int, page_size: int, stages: int) -> int:
+    """Shared memory of one CTA: query tiles, the K and V rings, output staging, LSE."""
+    wgs = COMPUTE_WGS if total_rows % ROWS_PER_CTA == 0 else 1
+    return (wgs * ROWS_PER_WG * width * itemsize + 2 * stages * page_size * width * itemsize
+            + wgs * ROWS_PER_WG * (OUT_CHUNK + 1) * 4 + SMEM_OVERHEAD)
 
 
 def _smem_transforms(minor: int, dtype):
@@ -56,7 +68,7 @@ def _smem_transforms(minor: int, dtype):
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int):
+def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2):
     """Shapes this kernel takes; raises naming the first unsupported value."""
     b, hkv, total, d = qr.shape
     if total % ROWS_PER_WG:
@@ -70,6 +82,12 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int):
     if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"prefix_decode_mgpu: q, K and V must share one 16-bit dtype, got "
                          f"{qr.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    if stages < 2:
+        raise ValueError(f"prefix_decode_mgpu: stages must be >= 2, got {stages}")
+    need = smem_bytes(total, d, jnp.dtype(qr.dtype).itemsize, page_size, stages)
+    if need > MAX_SMEM_BYTES:
+        raise ValueError(f"prefix_decode_mgpu: page_size={page_size}, stages={stages}, head dim {d} need {need} "
+                         f"bytes of shared memory, more than {MAX_SMEM_BYTES}")
 
 
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "num_splits",
@@ -82,9 +100,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     grid leaves SMs idle, as `prefix_decode.default_num_splits`); `pingpong`: the two compute
     warpgroups take turns on the tensor cores (one's softmax overlaps the other's matmuls);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
-    check_mgpu_inputs(qr, k_pool, v_pool, page_size)
-    if stages < 2:
-        raise ValueError(f"prefix_decode_mgpu: stages must be >= 2, got {stages}")
+    check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages)
     b, hkv, total, d = qr.shape
     max_pages = page_table.shape[1]
     # Two compute warpgroups per CTA when the rows fill them; a 64-row head (e.g. N=16, G=4) gets one.
@@ -100,7 +116,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     block = page_size
     scale2 = float(scale) * LOG2E
     in_tf = _smem_transforms(d, dtype)
-    out_tf = _smem_transforms(d, jnp.float32)
+    out_tf = _smem_transforms(OUT_CHUNK, jnp.float32)
 
     def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped):
         (q_smem, k_smem, v_smem, o_smem, lse_smem), (q_ready, k_ready, v_ready), (k_free, v_free), turn = scoped
@@ -190,12 +206,19 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                 pl.when(wg == 0)(take_turn)
             seen = l > 0
             l_safe = jnp.where(seen, l, 1.0)
-            o_smem.at[wg][...] = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
-                                           acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
+            out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
+                            acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
             lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[split, bi, head, pl.ds(row0, ROWS_PER_WG)])
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[split, bi, head, pl.ds(row0, ROWS_PER_WG)])
+            # The fp32 output leaves through a small staging tile, piece by piece (a whole [64, D]
+            # fp32 tile per warpgroup would cost the K/V ring a stage).
+            for j in range(d // OUT_CHUNK):
+                plgpu.wait_smem_to_gmem(0)  # the previous piece has been read out
+                o_smem.at[wg][...] = out[:, j * OUT_CHUNK:(j + 1) * OUT_CHUNK]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[split, bi, head, pl.ds(row0, ROWS_PER_WG),
+                                                                   pl.ds(j * OUT_CHUNK, OUT_CHUNK)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == wgs)
@@ -233,7 +256,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             (plgpu.SMEM((wgs, ROWS_PER_WG, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
-             plgpu.SMEM((wgs, ROWS_PER_WG, d), jnp.float32, transforms=out_tf),
+             plgpu.SMEM((wgs, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=out_tf),
              plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32)),
             (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=stages)),
