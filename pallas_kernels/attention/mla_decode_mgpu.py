@@ -3,8 +3,10 @@
 Status (2026-11-30): written after the session's GPU time was spent. Its logic runs in Pallas' GPU
 interpreter on the CPU against the fp32 reference (`tests/test_mla_decode_mgpu.py`); interpreted
 runs add P V with a plain dot where the compiled kernel uses wgmma (the interpreter has no rule for
-the accumulator `run_state` idiom). The compiled kernel has never run: the first GPU call is
-`benchmarks/mgpu_prefix_check.py --mla`.
+the accumulator `run_state` idiom). The compiled path lowers to a Mosaic GPU module on the CPU
+(layout inference and the shared-memory check pass; that lowering caught a 32-key step, below
+wgmma's K of 64, and an over-budget output tile). The compiled kernel has never run: the first GPU
+call is `benchmarks/mgpu_prefix_check.py --mla`.
 
 Why: the Pallas Triton latent decode runs at about 35% of the H200's bf16 rate and its cascade
 (4.5 ms at B=32, P=8192, N=16, 128 heads) is slower than XLA's dense einsum over gathered rows

@@ -4,7 +4,9 @@ Status (2026-11-30): written without GPU time left. Its logic (page-table TMA co
 ring and its barriers, masking, the online softmax) runs in Pallas' GPU interpreter on the CPU and
 matches dense fp32 attention (`tests/test_prefix_decode_mgpu.py`); the interpreter has no rule for
 the accumulator `run_state` idiom, so interpreted runs add P V with a plain dot where the compiled
-kernel uses wgmma. The compiled kernel has never run: `benchmarks/mgpu_prefix_check.py` is the
+kernel uses wgmma. The compiled path lowers to a Mosaic GPU module on the CPU too (its layout
+inference and shared-memory check pass; same test file); building the cubin and running it need
+the GPU, and the compiled kernel has never run: `benchmarks/mgpu_prefix_check.py` is the
 first thing to run on the H200 (conformance, then timing against the Triton prefix). Nothing but
 that script and the test imports this module.
 
