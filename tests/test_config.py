@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from treespec_jax.config import (
+    BackendsConfig,
     ConfigError,
     KVCacheConfig,
     ModelConfig,
@@ -181,6 +182,11 @@ def test_every_problem_is_reported_at_once():
         (dict(scheduler=SchedulerConfig(max_running_requests=0)), "max_running_requests = 0"),
         (dict(seed=2**32), "seed = 4294967296 is outside"),
         (dict(seed=-1), "seed = -1 is outside"),
+        (dict(backends=BackendsConfig(prefix_kernel="mosaic_gpu"), kv_cache=KVCacheConfig(page_size=32)),
+         "needs kv_cache.page_size 64 or 128, got 32"),
+        (dict(backends=BackendsConfig(prefix_kernel="mosaic_gpu"), kv_cache=KVCacheConfig(dtype="fp8_e4m3")),
+         "needs a 16-bit KV cache"),
+        (dict(backends=BackendsConfig(prefix_kernel="cuda")), "prefix_kernel = 'cuda' is not one of"),
     ],
 )
 def test_section_ranges(sections, fragment):
@@ -258,6 +264,13 @@ def test_every_shipped_config_is_valid():
     assert {"tree_eagle3_k4_s5_n16.toml", "tree_k8_s9_n64.toml", "chain_k1_s3.toml"} <= names
     for path in files:
         check_startup(load_toml(path).validate())
+
+
+def test_prefix_kernel_choices_match_the_cascade():
+    from treespec_jax.attention.cascade import PREFIX_KERNELS as CASCADE
+    from treespec_jax.config import PREFIX_KERNELS
+    assert PREFIX_KERNELS == CASCADE
+    ServeConfig(backends=BackendsConfig(prefix_kernel="mosaic_gpu")).validate()  # page 64, auto dtype: fine
 
 
 def test_kernel_backend_choices_match_the_kernels():

@@ -84,6 +84,9 @@ ATTENTION_BACKENDS = ("auto", "cascade", "mla_cascade")
 # Kept literal (not imported from pallas_kernels.common) so the CLI starts without importing jax;
 # tests/test_config.py checks the two agree.
 KERNEL_BACKENDS = ("pallas", "interpret", "reference")
+# Prefix-half kernels of the attention cascades (treespec_jax.attention.cascade.PREFIX_KERNELS).
+# "mosaic_gpu" is experimental: interpreter- and lowering-tested, never compiled on a GPU yet.
+PREFIX_KERNELS = ("triton", "mosaic_gpu")
 GRAMMAR_BACKENDS = ("none", "xgrammar", "outlines", "llguidance")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
@@ -251,6 +254,9 @@ class BackendsConfig:
                               KERNEL_BACKENDS)
     disable_replay_ssm: bool = opt(False, "--disable-replay-ssm",
                                    "linear-attention commit stages a state per node instead of replaying the path")
+    prefix_kernel: str = opt("triton", "--prefix-kernel",
+                             "prefix half of the attention cascades: triton, or mosaic_gpu (experimental: "
+                             "16-bit KV cache, page size 64 or 128)", PREFIX_KERNELS)
 
 
 SECTIONS: dict[str, type] = {
@@ -389,6 +395,12 @@ def _check_ranges(cfg: ServeConfig, out: list[str]) -> None:
             f"parallel.enable_dp_attention needs tp_size divisible by dp_size, got "
             f"tp_size = {par.tp_size}, dp_size = {par.dp_size}"
         )
+    if cfg.backends.prefix_kernel == "mosaic_gpu":
+        if kv.page_size not in (64, 128):
+            out.append(f"backends.prefix_kernel = 'mosaic_gpu' reads one page per step and needs "
+                       f"kv_cache.page_size 64 or 128, got {kv.page_size}")
+        if kv.dtype == "fp8_e4m3":
+            out.append("backends.prefix_kernel = 'mosaic_gpu' needs a 16-bit KV cache, got kv_cache.dtype = 'fp8_e4m3'")
     at_least("scheduler.max_running_requests", sch.max_running_requests, 1)
     at_least("scheduler.chunked_prefill_size", sch.chunked_prefill_size, 1)
     if not 0 <= cfg.seed <= MAX_SEED:
