@@ -158,10 +158,16 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             first_hi = jnp.clip(length - query_rows + 1 + lax.div(row0, jnp.int32(group)), 0, whole)
             open_end = jnp.clip(lax.div(first_hi, jnp.int32(block)), lo, hi)
 
+            def wait_next_keys(i):
+                # Step i + 1's K wait is taken while step i's P V product runs (the first step's
+                # before the loop), so a late TMA copy hides behind tensor-core work.
+                @pl.when(i + 1 < hi)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(i + 1 - lo, jnp.int32(stages))])
+
             def step(i, carry, masked: bool):
                 acc, m, l = carry
                 slot = lax.rem(i - lo, jnp.int32(stages))
-                plgpu.barrier_wait(k_ready.at[slot])
 
                 def scores(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
@@ -189,9 +195,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                     # The GPU interpreter can neither run run_state nor store into an accumulator,
                     # so interpreted runs add P V with a plain dot on the same shared-memory tile.
                     acc = acc + jnp.dot(p.astype(dtype), v_smem.at[slot][...], preferred_element_type=jnp.float32)
+                    wait_next_keys(i)
                 else:
                     def values(acc_ref):
                         plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+                        wait_next_keys(i)
 
                     acc = pl.run_state(values)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
@@ -200,6 +208,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             m = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, d), jnp.float32), plgpu.Layout.WGMMA)
+            @pl.when(hi > lo)
+            def _():
+                plgpu.barrier_wait(k_ready.at[0])  # the first step's keys (slot 0)
+
             if pingpong:
                 pl.when(wg == 1)(take_turn)  # start half a step behind warpgroup 0
             carry = lax.fori_loop(lo, open_end, functools.partial(step, masked=False), (acc, m, l))
