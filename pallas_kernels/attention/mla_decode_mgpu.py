@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.prefix_decode import default_num_splits, merge_splits
-from pallas_kernels.attention.prefix_decode_mgpu import _smem_transforms
+from pallas_kernels.attention.prefix_decode_mgpu import _smem_transforms, online_softmax_update
 
 LOG2E = math.log2(math.e)
 ROWS = 64  # query rows per CTA (one wgmma M tile)
@@ -161,14 +161,8 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
                     return acc_ref[...]
 
                 s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
-                if masked:
-                    s = jnp.where(col + i * block_k < row_hi, s, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1) * scale2)
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-                alpha = jnp.exp2(m - m_use)
-                p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_use, shape, [0]))
-                l = l * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p, alpha, m_new, l, acc = online_softmax_update(
+                    s, m, l, acc, scale2, (col + i * block_k < row_hi) if masked else None)
                 p16 = p.astype(dtype)
                 if share_scores:  # hand P and alpha to warpgroup 1 (two buffers, alternating)
                     pslot = lax.rem(i - lo, jnp.int32(2))

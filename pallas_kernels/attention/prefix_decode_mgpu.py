@@ -70,6 +70,23 @@ def _smem_transforms(minor: int, dtype):
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
+def online_softmax_update(s, m, l, acc, scale2: float, visible=None):
+    """One base-2 online-softmax step on warpgroup arrays (shared by the Mosaic GPU kernels).
+
+    `s [rows, keys]` raw scores (fp32, WGMMA layout), `m`/`l [rows]` running max (scaled) and sum,
+    `acc [rows, D]` the running output, `visible` an optional bool mask (None: every key seen).
+    Returns `(p, alpha, m_new, l_new, acc * alpha)`. A row whose keys are all masked so far keeps
+    m = -inf, which is why the masked path shifts by 0 there instead.
+    """
+    if visible is not None:
+        s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=1) * scale2)
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if visible is not None else m_new
+    alpha = jnp.exp2(m - m_use)
+    p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    return p, alpha, m_new, l * alpha + p.sum(axis=1), acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+
 def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2):
     """Shapes this kernel takes; raises naming the first unsupported value."""
     b, hkv, total, d = qr.shape
@@ -177,14 +194,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
 
                 s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                if masked:
-                    s = jnp.where(col + i * block < row_hi, s, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1) * scale2)
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-                alpha = jnp.exp2(m - m_use)
-                p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_use, shape, [0]))
-                l = l * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p, _, m_new, l, acc = online_softmax_update(
+                    s, m, l, acc, scale2, (col + i * block < row_hi) if masked else None)
                 if pingpong:
                     plgpu.barrier_arrive(turn)  # softmax done
                 plgpu.barrier_wait(v_ready.at[slot])
