@@ -44,7 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.prefix_decode import default_num_splits, merge_splits
-from pallas_kernels.attention.prefix_decode_mgpu import _smem_transforms, online_softmax_update
+from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, online_softmax_update, split_blocks,
+                                                         whole_page_bound)
 
 LOG2E = math.log2(math.e)
 ROWS = 64  # query rows per CTA (one wgmma M tile)
@@ -122,10 +123,8 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
         whole = lax.div(length, jnp.int32(page_size)) * page_size
         row0 = tile * ROWS
         last_real = jnp.minimum(row0 + ROWS - 1, rows - 1)
-        cta_hi = jnp.clip(length - r + 1 + lax.div(last_real, jnp.int32(hq)), 0, whole)
-        steps = lax.div(cta_hi + block_k - 1, jnp.int32(block_k))
-        lo = split * blocks_per_split
-        hi = jnp.maximum(jnp.minimum(lo + blocks_per_split, steps), lo)
+        cta_hi = jnp.maximum(whole_page_bound(length, r, hq, last_real, whole), 0)
+        lo, hi = split_blocks(cta_hi, block_k, split, blocks_per_split)
 
         def compute(w: int):
             plgpu.set_max_registers(232, action="increase")
@@ -133,8 +132,8 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
             shape = (ROWS, block_k)
             row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
             col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-            row_hi = jnp.minimum(length - r + 1 + lax.div(row, jnp.int32(hq)), whole)
-            first_hi = jnp.clip(length - r + 1 + lax.div(row0, jnp.int32(hq)), 0, whole)
+            row_hi = whole_page_bound(length, r, hq, row, whole)
+            first_hi = jnp.maximum(whole_page_bound(length, r, hq, row0, whole), 0)
             open_end = jnp.clip(lax.div(first_hi, jnp.int32(block_k)), lo, hi)
             cols = pl.ds(w * half, half)  # this warpgroup's value channels (static)
 

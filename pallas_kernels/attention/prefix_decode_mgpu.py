@@ -70,6 +70,21 @@ def _smem_transforms(minor: int, dtype):
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
+def whole_page_bound(length, query_rows: int, group: int, row, whole):
+    """Keys [0, bound) row `row` (= r * group + g; a scalar or a warpgroup array) sees under the
+    whole-pages contract: min(P - R + 1 + r, whole). May be negative (the row sees nothing).
+    Rows are non-negative, so truncating lax.div is floor division."""
+    return jnp.minimum(length - query_rows + 1 + lax.div(row, jnp.int32(group)), whole)
+
+
+def split_blocks(cta_hi, block: int, split, per_split: int):
+    """This split's key blocks [lo, hi) of the cdiv(cta_hi, block) a CTA reads (a trailing split
+    may get none). cta_hi <= the last whole page, so every block read holds finite keys."""
+    steps = lax.div(cta_hi + block - 1, jnp.int32(block))
+    lo = split * per_split
+    return lo, jnp.maximum(jnp.minimum(lo + per_split, steps), lo)
+
+
 def online_softmax_update(s, m, l, acc, scale2: float, visible=None):
     """One base-2 online-softmax step on warpgroup arrays (shared by the Mosaic GPU kernels).
 
@@ -145,17 +160,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
         tile = lax.axis_index("tiles")
         wg = lax.axis_index("wg")
         length = len_gmem[bi]
-        # Non-negative operands only, so truncating lax.div is floor division.
         whole = lax.div(length, jnp.int32(block)) * block
         cta_row0 = tile * rows_per_cta
         last_real = jnp.minimum(cta_row0 + rows_per_cta - 1, query_rows * group - 1)
-        cta_hi = jnp.clip(length - query_rows + 1 + lax.div(last_real, jnp.int32(group)), 0, whole)
-        # Blocks up to cta_hi, rounded up: cta_hi <= whole, so every block read is a whole page
-        # below P (finite values); per-row bounds are masked in the last steps.
-        steps = lax.div(cta_hi + block - 1, jnp.int32(block))
-        # This CTA's share of the key blocks (a trailing split may get none).
-        lo = split * steps_per_split
-        hi = jnp.maximum(jnp.minimum(lo + steps_per_split, steps), lo)
+        cta_hi = jnp.maximum(whole_page_bound(length, query_rows, group, last_real, whole), 0)
+        lo, hi = split_blocks(cta_hi, block, split, steps_per_split)  # per-row bounds masked late
 
         def take_turn():
             plgpu.barrier_arrive(turn)
@@ -170,9 +179,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             shape = (ROWS_PER_WG, block)
             row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
             col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-            row_hi = jnp.minimum(length - query_rows + 1 + lax.div(row, jnp.int32(group)), whole)  # [rows, block]
+            row_hi = whole_page_bound(length, query_rows, group, row, whole)  # [rows, block]
             # Keys below the first row's bound are seen by every row of this warpgroup.
-            first_hi = jnp.clip(length - query_rows + 1 + lax.div(row0, jnp.int32(group)), 0, whole)
+            first_hi = jnp.maximum(whole_page_bound(length, query_rows, group, row0, whole), 0)
             open_end = jnp.clip(lax.div(first_hi, jnp.int32(block)), lo, hi)
 
             def wait_next_keys(i):
