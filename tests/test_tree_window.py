@@ -141,13 +141,15 @@ def test_merge_reference_drops_empty_partials():
     np.testing.assert_allclose(np.asarray(lse), [1.0, 1.0])
 
 
+def tiny_window_inputs():
+    """Well-formed zero inputs (B=1, R=4, Hq=2, Hkv=1, D=16, page 16) for the refusal tests."""
+    return (jnp.zeros((1, 4, 2, 16)), jnp.zeros((64, 1, 16)), jnp.zeros((1, 4), jnp.int32),
+            jnp.zeros((1,), jnp.int32), jnp.zeros((1, 4, 2), jnp.uint32), jnp.zeros((1, 4, 2, 16)),
+            jnp.zeros((1, 4, 2)))
+
+
 def test_window_rejects_bad_inputs():
-    q = jnp.zeros((1, 4, 2, 16))
-    pool = jnp.zeros((64, 1, 16))
-    table = jnp.zeros((1, 4), jnp.int32)
-    lengths = jnp.zeros((1,), jnp.int32)
-    mask = jnp.zeros((1, 4, 2), jnp.uint32)
-    po, plse = jnp.zeros((1, 4, 2, 16)), jnp.zeros((1, 4, 2))
+    q, pool, table, lengths, mask, po, plse = tiny_window_inputs()
     with pytest.raises(ValueError, match="window must be in"):
         tree_window_attention(q, pool, pool, table, lengths, mask, po, plse, window=65, page_size=16)
     with pytest.raises(ValueError, match="uint32"):
@@ -185,12 +187,7 @@ def test_window_row_tiles(block_rows, num_warps):
 
 
 def test_window_rejects_bad_launch_options():
-    q = jnp.zeros((1, 4, 2, 16))
-    pool = jnp.zeros((64, 1, 16))
-    table = jnp.zeros((1, 4), jnp.int32)
-    lengths = jnp.zeros((1,), jnp.int32)
-    mask = jnp.zeros((1, 4, 2), jnp.uint32)
-    po, plse = jnp.zeros((1, 4, 2, 16)), jnp.zeros((1, 4, 2))
+    q, pool, table, lengths, mask, po, plse = tiny_window_inputs()
     kw = dict(window=4, page_size=16)
     with pytest.raises(ValueError, match="block_rows must be a power of two >= 16, got 24"):
         tree_window_attention(q, pool, pool, table, lengths, mask, po, plse, block_rows=24, **kw)
