@@ -45,8 +45,11 @@ from pallas_kernels.attention.prefix_decode import (heads_to_rows, padded_rows, 
                                                     prefix_decode_row_layout)
 from pallas_kernels.attention.reference import (cascade_dense_reference, dense_tree_visibility,
                                                 sliding_lane_dense_reference)
+from pallas_kernels.attention.prefix_decode_mgpu import prefix_decode_mgpu_row_layout
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
-from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, sliding_lane_attention
+from pallas_kernels.common import resolve_backend
+from treespec_jax.attention.cascade import (CascadeConfig, cascade_attention, sliding_lane_attention,
+                                            uses_mosaic_prefix)
 from treespec_jax.cache.paged import slot_of
 from treespec_jax.tree.masks import ancestor_mask
 
@@ -260,17 +263,30 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too):
     group = HQ // HKV
     qr = heads_to_rows(q, HKV, padded_rows(n * group))
     interp = jax.default_backend() != "gpu"
-    kw = dict(page_size=PAGE, scale=D ** -0.5, query_rows=n, group=group, interpret=interp, **tune)
+    kw = dict(page_size=PAGE, scale=D ** -0.5, query_rows=n, group=group, interpret=interp)
+    # The prefix kernel the default cascade picks here ("auto": Mosaic GPU where it runs).
+    mosaic = not tune and uses_mosaic_prefix(CascadeConfig(page_size=PAGE), resolve_backend(None), q, kp, vp)
     # Prefix alone on the row layout (kernel + split merge), as the cascade runs it.
-    pre = jax.jit(lambda *a: prefix_decode_row_layout(*a, **kw))
+    if mosaic:
+        pre = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, **kw))
+    else:
+        pre = jax.jit(lambda *a: prefix_decode_row_layout(*a, **kw, **tune))
     t_pre = median_time(pre, qr, kp, vp, table, lengths)
     po, plse = pre(qr, kp, vp, table, lengths)
     win = jax.jit(lambda *a: tree_window_row_layout(*a, query_rows=n, group=group, window=n, page_size=PAGE,
-                                                    scale=D ** -0.5, value_dim=D, interpret=interp))
+                                                    scale=D ** -0.5, value_dim=D, interpret=interp,
+                                                    prefix_whole_pages=mosaic))
     t_win = median_time(win, qr, kp, vp, table, lengths, mask, po, plse)
-    # The whole cascade through its public composition (q transposed in, output out).
+    # The whole cascade through its public composition (q transposed in, output out), with the
+    # default prefix kernel and, as the in-run baseline, with the Triton one.
     cas = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(page_size=PAGE)))
     t_cas = median_time(cas, q, kp, vp, table, lengths, mask)
+    if mosaic:
+        cas_tr = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
+            page_size=PAGE, prefix_kernel="triton")))
+        t_cas_triton = median_time(cas_tr, q, kp, vp, table, lengths, mask)
+    else:
+        t_cas_triton = t_cas
     t_cas8 = float("nan")
     if fp8_dot_too:
         try:
@@ -284,8 +300,9 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too):
     byte_floor = kv_bytes / bw
     flop_floor = 4 * b * n * HQ * (p + n) * D / flops
     floor = max(byte_floor, flop_floor)
-    row = dict(shape=f"B={b},P={p},N={n}", kv=jnp.dtype(dtype).name, prefix_ms=t_pre * 1e3, window_ms=t_win * 1e3,
-               cascade_ms=t_cas * 1e3, cascade_fp8dot_ms=t_cas8 * 1e3, dense_ms=t_dense * 1e3, dense_impl=impl,
+    row = dict(shape=f"B={b},P={p},N={n}", kv=jnp.dtype(dtype).name, prefix_kernel="mosaic_gpu" if mosaic else "triton",
+               prefix_ms=t_pre * 1e3, window_ms=t_win * 1e3, cascade_ms=t_cas * 1e3,
+               cascade_triton_ms=t_cas_triton * 1e3, cascade_fp8dot_ms=t_cas8 * 1e3, dense_ms=t_dense * 1e3, dense_impl=impl,
                byte_floor_ms=byte_floor * 1e3, flop_floor_ms=flop_floor * 1e3,
                vs_floor=t_cas / floor, window_overhead=(t_cas - t_pre) / t_pre,
                prefix_tbps=kv_bytes / t_pre / 1e12, dense_speedup=t_dense / t_cas)
@@ -317,11 +334,13 @@ def table_markdown(rows, ceilings, tune):
     bw, flops = ceilings
     lines = [f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} TFLOP/s; "
              f"prefix kernel launch {tune or 'prefix_decode.default_launch'}", "",
-             "| shape | KV | prefix ms | window ms | cascade ms | cascade fp8-dot ms | byte floor ms | FLOP floor ms "
+             "| shape | KV | prefix kernel | prefix ms | window ms | cascade ms | cascade, Triton prefix ms "
+             "| cascade fp8-dot ms | byte floor ms | FLOP floor ms "
              "| cascade / max floor | window overhead | prefix TB/s | dense (impl) ms | dense / cascade |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['kv']} | {r['prefix_ms']:.3f} | {r['window_ms']:.3f} | {r['cascade_ms']:.3f} "
+        lines.append(f"| {r['shape']} | {r['kv']} | {r['prefix_kernel']} | {r['prefix_ms']:.3f} | {r['window_ms']:.3f} "
+                     f"| {r['cascade_ms']:.3f} | {r['cascade_triton_ms']:.3f} "
                      f"| {r['cascade_fp8dot_ms']:.3f} | {r['byte_floor_ms']:.3f} | {r['flop_floor_ms']:.3f} "
                      f"| {r['vs_floor']:.2f}x | {100 * r['window_overhead']:.1f}% | {r['prefix_tbps']:.2f} "
                      f"| {r['dense_ms']:.3f} ({r['dense_impl']}) | {r['dense_speedup']:.2f}x |")

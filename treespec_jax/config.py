@@ -85,8 +85,8 @@ ATTENTION_BACKENDS = ("auto", "cascade", "mla_cascade")
 # tests/test_config.py checks the two agree.
 KERNEL_BACKENDS = ("pallas", "interpret", "reference")
 # Prefix-half kernels of the attention cascades (treespec_jax.attention.cascade.PREFIX_KERNELS).
-# "mosaic_gpu" is experimental: interpreter- and lowering-tested, never compiled on a GPU yet.
-PREFIX_KERNELS = ("triton", "mosaic_gpu")
+# "auto" takes "mosaic_gpu" where it runs compiled (GPU, 16-bit KV, page 64/128), else "triton".
+PREFIX_KERNELS = ("auto", "triton", "mosaic_gpu")
 GRAMMAR_BACKENDS = ("none", "xgrammar", "outlines", "llguidance")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
@@ -254,9 +254,10 @@ class BackendsConfig:
                               KERNEL_BACKENDS)
     disable_replay_ssm: bool = opt(False, "--disable-replay-ssm",
                                    "linear-attention commit stages a state per node instead of replaying the path")
-    prefix_kernel: str = opt("triton", "--prefix-kernel",
-                             "prefix half of the attention cascades: triton, or mosaic_gpu (experimental: "
-                             "16-bit KV cache, page size 64 or 128)", PREFIX_KERNELS)
+    prefix_kernel: str = opt("auto", "--prefix-kernel",
+                             "prefix half of the attention cascades: auto (mosaic_gpu where it runs, else "
+                             "triton), triton, or mosaic_gpu (16-bit KV cache, page size 64 or 128)",
+                             PREFIX_KERNELS)
 
 
 SECTIONS: dict[str, type] = {

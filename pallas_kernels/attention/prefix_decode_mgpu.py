@@ -1,14 +1,13 @@
-"""EXPERIMENTAL, NOT YET COMPILED: the prefix half on Mosaic GPU (Hopper wgmma + TMA, warp-specialised).
+"""The prefix half on Mosaic GPU (Hopper wgmma + TMA, warp-specialised): the default on GPUs.
 
-Status (2026-11-30): written without GPU time left. Its logic (page-table TMA copies, the buffer
-ring and its barriers, masking, the online softmax) runs in Pallas' GPU interpreter on the CPU and
-matches dense fp32 attention (`tests/test_prefix_decode_mgpu.py`); the interpreter has no rule for
-the accumulator `run_state` idiom, so interpreted runs add P V with a plain dot where the compiled
-kernel uses wgmma. The compiled path lowers to a Mosaic GPU module on the CPU too (its layout
-inference and shared-memory check pass; same test file); building the cubin and running it need
-the GPU, and the compiled kernel has never run: `benchmarks/mgpu_prefix_check.py` is the
-first thing to run on the H200 (conformance, then timing against the Triton prefix). Nothing but
-that script and the test imports this module.
+Status (2026-11-30): compiled and run on the H200. Compiled conformance passes
+(`benchmarks/mgpu_prefix_check.py`) and its cascade ran 1.1-1.2x faster than the Triton one at
+every shape of issue #3 (benchmarks/RESULTS.md), so `CascadeConfig(prefix_kernel="auto")` takes it
+wherever `mgpu_input_errors` is empty. On the CPU its logic (page-table TMA copies, the buffer ring
+and its barriers, masking, the online softmax) runs in Pallas' GPU interpreter against dense fp32
+attention (`tests/test_prefix_decode_mgpu.py`); the interpreter has no rule for the accumulator
+`run_state` idiom, so interpreted runs add P V with a plain dot where the compiled kernel uses
+wgmma. The compiled path also lowers on the CPU (layout inference and the shared-memory check).
 
 Why: JAX's own dense Mosaic GPU flash attention ran the prefix half's work 1.22x (B=32, P=32768)
 and 1.39x (B=64, P=4096) faster than our Pallas Triton prefix kernel (benchmarks/RESULTS.md,
@@ -102,26 +101,35 @@ def online_softmax_update(s, m, l, acc, scale2: float, visible=None):
     return p, alpha, m_new, l * alpha + p.sum(axis=1), acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
 
-def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2):
-    """Shapes this kernel takes; raises naming the first unsupported value."""
+def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2) -> list[str]:
+    """Every reason this kernel cannot take these inputs (empty: it can). Arrays or ShapeDtypeStructs."""
     b, hkv, total, d = qr.shape
+    errors = []
     if total % ROWS_PER_WG:
-        raise ValueError(f"prefix_decode_mgpu: padded rows per KV head must be a multiple of {ROWS_PER_WG}, "
-                         f"got {total}")
+        errors.append(f"prefix_decode_mgpu: padded rows per KV head must be a multiple of {ROWS_PER_WG}, got {total}")
     if page_size not in (64, 128):
-        raise ValueError(f"prefix_decode_mgpu: page_size must be 64 or 128 (one page per step), got {page_size}")
+        errors.append(f"prefix_decode_mgpu: page_size must be 64 or 128 (one page per step), got {page_size}")
     if d % 64 or d > 256:
-        raise ValueError(f"prefix_decode_mgpu: head dim must be a multiple of 64 up to 256, got {d}")
+        errors.append(f"prefix_decode_mgpu: head dim must be a multiple of 64 up to 256, got {d}")
     dtypes = {jnp.dtype(x.dtype) for x in (qr, k_pool, v_pool)}
     if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"prefix_decode_mgpu: q, K and V must share one 16-bit dtype, got "
-                         f"{qr.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+        errors.append(f"prefix_decode_mgpu: q, K and V must share one 16-bit dtype, got "
+                      f"{qr.dtype}, {k_pool.dtype}, {v_pool.dtype}")
     if stages < 2:
-        raise ValueError(f"prefix_decode_mgpu: stages must be >= 2, got {stages}")
-    need = smem_bytes(total, d, jnp.dtype(qr.dtype).itemsize, page_size, stages)
-    if need > MAX_SMEM_BYTES:
-        raise ValueError(f"prefix_decode_mgpu: page_size={page_size}, stages={stages}, head dim {d} need {need} "
-                         f"bytes of shared memory, more than {MAX_SMEM_BYTES}")
+        errors.append(f"prefix_decode_mgpu: stages must be >= 2, got {stages}")
+    elif not errors:
+        need = smem_bytes(total, d, jnp.dtype(qr.dtype).itemsize, page_size, stages)
+        if need > MAX_SMEM_BYTES:
+            errors.append(f"prefix_decode_mgpu: page_size={page_size}, stages={stages}, head dim {d} need {need} "
+                          f"bytes of shared memory, more than {MAX_SMEM_BYTES}")
+    return errors
+
+
+def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2):
+    """Shapes this kernel takes; raises naming every unsupported value."""
+    errors = mgpu_input_errors(qr, k_pool, v_pool, page_size, stages)
+    if errors:
+        raise ValueError("; ".join(errors))
 
 
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "num_splits",
@@ -316,4 +324,4 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     return out[0], lse[0]
 
 
-__all__ = ["prefix_decode_mgpu_row_layout", "check_mgpu_inputs"]
+__all__ = ["prefix_decode_mgpu_row_layout", "check_mgpu_inputs", "mgpu_input_errors"]

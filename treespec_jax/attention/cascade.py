@@ -3,8 +3,10 @@
 Every query row of a tree sees the request's committed prefix and, inside the last `window` keys,
 only the slots its ancestor mask names. The prefix (where the time goes at long context) runs as a
 causal multi-query paged decode (`pallas_kernels.attention.prefix_decode`) that returns its base-2
-LSE; the window kernel (`pallas_kernels.attention.tree_window`) attends what the prefix half missed
-and merges both in one kernel. One path for every size.
+LSE; on a GPU with 16-bit pools and page 64/128 it is the Mosaic GPU kernel over whole pages
+(`prefix_decode_mgpu`, chosen by `CascadeConfig.prefix_kernel="auto"`). The window kernel
+(`pallas_kernels.attention.tree_window`) attends what the prefix half missed and merges both in one
+kernel. One path for every size.
 
 - Verify: R = W = N rows/keys; the window is the verify forward's N freshly written slots.
 - Draft lanes: R = K rows over the lane window of W = (S - 1) * K keys starting at the frontier.
@@ -29,13 +31,14 @@ import jax.numpy as jnp
 
 from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to_rows, padded_rows,
                                                     prefix_decode, prefix_decode_row_layout, rows_to_heads)
-from pallas_kernels.attention.prefix_decode_mgpu import check_mgpu_inputs, prefix_decode_mgpu_row_layout
+from pallas_kernels.attention.prefix_decode_mgpu import (check_mgpu_inputs, mgpu_input_errors,
+                                                         prefix_decode_mgpu_row_layout)
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
 from pallas_kernels.common import resolve_backend
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
 
-PREFIX_KERNELS = ("triton", "mosaic_gpu")
+PREFIX_KERNELS = ("auto", "triton", "mosaic_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +53,12 @@ class CascadeConfig:
     backend: str | None = None
     # Native FP8 x FP8 score dot in the prefix half on GPU (else FP8 K is widened to bf16).
     fp8_score_dot: bool = False
-    # Prefix-half kernel: "triton" (Pallas Triton, every shape) or "mosaic_gpu" (EXPERIMENTAL and
-    # never compiled yet: wgmma/TMA over whole pages, 16-bit pools, page 64/128, no key split; the
-    # window kernel then covers the partial last page). See prefix_decode_mgpu.
-    prefix_kernel: str = "triton"
+    # Prefix-half kernel. "auto": "mosaic_gpu" wherever it runs compiled (a GPU, 16-bit pools, page
+    # 64/128, no forced key split; 1.1-1.2x faster on the H200, benchmarks/RESULTS.md), else "triton".
+    # "triton": Pallas Triton, every shape and dtype. "mosaic_gpu": wgmma/TMA over whole pages (the
+    # window kernel then covers the partial last page), refused where it cannot run. See
+    # prefix_decode_mgpu.
+    prefix_kernel: str = "auto"
 
     def __post_init__(self):
         if self.prefix_kernel not in PREFIX_KERNELS:
@@ -102,13 +107,28 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
     if k_pool.shape[-1] != d or v_pool.shape[-1] != d or d < 16 or d & (d - 1):
         raise ValueError(f"cascade_attention: head dims q {d}, k {k_pool.shape[-1]}, v {v_pool.shape[-1]} "
                          "must match and be a power of two >= 16")
-    mosaic = config.prefix_kernel == "mosaic_gpu"
-    if mosaic:
-        check_mgpu_inputs(jax.ShapeDtypeStruct((b, k_pool.shape[1], padded_rows(r * (hq // k_pool.shape[1])), d),
-                                               q.dtype), k_pool, v_pool, config.page_size)
+    mosaic = uses_mosaic_prefix(config, kind, q, k_pool, v_pool)
     return _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, window=window,
                          page_size=config.page_size, scale=scale, num_splits=config.num_splits,
                          fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret", mosaic=mosaic)
+
+
+def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> bool:
+    """Whether the cascade's prefix half runs the Mosaic GPU kernel (`kind` from resolve_backend).
+
+    "auto" takes it only compiled on a GPU (the CPU interpreter path stays on the Triton kernel) and
+    only where `mgpu_input_errors` finds nothing; an explicit "mosaic_gpu" raises those errors.
+    """
+    if config.prefix_kernel == "triton" or kind == "reference":
+        return False
+    b, _, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    rows = jax.ShapeDtypeStruct((b, hkv, padded_rows(q.shape[1] * (hq // hkv)), d), q.dtype)
+    if config.prefix_kernel == "mosaic_gpu":
+        check_mgpu_inputs(rows, k_pool, v_pool, config.page_size)
+        return True
+    return (kind == "compiled" and config.num_splits in (None, 1)
+            and not mgpu_input_errors(rows, k_pool, v_pool, config.page_size))
 
 
 @functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "num_splits", "fp8_score_dot",

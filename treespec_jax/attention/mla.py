@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention.mla_decode import FP8, MlaDecodeConfig, mla_decode, quantize_query
-from pallas_kernels.attention.mla_decode_mgpu import check_mla_mgpu_inputs, mla_decode_mgpu
+from pallas_kernels.attention.mla_decode_mgpu import check_mla_mgpu_inputs, mla_decode_mgpu, mla_mgpu_input_errors
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.attention.tree_window import tree_window_attention
 from treespec_jax.tree.masks import MAX_TREE_NODES
@@ -51,14 +51,16 @@ class MlaCascadeConfig:
     backend: str | None = None
     # Tiling of the prefix half's latent decode.
     decode: MlaDecodeConfig = MlaDecodeConfig()
-    # Prefix-half kernel: "triton" (Pallas Triton, every cache dtype) or "mosaic_gpu" (EXPERIMENTAL,
-    # never compiled yet: wgmma/TMA over whole pages, 16-bit caches; the window kernel covers the
-    # partial last page). See pallas_kernels.attention.mla_decode_mgpu.
-    prefix_kernel: str = "triton"
+    # Prefix-half kernel. "auto": "mosaic_gpu" wherever it runs compiled (a GPU, 16-bit latent
+    # cache, page a multiple of 64; 1.7x faster than the Triton latent decode on the H200 at
+    # DeepSeek-V3 widths, benchmarks/RESULTS.md), else "triton". "triton": Pallas Triton, every
+    # cache dtype. "mosaic_gpu": wgmma/TMA over whole pages (the window kernel covers the partial
+    # last page), refused where it cannot run. See pallas_kernels.attention.mla_decode_mgpu.
+    prefix_kernel: str = "auto"
 
     def __post_init__(self):
-        if self.prefix_kernel not in ("triton", "mosaic_gpu"):
-            raise ValueError(f"MlaCascadeConfig.prefix_kernel must be 'triton' or 'mosaic_gpu', "
+        if self.prefix_kernel not in ("auto", "triton", "mosaic_gpu"):
+            raise ValueError(f"MlaCascadeConfig.prefix_kernel must be 'auto', 'triton' or 'mosaic_gpu', "
                              f"got {self.prefix_kernel!r}")
         if self.kv_lora_rank < 16 or self.kv_lora_rank & (self.kv_lora_rank - 1):
             raise ValueError(f"MlaCascadeConfig.kv_lora_rank must be a power of two >= 16, got {self.kv_lora_rank}")
@@ -90,6 +92,19 @@ def quantize_absorbed_query(q: jax.Array, latent_dtype) -> jax.Array:
     return quantize_query(q, latent_dtype) if jnp.dtype(latent_dtype) == jnp.dtype(FP8) else q
 
 
+def uses_mosaic_latent_decode(config: MlaCascadeConfig, kind: str, q, latent_pool) -> bool:
+    """Whether the prefix half runs the Mosaic GPU latent decode (`kind` from resolve_backend; `q`
+    already quantised). "auto" takes it only compiled on a GPU and only where
+    `mla_mgpu_input_errors` finds nothing; an explicit "mosaic_gpu" raises those errors."""
+    if config.prefix_kernel == "triton" or kind == "reference":
+        return False
+    if config.prefix_kernel == "mosaic_gpu":
+        check_mla_mgpu_inputs(q, latent_pool, config.kv_lora_rank, config.page_size, MLA_MGPU_BLOCK_K)
+        return True
+    return kind == "compiled" and not mla_mgpu_input_errors(q, latent_pool, config.kv_lora_rank, config.page_size,
+                                                            MLA_MGPU_BLOCK_K)
+
+
 def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.Array,
                           prefix_lengths: jax.Array, mask: jax.Array, *, window: int,
                           config: MlaCascadeConfig) -> jax.Array:
@@ -103,10 +118,8 @@ def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.
     _check(q, latent_pool, config)
     model = jnp.dtype(config.model_dtype)
     q = quantize_absorbed_query(q, latent_pool.dtype)
-    mosaic = config.prefix_kernel == "mosaic_gpu" and resolve_backend(config.backend) != "reference"
+    mosaic = uses_mosaic_latent_decode(config, resolve_backend(config.backend), q, latent_pool)
     if mosaic:
-        check_mla_mgpu_inputs(q, latent_pool, config.kv_lora_rank, config.page_size,
-                              MLA_MGPU_BLOCK_K)
         prefix_out, prefix_lse2 = mla_decode_mgpu(
             q, latent_pool, page_table, prefix_lengths, kv_lora_rank=config.kv_lora_rank,
             page_size=config.page_size, scale=config.scale, block_k=MLA_MGPU_BLOCK_K,
