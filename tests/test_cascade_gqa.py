@@ -1,6 +1,7 @@
 """GQA cascade (prefix decode + tree window + merge) against one dense fp32 attention: verify,
 draft lanes, sliding-window lanes, FP8; and the dense reference against a per-row numpy loop."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from trees import random_parents
 from pallas_kernels.attention.reference import cascade_dense_reference, sliding_lane_dense_reference
 from treespec_jax.attention import (CascadeConfig, cascade_attention, lane_attention, sliding_lane_attention,
                                     verify_attention)
+from treespec_jax.attention.cascade import uses_mosaic_prefix
 from treespec_jax.tree.masks import ancestor_mask, pack_mask_rows, unpack_mask_rows
 
 FP8 = jnp.float8_e4m3fn
@@ -36,7 +38,7 @@ def test_verify_matches_dense_attention(n, group, page, dtype, tol):
 
 
 def test_verify_through_the_mosaic_gpu_prefix_kernel():
-    """CascadeConfig(prefix_kernel="mosaic_gpu") (experimental; Pallas' GPU interpreter here): the
+    """CascadeConfig(prefix_kernel="mosaic_gpu") (Pallas' GPU interpreter here): the
     prefix half over whole pages plus the window over the partial page equals dense attention."""
     d, n, page = 64, 32, 64
     q, k, v, table, lengths, mask = verify_case(np.random.default_rng(5), [100, 7], n, 2, 4, d, page,
@@ -52,6 +54,45 @@ def test_verify_through_the_mosaic_gpu_prefix_kernel():
     with pytest.raises(ValueError, match="page_size must be 64 or 128"):
         verify_attention(q, k, v, table, lengths, mask,
                          config=CascadeConfig(page_size=32, backend="interpret", prefix_kernel="mosaic_gpu"))
+
+
+def test_auto_prefix_kernel_takes_mosaic_only_where_it_runs_compiled():
+    """"auto" (the default) picks the Mosaic GPU prefix only for a compiled GPU run with 16-bit pools,
+    page 64/128, rows it tiles and no forced key split; everything else falls back to Triton, and
+    an explicit "mosaic_gpu" raises every blocker at once."""
+    sds = jax.ShapeDtypeStruct
+    bf, f8 = jnp.bfloat16, jnp.float8_e4m3fn
+    q = sds((2, 16, 32, 128), bf)  # R=16, G=4: 64 rows per KV head
+    pool = sds((4096, 8, 128), bf)
+    auto = CascadeConfig(page_size=64)
+    assert auto.prefix_kernel == "auto"
+    assert uses_mosaic_prefix(auto, "compiled", q, pool, pool)
+    assert not uses_mosaic_prefix(auto, "interpret", q, pool, pool)  # CPU: the Triton kernel, interpreted
+    assert not uses_mosaic_prefix(auto, "reference", q, pool, pool)
+    assert not uses_mosaic_prefix(CascadeConfig(page_size=32), "compiled", q, pool, pool)
+    assert not uses_mosaic_prefix(CascadeConfig(page_size=64, num_splits=4), "compiled", q, pool, pool)
+    assert not uses_mosaic_prefix(CascadeConfig(page_size=64, prefix_kernel="triton"), "compiled", q, pool, pool)
+    fp8_pool = sds(pool.shape, f8)
+    assert not uses_mosaic_prefix(auto, "compiled", q, fp8_pool, fp8_pool)
+    assert not uses_mosaic_prefix(auto, "compiled", sds((2, 16, 32, 96), bf), sds((4096, 8, 96), bf),
+                                  sds((4096, 8, 96), bf))
+    forced = CascadeConfig(page_size=32, prefix_kernel="mosaic_gpu")
+    assert uses_mosaic_prefix(CascadeConfig(page_size=64, prefix_kernel="mosaic_gpu"), "interpret", q, pool, pool)
+    with pytest.raises(ValueError, match=r"page_size must be 64 or 128.*16-bit dtype"):
+        uses_mosaic_prefix(forced, "compiled", q, fp8_pool, fp8_pool)
+
+
+def test_default_cascade_on_cpu_runs_the_triton_prefix():
+    """The default config interprets the Triton prefix on the CPU: its result equals the explicit
+    "triton" run bit for bit (so CPU tests of the default cover that kernel)."""
+    d, n, page = 64, 16, 64
+    q, k, v, table, lengths, mask = verify_case(np.random.default_rng(8), [130, 5], n, 2, 4, d, page,
+                                                jnp.bfloat16)
+    auto = verify_attention(q, k, v, table, lengths, mask, config=CascadeConfig(page_size=page, backend="interpret"))
+    triton = verify_attention(q, k, v, table, lengths, mask,
+                              config=CascadeConfig(page_size=page, backend="interpret", prefix_kernel="triton"))
+    assert bool(jnp.all(jnp.isfinite(auto.astype(jnp.float32))))
+    np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(triton, np.float32))
 
 
 def lane_masks(rng, batch, k, step):

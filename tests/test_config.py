@@ -271,6 +271,9 @@ def test_prefix_kernel_choices_match_the_cascade():
     from treespec_jax.config import PREFIX_KERNELS
     assert PREFIX_KERNELS == CASCADE
     ServeConfig(backends=BackendsConfig(prefix_kernel="mosaic_gpu")).validate()  # page 64, auto dtype: fine
+    # "auto" (the default) never refuses: it falls back to Triton where the Mosaic kernel cannot run.
+    assert BackendsConfig().prefix_kernel == "auto"
+    ServeConfig(kv_cache=KVCacheConfig(dtype="fp8_e4m3", page_size=32)).validate()
 
 
 def test_kernel_backend_choices_match_the_kernels():

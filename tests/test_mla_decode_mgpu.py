@@ -4,6 +4,7 @@ As for the GQA prefix half: the interpreter checks indexing, page-table reads, m
 barrier protocol on the CPU; the compiled kernel runs only in benchmarks/mgpu_prefix_check.py --mla.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -93,6 +94,29 @@ def test_mla_verify_through_the_mosaic_gpu_decode():
         mla_verify_attention(q, pool.astype(jnp.float8_e4m3fn), table, lens, mask, config=cfg)
     with pytest.raises(ValueError, match="prefix_kernel"):
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, prefix_kernel="x")
+
+
+def test_auto_latent_decode_takes_mosaic_only_where_it_runs_compiled():
+    """"auto" (the default) takes the Mosaic GPU latent decode only compiled, 16-bit, page a multiple
+    of 64; an explicit "mosaic_gpu" raises every blocker at once."""
+    from treespec_jax.attention.mla import MlaCascadeConfig, uses_mosaic_latent_decode
+
+    sds = jax.ShapeDtypeStruct
+    q, pool = sds((2, 16, 8, 576), jnp.bfloat16), sds((4096, 576), jnp.bfloat16)
+    cfg = dict(kv_lora_rank=512, rope_dim=64, scale=0.1)
+    auto = MlaCascadeConfig(page_size=64, **cfg)
+    assert auto.prefix_kernel == "auto"
+    assert uses_mosaic_latent_decode(auto, "compiled", q, pool)
+    assert not uses_mosaic_latent_decode(auto, "interpret", q, pool)
+    assert not uses_mosaic_latent_decode(auto, "reference", q, pool)
+    assert not uses_mosaic_latent_decode(MlaCascadeConfig(page_size=32, **cfg), "compiled", q, pool)
+    fp8_q, fp8_pool = sds(q.shape, jnp.float8_e4m3fn), sds(pool.shape, jnp.float8_e4m3fn)
+    assert not uses_mosaic_latent_decode(auto, "compiled", fp8_q, fp8_pool)
+    assert not uses_mosaic_latent_decode(MlaCascadeConfig(page_size=64, prefix_kernel="triton", **cfg), "compiled",
+                                         q, pool)
+    forced = MlaCascadeConfig(page_size=32, prefix_kernel="mosaic_gpu", **cfg)
+    with pytest.raises(ValueError, match=r"block_k must be a multiple of 64.*16-bit dtype"):
+        uses_mosaic_latent_decode(forced, "compiled", fp8_q, fp8_pool)
 
 
 @pytest.mark.parametrize("lora,rope,share", [(512, 64, False), (256, 64, True)])
