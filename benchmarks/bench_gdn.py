@@ -37,7 +37,8 @@ from benchmarks import timing
 from benchmarks.timing import measure_copy_bandwidth
 from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
-from pallas_kernels.linear.gdn_replay import gdn_replay_commit, pack_accepted_rows
+from pallas_kernels.linear.gdn_replay import gdn_replay_commit
+from pallas_kernels.row_move import pack_path_rows
 from pallas_kernels.linear.gdn_common import GdnDims
 from pallas_kernels.linear.gdn_tree import (
     GdnKernelConfig, branch_points, branch_slot_plan, gdn_tree_verify, pick_launch, spilled_rows)
@@ -258,7 +259,7 @@ def conformance_case(i, d, bsz, t, dtype, tol, rng, check, slot_rows, slots_list
     path_np, acc_np = random_path(rng, np.asarray(parents))
     acc_np[0] = 0 if bsz > 2 else acc_np[0]  # a padded request commits nothing
     path, acc = jnp.asarray(path_np), jnp.asarray(acc_np)
-    packed = pack_accepted_rows(rp.payload, path, acc)
+    packed = pack_path_rows(rp.payload, path, acc)
     new_pool = gdn_replay_commit(x["state_pool"], x["state_slots"], packed, acc, x["A_log"],
                                  x["dt_bias"], num_k_heads=d["H"], head_k_dim=d["DK"], backend="pallas")
     errs, untouched = [], True

@@ -34,6 +34,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2, resolve_backend
 
+# Pairs per group: the kernel unrolls a group's pairs (their order is the correctness argument), so
+# its compile time grows with M. A verify window has at most 64 rows; passing all requests as one
+# flat group of B*T pairs instead once took minutes to compile at B=32, T=64 on the H200.
+MAX_PAIRS_PER_GROUP = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class RowMoveConfig:
@@ -59,6 +64,10 @@ def _check_args(buf: jax.Array, src_rows: jax.Array, dst_rows: jax.Array) -> Non
     for name, rows in (("src_rows", src_rows), ("dst_rows", dst_rows)):
         if not jnp.issubdtype(rows.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array, got dtype {rows.dtype}")
+    if src_rows.ndim and src_rows.shape[-1] > MAX_PAIRS_PER_GROUP:
+        raise ValueError(f"move_rows takes at most {MAX_PAIRS_PER_GROUP} pairs per group, got "
+                         f"{src_rows.shape[-1]} (shape {src_rows.shape}); pass independent requests as "
+                         f"[G, M] groups")
 
 
 def move_rows_reference(buf: jax.Array, src_rows: jax.Array, dst_rows: jax.Array) -> jax.Array:
@@ -160,3 +169,24 @@ def move_rows(buf: jax.Array, src_rows: jax.Array, dst_rows: jax.Array, *, backe
     if kind == "reference":
         return move_rows_reference(buf, src_rows, dst_rows)
     return _move_rows_pallas(buf, src_rows, dst_rows, interpret=(kind == "interpret"), config=config)
+
+
+def pack_path_rows(buf: jax.Array, path: jax.Array, accept_len: jax.Array, *,
+                   backend: str | None = None) -> jax.Array:
+    """Moves row path[b, d] of request b to row d for d < accept_len[b], in place.
+
+    `buf [B, T, ...]`, `path [B, T] int32` (path[b, d] = node at depth d, increasing),
+    `accept_len [B] int32` -> buf whose row d holds the old row path[b, d] for d < accept_len;
+    rows at and after accept_len keep whatever they held. One group of pairs per request (rows
+    disjoint, so requests move in parallel); path[d] >= d keeps the in-place walk safe. The
+    ReplaySSM commits of GDN ([k | v | a | b] rows) and Mamba2 ([B | x | dt] rows) both pack this way.
+    """
+    nb, t = buf.shape[:2]
+    if path.shape != (nb, t) or accept_len.shape != (nb,):
+        raise ValueError(f"path must be [B, T] = {(nb, t)} and accept_len [B] = {(nb,)}, got {path.shape}, "
+                         f"{accept_len.shape}")
+    depth = jnp.arange(t, dtype=jnp.int32)[None, :]
+    base = (jnp.arange(nb, dtype=jnp.int32) * t)[:, None]
+    src = jnp.where(depth < accept_len[:, None], base + path.astype(jnp.int32), -1)
+    flat = move_rows(buf.reshape((nb * t,) + buf.shape[2:]), src, base + depth, backend=backend)
+    return flat.reshape(buf.shape)

@@ -8,7 +8,8 @@ import pytest
 
 from gdn_numpy import B, DK, DV, H, HV, per_path_numpy, random_inputs, random_path, random_tree, rel_err
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
-from pallas_kernels.linear.gdn_replay import gdn_replay_commit, pack_accepted_rows
+from pallas_kernels.linear.gdn_replay import gdn_replay_commit
+from pallas_kernels.row_move import pack_path_rows
 from treespec_jax.linear.gdn import (
     FusedChainGdnLayer, GdnLayerConfig, GdnTree, GdnTreeLayer, gdn_commit_replay, gdn_commit_staged, gdn_verify)
 from treespec_jax.support import BackendGroup, TreeSupportError, resolve_tree_support
@@ -94,7 +95,7 @@ def test_padded_request_commits_nothing_and_replay_clips_to_window():
     assert rel_err(np.asarray(staged)[s1], ref_states[1, 2]) < TOL  # chain: path[accept - 1] = 2
 
 
-def test_pack_accepted_rows_moves_path_rows_to_front():
+def test_pack_path_rows_moves_path_rows_to_front():
     rng = np.random.default_rng(4)
     t = 10
     payload = jnp.asarray(rng.standard_normal((B, t, 7)), jnp.float32)
@@ -102,7 +103,7 @@ def test_pack_accepted_rows_moves_path_rows_to_front():
     path[0, :3] = [0, 2, 7]
     path[1, :4] = [0, 1, 5, 9]
     accept = np.array([3, 4], np.int32)
-    packed = np.asarray(pack_accepted_rows(payload, jnp.asarray(path), jnp.asarray(accept)))
+    packed = np.asarray(pack_path_rows(payload, jnp.asarray(path), jnp.asarray(accept)))
     p = np.asarray(payload)
     for b in range(B):
         np.testing.assert_array_equal(packed[b, : accept[b]], p[b, path[b, : accept[b]]])

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.row_move import RowMoveConfig, move_rows, move_rows_reference
+from pallas_kernels.row_move import MAX_PAIRS_PER_GROUP, RowMoveConfig, move_rows, move_rows_reference, pack_path_rows
 
 
 def random_bytes_buffer(rng, shape, dtype) -> jax.Array:
@@ -134,3 +134,34 @@ def test_move_rows_rejects_bad_input():
         move_rows(jnp.ones((8, 4), bool), jnp.zeros((3,), jnp.int32), jnp.zeros((3,), jnp.int32))
     with pytest.raises(ValueError, match="power of two"):
         RowMoveConfig(max_block_words=48)
+
+
+def test_move_rows_refuses_more_pairs_per_group_than_a_window():
+    """The kernel unrolls a group's pairs; a flat [B*T] list (once minutes of GPU compile at B=32,
+    T=64) is refused by name, while the same moves as [B, T] groups run."""
+    buf = jnp.zeros((4096, 4), jnp.float32)
+    flat = jnp.zeros((MAX_PAIRS_PER_GROUP + 1,), jnp.int32)
+    with pytest.raises(ValueError, match=f"at most {MAX_PAIRS_PER_GROUP} pairs per group, got {MAX_PAIRS_PER_GROUP + 1}"):
+        move_rows(buf, flat, flat)
+    with pytest.raises(ValueError, match="pairs per group, got 65"):
+        move_rows(buf, jnp.zeros((3, 65), jnp.int32), jnp.zeros((3, 65), jnp.int32))
+
+
+def test_pack_path_rows_groups_requests_at_a_full_window():
+    """B=5 requests of T=64 rows (B*T = 320 pairs in all, 64 per request): accepted rows land at the
+    front of their own request, the rest of every request is bitwise unchanged."""
+    rng = np.random.default_rng(11)
+    b, t = 5, 64
+    buf = random_bytes_buffer(rng, (b * t, 6), jnp.bfloat16).reshape(b, t, 6)
+    path = np.full((b, t), -1, np.int32)
+    accept = rng.integers(0, t + 1, size=b).astype(np.int32)
+    for i in range(b):
+        path[i, : accept[i]] = np.sort(rng.choice(t, size=accept[i], replace=False))
+    out = np.asarray(as_bytes(pack_path_rows(buf, jnp.asarray(path), jnp.asarray(accept), backend="interpret")
+                              .reshape(b * t, 6))).reshape(b, t, -1)
+    before = np.asarray(as_bytes(buf.reshape(b * t, 6))).reshape(b, t, -1)
+    for i in range(b):
+        np.testing.assert_array_equal(out[i, : accept[i]], before[i, path[i, : accept[i]]])
+        np.testing.assert_array_equal(out[i, accept[i]:], before[i, accept[i]:])
+    with pytest.raises(ValueError, match="path must be"):
+        pack_path_rows(buf, jnp.asarray(path[:, :10]), jnp.asarray(accept))

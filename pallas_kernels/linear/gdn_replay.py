@@ -1,7 +1,7 @@
 """ReplaySSM commit for GDN: replay the accepted path's payload rows as a chain, in place.
 
 After the accepted path's payload rows were packed to the window front (row d = the path node at
-depth d, see `pack_accepted_rows`), request b replays rows 0 .. min(num_rows[b], T) - 1 over its
+depth d, see `row_move.pack_path_rows`), request b replays rows 0 .. min(num_rows[b], T) - 1 over its
 committed state and writes the result back to its pool row. The pool is aliased input -> output,
 so under jit with donation no copy of the pool is made. A request with num_rows == 0 (a padded
 slot) reads and writes nothing.
@@ -9,7 +9,7 @@ slot) reads and writes nothing.
 One program per (request, value head, dv-tile); the `[dk, block_v]` fp32 tile stays in registers.
 
 Public entry points: `gdn_replay_commit(...)` with `backend=None|"pallas"|"interpret"|"reference"`,
-and `pack_accepted_rows(...)` (the row move, through `pallas_kernels.row_move.move_rows`).
+and `pallas_kernels.row_move.pack_path_rows(...)` (the row move).
 """
 
 from __future__ import annotations
@@ -26,28 +26,6 @@ from pallas_kernels.linear.gdn_common import GdnDims, gates, l2_normalize
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, split_payload
 from pallas_kernels.linear.gdn_reference import gdn_replay_reference
 from pallas_kernels.linear.gdn_tree import GdnKernelConfig, pick_launch
-from pallas_kernels.row_move import move_rows
-
-
-def pack_accepted_rows(payload: jax.Array, path: jax.Array, accept_len: jax.Array, *,
-                       backend: str | None = None) -> jax.Array:
-    """Moves each request's accepted payload rows to the window front, in place.
-
-    `payload [B, T, width]`, `path [B, T] int32` (path[b, d] = node at depth d, increasing),
-    `accept_len [B] int32` -> payload whose row d holds the old row path[b, d] for d < accept_len.
-    Rows at and after accept_len keep whatever they held.
-    """
-    bsz, t, width = payload.shape
-    if path.shape != (bsz, t):
-        raise ValueError(f"path must be [B, T] = {(bsz, t)}; got {path.shape}")
-    if accept_len.shape != (bsz,):
-        raise ValueError(f"accept_len must be [B] = {(bsz,)}; got {accept_len.shape}")
-    depth = jnp.arange(t, dtype=jnp.int32)[None, :]
-    base = (jnp.arange(bsz, dtype=jnp.int32) * t)[:, None]
-    src = jnp.where(depth < accept_len[:, None], base + path.astype(jnp.int32), -1)
-    flat = move_rows(payload.reshape(bsz * t, width), src.reshape(-1), (base + depth).reshape(-1),
-                     backend=backend)
-    return flat.reshape(bsz, t, width)
 
 
 def _replay_kernel(num_rows_ref, slots_ref, payload_ref, alog_ref, dtb_ref, _pool_in_ref, pool_ref,

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout
-from pallas_kernels.linear.gdn_replay import gdn_replay_commit, pack_accepted_rows
+from pallas_kernels.linear.gdn_replay import gdn_replay_commit
+from pallas_kernels.row_move import pack_path_rows
 from pallas_kernels.linear.gdn_tree import (
     DEFAULT_BRANCH_SLOTS, BranchSlotPlan, GdnKernelConfig, branch_points, branch_slot_plan, gdn_tree_verify)
 from treespec_jax.linear.state_mode import StateMode, check_state_mode
@@ -197,7 +198,7 @@ def gdn_commit_replay(cfg: GdnLayerConfig, state_pool, state_slots, payload, pat
     Returns `(state_pool, packed_payload)`; both are updated in place under donation.
     """
     _check_mode(cfg, "replay_ssm")
-    packed = pack_accepted_rows(payload, path, accept_len, backend=backend)
+    packed = pack_path_rows(payload, path, accept_len, backend=backend)
     pool = gdn_replay_commit(state_pool, state_slots, packed, accept_len, A_log, dt_bias,
                              num_k_heads=cfg.num_k_heads, head_k_dim=cfg.head_k_dim,
                              use_qk_l2norm=cfg.use_qk_l2norm, config=cfg.kernel, backend=backend)

@@ -40,7 +40,7 @@ from pallas_kernels.linear.mamba2_replay import mamba2_replay_commit
 from pallas_kernels.linear.branch_slots import DEFAULT_BRANCH_SLOTS, check_num_slots
 from pallas_kernels.linear.conv_tree import conv_lag_sources
 from pallas_kernels.linear.mamba2_tree import Mamba2ScanPlan, mamba2_scan_plan, mamba2_tree_scan
-from pallas_kernels.row_move import move_rows
+from pallas_kernels.row_move import pack_path_rows
 from treespec_jax.linear.conv import conv_commit_from_inputs, conv_commit_staged, conv_verify
 from treespec_jax.linear.state_mode import StateMode, check_state_mode
 from treespec_jax.support import Capability, TreeBackend, TreeSupport
@@ -200,22 +200,6 @@ def mamba2_verify(dims: Mamba2Dims, cfg: Mamba2CommitConfig, weights: Mamba2Weig
     y, states = mamba2_tree_scan(x, dt, weights.A_log, B, C, weights.D, weights.dt_bias, pools.ssm, state_slots,
                                  parents, mode="staged", scratch=scratch.ssm, **scan_kw)
     return Mamba2VerifyResult(y, Mamba2VerifyScratch(states, conv_rows), None)
-
-
-def pack_path_rows(buf: jax.Array, path: jax.Array, accept_len: jax.Array, *, backend=None) -> jax.Array:
-    """Moves row path[b, d] of request b to row d for d < accept_len[b] (rows past it are left as is).
-
-    `buf [B, T, ...]`, `path [B, T] int32`, `accept_len [B] int32`. Uses the shared row-move kernel
-    with one group of pairs per request; path[d] >= d keeps the in-place walk safe.
-    """
-    nb, T = buf.shape[:2]
-    if path.shape != (nb, T) or accept_len.shape != (nb,):
-        raise ValueError(f"path must be [B, T] = {(nb, T)} and accept_len [B], got {path.shape}, {accept_len.shape}")
-    depth = jnp.arange(T, dtype=jnp.int32)[None, :]
-    base = (jnp.arange(nb, dtype=jnp.int32) * T)[:, None]
-    src = jnp.where(depth < accept_len[:, None], base + path.astype(jnp.int32), -1)
-    flat = move_rows(buf.reshape((nb * T,) + buf.shape[2:]), src, base + depth, backend=backend)
-    return flat.reshape(buf.shape)
 
 
 def _last_accepted(path, accept_len):
