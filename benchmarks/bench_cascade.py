@@ -290,8 +290,8 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too):
     t_cas8 = float("nan")
     if fp8_dot_too:
         try:
-            cas8 = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(page_size=PAGE,
-                                                                                         fp8_score_dot=True)))
+            cas8 = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
+                page_size=PAGE, fp8_score_dot=True, prefix_kernel="triton")))
             t_cas8 = median_time(cas8, q, kp, vp, table, lengths, mask)
         except Exception as exc:
             print(f"  fp8 score dot failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
@@ -335,7 +335,7 @@ def table_markdown(rows, ceilings, tune):
     lines = [f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} TFLOP/s; "
              f"prefix kernel launch {tune or 'prefix_decode.default_launch'}", "",
              "| shape | KV | prefix kernel | prefix ms | window ms | cascade ms | cascade, Triton prefix ms "
-             "| cascade fp8-dot ms | byte floor ms | FLOP floor ms "
+             "| cascade, Triton fp8-dot prefix ms | byte floor ms | FLOP floor ms "
              "| cascade / max floor | window overhead | prefix TB/s | dense (impl) ms | dense / cascade |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -358,6 +358,8 @@ def main(argv=None):
                     help="append a dated section here (benchmarks/RESULTS.md by default; --smoke appends "
                          "only when this is given)")
     ap.add_argument("--no-results", action="store_true", help="do not append to the results file")
+    ap.add_argument("--shapes", default=None, help="timing shapes BxPxN,... (default: the issue's four)")
+    ap.add_argument("--dtypes", default="bf16,fp8", choices=("bf16,fp8", "bf16", "fp8"), help="KV dtypes to time")
     ap.add_argument("--variants", action="store_true", help="launch-variant sweep (cascade_variants.py)")
     ap.add_argument("--smoke", action="store_true", help="with --variants: tiny shapes, interpret mode")
     ap.add_argument("--focus", choices=("both", "prefix", "window"), default="both",
@@ -386,6 +388,8 @@ def main(argv=None):
         ceilings = measure_ceilings()
         print(f"copy bandwidth {ceilings[0] / 1e12:.2f} TB/s, bf16 matmul {ceilings[1] / 1e12:.0f} TFLOP/s", flush=True)
         shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+        if args.shapes:
+            shapes = [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",") if item]
         rng = np.random.default_rng(1)
         key = jax.random.PRNGKey(1)
         if args.tune and not args.quick:
@@ -395,7 +399,8 @@ def main(argv=None):
             best = tune_prefix(q, kp, vp, table, jnp.full((b,), p, jnp.int32))
             print(f"  best prefix configuration: {best} (timings below use the kernel defaults)", flush=True)
             del kp, vp
-        for dtype in (jnp.bfloat16, FP8):
+        dtypes = {"bf16": jnp.bfloat16, "fp8": FP8}
+        for dtype in [dtypes[name] for name in args.dtypes.split(",")]:
             for (b, p, n) in shapes:
                 print(f"timing B={b} P={p} N={n} {jnp.dtype(dtype).name}", flush=True)
                 try:

@@ -37,16 +37,22 @@ def test_verify_matches_dense_attention(n, group, page, dtype, tol):
     assert rel_err(out, composed) < 1e-2
 
 
-def test_verify_through_the_mosaic_gpu_prefix_kernel():
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (FP8, 6e-2)])
+def test_verify_through_the_mosaic_gpu_prefix_kernel(dtype, tol):
     """CascadeConfig(prefix_kernel="mosaic_gpu") (Pallas' GPU interpreter here): the
     prefix half over whole pages plus the window over the partial page equals dense attention."""
     d, n, page = 64, 32, 64
     q, k, v, table, lengths, mask = verify_case(np.random.default_rng(5), [100, 7], n, 2, 4, d, page,
-                                                jnp.bfloat16)
+                                                dtype, q_dtype=jnp.bfloat16)
     cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu")
     out = verify_attention(q, k, v, table, lengths, mask, config=cfg)
     dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
-    assert rel_err(out, dense) < 1e-2
+    assert rel_err(out, dense) < tol
+
+
+def test_prefix_kernel_refusals_name_the_value():
+    d, n, page = 64, 32, 64
+    q, k, v, table, lengths, mask = verify_case(np.random.default_rng(5), [100, 7], n, 2, 4, d, page, jnp.bfloat16)
     with pytest.raises(ValueError, match="prefix_kernel must be one of"):
         CascadeConfig(page_size=page, prefix_kernel="cuda")
     with pytest.raises(ValueError, match="does not split the key axis"):
@@ -57,8 +63,8 @@ def test_verify_through_the_mosaic_gpu_prefix_kernel():
 
 
 def test_auto_prefix_kernel_takes_mosaic_only_where_it_runs_compiled():
-    """"auto" (the default) picks the Mosaic GPU prefix only for a compiled GPU run with 16-bit pools,
-    page 64/128, rows it tiles and no forced key split; everything else falls back to Triton, and
+    """"auto" (the default) picks the Mosaic GPU prefix only for a compiled GPU run with bf16/fp16 or
+    FP8 pools, page 64/128, rows it tiles and no forced key split; everything else falls back to Triton, and
     an explicit "mosaic_gpu" raises every blocker at once."""
     sds = jax.ShapeDtypeStruct
     bf, f8 = jnp.bfloat16, jnp.float8_e4m3fn
@@ -73,13 +79,15 @@ def test_auto_prefix_kernel_takes_mosaic_only_where_it_runs_compiled():
     assert not uses_mosaic_prefix(CascadeConfig(page_size=64, num_splits=4), "compiled", q, pool, pool)
     assert not uses_mosaic_prefix(CascadeConfig(page_size=64, prefix_kernel="triton"), "compiled", q, pool, pool)
     fp8_pool = sds(pool.shape, f8)
-    assert not uses_mosaic_prefix(auto, "compiled", q, fp8_pool, fp8_pool)
+    assert uses_mosaic_prefix(auto, "compiled", q, fp8_pool, fp8_pool)  # FP8 pools: FP8 scores, V widened
+    f32_pool = sds(pool.shape, jnp.float32)
+    assert not uses_mosaic_prefix(auto, "compiled", q, f32_pool, f32_pool)
     assert not uses_mosaic_prefix(auto, "compiled", sds((2, 16, 32, 96), bf), sds((4096, 8, 96), bf),
                                   sds((4096, 8, 96), bf))
     forced = CascadeConfig(page_size=32, prefix_kernel="mosaic_gpu")
     assert uses_mosaic_prefix(CascadeConfig(page_size=64, prefix_kernel="mosaic_gpu"), "interpret", q, pool, pool)
-    with pytest.raises(ValueError, match=r"page_size must be 64 or 128.*16-bit dtype"):
-        uses_mosaic_prefix(forced, "compiled", q, fp8_pool, fp8_pool)
+    with pytest.raises(ValueError, match=r"page_size must be 64 or 128.*got float32, float32"):
+        uses_mosaic_prefix(forced, "compiled", q, f32_pool, f32_pool)
 
 
 def test_default_cascade_on_cpu_runs_the_triton_prefix():

@@ -18,18 +18,24 @@ from pallas_kernels.attention.tree_window import tree_window_row_layout
 PAGE = 64
 
 
-@pytest.mark.parametrize("r,g,lengths,splits,pingpong", [
-    (32, 4, [0, 70, 200], 1, True),  # P = 0, partial last pages
+FP8 = jnp.float8_e4m3fn
+
+
+@pytest.mark.parametrize("r,g,lengths,splits,pingpong,dtype", [
+    (32, 4, [0, 70, 200], 1, True, jnp.bfloat16),  # P = 0, partial last pages
     # Two 128-row CTAs per KV head: at P = 260 the first one's bound (P - 32) ends mid-page below
     # the last whole page, so its last block is partly masked. Three key splits (one may be empty).
-    (64, 4, [260, 130, 20], 3, True),
-    (16, 8, [20, 128, 300], 2, False),  # P < R, P a whole number of pages, group 8, no turn-taking
-    (16, 4, [50, 300], 1, True),  # 64 rows per KV head: one compute warpgroup per CTA
+    (64, 4, [260, 130, 20], 3, True, jnp.bfloat16),
+    (16, 8, [20, 128, 300], 2, False, jnp.bfloat16),  # P < R, P a whole number of pages, group 8, no turn-taking
+    (16, 4, [50, 300], 1, True, jnp.bfloat16),  # 64 rows per KV head: one compute warpgroup per CTA
+    # FP8 E4M3 pools: FP8 query x FP8 K scores, V widened to fp16 per warpgroup (bf16 q cast here).
+    (32, 4, [0, 70, 200], 1, True, FP8),
+    (16, 4, [50, 300], 2, True, FP8),
 ])
-def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong):
+def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dtype):
     hkv, d = 2, 64
     q, k, v, table, lens, mask = verify_case(np.random.default_rng(r * g), lengths, r, hkv, g, d, PAGE,
-                                             jnp.bfloat16)
+                                             dtype, q_dtype=jnp.bfloat16)
     total = padded_rows(r * g)
     qr = heads_to_rows(q, hkv, total)
     out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
@@ -47,7 +53,8 @@ def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong):
                                  page_size=PAGE, scale=d ** -0.5, value_dim=d, interpret=True,
                                  prefix_whole_pages=True)
     dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=r, page_size=PAGE, scale=d ** -0.5)
-    assert rel_err(rows_to_heads(win, r, hkv * g), dense) < 1e-2
+    # Under FP8 the dense reference scores the unquantised query everywhere, the prefix half the FP8 one.
+    assert rel_err(rows_to_heads(win, r, hkv * g), dense) < (3e-2 if dtype == FP8 else 1e-2)
 
 
 def test_mgpu_prefix_refuses_unsupported_shapes():
@@ -59,16 +66,24 @@ def test_mgpu_prefix_refuses_unsupported_shapes():
         check_mgpu_inputs(jnp.zeros((1, 1, 128, 64), bf), pool, pool, 32)
     with pytest.raises(ValueError, match="head dim"):
         check_mgpu_inputs(jnp.zeros((1, 1, 128, 48), bf), jnp.zeros((128, 1, 48), bf), jnp.zeros((128, 1, 48), bf), 64)
-    with pytest.raises(ValueError, match="16-bit dtype"):
+    with pytest.raises(ValueError, match="q must have the pools' dtype bfloat16, got float32"):
         check_mgpu_inputs(jnp.zeros((1, 1, 128, 64), jnp.float32), pool, pool, 64)
+    with pytest.raises(ValueError, match="K and V must share one dtype.*got float8_e4m3fn, bfloat16"):
+        check_mgpu_inputs(jnp.zeros((1, 1, 128, 64), bf), pool.astype(FP8), pool, 64)
+    with pytest.raises(ValueError, match="float32, float32"):
+        check_mgpu_inputs(jnp.zeros((1, 1, 128, 64), bf), pool.astype(jnp.float32), pool.astype(jnp.float32), 64)
+    # Every blocker at once.
+    with pytest.raises(ValueError, match="multiple of 64, got 32.*page_size must be 64 or 128"):
+        check_mgpu_inputs(jnp.zeros((1, 1, 32, 64), bf), pool, pool, 32)
     big = jnp.zeros((256, 1, 128), bf)
     with pytest.raises(ValueError, match="page_size=128, stages=3, head dim 128 need"):
         check_mgpu_inputs(jnp.zeros((1, 1, 256, 128), bf), big, big, 128, stages=3)
 
 
-@pytest.mark.parametrize("total,splits,pingpong,page,stages", [(256, 1, True, 64, 2), (64, 3, False, 64, 3),
-                                                                (256, 1, True, 128, 2)])
-def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages):
+@pytest.mark.parametrize("total,splits,pingpong,page,stages,pool_dtype", [
+    (256, 1, True, 64, 2, jnp.bfloat16), (64, 3, False, 64, 3, jnp.bfloat16), (256, 1, True, 128, 2, jnp.bfloat16),
+    (256, 1, True, 64, 3, FP8), (64, 2, True, 128, 2, FP8)])
+def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages, pool_dtype):
     """The compiled path (wgmma PV through run_state, not the interpreter's dot) lowers to a Mosaic GPU
     module on the CPU; compiling that module to a cubin needs the GPU machine."""
     import jax
@@ -80,7 +95,7 @@ def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages)
     fn = lambda qr, k, v, t, ln: prefix_decode_mgpu_row_layout(  # noqa: E731
         qr, k, v, t, ln, query_rows=total // 4, group=4, page_size=page, scale=0.1, num_splits=splits,
         pingpong=pingpong, stages=stages)
-    pool = sd((64 * page, hkv, d), jnp.bfloat16)
+    pool = sd((64 * page, hkv, d), pool_dtype)
     text = jax.jit(fn).trace(sd((b, hkv, total, d), jnp.bfloat16), pool, pool, sd((b, 32), jnp.int32),
                              sd((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -9,6 +9,13 @@ attention (`tests/test_prefix_decode_mgpu.py`); the interpreter has no rule for 
 `run_state` idiom, so interpreted runs add P V with a plain dot where the compiled kernel uses
 wgmma. The compiled path also lowers on the CPU (layout inference and the shared-memory check).
 
+FP8 E4M3 pools (unscaled, added after that run; interpreter- and lowering-tested, not yet compiled):
+the query is cast to FP8 (`quantize_query_for_pool`, as the Triton kernel does) and the scores are
+an FP8 x FP8 wgmma (K is the K-major operand 8-bit wgmma requires). V is the MN-major operand of
+P V, which 8-bit wgmma cannot take, so each compute warpgroup widens the step's V page to fp16 in
+its own shared-memory tile (exact) while the other warpgroup holds the tensor cores, releases the
+FP8 buffer at once, and runs P V in fp16.
+
 Why: JAX's own dense Mosaic GPU flash attention ran the prefix half's work 1.22x (B=32, P=32768)
 and 1.39x (B=64, P=4096) faster than our Pallas Triton prefix kernel (benchmarks/RESULTS.md,
 "Mosaic GPU flash attention ... second try"); issue #3's 1.5x-of-floor target needs that class of
@@ -44,8 +51,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.prefix_decode import default_num_splits, merge_splits
+from pallas_kernels.attention.reference import quantize_query_for_pool
 
 LOG2E = math.log2(math.e)
+F8 = jnp.dtype(jnp.float8_e4m3fn)
+_POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), F8)
 ROWS_PER_WG = 64
 COMPUTE_WGS = 2
 ROWS_PER_CTA = ROWS_PER_WG * COMPUTE_WGS
@@ -57,9 +67,11 @@ SMEM_OVERHEAD = 4096
 
 
 def smem_bytes(total_rows: int, width: int, itemsize: int, page_size: int, stages: int) -> int:
-    """Shared memory of one CTA: query tiles, the K and V rings, output staging, LSE."""
+    """Shared memory of one CTA: query tiles, the K and V rings, output staging, LSE; with 1-byte
+    (FP8) items also each compute warpgroup's fp16 copy of the step's V page."""
     wgs = COMPUTE_WGS if total_rows % ROWS_PER_CTA == 0 else 1
-    return (wgs * ROWS_PER_WG * width * itemsize + 2 * stages * page_size * width * itemsize
+    widened = wgs * page_size * width * 2 if itemsize == 1 else 0
+    return (wgs * ROWS_PER_WG * width * itemsize + 2 * stages * page_size * width * itemsize + widened
             + wgs * ROWS_PER_WG * (OUT_CHUNK + 1) * 4 + SMEM_OVERHEAD)
 
 
@@ -111,14 +123,19 @@ def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2) -> li
         errors.append(f"prefix_decode_mgpu: page_size must be 64 or 128 (one page per step), got {page_size}")
     if d % 64 or d > 256:
         errors.append(f"prefix_decode_mgpu: head dim must be a multiple of 64 up to 256, got {d}")
-    dtypes = {jnp.dtype(x.dtype) for x in (qr, k_pool, v_pool)}
-    if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        errors.append(f"prefix_decode_mgpu: q, K and V must share one 16-bit dtype, got "
-                      f"{qr.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    pool = jnp.dtype(k_pool.dtype)
+    if pool != jnp.dtype(v_pool.dtype) or pool not in _POOL_DTYPES:
+        errors.append(f"prefix_decode_mgpu: K and V must share one dtype of bfloat16, float16 or float8_e4m3fn, "
+                      f"got {k_pool.dtype}, {v_pool.dtype}")
+    elif pool.itemsize == 2 and jnp.dtype(qr.dtype) != pool:
+        errors.append(f"prefix_decode_mgpu: q must have the pools' dtype {pool}, got {qr.dtype}")
+    elif pool.itemsize == 1 and jnp.dtype(qr.dtype) not in _POOL_DTYPES:
+        errors.append(f"prefix_decode_mgpu: q must be bfloat16, float16 or float8_e4m3fn (cast to FP8 here), "
+                      f"got {qr.dtype}")
     if stages < 2:
         errors.append(f"prefix_decode_mgpu: stages must be >= 2, got {stages}")
     elif not errors:
-        need = smem_bytes(total, d, jnp.dtype(qr.dtype).itemsize, page_size, stages)
+        need = smem_bytes(total, d, pool.itemsize, page_size, stages)
         if need > MAX_SMEM_BYTES:
             errors.append(f"prefix_decode_mgpu: page_size={page_size}, stages={stages}, head dim {d} need {need} "
                           f"bytes of shared memory, more than {MAX_SMEM_BYTES}")
@@ -143,6 +160,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     warpgroups take turns on the tensor cores (one's softmax overlaps the other's matmuls);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages)
+    # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
+    # K-major operand FP8 needs); V is not, so each step's V page is widened to fp16 in shared memory.
+    fp8 = jnp.dtype(k_pool.dtype) == F8
+    qr = quantize_query_for_pool(qr, k_pool.dtype)
     b, hkv, total, d = qr.shape
     max_pages = page_table.shape[1]
     # Two compute warpgroups per CTA when the rows fill them; a 64-row head (e.g. N=16, G=4) gets one.
@@ -155,13 +176,15 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
         raise ValueError(f"prefix_decode_mgpu: num_splits must be >= 1, got {num_splits}")
     steps_per_split = -(-max_pages // splits)
     dtype = qr.dtype
+    pv_dtype = jnp.float16 if fp8 else dtype  # P V operands: FP8 V widens exactly to fp16
     block = page_size
     scale2 = float(scale) * LOG2E
     in_tf = _smem_transforms(d, dtype)
+    pv_tf = _smem_transforms(d, pv_dtype)
     out_tf = _smem_transforms(OUT_CHUNK, jnp.float32)
 
     def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped):
-        (q_smem, k_smem, v_smem, o_smem, lse_smem), (q_ready, k_ready, v_ready), (k_free, v_free), turn = scoped
+        (q_smem, k_smem, v_smem, o_smem, lse_smem, *wide), (q_ready, k_ready, v_ready), (k_free, v_free), turn = scoped
         split = lax.axis_index("splits")
         bi = lax.axis_index("batch")
         head = lax.axis_index("heads")
@@ -216,21 +239,31 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                 if pingpong:
                     plgpu.barrier_arrive(turn)  # softmax done
                 plgpu.barrier_wait(v_ready.at[slot])
+                if fp8:
+                    # Widen this warpgroup's copy of the V page (CUDA cores, while the other
+                    # warpgroup holds the tensor cores); the FP8 buffer is free right after.
+                    v_tile = wide[0].at[wg]
+                    v_tile[...] = v_smem.at[slot][...].astype(pv_dtype)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(v_free.at[slot])
+                else:
+                    v_tile = v_smem.at[slot]
                 if pingpong:
                     plgpu.barrier_wait(turn)  # the tensor cores are ours again
 
                 if interpret:
                     # The GPU interpreter can neither run run_state nor store into an accumulator,
                     # so interpreted runs add P V with a plain dot on the same shared-memory tile.
-                    acc = acc + jnp.dot(p.astype(dtype), v_smem.at[slot][...], preferred_element_type=jnp.float32)
+                    acc = acc + jnp.dot(p.astype(pv_dtype), v_tile[...], preferred_element_type=jnp.float32)
                     wait_next_keys(i)
                 else:
                     def values(acc_ref):
-                        plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+                        plgpu.wgmma(acc_ref, p.astype(pv_dtype), v_tile)
                         wait_next_keys(i)
 
                     acc = pl.run_state(values)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(v_free.at[slot])
+                if not fp8:
+                    plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
             m = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -299,7 +332,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((wgs, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=out_tf),
-             plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32)),
+             plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32))
+            + ((plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),) if fp8 else ()),
             (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=stages)),
             (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2,

@@ -3,7 +3,7 @@
 Every query row of a tree sees the request's committed prefix and, inside the last `window` keys,
 only the slots its ancestor mask names. The prefix (where the time goes at long context) runs as a
 causal multi-query paged decode (`pallas_kernels.attention.prefix_decode`) that returns its base-2
-LSE; on a GPU with 16-bit pools and page 64/128 it is the Mosaic GPU kernel over whole pages
+LSE; on a GPU with page 64/128 it is the Mosaic GPU kernel over whole pages
 (`prefix_decode_mgpu`, chosen by `CascadeConfig.prefix_kernel="auto"`). The window kernel
 (`pallas_kernels.attention.tree_window`) attends what the prefix half missed and merges both in one
 kernel. One path for every size.
@@ -53,8 +53,9 @@ class CascadeConfig:
     backend: str | None = None
     # Native FP8 x FP8 score dot in the prefix half on GPU (else FP8 K is widened to bf16).
     fp8_score_dot: bool = False
-    # Prefix-half kernel. "auto": "mosaic_gpu" wherever it runs compiled (a GPU, 16-bit pools, page
-    # 64/128, no forced key split; 1.1-1.2x faster on the H200, benchmarks/RESULTS.md), else "triton".
+    # Prefix-half kernel. "auto": "mosaic_gpu" wherever it runs compiled (a GPU, bf16/fp16 or FP8
+    # pools, page 64/128, no forced key split; bf16 1.04-1.13x faster on the H200,
+    # benchmarks/RESULTS.md), else "triton".
     # "triton": Pallas Triton, every shape and dtype. "mosaic_gpu": wgmma/TMA over whole pages (the
     # window kernel then covers the partial last page), refused where it cannot run. See
     # prefix_decode_mgpu.
