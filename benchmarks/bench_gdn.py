@@ -1,21 +1,18 @@
 """GDN tree verify / commit on the GPU: compiled conformance first, then timing.
 
 Run: PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_gdn.py [--quick] [--no-fla] [--budget-s S]
-     [--configs 32x16,32x64,64x16] [--branch-slots 0,2]
+     [--configs 32x16,32x64,64x16]
 
 Conformance (compiled Pallas Triton vs the fp32 jnp references, fresh random inputs, NaN-poisoned
-outputs and workspaces): recurrent tree verify in staged and ReplaySSM modes with 0 and 2 branch
-register slots and every timed `--branch-slots` count (ReplaySSM writes the workspace at exactly the
-spilled branch points; the cases' trees include ones that overflow the slots, and a plan made for
-more slots than the launch carries), the chain kernel, the chunked tree form, the ReplaySSM commit,
-at small and Qwen3-Next dims.
+outputs and workspaces): recurrent tree verify in staged and ReplaySSM modes (ReplaySSM writes the
+workspace at exactly the branch points), the chain kernel, the chunked tree form, the ReplaySSM
+commit, at small and Qwen3-Next dims.
 
 Timing (Qwen3-Next dims H=16, HV=32, dk=dv=128, bf16 inputs, fp32 state; B in {1, 32, 64};
 trees of 8, 16, 64 nodes): each kernel runs 10 times inside one jitted function (buffers donated,
-so aliased outputs are updated in place); median over reps. The tree kernels are timed once per
-`--branch-slots` entry (0 = every branch point through the workspace, the pre-slot path; 2 = the
-default), each against the chain verify of the same node count measured in the same run, and
-against the state read (+ write) byte floor at the measured device copy bandwidth.
+so aliased outputs are updated in place); median over reps. The tree kernels are timed against the
+chain verify of the same node count measured in the same run, and against the state read (+ write)
+byte floor at the measured device copy bandwidth.
 flash-linear-attention's fused_recurrent chain (if the fla-core wheel was carried) is the outside
 reference.
 """
@@ -40,14 +37,12 @@ from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit
 from pallas_kernels.row_move import pack_path_rows
 from pallas_kernels.linear.gdn_common import GdnDims
-from pallas_kernels.linear.gdn_tree import (
-    GdnKernelConfig, branch_points, branch_slot_plan, gdn_tree_verify, pick_launch, spilled_rows)
+from pallas_kernels.linear.gdn_tree import GdnKernelConfig, branch_points, gdn_tree_verify, pick_launch
 from treespec_jax.linear.gdn import GdnLayerConfig, GdnTree, gdn_commit_replay
 from treespec_jax.tree import draft_tree
 from treespec_jax.tree.masks import ancestor_mask
 
 QWEN = dict(H=16, HV=32, DK=128, DV=128)
-CONFORMANCE_SLOTS = (0, 2)  # branch register slots always checked compiled: none (pre-slot path), the default
 SMALL = dict(H=2, HV=4, DK=16, DV=16)
 INNER = 10  # kernel calls per timed jit call
 DEFAULT_CONFIGS = [(1, 8), (1, 16), (1, 64), (32, 8), (32, 16), (32, 64), (64, 8), (64, 16), (64, 64)]
@@ -153,10 +148,9 @@ def dims_of(d, bsz, t):
 CONFORMANCE_LINES: list[str] = []
 
 
-def conformance(quick: bool, only=None, slots_list=CONFORMANCE_SLOTS) -> bool:
-    """Every case at each slot count of CONFORMANCE_SLOTS plus `slots_list` (the timed ones)."""
+def conformance(quick: bool, only=None) -> bool:
+    """Every case (`only`: their indices) compiled against the references."""
     ok = True
-    slots_list = tuple(sorted(set(CONFORMANCE_SLOTS) | set(slots_list)))
     tol = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
     cases = [(SMALL, 2, 14, jnp.float32), (QWEN, 2, 8, jnp.float32), (QWEN, 2, 16, jnp.bfloat16),
              (QWEN, 3, 33, jnp.float32), (QWEN, 2, 64, jnp.bfloat16)]
@@ -173,25 +167,21 @@ def conformance(quick: bool, only=None, slots_list=CONFORMANCE_SLOTS) -> bool:
         CONFORMANCE_LINES.append(f"- {line}")
         log(f"  {line}")
 
-    slot_rows = {"kept": 0, "spilled": 0}
     for i, case in enumerate(cases):
         try:
-            conformance_case(i, *case, tol[case[3]], rng, check, slot_rows, slots_list)
+            conformance_case(i, *case, tol[case[3]], rng, check)
         except Exception as e:  # report and go on: one broken lowering must not hide the rest
             check(f"case {i} raised", False, repr(e)[:2000])
-    # Both slot paths ran compiled: branch points kept in a register slot and spilled ones.
-    check("slots > 0 exercised kept and spilled branch points", min(slot_rows.values()) > 0,
-          f"kept {slot_rows['kept']} spilled {slot_rows['spilled']}")
     return ok
 
 
-def conformance_case(i, d, bsz, t, dtype, tol, rng, check, slot_rows, slots_list):
+def conformance_case(i, d, bsz, t, dtype, tol, rng, check):
     """One conformance case: every GDN kernel compiled vs the fp32 references."""
     x = inputs(jax.random.key(100 + i), bsz, t, d, dtype)
     args = args_of(x)
     parents_np = random_tree(rng, bsz, t)
     if i == 0:
-        # Request 0 nests 3 branch points (0 -> 1 -> 2 -> 3, each with a later child): 2 slots spill.
+        # Request 0 nests 3 branch points (0 -> 1 -> 2 -> 3, each with a later child).
         parents_np[0] = [-1, 0, 1, 2, 2, 1, 0] + list(range(6, t - 1))
     parents = jnp.asarray(parents_np)
     nodes = jnp.full((bsz, t, d["HV"], d["DK"], d["DV"]), jnp.nan, jnp.float32)
@@ -205,47 +195,25 @@ def conformance_case(i, d, bsz, t, dtype, tol, rng, check, slot_rows, slots_list
     pool_bits = np.asarray(x["state_pool"]).view(np.uint32).copy()
     br = np.asarray(branch_points(parents))
     ref_states = np.asarray(ref.node_states)
-    for slots in slots_list:
-        cfg = GdnKernelConfig(branch_slots=slots)
-        launch = pick_launch(dims_of(d, bsz, t), cfg, branch_slots=slots)
-        st = gdn_tree_verify(*args, parents, nodes, store="every_node", config=cfg, backend="pallas")
-        e1, e2 = rel_err(st.out, ref.out), rel_err(st.node_states, ref.node_states)
-        check(f"slots={slots} staged tree out/states", max(e1, e2) < tol, f"{e1:.2e} {e2:.2e} launch {launch}")
-        plan = branch_slot_plan(parents, slots)
-        spill = np.asarray(spilled_rows(plan, slots))
-        rp = gdn_tree_verify(*args, parents, nodes, store="branch_points", payload=payload, plan=plan,
-                             config=cfg, backend="pallas")
-        ws = np.asarray(rp.node_states)
-        e3 = rel_err(rp.out, ref.out)
-        e4 = rel_err(ws[spill], ref_states[spill]) if spill.any() else 0.0
-        kept, spilled = int((br & ~spill).sum()), int(spill.sum())
-        if slots:
-            slot_rows["kept"] += kept
-            slot_rows["spilled"] += spilled
-        check(f"slots={slots} replay tree out / spilled rows", max(e3, e4) < tol,
-              f"{e3:.2e} {e4:.2e} (branch points {int(br.sum())}: {kept} in slots, {spilled} spilled)")
-        check(f"slots={slots} replay spilled rows are branch points" + (" (all of them)" if slots == 0 else ""),
-              not (spill & ~br).any() and (slots or np.array_equal(spill, br)))
-        check(f"slots={slots} replay workspace untouched (NaN) off the spilled rows", np.isnan(ws[~spill]).all())
-        same = np.array_equal(ws[spill].view(np.uint32), np.asarray(st.node_states)[spill].view(np.uint32))
-        line = f"INFO slots={slots} spilled rows bitwise == staged states: {same}"
-        CONFORMANCE_LINES.append(f"- {line}")
-        log(f"  {line}")
-        check(f"slots={slots} replay payload == [k|v|a|b]", np.array_equal(
-            np.asarray(rp.payload.astype(jnp.float32)),
-            np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
-        check(f"slots={slots} pool bitwise untouched by verify",
-              np.array_equal(np.asarray(args[7]).view(np.uint32), pool_bits))
-    if i == 0:
-        # A plan made for more slots than the launch carries: the missing slots spill to the workspace.
-        plan = branch_slot_plan(parents, 4)
-        spill = np.asarray(spilled_rows(plan, 1))
-        rp = gdn_tree_verify(*args, parents, nodes, store="branch_points", payload=payload, plan=plan,
-                             config=GdnKernelConfig(branch_slots=1), backend="pallas")
-        ws = np.asarray(rp.node_states)
-        e = max(rel_err(rp.out, ref.out), rel_err(ws[spill], ref_states[spill]) if spill.any() else 0.0)
-        check("4-slot plan on a 1-slot launch: out / spilled rows, NaN elsewhere",
-              e < tol and np.isnan(ws[~spill]).all() and spill.any(), f"{e:.2e}")
+    launch = pick_launch(dims_of(d, bsz, t), None)
+    st = gdn_tree_verify(*args, parents, nodes, store="every_node", backend="pallas")
+    e1, e2 = rel_err(st.out, ref.out), rel_err(st.node_states, ref.node_states)
+    check("staged tree out/states", max(e1, e2) < tol, f"{e1:.2e} {e2:.2e} launch {launch}")
+    rp = gdn_tree_verify(*args, parents, nodes, store="branch_points", payload=payload, backend="pallas")
+    ws = np.asarray(rp.node_states)
+    e3 = rel_err(rp.out, ref.out)
+    e4 = rel_err(ws[br], ref_states[br]) if br.any() else 0.0
+    check("replay tree out / branch-point rows", max(e3, e4) < tol,
+          f"{e3:.2e} {e4:.2e} (branch points {int(br.sum())})")
+    check("replay workspace untouched (NaN) off the branch points", np.isnan(ws[~br]).all())
+    same = np.array_equal(ws[br].view(np.uint32), np.asarray(st.node_states)[br].view(np.uint32))
+    line = f"INFO branch-point rows bitwise == staged states: {same}"
+    CONFORMANCE_LINES.append(f"- {line}")
+    log(f"  {line}")
+    check("replay payload == [k|v|a|b]", np.array_equal(
+        np.asarray(rp.payload.astype(jnp.float32)),
+        np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
+    check("pool bitwise untouched by verify", np.array_equal(np.asarray(args[7]).view(np.uint32), pool_bits))
     ch = gdn_tree_verify(*args, None, nodes, store="every_node", backend="pallas")
     e5 = rel_err(ch.out, ref_chain.out)
     check("chain kernel vs reference", e5 < tol, f"{e5:.2e}")
@@ -282,13 +250,12 @@ def time_step(step, carry):
     return timing.time_step(step, carry, inner=INNER, reps=7)
 
 
-def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, slots_list=(0, 2),
-               eagle_trees=True):
-    """Times one (B, T): the chains once, the tree kernels once per branch-slot count in `slots_list`.
+def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, eagle_trees=True):
+    """Times one (B, T): the chain and tree kernels.
 
-    Tree timings are keyed `tree_replay_rec@<slots>` / `tree_staged@<slots>` (the bench's random
-    trees) and `eagle_replay_rec@<slots>` (drafter-shaped trees, ReplaySSM only); `launch@<slots>` is
-    the (block_v, warps, stages) each ran with.
+    Tree timings are keyed `tree_replay_rec` / `tree_staged` (the bench's random trees) and
+    `eagle_replay_rec` (drafter-shaped trees, ReplaySSM only); `launch_tree` is the (block_v, warps,
+    stages) they ran with.
     """
     d = QWEN
     dtype = jnp.bfloat16
@@ -298,63 +265,53 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, s
     eagle = jnp.asarray(eagle_tree(rng, bsz, t)) if eagle_trees else None
     # The tree's kernel-facing forms are built once per step and shared by every layer.
     tree = jax.block_until_ready(GdnTree.from_parents(parents))
-    plans = {s: jax.block_until_ready(branch_slot_plan(parents, s)) for s in slots_list}
-    eagle_plans = {s: jax.block_until_ready(branch_slot_plan(eagle, s)) for s in slots_list} if eagle_trees else {}
+    eagle_tree_ = jax.block_until_ready(GdnTree.from_parents(eagle)) if eagle_trees else None
     knobs = tuple(launch) if launch else ()
-
-    def kernel_config(slots=None):
-        # launch = (block_v, warps, stages[, value_major]) from --sweep-recurrent ("32:4:1:v").
-        return GdnKernelConfig(*knobs[:3], branch_slots=slots, value_major=len(knobs) > 3 and bool(knobs[3]))
+    # launch = (block_v, warps, stages[, value_major]) from --sweep-recurrent ("32:4:1:v").
+    kcfg = GdnKernelConfig(*knobs[:3], value_major=len(knobs) > 3 and bool(knobs[3]))
     ccfg = GdnKernelConfig(*chunked_launch) if chunked_launch else GdnKernelConfig()
     nodes = jnp.zeros((bsz, t, d["HV"], d["DK"], d["DV"]), jnp.float32)
     payload = jnp.zeros((bsz, t, width(d)), dtype)
     out0 = jnp.zeros(x["v"].shape, dtype)
     res = {}
 
-    def verify_step(is_tree, store, chunked=False, slots=0, drafter_tree=False):
-        kcfg = kernel_config(slots)
-        tree_parents, tree_plans = (eagle, eagle_plans) if drafter_tree else (parents, plans)
+    def verify_step(is_tree, store, chunked=False, drafter_tree=False):
+        step_tree = eagle_tree_ if drafter_tree else tree
 
         def step(c):
             ns, pl_, _ = c
             if chunked:
                 o, pl_ = gdn_chunked_verify(*args, tree.ancestor_mask, pl_, config=ccfg)
                 return ns, pl_, o
-            r = gdn_tree_verify(*args, tree_parents if is_tree else None, ns, store=store,
+            r = gdn_tree_verify(*args, step_tree.parents if is_tree else None, ns, store=store,
                                 payload=pl_ if store == "branch_points" else None,
-                                plan=tree_plans[slots] if is_tree else None, config=kcfg)
+                                branch=step_tree.branch if is_tree and store == "branch_points" else None,
+                                config=kcfg)
             return r.node_states, (r.payload if r.payload is not None else pl_), r.out
         return step
 
     carry = (nodes, payload, out0)
-    kernels = [("chain_replay", False, "branch_points", None)]
-    kernels += [(f"tree_replay_rec@{s}", True, "branch_points", s) for s in slots_list]
+    kernels = [("chain_replay", False, "branch_points"), ("tree_replay_rec", True, "branch_points")]
     if eagle_trees:
-        kernels += [(f"eagle_replay_rec@{s}", True, "branch_points", s) for s in slots_list]
+        kernels += [("eagle_replay_rec", True, "branch_points")]
     if not sweep:
-        kernels += [("chain_staged", False, "every_node", None)]
-        kernels += [(f"tree_staged@{s}", True, "every_node", s) for s in slots_list]
-    for name, is_tree, store, slots in kernels:
+        kernels += [("chain_staged", False, "every_node"), ("tree_staged", True, "every_node")]
+    for name, is_tree, store in kernels:
         if sweep == "chunked":
             break
         t0 = time.time()
-        step = verify_step(is_tree, store, slots=slots or 0, drafter_tree=name.startswith("eagle"))
+        step = verify_step(is_tree, store, drafter_tree=name.startswith("eagle"))
         res[name], carry = time_step(step, carry)
-        if is_tree:
-            res[f"launch@{slots}"] = pick_launch(dims_of(d, bsz, t), kernel_config(slots), branch_slots=slots)
         log(f"    {name} {res[name]*1e6:.1f}us (compile+time {time.time() - t0:.1f}s)")
     if sweep != "chunked":
-        res["launch_chain"] = pick_launch(dims_of(d, bsz, t), kernel_config())
+        # The chain and the tree kernels share one launch (no tree-only launch knobs).
+        res["launch_chain"] = res["launch_tree"] = pick_launch(dims_of(d, bsz, t), kcfg)
     if t <= 16:
         res["tree_chunked"], carry = time_step(verify_step(True, None, chunked=True), carry)
     br = np.asarray(branch_points(parents))
     res["branch_frac"] = float(br.sum()) / (bsz * t)
-    for s in slots_list:
-        res[f"spill_frac@{s}"] = float(np.asarray(spilled_rows(plans[s], s)).sum()) / (bsz * t)
     if eagle_trees:
         res["eagle_branch_frac"] = float(np.asarray(branch_points(eagle)).sum()) / (bsz * t)
-        for s in slots_list:
-            res[f"eagle_spill_frac@{s}"] = float(np.asarray(spilled_rows(eagle_plans[s], s)).sum()) / (bsz * t)
     state_bytes = bsz * d["HV"] * d["DK"] * d["DV"] * 4
     res["floor_rw"] = 2 * state_bytes / bw
     res["floor_r"] = state_bytes / bw
@@ -379,21 +336,12 @@ def parse_launch(text):
     return [tuple(1 if v == "v" else int(v) for v in item.split(":")) for item in text.split(",") if item]
 
 
-def parse_slots(text):
-    slots = [int(v) for v in text.split(",") if v != ""]
-    if not slots:
-        raise ValueError(f"--branch-slots needs at least one slot count, got {text!r}")
-    for s in slots:
-        GdnKernelConfig(branch_slots=s)  # refuses a count outside 0..MAX_BRANCH_SLOTS by name
-    return list(dict.fromkeys(slots))
-
-
 def _us(r, key):
     return f"{r[key]*1e6:.1f}" if key in r else "-"
 
 
 def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep_chunked, sweep_at,
-          slots_list=(0, 2), progress=None, eagle_trees=True):
+          progress=None, eagle_trees=True):
     """Times every config, then the sweeps; returns the markdown tables. `progress(tables)` (if given)
     gets the tables so far after each measured config, so a run cut short still leaves its rows."""
     if configs is None:
@@ -404,24 +352,23 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
     log(f"device copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
     rng = np.random.default_rng(1)
     rows, sweep, fla = [], [], {}
-    show = lambda: render(rows, sweep, fla, bw, slots_list)  # noqa: E731
+    show = lambda: render(rows, sweep, fla, bw)  # noqa: E731
     for bsz, t in configs:
         if time.time() - _T0 > budget_s:
             log(f"budget reached; skipping B={bsz} T={t}")
             continue
         try:
-            r = bench_case(bsz, t, rng, bw, slots_list=slots_list, eagle_trees=eagle_trees)
+            r = bench_case(bsz, t, rng, bw, eagle_trees=eagle_trees)
         except Exception as e:
             log(f"B={bsz} T={t} raised {e!r}"[:3000])
             continue
         rows.append((bsz, t, r))
-        for s in slots_list:
-            log(f"B={bsz:3d} T={t:3d} slots={s} chain_replay {_us(r, 'chain_replay')}us tree_replay(rec) "
-                f"{_us(r, f'tree_replay_rec@{s}')}us ({r[f'tree_replay_rec@{s}'] / r['chain_replay']:.2f}x) "
-                f"chunked {_us(r, 'tree_chunked')}us chain_staged {_us(r, 'chain_staged')}us tree_staged "
-                f"{_us(r, f'tree_staged@{s}')}us commit {_us(r, 'replay_commit')}us floor_rw {_us(r, 'floor_rw')}us"
-                + (f" eagle_tree {_us(r, f'eagle_replay_rec@{s}')}us "
-                   f"({r[f'eagle_replay_rec@{s}'] / r['chain_replay']:.2f}x)" if eagle_trees else ""))
+        log(f"B={bsz:3d} T={t:3d} chain_replay {_us(r, 'chain_replay')}us tree_replay(rec) "
+            f"{_us(r, 'tree_replay_rec')}us ({r['tree_replay_rec'] / r['chain_replay']:.2f}x) "
+            f"chunked {_us(r, 'tree_chunked')}us chain_staged {_us(r, 'chain_staged')}us tree_staged "
+            f"{_us(r, 'tree_staged')}us commit {_us(r, 'replay_commit')}us floor_rw {_us(r, 'floor_rw')}us"
+            + (f" eagle_tree {_us(r, 'eagle_replay_rec')}us "
+               f"({r['eagle_replay_rec'] / r['chain_replay']:.2f}x)" if eagle_trees else ""))
         if progress:
             progress(show())
     fla.update(fla_reference(bw) if use_fla else {})
@@ -433,11 +380,10 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
                     break
                 try:
                     if kind == "recurrent":
-                        r = bench_case(bsz, t, rng, bw, launch=launch, sweep=True, slots_list=slots_list,
-                                       eagle_trees=eagle_trees)
+                        r = bench_case(bsz, t, rng, bw, launch=launch, sweep=True, eagle_trees=eagle_trees)
                     else:
                         r = bench_case(bsz, t, rng, bw, chunked_launch=launch, sweep="chunked",
-                                       slots_list=slots_list, eagle_trees=False)
+                                       eagle_trees=False)
                 except Exception as e:
                     log(f"sweep {kind} B={bsz} T={t} launch={launch} raised {e!r}"[:2000])
                     continue
@@ -449,7 +395,7 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
     return show()
 
 
-def render(rows, sweep, fla, bw, slots_list):
+def render(rows, sweep, fla, bw):
     """The timing tables as markdown."""
     d = QWEN
     state_node = d["HV"] * d["DK"] * d["DV"] * 4
@@ -458,47 +404,43 @@ def render(rows, sweep, fla, bw, slots_list):
     md = []
     md.append("\n### GDN tree verify, Qwen3-Next dims (H=16, HV=32, dk=dv=128), bf16 in, fp32 state")
     md.append(f"copy bandwidth {bw/1e12:.2f} TB/s; times are medians (us); ratios vs our chain verify of the "
-              "same run. `slots` = branch register slots of the tree kernels (0: every branch point goes "
-              "through the workspace, the pre-slot path; the chain carries none); launch = (block_v, warps, "
-              "stages) of the tree kernel (chain's in the chain column's parentheses). Tree columns use the "
-              "bench's random trees (comparable with earlier runs); the drafter-tree columns use "
-              "`select_tree` trees (K-wide S-step rounds, DFS numbered); branch / spilled = share of nodes "
-              "that are branch points / that spill to the workspace.")
-    md.append("| B | T | slots | tree launch | chain (ReplaySSM) | tree ReplaySSM recurrent | tree/chain "
-              "| branch / spilled nodes | drafter tree ReplaySSM | drafter tree/chain | drafter branch / spilled "
+              "same run; launch = (block_v, warps, stages) of the tree and chain kernels. ReplaySSM stores "
+              "every branch point's state to the workspace. Tree columns use the bench's random trees "
+              "(comparable with earlier runs); the drafter-tree columns use `select_tree` trees (K-wide "
+              "S-step rounds, DFS numbered); branch = share of nodes that are branch points.")
+    md.append("| B | T | launch | chain (ReplaySSM) | tree ReplaySSM recurrent | tree/chain "
+              "| branch nodes | drafter tree ReplaySSM | drafter tree/chain | drafter branch "
               "| chunked form (opt-in) | staged chain | staged tree | staged tree/chain "
               "| floor r+w | chain/floor_r | commit (move+replay) | staged B/node | ReplaySSM B/node (recurrent) |")
-    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for bsz, t, r in rows:
-        for s in slots_list:
-            replay_b = r[f"spill_frac@{s}"] * state_node + payload_node
-            tree_rec = r[f"tree_replay_rec@{s}"]
-            if f"eagle_replay_rec@{s}" in r:
-                eagle = (f"| {_us(r, f'eagle_replay_rec@{s}')} | {r[f'eagle_replay_rec@{s}'] / r['chain_replay']:.2f}x "
-                         f"| {r['eagle_branch_frac']:.0%} / {r[f'eagle_spill_frac@{s}']:.0%} ")
-            else:
-                eagle = "| - | - | - "
-            md.append(
-                f"| {bsz} | {t} | {s} | {r[f'launch@{s}']} | {_us(r, 'chain_replay')} {r['launch_chain']} "
-                f"| {tree_rec*1e6:.1f} | {tree_rec / r['chain_replay']:.2f}x "
-                f"| {r['branch_frac']:.0%} / {r[f'spill_frac@{s}']:.0%} " + eagle + f"| {_us(r, 'tree_chunked')} "
-                f"| {_us(r, 'chain_staged')} | {_us(r, f'tree_staged@{s}')} "
-                f"| {r[f'tree_staged@{s}'] / r['chain_staged']:.2f}x | {_us(r, 'floor_rw')} "
-                f"| {r['chain_replay'] / r['floor_r']:.1f}x | {_us(r, 'replay_commit')} (acc {r.get('accept_mean', float('nan')):.1f}) "
-                f"| {state_node/1024:.0f} KiB | {replay_b/1024:.1f} KiB |")
+        replay_b = r["branch_frac"] * state_node + payload_node
+        tree_rec = r["tree_replay_rec"]
+        if "eagle_replay_rec" in r:
+            eagle = (f"| {_us(r, 'eagle_replay_rec')} | {r['eagle_replay_rec'] / r['chain_replay']:.2f}x "
+                     f"| {r['eagle_branch_frac']:.0%} ")
+        else:
+            eagle = "| - | - | - "
+        md.append(
+            f"| {bsz} | {t} | {r['launch_tree']} | {_us(r, 'chain_replay')} "
+            f"| {tree_rec*1e6:.1f} | {tree_rec / r['chain_replay']:.2f}x "
+            f"| {r['branch_frac']:.0%} " + eagle + f"| {_us(r, 'tree_chunked')} "
+            f"| {_us(r, 'chain_staged')} | {_us(r, 'tree_staged')} "
+            f"| {r['tree_staged'] / r['chain_staged']:.2f}x | {_us(r, 'floor_rw')} "
+            f"| {r['chain_replay'] / r['floor_r']:.1f}x | {_us(r, 'replay_commit')} (acc {r.get('accept_mean', float('nan')):.1f}) "
+            f"| {state_node/1024:.0f} KiB | {replay_b/1024:.1f} KiB |")
     if sweep:
-        md.append("\n| B | T | kernel | (block_v, warps, stages) | slots | chain (us) | tree recurrent (us) "
+        md.append("\n| B | T | kernel | (block_v, warps, stages) | chain (us) | tree recurrent (us) "
                   "| tree/chain | drafter tree (us) | drafter tree/chain | chunked (us) |")
-        md.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        md.append("|---|---|---|---|---|---|---|---|---|---|")
         nan = float("nan")
         for bsz, t, kind, launch, r in sweep:
-            for s in (slots_list if kind == "recurrent" else [None]):
-                tree = r.get(f"tree_replay_rec@{s}", nan)
-                eagle = r.get(f"eagle_replay_rec@{s}", nan)
-                chain = r.get("chain_replay", nan)
-                md.append(f"| {bsz} | {t} | {kind} | {launch} | {'-' if s is None else s} | {chain*1e6:.1f} "
-                          f"| {tree*1e6:.1f} | {tree / chain:.2f}x | {eagle*1e6:.1f} | {eagle / chain:.2f}x "
-                          f"| {r.get('tree_chunked', nan)*1e6:.1f} |")
+            tree = r.get("tree_replay_rec", nan)
+            eagle = r.get("eagle_replay_rec", nan)
+            chain = r.get("chain_replay", nan)
+            md.append(f"| {bsz} | {t} | {kind} | {launch} | {chain*1e6:.1f} "
+                      f"| {tree*1e6:.1f} | {tree / chain:.2f}x | {eagle*1e6:.1f} | {eagle / chain:.2f}x "
+                      f"| {r.get('tree_chunked', nan)*1e6:.1f} |")
     if fla:
         md.append("\n| fla fused_recurrent chain, T=16 | us |")
         md.append("|---|---|")
@@ -554,9 +496,6 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=None,
                    help="BxT timing configs (default " + ",".join(f"{b}x{t}" for b, t in DEFAULT_CONFIGS)
                    + "; --quick: 1x16,32x16); an explicit list wins over --quick")
-    p.add_argument("--branch-slots", default="0,2",
-                   help="branch register slot counts the tree kernels are timed with, each against the "
-                        "chain of the same run (0 = the pre-slot workspace path)")
     p.add_argument("--no-drafter-trees", action="store_true",
                    help="time only the bench's random trees, not also drafter-shaped (select_tree) trees")
     p.add_argument("--sweep-recurrent", default="",
@@ -573,13 +512,12 @@ def main(argv=None) -> int:
     globals()["INNER"] = a.inner
     globals()["SKIP_COMMIT"] = a.skip_commit
     bxt = lambda text: [tuple(int(v) for v in c.split("x")) for c in text.split(",") if c]
-    slots_list = parse_slots(a.branch_slots)  # bad values are refused before any GPU work
     configs = None if a.configs is None else bxt(a.configs)
     log(f"jax {jax.__version__} devices {jax.devices()}")
     ok = True
     if not a.skip_conformance:
         only = None if a.conformance_cases is None else [int(i) for i in a.conformance_cases.split(",")]
-        ok = conformance(a.quick, only, slots_list)
+        ok = conformance(a.quick, only)
         log(f"conformance: {'PASS' if ok else 'FAIL'}")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmd = "python3 benchmarks/bench_gdn.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -599,7 +537,7 @@ def main(argv=None) -> int:
     # stopped by a time limit still leaves what it measured.
     write_markdown(section("", "\n(timing not reached yet)\n"))
     tables = bench(a.quick, a.budget_s, not a.no_fla, configs, parse_launch(a.sweep_recurrent),
-                   parse_launch(a.sweep_chunked), bxt(a.sweep_at), slots_list,
+                   parse_launch(a.sweep_chunked), bxt(a.sweep_at),
                    progress=lambda t: write_markdown(section(t, "\n(run still in progress)\n")),
                    eagle_trees=not a.no_drafter_trees)
     md = section(tables)

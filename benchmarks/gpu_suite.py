@@ -30,11 +30,10 @@ SUITES = {
 }
 
 # Measurements the issues name that no run has made yet (see benchmarks/RESULTS.md, summary): one
-# call of `--owed --out $OUT` (about 7 minutes on an H200) takes them. GDN also sweeps one register
-# slot at wider tiles (slots measured slower at 32-column tiles only) and value-major state tiles
-# (`GdnKernelConfig.value_major`, the reduction layout flash-linear-attention uses).
+# call of `--owed --out $OUT` (about 7 minutes on an H200) takes them. GDN also sweeps value-major
+# state tiles (`GdnKernelConfig.value_major`, the reduction layout flash-linear-attention uses).
 OWED = {
-    "gdn": ["--no-fla", "--skip-conformance", "--configs", "32x64,64x8,64x64,32x8", "--branch-slots", "0,1",
+    "gdn": ["--no-fla", "--skip-conformance", "--configs", "32x64,64x8,64x64,32x8",
             "--sweep-recurrent", "128:8:1:v,32:4:1:v,64:8:1,128:8:1", "--sweep-at", "32x16", "--no-drafter-trees",
             "--budget-s", "170"],
     "mamba2": ["--skip-conformance", "--configs", "32x8,32x64,64x8,64x64,1x64", "--branch-slots", "0",

@@ -9,10 +9,8 @@ from gdn_numpy import B, DK, DV, H, HV, branch_rows, chain, per_path_numpy, rand
 from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
-from pallas_kernels.linear.branch_slots import DEFAULT_BRANCH_SLOTS, MAX_BRANCH_SLOTS, branch_slot_plan
 from pallas_kernels.linear.gdn_common import GdnDims
-from pallas_kernels.linear.gdn_tree import (
-    MAX_LIVE_STATE_ELEMENTS, GdnKernelConfig, branch_points, gdn_tree_verify, pick_launch, spilled_rows)
+from pallas_kernels.linear.gdn_tree import GdnKernelConfig, branch_points, gdn_tree_verify, pick_launch
 from treespec_jax.linear.gdn import (
     GDN_TREE_VERIFY_CHUNKED_MAX_NODES, GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GdnLayerConfig, GdnTree, gdn_verify,
     parents_from_ancestor_mask, verify_kernel_for)
@@ -38,61 +36,52 @@ def _bits(x):
     return np.asarray(x).view(np.uint32)
 
 
-def _check_replay_workspace(ws, parents, plan, slots, ref_states, staged_states):
-    """Workspace rows: the state at exactly the spilled branch points, NaN poison everywhere else."""
-    spill = np.asarray(spilled_rows(plan, slots))
+def _check_replay_workspace(ws, parents, ref_states, staged_states):
+    """Workspace rows: the state at exactly the branch points, NaN poison everywhere else."""
     branch = branch_rows(parents)
-    assert not (spill & ~branch).any(), "a non-branch node was stored"
-    if slots == 0:
-        np.testing.assert_array_equal(spill, branch)  # no slots: every branch point is stored
-    assert np.isnan(ws[~spill]).all()
-    if spill.any():
-        assert rel_err(ws[spill], ref_states[spill]) < TOL
-        np.testing.assert_array_equal(_bits(ws[spill]), _bits(np.asarray(staged_states)[spill]))
-    return spill
+    assert np.isnan(ws[~branch]).all(), "a non-branch node was stored"
+    if branch.any():
+        assert rel_err(ws[branch], ref_states[branch]) < TOL
+        np.testing.assert_array_equal(_bits(ws[branch]), _bits(np.asarray(staged_states)[branch]))
+    return branch
 
 
-# slots 0 (every branch point to the workspace, the default), 1 (random trees overflow it) and 2;
 # vm = value-major state tiles in registers.
-@pytest.mark.parametrize("t, l2, slots, vm", [(1, True, 2, False), (6, False, 0, True), (14, True, 2, False),
-                                              (33, False, 1, True), (64, True, 2, False)])
-def test_recurrent_tree_staged_and_replay(t, l2, slots, vm):
+@pytest.mark.parametrize("t, l2, vm", [(1, True, False), (6, False, True), (14, True, False),
+                                       (33, False, True), (64, True, False)])
+def test_recurrent_tree_staged_and_replay(t, l2, vm):
     rng = np.random.default_rng(100 + t)
     x = random_inputs(rng, B, t)
     parents = random_tree(rng, B, t)
     ref_out, ref_states = per_path_numpy(x, parents, use_qk_l2norm=l2)
     args = _args(x)
     pool_before = _bits(x["state_pool"]).copy()
-    plan = branch_slot_plan(jnp.asarray(parents), slots)
 
     staged = gdn_tree_verify(*args, jnp.asarray(parents), _nan_states(t), store="every_node",
-                             use_qk_l2norm=l2, config=GdnKernelConfig(branch_slots=slots, value_major=vm),
+                             use_qk_l2norm=l2, config=GdnKernelConfig(value_major=vm),
                              backend="interpret")
     assert rel_err(staged.out, ref_out) < TOL
     assert rel_err(staged.node_states, ref_states) < TOL  # every scratch row written (NaN fails)
 
     # ReplaySSM here runs with dv split into two tiles of 8 columns (one program each).
     replay = gdn_tree_verify(*args, jnp.asarray(parents), _nan_states(t), store="branch_points",
-                             payload=_nan_payload(t), plan=plan, use_qk_l2norm=l2,
-                             config=GdnKernelConfig(block_v=8, branch_slots=slots, value_major=vm),
-                             backend="interpret")
+                             payload=_nan_payload(t), use_qk_l2norm=l2,
+                             config=GdnKernelConfig(block_v=8, value_major=vm), backend="interpret")
     assert rel_err(replay.out, ref_out) < TOL
     assert rel_err(replay.out, staged.out) < 1e-6
     # The committed pool is only read.
     np.testing.assert_array_equal(_bits(args[7]), pool_before)
-    spill = _check_replay_workspace(np.asarray(replay.node_states), parents, plan, slots, ref_states,
-                                    staged.node_states)
+    branch = _check_replay_workspace(np.asarray(replay.node_states), parents, ref_states, staged.node_states)
     if t >= 33:
-        assert spill.any() and (spill != branch_rows(parents)).any()  # some kept, some spilled
+        assert branch.any() and not branch.all()
     np.testing.assert_array_equal(np.asarray(branch_points(jnp.asarray(parents))), branch_rows(parents))
     # Payload rows are the inputs as read.
     np.testing.assert_array_equal(np.asarray(replay.payload), np.asarray(pack_payload(*args[1:5])))
 
 
-def test_branch_slots_keep_the_workspace_empty_and_spill_when_short():
-    """Trees with at most 2 branch points alive at once: 2 slots hold all of them (the workspace stays
-    NaN, so a kernel that read it would fail), 1 slot spills some, and a plan made for more slots than
-    the launch carries (or fewer) still verifies exactly."""
+def test_replay_workspace_of_a_forest_and_the_reference_rows():
+    """ReplaySSM on nested branch points and a forest writes exactly the branch-point rows, and the
+    reference writes the same rows."""
     t = 14
     rng = np.random.default_rng(21)
     x = random_inputs(rng, B, t)
@@ -104,21 +93,12 @@ def test_branch_slots_keep_the_workspace_empty_and_spill_when_short():
     args = _args(x)
     p = jnp.asarray(parents)
     staged = gdn_tree_verify(*args, p, _nan_states(t), store="every_node", backend="interpret")
-    for plan_slots, launch_slots in ((2, 2), (1, 1), (4, 1), (0, 2)):
-        plan = branch_slot_plan(p, plan_slots)
-        res = gdn_tree_verify(*args, p, _nan_states(t), store="branch_points", plan=plan,
-                              config=GdnKernelConfig(branch_slots=launch_slots), backend="interpret")
-        assert rel_err(res.out, ref_out) < TOL, (plan_slots, launch_slots)
-        spill = _check_replay_workspace(np.asarray(res.node_states), parents, plan, launch_slots,
-                                        ref_states, staged.node_states)
-        if (plan_slots, launch_slots) == (2, 2):
-            assert not spill.any() and branch_rows(parents).sum() == 5
-        if (plan_slots, launch_slots) in ((1, 1), (4, 1)):
-            assert spill.any() and (spill != branch_rows(parents)).any()
-        if (plan_slots, launch_slots) == (4, 1):  # the reference writes the same rows
-            ref = gdn_tree_verify(*args, p, _nan_states(t), store="branch_points", plan=plan,
-                                  config=GdnKernelConfig(branch_slots=launch_slots), backend="reference")
-            np.testing.assert_array_equal(np.isnan(np.asarray(ref.node_states)).any(axis=(2, 3, 4)), ~spill)
+    res = gdn_tree_verify(*args, p, _nan_states(t), store="branch_points", backend="interpret")
+    assert rel_err(res.out, ref_out) < TOL
+    branch = _check_replay_workspace(np.asarray(res.node_states), parents, ref_states, staged.node_states)
+    assert branch.sum() == 5
+    ref = gdn_tree_verify(*args, p, _nan_states(t), store="branch_points", backend="reference")
+    np.testing.assert_array_equal(np.isnan(np.asarray(ref.node_states)).any(axis=(2, 3, 4)), ~branch)
 
 
 def test_chain_as_parents_equals_chain_kernel():
@@ -199,32 +179,24 @@ def test_layer_verify_dispatch_and_modes_agree():
     assert np.isnan(np.asarray(replay.node_states)).all()  # the chunked form keeps no node states
 
 
-def test_layer_glue_shares_one_plan_across_slot_counts():
-    """`GdnTree` computes the branch-slot plan once per step; a layer launched with 0 slots on it and
-    one with 2 slots on a plan-less tree both verify exactly and write only their spilled rows."""
+def test_layer_glue_shares_the_step_branch_points():
+    """`GdnTree` computes the branch points once per step and every layer's verify stores exactly
+    the rows that vector names (an all-true vector stores every row)."""
     t = 14
     rng = np.random.default_rng(12)
     x = random_inputs(rng, B, t)
     parents = random_tree(rng, B, t)
     ref_out, ref_states = per_path_numpy(x, parents, use_qk_l2norm=True)
-    tree = GdnTree.from_parents(jnp.asarray(parents), num_slots=2)
-    assert tree.plan is not None
-    np.testing.assert_array_equal(np.asarray(tree.plan.save_slot),
-                                  np.asarray(branch_slot_plan(jnp.asarray(parents), 2).save_slot))
-    # The default plan (DEFAULT_BRANCH_SLOTS) keeps nothing in slots: every branch point spills.
-    default = GdnTree.from_parents(jnp.asarray(parents)).plan
-    np.testing.assert_array_equal(np.asarray(default.spill), branch_rows(parents) if DEFAULT_BRANCH_SLOTS == 0
-                                  else np.asarray(default.spill))
-    for slots, tr in ((0, tree), (2, tree._replace(plan=None))):
-        cfg = GdnLayerConfig(H, HV, DK, DV, kernel=GdnKernelConfig(branch_slots=slots))
+    tree = GdnTree.from_parents(jnp.asarray(parents))
+    np.testing.assert_array_equal(np.asarray(tree.branch), branch_rows(parents))
+    cfg = GdnLayerConfig(H, HV, DK, DV)
+    for tr, rows in ((tree, branch_rows(parents)), (tree._replace(branch=jnp.ones((B, t), bool)),
+                                                   np.ones((B, t), bool))):
         res = gdn_verify(cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tr,
                          backend="interpret")
         assert rel_err(res.out, ref_out) < TOL
-        spill = np.asarray(spilled_rows(tree.plan, slots))
         ws = np.asarray(res.node_states)
-        assert np.isnan(ws[~spill]).all() and rel_err(ws[spill], ref_states[spill]) < TOL
-        if slots == 0:
-            np.testing.assert_array_equal(spill, branch_rows(parents))
+        assert np.isnan(ws[~rows]).all() and rel_err(ws[rows], ref_states[rows]) < TOL
 
 
 def test_parents_from_ancestor_mask_64_nodes():
@@ -286,24 +258,13 @@ def test_bad_inputs_are_named():
         GdnLayerConfig(H, HV, DK, DV, mode="eager")
 
 
-def test_pick_launch_budgets_branch_slots():
-    """Slots shrink the default dv tile so (1 + slots) x dk x block_v stays within the live-state
-    budget; an explicit config wins; nonsense values are refused by name."""
+def test_pick_launch_defaults_and_refusals():
+    """Small batches split dv down to 32-column tiles; an explicit config wins; nonsense values are
+    refused by name."""
     qwen = lambda batch: GdnDims(batch, 16, 16, 32, 128, 128, batch + 1)  # noqa: E731
-    assert pick_launch(qwen(32), None) == (128, 8, 1)  # chain / zero slots: as before slots
-    assert pick_launch(qwen(32), None, branch_slots=2) == (32, 4, 1)
-    assert pick_launch(qwen(32), None, branch_slots=1) == (64, 8, 1)
-    assert pick_launch(qwen(1), None, branch_slots=2) == (32, 4, 1)
-    for slots in range(MAX_BRANCH_SLOTS + 1):
-        block_v, _, _ = pick_launch(qwen(64), None, branch_slots=slots)
-        assert (1 + slots) * 128 * block_v <= MAX_LIVE_STATE_ELEMENTS
-    assert pick_launch(qwen(32), GdnKernelConfig(block_v=128, num_warps=2, branch_slots=2),
-                       branch_slots=2) == (128, 2, 1)
-    assert GdnKernelConfig().resolved_branch_slots == DEFAULT_BRANCH_SLOTS
-    assert GdnKernelConfig(branch_slots=0).resolved_branch_slots == 0
-    for bad in (-1, MAX_BRANCH_SLOTS + 1, 1.5, True):
-        with pytest.raises(ValueError, match="branch_slots|branch slots"):
-            GdnKernelConfig(branch_slots=bad)
+    assert pick_launch(qwen(32), None) == (128, 8, 1)
+    assert pick_launch(qwen(1), None) == (32, 4, 1)
+    assert pick_launch(qwen(32), GdnKernelConfig(block_v=128, num_warps=2)) == (128, 2, 1)
     for field, bad in (("block_v", 0), ("num_warps", -4), ("num_stages", 0), ("num_warps", 2.0)):
         with pytest.raises(ValueError, match=f"{field}="):
             GdnKernelConfig(**{field: bad})
@@ -313,26 +274,23 @@ def test_pick_launch_budgets_branch_slots():
         pick_launch(qwen(32), GdnKernelConfig(num_warps=3))
 
 
-def test_plan_inputs_are_checked():
+def test_branch_inputs_are_checked():
     t = 6
     rng = np.random.default_rng(4)
     x = random_inputs(rng, B, t)
     args = _args(x)
     parents = jnp.asarray(random_tree(rng, B, t))
-    plan = branch_slot_plan(parents, 2)
-    with pytest.raises(ValueError, match="plan.load_slot must be"):
-        gdn_tree_verify(*args, parents, _nan_states(t), store="branch_points",
-                        plan=plan._replace(load_slot=plan.load_slot[:, :3]), backend="interpret")
-    with pytest.raises(ValueError, match="plan was given for a chain"):
-        gdn_tree_verify(*args, None, _nan_states(t), store="branch_points", plan=plan, backend="interpret")
-    with pytest.raises(ValueError, match="BranchSlotPlan"):
-        gdn_tree_verify(*args, parents, _nan_states(t), store="branch_points", plan=tuple(plan)[:2],
+    branch = branch_points(parents)
+    with pytest.raises(ValueError, match="branch must be"):
+        gdn_tree_verify(*args, parents, _nan_states(t), store="branch_points", branch=branch[:, :3],
                         backend="interpret")
+    with pytest.raises(ValueError, match="branch was given for a chain"):
+        gdn_tree_verify(*args, None, _nan_states(t), store="branch_points", branch=branch, backend="interpret")
 
 
 def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
-    """Qwen3-Next dims lower Pallas -> Triton IR with 0 and 2 branch slots, in both store modes and as
-    a chain (no GPU needed; compiling to PTX and running is benchmarks/bench_gdn.py's conformance)."""
+    """Qwen3-Next dims lower Pallas -> Triton IR in both store modes and as a chain, key- and
+    value-major (no GPU needed; compiling to PTX and running is benchmarks/bench_gdn.py's conformance)."""
     import jax
     import jax._src.pallas.triton.pallas_call_registration as reg
 
@@ -348,21 +306,17 @@ def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
            sd((bsz, t, hv), jnp.bfloat16), sd((bsz, t, hv), jnp.bfloat16), sd((hv,), jnp.float32),
            sd((hv,), jnp.float32), sd((bsz + 1, hv, dk, dv), jnp.float32), sd((bsz,), jnp.int32))
     nodes = sd((bsz, t, hv, dk, dv), jnp.float32)
-    for slots, store, tree, vm in ((2, "branch_points", True, False), (0, "branch_points", True, True),
-                                   (2, "every_node", True, True), (2, "branch_points", False, False),
-                                   (0, "branch_points", False, True)):
-        cfg = GdnKernelConfig(branch_slots=slots, value_major=vm)
+    for store, tree, vm in (("branch_points", True, False), ("branch_points", True, True),
+                            ("every_node", True, True), ("branch_points", False, False),
+                            ("branch_points", False, True)):
+        cfg = GdnKernelConfig(value_major=vm)
 
         def fn(*a):
-            parents = branch_slot_plan_input = None
-            if tree:
-                parents = a[9]
-                branch_slot_plan_input = branch_slot_plan(parents, slots)
+            parents = a[9] if tree else None
             pay = a[11] if store == "branch_points" else None
-            return gdn_tree_verify(*a[:9], parents, a[10], store=store, payload=pay,
-                                   plan=branch_slot_plan_input, config=cfg)
+            return gdn_tree_verify(*a[:9], parents, a[10], store=store, payload=pay, config=cfg)
 
         text = jax.jit(fn, donate_argnums=(10, 11)).trace(
             *ins, sd((bsz, t), jnp.int32), nodes, sd((bsz, t, width), jnp.bfloat16)).lower(
             lowering_platforms=("cuda",)).as_text()
-        assert "__gpu$xla.gpu.triton" in text and "gdn_tree_verify" in text, (slots, store, tree)
+        assert "__gpu$xla.gpu.triton" in text and "gdn_tree_verify" in text, (store, tree, vm)

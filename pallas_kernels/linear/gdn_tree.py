@@ -4,23 +4,17 @@ One program per (request b, value head hv, dv-tile): the `[dk, block_v]` fp32 st
 registers while the program walks the nodes in index order. A chain (`parents=None`, or
 parents[t] == t - 1 everywhere) never leaves registers. When node t's parent p is not t - 1:
   - p = -1 (a root): the committed state is reloaded from the pool in place;
-  - p is a branch point kept in a register slot (`BranchSlotPlan.load_slot[t] >= 0`): the parent
-    state is selected from that slot, with no memory traffic;
-  - otherwise (p was spilled, or the launch keeps no slots): the parent's state is reloaded from
-    `node_states[b, p]`, which this same program stored earlier.
-The program carries `branch_slots` extra `[dk, block_v]` fp32 tiles next to the running state;
-after node t it copies the new state into slot `save_slot[t]` when that is set. The plan
-(`pallas_kernels.linear.branch_slots`) is computed once per step and shared by every layer.
+  - otherwise p is a branch point: its state is reloaded from `node_states[b, p]`, which this same
+    program stored earlier.
+(Keeping branch-point states in extra register tiles instead was tried and measured slower on the
+H200, so it was removed.)
 
 Where node states go (`store`):
   "every_node"    staged mode: the state after node t goes to `node_states[b, t]` (the verify
                   scratch, a destination separate from the committed pool; never seeded with a copy).
-                  Slots only spare the reload of a branch's parent; every row is still written.
-  "branch_points" ReplaySSM mode: only *spilled* branch points (a branch point with no free slot,
-                  `BranchSlotPlan.spill`) are stored, into the one workspace all layers share; every
-                  other row of `node_states` (non-branch nodes and slot-kept branch points) is left
-                  as it was. With `branch_slots=0` every branch point spills, i.e. every node with a
-                  child other than t + 1 is stored.
+  "branch_points" ReplaySSM mode: only branch points (nodes with a child other than t + 1,
+                  `branch_points(parents)`) are stored, into the one workspace all layers share; every
+                  other row of `node_states` is left as it was.
 The committed pool is only read here; the commit kernels are the only writers.
 
 Optionally the kernel also writes each node's replay payload row `[k | v | a | b]` (see
@@ -41,8 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2, resolve_backend
-from pallas_kernels.linear.branch_slots import (
-    DEFAULT_BRANCH_SLOTS, BranchSlotPlan, branch_points, branch_slot_plan, check_num_slots)
+from pallas_kernels.linear.branch_slots import branch_points
 from pallas_kernels.linear.gdn_common import GdnDims, default_scale, gates, gdn_dims, l2_normalize
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_tree_verify_reference
@@ -59,10 +52,6 @@ class GdnKernelConfig:
     block_v: int | None = None  # dv columns per program (power of two dividing dv)
     num_warps: int | None = None  # Triton warps per program
     num_stages: int | None = None  # Triton software-pipelining stages of the node loop
-    # Register slots the recurrent tree kernel keeps for branch-point states (0..MAX_BRANCH_SLOTS);
-    # None = DEFAULT_BRANCH_SLOTS. 0 stores every branch point to the workspace (no slots). Only the
-    # tree verify reads it; chains, the chunked form and the replay commit carry no slots.
-    branch_slots: int | None = None
     # Hold the state tile as [block_v, dk] in registers (memory keeps [dk, dv]) so the two per-node
     # reductions over dk run along the tile's fast axis, as flash-linear-attention's transposed
     # state layout does. Recurrent tree/chain verify only; not measured on a GPU yet.
@@ -75,15 +64,6 @@ class GdnKernelConfig:
             val = getattr(self, name)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
                 raise ValueError(f"GdnKernelConfig.{name}={val!r} must be a positive int or None")
-        if self.branch_slots is not None:
-            if isinstance(self.branch_slots, bool):
-                raise ValueError(f"GdnKernelConfig.branch_slots={self.branch_slots!r} must be an int")
-            check_num_slots(self.branch_slots)
-
-    @property
-    def resolved_branch_slots(self) -> int:
-        """The slot count the tree verify runs with (None -> DEFAULT_BRANCH_SLOTS)."""
-        return DEFAULT_BRANCH_SLOTS if self.branch_slots is None else self.branch_slots
 
 
 # Default launch (measured on an H200, benchmarks/RESULTS.md "GDN tree verify"): split dv into
@@ -92,10 +72,6 @@ class GdnKernelConfig:
 # here for the tree and staged kernels: their state stores become 32-byte strided segments.
 MIN_PROGRAMS = 512
 MIN_DEFAULT_BLOCK_V = 32
-# Default cap on the fp32 state elements one program keeps live: the running state plus its branch
-# slots, (1 + branch_slots) x dk x block_v. 16K elements is 128 registers per thread at 4 warps,
-# leaving room for the node's vectors; at dk=128 two slots give block_v = 32.
-MAX_LIVE_STATE_ELEMENTS = 16 * 1024
 
 
 class GdnVerifyResult(NamedTuple):
@@ -104,19 +80,16 @@ class GdnVerifyResult(NamedTuple):
     payload: jax.Array | None  # [B, T, width] replay payload rows, when a payload buffer was given
 
 
-def pick_launch(dims: GdnDims, config: GdnKernelConfig | None, *, chunked: bool = False,
-                branch_slots: int = 0) -> tuple[int, int, int]:
+def pick_launch(dims: GdnDims, config: GdnKernelConfig | None, *, chunked: bool = False
+                ) -> tuple[int, int, int]:
     """(block_v, num_warps, num_stages) for one launch; explicit config fields win.
 
-    `branch_slots`: register slots the launch carries (the tree verify passes its resolved count;
-    other kernels carry none). Default: halve block_v from dv while the (B, HV, dv / block_v) grid
-    has fewer than MIN_PROGRAMS programs (small batches need dv tiles to fill the GPU), stopping at
-    MIN_DEFAULT_BLOCK_V; then keep halving while the live state tiles, (1 + branch_slots) x dk x
-    block_v fp32, exceed MAX_LIVE_STATE_ELEMENTS. Then 4 warps for state tiles of at most 64 x 64
-    elements, 8 above, and one pipeline stage (each node depends on the last).
+    Default: halve block_v from dv while the (B, HV, dv / block_v) grid has fewer than MIN_PROGRAMS
+    programs (small batches need dv tiles to fill the GPU), stopping at MIN_DEFAULT_BLOCK_V; then 4
+    warps for state tiles of at most 64 x 64 elements, 8 above, and one pipeline stage (each node
+    depends on the last).
     """
     config = config or GdnKernelConfig()
-    check_num_slots(branch_slots)
     dv = dims.head_v_dim
     min_block_v = 16 if chunked else 8  # Triton dot operands need >= 16 columns
     block_v = config.block_v
@@ -124,8 +97,6 @@ def pick_launch(dims: GdnDims, config: GdnKernelConfig | None, *, chunked: bool 
         block_v = dv
         while (block_v > MIN_DEFAULT_BLOCK_V
                and dims.batch * dims.num_v_heads * (dv // block_v) < MIN_PROGRAMS):
-            block_v //= 2
-        while block_v > min_block_v and (1 + branch_slots) * dims.head_k_dim * block_v > MAX_LIVE_STATE_ELEMENTS:
             block_v //= 2
     if block_v < min_block_v or block_v & (block_v - 1) or dv % block_v:
         raise ValueError(f"block_v={block_v} must be a power of two >= {min_block_v} dividing dv={dv}")
@@ -139,7 +110,7 @@ def pick_launch(dims: GdnDims, config: GdnKernelConfig | None, *, chunked: bool 
     return block_v, num_warps, num_stages
 
 
-def _check_tree_inputs(dims: GdnDims, parents, node_states, payload, plan, k, v, a, b, store):
+def _check_tree_inputs(dims: GdnDims, parents, node_states, payload, branch, k, v, a, b, store):
     if store not in STORES:
         raise ValueError(f"store={store!r} is not one of {STORES}")
     want = (dims.batch, dims.nodes, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim)
@@ -151,17 +122,13 @@ def _check_tree_inputs(dims: GdnDims, parents, node_states, payload, plan, k, v,
                          f"{parents.shape} {parents.dtype}")
     if parents is not None and dims.nodes >= _PARENT_FIELD:
         raise ValueError(f"a tree verify takes at most {_PARENT_FIELD - 1} nodes, got T={dims.nodes}")
-    if plan is not None:
+    if branch is not None:
         if parents is None:
-            raise ValueError("plan was given for a chain (parents=None); a chain keeps no branch slots")
-        if not isinstance(plan, BranchSlotPlan):
-            raise ValueError(f"plan must be a BranchSlotPlan (branch_slot_plan(parents, slots)); got "
-                             f"{type(plan).__name__}")
-        for name, x in zip(plan._fields, plan):
-            if x.shape != (dims.batch, dims.nodes) or not (jnp.issubdtype(x.dtype, jnp.integer)
-                                                           or x.dtype == jnp.bool_):
-                raise ValueError(f"plan.{name} must be [B, T] = {(dims.batch, dims.nodes)} int32/bool; "
-                                 f"got {x.shape} {x.dtype}")
+            raise ValueError("branch was given for a chain (parents=None); a chain has no branch points")
+        if branch.shape != (dims.batch, dims.nodes) or not (jnp.issubdtype(branch.dtype, jnp.integer)
+                                                            or branch.dtype == jnp.bool_):
+            raise ValueError(f"branch must be [B, T] = {(dims.batch, dims.nodes)} bool/int32; got "
+                             f"{branch.shape} {branch.dtype}")
     if payload is not None:
         check_payload(dims, payload, k, v, a, b)
 
@@ -180,26 +147,16 @@ def check_payload(dims: GdnDims, payload, k, v, a, b) -> GdnPayloadLayout:
     return layout
 
 
-def spilled_rows(plan: BranchSlotPlan, num_slots: int) -> jax.Array:
-    """`[B, T] bool`: the ReplaySSM workspace rows a launch with `num_slots` slots writes.
-
-    A plan's spilled branch points, plus its slot-kept ones whose slot id the launch does not have
-    (a plan computed for more slots than the launch carries degrades to the workspace, never to a
-    wrong state).
-    """
-    return plan.spill.astype(bool) | (plan.save_slot >= num_slots)
-
-
-# One int32 code per node, built once per program from the plan vectors and picked once per node:
-# parents[t] + 1 in bits 0..15, load_slot + 1 in bits 16..19, save_slot + 1 in 20..23, spill bit 24.
+# One int32 code per node, built once per program from the parent and branch vectors and picked
+# once per node: parents[t] + 1 in bits 0..15, the branch-point (store) bit 24.
 _PARENT_FIELD = 1 << 16
-_LOAD_SHIFT, _SAVE_SHIFT, _SPILL_SHIFT = 16, 20, 24
+_BRANCH_SHIFT = 24
 
 
-def _verify_kernel(parents_ref, save_ref, load_ref, spill_ref, slots_ref, q_ref, k_ref, v_ref, a_ref,
-                   b_ref, alog_ref, dtb_ref, pool_ref, _nodes_in_ref, *rest, chain: bool, store: str,
-                   nodes: int, group: int, block_v: int, use_qk_l2norm: bool, scale: float,
-                   layout: GdnPayloadLayout | None, compiled: bool, nodes_pow2: int, num_slots: int,
+def _verify_kernel(parents_ref, branch_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref,
+                   dtb_ref, pool_ref, _nodes_in_ref, *rest, chain: bool, store: str, nodes: int,
+                   group: int, block_v: int, use_qk_l2norm: bool, scale: float,
+                   layout: GdnPayloadLayout | None, compiled: bool, nodes_pow2: int,
                    value_major: bool = False):
     # value_major: the state tile lives in registers as [block_v, dk] (memory keeps [dk, dv]), so
     # both per-node reductions over dk run along the tile's fast axis.
@@ -220,61 +177,33 @@ def _verify_kernel(parents_ref, save_ref, load_ref, spill_ref, slots_ref, q_ref,
     slot = slots_ref[b]
     alog = alog_ref[hv]
     dtb = dtb_ref[hv]
-    spill_store = store == "branch_points" and not chain
+    branch_store = store == "branch_points" and not chain
     if not chain:
-        # One vector load per plan field up front, folded into one code per node, so each node
-        # picks one scalar (no dependent scalar loads inside the loop).
+        # One vector load of parents (and branch flags) up front, folded into one code per node, so
+        # each node picks one scalar (no dependent scalar loads inside the loop).
         node_ids = jnp.arange(nodes_pow2, dtype=jnp.int32)
         in_window = node_ids < nodes
         window = pl.ds(0, nodes_pow2)
         # Any negative parent is a root (as in the reference), never a wrapped row index.
         code_vec = jnp.maximum(plgpu.load(parents_ref.at[b, window], mask=in_window, other=-1), -1) + 1
-        if num_slots or spill_store:
-            save_vec = plgpu.load(save_ref.at[b, window], mask=in_window, other=-1)
-        if num_slots:
-            load_vec = plgpu.load(load_ref.at[b, window], mask=in_window, other=-1)
-            # Slot ids this launch does not carry (a plan made for more slots) read the workspace.
-            load_ok = (load_vec >= 0) & (load_vec < num_slots)
-            save_ok = (save_vec >= 0) & (save_vec < num_slots)
-            code_vec = code_vec + jnp.where(load_ok, load_vec + 1, 0) * (1 << _LOAD_SHIFT)
-            code_vec = code_vec + jnp.where(save_ok, save_vec + 1, 0) * (1 << _SAVE_SHIFT)
-        if spill_store:
-            spill_vec = plgpu.load(spill_ref.at[b, window], mask=in_window, other=0)
-            spilled = (spill_vec != 0) | (save_vec >= num_slots)
-            code_vec = code_vec + jnp.where(spilled, 1 << _SPILL_SHIFT, 0)
-
-        def field(code, shift):
-            return ((code >> shift) & 15) - 1
+        if branch_store:
+            branch_vec = plgpu.load(branch_ref.at[b, window], mask=in_window, other=0)
+            code_vec = code_vec + jnp.where(branch_vec != 0, 1 << _BRANCH_SHIFT, 0)
 
     def committed():
         return tile_in(pool_ref[slot, hv, :, cols].astype(jnp.float32))
 
-    def body(t, carry):
-        h, kept = carry[0], carry[1:]
+    def body(t, h):
         if not chain:
             code = jnp.sum(jnp.where(node_ids == t, code_vec, 0))
             p = (code & (_PARENT_FIELD - 1)) - 1
 
-            def from_memory():
+            def reload():
                 if compiled:
                     # The parent's tile was stored by other threads of this program.
                     plgpu.debug_barrier()
                 return jax.lax.cond(p < 0, committed,
                                     lambda: tile_in(nodes_ref[b, jnp.maximum(p, 0), hv, :, cols]))
-
-            def reload():
-                if not num_slots:
-                    return from_memory()
-                load_slot = field(code, _LOAD_SHIFT)
-
-                def from_slot():
-                    # jnp.where on the scalar slot id picks one of the carried tiles, no memory.
-                    held = kept[0]
-                    for i in range(1, num_slots):
-                        held = jnp.where(load_slot == i, kept[i], held)
-                    return held
-
-                return jax.lax.cond(load_slot >= 0, from_slot, from_memory)
 
             h = jax.lax.cond(p != t - 1, reload, lambda: h)
         k_raw = k_ref[b, t, kh, :]
@@ -298,8 +227,8 @@ def _verify_kernel(parents_ref, save_ref, load_ref, spill_ref, slots_ref, q_ref,
             o_ref[b, t, hv, cols] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)
         if store == "every_node":
             nodes_ref[b, t, hv, :, cols] = tile_out(h)
-        elif spill_store:
-            @pl.when(((code >> _SPILL_SHIFT) & 1) != 0)
+        elif branch_store:
+            @pl.when(((code >> _BRANCH_SHIFT) & 1) != 0)
             def _():
                 nodes_ref[b, t, hv, :, cols] = tile_out(h)
         if layout is not None:
@@ -314,23 +243,19 @@ def _verify_kernel(parents_ref, save_ref, load_ref, spill_ref, slots_ref, q_ref,
             @pl.when((vt == 0) & (hv % group == 0))
             def _():
                 payload_ref[b, t, pl.ds(kh * dk, dk)] = k_raw
-        if num_slots:
-            save_slot = field(code, _SAVE_SHIFT)
-            kept = tuple(jnp.where(save_slot == i, h, kept[i]) for i in range(num_slots))
-        return (h, *kept)
+        return h
 
-    empty = [jnp.zeros((block_v, dk) if value_major else (dk, block_v), jnp.float32) for _ in range(num_slots)]
-    jax.lax.fori_loop(0, nodes, body, (committed(), *empty))
+    jax.lax.fori_loop(0, nodes, body, committed())
 
 
 def _verify_reference(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, parents, node_states,
-                      payload, store, plan, num_slots, use_qk_l2norm, scale):
+                      payload, store, branch, use_qk_l2norm, scale):
     out, states = gdn_tree_verify_reference(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
                                             parents, use_qk_l2norm=use_qk_l2norm, scale=scale)
     if store == "every_node":
         node_states = states
     elif parents is not None:
-        keep = spilled_rows(plan, num_slots)[:, :, None, None, None]
+        keep = branch.astype(bool)[:, :, None, None, None]
         node_states = jnp.where(keep, states, node_states)
     if payload is not None:
         payload = pack_payload(k, v, a, b)
@@ -338,7 +263,7 @@ def _verify_reference(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, pa
 
 
 def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, parents, node_states, *,
-                    store: Store, payload: jax.Array | None = None, plan: BranchSlotPlan | None = None,
+                    store: Store, payload: jax.Array | None = None, branch: jax.Array | None = None,
                     use_qk_l2norm: bool = True,
                     scale: float | None = None, config: GdnKernelConfig | None = None,
                     backend: str | None = None) -> GdnVerifyResult:
@@ -346,41 +271,37 @@ def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, pare
 
     parents: `[B, T] int32` (parents[t] < t, -1 for a root) or None for a chain (no parent loads).
     node_states: `[B, T, HV, dk, dv]` fp32, updated in place (donate it under jit); see `store`.
-      "branch_points" writes only the rows of spilled branch points (`spilled_rows(plan, slots)`).
+      "branch_points" writes only the rows of branch points (`branch_points(parents)`).
     payload: optional `[B, T, width]` buffer for the replay payload rows, updated in place.
-    plan: optional `branch_slot_plan(parents, slots)` (compute it once per step and share it across
-    layers; computed here with the config's slot count when None). A plan made for a different slot
-    count is still correct: slot ids the launch lacks fall back to the workspace.
-    config.branch_slots: register slots carried by the kernel (None -> DEFAULT_BRANCH_SLOTS; a chain
-    carries none).
+    branch: optional precomputed `branch_points(parents)` `[B, T]` (compute it once per step and
+    share it across layers, as `GdnTree.branch` does; computed here when None).
     Returns `GdnVerifyResult(out, node_states, payload)`.
     """
     dims = gdn_dims(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots)
-    _check_tree_inputs(dims, parents, node_states, payload, plan, k, v, a, b, store)
+    _check_tree_inputs(dims, parents, node_states, payload, branch, k, v, a, b, store)
     config = config or GdnKernelConfig()
     scale = default_scale(dims.head_k_dim) if scale is None else float(scale)
     kind = resolve_backend(backend)
     chain = parents is None
-    num_slots = 0 if chain else config.resolved_branch_slots
-    if not chain and plan is None and (num_slots or store == "branch_points"):
-        plan = branch_slot_plan(parents, num_slots)
+    if not chain and branch is None and store == "branch_points":
+        branch = branch_points(parents)
     if kind == "reference":
         return _verify_reference(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, parents,
-                                 node_states, payload, store, plan, num_slots, use_qk_l2norm, scale)
-    block_v, num_warps, num_stages = pick_launch(dims, config, branch_slots=num_slots)
-    unread = jnp.zeros((dims.batch, dims.nodes), jnp.int32)  # a plan/parents field the kernel skips
+                                 node_states, payload, store, branch, use_qk_l2norm, scale)
+    block_v, num_warps, num_stages = pick_launch(dims, config)
+    unread = jnp.zeros((dims.batch, dims.nodes), jnp.int32)  # a parents/branch vector the kernel skips
     if chain:
         parents = unread
-    plan_args = (unread,) * 3 if plan is None else tuple(x.astype(jnp.int32) for x in plan)
+    branch = unread if branch is None else branch.astype(jnp.int32)
     layout = None if payload is None else GdnPayloadLayout(
         dims.num_k_heads, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim)
     kernel = functools.partial(
         _verify_kernel, chain=chain, store=store, nodes=dims.nodes, group=dims.group,
         block_v=block_v, use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout,
-        compiled=kind == "compiled", nodes_pow2=max(2, next_pow2(dims.nodes)), num_slots=num_slots,
-        value_major=(config or GdnKernelConfig()).value_major)
+        compiled=kind == "compiled", nodes_pow2=max(2, next_pow2(dims.nodes)),
+        value_major=config.value_major)
     out_shape = [jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(node_states.shape, jnp.float32)]
-    args = [parents.astype(jnp.int32), *plan_args, state_slots.astype(jnp.int32), q, k, v, a, b,
+    args = [parents.astype(jnp.int32), branch, state_slots.astype(jnp.int32), q, k, v, a, b,
             A_log.astype(jnp.float32), dt_bias.astype(jnp.float32), state_pool, node_states]
     aliases = {len(args) - 1: 1}
     if payload is not None:
@@ -399,6 +320,5 @@ def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, pare
     return GdnVerifyResult(results[0], results[1], results[2] if payload is not None else None)
 
 
-__all__ = ["GdnKernelConfig", "GdnVerifyResult", "BranchSlotPlan", "branch_points", "branch_slot_plan",
-           "check_payload", "gdn_tree_verify", "pick_launch", "spilled_rows", "DEFAULT_BRANCH_SLOTS",
-           "MAX_LIVE_STATE_ELEMENTS"]
+__all__ = ["GdnKernelConfig", "GdnVerifyResult", "branch_points", "check_payload", "gdn_tree_verify",
+           "pick_launch"]

@@ -4,11 +4,9 @@ Modes (`GdnStateMode`):
   "replay_ssm" (default) The committed state pool is never written during verify. With
                `chunked_tree_verify`, trees of GDN_TREE_VERIFY_CHUNKED_MIN_NODES ..
                GDN_TREE_VERIFY_CHUNKED_MAX_NODES nodes run the chunked tree form (no node states at
-               all); other trees run the recurrent kernel, which keeps up to
-               `GdnKernelConfig.branch_slots` branch-point states in register slots (default none:
-               slots measured slower on the H200) and stores the rest (spilled: no free slot) in
-               the one workspace every layer shares (`[B, T, HV, dk, dv]`, one layer's worth),
-               reloading a spilled branch's parent from there.
+               all); other trees run the recurrent kernel, which stores the state of every branch
+               point (a node with a child other than t + 1) in the one workspace every layer shares
+               (`[B, T, HV, dk, dv]`, one layer's worth) and reloads a branch's parent from there.
                Verify writes each node's replay payload row `[k | v | a | b]`; the commit packs the
                accepted path's rows to the window front (`pallas_kernels.row_move.move_rows`) and
                replays min(accept_len, T) of them over the committed state in place.
@@ -36,8 +34,7 @@ from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit
 from pallas_kernels.row_move import pack_path_rows
-from pallas_kernels.linear.gdn_tree import (
-    DEFAULT_BRANCH_SLOTS, BranchSlotPlan, GdnKernelConfig, branch_points, branch_slot_plan, gdn_tree_verify)
+from pallas_kernels.linear.gdn_tree import GdnKernelConfig, branch_points, gdn_tree_verify
 from treespec_jax.linear.state_mode import StateMode, check_state_mode
 from treespec_jax.support import Capability, TreeBackend, TreeSupport
 from treespec_jax.tree.masks import ancestor_mask as packed_ancestor_mask
@@ -116,30 +113,21 @@ def parents_from_ancestor_mask(mask: jax.Array) -> jax.Array:
 
 
 class GdnTree(NamedTuple):
-    """One step's tree in the forms the GDN kernels read; build it once per step for all layers.
-
-    Build it with the slot count the layers run (`GdnLayerConfig.kernel.resolved_branch_slots`); a
-    layer launched with fewer slots than the plan uses still verifies correctly (the missing slots
-    spill to the workspace), one with more just leaves them unused.
-    """
+    """One step's tree in the forms the GDN kernels read; build it once per step for all layers."""
 
     parents: jax.Array  # [B, T] int32, parents[t] < t, -1 for a root
     ancestor_mask: jax.Array  # [B, T, 2] uint32 packed ancestor-or-self rows (what attention reads)
-    branch: jax.Array  # [B, T] bool: node has a child other than t + 1 (branch points)
-    # Which branch points the recurrent tree kernel keeps in register slots and which spill to the
-    # ReplaySSM workspace (spill is a subset of branch). None: each verify call computes it.
-    plan: BranchSlotPlan | None = None
+    branch: jax.Array  # [B, T] bool: node has a child other than t + 1 (the ReplaySSM workspace rows)
 
     @classmethod
-    def from_parents(cls, parents: jax.Array, num_slots: int = DEFAULT_BRANCH_SLOTS) -> "GdnTree":
+    def from_parents(cls, parents: jax.Array) -> "GdnTree":
         parents = parents.astype(jnp.int32)
-        return cls(parents, packed_ancestor_mask(parents), branch_points(parents),
-                   branch_slot_plan(parents, num_slots))
+        return cls(parents, packed_ancestor_mask(parents), branch_points(parents))
 
     @classmethod
-    def from_ancestor_mask(cls, mask: jax.Array, num_slots: int = DEFAULT_BRANCH_SLOTS) -> "GdnTree":
+    def from_ancestor_mask(cls, mask: jax.Array) -> "GdnTree":
         parents = parents_from_ancestor_mask(mask)
-        return cls(parents, mask, branch_points(parents), branch_slot_plan(parents, num_slots))
+        return cls(parents, mask, branch_points(parents))
 
 
 def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, *,
@@ -147,9 +135,9 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
                tree: GdnTree | None = None, backend: str | None = None) -> GdnVerifyOutput:
     """One GDN layer's verify over T nodes per request (shapes in `pallas_kernels.linear.gdn_common`).
 
-    tree: the step's `GdnTree` (None = a chain); its branch-slot plan is shared by every layer.
+    tree: the step's `GdnTree` (None = a chain); its branch points are shared by every layer.
     node_states: the staged scratch or the shared ReplaySSM workspace (updated in place, donate
-    it; under ReplaySSM only spilled branch-point rows are written). payload: this layer's
+    it; under ReplaySSM only branch-point rows are written). payload: this layer's
     `[B, T, width]` rows, required under ReplaySSM.
     """
     _check_layer(cfg, q, v)
@@ -167,7 +155,7 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
     store = "every_node" if cfg.mode == "staged" else "branch_points"
     res = gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
                           None if tree is None else tree.parents, node_states, store=store,
-                          payload=payload, plan=None if tree is None else tree.plan, **common)
+                          payload=payload, branch=None if tree is None else tree.branch, **common)
     return GdnVerifyOutput(res.out, res.node_states, res.payload)
 
 
