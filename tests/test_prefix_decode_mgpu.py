@@ -21,18 +21,22 @@ PAGE = 64
 FP8 = jnp.float8_e4m3fn
 
 
-@pytest.mark.parametrize("r,g,lengths,splits,pingpong,dtype", [
-    (32, 4, [0, 70, 200], 1, True, jnp.bfloat16),  # P = 0, partial last pages
+@pytest.mark.parametrize("r,g,lengths,splits,pingpong,dtype,pps", [
+    (32, 4, [0, 70, 200], 1, True, jnp.bfloat16, 1),  # P = 0, partial last pages
     # Two 128-row CTAs per KV head: at P = 260 the first one's bound (P - 32) ends mid-page below
     # the last whole page, so its last block is partly masked. Three key splits (one may be empty).
-    (64, 4, [260, 130, 20], 3, True, jnp.bfloat16),
-    (16, 8, [20, 128, 300], 2, False, jnp.bfloat16),  # P < R, P a whole number of pages, group 8, no turn-taking
-    (16, 4, [50, 300], 1, True, jnp.bfloat16),  # 64 rows per KV head: one compute warpgroup per CTA
+    (64, 4, [260, 130, 20], 3, True, jnp.bfloat16, 1),
+    (16, 8, [20, 128, 300], 2, False, jnp.bfloat16, 1),  # P < R, P a whole number of pages, group 8, no turn-taking
+    (16, 4, [50, 300], 1, True, jnp.bfloat16, 1),  # 64 rows per KV head: one compute warpgroup per CTA
     # FP8 E4M3 pools: FP8 query x FP8 K scores, V widened to fp16 per warpgroup (bf16 q cast here).
-    (32, 4, [0, 70, 200], 1, True, FP8),
-    (16, 4, [50, 300], 2, True, FP8),
+    (32, 4, [0, 70, 200], 1, True, FP8, 1),
+    (16, 4, [50, 300], 2, True, FP8, 1),
+    # Two pages per step: 1 and 3 whole pages end mid-step (the step's second page repeats its
+    # first, masked); 4 whole pages fill two steps; two key splits.
+    (32, 4, [70, 200, 300], 2, True, jnp.bfloat16, 2),
+    (16, 4, [200, 130], 1, True, FP8, 2),
 ])
-def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dtype):
+def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dtype, pps):
     hkv, d = 2, 64
     q, k, v, table, lens, mask = verify_case(np.random.default_rng(r * g), lengths, r, hkv, g, d, PAGE,
                                              dtype, q_dtype=jnp.bfloat16)
@@ -40,7 +44,7 @@ def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dt
     qr = heads_to_rows(q, hkv, total)
     out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
                                              scale=d ** -0.5, num_splits=splits, pingpong=pingpong,
-                                             interpret=True)
+                                             pages_per_step=pps, interpret=True)
     ref_out, ref_lse = prefix_decode_reference(q, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
                                                whole_pages=True)
     assert rel_err(rows_to_heads(out, r, hkv * g), ref_out) < 1e-2
@@ -76,14 +80,19 @@ def test_mgpu_prefix_refuses_unsupported_shapes():
     with pytest.raises(ValueError, match="multiple of 64, got 32.*page_size must be 64 or 128"):
         check_mgpu_inputs(jnp.zeros((1, 1, 32, 64), bf), pool, pool, 32)
     big = jnp.zeros((256, 1, 128), bf)
-    with pytest.raises(ValueError, match="page_size=128, stages=3, head dim 128 need"):
+    with pytest.raises(ValueError, match="page_size=64, pages_per_step=2, stages=3, head dim 128 need"):
+        check_mgpu_inputs(jnp.zeros((1, 1, 256, 128), bf), big, big, 64, stages=3, pages_per_step=2)
+    with pytest.raises(ValueError, match="pages_per_step must be 1 or 2, got 4"):
+        check_mgpu_inputs(jnp.zeros((1, 1, 256, 128), bf), big, big, 64, pages_per_step=4)
+    with pytest.raises(ValueError, match="page_size=128, pages_per_step=1, stages=3, head dim 128 need"):
         check_mgpu_inputs(jnp.zeros((1, 1, 256, 128), bf), big, big, 128, stages=3)
 
 
-@pytest.mark.parametrize("total,splits,pingpong,page,stages,pool_dtype", [
-    (256, 1, True, 64, 2, jnp.bfloat16), (64, 3, False, 64, 3, jnp.bfloat16), (256, 1, True, 128, 2, jnp.bfloat16),
-    (256, 1, True, 64, 3, FP8), (64, 2, True, 128, 2, FP8)])
-def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages, pool_dtype):
+@pytest.mark.parametrize("total,splits,pingpong,page,stages,pool_dtype,pps", [
+    (256, 1, True, 64, 2, jnp.bfloat16, 1), (64, 3, False, 64, 3, jnp.bfloat16, 1),
+    (256, 1, True, 128, 2, jnp.bfloat16, 1), (256, 1, True, 64, 3, FP8, 1), (64, 2, True, 128, 2, FP8, 1),
+    (256, 1, True, 64, 2, jnp.bfloat16, 2), (64, 3, True, 64, 2, jnp.bfloat16, 2), (256, 2, True, 64, 3, FP8, 2)])
+def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages, pool_dtype, pps):
     """The compiled path (wgmma PV through run_state, not the interpreter's dot) lowers to a Mosaic GPU
     module on the CPU; compiling that module to a cubin needs the GPU machine."""
     import jax
@@ -94,7 +103,7 @@ def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages,
     b, hkv, d = 2, 8, 128
     fn = lambda qr, k, v, t, ln: prefix_decode_mgpu_row_layout(  # noqa: E731
         qr, k, v, t, ln, query_rows=total // 4, group=4, page_size=page, scale=0.1, num_splits=splits,
-        pingpong=pingpong, stages=stages)
+        pingpong=pingpong, stages=stages, pages_per_step=pps)
     pool = sd((64 * page, hkv, d), pool_dtype)
     text = jax.jit(fn).trace(sd((b, hkv, total, d), jnp.bfloat16), pool, pool, sd((b, 32), jnp.int32),
                              sd((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()

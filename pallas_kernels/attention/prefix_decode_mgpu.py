@@ -66,12 +66,12 @@ MAX_SMEM_BYTES = 232448
 SMEM_OVERHEAD = 4096
 
 
-def smem_bytes(total_rows: int, width: int, itemsize: int, page_size: int, stages: int) -> int:
-    """Shared memory of one CTA: query tiles, the K and V rings, output staging, LSE; with 1-byte
-    (FP8) items also each compute warpgroup's fp16 copy of the step's V page."""
+def smem_bytes(total_rows: int, width: int, itemsize: int, block: int, stages: int) -> int:
+    """Shared memory of one CTA (`block` keys per step): query tiles, the K and V rings, output
+    staging, LSE; with 1-byte (FP8) items also each compute warpgroup's fp16 copy of the step's V."""
     wgs = COMPUTE_WGS if total_rows % ROWS_PER_CTA == 0 else 1
-    widened = wgs * page_size * width * 2 if itemsize == 1 else 0
-    return (wgs * ROWS_PER_WG * width * itemsize + 2 * stages * page_size * width * itemsize + widened
+    widened = wgs * block * width * 2 if itemsize == 1 else 0
+    return (wgs * ROWS_PER_WG * width * itemsize + 2 * stages * block * width * itemsize + widened
             + wgs * ROWS_PER_WG * (OUT_CHUNK + 1) * 4 + SMEM_OVERHEAD)
 
 
@@ -90,7 +90,8 @@ def whole_page_bound(length, query_rows: int, group: int, row, whole):
 
 def split_blocks(cta_hi, block: int, split, per_split: int):
     """This split's key blocks [lo, hi) of the cdiv(cta_hi, block) a CTA reads (a trailing split
-    may get none). cta_hi <= the last whole page, so every block read holds finite keys."""
+    may get none). cta_hi <= the last whole page, so every page a block reads below it holds finite
+    keys (a multi-page block straddling it is the caller's to fill; see prefix_decode_mgpu)."""
     steps = lax.div(cta_hi + block - 1, jnp.int32(block))
     lo = split * per_split
     return lo, jnp.maximum(jnp.minimum(lo + per_split, steps), lo)
@@ -113,7 +114,7 @@ def online_softmax_update(s, m, l, acc, scale2: float, visible=None):
     return p, alpha, m_new, l * alpha + p.sum(axis=1), acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
 
-def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2) -> list[str]:
+def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages_per_step: int = 1) -> list[str]:
     """Every reason this kernel cannot take these inputs (empty: it can). Arrays or ShapeDtypeStructs."""
     b, hkv, total, d = qr.shape
     errors = []
@@ -134,32 +135,36 @@ def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2) -> li
                       f"got {qr.dtype}")
     if stages < 2:
         errors.append(f"prefix_decode_mgpu: stages must be >= 2, got {stages}")
-    elif not errors:
-        need = smem_bytes(total, d, pool.itemsize, page_size, stages)
+    if pages_per_step not in (1, 2):
+        errors.append(f"prefix_decode_mgpu: pages_per_step must be 1 or 2, got {pages_per_step}")
+    if not errors:
+        need = smem_bytes(total, d, pool.itemsize, page_size * pages_per_step, stages)
         if need > MAX_SMEM_BYTES:
-            errors.append(f"prefix_decode_mgpu: page_size={page_size}, stages={stages}, head dim {d} need {need} "
-                          f"bytes of shared memory, more than {MAX_SMEM_BYTES}")
+            errors.append(f"prefix_decode_mgpu: page_size={page_size}, pages_per_step={pages_per_step}, "
+                          f"stages={stages}, head dim {d} need {need} bytes of shared memory, "
+                          f"more than {MAX_SMEM_BYTES}")
     return errors
 
 
-def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2):
+def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages_per_step: int = 1):
     """Shapes this kernel takes; raises naming every unsupported value."""
-    errors = mgpu_input_errors(qr, k_pool, v_pool, page_size, stages)
+    errors = mgpu_input_errors(qr, k_pool, v_pool, page_size, stages, pages_per_step)
     if errors:
         raise ValueError("; ".join(errors))
 
 
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "num_splits",
-                                             "pingpong", "interpret"))
+                                             "pingpong", "pages_per_step", "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
-                                  pingpong: bool = True, interpret: bool = False):
+                                  pingpong: bool = True, pages_per_step: int = 1, interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None: split only when the
     grid leaves SMs idle, as `prefix_decode.default_num_splits`); `pingpong`: the two compute
     warpgroups take turns on the tensor cores (one's softmax overlaps the other's matmuls);
-    `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
-    check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages)
+    `pages_per_step`: pages (one TMA copy each) per key step, so a step's matmuls are
+    [64, pages_per_step * page_size] wide; `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
+    check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step)
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
     # K-major operand FP8 needs); V is not, so each step's V page is widened to fp16 in shared memory.
     fp8 = jnp.dtype(k_pool.dtype) == F8
@@ -174,10 +179,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     splits = num_splits or default_num_splits(b, hkv, tiles, max_pages)
     if splits < 1:
         raise ValueError(f"prefix_decode_mgpu: num_splits must be >= 1, got {num_splits}")
-    steps_per_split = -(-max_pages // splits)
+    pps = pages_per_step
+    block = page_size * pps
+    steps_per_split = -(-(-(-max_pages // pps)) // splits)
     dtype = qr.dtype
     pv_dtype = jnp.float16 if fp8 else dtype  # P V operands: FP8 V widens exactly to fp16
-    block = page_size
     scale2 = float(scale) * LOG2E
     in_tf = _smem_transforms(d, dtype)
     pv_tf = _smem_transforms(d, pv_dtype)
@@ -191,7 +197,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
         tile = lax.axis_index("tiles")
         wg = lax.axis_index("wg")
         length = len_gmem[bi]
-        whole = lax.div(length, jnp.int32(block)) * block
+        whole = lax.div(length, jnp.int32(page_size)) * page_size
         cta_row0 = tile * rows_per_cta
         last_real = jnp.minimum(cta_row0 + rows_per_cta - 1, query_rows * group - 1)
         cta_hi = jnp.maximum(whole_page_bound(length, query_rows, group, last_real, whole), 0)
@@ -300,22 +306,35 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
+            whole_pages = lax.div(whole, jnp.int32(page_size))
+
+            def page_rows(i, j):
+                # A step's later page past the last whole one (the step straddles `whole`) repeats
+                # the step's first page instead: its keys are masked, and finite V rows keep the
+                # zero softmax weights from turning into NaN (the partial page may hold anything).
+                page = i * pps + j
+                page = jnp.where(page < whole_pages, page, i * pps) if j else page
+                return pl.ds(pt_gmem[bi, page] * page_size, page_size)
+
             @pl.loop(lo, hi)
             def _fetch(i):
                 slot = lax.rem(i - lo, jnp.int32(stages))
-                page_rows = pl.ds(pt_gmem[bi, i] * block, block)
 
                 @pl.when(i - lo >= stages)
                 def _():
                     plgpu.barrier_wait(k_free.at[slot])
 
-                plgpu.copy_gmem_to_smem(k_gmem.at[page_rows, head], k_smem.at[slot], k_ready.at[slot])
+                for j in range(pps):  # one TMA copy (one arrival on the step's barrier) per page
+                    plgpu.copy_gmem_to_smem(k_gmem.at[page_rows(i, j), head],
+                                            k_smem.at[slot, pl.ds(j * page_size, page_size)], k_ready.at[slot])
 
                 @pl.when(i - lo >= stages)
                 def _():
                     plgpu.barrier_wait(v_free.at[slot])
 
-                plgpu.copy_gmem_to_smem(v_gmem.at[page_rows, head], v_smem.at[slot], v_ready.at[slot])
+                for j in range(pps):
+                    plgpu.copy_gmem_to_smem(v_gmem.at[page_rows(i, j), head],
+                                            v_smem.at[slot, pl.ds(j * page_size, page_size)], v_ready.at[slot])
 
             # Observe the last release of every buffer used, so no barrier phase is left unseen
             # when the scope ends (the GPU interpreter checks this).
@@ -334,8 +353,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
              plgpu.SMEM((wgs, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=out_tf),
              plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32))
             + ((plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),) if fp8 else ()),
-            (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=stages)),
+            (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_arrivals=pps, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=pps, num_barriers=stages)),
             (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=wgs),
             collective_axes="wg",

@@ -33,8 +33,9 @@ from jax import lax
 # Register slots a tree kernel keeps by default: none. On the H200 (benchmarks/RESULTS.md, 04:10 and
 # 04:15 UTC, B=32, T=16) two slots made both scans slower than their slot-less paths even though
 # they cut the spilled branch points from 29% to 8% of nodes: GDN ReplaySSM tree 429 vs 374 us (the
-# slot tiles force 32-column tiles and per-node selects), Mamba2 1374 vs 970 us. Slots stay an
-# option (GdnKernelConfig.branch_slots, Mamba2CommitConfig.branch_slots) for kernels where they pay.
+# slot tiles force 32-column tiles and per-node selects), Mamba2 1374 vs 970 us. GDN's slot path was
+# removed after a second measurement (B=32, T=64: 2076 vs 1521 us with one slot); Mamba2 keeps slots
+# as an option (Mamba2CommitConfig.branch_slots).
 DEFAULT_BRANCH_SLOTS = 0
 MAX_BRANCH_SLOTS = 4
 
