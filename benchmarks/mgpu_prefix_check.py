@@ -1,17 +1,20 @@
-"""First GPU run of the experimental Mosaic GPU prefix kernel: compile, conformance, timing.
+"""The Mosaic GPU prefix kernels on the GPU: compile, conformance, timing against the Triton ones.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/mgpu_prefix_check.py [--skip-timing] [--mla] [--interpret]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/mgpu_prefix_check.py [--skip-timing]
+        [--skip-conformance] [--shapes BxPxN,...] [--fp8] [--mla] [--interpret | --smoke]
 
-1. Conformance (bf16, D=128, page 64, G=4, R=64, ragged P incl. 0 and a partial last page, NaN/inf
-   in every slot no request owns): `prefix_decode_mgpu_row_layout` against a dense fp32 attention
-   over whole pages below P (its contract), then prefix + `tree_window_row_layout(...,
-   prefix_whole_pages=True)` against one dense fp32 attention of the whole verify.
+1. Conformance (D=128, page 64, G=4, R=64, ragged P incl. 0 and partial last pages, NaN/inf in
+   every slot no request owns), for bf16 and FP8 E4M3 pools, one and two pages per step:
+   `prefix_decode_mgpu_row_layout` against a dense fp32 attention over whole pages below P (its
+   contract), then prefix + `tree_window_row_layout(..., prefix_whole_pages=True)` against one dense
+   fp32 attention of the whole verify.
 `--mla` adds the Mosaic GPU MLA latent decode: conformance against the whole-pages fp32 reference,
 then DeepSeek-V3 shapes against the Triton latent decode and both MLA cascades.
 
-2. Timing (bf16, Hq=32, Hkv=8, D=128, page 64, random page tables; N=64 at B=32/P=32k, B=64/P=4k,
-   B=1/P=32k (a key split), and B=8/P=8k/N=16 (one compute warpgroup per CTA)): the Mosaic GPU prefix (turn-taking on/off, 2 or 3 stages) against
-   the Pallas Triton `prefix_decode_row_layout` on the same inputs, and both cascades.
+2. Timing (Hq=32, Hkv=8, D=128, page 64, random page tables; by default N=64 at B=32/P=32k,
+   B=64/P=4k, B=1/P=32k (a key split) and B=8/P=8k/N=16 (one compute warpgroup per CTA); bf16, and
+   FP8 with `--fp8`): the Mosaic GPU prefix at one and two pages per step against the Pallas Triton
+   `prefix_decode_row_layout` on the same inputs, alone and as cascades with the window kernel.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def pools(rng, b, lengths, w, hkv, d, dtype):
     return jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table)
 
 
-def conformance(interpret: bool = False, dtype=jnp.bfloat16) -> bool:
+def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int = 1) -> bool:
     """`dtype`: the pools' dtype (bf16, or FP8 E4M3 with the bf16 query cast to FP8 by the kernel)."""
     rng = np.random.default_rng(0)
     b, hkv, g, d, r = 3, 2, 4, 128, 64
@@ -64,7 +67,7 @@ def conformance(interpret: bool = False, dtype=jnp.bfloat16) -> bool:
     total = padded_rows(r * g)
     qr = heads_to_rows(q, hkv, total)
     out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
-                                             scale=d ** -0.5, interpret=interpret)
+                                             scale=d ** -0.5, pages_per_step=pages_per_step, interpret=interpret)
     ref_out, ref_lse = prefix_decode_reference(q, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
                                                whole_pages=True)
     got = jnp.transpose(out[:, :, : r * g].reshape(b, hkv, r, g, d), (0, 2, 1, 3, 4)).reshape(b, r, hkv * g, d)
@@ -83,7 +86,7 @@ def conformance(interpret: bool = False, dtype=jnp.bfloat16) -> bool:
     e_cas = rel_err(cas, dense)
     # Under FP8 the dense reference scores the unquantised query, the prefix half the FP8 one.
     ok = e_out < 2e-2 and lse_ok and e_cas < (6e-2 if dtype != jnp.bfloat16 else 2e-2)
-    log(f"conformance {jnp.dtype(dtype).name}: prefix rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}, cascade rel {e_cas:.2e} -> "
+    log(f"conformance {jnp.dtype(dtype).name} pages_per_step={pages_per_step}: prefix rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}, cascade rel {e_cas:.2e} -> "
         f"{'PASS' if ok else 'FAIL'}")
     return ok
 
@@ -92,48 +95,54 @@ FULL_SHAPES = ((32, 32768, 64), (64, 4096, 64), (1, 32768, 64), (8, 8192, 16))
 SMOKE_SHAPES = ((2, 200, 32), (1, 300, 16))
 
 
-def timing(shapes=FULL_SHAPES, hq=32, hkv=8, d=128, samples=7, interpret=False):
+def timing(shapes=FULL_SHAPES, hq=32, hkv=8, d=128, samples=7, interpret=False, dtypes=(jnp.bfloat16,)):
     """`--smoke` runs this on tiny shapes in the interpreters (a CPU check of the script itself)."""
     flops_rate = measure_matmul_flops(512 if interpret else 8192)
+    for dtype in dtypes:
+        for shape in shapes:
+            time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret)
+
+
+def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret):
+    """Mosaic GPU prefix (1 and 2 pages per step) against the Triton prefix, alone and as cascades."""
     g = hq // hkv
-    for b, p, n in shapes:
-        total = padded_rows(n * g)
-        rng = np.random.default_rng(b)
-        per_req = (p + n) // PAGE + 1
-        table = jnp.asarray(rng.permutation(b * per_req).reshape(b, per_req), jnp.int32)
-        k = jax.random.normal(jax.random.PRNGKey(1), (b * per_req * PAGE, hkv, d), jnp.bfloat16)
-        v = jax.random.normal(jax.random.PRNGKey(2), (b * per_req * PAGE, hkv, d), jnp.bfloat16)
-        qr = jax.random.normal(jax.random.PRNGKey(3), (b, hkv, total, d), jnp.bfloat16)
-        lens = jnp.full((b,), p, jnp.int32)
-        mask = ancestor_mask(jnp.asarray(np.stack([np.r_[-1, rng.integers(0, np.arange(1, n))] for _ in range(b)])
-                                         .astype(np.int32)))
-        kw = dict(query_rows=n, group=g, page_size=PAGE, scale=d ** -0.5, interpret=interpret)
-        mg = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, **kw))
-        mg_serial = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, pingpong=False, **kw))
-        mg_stages3 = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, stages=3, **kw))
-        tr = jax.jit(lambda *a: prefix_decode_row_layout(*a, **kw))
+    b, p, n = shape
+    total = padded_rows(n * g)
+    rng = np.random.default_rng(b)
+    per_req = (p + n) // PAGE + 1
+    table = jnp.asarray(rng.permutation(b * per_req).reshape(b, per_req), jnp.int32)
+    k = jax.random.normal(jax.random.PRNGKey(1), (b * per_req * PAGE, hkv, d), jnp.bfloat16).astype(dtype)
+    v = jax.random.normal(jax.random.PRNGKey(2), (b * per_req * PAGE, hkv, d), jnp.bfloat16).astype(dtype)
+    qr = jax.random.normal(jax.random.PRNGKey(3), (b, hkv, total, d), jnp.bfloat16)
+    lens = jnp.full((b,), p, jnp.int32)
+    mask = ancestor_mask(jnp.asarray(np.stack([np.r_[-1, rng.integers(0, np.arange(1, n))] for _ in range(b)])
+                                     .astype(np.int32)))
+    kw = dict(query_rows=n, group=g, page_size=PAGE, scale=d ** -0.5, interpret=interpret)
+    mg = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, **kw))
+    mg_pps2 = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, pages_per_step=2, **kw))
+    tr = jax.jit(lambda *a: prefix_decode_row_layout(*a, **kw))
 
-        def cascade(prefix, whole):
-            def f(qr, k, v, table, lens, mask):
-                out, lse = prefix(qr, k, v, table, lens)
-                return tree_window_row_layout(qr, k, v, table, lens, mask, out, lse, window=n, value_dim=d,
-                                              prefix_whole_pages=whole, **kw)
-            return jax.jit(f)
+    def cascade(prefix, whole):
+        def f(qr, k, v, table, lens, mask):
+            out, lse = prefix(qr, k, v, table, lens)
+            return tree_window_row_layout(qr, k, v, table, lens, mask, out, lse, window=n, value_dim=d,
+                                          prefix_whole_pages=whole, **kw)
+        return jax.jit(f)
 
-        flop = 4 * b * n * hq * (p + n) * d
-        res = {}
-        for name, fn, args in (("mgpu prefix", mg, (qr, k, v, table, lens)),
-                               ("mgpu prefix, no turn-taking", mg_serial, (qr, k, v, table, lens)),
-                               ("mgpu prefix, 3 stages", mg_stages3, (qr, k, v, table, lens)),
-                               ("triton prefix", tr, (qr, k, v, table, lens)),
-                               ("mgpu cascade", cascade(mg, True), (qr, k, v, table, lens, mask)),
-                               ("triton cascade", cascade(tr, False), (qr, k, v, table, lens, mask))):
-            try:
-                res[name] = median_time(fn, *args, samples=samples)
-                log(f"B={b} P={p} N={n}: {name} {res[name] * 1e3:.3f} ms, {flop / res[name] / 1e12:.0f} TFLOP/s, "
-                    f"{flop / flops_rate / res[name]:.2f} of the FLOP floor's speed")
-            except Exception as exc:  # noqa: BLE001
-                log(f"B={b} P={p}: {name} FAILED {type(exc).__name__}: {str(exc)[:400]}")
+    flop = 4 * b * n * hq * (p + n) * d
+    res = {}
+    for name, fn, args in (("mgpu prefix", mg, (qr, k, v, table, lens)),
+                           ("mgpu prefix, 2 pages/step", mg_pps2, (qr, k, v, table, lens)),
+                           ("triton prefix", tr, (qr, k, v, table, lens)),
+                           ("mgpu cascade", cascade(mg, True), (qr, k, v, table, lens, mask)),
+                           ("mgpu cascade, 2 pages/step", cascade(mg_pps2, True), (qr, k, v, table, lens, mask)),
+                           ("triton cascade", cascade(tr, False), (qr, k, v, table, lens, mask))):
+        try:
+            res[name] = median_time(fn, *args, samples=samples)
+            log(f"{jnp.dtype(dtype).name} B={b} P={p} N={n}: {name} {res[name] * 1e3:.3f} ms, {flop / res[name] / 1e12:.0f} TFLOP/s, "
+                f"{flop / flops_rate / res[name]:.2f} of the FLOP floor's speed")
+        except Exception as exc:  # noqa: BLE001
+            log(f"B={b} P={p}: {name} FAILED {type(exc).__name__}: {str(exc)[:400]}")
 
 
 def mla_check(interpret: bool = False, timing_too: bool = True, smoke: bool = False) -> bool:
@@ -218,20 +227,27 @@ def main() -> int:
     ap.add_argument("--interpret", action="store_true", help="conformance only, in the interpreters (CPU)")
     ap.add_argument("--mla", action="store_true", help="also the MLA latent decode (conformance, then timing)")
     ap.add_argument("--smoke", action="store_true", help="the timing code on tiny shapes in the interpreters (CPU)")
+    ap.add_argument("--skip-conformance", action="store_true")
+    ap.add_argument("--shapes", default=None, help="timing shapes BxPxN,... (default: the four of issue #3)")
+    ap.add_argument("--fp8", action="store_true", help="also time FP8 E4M3 pools")
     a = ap.parse_args()
     if a.smoke:
-        timing(SMOKE_SHAPES, hq=8, hkv=2, d=64, samples=1, interpret=True)
+        timing(SMOKE_SHAPES, hq=8, hkv=2, d=64, samples=1, interpret=True, dtypes=(jnp.bfloat16, jnp.float8_e4m3fn))
         return 0 if mla_check(interpret=True, timing_too=True, smoke=True) else 1
     timing_too = not (a.skip_timing or a.interpret)
     ok = True
-    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+    for dtype, pps in ((jnp.bfloat16, 1), (jnp.float8_e4m3fn, 1), (jnp.bfloat16, 2), (jnp.float8_e4m3fn, 2)):
+        if a.skip_conformance:
+            break
         try:
-            ok = conformance(a.interpret, dtype) and ok
+            ok = conformance(a.interpret, dtype, pps) and ok
         except Exception:  # noqa: BLE001 - a first run may find lowering problems
             traceback.print_exc()
             ok = False
     if ok and timing_too:
-        timing()
+        shapes = FULL_SHAPES if a.shapes is None else [tuple(int(v) for v in item.split("x"))
+                                                        for item in a.shapes.split(",") if item]
+        timing(shapes, dtypes=(jnp.bfloat16, jnp.float8_e4m3fn) if a.fp8 else (jnp.bfloat16,))
     if a.mla:
         try:
             ok = mla_check(a.interpret, timing_too) and ok
