@@ -11,7 +11,8 @@ import pytest
 from paged_fixtures import rel_err, verify_case
 
 from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads
-from pallas_kernels.attention.prefix_decode_mgpu import check_mgpu_inputs, prefix_decode_mgpu_row_layout
+from pallas_kernels.attention.prefix_decode_mgpu import (check_mgpu_inputs, default_pages_per_step,
+                                                         prefix_decode_mgpu_row_layout)
 from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference
 from pallas_kernels.attention.tree_window import tree_window_row_layout
 
@@ -86,6 +87,13 @@ def test_mgpu_prefix_refuses_unsupported_shapes():
         check_mgpu_inputs(jnp.zeros((1, 1, 256, 128), bf), big, big, 64, pages_per_step=4)
     with pytest.raises(ValueError, match="page_size=128, pages_per_step=1, stages=3, head dim 128 need"):
         check_mgpu_inputs(jnp.zeros((1, 1, 256, 128), bf), big, big, 128, stages=3)
+
+
+def test_default_pages_per_step_makes_128_key_steps_that_fit():
+    assert default_pages_per_step(256, 128, 2, 64, 2) == 2  # bf16, 64-token pages: two per step
+    assert default_pages_per_step(256, 128, 1, 64, 3) == 2  # FP8 rings are half the size
+    assert default_pages_per_step(256, 128, 2, 128, 2) == 1  # a 128-token page is a step already
+    assert default_pages_per_step(256, 128, 2, 64, 3) == 1  # three bf16 stages of two pages do not fit
 
 
 @pytest.mark.parametrize("total,splits,pingpong,page,stages,pool_dtype,pps", [

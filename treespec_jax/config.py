@@ -398,7 +398,7 @@ def _check_ranges(cfg: ServeConfig, out: list[str]) -> None:
         )
     if cfg.backends.prefix_kernel == "mosaic_gpu":
         if kv.page_size not in (64, 128):
-            out.append(f"backends.prefix_kernel = 'mosaic_gpu' reads one page per step and needs "
+            out.append(f"backends.prefix_kernel = 'mosaic_gpu' copies whole pages by TMA and needs "
                        f"kv_cache.page_size 64 or 128, got {kv.page_size}")
         mla = [f"backends.{name} = 'mla_cascade'" for name in ("attention_backend", "drafter_attention_backend")
                if getattr(cfg.backends, name) == "mla_cascade"]

@@ -34,9 +34,10 @@ Layout of one CTA (grid (row tiles, key splits, Hkv, B)): two compute warpgroups
 rows (one when a KV head has only 64 rows, e.g. N=16 with G=4) and run the online softmax with
 wgmma (QK^T and PV from shared memory, fp32 accumulators in registers), taking turns on the tensor
 cores (`pingpong`) so one's softmax overlaps the other's matmuls; the last warpgroup only issues
-TMA copies of one page of K and of V per step into a ring of `stages` buffers, reading the page id
-from the table, and waits until every compute warpgroup released a buffer before refilling it. Steps whose keys every row of a warpgroup sees run without
-masks. A small grid splits the key axis; the partials merge by LSE (`prefix_decode.merge_splits`).
+TMA copies of one or two pages (`pages_per_step`) of K and of V per step into a ring of `stages`
+buffers, reading each page id from the table, and waits until every compute warpgroup released a
+buffer before refilling it. Steps whose keys every row of a warpgroup sees run without masks. A
+small grid splits the key axis; the partials merge by LSE (`prefix_decode.merge_splits`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ OUT_CHUNK = 32  # output columns per fp32 staging tile
 # alignment, barriers; about 3 KB measured by lowering).
 MAX_SMEM_BYTES = 232448
 SMEM_OVERHEAD = 4096
+# Keys per step the default aims for: two 64-token pages per step (128-key matmuls) ran the B=32,
+# P=32768 cascade 1.17x faster than one page per step on the H200 (bf16 2.275 vs 2.658 ms, FP8
+# 2.187 vs 2.454; benchmarks/RESULTS.md, 2026-11-30 06:19 UTC).
+STEP_KEYS = 128
 
 
 def smem_bytes(total_rows: int, width: int, itemsize: int, block: int, stages: int) -> int:
@@ -114,14 +119,26 @@ def online_softmax_update(s, m, l, acc, scale2: float, visible=None):
     return p, alpha, m_new, l * alpha + p.sum(axis=1), acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
 
-def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages_per_step: int = 1) -> list[str]:
-    """Every reason this kernel cannot take these inputs (empty: it can). Arrays or ShapeDtypeStructs."""
+def default_pages_per_step(total_rows: int, width: int, itemsize: int, page_size: int, stages: int) -> int:
+    """Pages per key step: as many as make STEP_KEYS keys (at most 2) while shared memory holds them."""
+    pps = 2 if 2 * page_size <= STEP_KEYS else 1
+    if pps == 2 and smem_bytes(total_rows, width, itemsize, 2 * page_size, stages) > MAX_SMEM_BYTES:
+        pps = 1
+    return pps
+
+
+def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2,
+                      pages_per_step: int | None = None) -> list[str]:
+    """Every reason this kernel cannot take these inputs (empty: it can). Arrays or ShapeDtypeStructs;
+    `pages_per_step` None: `default_pages_per_step`."""
     b, hkv, total, d = qr.shape
     errors = []
+    if pages_per_step is None:
+        pages_per_step = default_pages_per_step(total, d, jnp.dtype(k_pool.dtype).itemsize, page_size, stages)
     if total % ROWS_PER_WG:
         errors.append(f"prefix_decode_mgpu: padded rows per KV head must be a multiple of {ROWS_PER_WG}, got {total}")
     if page_size not in (64, 128):
-        errors.append(f"prefix_decode_mgpu: page_size must be 64 or 128 (one page per step), got {page_size}")
+        errors.append(f"prefix_decode_mgpu: page_size must be 64 or 128 (whole pages per TMA copy), got {page_size}")
     if d % 64 or d > 256:
         errors.append(f"prefix_decode_mgpu: head dim must be a multiple of 64 up to 256, got {d}")
     pool = jnp.dtype(k_pool.dtype)
@@ -146,7 +163,7 @@ def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
     return errors
 
 
-def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages_per_step: int = 1):
+def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages_per_step: int | None = None):
     """Shapes this kernel takes; raises naming every unsupported value."""
     errors = mgpu_input_errors(qr, k_pool, v_pool, page_size, stages, pages_per_step)
     if errors:
@@ -157,13 +174,15 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
                                              "pingpong", "pages_per_step", "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
-                                  pingpong: bool = True, pages_per_step: int = 1, interpret: bool = False):
+                                  pingpong: bool = True, pages_per_step: int | None = None,
+                                  interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None: split only when the
     grid leaves SMs idle, as `prefix_decode.default_num_splits`); `pingpong`: the two compute
     warpgroups take turns on the tensor cores (one's softmax overlaps the other's matmuls);
     `pages_per_step`: pages (one TMA copy each) per key step, so a step's matmuls are
-    [64, pages_per_step * page_size] wide; `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
+    [64, pages_per_step * page_size] wide (None: `default_pages_per_step`, 2 for 64-token pages);
+    `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step)
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
     # K-major operand FP8 needs); V is not, so each step's V page is widened to fp16 in shared memory.
@@ -179,7 +198,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     splits = num_splits or default_num_splits(b, hkv, tiles, max_pages)
     if splits < 1:
         raise ValueError(f"prefix_decode_mgpu: num_splits must be >= 1, got {num_splits}")
-    pps = pages_per_step
+    pps = pages_per_step or default_pages_per_step(total, d, jnp.dtype(k_pool.dtype).itemsize, page_size, stages)
     block = page_size * pps
     steps_per_split = -(-(-(-max_pages // pps)) // splits)
     dtype = qr.dtype
