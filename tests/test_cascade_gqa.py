@@ -258,3 +258,28 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
     jax.jit(mla).trace(sd((b, 1, 64, 80), jnp.bfloat16), latent, sd((b, pages), jnp.int32), sd((b,), jnp.int32),
                        sd((b, r, 2), jnp.uint32), sd((b, 1, 64, 64), jnp.float32), sd((b, 1, 64), jnp.float32)).lower(
         lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("pool_dtype", [jnp.bfloat16, FP8])
+def test_verify_lowers_with_the_auto_prefix_kernel_on_a_gpu(monkeypatch, pool_dtype):
+    """On a (pretend) sm_90 GPU the default cascade lowers to the Mosaic GPU prefix plus the Triton
+    window kernel, for bf16 and FP8 pools; prefix_kernel="triton" lowers both halves to Triton."""
+    import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the Mosaic lowering)
+    import jax._src.pallas.triton.pallas_call_registration as reg
+
+    import pallas_kernels.common as common
+
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: reg.gpu_info_lib.GpuInfo(
+        gpu_version=None, arch_name="sm_90", compute_capability=90))
+    monkeypatch.setattr(common, "on_gpu", lambda: True)
+    sds = jax.ShapeDtypeStruct
+    b, n, hq, hkv, d, page, maxp = 2, 64, 32, 8, 128, 64, 16
+    args = (sds((b, n, hq, d), jnp.bfloat16), sds((b * maxp * page, hkv, d), pool_dtype),
+            sds((b * maxp * page, hkv, d), pool_dtype), sds((b, maxp), jnp.int32), sds((b,), jnp.int32),
+            sds((b, n, 2), jnp.uint32))
+    for kernel, triton_calls in (("auto", 1), ("triton", 2)):
+        cfg = CascadeConfig(page_size=page, prefix_kernel=kernel)
+        text = jax.jit(lambda *a: verify_attention(*a, config=cfg)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == triton_calls, kernel
+        assert ("mosaic_gpu" in text) == (kernel == "auto"), kernel

@@ -200,7 +200,7 @@ def test_mla_cascade_lanes_match_dense():
 
 
 def test_mla_kernels_lower_to_triton_for_sm90(monkeypatch):
-    """DeepSeek-V3 shapes lower Pallas -> Triton IR (the GPU suite compiles and runs them)."""
+    """DeepSeek-V3 shapes lower Pallas -> Triton IR / Mosaic GPU (the GPU suite compiles and runs them)."""
     import jax._src.pallas.triton.pallas_call_registration as reg
     import pallas_kernels.common as common
 
@@ -208,16 +208,23 @@ def test_mla_kernels_lower_to_triton_for_sm90(monkeypatch):
         gpu_version=None, arch_name="sm_90", compute_capability=90))
     monkeypatch.setattr(common, "on_gpu", lambda: True)
     b, n, hq, lora, rope, page, maxp = 4, 16, 128, 512, 64, 64, 8
-    for dtype in (jnp.bfloat16, FP8):
+    import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the Mosaic lowering)
+
+    # "auto" (the default) takes the Mosaic GPU latent decode for a 16-bit cache on a GPU, the
+    # Triton one under FP8; "triton" always the Triton one. The window kernel is Triton in all cases.
+    for dtype, kernel, triton_calls in ((jnp.bfloat16, "triton", 2), (FP8, "triton", 2),
+                                        (jnp.bfloat16, "auto", 1), (FP8, "auto", 2)):
         config = MlaCascadeConfig(kv_lora_rank=lora, rope_dim=rope, page_size=page, scale=0.07,
-                                  decode=MlaDecodeConfig(fp8_score_dot=True, prefetch_page_ids=dtype == FP8))
+                                  decode=MlaDecodeConfig(fp8_score_dot=True, prefetch_page_ids=dtype == FP8),
+                                  prefix_kernel=kernel)
         args = (jax.ShapeDtypeStruct((b, n, hq, lora + rope), jnp.bfloat16),
                 jax.ShapeDtypeStruct((b * maxp * page, lora + rope), dtype),
                 jax.ShapeDtypeStruct((b, maxp), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
                 jax.ShapeDtypeStruct((b, n, 2), jnp.uint32))
         text = jax.jit(lambda *a: mla_verify_attention(*a, config=config)).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == 2  # latent decode + window kernel
+        assert text.count("__gpu$xla.gpu.triton") == triton_calls, (dtype, kernel)
+        assert ("mosaic_gpu" in text) == (triton_calls == 1), (dtype, kernel)
 
 
 def test_fp8_query_quantisation_survives_jit():
