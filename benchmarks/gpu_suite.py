@@ -3,7 +3,7 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_suite.py --quick --out $OUT 2>&1 | tee $OUT/suite.log
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_suite.py --owed --out $OUT   # what is still owed
 
-Runs each benchmark module's `main(argv)` in turn (cascade, mla, gdn, mamba2); a failure in one
+Runs each benchmark module's `main(argv)` in turn (cascade, mla, gdn, mamba2, mosaic); a failure in one
 is reported and the others still run. On the device machine the working tree is a copy, so with
 `--out DIR` every module that writes a dated markdown section writes it to DIR/<module>.md instead
 of appending to that copy's benchmarks/RESULTS.md (bring the files back and append them here).
@@ -27,17 +27,21 @@ SUITES = {
     "mla": ("benchmarks.bench_mla", [], lambda md: ["--markdown", md]),
     "gdn": ("benchmarks.bench_gdn", ["--quick", "--no-fla"], lambda md: ["--markdown", md, "--no-results"]),
     "mamba2": ("benchmarks.bench_mamba2", ["--quick"], lambda md: ["--markdown", md]),
+    # The Mosaic GPU kernels alone (bf16/FP8, 1/2 pages per step, MLA) against the Triton ones; it
+    # logs, it writes no markdown section.
+    "mosaic": ("benchmarks.mgpu_prefix_check", ["--shapes", "32x32768x64,8x8192x16", "--fp8"], lambda md: []),
 }
+# Flags a module gets in the full (not --quick) run beyond its defaults.
+FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 
-# Measurements the issues name that no run has made yet (see benchmarks/RESULTS.md, summary): one
-# call of `--owed --out $OUT` (about 7 minutes on an H200) takes them. GDN also sweeps value-major
-# state tiles (`GdnKernelConfig.value_major`, the reduction layout flash-linear-attention uses).
+# Measurements still owed (see benchmarks/RESULTS.md, summary); one call of `--owed --out $OUT`
+# (about 4 minutes on an H200) takes them: the FP8 cascade at B=1 and B=8 with the Mosaic prefix,
+# the first compiled run of the Mosaic FP8 MLA latent decode (conformance, then timing against the
+# Triton one; adopt it under "auto" only if faster), and GDN's ReplaySSM commit at B=64, T=64.
 OWED = {
-    "gdn": ["--no-fla", "--skip-conformance", "--configs", "32x64,64x8,64x64,32x8",
-            "--sweep-recurrent", "128:8:1:v,32:4:1:v,64:8:1,128:8:1", "--sweep-at", "32x16", "--no-drafter-trees",
-            "--budget-s", "170"],
-    "mamba2": ["--skip-conformance", "--configs", "32x8,32x64,64x8,64x64,1x64", "--branch-slots", "0",
-               "--skip-commit", "--no-drafter-trees", "--budget-s", "150"],
+    "cascade": ["--skip-conformance", "--dtypes", "fp8", "--shapes", "1x32768x64,8x8192x16"],
+    "mosaic": ["--skip-conformance", "--shapes", "", "--mla"],
+    "gdn": ["--no-fla", "--skip-conformance", "--configs", "64x64", "--no-drafter-trees", "--budget-s", "100"],
 }
 
 
@@ -56,7 +60,7 @@ def main(argv=None) -> int:
     status = {}
     for name in names:
         module, quick_args, markdown_args = SUITES[name]
-        mode_args = OWED.get(name, []) if a.owed else (quick_args if a.quick else [])
+        mode_args = OWED.get(name, []) if a.owed else (quick_args if a.quick else FULL_ARGS.get(name, []))
         argv = mode_args + (markdown_args(str(Path(a.out) / f"{name}.md")) if a.out else [])
         t0 = time.perf_counter()
         try:

@@ -8,8 +8,9 @@
    `prefix_decode_mgpu_row_layout` against a dense fp32 attention over whole pages below P (its
    contract), then prefix + `tree_window_row_layout(..., prefix_whole_pages=True)` against one dense
    fp32 attention of the whole verify.
-`--mla` adds the Mosaic GPU MLA latent decode: conformance against the whole-pages fp32 reference,
-then DeepSeek-V3 shapes against the Triton latent decode and both MLA cascades.
+`--mla` adds the Mosaic GPU MLA latent decode (bf16 and FP8 caches): conformance against the
+whole-pages fp32 reference, then DeepSeek-V3 shapes against the Triton latent decode and both MLA
+cascades.
 
 2. Timing (Hq=32, Hkv=8, D=128, page 64, random page tables; by default N=64 at B=32/P=32k,
    B=64/P=4k, B=1/P=32k (a key split) and B=8/P=8k/N=16 (one compute warpgroup per CTA); bf16, and
@@ -145,13 +146,23 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret):
             log(f"B={b} P={p}: {name} FAILED {type(exc).__name__}: {str(exc)[:400]}")
 
 
-def mla_check(interpret: bool = False, timing_too: bool = True, smoke: bool = False) -> bool:
+def mla_check(interpret: bool = False, timing_too: bool = True, smoke: bool = False,
+              dtypes=(jnp.bfloat16, jnp.float8_e4m3fn)) -> bool:
     """The Mosaic GPU MLA latent decode: conformance (small), then DeepSeek-V3 shapes (B=32,
-    P=8192, N=16, 128 heads, latent 512 + rope 64) against the Triton latent decode and both cascades."""
-    from pallas_kernels.attention.mla_decode import mla_decode, mla_decode_reference
-    from pallas_kernels.attention.mla_decode_mgpu import mla_decode_mgpu
+    P=8192, N=16, 128 heads, latent 512 + rope 64) against the Triton latent decode and both
+    cascades; for each latent cache dtype (an FP8 cache takes the FP8-quantised query)."""
+    ok = True
+    for dtype in dtypes:
+        ok = mla_check_dtype(dtype, interpret, timing_too, smoke) and ok
+    return ok
+
+
+def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bool:
+    from pallas_kernels.attention.mla_decode import mla_decode, mla_decode_reference, quantize_query
+    from pallas_kernels.attention.mla_decode_mgpu import MAX_SMEM_BYTES, mla_decode_mgpu, smem_bytes
     from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
 
+    name = jnp.dtype(dtype).name
     lora, rope, scale = (128, 64, 0.07) if smoke else (512, 64, 0.07)
     rng = np.random.default_rng(1)
     b, r, hq = 2, 16, 16
@@ -163,17 +174,17 @@ def mla_check(interpret: bool = False, timing_too: bool = True, smoke: bool = Fa
     for i in range(b):
         pos = np.arange(lengths[i] + r)
         pool[np.asarray(table)[i, pos // PAGE] * PAGE + pos % PAGE] = rng.standard_normal((len(pos), lora + rope))
-    pool = jnp.asarray(pool, jnp.bfloat16)
-    q = jnp.asarray(rng.standard_normal((b, r, hq, lora + rope)), jnp.bfloat16)
+    pool = jnp.asarray(pool, dtype)
+    q = quantize_query(jnp.asarray(rng.standard_normal((b, r, hq, lora + rope)), jnp.bfloat16), dtype)
     lens = jnp.asarray(lengths)
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE, scale=scale,
                                             whole_pages=True)
     fin = jnp.isfinite(ref_lse)
     ok = True
-    from pallas_kernels.attention.mla_decode_mgpu import MAX_SMEM_BYTES, smem_bytes
-
-    shares = [s for s in (False, True) if smem_bytes(lora + rope, 2, 64, 2, s) <= MAX_SMEM_BYTES]
-    log(f"MLA share_scores variants that fit shared memory at width {lora + rope}: {shares}")
+    itemsize = jnp.dtype(dtype).itemsize
+    shares = [s for s in ((False, True) if itemsize == 2 else (False,))
+              if smem_bytes(lora + rope, itemsize, 64, 2, s, lora) <= MAX_SMEM_BYTES]
+    log(f"MLA {name}: share_scores variants that fit shared memory at width {lora + rope}: {shares}")
     for share in shares:
         out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE, scale=scale,
                                    share_scores=share, interpret=interpret)
@@ -181,16 +192,17 @@ def mla_check(interpret: bool = False, timing_too: bool = True, smoke: bool = Fa
         lse_ok = bool(jnp.all(jnp.isfinite(lse) == fin)) and float(
             jnp.max(jnp.abs(jnp.where(fin, lse - ref_lse, 0.0)))) < 5e-2
         ok = ok and e_out < 2e-2 and lse_ok
-        log(f"MLA conformance (share_scores={share}): decode rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'} -> "
-            f"{'PASS' if e_out < 2e-2 and lse_ok else 'FAIL'}")
+        log(f"MLA {name} conformance (share_scores={share}): decode rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}"
+            f" -> {'PASS' if e_out < 2e-2 and lse_ok else 'FAIL'}")
     if not ok or not timing_too:
         return ok
     flops_rate = measure_matmul_flops(512 if smoke else 8192)
     b, n, hq, p = (2, 8, 8, 300) if smoke else (32, 16, 128, 8192)
     per_req = (p + n) // PAGE + 1
     table = jnp.asarray(np.random.default_rng(2).permutation(b * per_req).reshape(b, per_req), jnp.int32)
-    pool = jax.random.normal(jax.random.PRNGKey(4), (b * per_req * PAGE, lora + rope), jnp.bfloat16)
+    pool = jax.random.normal(jax.random.PRNGKey(4), (b * per_req * PAGE, lora + rope), jnp.bfloat16).astype(dtype)
     q = jax.random.normal(jax.random.PRNGKey(5), (b, n, hq, lora + rope), jnp.bfloat16)
+    q8 = quantize_query(q, dtype)  # what the decodes multiply (the cascades quantise q themselves)
     lens = jnp.full((b,), p, jnp.int32)
     mask = ancestor_mask(jnp.asarray(np.stack([np.r_[-1, np.random.default_rng(i).integers(0, np.arange(1, n))]
                                                for i in range(b)]).astype(np.int32)))
@@ -201,27 +213,27 @@ def mla_check(interpret: bool = False, timing_too: bool = True, smoke: bool = Fa
         "mgpu decode": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, **kw)),
         "triton decode": jax.jit(lambda *a: mla_decode(*a, backend=backend, **kw)),
     }
-    for name, fn in fns.items():
+    for label, fn in fns.items():
         try:
-            t = median_time(fn, q, pool, table, lens, samples=1 if smoke else 7)
-            log(f"MLA B={b} P={p} N={n}: {name} {t * 1e3:.3f} ms, {flop / t / 1e12:.0f} TFLOP/s "
+            t = median_time(fn, q8, pool, table, lens, samples=1 if smoke else 7)
+            log(f"MLA {name} B={b} P={p} N={n}: {label} {t * 1e3:.3f} ms, {flop / t / 1e12:.0f} TFLOP/s "
                 f"({flop / flops_rate / t:.2f} of the FLOP floor's speed)")
         except Exception as exc:  # noqa: BLE001
-            log(f"MLA: {name} FAILED {type(exc).__name__}: {str(exc)[:400]}")
+            log(f"MLA {name}: {label} FAILED {type(exc).__name__}: {str(exc)[:400]}")
     for kernel in ("mosaic_gpu", "triton"):
         cfg = MlaCascadeConfig(kv_lora_rank=lora, rope_dim=rope, page_size=PAGE, scale=scale, prefix_kernel=kernel,
                                backend=backend)
         try:
             t = median_time(jax.jit(lambda *a, c=cfg: mla_verify_attention(*a, config=c)), q, pool, table, lens,
                             mask, samples=1 if smoke else 7)
-            log(f"MLA B={b} P={p} N={n}: cascade ({kernel}) {t * 1e3:.3f} ms, "
+            log(f"MLA {name} B={b} P={p} N={n}: cascade ({kernel}) {t * 1e3:.3f} ms, "
                 f"{flop / flops_rate / t:.2f} of the FLOP floor's speed")
         except Exception as exc:  # noqa: BLE001
-            log(f"MLA: cascade ({kernel}) FAILED {type(exc).__name__}: {str(exc)[:400]}")
+            log(f"MLA {name}: cascade ({kernel}) FAILED {type(exc).__name__}: {str(exc)[:400]}")
     return ok
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--interpret", action="store_true", help="conformance only, in the interpreters (CPU)")
@@ -230,7 +242,7 @@ def main() -> int:
     ap.add_argument("--skip-conformance", action="store_true")
     ap.add_argument("--shapes", default=None, help="timing shapes BxPxN,... (default: the four of issue #3)")
     ap.add_argument("--fp8", action="store_true", help="also time FP8 E4M3 pools")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.smoke:
         timing(SMOKE_SHAPES, hq=8, hkv=2, d=64, samples=1, interpret=True, dtypes=(jnp.bfloat16, jnp.float8_e4m3fn))
         return 0 if mla_check(interpret=True, timing_too=True, smoke=True) else 1

@@ -184,9 +184,6 @@ def test_every_problem_is_reported_at_once():
         (dict(seed=-1), "seed = -1 is outside"),
         (dict(backends=BackendsConfig(prefix_kernel="mosaic_gpu"), kv_cache=KVCacheConfig(page_size=32)),
          "needs kv_cache.page_size 64 or 128, got 32"),
-        (dict(backends=BackendsConfig(prefix_kernel="mosaic_gpu", attention_backend="mla_cascade"),
-              kv_cache=KVCacheConfig(dtype="fp8_e4m3")),
-         "with backends.attention_backend = 'mla_cascade' needs a 16-bit KV cache"),
         (dict(backends=BackendsConfig(prefix_kernel="cuda")), "prefix_kernel = 'cuda' is not one of"),
     ],
 )
@@ -275,8 +272,10 @@ def test_prefix_kernel_choices_match_the_cascade():
     # "auto" (the default) never refuses: it falls back to Triton where the Mosaic kernel cannot run.
     assert BackendsConfig().prefix_kernel == "auto"
     ServeConfig(kv_cache=KVCacheConfig(dtype="fp8_e4m3", page_size=32)).validate()
-    # The GQA Mosaic prefix takes FP8 pools.
-    ServeConfig(backends=BackendsConfig(prefix_kernel="mosaic_gpu"), kv_cache=KVCacheConfig(dtype="fp8_e4m3")).validate()
+    # Both Mosaic kernels (GQA prefix, MLA latent decode) take FP8 caches.
+    for attention in ("cascade", "mla_cascade"):
+        ServeConfig(backends=BackendsConfig(prefix_kernel="mosaic_gpu", attention_backend=attention),
+                    kv_cache=KVCacheConfig(dtype="fp8_e4m3")).validate()
 
 
 def test_kernel_backend_choices_match_the_kernels():

@@ -11,7 +11,7 @@ import pytest
 from paged_fixtures import poisoned_paged_pools, rel_err
 from trees import random_parents
 
-from pallas_kernels.attention.mla_decode import mla_decode_reference
+from pallas_kernels.attention.mla_decode import mla_decode_reference, quantize_query
 from pallas_kernels.attention.mla_decode_mgpu import check_mla_mgpu_inputs, mla_decode_mgpu
 from pallas_kernels.attention.reference import cascade_dense_reference
 from pallas_kernels.attention.tree_window import tree_window_attention
@@ -20,19 +20,25 @@ from treespec_jax.tree.masks import ancestor_mask
 LORA, ROPE, PAGE, SCALE = 128, 64, 64, 0.09
 
 
-@pytest.mark.parametrize("r,hq,lengths,block_k,splits,share", [
-    (4, 8, [0, 70, 200], 64, 1, False),  # P = 0, partial last pages; 32 rows padded to one 64-row tile
-    (16, 8, [260, 20], 64, 2, False),  # two row tiles, the first ending mid-page below the last whole page
-    (16, 8, [260, 0, 90], 64, 2, True),  # warpgroup 0 hands P and alpha to warpgroup 1
+FP8 = jnp.float8_e4m3fn
+
+
+@pytest.mark.parametrize("r,hq,lengths,block_k,splits,share,dtype", [
+    (4, 8, [0, 70, 200], 64, 1, False, jnp.bfloat16),  # P = 0, partial last pages; 32 rows padded to one tile
+    (16, 8, [260, 20], 64, 2, False, jnp.bfloat16),  # two row tiles, the first ending mid-page below the last whole page
+    (16, 8, [260, 0, 90], 64, 2, True, jnp.bfloat16),  # warpgroup 0 hands P and alpha to warpgroup 1
+    # FP8 cache: FP8 query x FP8 rows for the scores, value channels widened to fp16 per warpgroup.
+    (16, 8, [260, 20], 64, 2, False, FP8),
 ])
-def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, share):
+def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, share, dtype):
     rng = np.random.default_rng(r * hq + block_k)
     lengths = np.asarray(lengths, np.int32)
     b = len(lengths)
-    pool, _, table = poisoned_paged_pools(rng, b, int(lengths.max()) + r, 1, LORA + ROPE, PAGE, jnp.bfloat16,
+    pool, _, table = poisoned_paged_pools(rng, b, int(lengths.max()) + r, 1, LORA + ROPE, PAGE, dtype,
                                           lambda bb, pos: pos < lengths[bb] + r)
     pool = pool[:, 0]  # [S, L + Dr]: one latent row per slot
-    q = jnp.asarray(rng.standard_normal((b, r, hq, LORA + ROPE)), jnp.bfloat16)
+    # The absorbed query the decode multiplies: quantised to FP8 under an FP8 cache (as the cascade does).
+    q = quantize_query(jnp.asarray(rng.standard_normal((b, r, hq, LORA + ROPE)), jnp.bfloat16), dtype)
     lens = jnp.asarray(lengths)
     out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
                                block_k=block_k, num_splits=splits, share_scores=share, interpret=True)
@@ -45,11 +51,11 @@ def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, s
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], atol=2e-3)
     # With the window kernel covering the partial page and the tree window: one dense attention.
     mask = ancestor_mask(jnp.asarray(random_parents(rng, b, r)))
-    got = tree_window_attention(q, pool, None, table, lens, mask, out, lse, window=r, page_size=PAGE,
+    got = tree_window_attention(q.astype(jnp.bfloat16), pool, None, table, lens, mask, out, lse, window=r, page_size=PAGE,
                                 scale=SCALE, rope_dim=ROPE, value_dim=LORA, prefix_whole_pages=True,
                                 backend="interpret")
-    dense, _ = cascade_dense_reference(q, pool[:, None, :], pool[:, None, :LORA], table, lens, mask, window=r,
-                                       page_size=PAGE, scale=SCALE)
+    dense, _ = cascade_dense_reference(q.astype(jnp.bfloat16), pool[:, None, :], pool[:, None, :LORA], table, lens,
+                                       mask, window=r, page_size=PAGE, scale=SCALE)
     assert rel_err(got, dense) < 1e-2
 
 
@@ -65,20 +71,24 @@ def test_mgpu_mla_refuses_unsupported_shapes():
     with pytest.raises(ValueError, match="more than 232448"):  # share_scores at DeepSeek widths
         mla_decode_mgpu(jnp.zeros((1, 2, 4, 576), bf), jnp.zeros((64 * 64, 576), bf), jnp.zeros((1, 64), jnp.int32),
                         jnp.zeros((1,), jnp.int32), kv_lora_rank=512, page_size=64, scale=0.1, share_scores=True)
-    with pytest.raises(ValueError, match="16-bit dtype"):
+    with pytest.raises(ValueError, match="got bfloat16, float32"):
         check_mla_mgpu_inputs(q, jnp.zeros((64, 192), jnp.float32), 128, 64, 64)
+    with pytest.raises(ValueError, match="share_scores takes 16-bit caches only"):
+        mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), FP8), jnp.zeros((64 * 4, 192), FP8), jnp.zeros((1, 4), jnp.int32),
+                        jnp.zeros((1,), jnp.int32), kv_lora_rank=128, page_size=64, scale=0.1, share_scores=True)
 
 
-def test_mla_verify_through_the_mosaic_gpu_decode():
-    """MlaCascadeConfig(prefix_kernel="mosaic_gpu") end to end (interpreter) equals dense attention;
-    an FP8 cache is refused by name."""
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (FP8, 6e-2)])
+def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol):
+    """MlaCascadeConfig(prefix_kernel="mosaic_gpu") end to end (interpreter) equals dense attention,
+    with a bf16 and an FP8 latent cache (whose prefix half scores the FP8-quantised query)."""
     from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
 
     rng = np.random.default_rng(9)
     n, hq = 8, 4
     lengths = np.array([150, 3], np.int32)
     b = len(lengths)
-    pool, _, table = poisoned_paged_pools(rng, b, int(lengths.max()) + n, 1, LORA + ROPE, PAGE, jnp.bfloat16,
+    pool, _, table = poisoned_paged_pools(rng, b, int(lengths.max()) + n, 1, LORA + ROPE, PAGE, dtype,
                                           lambda bb, pos: pos < lengths[bb] + n)
     pool = pool[:, 0]
     q = jnp.asarray(rng.standard_normal((b, n, hq, LORA + ROPE)), jnp.bfloat16)
@@ -89,9 +99,7 @@ def test_mla_verify_through_the_mosaic_gpu_decode():
     got = mla_verify_attention(q, pool, table, lens, mask, config=cfg)
     dense, _ = cascade_dense_reference(q, pool[:, None, :], pool[:, None, :LORA], table, lens, mask, window=n,
                                        page_size=PAGE, scale=SCALE)
-    assert rel_err(got, dense) < 1e-2
-    with pytest.raises(ValueError, match="16-bit dtype"):
-        mla_verify_attention(q, pool.astype(jnp.float8_e4m3fn), table, lens, mask, config=cfg)
+    assert rel_err(got, dense) < tol
     with pytest.raises(ValueError, match="prefix_kernel"):
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, prefix_kernel="x")
 
@@ -111,19 +119,24 @@ def test_auto_latent_decode_takes_mosaic_only_where_it_runs_compiled():
     assert not uses_mosaic_latent_decode(auto, "reference", q, pool)
     assert not uses_mosaic_latent_decode(MlaCascadeConfig(page_size=32, **cfg), "compiled", q, pool)
     fp8_q, fp8_pool = sds(q.shape, jnp.float8_e4m3fn), sds(pool.shape, jnp.float8_e4m3fn)
+    # The FP8 latent decode runs only when asked for until a GPU run has timed it.
     assert not uses_mosaic_latent_decode(auto, "compiled", fp8_q, fp8_pool)
+    forced_ok = MlaCascadeConfig(page_size=64, prefix_kernel="mosaic_gpu", **cfg)
+    assert uses_mosaic_latent_decode(forced_ok, "compiled", fp8_q, fp8_pool)
     assert not uses_mosaic_latent_decode(MlaCascadeConfig(page_size=64, prefix_kernel="triton", **cfg), "compiled",
                                          q, pool)
     forced = MlaCascadeConfig(page_size=32, prefix_kernel="mosaic_gpu", **cfg)
-    with pytest.raises(ValueError, match=r"block_k must be a multiple of 64.*16-bit dtype"):
-        uses_mosaic_latent_decode(forced, "compiled", fp8_q, fp8_pool)
+    f32_q, f32_pool = sds(q.shape, jnp.float32), sds(pool.shape, jnp.float32)
+    with pytest.raises(ValueError, match=r"block_k must be a multiple of 64.*got float32, float32"):
+        uses_mosaic_latent_decode(forced, "compiled", f32_q, f32_pool)
 
 
-@pytest.mark.parametrize("lora,rope,share", [(512, 64, False), (256, 64, True)])
-def test_mgpu_mla_decode_lowers_to_mosaic_gpu(lora, rope, share):
+@pytest.mark.parametrize("lora,rope,share,dtype", [(512, 64, False, jnp.bfloat16), (256, 64, True, jnp.bfloat16),
+                                                   (512, 64, False, FP8)])
+def test_mgpu_mla_decode_lowers_to_mosaic_gpu(lora, rope, share, dtype):
     """The compiled path lowers to a Mosaic GPU module on the CPU, including Mosaic's layout
     inference and its shared-memory check (the cubin is built on the GPU machine): DeepSeek-V3
-    widths (latent 512 + rope 64, 128 heads), and score sharing at a width where it fits."""
+    widths (latent 512 + rope 64, 128 heads; bf16 and FP8), and score sharing at a width where it fits."""
     import jax
 
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
@@ -132,6 +145,6 @@ def test_mgpu_mla_decode_lowers_to_mosaic_gpu(lora, rope, share):
     c = lora + rope
     fn = lambda q, pool, t, ln: mla_decode_mgpu(q, pool, t, ln, kv_lora_rank=lora, page_size=64, scale=0.07,  # noqa: E731
                                                 share_scores=share, num_splits=2)
-    text = jax.jit(fn).trace(sd((2, 16, 128, c), jnp.bfloat16), sd((64 * 64, c), jnp.bfloat16),
+    text = jax.jit(fn).trace(sd((2, 16, 128, c), dtype), sd((64 * 64, c), dtype),
                              sd((2, 32), jnp.int32), sd((2,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

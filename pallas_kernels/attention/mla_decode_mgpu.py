@@ -11,6 +11,13 @@ accumulator `run_state` idiom). The compiled path also lowers on the CPU (layout
 shared-memory check; that lowering caught a 32-key step, below wgmma's K of 64, and an over-budget
 output tile).
 
+FP8 E4M3 caches (added later; interpreter- and lowering-tested, not yet compiled, so the cascade's
+"auto" leaves them on the Triton decode): q arrives quantised to FP8 (the cascade's
+`quantize_absorbed_query`) and the scores are an FP8 x FP8 wgmma (the latent rows are its K-major
+operand). The value channels are the MN-major operand of P V, which 8-bit wgmma cannot take, so
+each warpgroup widens its half of them to an fp16 tile of its own (exact), releases the FP8 ring
+buffer, and runs P V in fp16. `share_scores` is refused with FP8.
+
 Why: the Pallas Triton latent decode runs at about 35% of the H200's bf16 rate and its cascade
 (4.5 ms at B=32, P=8192, N=16, 128 heads) is slower than XLA's dense einsum over gathered rows
 (3.7 ms, benchmarks/RESULTS.md). A 64-row fp32 accumulator over all 512 latent value channels does
@@ -51,6 +58,7 @@ from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, onlin
                                                          whole_page_bound)
 
 LOG2E = math.log2(math.e)
+F8 = jnp.dtype(jnp.float8_e4m3fn)
 ROWS = 64  # query rows per CTA (one wgmma M tile)
 OUT_CHUNK = 16  # value columns per output copy (the fp32 staging tile is [ROWS, OUT_CHUNK])
 # Dynamic shared memory per block on Hopper (H100/H200), and what Mosaic GPU adds to our buffers
@@ -59,10 +67,14 @@ MAX_SMEM_BYTES = 232448
 SMEM_OVERHEAD = 4096
 
 
-def smem_bytes(width: int, itemsize: int, block_k: int, stages: int, share_scores: bool) -> int:
-    """Shared memory the kernel allocates: query tile, latent ring, output staging, P exchange."""
+def smem_bytes(width: int, itemsize: int, block_k: int, stages: int, share_scores: bool,
+               kv_lora_rank: int = 0) -> int:
+    """Shared memory the kernel allocates: query tile, latent ring, output staging, P exchange; with
+    1-byte (FP8) rows also the fp16 value rows both warpgroups widen (`kv_lora_rank` channels)."""
     total = (ROWS * width * itemsize + stages * block_k * width * itemsize + ROWS * OUT_CHUNK * 4 + ROWS * 4
              + SMEM_OVERHEAD)
+    if itemsize == 1:
+        total += block_k * kv_lora_rank * 2
     if share_scores:
         total += 2 * ROWS * block_k * itemsize + 2 * ROWS * 4 + ROWS * 4
     return total
@@ -82,8 +94,9 @@ def mla_mgpu_input_errors(q, latent_pool, kv_lora_rank: int, page_size: int, blo
         errors.append(f"mla_decode_mgpu: block_k must be a multiple of 64 dividing page_size {page_size}, "
                       f"got {block_k}")
     dtypes = {jnp.dtype(q.dtype), jnp.dtype(latent_pool.dtype)}
-    if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        errors.append(f"mla_decode_mgpu: q and the latent pool must share one 16-bit dtype, got "
+    if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), F8):
+        errors.append(f"mla_decode_mgpu: q and the latent pool must share one dtype of bfloat16, float16 or "
+                      f"float8_e4m3fn (an FP8 cache takes the query quantised to FP8), got "
                       f"{q.dtype}, {latent_pool.dtype}")
     return errors
 
@@ -108,12 +121,19 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
     check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank, page_size, block_k)
     if stages < 2:
         raise ValueError(f"mla_decode_mgpu: stages must be >= 2, got {stages}")
+    # Under an FP8 cache the scores are an FP8 x FP8 wgmma (the latent rows are its K-major
+    # operand); the value channels are the MN-major operand of P V, which 8-bit wgmma cannot take,
+    # so each warpgroup widens its half of the step's value channels to fp16 in shared memory.
+    fp8 = jnp.dtype(q.dtype) == F8
+    if fp8 and share_scores:
+        raise ValueError("mla_decode_mgpu: share_scores takes 16-bit caches only, got float8_e4m3fn")
     b, r, hq, c = q.shape
-    need = smem_bytes(c, q.dtype.itemsize, block_k, stages, share_scores)
+    need = smem_bytes(c, q.dtype.itemsize, block_k, stages, share_scores, kv_lora_rank)
     if need > MAX_SMEM_BYTES:
         raise ValueError(f"mla_decode_mgpu: block_k={block_k}, stages={stages}, share_scores={share_scores} at "
                          f"row width {c} need {need} bytes of shared memory, more than {MAX_SMEM_BYTES}")
     dtype = q.dtype
+    pv_dtype = jnp.float16 if fp8 else dtype  # P V operands: FP8 rows widen exactly to fp16
     half = kv_lora_rank // 2
     rows = r * hq
     rows_pad = -(-rows // ROWS) * ROWS
@@ -125,7 +145,7 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
     qf = jnp.pad(q.reshape(b, rows, c), ((0, 0), (0, rows_pad - rows), (0, 0)))
 
     def body(q_gmem, lat_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped):
-        (q_smem, kv_smem, o_smem, lse_smem, p_smem, alpha_smem, l_smem), \
+        (q_smem, kv_smem, o_smem, lse_smem, p_smem, alpha_smem, l_smem, wide_smem), \
             (q_ready, kv_ready, kv_free, o_free, p_ready, p_free, l_ready) = scoped
         tile = lax.axis_index("tiles")
         split = lax.axis_index("splits")
@@ -149,16 +169,25 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
             open_end = jnp.clip(lax.div(first_hi, jnp.int32(block_k)), lo, hi)
             cols = pl.ds(w * half, half)  # this warpgroup's value channels (static)
 
-            def add_values(acc, p_operand, slot):
+            def value_tile(slot):
+                """This warpgroup's value channels of the step: the latent rows themselves, or
+                under FP8 their fp16 copy (widened here; the FP8 buffer may be released after)."""
+                if not fp8:
+                    return kv_smem.at[slot].at[:, cols]
+                wide = wide_smem[w]
+                wide[...] = kv_smem.at[slot].at[:, cols][...].astype(pv_dtype)
+                plgpu.commit_smem()
+                return wide
+
+            def add_values(acc, p_operand, v_tile):
                 """acc + P V[:, this warpgroup's half]; P in registers or a shared-memory ref."""
                 if interpret:
                     # No interpreter rule for run_state: same acc + P V through a plain dot.
                     pv = p_operand if isinstance(p_operand, jax.Array) else p_operand[...]
-                    v = kv_smem.at[slot][...][:, w * half:(w + 1) * half]
-                    return acc + jnp.dot(pv.astype(dtype), v, preferred_element_type=jnp.float32)
+                    return acc + jnp.dot(pv.astype(pv_dtype), v_tile[...], preferred_element_type=jnp.float32)
 
                 def values(acc_ref):
-                    plgpu.wgmma(acc_ref, p_operand, kv_smem.at[slot].at[:, cols])
+                    plgpu.wgmma(acc_ref, p_operand, v_tile)
 
                 return pl.run_state(values)(plgpu.ACC.init(acc))
 
@@ -174,7 +203,7 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
                 s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
                 p, alpha, m_new, l, acc = online_softmax_update(
                     s, m, l, acc, scale2, (col + i * block_k < row_hi) if masked else None)
-                p16 = p.astype(dtype)
+                p16 = p.astype(pv_dtype)
                 if share_scores:  # hand P and alpha to warpgroup 1 (two buffers, alternating)
                     pslot = lax.rem(i - lo, jnp.int32(2))
 
@@ -186,8 +215,12 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
                     alpha_smem.at[pslot][...] = alpha
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(p_ready.at[pslot])
-                acc = add_values(acc, p16, slot)
-                plgpu.barrier_arrive(kv_free.at[slot])
+                v_tile = value_tile(slot)
+                if fp8:
+                    plgpu.barrier_arrive(kv_free.at[slot])  # both matmul operands are copied out
+                acc = add_values(acc, p16, v_tile)
+                if not fp8:
+                    plgpu.barrier_arrive(kv_free.at[slot])
                 return acc, m_new, l
 
             def follow(i, acc):
@@ -197,7 +230,7 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
                 plgpu.barrier_wait(kv_ready.at[slot])
                 plgpu.barrier_wait(p_ready.at[pslot])
                 alpha = plgpu.load(alpha_smem.at[pslot], layout=plgpu.Layout.WGMMA.reduce(1))
-                acc = add_values(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem.at[pslot], slot)
+                acc = add_values(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem.at[pslot], value_tile(slot))
                 plgpu.barrier_arrive(p_free.at[pslot])
                 plgpu.barrier_arrive(kv_free.at[slot])
                 return acc
@@ -276,7 +309,11 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
              # P / alpha / l exchange between the warpgroups (share_scores only).
              plgpu.SMEM((2, ROWS, block_k), dtype, transforms=_smem_transforms(block_k, dtype)) if share_scores else None,
              plgpu.SMEM((2, ROWS), jnp.float32) if share_scores else None,
-             plgpu.SMEM((ROWS,), jnp.float32) if share_scores else None),
+             plgpu.SMEM((ROWS,), jnp.float32) if share_scores else None,
+             # Each warpgroup's fp16 copy of its value channels (FP8 caches only).
+             # (Two buffers: a wgmma operand indexed by the static warpgroup number did not lower.)
+             tuple(plgpu.SMEM((block_k, half), pv_dtype, transforms=_smem_transforms(half, pv_dtype))
+                   for _ in range(2)) if fp8 else None),
             (plgpu.Barrier(), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(),
              plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier()),

@@ -52,7 +52,7 @@ class MlaCascadeConfig:
     # Tiling of the prefix half's latent decode.
     decode: MlaDecodeConfig = MlaDecodeConfig()
     # Prefix-half kernel. "auto": "mosaic_gpu" wherever it runs compiled (a GPU, 16-bit latent
-    # cache, page a multiple of 64; 1.7x faster than the Triton latent decode on the H200 at
+    # cache (its FP8 path is not timed yet), page a multiple of 64; 1.7x faster than the Triton latent decode on the H200 at
     # DeepSeek-V3 widths, benchmarks/RESULTS.md), else "triton". "triton": Pallas Triton, every
     # cache dtype. "mosaic_gpu": wgmma/TMA over whole pages (the window kernel covers the partial
     # last page), refused where it cannot run. See pallas_kernels.attention.mla_decode_mgpu.
@@ -101,8 +101,9 @@ def uses_mosaic_latent_decode(config: MlaCascadeConfig, kind: str, q, latent_poo
     if config.prefix_kernel == "mosaic_gpu":
         check_mla_mgpu_inputs(q, latent_pool, config.kv_lora_rank, config.page_size, MLA_MGPU_BLOCK_K)
         return True
-    return kind == "compiled" and not mla_mgpu_input_errors(q, latent_pool, config.kv_lora_rank, config.page_size,
-                                                            MLA_MGPU_BLOCK_K)
+    # FP8 caches stay on the Triton decode under "auto" until the Mosaic FP8 path has been timed.
+    return (kind == "compiled" and jnp.dtype(latent_pool.dtype).itemsize == 2
+            and not mla_mgpu_input_errors(q, latent_pool, config.kv_lora_rank, config.page_size, MLA_MGPU_BLOCK_K))
 
 
 def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.Array,
