@@ -139,6 +139,25 @@ def test_lanes_match_dense_attention(step):
     assert rel_err(out, dense) < 1e-5
 
 
+def test_lanes_through_the_mosaic_gpu_prefix_kernel():
+    """Draft lanes whose rows fill a 64-row tile (K = 4 lanes x 16 query heads per KV head) through
+    the Mosaic GPU prefix (interpreter): the causal prefix over whole pages plus the window kernel
+    over the partial page and the lane window equal dense attention, frontiers mid-page included."""
+    rng = np.random.default_rng(21)
+    b, kk, steps, hkv, g, d, page = 2, 4, 3, 1, 16, 64, 64
+    w = (steps - 1) * kk
+    frontier = np.array([70, 200], np.int32)
+    k, v, table = poisoned_paged_pools(rng, b, 200 + w, hkv, d, page, jnp.bfloat16,
+                                       lambda bb, pos: pos < frontier[bb] + w)
+    q = jnp.asarray(rng.standard_normal((b, kk, hkv * g, d)), jnp.bfloat16)
+    mask = pack_mask_rows(jnp.asarray(lane_masks(rng, b, kk, steps - 1)[:, :, :w]))
+    out = lane_attention(q, k, v, table, jnp.asarray(frontier), mask, steps=steps,
+                         config=CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu"))
+    dense, _ = cascade_dense_reference(q, k, v, table, jnp.asarray(frontier), mask, window=w, page_size=page,
+                                       scale=d ** -0.5)
+    assert rel_err(out, dense) < 1e-2
+
+
 def test_sliding_window_lanes_with_row_page_tables():
     """Each lane row decodes its own table's prefix (last `sliding_window` keys only) and then the tree
     window alone (causal_prefix=False)."""
