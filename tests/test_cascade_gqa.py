@@ -185,6 +185,9 @@ def test_sliding_window_lanes_with_row_page_tables():
     ref = sliding_lane_attention(*args, window=w, config=CascadeConfig(page_size=page, backend="reference"),
                                  sliding_window=sw)
     assert rel_err(ref, dense) < 1e-5
+    with pytest.raises(ValueError, match="prefix_kernel='mosaic_gpu' has no sliding-window"):
+        sliding_lane_attention(*args, window=w, sliding_window=sw,
+                               config=CascadeConfig(page_size=64, backend="interpret", prefix_kernel="mosaic_gpu"))
 
 
 def test_dense_reference_matches_numpy_loop_and_reference_composition():

@@ -191,9 +191,13 @@ def sliding_lane_attention(q, k_pool, v_pool, row_page_table, row_lengths, page_
     last `sliding_window` keys), then the window kernel attends the tree window only
     (`causal_prefix=False`) at positions frontier + j of `page_table`.
     `q [B, K, Hq, D]`, `row_page_table [B, K, maxp_row]`, `row_lengths [B, K]`, `page_table [B, maxp]`,
-    `frontier [B]`, `lane_mask [B, K, 2]` -> `[B, K, Hq, D]`.
+    `frontier [B]`, `lane_mask [B, K, 2]` -> `[B, K, Hq, D]`. The prefix half is the Triton decode
+    ("auto" takes it; an explicit "mosaic_gpu" is refused: that kernel has no sliding window).
     """
     b, k, hq, d = q.shape
+    if config.prefix_kernel == "mosaic_gpu":
+        raise ValueError("sliding_lane_attention: prefix_kernel='mosaic_gpu' has no sliding-window or per-row-table "
+                         "prefix kernel; use 'auto' or 'triton'")
     if row_page_table.ndim != 3 or row_page_table.shape[:2] != (b, k):
         raise ValueError(f"sliding_lane_attention: row_page_table must be [B={b}, K={k}, maxp], "
                          f"got {row_page_table.shape}")
