@@ -39,8 +39,10 @@ from benchmarks.timing import measure_copy_bandwidth
 from pallas_kernels.linear.conv_tree import conv_lag_sources, conv_tree_update
 from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout
 from pallas_kernels.linear.mamba2_replay import mamba2_replay_commit
+from pallas_kernels.linear.mamba2_chunked import mamba2_tree_chunked
 from pallas_kernels.linear.mamba2_tree import mamba2_scan_plan, mamba2_tree_scan
 from treespec_jax.linear.mamba2 import mamba2_step_plan, pack_path_rows
+from treespec_jax.tree.masks import ancestor_mask
 
 NEMOTRON = dict(H=128, P=64, N=128, G=8)
 SMALL = dict(H=4, P=16, N=16, G=2)
@@ -143,6 +145,14 @@ def scan(a, slots, parents, **kw):
                             slots, parents, z=a.get("z"), **kw)
 
 
+def chunked(a, slots, parents, **kw):
+    return mamba2_tree_chunked(a["x"], a["dt"], a["A_log"], a["B"], a["C"], a["D"], a["dt_bias"], a["state_pool"],
+                               slots, parents, z=a.get("z"), **kw)
+
+
+CHUNKED = False  # --chunked: also time the chunked (SSD) tree form, mamba2_chunked.py
+
+
 def variant_name(kw):
     return "old (parent walk, 0 slots)" if kw.get("walk") == "parents" else f"slots={kw['branch_slots']}"
 
@@ -216,6 +226,14 @@ def conformance(quick: bool, results: list | None = None, smoke: bool = False) -
             same(f"{vname} outputs-only y == staged y (bitwise)", y3, y)
             if st_default is None:
                 st_default, pay_default = st, pay
+        # The chunked (SSD) form, compiled: outputs vs the reference, payload rows, chain.
+        pay0 = jnp.full((nb, t, lay.width), jnp.nan, act)
+        yc, payc = jax.jit(lambda a, s, p, pl_: chunked(a, s, p, mode="replay", payload=pl_))(a, slots, parents, pay0)
+        check(f"{name} chunked tree y", rel_err(np.asarray(yc)[live], np.asarray(y_ref)[live]), tol)
+        same(f"{name} chunked payload rows exact", np.asarray(payc, np.float32)[live], want_pay[live])
+        ycc, _ = jax.jit(lambda a, s: chunked(a, s, None))(a, slots)
+        ycc_ref, _ = scan(a, slots, None, backend="reference")
+        check(f"{name} chunked chain y", rel_err(np.asarray(ycc)[live], np.asarray(ycc_ref)[live]), tol)
         yu, _ = jax.jit(lambda a, s, p: scan(a, s, p, unroll=True))(a, slots, parents)
         check(f"{name} unrolled tree kernel (default slots)", rel_err(np.asarray(yu)[live], np.asarray(y_ref)[live]), tol)
         y3, _ = jax.jit(lambda a, s: scan(a, s, None))(a, slots)
@@ -335,6 +353,21 @@ def bench_case(nb, t, rng, slot_counts, launch, staged=False, unroll_variant=Fal
         k = max(slot_counts)
         timed(("unrolled", k), True, "replay", dict(branch_slots=k, plan=plans[k], unroll=True))
         timed(("unrolled", "chain"), False, "replay", dict(unroll=True))
+    if CHUNKED:
+        mask = ancestor_mask(parents)  # built once per step, as attention's
+
+        def chunked_step(tree):
+            def step(c):
+                side, i, acc = c
+                slots = (jnp.arange(nb, dtype=jnp.int32) + i * nb) % (nb * sets)
+                y, side2 = chunked(a, slots, parents if tree else None, mask=mask if tree else None,
+                                   mode="replay", payload=side)
+                return side2, (i + 1) % sets, acc + y[0, 0, 0, 0].astype(jnp.float32)
+            return step
+
+        for tree in (True, False):
+            res[("chunked", "tree" if tree else "chain")], _ = time_step(
+                chunked_step(tree), (side_for("replay"), jnp.int32(0), jnp.float32(0)))
     # The per-step plan (scan slots + ancestor list + conv lags), built once per step for all layers.
     plan_fn = jax.jit(lambda p: mamba2_step_plan(p, CONV_W, max(slot_counts)))
     res["plan"] = timing.median_time(plan_fn, parents, samples=10)
@@ -484,6 +517,12 @@ def bench(configs, slot_counts, budget_s, launch, staged=False, unroll_variant=F
                     f"{us(r[('staged', 'old')])}, slots={k} {us(r[('staged', k)])} us")
             log("    " + line)
             notes.append(line)
+        if ("chunked", "tree") in r:
+            line = (f"chunked (SSD) form B={nb} T={t}: tree {us(r[('chunked', 'tree')])} us "
+                    f"({r[('chunked', 'tree')] / chain:.2f}x the recurrent chain), chain {us(r[('chunked', 'chain')])} us "
+                    f"({r[('chunked', 'chain')] / chain:.2f}x), recurrent tree {us(old)} us")
+            log("    " + line)
+            notes.append(line)
         if ("unrolled", "chain") in r:
             k = max(slot_counts)
             line = (f"unrolled node loop B={nb} T={t}: ReplaySSM chain {us(r[('unrolled', 'chain')])}, "
@@ -565,6 +604,7 @@ def main(argv=None) -> int:
                    "(block_p, num_warps) tilings at B=32 T=16 for the chain, old tree and each slot count")
     p.add_argument("--tiles", default="16x4,16x2,32x4,8x4,16x8", help="tilings for --sweep (BLOCK_PxWARPS)")
     p.add_argument("--unroll", action="store_true", help="also time the unrolled node loop (unroll=True)")
+    p.add_argument("--chunked", action="store_true", help="also time the chunked (SSD) tree and chain forms")
     p.add_argument("--skip-commit", action="store_true", help="do not time the ReplaySSM commit (unchanged here)")
     p.add_argument("--no-drafter-trees", action="store_true",
                    help="time only the random trees, not also drafter-shaped (select_tree) trees")
@@ -572,6 +612,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU plumbing check: small dims, interpret mode, numbers "
                    "meaningless")
     a = p.parse_args(argv)
+    globals()["CHUNKED"] = a.chunked
     if a.smoke:
         global TIMING_DIMS, POOL_BYTES, INNER, SMOKE
         TIMING_DIMS, POOL_BYTES, INNER, SMOKE = SMALL, 1 << 16, 1, True

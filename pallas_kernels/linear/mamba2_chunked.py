@@ -1,0 +1,179 @@
+"""Mamba2 tree verify in chunked (SSD) form: every node at once, the ancestor mask in place of the
+causal mask. EXPERIMENTAL and opt-in: interpreter- and lowering-tested, not yet timed on a GPU.
+
+Why: the recurrent tree scan (`mamba2_tree.mamba2_tree_scan`) walks nodes one by one and, at a
+branch, replays the parent's ancestors; on the H200 it ran 1.7-2.5x slower than the chain at B=32
+and B=64, and the chain itself ran 16x above the state-read floor (benchmarks/RESULTS.md). Mamba2's
+update is linear with a scalar decay per head and node, so the output of node t is a masked
+matrix product over its ancestors, with no serial dependency and no replay:
+
+    c_t   = sum over ancestors-or-self s of t of  dt'_s A            (cumulative log decay)
+    y_t   = sum_s [s anc-or-self t] (C_t . B_s) exp(c_t - c_s) dt'_s x_s
+            + exp(c_t) (C_t . h0) + D x_t                             (h0: the committed state)
+
+(`mamba2_reference.mamba2_tree_scan_reference` computes the same sums.) Per (request, head, tile
+of `block_p` channels) one program builds the `[T, T]` weight matrix from C B^T, the decays and the
+unpacked ancestor mask, and takes two matrix products: weights @ (dt' x) and C @ h0^T. A chain is
+the tree whose mask is lower-triangular. No node state is formed, so only the outputs and, in
+"replay" mode, the ReplaySSM payload rows `[B | x | dt]` are written (the commit replays the
+accepted path as a chain, unchanged); "staged" mode, which needs every node's state, is refused.
+
+Bounds: T <= MAX_CHUNKED_NODES = 64 (the ancestor mask is two 32-bit words per row), padded to a
+power of two >= 16 (Triton dot operands); fp32 products use IEEE precision (no TF32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import next_pow2, resolve_backend
+from pallas_kernels.linear.mamba2_reference import mamba2_tree_scan_reference
+from pallas_kernels.linear.mamba2_tree import _check
+from treespec_jax.tree.masks import ancestor_mask, chain_parents
+
+MAX_CHUNKED_NODES = 64
+CHUNKED_MODES = ("replay", "outputs")
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _softplus(v):
+    return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
+
+
+def _chunked_kernel(mask_ref, slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref, b_ref, c_ref, *refs,
+                    T, TP, H, P, N, G, BP, NP, has_z, mode, layout):
+    refs = list(refs)
+    z_ref = refs.pop(0) if has_z else None
+    pool_ref = refs.pop(0)
+    if mode == "replay":
+        refs.pop(0)  # the aliased payload input; written through its output ref
+    y_ref = refs.pop(0)
+    side_ref = refs.pop(0) if mode == "replay" else None
+
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    pt = pl.program_id(2)
+    p0 = pt * BP
+    g = h // (H // G)
+    slot = slots_ref[b]
+    live = slot >= 0
+    t_idx = jnp.arange(TP)
+    tmask = t_idx < T
+    pmask = (p0 + jnp.arange(BP)) < P
+    nmask = jnp.arange(NP) < N
+
+    # Ancestor-or-self bits [t, s] from the packed rows (word s // 32, bit s % 32).
+    both = plgpu.load(mask_ref.at[b, pl.ds(0, TP), pl.ds(0, 2)], mask=tmask[:, None], other=0)  # [T, 2]
+    which = jnp.arange(2)[None, :]
+    w0 = jnp.sum(jnp.where(which == 0, both, 0), axis=1)
+    w1 = jnp.sum(jnp.where(which == 1, both, 0), axis=1)
+    s_col = t_idx[None, :]
+    words = jnp.where(s_col < 32, w0[:, None], w1[:, None])
+    anc = ((words >> (s_col % 32).astype(jnp.uint32)) & 1) == 1
+    anc = anc & tmask[:, None] & tmask[None, :]
+
+    dt_raw = plgpu.load(dt_ref.at[b, pl.ds(0, TP), h], mask=tmask, other=0.0)
+    dtp = jnp.where(tmask, _softplus(dt_raw.astype(jnp.float32) + dtb_ref[h].astype(jnp.float32)), 0.0)
+    log_decay = dtp * -jnp.exp(alog_ref[h].astype(jnp.float32))
+    cum = jnp.sum(jnp.where(anc, log_decay[None, :], 0.0), axis=1)  # [T]
+    # s an ancestor of t: c_t - c_s <= 0 (A < 0), so exp never overflows; other pairs are zeroed first.
+    decay = jnp.where(anc, jnp.exp(jnp.where(anc, cum[:, None] - cum[None, :], 0.0)), 0.0)
+
+    rows_n = tmask[:, None] & nmask[None, :]
+    b_raw = plgpu.load(b_ref.at[b, pl.ds(0, TP), g, pl.ds(0, NP)], mask=rows_n, other=0.0)
+    c_raw = plgpu.load(c_ref.at[b, pl.ds(0, TP), g, pl.ds(0, NP)], mask=rows_n, other=0.0)
+    rows_p = tmask[:, None] & pmask[None, :]
+    x_raw = plgpu.load(x_ref.at[b, pl.ds(0, TP), h, pl.ds(p0, BP)], mask=rows_p, other=0.0)
+    xf = x_raw.astype(jnp.float32)
+
+    cb = jnp.dot(c_raw.astype(jnp.float32), b_raw.astype(jnp.float32).T, precision=_HIGHEST)  # [T, T]
+    weights = cb * decay * dtp[None, :]
+    y = jnp.dot(weights, xf, precision=_HIGHEST)  # [T, BP]
+    h0 = plgpu.load(pool_ref.at[jnp.maximum(slot, 0), h, pl.ds(p0, BP), pl.ds(0, NP)],
+                    mask=(pmask[:, None] & nmask[None, :]) & live, other=0.0).astype(jnp.float32)
+    y = y + jnp.exp(cum)[:, None] * jnp.dot(c_raw.astype(jnp.float32), h0.T, precision=_HIGHEST)
+    y = y + d_ref[h].astype(jnp.float32) * xf
+    if has_z:
+        zf = plgpu.load(z_ref.at[b, pl.ds(0, TP), h, pl.ds(p0, BP)], mask=rows_p, other=0.0).astype(jnp.float32)
+        y = y * (zf * jax.nn.sigmoid(zf))
+    y = jnp.where(live, y, 0.0)
+    plgpu.store(y_ref.at[b, pl.ds(0, TP), h, pl.ds(p0, BP)], y.astype(y_ref.dtype), mask=rows_p)
+    if mode == "replay":
+        pdt = side_ref.dtype
+        plgpu.store(side_ref.at[b, pl.ds(0, TP), pl.ds(layout.x_offset + h * P + p0, BP)], x_raw.astype(pdt),
+                    mask=rows_p & live)
+        # One program per group writes B and one per head writes dt, so no word is written twice.
+        first_of_group = (h % (H // G) == 0) & (pt == 0) & live
+        plgpu.store(side_ref.at[b, pl.ds(0, TP), pl.ds(layout.b_offset + g * N, NP)], b_raw.astype(pdt),
+                    mask=rows_n & first_of_group)
+        plgpu.store(side_ref.at[b, pl.ds(0, TP), layout.dt_offset + h], dt_raw.astype(pdt),
+                    mask=tmask & (pt == 0) & live)
+
+
+def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents=None, *, mask=None,
+                        z=None, mode="outputs", payload=None, block_p=None, num_warps=4, backend=None):
+    """Chunked Mamba2 tree verify; see the module docstring.
+
+    Shapes as `mamba2_tree.mamba2_tree_scan`: `x [B, T, H, P]`, `dt [B, T, H]`, `A_log/D/dt_bias [H]`,
+    `B/C [B, T, G, N]`, `state_pool [S, H, P, N]`, `state_slots [B] int32` (< 0: padded request),
+    `parents [B, T] int32` (None: the chain), `z [B, T, H, P]`. `mask [B, T, 2] uint32`: the packed
+    ancestor-or-self rows (`tree.masks.ancestor_mask(parents)`; pass the one attention already uses
+    to build it once per step). `mode`: "outputs" or "replay" (payload rows `[B | x | dt]` into
+    `payload [B, T, width]`, aliased). Returns `(y [B, T, H, P] in x.dtype, payload or None)`.
+    """
+    if mode not in CHUNKED_MODES:
+        raise ValueError(f"mamba2_tree_chunked: mode must be one of {CHUNKED_MODES} (the chunked form keeps no "
+                         f"node states, so 'staged' needs mamba2_tree_scan), got {mode!r}")
+    layout = _check(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z, mode, None, payload)
+    nb, T, H, P = x.shape
+    if not 1 <= T <= MAX_CHUNKED_NODES:
+        raise ValueError(f"mamba2_tree_chunked: T must be in [1, {MAX_CHUNKED_NODES}], got {T}")
+    if mask is None:
+        mask = ancestor_mask(chain_parents(nb, T) if parents is None else parents.astype(jnp.int32))
+    if mask.shape != (nb, T, 2) or mask.dtype != jnp.uint32:
+        raise ValueError(f"mamba2_tree_chunked: mask must be [B={nb}, T={T}, 2] uint32, got {mask.shape} {mask.dtype}")
+    if block_p is not None and (not isinstance(block_p, int) or block_p < 16 or block_p & (block_p - 1)):
+        raise ValueError(f"mamba2_tree_chunked: block_p must be a power of two >= 16, got {block_p}")
+    if not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):
+        raise ValueError(f"mamba2_tree_chunked: num_warps must be a power of two, got {num_warps}")
+    kind = resolve_backend(backend)
+    if kind == "reference":
+        y, _ = mamba2_tree_scan_reference(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z)
+        side = None
+        if mode == "replay":
+            live = state_slots >= 0
+            side = jnp.where(live[:, None, None], layout.pack(B, x, dt).astype(payload.dtype), payload)
+        return y.astype(x.dtype), side
+    G, N = B.shape[2], B.shape[3]
+    TP = max(16, next_pow2(T))
+    NP = max(16, next_pow2(N))
+    BP = block_p or min(max(16, next_pow2(P)), 64)
+    inputs = [mask, state_slots.astype(jnp.int32), x, dt, A_log, dt_bias, D, B, C]
+    inputs += ([z] if z is not None else []) + [state_pool]
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+    aliases = {}
+    if mode == "replay":
+        aliases = {len(inputs): 1}
+        inputs.append(payload)
+        out_shape.append(jax.ShapeDtypeStruct(payload.shape, payload.dtype))
+    kernel = functools.partial(_chunked_kernel, T=T, TP=TP, H=H, P=P, N=N, G=G, BP=BP, NP=NP,
+                               has_z=z is not None, mode=mode, layout=layout)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(nb, H, pl.cdiv(P, BP)),
+        input_output_aliases=aliases,
+        interpret=kind == "interpret",
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="mamba2_tree_chunked",
+    )(*inputs)
+    return outs[0], (outs[1] if mode == "replay" else None)
+
+
+__all__ = ["CHUNKED_MODES", "MAX_CHUNKED_NODES", "mamba2_tree_chunked"]
