@@ -141,6 +141,14 @@ def test_layer_glue_staged_and_replay_agree_with_per_path(tree):
     np.testing.assert_array_equal(np.asarray(outs[True][0]), np.asarray(outs[False][0]))
     np.testing.assert_array_equal(np.asarray(outs[True][1].conv), np.asarray(outs[False][1].conv))
     assert rel_err(outs[True][1].ssm, np.asarray(outs[False][1].ssm)) < 2e-6
+    # The chunked (SSD) verify form: same outputs up to rounding, the same payload, so the same commit.
+    layer = Mamba2Layer("layers.0", DIMS, Mamba2CommitConfig(backend="interpret", verify_form="chunked"))
+    scratch = jax.tree.map(lambda s: jnp.full_like(s, jnp.nan), new_verify_scratch(DIMS, layer.cfg, nb, T,
+                                                                                    act_dtype=jnp.float32))
+    res = layer.verify(weights, pools, slots, xbc, dt, jnp.asarray(parents) if tree else None, scratch, z)
+    assert rel_err(res.y, np.asarray(outs[True][0], np.float64)) < 2e-5
+    chunked_pools = layer.commit(weights, pools, slots, res, jnp.asarray(path), jnp.asarray(accept_len))
+    np.testing.assert_array_equal(np.asarray(chunked_pools.ssm), np.asarray(outs[True][1].ssm))
     # Independent fp64 check: conv per path, then the SSM per path on the conv outputs.
     conv_in = dict(x=np.asarray(xbc), conv_pool=np.asarray(pools.conv), weight=np.asarray(weights.conv_weight),
                    bias=np.asarray(weights.conv_bias))
@@ -159,6 +167,10 @@ def test_layer_glue_staged_and_replay_agree_with_per_path(tree):
 
 
 def test_layer_declares_tree_support_and_checks_scratch():
+    with pytest.raises(ValueError, match="verify_form='chunked' forms no node states.*got mode='staged'"):
+        Mamba2CommitConfig(mode="staged", verify_form="chunked")
+    with pytest.raises(ValueError, match="verify_form must be one of"):
+        Mamba2CommitConfig(verify_form="ssd")
     layer = Mamba2Layer("layers.0", DIMS)
     assert layer.tree_support().verify.supported
     assert not layer.tree_support().lanes.supported

@@ -39,6 +39,7 @@ from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout, payload_
 from pallas_kernels.linear.mamba2_replay import mamba2_replay_commit
 from pallas_kernels.linear.branch_slots import DEFAULT_BRANCH_SLOTS, check_num_slots
 from pallas_kernels.linear.conv_tree import conv_lag_sources
+from pallas_kernels.linear.mamba2_chunked import mamba2_tree_chunked
 from pallas_kernels.linear.mamba2_tree import Mamba2ScanPlan, mamba2_scan_plan, mamba2_tree_scan
 from pallas_kernels.row_move import pack_path_rows
 from treespec_jax.linear.conv import conv_commit_from_inputs, conv_commit_staged, conv_verify
@@ -80,6 +81,9 @@ class Mamba2Dims:
         return Mamba2PayloadLayout(self.ngroups, self.dstate, self.nheads, self.headdim)
 
 
+VERIFY_FORMS = ("recurrent", "chunked")
+
+
 @dataclasses.dataclass(frozen=True)
 class Mamba2CommitConfig:
     """How verify keeps what the commit needs."""
@@ -89,11 +93,20 @@ class Mamba2CommitConfig:
     # Register tiles the tree scan keeps branch points in (None: DEFAULT_BRANCH_SLOTS); 0 replays
     # every branch from the committed state. Speed only: every value gives the same results.
     branch_slots: int | None = None
+    # Verify scan form: "recurrent" (mamba2_tree_scan, node by node) or "chunked" (mamba2_chunked:
+    # all nodes at once under the ancestor mask; ReplaySSM only, as it forms no node states; not yet
+    # timed on a GPU). Same results up to rounding.
+    verify_form: str = "recurrent"
 
     def __post_init__(self):
         check_state_mode(self.mode, "Mamba2")
         if self.branch_slots is not None:
             check_num_slots(self.branch_slots)
+        if self.verify_form not in VERIFY_FORMS:
+            raise ValueError(f"Mamba2CommitConfig.verify_form must be one of {VERIFY_FORMS}, got {self.verify_form!r}")
+        if self.verify_form == "chunked" and self.mode != "replay_ssm":
+            raise ValueError(f"Mamba2CommitConfig: verify_form='chunked' forms no node states, so it needs "
+                             f"mode='replay_ssm', got mode={self.mode!r}")
 
     @property
     def replay_ssm(self) -> bool:
@@ -170,13 +183,14 @@ def _split_xbc(dims: Mamba2Dims, xbc: jax.Array):
 def mamba2_verify(dims: Mamba2Dims, cfg: Mamba2CommitConfig, weights: Mamba2Weights, pools: Mamba2Pools,
                   state_slots: jax.Array, xbc: jax.Array, dt: jax.Array, parents: jax.Array | None,
                   scratch: Mamba2VerifyScratch, z: jax.Array | None = None,
-                  plan: Mamba2StepPlan | None = None) -> Mamba2VerifyResult:
+                  plan: Mamba2StepPlan | None = None, mask: jax.Array | None = None) -> Mamba2VerifyResult:
     """Verify forward of one Mamba2 layer over T nodes; see the module docstring.
 
     `xbc [B, T, conv_dim]` raw (pre-conv), `dt [B, T, H]`, `parents [B, T] int32` or None (chain),
     `z [B, T, H, P]` optional gate, `state_slots [B] int32`, `plan` the step's
-    `mamba2_step_plan(parents, dims.conv_width, cfg.branch_slots)` (built here when None). The pools
-    are only read.
+    `mamba2_step_plan(parents, dims.conv_width, cfg.branch_slots)` (built here when None), `mask
+    [B, T, 2] uint32` the step's packed ancestor rows (used by `verify_form="chunked"`; built from
+    parents when None). The pools are only read.
     """
     if xbc.ndim != 3 or xbc.shape[2] != dims.conv_dim:
         raise ValueError(f"xbc must be [B, T, {dims.conv_dim}] for {dims}, got {xbc.shape}")
@@ -193,6 +207,11 @@ def mamba2_verify(dims: Mamba2Dims, cfg: Mamba2CommitConfig, weights: Mamba2Weig
                                     silu=True, node_states=scratch.conv_rows, lags=lags, backend=cfg.backend)
     x, B, C = _split_xbc(dims, conv_y)
     scan_kw = dict(z=z, branch_slots=cfg.branch_slots, plan=scan_plan, backend=cfg.backend)
+    if cfg.verify_form == "chunked":
+        y, payload = mamba2_tree_chunked(x, dt, weights.A_log, B, C, weights.D, weights.dt_bias, pools.ssm,
+                                         state_slots, parents, mask=mask, z=z, mode="replay", payload=scratch.ssm,
+                                         backend=cfg.backend)
+        return Mamba2VerifyResult(y, Mamba2VerifyScratch(payload, None), xbc)
     if cfg.replay_ssm:
         y, payload = mamba2_tree_scan(x, dt, weights.A_log, B, C, weights.D, weights.dt_bias, pools.ssm, state_slots,
                                       parents, mode="replay", payload=scratch.ssm, **scan_kw)
