@@ -19,7 +19,8 @@ the tree whose mask is lower-triangular. No node state is formed, so only the ou
 accepted path as a chain, unchanged); "staged" mode, which needs every node's state, is refused.
 
 Bounds: T <= MAX_CHUNKED_NODES = 64 (the ancestor mask is two 32-bit words per row), padded to a
-power of two >= 16 (Triton dot operands); fp32 products use IEEE precision (no TF32).
+power of two >= 16 (Triton dot operands); C B^T multiplies 16-bit inputs natively (exact
+products, fp32 sums), every fp32 product uses IEEE precision (no TF32).
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def _chunked_kernel(mask_ref, slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref
     x_raw = plgpu.load(x_ref.at[b, pl.ds(0, TP), h, pl.ds(p0, BP)], mask=rows_p, other=0.0)
     xf = x_raw.astype(jnp.float32)
 
-    cb = jnp.dot(c_raw.astype(jnp.float32), b_raw.astype(jnp.float32).T, precision=_HIGHEST)  # [T, T]
+    if jnp.dtype(c_raw.dtype).itemsize == 2:  # 16-bit B/C: exact products on the tensor cores, fp32 sums
+        cb = jnp.dot(c_raw, b_raw.T, preferred_element_type=jnp.float32)  # [T, T]
+    else:
+        cb = jnp.dot(c_raw.astype(jnp.float32), b_raw.astype(jnp.float32).T, precision=_HIGHEST)
     weights = cb * decay * dtp[None, :]
     y = jnp.dot(weights, xf, precision=_HIGHEST)  # [T, BP]
     h0 = plgpu.load(pool_ref.at[jnp.maximum(slot, 0), h, pl.ds(p0, BP), pl.ds(0, NP)],
