@@ -1,20 +1,20 @@
 """The prefix half on Mosaic GPU (Hopper wgmma + TMA, warp-specialised): the default on GPUs.
 
-Status (2026-11-30): compiled and run on the H200. Compiled conformance passes
-(`benchmarks/mgpu_prefix_check.py`) and its cascade ran 1.1-1.2x faster than the Triton one at
-every shape of issue #3 (benchmarks/RESULTS.md), so `CascadeConfig(prefix_kernel="auto")` takes it
-wherever `mgpu_input_errors` is empty. On the CPU its logic (page-table TMA copies, the buffer ring
-and its barriers, masking, the online softmax) runs in Pallas' GPU interpreter against dense fp32
-attention (`tests/test_prefix_decode_mgpu.py`); the interpreter has no rule for the accumulator
-`run_state` idiom, so interpreted runs add P V with a plain dot where the compiled kernel uses
-wgmma. The compiled path also lowers on the CPU (layout inference and the shared-memory check).
+Status (2026-11-30): compiled and run on the H200, bf16 and FP8 E4M3 pools, one and two pages per
+step; compiled conformance passes (`benchmarks/mgpu_prefix_check.py`). With two 64-token pages per
+step its cascade ran 1.23x (bf16) and 1.80x (FP8) faster than the Triton one at B=32, P=32768
+(benchmarks/RESULTS.md, 06:19 UTC), so `CascadeConfig(prefix_kernel="auto")` takes it wherever
+`mgpu_input_errors` is empty. On the CPU its logic (page-table TMA copies, the buffer ring and its
+barriers, masking, the online softmax) runs in Pallas' GPU interpreter against dense fp32 attention
+(`tests/test_prefix_decode_mgpu.py`); the interpreter has no rule for the accumulator `run_state`
+idiom, so interpreted runs add P V with a plain dot where the compiled kernel uses wgmma. The
+compiled path also lowers on the CPU (layout inference and the shared-memory check).
 
-FP8 E4M3 pools (unscaled, added after that run; interpreter- and lowering-tested, not yet compiled):
-the query is cast to FP8 (`quantize_query_for_pool`, as the Triton kernel does) and the scores are
-an FP8 x FP8 wgmma (K is the K-major operand 8-bit wgmma requires). V is the MN-major operand of
-P V, which 8-bit wgmma cannot take, so each compute warpgroup widens the step's V page to fp16 in
-its own shared-memory tile (exact) while the other warpgroup holds the tensor cores, releases the
-FP8 buffer at once, and runs P V in fp16.
+FP8 E4M3 pools (unscaled): the query is cast to FP8 (`quantize_query_for_pool`, as the Triton
+kernel does) and the scores are an FP8 x FP8 wgmma (K is the K-major operand 8-bit wgmma
+requires). V is the MN-major operand of P V, which 8-bit wgmma cannot take, so each compute
+warpgroup widens the step's V page to fp16 in its own shared-memory tile (exact) while the other
+warpgroup holds the tensor cores, releases the FP8 buffer at once, and runs P V in fp16.
 
 Why: JAX's own dense Mosaic GPU flash attention ran the prefix half's work 1.22x (B=32, P=32768)
 and 1.39x (B=64, P=4096) faster than our Pallas Triton prefix kernel (benchmarks/RESULTS.md,
