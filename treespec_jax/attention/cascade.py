@@ -54,8 +54,8 @@ class CascadeConfig:
     # Native FP8 x FP8 score dot in the prefix half on GPU (else FP8 K is widened to bf16).
     fp8_score_dot: bool = False
     # Prefix-half kernel. "auto": "mosaic_gpu" wherever it runs compiled (a GPU, bf16/fp16 or FP8
-    # pools, page 64/128, no forced key split; bf16 1.04-1.13x faster on the H200,
-    # benchmarks/RESULTS.md), else "triton".
+    # pools, page 64/128, no forced key split; on the H200 its cascade ran 1.06-1.23x (bf16) and
+    # 1.70-1.80x (FP8) faster, benchmarks/RESULTS.md), else "triton".
     # "triton": Pallas Triton, every shape and dtype. "mosaic_gpu": wgmma/TMA over whole pages (the
     # window kernel then covers the partial last page), refused where it cannot run. See
     # prefix_decode_mgpu.
