@@ -1,24 +1,25 @@
 """Mamba2 tree verify scan, ReplaySSM commit and tree conv on the GPU: compiled conformance, then timing.
 
 Run: PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_mamba2.py [--quick] [--budget-s S]
-     [--branch-slots 0,2] [--configs 32x16,64x16] [--markdown FILE] [--sweep] [--tiles 16x4,16x2]
+     [--configs 32x16,64x16] [--markdown FILE] [--sweep] [--tiles 16x4,16x2] [--chunked]
 
 Conformance (compiled Pallas Triton vs the fp32 jnp references; fresh random inputs; scratch,
 payload and node-row buffers poisoned with NaN; a padded request in every batch): the tree scan in
-staged, ReplaySSM and outputs-only modes for every scan variant timed below (branch slots 0, 1, 2
-with the precomputed ancestor walk, and the earlier kernel: parent-pointer walk, no slots) on trees
-that spill (a nested depth-first tree overflows 1 and 2 slots), the chain kernel, z gating, bf16
-inputs, the replay commit (vs the staged state at the last accepted node), the tree conv with the
-precomputed lag table and with the earlier parent walk, at small and Nemotron-H dims.
+staged, ReplaySSM and outputs-only modes for both replay walks timed below (the default
+parent-pointer walk and the precomputed ancestor-list walk) on trees with nested branch points,
+the chain kernel, z gating, bf16 inputs, the replay commit (vs the staged state at the last
+accepted node), the tree conv with the precomputed lag table and with the earlier parent walk, at
+small and Nemotron-H dims.
 
 Timing (Nemotron-H-like: H=128, headdim 64, dstate 128, ngroups 8, bf16 activations, fp32 state;
 conv dim 2*8*128 + 128*64 = 10240, width 4; random depth-first trees): each kernel runs INNER
 times inside one jitted function, with the request slots rotated through a pool several times the
 L2 so each call reads cold state; median over reps. Per B x T config, all in one run: the chain
-kernel (parents=None), the earlier tree kernel ("old": parent-pointer replay, no slots), and the
-tree kernel at each `--branch-slots` count with the per-step plan built outside the timed layer
-(as the layer glue shares it; its own cost is timed once as "plan"). Ratios are tree / chain of
-the same run, and vs the byte floor (state read over the measured device copy bandwidth).
+kernel (parents=None), the default tree kernel ("old": parent-pointer replay), and the tree kernel
+with the precomputed ancestor-list walk, its per-step plan built outside the timed layer (as the
+layer glue shares it; the plan's own cost is timed once as "plan"). Ratios are tree / chain of the
+same run, and vs the byte floor (state read over the measured device copy bandwidth). (Branch
+register slots were removed after measuring slower: B=32 T=16 tree 1374 us with 2 slots vs 970.)
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ _T0 = time.time()  # this module's start, for its --budget-s
 POOL_BYTES = 512 << 20  # rotate slots through at least this much state (H200 L2 is 60 MB)
 TIMING_DIMS = NEMOTRON  # --smoke swaps in SMALL
 SMOKE = False
-# Depth-first tree whose branch points nest three deep: overflows 1 and 2 slots, fits 3.
+# Depth-first tree whose branch points nest three deep: replays of every depth.
 NESTED16 = [-1, 0, 1, 2, 2, 1, 5, 5, 0, 8, 9, 9, 8, 12, 12, 0]
-OLD = dict(branch_slots=0, walk="parents")  # the kernel before branch slots: the timed baseline
+OLD = dict(walk="parents")  # the default tree kernel (parent-pointer replay): the timed baseline
+PRE = dict(walk="precomputed")  # replay along the per-step ancestor list (Mamba2ScanPlan)
 DEFAULT_CONFIGS = "32x16,1x16,64x16,32x64,64x64,1x64,32x8,1x8,64x8"
 QUICK_CONFIGS = "32x16,1x16"
 
@@ -100,18 +102,6 @@ def drafter_tree(rng, batch, t):
         return None
 
 
-def replays_with_slots(parents, k):
-    """Mean replayed ancestor updates per tree node when branch points get `k` register slots."""
-    plan = mamba2_scan_plan(jnp.asarray(parents), k)
-    load, depth = np.asarray(plan.slots.load_slot), np.asarray(plan.depth)
-    t = parents.shape[1]
-    p = parents
-    branch = (p >= 0) & (p != np.arange(t) - 1) & (load < 0)
-    # A replay reruns the parent's path from the resume point (a slot-held ancestor) or the root.
-    n = np.take_along_axis(depth, np.maximum(p, 0), 1) + 1 - np.asarray(plan.resume_depth)
-    return float(np.where(branch, n, 0).sum(1).mean() / t)
-
-
 def random_paths(rng, parents):
     nb, t = parents.shape
     path = np.full((nb, t), -1, np.int32)
@@ -154,7 +144,7 @@ CHUNKED = False  # --chunked: also time the chunked (SSD) tree form, mamba2_chun
 
 
 def variant_name(kw):
-    return "old (parent walk, 0 slots)" if kw.get("walk") == "parents" else f"slots={kw['branch_slots']}"
+    return "old (parent walk)" if kw.get("walk", "parents") == "parents" else "precomputed walk"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,8 +168,7 @@ def conformance(quick: bool, results: list | None = None, smoke: bool = False) -
         check(name, 0.0 if a.shape == b.shape and np.array_equal(a, b) else 1.0, 0.0)
 
     rng = np.random.default_rng(0)
-    full_variants = [dict(branch_slots=2, walk="precomputed"), dict(branch_slots=1, walk="precomputed"),
-                     dict(branch_slots=0, walk="precomputed"), OLD]
+    full_variants = [PRE, OLD]
     cases = [("small", SMALL, 3, 16, jnp.float32, 2e-5, full_variants),
              ("small", SMALL, 3, 64, jnp.float32, 2e-5, full_variants),
              ("small-bf16", SMALL, 3, 33, jnp.bfloat16, 1e-2, full_variants[:1]),
@@ -193,7 +182,7 @@ def conformance(quick: bool, results: list | None = None, smoke: bool = False) -
         H, P, N, G = d["H"], d["P"], d["N"], d["G"]
         a = mamba_inputs(jax.random.key(t * 7 + nb), nb, t, d, 6, act=act)
         par = dfs_tree(rng, nb, t)
-        par[0, :16] = NESTED16[: min(t, 16)] if t >= 16 else par[0, :16]  # a tree that overflows the slots
+        par[0, :16] = NESTED16[: min(t, 16)] if t >= 16 else par[0, :16]  # nested branch points
         parents = jnp.asarray(par)
         slots = jnp.asarray([4, -1, 1] if nb == 3 else [3, -1], jnp.int32)  # one padded request
         live = np.asarray(slots) >= 0
@@ -204,9 +193,6 @@ def conformance(quick: bool, results: list | None = None, smoke: bool = False) -
         st_default = None
         for kw in variants:
             vname = f"{name} {variant_name(kw)}"
-            if kw.get("walk") != "parents" and kw["branch_slots"]:
-                sp = np.asarray(mamba2_scan_plan(parents, kw["branch_slots"]).slots.spill)[live]
-                log(f"  {vname}: {int(sp.sum())} spilled branch points (replayed) among the live requests")
             scratch = jnp.full((nb, t, H, P, N), jnp.nan, jnp.float32)
             y, st = jax.jit(lambda a, s, p, sc, kw=kw: scan(a, s, p, mode="staged", scratch=sc, **kw))(
                 a, slots, parents, scratch)
@@ -234,8 +220,10 @@ def conformance(quick: bool, results: list | None = None, smoke: bool = False) -
         ycc, _ = jax.jit(lambda a, s: chunked(a, s, None))(a, slots)
         ycc_ref, _ = scan(a, slots, None, backend="reference")
         check(f"{name} chunked chain y", rel_err(np.asarray(ycc)[live], np.asarray(ycc_ref)[live]), tol)
-        yu, _ = jax.jit(lambda a, s, p: scan(a, s, p, unroll=True))(a, slots, parents)
-        check(f"{name} unrolled tree kernel (default slots)", rel_err(np.asarray(yu)[live], np.asarray(y_ref)[live]), tol)
+        for kw in (OLD, PRE):
+            yu, _ = jax.jit(lambda a, s, p, kw=kw: scan(a, s, p, unroll=True, **kw))(a, slots, parents)
+            check(f"{name} unrolled tree kernel {variant_name(kw)}", rel_err(np.asarray(yu)[live],
+                                                                           np.asarray(y_ref)[live]), tol)
         y3, _ = jax.jit(lambda a, s: scan(a, s, None))(a, slots)
         y3_ref, _ = scan(a, slots, None, backend="reference")
         check(f"{name} chain kernel", rel_err(y3, y3_ref), tol)
@@ -293,7 +281,7 @@ def time_step(step, carry):
     return timing.time_step(step, carry, inner=INNER, reps=5)
 
 
-def bench_case(nb, t, rng, slot_counts, launch, staged=False, unroll_variant=False, drafter=True, commit=True):
+def bench_case(nb, t, rng, launch, staged=False, unroll_variant=False, drafter=True, commit=True):
     d = TIMING_DIMS
     H, P, N, G = d["H"], d["P"], d["N"], d["G"]
     state_bytes = H * P * N * 4
@@ -302,7 +290,7 @@ def bench_case(nb, t, rng, slot_counts, launch, staged=False, unroll_variant=Fal
     par = dfs_tree(rng, nb, t)
     parents = jnp.asarray(par)
     lay = Mamba2PayloadLayout(G, N, H, P)
-    plans = {k: mamba2_scan_plan(parents, k) for k in slot_counts}
+    plan = mamba2_scan_plan(parents)
     res = {}
     dpar = drafter_tree(rng, nb, t) if drafter and t > 1 else None
 
@@ -324,11 +312,10 @@ def bench_case(nb, t, rng, slot_counts, launch, staged=False, unroll_variant=Fal
 
     timed(("replay", "chain"), False, "replay", {})
     timed(("replay", "old"), True, "replay", OLD)
-    for k in slot_counts:
-        timed(("replay", k), True, "replay", dict(branch_slots=k, plan=plans[k]))
+    timed(("replay", "pre"), True, "replay", dict(PRE, plan=plan))
     if dpar is not None:  # the same timings over drafter-shaped trees
         dparents = jnp.asarray(dpar)
-        dplans = {k: mamba2_scan_plan(dparents, k) for k in slot_counts}
+        dplan = mamba2_scan_plan(dparents)
 
         def dtimed(key, kw):
             def step(c):
@@ -339,19 +326,15 @@ def bench_case(nb, t, rng, slot_counts, launch, staged=False, unroll_variant=Fal
             res[key], _ = time_step(step, (side_for("replay"), jnp.int32(0), jnp.float32(0)))
 
         dtimed(("drafter", "old"), OLD)
-        for k in slot_counts:
-            dtimed(("drafter", k), dict(branch_slots=k, plan=dplans[k]))
+        dtimed(("drafter", "pre"), dict(PRE, plan=dplan))
         res["drafter_stats"] = tree_stats(dpar)
-        res["drafter_replays"] = {k: replays_with_slots(dpar, k) for k in slot_counts}
-        res["drafter_spills"] = {k: float(np.asarray(dplans[k].slots.spill).sum(1).mean()) for k in slot_counts}
     if staged:
-        k = max(slot_counts)
         timed(("staged", "chain"), False, "staged", {})
         timed(("staged", "old"), True, "staged", OLD)
-        timed(("staged", k), True, "staged", dict(branch_slots=k, plan=plans[k]))
+        timed(("staged", "pre"), True, "staged", dict(PRE, plan=plan))
     if unroll_variant:
-        k = max(slot_counts)
-        timed(("unrolled", k), True, "replay", dict(branch_slots=k, plan=plans[k], unroll=True))
+        timed(("unrolled", "old"), True, "replay", dict(OLD, unroll=True))
+        timed(("unrolled", "pre"), True, "replay", dict(PRE, plan=plan, unroll=True))
         timed(("unrolled", "chain"), False, "replay", dict(unroll=True))
     if CHUNKED:
         mask = ancestor_mask(parents)  # built once per step, as attention's
@@ -368,8 +351,8 @@ def bench_case(nb, t, rng, slot_counts, launch, staged=False, unroll_variant=Fal
         for tree in (True, False):
             res[("chunked", "tree" if tree else "chain")], _ = time_step(
                 chunked_step(tree), (side_for("replay"), jnp.int32(0), jnp.float32(0)))
-    # The per-step plan (scan slots + ancestor list + conv lags), built once per step for all layers.
-    plan_fn = jax.jit(lambda p: mamba2_step_plan(p, CONV_W, max(slot_counts)))
+    # The per-step plan (ancestor list + conv lags), built once per step for all layers.
+    plan_fn = jax.jit(lambda p: mamba2_step_plan(p, CONV_W, "precomputed"))
     res["plan"] = timing.median_time(plan_fn, parents, samples=10)
     # ReplaySSM commit over a random accepted path per request (payload already packed).
     path, acc = random_paths(rng, par)
@@ -401,26 +384,23 @@ def bench_case(nb, t, rng, slot_counts, launch, staged=False, unroll_variant=Fal
     for key, tree, kw in (("chain", False, {}), ("old", True, dict(walk="parents")), ("new", True, dict(lags=lags))):
         res[("conv", key)], _ = time_step(conv_step(tree, kw), (jnp.int32(0), jnp.float32(0)))
     res["stats"] = tree_stats(par)
-    res["replays"] = {k: replays_with_slots(par, k) for k in slot_counts}
-    res["spills"] = {k: float(np.asarray(plans[k].slots.spill).sum(1).mean()) for k in slot_counts}
     res["state_bytes"] = nb * state_bytes
     res["conv_bytes"] = nb * t * cd * 2 * 2 + nb * (CONV_W - 1) * cd * 2  # x read + y write + state read
     return res
 
 
-def sweep_tiles(tiles, slot_counts, nb=32, t=16):
+def sweep_tiles(tiles, nb=32, t=16):
+    """Tree ReplaySSM verify (outputs only) at one shape over (block_p, num_warps) choices, for the
+    chain and both tree walks."""
     if SMOKE:
         nb, t = 2, 8
-    """Tree ReplaySSM verify (outputs only) at one shape over (block_p, num_warps) choices, for the
-    old kernel, each slot count and the chain."""
     d = TIMING_DIMS
     H, P, N = d["H"], d["P"], d["N"]
     sets = max(2, -(-POOL_BYTES // (nb * H * P * N * 4)))
     a = mamba_inputs(jax.random.key(5), nb, t, d, nb * sets)
     parents = jnp.asarray(dfs_tree(np.random.default_rng(5), nb, t))
-    plans = {k: mamba2_scan_plan(parents, k) for k in slot_counts}
-    variants = [("chain", None, {}), ("old", parents, OLD)] + [
-        (f"slots={k}", parents, dict(branch_slots=k, plan=plans[k])) for k in slot_counts]
+    variants = [("chain", None, {}), ("old", parents, OLD),
+                ("precomputed walk", parents, dict(PRE, plan=mamba2_scan_plan(parents)))]
     lines = []
     for bp, nw in tiles:
         out = {}
@@ -459,16 +439,6 @@ def parse_configs(text):
     return out
 
 
-def parse_ints(text, what):
-    try:
-        vals = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be a comma list of ints, got {text!r}") from None
-    if not vals:
-        raise ValueError(f"{what} is empty")
-    return vals
-
-
 def parse_tiles(text):
     out = []
     for item in text.split(","):
@@ -480,8 +450,7 @@ def parse_tiles(text):
     return out
 
 
-def bench(configs, slot_counts, budget_s, launch, staged=False, unroll_variant=False, on_row=None, drafter=True,
-          commit=True):
+def bench(configs, budget_s, launch, staged=False, unroll_variant=False, on_row=None, drafter=True, commit=True):
     """Times every config; returns (bandwidth, markdown table rows, extra lines). `on_row(bw, rows,
     notes)` runs after each config, so a run cut short still leaves its finished rows behind."""
     bw = measure_copy_bandwidth() if jax.default_backend() == "gpu" else 1e11  # CPU smoke: a stand-in
@@ -496,25 +465,23 @@ def bench(configs, slot_counts, budget_s, launch, staged=False, unroll_variant=F
             rows.append(f"| {nb} | {t} | skipped (budget) |")
             continue
         try:
-            r = bench_case(nb, t, rng, slot_counts, launch, staged, unroll_variant, drafter, commit)
+            r = bench_case(nb, t, rng, launch, staged, unroll_variant, drafter, commit)
         except Exception:
             traceback.print_exc()
             rows.append(f"| {nb} | {t} | error (see log) |")
             continue
         floor = r["state_bytes"] / bw  # read the committed state once
-        chain, old = r[("replay", "chain")], r[("replay", "old")]
+        chain, old, pre = r[("replay", "chain")], r[("replay", "old")], r[("replay", "pre")]
         us = lambda s: f"{s * 1e6:.1f}"
-        slot_txt = " ".join(f"slots={k} {us(r[('replay', k)])} us ({r[('replay', k)] / chain:.2f}x, "
-                            f"{r['spills'][k]:.1f} spills, {r['replays'][k]:.2f} replays/node)" for k in slot_counts)
         log(f"B={nb:2d} T={t:2d} branches~{r['stats'][0]:.1f} depth {r['stats'][1]:2d} | ReplaySSM verify chain "
             f"{us(chain)} us, old tree {us(old)} us ({old / chain:.2f}x, {r['stats'][2]:.2f} replays/node), "
-            f"{slot_txt} | floor {us(floor)} us | plan {us(r['plan'])} us/step | commit({r['mean_accept']:.1f} rows) "
+            f"precomputed walk {us(pre)} us ({pre / chain:.2f}x) | floor {us(floor)} us | plan {us(r['plan'])} us/step "
+            f"| commit({r['mean_accept']:.1f} rows) "
             f"{us(r['commit'])} us | conv chain {us(r[('conv', 'chain')])} old {us(r[('conv', 'old')])} "
             f"lag-table {us(r[('conv', 'new')])} us (floor {us(r['conv_bytes'] / bw)})")
         if ("staged", "chain") in r:
-            k = max(slot_counts)
             line = (f"staged verify B={nb} T={t}: chain {us(r[('staged', 'chain')])}, old tree "
-                    f"{us(r[('staged', 'old')])}, slots={k} {us(r[('staged', k)])} us")
+                    f"{us(r[('staged', 'old')])}, precomputed walk {us(r[('staged', 'pre')])} us")
             log("    " + line)
             notes.append(line)
         if ("chunked", "tree") in r:
@@ -524,39 +491,32 @@ def bench(configs, slot_counts, budget_s, launch, staged=False, unroll_variant=F
             log("    " + line)
             notes.append(line)
         if ("unrolled", "chain") in r:
-            k = max(slot_counts)
             line = (f"unrolled node loop B={nb} T={t}: ReplaySSM chain {us(r[('unrolled', 'chain')])}, "
-                    f"slots={k} {us(r[('unrolled', k)])} us")
+                    f"old tree {us(r[('unrolled', 'old')])}, precomputed walk {us(r[('unrolled', 'pre')])} us")
             log("    " + line)
             notes.append(line)
         cells = [str(nb), str(t), "random", f"{r['stats'][0]:.1f} / {r['stats'][1]}", us(chain),
-                 f"{us(old)} ({old / chain:.2f}x)"]
-        cells += [f"{us(r[('replay', k)])} ({r[('replay', k)] / chain:.2f}x; {r['spills'][k]:.1f} sp)" for k in slot_counts]
+                 f"{us(old)} ({old / chain:.2f}x)", f"{us(pre)} ({pre / chain:.2f}x)"]
         cells += [us(floor), us(r["plan"]), us(r["commit"]),
                   f"{us(r[('conv', 'chain')])} / {us(r[('conv', 'old')])} / {us(r[('conv', 'new')])}"]
         rows.append("| " + " | ".join(cells) + " |")
         if ("drafter", "old") in r:
-            dold = r[("drafter", "old")]
+            dold, dpre = r[("drafter", "old")], r[("drafter", "pre")]
             cells = [str(nb), str(t), "drafter", f"{r['drafter_stats'][0]:.1f} / {r['drafter_stats'][1]}", us(chain),
-                     f"{us(dold)} ({dold / chain:.2f}x)"]
-            cells += [f"{us(r[('drafter', k)])} ({r[('drafter', k)] / chain:.2f}x; {r['drafter_spills'][k]:.1f} sp)"
-                      for k in slot_counts]
-            cells += ["", "", "", ""]
+                     f"{us(dold)} ({dold / chain:.2f}x)", f"{us(dpre)} ({dpre / chain:.2f}x)", "", "", "", ""]
             rows.append("| " + " | ".join(cells) + " |")
             log(f"    drafter-shaped trees: branches~{r['drafter_stats'][0]:.1f} depth {r['drafter_stats'][1]} | old "
-                f"{us(dold)} us ({dold / chain:.2f}x, {r['drafter_stats'][2]:.2f} replays/node) " +
-                " ".join(f"slots={k} {us(r[('drafter', k)])} us ({r[('drafter', k)] / chain:.2f}x, "
-                         f"{r['drafter_spills'][k]:.1f} spills, {r['drafter_replays'][k]:.2f} replays/node)"
-                         for k in slot_counts))
+                f"{us(dold)} us ({dold / chain:.2f}x, {r['drafter_stats'][2]:.2f} replays/node) "
+                f"precomputed walk {us(dpre)} us ({dpre / chain:.2f}x)")
     if on_row is not None:
         on_row(bw, rows, notes)
     return bw, rows, notes
 
 
-def markdown(args_line, conf, bw, rows, notes, slot_counts, launch, sweep_md):
+def markdown(args_line, conf, bw, rows, notes, launch, sweep_md):
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     dev = jax.devices()[0]
-    out = [f"## Mamba2 tree scan: branch slots, ancestor-list replay, conv lag table ({date}, "
+    out = [f"## Mamba2 tree scan: parent walk, ancestor-list replay, conv lag table ({date}, "
            f"{getattr(dev, 'device_kind', dev.platform)}, jax {jax.__version__})", "",
            f"Command: `python3 benchmarks/bench_mamba2.py {args_line}`", ""]
     if conf is not None:
@@ -568,14 +528,15 @@ def markdown(args_line, conf, bw, rows, notes, slot_counts, launch, sweep_md):
     if rows:
         launch_txt = ", ".join(f"{k}={v}" for k, v in launch.items()) or "defaults"
         out.append(f"Timing, Nemotron-H-like dims, ReplaySSM verify (y + payload rows), cold state, median us per "
-                   f"layer call; launch {launch_txt}; copy bandwidth {bw / 1e12:.2f} TB/s. \"old\" is the kernel "
-                   "before this change (parent-pointer replay, no slots); \"sp\" = spilled branch points per tree. "
+                   f"layer call; launch {launch_txt}; copy bandwidth {bw / 1e12:.2f} TB/s. \"old tree\" is the "
+                   "default kernel (parent-pointer replay); \"precomputed walk\" replays along the per-step "
+                   "ancestor list. "
                    "Plan = the per-step tables (all layers share them). Conv: chain / old parent walk / lag table. "
                    "Trees: \"random\" = this bench's random depth-first trees (comparable with earlier runs), "
                    "\"drafter\" = `select_tree` trees of a K-wide S-step round (bench_gdn's builder).")
         out.append("")
-        head = (["B", "T", "tree", "branches / depth", "chain", "old tree"] + [f"slots={k}" for k in slot_counts] +
-                ["floor", "plan", "commit", "conv chain / old / new"])
+        head = ["B", "T", "tree", "branches / depth", "chain", "old tree", "precomputed walk", "floor", "plan",
+                "commit", "conv chain / old / new"]
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + " --- |" * len(head))
         out += rows
@@ -596,12 +557,11 @@ def main(argv=None) -> int:
     p.add_argument("--skip-conformance", action="store_true")
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--configs", default=None, help=f"BxT list (default {DEFAULT_CONFIGS})")
-    p.add_argument("--branch-slots", default="0,2", help="slot counts to time the tree kernel at (comma list)")
     p.add_argument("--block-p", type=int, default=None, help="launch: state rows per program (power of two)")
     p.add_argument("--num-warps", type=int, default=None, help="launch: warps per program")
-    p.add_argument("--staged", action="store_true", help="also time staged verify (chain, old tree, max slots)")
+    p.add_argument("--staged", action="store_true", help="also time staged verify (chain, both tree walks)")
     p.add_argument("--sweep", action="store_true", help="after the configs (budget permitting), time "
-                   "(block_p, num_warps) tilings at B=32 T=16 for the chain, old tree and each slot count")
+                   "(block_p, num_warps) tilings at B=32 T=16 for the chain and both tree walks")
     p.add_argument("--tiles", default="16x4,16x2,32x4,8x4,16x8", help="tilings for --sweep (BLOCK_PxWARPS)")
     p.add_argument("--unroll", action="store_true", help="also time the unrolled node loop (unroll=True)")
     p.add_argument("--chunked", action="store_true", help="also time the chunked (SSD) tree and chain forms")
@@ -618,7 +578,6 @@ def main(argv=None) -> int:
         TIMING_DIMS, POOL_BYTES, INNER, SMOKE = SMALL, 1 << 16, 1, True
         a.configs = a.configs or "2x8"
     configs = parse_configs(a.configs or (QUICK_CONFIGS if a.quick else DEFAULT_CONFIGS))
-    slot_counts = parse_ints(a.branch_slots, "--branch-slots")
     tiles = parse_tiles(a.tiles)
     launch = {k: v for k, v in (("block_p", a.block_p), ("num_warps", a.num_warps)) if v is not None}
     log(f"jax {jax.__version__} devices {jax.devices()}")
@@ -640,18 +599,17 @@ def main(argv=None) -> int:
         if bw is not None:
             state.update(bw=bw, rows=list(rows), notes=list(notes))
         if a.markdown:
-            text = markdown(args_line, conf, state["bw"], state["rows"], state["notes"], slot_counts, launch,
-                            state["sweep"])
+            text = markdown(args_line, conf, state["bw"], state["rows"], state["notes"], launch, state["sweep"])
             with open(a.markdown, "w") as fh:
                 fh.write(text + "\n")
 
     write_md()
     if not a.skip_timing:
-        bench(configs, slot_counts, a.budget_s, launch, a.staged, a.unroll, on_row=write_md,
+        bench(configs, a.budget_s, launch, a.staged, a.unroll, on_row=write_md,
               drafter=not a.no_drafter_trees, commit=not a.skip_commit)
         if a.sweep and time.time() - _T0 <= a.budget_s:
             try:
-                state["sweep"] = sweep_tiles(tiles, slot_counts)
+                state["sweep"] = sweep_tiles(tiles)
             except Exception:
                 traceback.print_exc()
             write_md()

@@ -1,6 +1,6 @@
 """Mamba2 tree verify scan: Pallas (interpret mode) and the fp32 reference against a per-path fp64
 numpy recurrence; chain-as-parents vs the parent-less kernel; staged vs ReplaySSM outputs; padded
-requests; bad inputs; branch slots (0/1/2, a tree that overflows them), both replay walks, the
+requests; bad inputs; both replay walks (parent pointers and the precomputed ancestor list), the
 per-step plan shared by layers, and the Triton lowering for sm_90."""
 
 import jax.numpy as jnp
@@ -224,11 +224,10 @@ def test_bad_inputs_name_the_value():
 
 
 # ----------------------------------------------------------------------------------------------
-# Branch slots, the precomputed ancestor walk and the per-step plan
+# The precomputed ancestor walk and the per-step plan
 # ----------------------------------------------------------------------------------------------
 
-# Depth-first tree with branch points nested three deep (0 > 1 > 2 and 8 > 9): one slot spills
-# most of them, two slots keep all but nodes 2 and 9, three keep everything.
+# Depth-first tree with branch points nested three deep (0 > 1 > 2 and 8 > 9): replays of every depth.
 NESTED = np.array([-1, 0, 1, 2, 2, 1, 5, 5, 0, 8, 9, 9, 8, 12, 12, 0], np.int32)
 
 
@@ -245,51 +244,30 @@ def test_ancestor_paths_and_plan_match_numpy():
             want = path_to(clean[b], t)
             assert depth[b, t] == len(want) - 1
             np.testing.assert_array_equal(paths[b, t], want + [-1] * (16 - len(want)))
-    plan = mamba2_scan_plan(jnp.asarray(parents), 1)
-    assert np.asarray(plan.slots.spill)[0].sum() == 6 and (np.asarray(plan.slots.save_slot) < 1).all()
+    plan = mamba2_scan_plan(jnp.asarray(parents))
+    np.testing.assert_array_equal(np.asarray(plan.depth), depth)
     np.testing.assert_array_equal(np.asarray(plan.paths), paths)
-    # Resume points: walk the nodes like the kernel, tracking which node each slot holds; a replay
-    # must resume from the deepest ancestor-or-self of the parent that a slot holds.
-    for k in (1, 2):
-        plan = mamba2_scan_plan(jnp.asarray(parents), k)
-        save, rs, rd = (np.asarray(a) for a in (plan.slots.save_slot, plan.resume_slot, plan.resume_depth))
-        resumed = 0
-        for b in range(3):
-            held = {}
-            for t in range(16):
-                p = int(clean[b, t])
-                cands = [(depth[b, o], j) for j, o in held.items() if p >= 0 and o in path_to(clean[b], p)]
-                want = max(cands) if cands else (-1, -1)
-                assert (rs[b, t], rd[b, t]) == (want[1], want[0] + 1), (k, b, t)
-                resumed += rs[b, t] >= 0
-                if save[b, t] >= 0:
-                    held[int(save[b, t])] = t
-        assert resumed
 
 
-def _slot_trees(rng, T=16):
-    """Request 0: the nested tree; 1: random (many spills); 2: a padded request."""
+def _walk_trees(rng, T=16):
+    """Request 0: the nested tree; 1: random; 2: a padded request."""
     return np.concatenate([NESTED[None, :T], random_parents(rng, 2, T)])
 
 
-@pytest.mark.parametrize("branch_slots,walk", [(0, "precomputed"), (2, "precomputed"), (1, "parents"),
-                                               (0, "parents")])
-def test_branch_slots_and_walks_match_per_path(branch_slots, walk):
-    """Every slot count and walk: y and staged states equal the per-path recurrence; ReplaySSM y is
-    bitwise the staged y; payload rows exact; padded rows and the pool untouched."""
+@pytest.mark.parametrize("walk", ["precomputed", "parents"])
+def test_walks_match_per_path(walk):
+    """Both walks: y and staged states equal the per-path recurrence; ReplaySSM y is bitwise the
+    staged y; payload rows exact; padded rows and the pool untouched."""
     from pallas_kernels.linear.mamba2_tree import mamba2_scan_plan
 
-    rng = np.random.default_rng(41 + branch_slots)
+    rng = np.random.default_rng(41)
     nb, T, P, G = 3, 16, 8, 2
     inp = mamba2_inputs(rng, nb, T, P, G)
-    parents = _slot_trees(rng, T)
+    parents = _walk_trees(rng, T)
     slots = np.array([3, 0, -1], np.int32)
-    plan = mamba2_scan_plan(jnp.asarray(parents), branch_slots)
-    spill, load = np.asarray(plan.slots.spill), np.asarray(plan.slots.load_slot)
-    if branch_slots:  # the cases below really mix slot reads and replays
-        assert (load >= 0).any() and spill.any()
+    plan = mamba2_scan_plan(jnp.asarray(parents))
     pool_before = inp["state_pool"].copy()
-    kw = dict(branch_slots=branch_slots, walk=walk, backend="interpret")
+    kw = dict(walk=walk, backend="interpret")
     y, states = scan(inp, slots, parents, mode="staged", scratch=jnp.full((nb, T, H, P, N), jnp.nan), plan=plan, **kw)
     layout = Mamba2PayloadLayout(G, N, H, P)
     y_r, payload = scan(inp, slots, parents, mode="replay", payload=jnp.full((nb, T, layout.width), jnp.nan), **kw)
@@ -305,10 +283,9 @@ def test_branch_slots_and_walks_match_per_path(branch_slots, walk):
     np.testing.assert_array_equal(inp["state_pool"], pool_before)
 
 
-def test_slot_reads_are_really_taken_from_the_plan():
-    """A plan whose loads name the wrong slot gives wrong branches (so the slot path is exercised),
-    while slot ids past the kernel's slot count fall back to an exact replay."""
-    from pallas_kernels.linear.branch_slots import BranchSlotPlan
+def test_precomputed_walk_really_reads_the_plan():
+    """A plan of another tree gives wrong branches under walk="precomputed" (so the ancestor list
+    is what the replay follows), while the parent walk ignores the plan."""
     from pallas_kernels.linear.mamba2_tree import mamba2_scan_plan
 
     rng = np.random.default_rng(43)
@@ -316,15 +293,11 @@ def test_slot_reads_are_really_taken_from_the_plan():
     inp = mamba2_inputs(rng, nb, T, P, 1, with_z=False)
     parents, slots = NESTED[None], np.array([1], np.int32)
     y_ref = np_mamba2(inp, slots, parents)[0]
-    plan = mamba2_scan_plan(jnp.asarray(parents), 2)
-    s = plan.slots
-    swapped = plan._replace(slots=BranchSlotPlan(s.save_slot, jnp.where(s.load_slot >= 0, 1 - s.load_slot, -1), s.spill))
-    y_bad, _ = scan(inp, slots, parents, branch_slots=2, plan=swapped, backend="interpret")
+    other = mamba2_scan_plan(jnp.asarray(random_parents(rng, nb, T)))
+    y_bad, _ = scan(inp, slots, parents, walk="precomputed", plan=other, backend="interpret")
     assert rel_err(y_bad, y_ref) > 1e-2
-    wide = mamba2_scan_plan(jnp.asarray(parents), 3)  # saves into slot 2, which a 2-slot kernel lacks
-    assert (np.asarray(wide.slots.load_slot) == 2).any()
-    y_wide, _ = scan(inp, slots, parents, branch_slots=2, plan=wide, backend="interpret")
-    assert rel_err(y_wide, y_ref) < 2e-5
+    y_par, _ = scan(inp, slots, parents, walk="parents", plan=other, backend="interpret")
+    assert rel_err(y_par, y_ref) < 2e-5
 
 
 def test_malformed_parents_terminate_in_every_walk():
@@ -338,15 +311,15 @@ def test_malformed_parents_terminate_in_every_walk():
     parents[1, 4] = 70
     slots = np.array([0, 1], np.int32)
     y_ref, _ = np_mamba2(inp, slots, good)
-    for kw in (dict(branch_slots=2), dict(branch_slots=0, walk="parents")):
-        y, _ = scan(inp, slots, parents, backend="interpret", **kw)
+    for walk in ("precomputed", "parents"):
+        y, _ = scan(inp, slots, parents, walk=walk, backend="interpret")
         assert np.isfinite(np.asarray(y)).all()
         assert rel_err(np.asarray(y)[0, :5], y_ref[0, :5]) < 2e-5
         assert rel_err(np.asarray(y)[1, :4], y_ref[1, :4]) < 2e-5
 
 
 def test_layer_shares_one_step_plan():
-    """Two layers of a step reuse one plan: same y as each building its own, any slot count."""
+    """Two layers of a step reuse one plan: same y as each building its own, either walk."""
     import jax
     from test_mamba2_commit import DIMS, _layer_inputs
 
@@ -357,23 +330,26 @@ def test_layer_shares_one_step_plan():
     weights, pools, xbc, dt, z = _layer_inputs(rng, nb, T)
     parents = jnp.asarray(random_parents(rng, nb, T))
     slots = jnp.asarray([1, 3], jnp.int32)
-    layers = [Mamba2Layer(f"layers.{i}", DIMS, Mamba2CommitConfig(backend="interpret", branch_slots=n))
-              for i, n in enumerate((2, 0))]
+    layers = [Mamba2Layer(f"layers.{i}", DIMS, Mamba2CommitConfig(backend="interpret", walk=w))
+              for i, w in enumerate(("precomputed", "parents"))]
     plan = layers[0].step_plan(parents)
     assert plan.conv_lags.shape == (nb, T, DIMS.conv_width - 1) and layers[0].step_plan(None) is None
+    assert plan.scan is not None and plan.scan.paths.shape == (nb, T, T)
+    assert layers[1].step_plan(parents).scan is None  # the parent walk needs no scan plan
     scratch = jax.tree.map(lambda s: jnp.full_like(s, jnp.nan),
                            new_verify_scratch(DIMS, layers[0].cfg, nb, T, act_dtype=jnp.float32))
     shared = layers[0].verify(weights, pools, slots, xbc, dt, parents, scratch, z, plan=plan)
     own = layers[0].verify(weights, pools, slots, xbc, dt, parents, scratch, z)
     np.testing.assert_array_equal(np.asarray(shared.y), np.asarray(own.y))
     np.testing.assert_array_equal(np.asarray(shared.scratch.ssm), np.asarray(own.scratch.ssm))
-    no_slots = layers[1].verify(weights, pools, slots, xbc, dt, parents, scratch, z, plan=layers[1].step_plan(parents))
-    assert rel_err(no_slots.y, np.asarray(shared.y, np.float64)) < 1e-6
-    with pytest.raises(ValueError, match="branch slots must be an int in"):
-        Mamba2CommitConfig(branch_slots=9)
+    by_parents = layers[1].verify(weights, pools, slots, xbc, dt, parents, scratch, z,
+                                  plan=layers[1].step_plan(parents))
+    assert rel_err(by_parents.y, np.asarray(shared.y, np.float64)) < 1e-6
+    with pytest.raises(ValueError, match="Mamba2CommitConfig.walk must be one of"):
+        Mamba2CommitConfig(walk="pointers")
 
 
-def test_plan_and_slot_arguments_are_checked():
+def test_plan_and_walk_arguments_are_checked():
     from pallas_kernels.linear.mamba2_tree import mamba2_scan_plan
 
     rng = np.random.default_rng(46)
@@ -381,13 +357,11 @@ def test_plan_and_slot_arguments_are_checked():
     inp = mamba2_inputs(rng, nb, T, P, 1)
     slots = np.array([0, 1], np.int32)
     parents = random_parents(rng, nb, T)
-    with pytest.raises(ValueError, match="branch slots must be an int in .0, 4., got 5"):
-        scan(inp, slots, parents, branch_slots=5, backend="interpret")
     with pytest.raises(ValueError, match="walk must be one of"):
         scan(inp, slots, parents, walk="pointers", backend="interpret")
-    with pytest.raises(ValueError, match=r"plan.save_slot must be \[2, 6\], got \[2, 7\]"):
-        scan(inp, slots, parents, plan=mamba2_scan_plan(jnp.asarray(random_parents(rng, nb, T + 1))),
-             backend="interpret")
+    with pytest.raises(ValueError, match=r"plan.depth must be \[2, 6\], got \[2, 7\]"):
+        wrong = mamba2_scan_plan(jnp.asarray(random_parents(rng, nb, T + 1)))
+        scan(inp, slots, parents, walk="precomputed", plan=wrong, backend="interpret")
     with pytest.raises(ValueError, match="plan given without parents"):
         scan(inp, slots, None, plan=mamba2_scan_plan(jnp.asarray(parents)), backend="interpret")
     with pytest.raises(ValueError, match="num_warps must be a power of two, got 3"):
@@ -395,8 +369,8 @@ def test_plan_and_slot_arguments_are_checked():
 
 
 def test_tree_scan_lowers_to_triton_for_sm90(monkeypatch):
-    """Pallas -> Triton IR for sm_90 without a GPU, for the slot and walk variants (the PTX compile
-    and the numbers are the GPU bench's)."""
+    """Pallas -> Triton IR for sm_90 without a GPU, for both walks (the PTX compile and the numbers
+    are the GPU bench's)."""
     import jax
     import jax._src.pallas.triton.pallas_call_registration as reg
 
@@ -412,7 +386,7 @@ def test_tree_scan_lowers_to_triton_for_sm90(monkeypatch):
     args = (sd((nb, T, Hh, P), bf), sd((nb, T, Hh), bf), sd((Hh,), jnp.float32), sd((nb, T, G, Nn), bf),
             sd((nb, T, G, Nn), bf), sd((Hh,), jnp.float32), sd((Hh,), jnp.float32), sd((6, Hh, P, Nn), jnp.float32),
             sd((nb,), jnp.int32), sd((nb, T), jnp.int32), sd((nb, T, lay.width), bf))
-    for kw in (dict(branch_slots=2), dict(branch_slots=1, walk="parents", block_p=16, num_warps=2)):
+    for kw in (dict(walk="precomputed"), dict(walk="parents", block_p=16, num_warps=2)):
         def f(x, dt, al, B, C, D, dtb, pool, sl, par, pay, kw=kw):
             return mamba2_tree_scan(x, dt, al, B, C, D, dtb, pool, sl, par, z=x, mode="replay", payload=pay, **kw)
 

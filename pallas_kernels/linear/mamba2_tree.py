@@ -6,26 +6,21 @@ optionally `y_t *= silu(z_t)`; a root (parent -1) starts from the committed stat
 
 Grid `(B, H, cdiv(P, block_p))`: one program owns a `[block_p, N]` tile of one request's head
 state and walks the nodes in index order, keeping the state in registers. Node t continues from
-node t-1's state when p(t) == t-1, so a chain never reloads anything. At a branch (p(t) != t-1,
-p(t) >= 0) the parent's state comes, in this order of preference, from:
+node t-1's state when p(t) == t-1, so a chain never reloads anything. A root takes `h0`. At a
+branch (p(t) != t-1, p(t) >= 0) the parent's state is *replayed*: rebuilt by re-running the
+updates of its root path over `h0`. `walk="parents"` (default) chases parent pointers leaf to root
+(`h_p = (prod of decays) h0 + sum_s (decays after s) dt'_s x_s B_s^T`); it measured fastest on the
+H200 at B=32, T=16 (970 us against 1166 us for the precomputed walk; benchmarks/RESULTS.md 04:15
+UTC). `walk="precomputed"` reads the path from the step's ancestor list (`Mamba2ScanPlan.paths
+[B, T, T]`, root first), so each replayed node's loads depend on a loop counter, not on the
+previous node's parent pointer, and reruns the forward recurrence itself from `h0` (a replayed
+state equals the one the walk computed the first time); it measured 17% faster than the parent
+walk at B=1, T=64 (157 vs 189 us) and tied elsewhere (RESULTS.md, 05:43 UTC).
 
-1. a *branch slot*: the program carries `branch_slots` extra `[block_p, N]` fp32 tiles, and the
-   per-step `BranchSlotPlan` (`pallas_kernels.linear.branch_slots`) says which branch point's state
-   each slot keeps (after node t, slot i takes the state when save_slot[t] == i) and which slot a
-   branch reads (load_slot[t]); the pick is a select on a scalar, no memory traffic;
-2. a *replay* (a spilled branch point, or `branch_slots=0`): the parent's state rebuilt by
-   re-running the updates of its root path. With `walk="precomputed"` the path comes
-   from the step's ancestor list (`Mamba2ScanPlan.paths [B, T, T]`, root first), so each replayed
-   node's loads depend on a loop counter, not on the previous node's parent pointer, and the replay
-   starts from the deepest ancestor a slot still holds (`resume_slot`/`resume_depth`), else from
-   `h0`; it is the forward recurrence itself, so a replayed state equals the one the walk computed
-   the first time. `walk="parents"` (default) is the earlier kernel's walk (parent pointers chased
-   leaf to root, `h_p = (prod of decays) h0 + sum_s (decays after s) dt'_s x_s B_s^T`); with
-   `branch_slots=0` (default) it is exactly that kernel. It stays the default because it measured
-   fastest on the H200 (B=32, T=16, random trees: 970 us against 1166 us for the precomputed walk
-   and 1374 us with two slots; benchmarks/RESULTS.md 04:15 UTC).
+Branch register slots (keeping branch-point states in extra register tiles) were tried and removed:
+on the H200 (2026-11-30, B=32, T=16) the tree took 1374 us with two slots against 970 us without.
 
-No node state is ever stored for reuse: slots live in registers and replays read only the inputs.
+No node state is ever stored for reuse: replays read only the inputs.
 
 Modes (what is written besides `y`):
 - "staged": every node's state goes to `scratch [B, T, H, P, N]` (aliased in and out, so rows of
@@ -50,12 +45,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2, resolve_backend
-from pallas_kernels.linear.branch_slots import (
-    DEFAULT_BRANCH_SLOTS,
-    BranchSlotPlan,
-    branch_slot_plan,
-    check_num_slots,
-)
 from pallas_kernels.linear.mamba2_reference import (
     Mamba2PayloadLayout,
     mamba2_tree_scan_reference,
@@ -66,20 +55,15 @@ from treespec_jax.tree.masks import ancestor_mask_bool
 MODES = ("staged", "replay", "outputs")
 WALKS = ("precomputed", "parents")
 # A [block_p, N] fp32 tile of this many elements keeps h, h0 and the walk accumulator in registers
-# at 4 warps without spilling on Hopper (three such tiles live at a branch, plus the branch slots).
+# at 4 warps without spilling on Hopper (three such tiles live at a branch).
 _TILE_ELEMS = 2048
 
 
 class Mamba2ScanPlan(NamedTuple):
-    """What a tree scan needs besides `parents`, built once per step and shared by every layer."""
+    """What the precomputed walk needs besides `parents`, built once per step and shared by every layer."""
 
-    slots: BranchSlotPlan  # save_slot / load_slot / spill, [B, T] each
     depth: jax.Array  # [B, T] int32: strict ancestors of node t (a root has 0)
     paths: jax.Array  # [B, T, T] int32: paths[b, t, d] = node at depth d on root..t, -1 past depth t
-    # A replay (node t whose parent p is spilled) resumes from the deepest ancestor of p that a slot
-    # still holds when node t starts: that slot (-1: none, start from h0) and the depth after it.
-    resume_slot: jax.Array  # [B, T] int32
-    resume_depth: jax.Array  # [B, T] int32: first path depth the replay reruns (0 from h0)
 
 
 def sanitize_parents(parents: jax.Array) -> jax.Array:
@@ -93,75 +77,40 @@ def sanitize_parents(parents: jax.Array) -> jax.Array:
     return jnp.where((parents >= 0) & (parents < node), parents, -1)
 
 
-def _ancestor_paths(parents: jax.Array):
+def ancestor_paths(parents: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`parents [B, T]` -> `(depth [B, T], paths [B, T, T])` int32, see `Mamba2ScanPlan`.
+
+    The ancestors of t are the set bits of its ancestor-or-self row; along a root path indices
+    increase, so sorting them gives the path root first. Malformed parents read as roots.
+    """
     parents = sanitize_parents(parents)
     t = parents.shape[-1]
     anc = ancestor_mask_bool(parents)  # [B, t, s]: s is t or an ancestor of t
     depth = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
     keys = jnp.sort(jnp.where(anc, jnp.arange(t, dtype=jnp.int32), t), axis=-1)
     paths = jnp.where(jnp.arange(t)[None, None, :] <= depth[..., None], keys, -1)
-    return anc, depth, paths.astype(jnp.int32)
+    return depth, paths.astype(jnp.int32)
 
 
-def ancestor_paths(parents: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`parents [B, T]` -> `(depth [B, T], paths [B, T, T])` int32, see `Mamba2ScanPlan`.
-
-    The ancestors of t are the set bits of its ancestor-or-self row; along a root path indices
-    increase, so sorting them gives the path root first.
-    """
-    _, depth, paths = _ancestor_paths(parents)
-    return depth, paths
-
-
-def _resume_points(parents, anc, depth, save_slot, num_slots):
-    """Per node: the slot holding the deepest ancestor-or-self of its parent when the node starts,
-    and that ancestor's depth + 1 (-1 and 0 when no slot holds one)."""
-    batch, t = parents.shape
-    if num_slots == 0:
-        return jnp.full((batch, t), -1, jnp.int32), jnp.zeros((batch, t), jnp.int32)
-    node = jnp.arange(t, dtype=jnp.int32)
-    hit = save_slot[:, :, None] == jnp.arange(num_slots)[None, None, :]  # [B, s, j]
-    last = lax.cummax(jnp.where(hit, node[None, :, None], -1), axis=1)  # last save into j up to s
-    occ = jnp.concatenate([jnp.full((batch, 1, num_slots), -1, jnp.int32), last[:, :-1]], axis=1)  # before t
-    p = jnp.maximum(parents, 0)
-    anc_p = jnp.take_along_axis(anc, p[:, :, None], axis=1)  # [B, t, s]: ancestor-or-self rows of p
-    held = (occ >= 0) & jnp.take_along_axis(anc_p, jnp.maximum(occ, 0), axis=2) & (parents >= 0)[:, :, None]
-    occ_depth = jnp.where(held, jnp.take_along_axis(depth, jnp.maximum(occ, 0).reshape(batch, -1), axis=1)
-                          .reshape(occ.shape), -1)
-    best = jnp.argmax(occ_depth, axis=-1).astype(jnp.int32)  # deepest held ancestor
-    best_depth = jnp.max(occ_depth, axis=-1)
-    return jnp.where(best_depth >= 0, best, -1), best_depth + 1
-
-
-@functools.partial(jax.jit, static_argnames=("branch_slots",))
-def mamba2_scan_plan(parents: jax.Array, branch_slots: int | None = None) -> Mamba2ScanPlan:
-    """The per-step plan for `parents [B, T]` (-1 <= parents[t] < t): slot plan and ancestor list.
-
-    Tiny XLA work ([B, T, T] ints); compute it once per step and pass it to every layer's scan.
-    """
-    num = DEFAULT_BRANCH_SLOTS if branch_slots is None else check_num_slots(branch_slots)
-    clean = sanitize_parents(parents)
-    anc, depth, paths = _ancestor_paths(clean)
-    slots = branch_slot_plan(clean, num)
-    resume_slot, resume_depth = _resume_points(clean, anc, depth, slots.save_slot, num)
-    return Mamba2ScanPlan(slots, depth, paths, resume_slot, resume_depth)
+@jax.jit
+def mamba2_scan_plan(parents: jax.Array) -> Mamba2ScanPlan:
+    """The per-step plan for `parents [B, T]` (-1 <= parents[t] < t): the ancestor list the
+    precomputed walk replays along. Tiny XLA work ([B, T, T] ints); compute it once per step and
+    pass it to every layer's scan."""
+    return Mamba2ScanPlan(*ancestor_paths(parents))
 
 
 def _softplus(v):
     return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
 
 
-def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, layout, unroll):
+def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, walk, has_z, mode, layout, unroll):
     refs = list(refs)
-    parents_ref = depth_ref = paths_ref = save_ref = load_ref = rslot_ref = rdepth_ref = None
+    parents_ref = depth_ref = paths_ref = None
     if tree:
         parents_ref = refs.pop(0)
         if walk == "precomputed":
             depth_ref, paths_ref = refs.pop(0), refs.pop(0)
-        if K:
-            save_ref, load_ref = refs.pop(0), refs.pop(0)
-        if K and walk == "precomputed":
-            rslot_ref, rdepth_ref = refs.pop(0), refs.pop(0)
     slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref, b_ref, c_ref = refs[:8]
     refs = refs[8:]
     z_ref = refs.pop(0) if has_z else None
@@ -190,7 +139,7 @@ def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, layou
     h0 = plgpu.load(pool_ref.at[jnp.maximum(slot, 0), h, pl.ds(p0, BP), pl.ds(0, NP)],
                     mask=tmask & live, other=0.0).astype(jnp.float32)
 
-    new_path = tree and (walk == "precomputed" or K > 0)
+    new_path = tree and walk == "precomputed"
 
     def node_terms(s):
         """Decay, rank-1 input term and raw inputs of node s."""
@@ -217,66 +166,40 @@ def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, layou
             lambda c: (c[0] >= 0) & (c[0] < c[1]), body, (p, t, jnp.zeros_like(h0), jnp.float32(1.0)))
         return acc + scale * h0
 
-    def select(kept, i):
-        out = kept[0]
-        for j in range(1, K):
-            out = jnp.where(i == j, kept[j], out)
-        return out
-
-    def rebuild(p, t, kept):
-        """State after node p (0 <= p < t) replayed along the precomputed root path, from the
-        deepest ancestor a slot still holds (the plan's resume point) or else from h0."""
-        if walk == "parents":
-            return rebuild_by_parents(p, t)
+    def rebuild(p):
+        """State after node p (0 <= p < t) replayed from h0 along the precomputed root path
+        (`walk="precomputed"`): the forward recurrence itself, so it equals the first pass's state."""
         end = jnp.clip(depth_ref[b, p], 0, p) + 1  # a path to p holds at most p + 1 nodes
-        start, st0 = 0, h0
-        if K:
-            rs = rslot_ref[b, t]
-            resume = (rs >= 0) & (rs < K)
-            st0 = jnp.where(resume, select(kept, rs), h0)
-            start = jnp.where(resume, jnp.clip(rdepth_ref[b, t], 0, end), 0)
 
         def body(d, st):
             s = jnp.clip(paths_ref[b, p, d], 0, p)
             a, u, *_ = node_terms(s)
             return a * st + u
 
-        return lax.fori_loop(start, end, body, st0)
+        return lax.fori_loop(0, end, body, h0)
 
-    def start_state(t, state, kept):
-        """The state node t updates: its parent's (from the carry, a slot, h0 or a replay)."""
+    def start_state(t, state):
+        """The state node t updates: its parent's (from the carry, h0 or a replay)."""
         if not new_path:  # the earlier kernel, unchanged
             p = parents_ref[b, t]
             return lax.cond(p == t - 1, lambda: state, lambda: rebuild_by_parents(p, t))
-        # Plan entries are scalar loads at (b, t): their addresses never depend on the state, and a
-        # request's row of each table sits in one cache line after the first node.
         p = parents_ref[b, t]
         p = jnp.where((p >= 0) & (p < t), p, -1)  # a malformed pointer reads as a root (in bounds)
         branch = p != t - 1
-        replay = branch & (p >= 0)
-        if K:
-            ls = load_ref[b, t]
-            from_slot = (p >= 0) & (ls >= 0) & (ls < K)  # slot ids past this kernel's K replay
-            state = jnp.where(branch & from_slot, select(kept, ls), state)
-            replay = replay & ((ls < 0) | (ls >= K))  # spilled: no slot holds the parent
         state = jnp.where(branch & (p < 0), h0, state)
-        return lax.cond(replay, lambda: rebuild(jnp.maximum(p, 0), t, kept), lambda: state)
+        return lax.cond(branch & (p >= 0), lambda: rebuild(jnp.maximum(p, 0)), lambda: state)
 
-    def step(t, carry):
-        state, kept = carry
+    def step(t, state):
         if new_path:
             # Node t's own loads first: they do not depend on the start state, so they are in
-            # flight while the branch picks a slot or replays.
+            # flight while the branch replays.
             a, u, x_raw, b_raw, dt_raw = node_terms(t)
-            state = start_state(t, state, kept)
+            state = start_state(t, state)
         else:  # the chain and the earlier tree kernel, in their original order
             if tree:
-                state = start_state(t, state, kept)
+                state = start_state(t, state)
             a, u, x_raw, b_raw, dt_raw = node_terms(t)
         state = a * state + u
-        if K:
-            sv = save_ref[b, t]
-            kept = tuple(jnp.where(sv == i, state, kept[i]) for i in range(K))
         c_t = plgpu.load(c_ref.at[b, t, g, pl.ds(0, NP)], mask=nmask, other=0.0).astype(jnp.float32)
         y = jnp.sum(state * c_t[None, :], axis=1) + d_skip * x_raw.astype(jnp.float32)
         if has_z:
@@ -297,16 +220,16 @@ def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, walk, K, has_z, mode, layou
                         mask=nmask & first_of_group)
             plgpu.store(side_ref.at[b, t, pl.ds(layout.dt_offset + h, 1)],
                         jnp.full((1,), dt_raw, dtype=pdt), mask=jnp.full((1,), (pt == 0) & live))
-        return state, kept
+        return state
 
-    carry = (h0, tuple(jnp.zeros_like(h0) for _ in range(K)))
     if unroll:
         # Straight-line nodes: every node's x/B/C/dt loads are independent of the state, so the
         # compiler can issue them ahead instead of paying their latency once per loop trip.
+        state = h0
         for t in range(T):
-            carry = step(jnp.int32(t), carry)
+            state = step(jnp.int32(t), state)
     else:
-        lax.fori_loop(0, T, step, carry)
+        lax.fori_loop(0, T, step, h0)
 
 
 def _check(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z, mode, scratch, payload):
@@ -356,16 +279,14 @@ def check_plan(plan, nb: int, T: int) -> None:
     """Refuses a plan whose arrays do not fit `[B, T]` = (nb, T), naming the bad field."""
     if not isinstance(plan, Mamba2ScanPlan):
         raise ValueError(f"plan must be a Mamba2ScanPlan (mamba2_scan_plan(parents)), got {type(plan).__name__}")
-    fields = dict(zip(BranchSlotPlan._fields, plan.slots))
-    fields.update(depth=plan.depth, paths=plan.paths, resume_slot=plan.resume_slot, resume_depth=plan.resume_depth)
-    for name, arr in fields.items():
+    for name, arr in plan._asdict().items():
         want = (nb, T, T) if name == "paths" else (nb, T)
         if arr.shape != want:
             raise ValueError(f"plan.{name} must be {list(want)}, got {list(arr.shape)}")
 
 
 def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents=None, *, z=None,
-                     mode="outputs", scratch=None, payload=None, branch_slots=None, plan=None, walk="parents",
+                     mode="outputs", scratch=None, payload=None, plan=None, walk="parents",
                      block_p=None, num_warps=4, unroll=False, backend=None):
     """Mamba2 verify scan; see the module docstring.
 
@@ -374,18 +295,16 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
     (-1 <= parents[t] < t; None: the chain, compiled without any parent test; a parent outside that
     range is read as a root, so that node and its descendants get unspecified values but nothing
     hangs or reads out of bounds), `z [B, T, H, P]`.
-    `branch_slots` (0..MAX_BRANCH_SLOTS, None: DEFAULT_BRANCH_SLOTS) register tiles keep branch
-    points; `plan` is `mamba2_scan_plan(parents, branch_slots)`, computed here when None (pass it to
-    share one plan across layers; slot ids >= branch_slots in it are replayed instead). `walk`
-    picks the replay of spilled branch points ("parents", the default: the pointer chase, which
-    ignores `plan.paths`; or "precomputed": the ancestor list). Slots, plan and walk change speed only.
+    `walk` picks the replay at a branch ("parents", the default: the pointer chase, which needs
+    no plan and ignores one; or "precomputed": the ancestor list). `plan` is
+    `mamba2_scan_plan(parents)`, computed here when the precomputed walk needs it and None is
+    given (pass it to share one plan across layers). Plan and walk change speed only.
     `block_p` (power of two) and `num_warps` pick the program tile; `unroll=True` emits the node
     loop as straight-line code (same results).
     Returns `(y [B, T, H, P] in x.dtype, side)` where side is the updated scratch (staged), the
     updated payload (replay) or None (outputs).
     """
     layout = _check(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z, mode, scratch, payload)
-    K = DEFAULT_BRANCH_SLOTS if branch_slots is None else check_num_slots(branch_slots)
     if walk not in WALKS:
         raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
     nb, T, H, P = x.shape
@@ -416,17 +335,11 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
     if tree:
         # The kernel reads malformed pointers as roots itself (no extra XLA op per layer call).
         parents = parents.astype(jnp.int32)
-        if plan is None and (walk == "precomputed" or K):
-            plan = mamba2_scan_plan(parents, K)
         tree_inputs = [parents]
         if walk == "precomputed":
+            if plan is None:
+                plan = mamba2_scan_plan(parents)
             tree_inputs += [plan.depth.astype(jnp.int32), plan.paths.astype(jnp.int32)]
-        if K:
-            tree_inputs += [plan.slots.save_slot.astype(jnp.int32), plan.slots.load_slot.astype(jnp.int32)]
-        if K and walk == "precomputed":
-            tree_inputs += [plan.resume_slot.astype(jnp.int32), plan.resume_depth.astype(jnp.int32)]
-    else:
-        K = 0  # a chain has no branch points
     inputs = tree_inputs + [
         state_slots.astype(jnp.int32), x, dt, A_log, dt_bias, D, B, C] + ([z] if z is not None else []) + [state_pool]
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
@@ -437,7 +350,7 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
         inputs.append(side)
         out_shape.append(jax.ShapeDtypeStruct(side.shape, side.dtype))
     kernel = functools.partial(_scan_kernel, T=T, H=H, P=P, N=N, G=G, BP=BP, NP=NP, tree=tree,
-                               walk=walk, K=K, has_z=z is not None, mode=mode, layout=layout, unroll=bool(unroll))
+                               walk=walk, has_z=z is not None, mode=mode, layout=layout, unroll=bool(unroll))
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,

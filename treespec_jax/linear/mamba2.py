@@ -21,9 +21,9 @@ chain):
 
 A padded request (state slot < 0) reads and writes no pool row.
 
-Per step, not per layer: `mamba2_step_plan(parents, conv_width, branch_slots)` (or
-`Mamba2Layer.step_plan`) builds the scan's branch-slot plan and ancestor list and the conv's lag
-sources once; pass the result as `plan=` to every layer's verify of that step. Without it each
+Per step, not per layer: `mamba2_step_plan(parents, conv_width, walk)` (or
+`Mamba2Layer.step_plan`) builds the conv's lag sources and, for `walk="precomputed"`, the scan's
+ancestor list once; pass the result as `plan=` to every layer's verify of that step. Without it each
 layer rebuilds the same tiny tables.
 """
 
@@ -37,10 +37,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout, payload_dtype
 from pallas_kernels.linear.mamba2_replay import mamba2_replay_commit
-from pallas_kernels.linear.branch_slots import DEFAULT_BRANCH_SLOTS, check_num_slots
 from pallas_kernels.linear.conv_tree import conv_lag_sources
 from pallas_kernels.linear.mamba2_chunked import mamba2_tree_chunked
-from pallas_kernels.linear.mamba2_tree import Mamba2ScanPlan, mamba2_scan_plan, mamba2_tree_scan
+from pallas_kernels.linear.mamba2_tree import WALKS, Mamba2ScanPlan, mamba2_scan_plan, mamba2_tree_scan
 from pallas_kernels.row_move import pack_path_rows
 from treespec_jax.linear.conv import conv_commit_from_inputs, conv_commit_staged, conv_verify
 from treespec_jax.linear.state_mode import StateMode, check_state_mode
@@ -90,9 +89,11 @@ class Mamba2CommitConfig:
 
     mode: StateMode = "replay_ssm"  # ReplaySSM (default): no per-node states; "staged": per-node states
     backend: str | None = None  # kernel backend for every kernel called here (see pallas_kernels.common)
-    # Register tiles the tree scan keeps branch points in (None: DEFAULT_BRANCH_SLOTS); 0 replays
-    # every branch from the committed state. Speed only: every value gives the same results.
-    branch_slots: int | None = None
+    # How the recurrent tree scan replays a branch's parent state from the committed state:
+    # "parents" (default, measured fastest at B=32 T=16 on the H200) chases parent pointers;
+    # "precomputed" replays along the step's ancestor list (Mamba2StepPlan.scan; 17% faster at B=1
+    # T=64, tied elsewhere). Speed only: both give the same results up to rounding.
+    walk: str = "parents"
     # Verify scan form: "recurrent" (mamba2_tree_scan, node by node) or "chunked" (mamba2_chunked:
     # all nodes at once under the ancestor mask; ReplaySSM only, as it forms no node states; not yet
     # timed on a GPU). Same results up to rounding.
@@ -100,8 +101,8 @@ class Mamba2CommitConfig:
 
     def __post_init__(self):
         check_state_mode(self.mode, "Mamba2")
-        if self.branch_slots is not None:
-            check_num_slots(self.branch_slots)
+        if self.walk not in WALKS:
+            raise ValueError(f"Mamba2CommitConfig.walk must be one of {WALKS}, got {self.walk!r}")
         if self.verify_form not in VERIFY_FORMS:
             raise ValueError(f"Mamba2CommitConfig.verify_form must be one of {VERIFY_FORMS}, got {self.verify_form!r}")
         if self.verify_form == "chunked" and self.mode != "replay_ssm":
@@ -134,18 +135,19 @@ class Mamba2VerifyScratch(NamedTuple):
 class Mamba2StepPlan(NamedTuple):
     """Per-step tree tables shared by every Mamba2 layer of the step (built by `mamba2_step_plan`)."""
 
-    scan: Mamba2ScanPlan | None  # branch-slot plan, depths and root paths (None: no branch slots)
+    scan: Mamba2ScanPlan | None  # depths and root paths for walk="precomputed" (None: parent walk)
     conv_lags: jax.Array  # [B, T, W-1] int32 lag sources for the tree conv
 
 
-def mamba2_step_plan(parents: jax.Array | None, conv_width: int,
-                     branch_slots: int | None = None) -> Mamba2StepPlan | None:
-    """`parents [B, T]` -> the step's shared plan (None for a chain: it needs none). With no branch
-    slots (the default) the scan replays by parent walk and needs no scan plan (`scan` is None)."""
+def mamba2_step_plan(parents: jax.Array | None, conv_width: int, walk: str = "parents") -> Mamba2StepPlan | None:
+    """`parents [B, T]` -> the step's shared plan (None for a chain: it needs none). The scan's
+    ancestor list is built only for `walk="precomputed"`; the parent walk (the default) needs none
+    (`scan` is None)."""
+    if walk not in WALKS:
+        raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
     if parents is None:
         return None
-    slots = DEFAULT_BRANCH_SLOTS if branch_slots is None else check_num_slots(branch_slots)
-    scan = mamba2_scan_plan(parents, branch_slots) if slots else None
+    scan = mamba2_scan_plan(parents) if walk == "precomputed" else None
     return Mamba2StepPlan(scan, conv_lag_sources(parents, conv_width))
 
 
@@ -188,7 +190,7 @@ def mamba2_verify(dims: Mamba2Dims, cfg: Mamba2CommitConfig, weights: Mamba2Weig
 
     `xbc [B, T, conv_dim]` raw (pre-conv), `dt [B, T, H]`, `parents [B, T] int32` or None (chain),
     `z [B, T, H, P]` optional gate, `state_slots [B] int32`, `plan` the step's
-    `mamba2_step_plan(parents, dims.conv_width, cfg.branch_slots)` (built here when None), `mask
+    `mamba2_step_plan(parents, dims.conv_width, cfg.walk)` (built here when None), `mask
     [B, T, 2] uint32` the step's packed ancestor rows (used by `verify_form="chunked"`; built from
     parents when None). The pools are only read.
     """
@@ -199,14 +201,14 @@ def mamba2_verify(dims: Mamba2Dims, cfg: Mamba2CommitConfig, weights: Mamba2Weig
     if plan is not None and not isinstance(plan, Mamba2StepPlan):
         raise ValueError(f"plan must be a Mamba2StepPlan (mamba2_step_plan), got {type(plan).__name__}")
     if plan is None:
-        plan = mamba2_step_plan(parents, dims.conv_width, cfg.branch_slots)
+        plan = mamba2_step_plan(parents, dims.conv_width, cfg.walk)
     elif parents is None:
         raise ValueError("plan given without parents: a chain (parents=None) takes no plan")
     lags, scan_plan = (None, None) if plan is None else (plan.conv_lags, plan.scan)
     conv_y, conv_rows = conv_verify(xbc, pools.conv, state_slots, weights.conv_weight, weights.conv_bias, parents,
                                     silu=True, node_states=scratch.conv_rows, lags=lags, backend=cfg.backend)
     x, B, C = _split_xbc(dims, conv_y)
-    scan_kw = dict(z=z, branch_slots=cfg.branch_slots, plan=scan_plan, backend=cfg.backend)
+    scan_kw = dict(z=z, walk=cfg.walk, plan=scan_plan, backend=cfg.backend)
     if cfg.verify_form == "chunked":
         y, payload = mamba2_tree_chunked(x, dt, weights.A_log, B, C, weights.D, weights.dt_bias, pools.ssm,
                                          state_slots, parents, mask=mask, z=z, mode="replay", payload=scratch.ssm,
@@ -269,9 +271,9 @@ class Mamba2Layer(TreeBackend):
         )
 
     def step_plan(self, parents) -> Mamba2StepPlan | None:
-        """The step's shared tables for this layer's shape; layers of equal conv width and slot
-        count share one (build it once per step, pass it to every layer's verify)."""
-        return mamba2_step_plan(parents, self.dims.conv_width, self.cfg.branch_slots)
+        """The step's shared tables for this layer's shape; layers of equal conv width and walk
+        share one (build it once per step, pass it to every layer's verify)."""
+        return mamba2_step_plan(parents, self.dims.conv_width, self.cfg.walk)
 
     def verify(self, weights, pools, state_slots, xbc, dt, parents, scratch, z=None,
                plan: Mamba2StepPlan | None = None) -> Mamba2VerifyResult:
