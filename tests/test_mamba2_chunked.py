@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_mamba2_tree import H, N, _j, mamba2_inputs, np_mamba2, rel_err
+from test_mamba2_tree import H, N, _j, mamba2_inputs, np_mamba2, pretend_sm90_with_nemotron_args, rel_err
 from trees import random_parents
 
 from pallas_kernels.linear.mamba2_chunked import MAX_CHUNKED_NODES, mamba2_tree_chunked
@@ -93,20 +93,7 @@ def test_chunked_refusals_name_the_value():
 def test_chunked_lowers_to_triton_for_sm90(monkeypatch):
     """Pallas -> Triton IR for sm_90 without a GPU at Nemotron-H-like head dims (the PTX compile and
     the numbers are the GPU bench's)."""
-    import jax._src.pallas.triton.pallas_call_registration as reg
-
-    import pallas_kernels.common as common
-
-    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: reg.gpu_info_lib.GpuInfo(
-        gpu_version=None, arch_name="sm_90", compute_capability=90))
-    monkeypatch.setattr(common, "on_gpu", lambda: True)
-    nb, T, P, G, Nn, Hh = 2, 16, 64, 2, 128, 4
-    sd = jax.ShapeDtypeStruct
-    bf = jnp.bfloat16
-    lay = Mamba2PayloadLayout(G, Nn, Hh, P)
-    args = (sd((nb, T, Hh, P), bf), sd((nb, T, Hh), bf), sd((Hh,), jnp.float32), sd((nb, T, G, Nn), bf),
-            sd((nb, T, G, Nn), bf), sd((Hh,), jnp.float32), sd((Hh,), jnp.float32), sd((6, Hh, P, Nn), jnp.float32),
-            sd((nb,), jnp.int32), sd((nb, T), jnp.int32), sd((nb, T, lay.width), bf))
+    args = pretend_sm90_with_nemotron_args(monkeypatch)
 
     def f(x, dt, al, B, C, D, dtb, pool, sl, par, pay):
         return mamba2_tree_chunked(x, dt, al, B, C, D, dtb, pool, sl, par, z=x, mode="replay", payload=pay)

@@ -368,9 +368,10 @@ def test_plan_and_walk_arguments_are_checked():
         scan(inp, slots, parents, num_warps=3, backend="interpret")
 
 
-def test_tree_scan_lowers_to_triton_for_sm90(monkeypatch):
-    """Pallas -> Triton IR for sm_90 without a GPU, for both walks (the PTX compile and the numbers
-    are the GPU bench's)."""
+def pretend_sm90_with_nemotron_args(monkeypatch):
+    """Makes Pallas lower for an sm_90 GPU on the CPU; returns ShapeDtypeStructs of one replay-mode
+    scan call at Nemotron-H-like head dims: (x, dt, A_log, B, C, D, dt_bias, pool, slots, parents,
+    payload). Shared with the chunked form's lowering test."""
     import jax
     import jax._src.pallas.triton.pallas_call_registration as reg
 
@@ -383,9 +384,17 @@ def test_tree_scan_lowers_to_triton_for_sm90(monkeypatch):
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     lay = Mamba2PayloadLayout(G, Nn, Hh, P)
-    args = (sd((nb, T, Hh, P), bf), sd((nb, T, Hh), bf), sd((Hh,), jnp.float32), sd((nb, T, G, Nn), bf),
+    return (sd((nb, T, Hh, P), bf), sd((nb, T, Hh), bf), sd((Hh,), jnp.float32), sd((nb, T, G, Nn), bf),
             sd((nb, T, G, Nn), bf), sd((Hh,), jnp.float32), sd((Hh,), jnp.float32), sd((6, Hh, P, Nn), jnp.float32),
             sd((nb,), jnp.int32), sd((nb, T), jnp.int32), sd((nb, T, lay.width), bf))
+
+
+def test_tree_scan_lowers_to_triton_for_sm90(monkeypatch):
+    """Pallas -> Triton IR for sm_90 without a GPU, for both walks (the PTX compile and the numbers
+    are the GPU bench's)."""
+    import jax
+
+    args = pretend_sm90_with_nemotron_args(monkeypatch)
     for kw in (dict(walk="precomputed"), dict(walk="parents", block_p=16, num_warps=2)):
         def f(x, dt, al, B, C, D, dtb, pool, sl, par, pay, kw=kw):
             return mamba2_tree_scan(x, dt, al, B, C, D, dtb, pool, sl, par, z=x, mode="replay", payload=pay, **kw)

@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2, resolve_backend
 from pallas_kernels.linear.mamba2_reference import mamba2_tree_scan_reference
-from pallas_kernels.linear.mamba2_tree import _check
+from pallas_kernels.linear.mamba2_tree import _check, program_coords
 from treespec_jax.tree.masks import ancestor_mask, chain_parents
 
 MAX_CHUNKED_NODES = 64
@@ -57,13 +57,7 @@ def _chunked_kernel(mask_ref, slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref
     y_ref = refs.pop(0)
     side_ref = refs.pop(0) if mode == "replay" else None
 
-    b = pl.program_id(0)
-    h = pl.program_id(1)
-    pt = pl.program_id(2)
-    p0 = pt * BP
-    g = h // (H // G)
-    slot = slots_ref[b]
-    live = slot >= 0
+    b, h, pt, p0, g, slot, live = program_coords(slots_ref, BP, H, G)
     t_idx = jnp.arange(TP)
     tmask = t_idx < T
     pmask = (p0 + jnp.arange(BP)) < P

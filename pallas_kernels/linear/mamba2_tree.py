@@ -104,6 +104,16 @@ def _softplus(v):
     return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
 
 
+def program_coords(slots_ref, block_p: int, nheads: int, ngroups: int):
+    """(request b, head h, channel tile pt, its first channel, B/C group, state slot, live) of a
+    program on the (B, H, channel tiles) grid; shared with the chunked form."""
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    pt = pl.program_id(2)
+    slot = slots_ref[b]
+    return b, h, pt, pt * block_p, h // (nheads // ngroups), slot, slot >= 0
+
+
 def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, walk, has_z, mode, layout, unroll):
     refs = list(refs)
     parents_ref = depth_ref = paths_ref = None
@@ -120,13 +130,7 @@ def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, walk, has_z, mode, layout, 
     y_ref = refs.pop(0)
     side_ref = refs.pop(0) if mode != "outputs" else None
 
-    b = pl.program_id(0)
-    h = pl.program_id(1)
-    pt = pl.program_id(2)
-    p0 = pt * BP
-    g = h // (H // G)
-    slot = slots_ref[b]
-    live = slot >= 0
+    b, h, pt, p0, g, slot, live = program_coords(slots_ref, BP, H, G)
     pidx = p0 + jnp.arange(BP)
     nidx = jnp.arange(NP)
     pmask = pidx < P
