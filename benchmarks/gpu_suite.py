@@ -35,7 +35,7 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 
 # Measurements still owed (see benchmarks/RESULTS.md, summary); one call of `--owed --out $OUT`
-# (about 6 minutes on an H200) takes them: the first compiled run of the chunked (SSD) Mamba2 tree
+# (about 8 minutes on an H200, under the 10-minute call limit) takes them: the first compiled run of the chunked (SSD) Mamba2 tree
 # verify (conformance, then timing against the recurrent tree and chain; make it the default
 # verify_form only if faster), the FP8 cascade at B=1 and B=8 with the Mosaic prefix,
 # the first compiled run of the Mosaic FP8 MLA latent decode (conformance, then timing against the
