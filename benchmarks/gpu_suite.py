@@ -35,9 +35,10 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 
 # Measurements still owed (see benchmarks/RESULTS.md, summary); one call of `--owed --out $OUT`
-# (about 8 minutes on an H200, under the 10-minute call limit) takes them: the first compiled run of the chunked (SSD) Mamba2 tree
-# verify (conformance, then timing against the recurrent tree and chain; make it the default
-# verify_form only if faster), the FP8 cascade at B=1 and B=8 with the Mosaic prefix,
+# (about 8 minutes on an H200, under the 10-minute call limit) takes them: the first compiled run
+# of the chunked (SSD) Mamba2 tree verify and of the slot-free Mamba2 scan (conformance, then
+# timing against the recurrent tree and chain; make "chunked" the default verify_form only if
+# faster), the FP8 cascade at B=1 and B=8 with the Mosaic prefix,
 # the first compiled run of the Mosaic FP8 MLA latent decode (conformance, then timing against the
 # Triton one; adopt it under "auto" only if faster), GDN's ReplaySSM commit at B=64, T=64, and
 # value-major GDN tiles at B=1, 32 and 64, also narrow fla-style ones (at B=32, T=16 32-column
