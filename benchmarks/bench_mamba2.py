@@ -216,6 +216,8 @@ def conformance(quick: bool, results: list | None = None, smoke: bool = False) -
         pay0 = jnp.full((nb, t, lay.width), jnp.nan, act)
         yc, payc = jax.jit(lambda a, s, p, pl_: chunked(a, s, p, mode="replay", payload=pl_))(a, slots, parents, pay0)
         check(f"{name} chunked tree y", rel_err(np.asarray(yc)[live], np.asarray(y_ref)[live]), tol)
+        y3x, _ = jax.jit(lambda a, s, p: chunked(a, s, p, fp32_dots="tf32x3"))(a, slots, parents)
+        check(f"{name} chunked tree y, tf32x3 products", rel_err(np.asarray(y3x)[live], np.asarray(y_ref)[live]), tol)
         same(f"{name} chunked payload rows exact", np.asarray(payc, np.float32)[live], want_pay[live])
         ycc, _ = jax.jit(lambda a, s: chunked(a, s, None))(a, slots)
         ycc_ref, _ = scan(a, slots, None, backend="reference")
@@ -339,18 +341,18 @@ def bench_case(nb, t, rng, launch, staged=False, unroll_variant=False, drafter=T
     if CHUNKED:
         mask = ancestor_mask(parents)  # built once per step, as attention's
 
-        def chunked_step(tree):
+        def chunked_step(tree, fp32_dots):
             def step(c):
                 side, i, acc = c
                 slots = (jnp.arange(nb, dtype=jnp.int32) + i * nb) % (nb * sets)
                 y, side2 = chunked(a, slots, parents if tree else None, mask=mask if tree else None,
-                                   mode="replay", payload=side)
+                                   mode="replay", payload=side, fp32_dots=fp32_dots)
                 return side2, (i + 1) % sets, acc + y[0, 0, 0, 0].astype(jnp.float32)
             return step
 
-        for tree in (True, False):
-            res[("chunked", "tree" if tree else "chain")], _ = time_step(
-                chunked_step(tree), (side_for("replay"), jnp.int32(0), jnp.float32(0)))
+        for tree, fp32_dots in ((True, "ieee"), (False, "ieee"), (True, "tf32x3")):
+            key = ("chunked", "tree" if tree else "chain") + (() if fp32_dots == "ieee" else (fp32_dots,))
+            res[key], _ = time_step(chunked_step(tree, fp32_dots), (side_for("replay"), jnp.int32(0), jnp.float32(0)))
     # The per-step plan (ancestor list + conv lags), built once per step for all layers.
     plan_fn = jax.jit(lambda p: mamba2_step_plan(p, CONV_W, "precomputed"))
     res["plan"] = timing.median_time(plan_fn, parents, samples=10)
@@ -487,7 +489,8 @@ def bench(configs, budget_s, launch, staged=False, unroll_variant=False, on_row=
         if ("chunked", "tree") in r:
             line = (f"chunked (SSD) form B={nb} T={t}: tree {us(r[('chunked', 'tree')])} us "
                     f"({r[('chunked', 'tree')] / chain:.2f}x the recurrent chain), chain {us(r[('chunked', 'chain')])} us "
-                    f"({r[('chunked', 'chain')] / chain:.2f}x), recurrent tree {us(old)} us")
+                    f"({r[('chunked', 'chain')] / chain:.2f}x), tree with tf32x3 products "
+                    f"{us(r[('chunked', 'tree', 'tf32x3')])} us, recurrent tree {us(old)} us")
             log("    " + line)
             notes.append(line)
         if ("unrolled", "chain") in r:

@@ -88,6 +88,8 @@ def test_chunked_refusals_name_the_value():
         chunked(long, np.array([0]), None)
     with pytest.raises(ValueError, match="block_p must be a power of two >= 16, got 8"):
         chunked(inp, np.array([0]), None, block_p=8)
+    with pytest.raises(ValueError, match="fp32_dots must be one of \\('ieee', 'tf32x3'\\), got 'tf32'"):
+        chunked(inp, np.array([0]), None, fp32_dots="tf32")
 
 
 def test_chunked_lowers_to_triton_for_sm90(monkeypatch):
@@ -95,8 +97,10 @@ def test_chunked_lowers_to_triton_for_sm90(monkeypatch):
     the numbers are the GPU bench's)."""
     args = pretend_sm90_with_nemotron_args(monkeypatch)
 
-    def f(x, dt, al, B, C, D, dtb, pool, sl, par, pay):
-        return mamba2_tree_chunked(x, dt, al, B, C, D, dtb, pool, sl, par, z=x, mode="replay", payload=pay)
+    for fp32_dots in ("ieee", "tf32x3"):
+        def f(x, dt, al, B, C, D, dtb, pool, sl, par, pay, fp32_dots=fp32_dots):
+            return mamba2_tree_chunked(x, dt, al, B, C, D, dtb, pool, sl, par, z=x, mode="replay", payload=pay,
+                                       fp32_dots=fp32_dots)
 
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in text
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text, fp32_dots

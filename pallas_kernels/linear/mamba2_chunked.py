@@ -20,7 +20,7 @@ accepted path as a chain, unchanged); "staged" mode, which needs every node's st
 
 Bounds: T <= MAX_CHUNKED_NODES = 64 (the ancestor mask is two 32-bit words per row), padded to a
 power of two >= 16 (Triton dot operands); C B^T multiplies 16-bit inputs natively (exact
-products, fp32 sums), every fp32 product uses IEEE precision (no TF32).
+products, fp32 sums); the fp32 products are IEEE by default, or three TF32 passes (`fp32_dots`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ from treespec_jax.tree.masks import ancestor_mask, chain_parents
 
 MAX_CHUNKED_NODES = 64
 CHUNKED_MODES = ("replay", "outputs")
-_HIGHEST = lax.Precision.HIGHEST
+# fp32 products: "ieee" (exact fp32, FMA units) or "tf32x3" (three TF32 tensor-core passes, about
+# fp32 accuracy). The CPU has no TF32x3, so interpreted runs always take "ieee".
+FP32_DOTS = {"ieee": lax.Precision.HIGHEST, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
 
 
 def _softplus(v):
@@ -48,7 +50,7 @@ def _softplus(v):
 
 
 def _chunked_kernel(mask_ref, slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref, b_ref, c_ref, *refs,
-                    T, TP, H, P, N, G, BP, NP, has_z, mode, layout):
+                    T, TP, H, P, N, G, BP, NP, has_z, mode, layout, precision):
     refs = list(refs)
     z_ref = refs.pop(0) if has_z else None
     pool_ref = refs.pop(0)
@@ -90,12 +92,12 @@ def _chunked_kernel(mask_ref, slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref
     if jnp.dtype(c_raw.dtype).itemsize == 2:  # 16-bit B/C: exact products on the tensor cores, fp32 sums
         cb = jnp.dot(c_raw, b_raw.T, preferred_element_type=jnp.float32)  # [T, T]
     else:
-        cb = jnp.dot(c_raw.astype(jnp.float32), b_raw.astype(jnp.float32).T, precision=_HIGHEST)
+        cb = jnp.dot(c_raw.astype(jnp.float32), b_raw.astype(jnp.float32).T, precision=precision)
     weights = cb * decay * dtp[None, :]
-    y = jnp.dot(weights, xf, precision=_HIGHEST)  # [T, BP]
+    y = jnp.dot(weights, xf, precision=precision)  # [T, BP]
     h0 = plgpu.load(pool_ref.at[jnp.maximum(slot, 0), h, pl.ds(p0, BP), pl.ds(0, NP)],
                     mask=(pmask[:, None] & nmask[None, :]) & live, other=0.0).astype(jnp.float32)
-    y = y + jnp.exp(cum)[:, None] * jnp.dot(c_raw.astype(jnp.float32), h0.T, precision=_HIGHEST)
+    y = y + jnp.exp(cum)[:, None] * jnp.dot(c_raw.astype(jnp.float32), h0.T, precision=precision)
     y = y + d_ref[h].astype(jnp.float32) * xf
     if has_z:
         zf = plgpu.load(z_ref.at[b, pl.ds(0, TP), h, pl.ds(p0, BP)], mask=rows_p, other=0.0).astype(jnp.float32)
@@ -115,7 +117,8 @@ def _chunked_kernel(mask_ref, slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref
 
 
 def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents=None, *, mask=None,
-                        z=None, mode="outputs", payload=None, block_p=None, num_warps=4, backend=None):
+                        z=None, mode="outputs", payload=None, block_p=None, num_warps=4, fp32_dots="ieee",
+                        backend=None):
     """Chunked Mamba2 tree verify; see the module docstring.
 
     Shapes as `mamba2_tree.mamba2_tree_scan`: `x [B, T, H, P]`, `dt [B, T, H]`, `A_log/D/dt_bias [H]`,
@@ -123,7 +126,8 @@ def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots,
     `parents [B, T] int32` (None: the chain), `z [B, T, H, P]`. `mask [B, T, 2] uint32`: the packed
     ancestor-or-self rows (`tree.masks.ancestor_mask(parents)`; pass the one attention already uses
     to build it once per step). `mode`: "outputs" or "replay" (payload rows `[B | x | dt]` into
-    `payload [B, T, width]`, aliased). Returns `(y [B, T, H, P] in x.dtype, payload or None)`.
+    `payload [B, T, width]`, aliased). `fp32_dots`: "ieee" or "tf32x3" (compiled runs only; see
+    FP32_DOTS). Returns `(y [B, T, H, P] in x.dtype, payload or None)`.
     """
     if mode not in CHUNKED_MODES:
         raise ValueError(f"mamba2_tree_chunked: mode must be one of {CHUNKED_MODES} (the chunked form keeps no "
@@ -140,6 +144,8 @@ def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots,
         raise ValueError(f"mamba2_tree_chunked: block_p must be a power of two >= 16, got {block_p}")
     if not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"mamba2_tree_chunked: num_warps must be a power of two, got {num_warps}")
+    if fp32_dots not in FP32_DOTS:
+        raise ValueError(f"mamba2_tree_chunked: fp32_dots must be one of {tuple(FP32_DOTS)}, got {fp32_dots!r}")
     kind = resolve_backend(backend)
     if kind == "reference":
         y, _ = mamba2_tree_scan_reference(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z)
@@ -161,7 +167,8 @@ def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots,
         inputs.append(payload)
         out_shape.append(jax.ShapeDtypeStruct(payload.shape, payload.dtype))
     kernel = functools.partial(_chunked_kernel, T=T, TP=TP, H=H, P=P, N=N, G=G, BP=BP, NP=NP,
-                               has_z=z is not None, mode=mode, layout=layout)
+                               has_z=z is not None, mode=mode, layout=layout,
+                               precision=FP32_DOTS["ieee" if kind == "interpret" else fp32_dots])
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -174,4 +181,4 @@ def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots,
     return outs[0], (outs[1] if mode == "replay" else None)
 
 
-__all__ = ["CHUNKED_MODES", "MAX_CHUNKED_NODES", "mamba2_tree_chunked"]
+__all__ = ["CHUNKED_MODES", "FP32_DOTS", "MAX_CHUNKED_NODES", "mamba2_tree_chunked"]
