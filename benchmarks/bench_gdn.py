@@ -221,6 +221,9 @@ def conformance_case(i, d, bsz, t, dtype, tol, rng, check):
         out, pl_ = gdn_chunked_verify(*args, ancestor_mask(parents), payload, backend="pallas")
         e6 = rel_err(out, ref.out)
         check("chunked vs recurrent reference", e6 < tol, f"{e6:.2e}")
+        out3, _ = gdn_chunked_verify(*args, ancestor_mask(parents), payload, backend="pallas", fp32_dots="tf32x3")
+        e7 = rel_err(out3, ref.out)
+        check("chunked (tf32x3 products) vs recurrent reference", e7 < tol, f"{e7:.2e}")
         check("chunked payload == [k|v|a|b]", np.array_equal(
             np.asarray(pl_.astype(jnp.float32)), np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
     # ReplaySSM commit along a random accepted path equals the state at the last accepted node.
@@ -275,13 +278,13 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
     out0 = jnp.zeros(x["v"].shape, dtype)
     res = {}
 
-    def verify_step(is_tree, store, chunked=False, drafter_tree=False):
+    def verify_step(is_tree, store, chunked=False, drafter_tree=False, fp32_dots="ieee"):
         step_tree = eagle_tree_ if drafter_tree else tree
 
         def step(c):
             ns, pl_, _ = c
             if chunked:
-                o, pl_ = gdn_chunked_verify(*args, tree.ancestor_mask, pl_, config=ccfg)
+                o, pl_ = gdn_chunked_verify(*args, tree.ancestor_mask, pl_, config=ccfg, fp32_dots=fp32_dots)
                 return ns, pl_, o
             r = gdn_tree_verify(*args, step_tree.parents if is_tree else None, ns, store=store,
                                 payload=pl_ if store == "branch_points" else None,
@@ -308,6 +311,7 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
         res["launch_chain"] = res["launch_tree"] = pick_launch(dims_of(d, bsz, t), kcfg)
     if t <= 16:
         res["tree_chunked"], carry = time_step(verify_step(True, None, chunked=True), carry)
+        res["tree_chunked_tf32x3"], carry = time_step(verify_step(True, None, chunked=True, fp32_dots="tf32x3"), carry)
     br = np.asarray(branch_points(parents))
     res["branch_frac"] = float(br.sum()) / (bsz * t)
     if eagle_trees:
@@ -365,7 +369,7 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
         rows.append((bsz, t, r))
         log(f"B={bsz:3d} T={t:3d} chain_replay {_us(r, 'chain_replay')}us tree_replay(rec) "
             f"{_us(r, 'tree_replay_rec')}us ({r['tree_replay_rec'] / r['chain_replay']:.2f}x) "
-            f"chunked {_us(r, 'tree_chunked')}us chain_staged {_us(r, 'chain_staged')}us tree_staged "
+            f"chunked {_us(r, 'tree_chunked')}us (tf32x3 {_us(r, 'tree_chunked_tf32x3')}us) chain_staged {_us(r, 'chain_staged')}us tree_staged "
             f"{_us(r, 'tree_staged')}us commit {_us(r, 'replay_commit')}us floor_rw {_us(r, 'floor_rw')}us"
             + (f" eagle_tree {_us(r, 'eagle_replay_rec')}us "
                f"({r['eagle_replay_rec'] / r['chain_replay']:.2f}x)" if eagle_trees else ""))

@@ -239,6 +239,9 @@ def test_bad_inputs_are_named():
         y = random_inputs(rng, B, 17)
         gdn_chunked_verify(*_args(y), ancestor_mask(jnp.asarray(random_tree(rng, B, 17))),
                            _nan_payload(17), backend="interpret")
+    with pytest.raises(ValueError, match="fp32_dots must be one of \\('ieee', 'tf32x3'\\), got 'tf32'"):
+        gdn_chunked_verify(*args, ancestor_mask(jnp.asarray(parents)), _nan_payload(t), fp32_dots="tf32",
+                           backend="interpret")
     with pytest.raises(ValueError, match="share one dtype"):
         gdn_tree_verify(*args, parents, _nan_states(t), store="branch_points",
                         payload=_nan_payload(t, jnp.bfloat16), backend="interpret")
@@ -320,3 +323,12 @@ def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
             *ins, sd((bsz, t), jnp.int32), nodes, sd((bsz, t, width), jnp.bfloat16)).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text and "gdn_tree_verify" in text, (store, tree, vm)
+    # The chunked form, with IEEE and with TF32x3 fp32 products.
+    for fp32_dots in ("ieee", "tf32x3"):
+        def chunked(*a, fp32_dots=fp32_dots):
+            return gdn_chunked_verify(*a, fp32_dots=fp32_dots)
+
+        text = jax.jit(chunked, donate_argnums=(10,)).trace(
+            *ins, sd((bsz, t, 2), jnp.uint32), sd((bsz, t, width), jnp.bfloat16)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text and "gdn_chunked_verify" in text, fp32_dots

@@ -32,22 +32,24 @@ from treespec_jax.tree.masks import unpack_mask_rows
 # Rows of the padded tree: a Triton dot needs every operand dim >= 16.
 CHUNK = 16
 
-_HIGHEST = jax.lax.Precision.HIGHEST  # fp32 dots in IEEE fp32, not tf32
+# fp32 products: "ieee" (exact fp32 on the FMA units; the default) or "tf32x3" (three TF32
+# tensor-core passes, about fp32 accuracy; compiled runs only, the CPU has no TF32x3).
+FP32_DOTS = {"ieee": jax.lax.Precision.HIGHEST, "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
 
 
-def _dot_t(x, y):
+def _dot_t(x, y, precision):
     """x @ y^T for 2-D tiles."""
-    return jax.lax.dot_general(x, y, (((1,), (1,)), ((), ())), precision=_HIGHEST,
+    return jax.lax.dot_general(x, y, (((1,), (1,)), ((), ())), precision=precision,
                                preferred_element_type=jnp.float32)
 
 
-def _dot(x, y):
-    return jnp.dot(x, y, precision=_HIGHEST, preferred_element_type=jnp.float32)
+def _dot(x, y, precision):
+    return jnp.dot(x, y, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _chunked_kernel(mask_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref,
                     pool_ref, _payload_in_ref, o_ref, payload_ref, *, nodes: int, group: int,
-                    block_v: int, use_qk_l2norm: bool, scale: float, layout: GdnPayloadLayout):
+                    block_v: int, use_qk_l2norm: bool, scale: float, layout: GdnPayloadLayout, precision):
     b = pl.program_id(0)
     hv = pl.program_id(1)
     vt = pl.program_id(2)
@@ -77,7 +79,7 @@ def _chunked_kernel(mask_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog
     # G_t - G_s <= 0 on ancestor pairs (g <= 0); the min keeps masked pairs from overflowing.
     decay_ts = jnp.where(anc, jnp.exp(jnp.minimum(big_g[:, None] - big_g[None, :], 0.0)), 0.0)
     strict = anc & (rows[:, None] != rows[None, :])
-    m = jnp.where(strict, beta[:, None] * decay_ts * _dot_t(k, k), 0.0)
+    m = jnp.where(strict, beta[:, None] * decay_ts * _dot_t(k, k, precision), 0.0)
 
     # (I + M)^-1 by forward substitution: row t = e_t - sum_{s<t} M[t, s] row_s.
     def solve_row(t, inv):
@@ -90,9 +92,9 @@ def _chunked_kernel(mask_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog
 
     h0 = pool_ref[slots_ref[b], hv, :, cols].astype(jnp.float32)  # [dk, block_v]
     decay = jnp.exp(big_g)[:, None]
-    rhs = beta[:, None] * (v_raw.astype(jnp.float32) - decay * _dot(k, h0))
-    u = _dot(inv, rhs)
-    out = decay * _dot(q, h0) + _dot(decay_ts * _dot_t(q, k), u)
+    rhs = beta[:, None] * (v_raw.astype(jnp.float32) - decay * _dot(k, h0, precision))
+    u = _dot(inv, rhs, precision)
+    out = decay * _dot(q, h0, precision) + _dot(decay_ts * _dot_t(q, k, precision), u, precision)
     plgpu.store(o_ref.at[b, node_rows, hv, cols], out.astype(o_ref.dtype), mask=live[:, None])
 
     dv = v_ref.shape[-1]
@@ -112,13 +114,17 @@ def _chunked_kernel(mask_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog
 
 def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload,
                        *, use_qk_l2norm: bool = True, scale: float | None = None,
-                       config: GdnKernelConfig | None = None, backend: str | None = None):
+                       config: GdnKernelConfig | None = None, fp32_dots: str = "ieee",
+                       backend: str | None = None):
     """Chunked GDN verify of a tree with T <= 16 nodes. Shapes in `gdn_common`.
 
     ancestor_mask: `[B, T, 2] uint32` packed ancestor-or-self rows (`tree.masks.ancestor_mask`),
     node order with parents before children. payload: `[B, T, width]` buffer for the replay payload
     rows, written in place. Returns `(out [B, T, HV, dv], payload)`. The committed pool is only read.
+    `fp32_dots`: "ieee" or "tf32x3" (see FP32_DOTS).
     """
+    if fp32_dots not in FP32_DOTS:
+        raise ValueError(f"gdn_chunked_verify: fp32_dots must be one of {tuple(FP32_DOTS)}, got {fp32_dots!r}")
     dims = gdn_dims(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots)
     if dims.nodes > CHUNK:
         raise ValueError(f"the chunked GDN form covers at most {CHUNK} nodes, got T={dims.nodes}")
@@ -135,7 +141,8 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
         return out.astype(v.dtype), pack_payload(k, v, a, b)
     block_v, num_warps, num_stages = pick_launch(dims, config, chunked=True)
     kernel = functools.partial(_chunked_kernel, nodes=dims.nodes, group=dims.group, block_v=block_v,
-                               use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout)
+                               use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout,
+                               precision=FP32_DOTS["ieee" if kind == "interpret" else fp32_dots])
     out, payload = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(payload.shape, payload.dtype)),
