@@ -40,7 +40,8 @@ FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 # timing against the recurrent tree and chain; make "chunked" the default verify_form only if
 # faster), the FP8 cascade at B=1 and B=8 with the Mosaic prefix,
 # the first compiled run of the Mosaic FP8 MLA latent decode (conformance, then timing against the
-# Triton one; adopt it under "auto" only if faster), GDN's ReplaySSM commit at B=64, T=64, the
+# Triton one; adopt it under "auto" only if faster), three stages of two pages for the FP8 GQA
+# prefix at B=32 (fits shared memory with FP8 rings only), GDN's ReplaySSM commit at B=64, T=64, the
 # chunked GDN form with TF32x3 products (compiled conformance of case 2, T=16, then B=32 timing), and
 # value-major GDN tiles at B=1, 32 and 64, also narrow fla-style ones (at B=32, T=16 32-column
 # value-major tiles made the chain 18% and the tree 2% faster; make them the default only if they
@@ -49,7 +50,7 @@ OWED = {
     "mamba2": ["--quick", "--configs", "32x16,64x16,32x64,1x16", "--skip-commit", "--no-drafter-trees",
                "--chunked", "--budget-s", "120"],
     "cascade": ["--skip-conformance", "--dtypes", "fp8", "--shapes", "1x32768x64,8x8192x16"],
-    "mosaic": ["--skip-conformance", "--shapes", "", "--mla"],
+    "mosaic": ["--skip-conformance", "--shapes", "32x32768x64", "--fp8", "--mla"],
     "gdn": ["--no-fla", "--conformance-cases", "2", "--configs", "64x64,32x16", "--no-drafter-trees",
             "--budget-s", "150", "--sweep-recurrent", "32:4:1:v,16:2:3:v,8:1:3:v,128:8:1",
             "--sweep-at", "64x16,1x16,32x16"],

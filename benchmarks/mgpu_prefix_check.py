@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from benchmarks.report import log, rel_err  # noqa: E402
 from benchmarks.timing import measure_matmul_flops, median_time  # noqa: E402
 from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, prefix_decode_row_layout  # noqa: E402
-from pallas_kernels.attention.prefix_decode_mgpu import prefix_decode_mgpu_row_layout  # noqa: E402
+from pallas_kernels.attention.prefix_decode_mgpu import mgpu_input_errors, prefix_decode_mgpu_row_layout  # noqa: E402
 from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference  # noqa: E402
 from pallas_kernels.attention.tree_window import tree_window_row_layout  # noqa: E402
 from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
@@ -57,7 +57,7 @@ def pools(rng, b, lengths, w, hkv, d, dtype):
     return jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table)
 
 
-def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int = 1) -> bool:
+def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int = 1, stages: int = 2) -> bool:
     """`dtype`: the pools' dtype (bf16, or FP8 E4M3 with the bf16 query cast to FP8 by the kernel)."""
     rng = np.random.default_rng(0)
     b, hkv, g, d, r = 3, 2, 4, 128, 64
@@ -68,7 +68,8 @@ def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int
     total = padded_rows(r * g)
     qr = heads_to_rows(q, hkv, total)
     out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
-                                             scale=d ** -0.5, pages_per_step=pages_per_step, interpret=interpret)
+                                             scale=d ** -0.5, pages_per_step=pages_per_step, stages=stages,
+                                             interpret=interpret)
     ref_out, ref_lse = prefix_decode_reference(q, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
                                                whole_pages=True)
     got = jnp.transpose(out[:, :, : r * g].reshape(b, hkv, r, g, d), (0, 2, 1, 3, 4)).reshape(b, r, hkv * g, d)
@@ -87,7 +88,7 @@ def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int
     e_cas = rel_err(cas, dense)
     # Under FP8 the dense reference scores the unquantised query, the prefix half the FP8 one.
     ok = e_out < 2e-2 and lse_ok and e_cas < (6e-2 if dtype != jnp.bfloat16 else 2e-2)
-    log(f"conformance {jnp.dtype(dtype).name} pages_per_step={pages_per_step}: prefix rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}, cascade rel {e_cas:.2e} -> "
+    log(f"conformance {jnp.dtype(dtype).name} pages_per_step={pages_per_step} stages={stages}: prefix rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}, cascade rel {e_cas:.2e} -> "
         f"{'PASS' if ok else 'FAIL'}")
     return ok
 
@@ -121,6 +122,9 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret):
     kw = dict(query_rows=n, group=g, page_size=PAGE, scale=d ** -0.5, interpret=interpret)
     mg = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, **kw))
     mg_pps2 = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, pages_per_step=2, **kw))
+    # Three stages of two pages fit shared memory only with FP8 rings.
+    fits3 = not mgpu_input_errors(qr, k, v, PAGE, stages=3, pages_per_step=2)
+    mg_pps2_s3 = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, pages_per_step=2, stages=3, **kw))
     tr = jax.jit(lambda *a: prefix_decode_row_layout(*a, **kw))
 
     def cascade(prefix, whole):
@@ -134,6 +138,8 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret):
     res = {}
     for name, fn, args in (("mgpu prefix", mg, (qr, k, v, table, lens)),
                            ("mgpu prefix, 2 pages/step", mg_pps2, (qr, k, v, table, lens)),
+                           *((("mgpu prefix, 2 pages/step, 3 stages", mg_pps2_s3, (qr, k, v, table, lens)),)
+                             if fits3 else ()),
                            ("triton prefix", tr, (qr, k, v, table, lens)),
                            ("mgpu cascade", cascade(mg, True), (qr, k, v, table, lens, mask)),
                            ("mgpu cascade, 2 pages/step", cascade(mg_pps2, True), (qr, k, v, table, lens, mask)),
@@ -248,11 +254,12 @@ def main(argv=None) -> int:
         return 0 if mla_check(interpret=True, timing_too=True, smoke=True) else 1
     timing_too = not (a.skip_timing or a.interpret)
     ok = True
-    for dtype, pps in ((jnp.bfloat16, 1), (jnp.float8_e4m3fn, 1), (jnp.bfloat16, 2), (jnp.float8_e4m3fn, 2)):
+    for dtype, pps, stages in ((jnp.bfloat16, 1, 2), (jnp.float8_e4m3fn, 1, 2), (jnp.bfloat16, 2, 2),
+                               (jnp.float8_e4m3fn, 2, 2), (jnp.float8_e4m3fn, 2, 3)):
         if a.skip_conformance:
             break
         try:
-            ok = conformance(a.interpret, dtype, pps) and ok
+            ok = conformance(a.interpret, dtype, pps, stages) and ok
         except Exception:  # noqa: BLE001 - a first run may find lowering problems
             traceback.print_exc()
             ok = False

@@ -22,7 +22,7 @@ PAGE = 64
 FP8 = jnp.float8_e4m3fn
 
 
-@pytest.mark.parametrize("r,g,lengths,splits,pingpong,dtype,pps", [
+CASES = [
     (32, 4, [0, 70, 200], 1, True, jnp.bfloat16, 1),  # P = 0, partial last pages
     # Two 128-row CTAs per KV head: at P = 260 the first one's bound (P - 32) ends mid-page below
     # the last whole page, so its last block is partly masked. Three key splits (one may be empty).
@@ -36,8 +36,13 @@ FP8 = jnp.float8_e4m3fn
     # first, masked); 4 whole pages fill two steps; two key splits.
     (32, 4, [70, 200, 300], 2, True, jnp.bfloat16, 2),
     (16, 4, [200, 130], 1, True, FP8, 2),
-])
-def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dtype, pps):
+]
+# Three stages of two pages per step (at D=128 only FP8 rings fit shared memory so).
+STAGED = [(*case, 2) for case in CASES] + [(32, 4, [70, 200, 300], 2, True, FP8, 2, 3)]
+
+
+@pytest.mark.parametrize("r,g,lengths,splits,pingpong,dtype,pps,stages", STAGED)
+def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dtype, pps, stages):
     hkv, d = 2, 64
     q, k, v, table, lens, mask = verify_case(np.random.default_rng(r * g), lengths, r, hkv, g, d, PAGE,
                                              dtype, q_dtype=jnp.bfloat16)
@@ -45,7 +50,7 @@ def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dt
     qr = heads_to_rows(q, hkv, total)
     out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
                                              scale=d ** -0.5, num_splits=splits, pingpong=pingpong,
-                                             pages_per_step=pps, interpret=True)
+                                             pages_per_step=pps, stages=stages, interpret=True)
     ref_out, ref_lse = prefix_decode_reference(q, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
                                                whole_pages=True)
     assert rel_err(rows_to_heads(out, r, hkv * g), ref_out) < 1e-2
