@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2, resolve_backend
-from pallas_kernels.linear.mamba2_reference import mamba2_tree_scan_reference
+from pallas_kernels.linear.mamba2_reference import mamba2_tree_scan_reference, softplus
 from pallas_kernels.linear.mamba2_tree import _check, program_coords
 from treespec_jax.tree.masks import ancestor_mask, chain_parents
 
@@ -43,10 +43,6 @@ CHUNKED_MODES = ("replay", "outputs")
 # fp32 products: "ieee" (exact fp32, FMA units) or "tf32x3" (three TF32 tensor-core passes, about
 # fp32 accuracy). The CPU has no TF32x3, so interpreted runs always take "ieee".
 FP32_DOTS = {"ieee": lax.Precision.HIGHEST, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
-
-
-def _softplus(v):
-    return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
 
 
 def _chunked_kernel(mask_ref, slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref, b_ref, c_ref, *refs,
@@ -76,7 +72,7 @@ def _chunked_kernel(mask_ref, slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref
     anc = anc & tmask[:, None] & tmask[None, :]
 
     dt_raw = plgpu.load(dt_ref.at[b, pl.ds(0, TP), h], mask=tmask, other=0.0)
-    dtp = jnp.where(tmask, _softplus(dt_raw.astype(jnp.float32) + dtb_ref[h].astype(jnp.float32)), 0.0)
+    dtp = jnp.where(tmask, softplus(dt_raw.astype(jnp.float32) + dtb_ref[h].astype(jnp.float32)), 0.0)
     log_decay = dtp * -jnp.exp(alog_ref[h].astype(jnp.float32))
     cum = jnp.sum(jnp.where(anc, log_decay[None, :], 0.0), axis=1)  # [T]
     # s an ancestor of t: c_t - c_s <= 0 (A < 0), so exp never overflows; other pairs are zeroed first.

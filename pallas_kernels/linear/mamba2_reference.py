@@ -80,7 +80,9 @@ def payload_dtype(*dtypes) -> jnp.dtype:
     return jnp.result_type(*dtypes)
 
 
-def _softplus(v: jax.Array) -> jax.Array:
+def softplus(v: jax.Array) -> jax.Array:
+    """dt' = softplus(dt + dt_bias), linear above 20 (as the model's); the reference and every
+    Mamba2 kernel (recurrent, chunked, replay commit) use this one."""
     return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
 
 
@@ -106,7 +108,7 @@ def mamba2_tree_scan_reference(x, dt, A_log, B, C, D, dt_bias, state_pool, state
         parents = chain_parents(nb, T)
     f32 = lambda a: a.astype(jnp.float32)
     anc = ancestor_mask_bool(parents)  # [b, t, s]
-    dtp = _softplus(f32(dt) + f32(dt_bias))  # [b, T, H]
+    dtp = softplus(f32(dt) + f32(dt_bias))  # [b, T, H]
     logdecay = dtp * (-jnp.exp(f32(A_log)))
     # precision="highest": on GPU a default fp32 einsum runs in TF32, far too coarse for a reference.
     G = jnp.einsum("bts,bsh->bth", anc.astype(jnp.float32), logdecay, precision="highest")
@@ -134,7 +136,7 @@ def mamba2_replay_commit_reference(payload, accept_len, state_pool, state_slots,
     """
     Bm, x, dt = layout.split(payload.astype(jnp.float32))
     T = payload.shape[1]
-    dtp = _softplus(dt + dt_bias.astype(jnp.float32))
+    dtp = softplus(dt + dt_bias.astype(jnp.float32))
     decay = jnp.exp(dtp * (-jnp.exp(A_log.astype(jnp.float32))))  # [b, T, H]
     Bh = _heads_from_groups(Bm, layout.nheads)
     h = read_committed(state_pool, state_slots)

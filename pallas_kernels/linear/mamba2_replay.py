@@ -23,13 +23,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2, resolve_backend
-from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout, mamba2_replay_commit_reference
+from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout, mamba2_replay_commit_reference, softplus
 
 _TILE_ELEMS = 2048  # [block_p, N] fp32 tile held in registers (see mamba2_tree)
-
-
-def _softplus(v):
-    return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
 
 
 def _replay_kernel(accept_ref, slots_ref, payload_ref, alog_ref, dtb_ref, pool_in_ref, pool_ref, *,
@@ -53,7 +49,7 @@ def _replay_kernel(accept_ref, slots_ref, payload_ref, alog_ref, dtb_ref, pool_i
         state = plgpu.load(tile, mask=tmask, other=0.0).astype(jnp.float32)
 
         def body(i, st):
-            dtp = _softplus(payload_ref[b, i, layout.dt_offset + h].astype(jnp.float32) + dt_bias)
+            dtp = softplus(payload_ref[b, i, layout.dt_offset + h].astype(jnp.float32) + dt_bias)
             xv = plgpu.load(payload_ref.at[b, i, pl.ds(layout.x_offset + h * P + p0, BP)], mask=pmask, other=0.0)
             bv = plgpu.load(payload_ref.at[b, i, pl.ds(layout.b_offset + g * N, NP)], mask=nmask, other=0.0)
             u = (dtp * xv.astype(jnp.float32))[:, None] * bv.astype(jnp.float32)[None, :]

@@ -49,6 +49,7 @@ from pallas_kernels.linear.mamba2_reference import (
     Mamba2PayloadLayout,
     mamba2_tree_scan_reference,
     payload_dtype,
+    softplus,
 )
 from treespec_jax.tree.masks import ancestor_mask_bool
 
@@ -100,10 +101,6 @@ def mamba2_scan_plan(parents: jax.Array) -> Mamba2ScanPlan:
     return Mamba2ScanPlan(*ancestor_paths(parents))
 
 
-def _softplus(v):
-    return jnp.where(v > 20.0, v, jnp.log1p(jnp.exp(jnp.minimum(v, 20.0))))
-
-
 def program_coords(slots_ref, block_p: int, nheads: int, ngroups: int):
     """(request b, head h, channel tile pt, its first channel, B/C group, state slot, live) of a
     program on the (B, H, channel tiles) grid; shared with the chunked form."""
@@ -148,7 +145,7 @@ def _scan_kernel(*refs, T, H, P, N, G, BP, NP, tree, walk, has_z, mode, layout, 
     def node_terms(s):
         """Decay, rank-1 input term and raw inputs of node s."""
         dt_raw = dt_ref[b, s, h]
-        dtp = _softplus(dt_raw.astype(jnp.float32) + dt_bias)
+        dtp = softplus(dt_raw.astype(jnp.float32) + dt_bias)
         x_raw = plgpu.load(x_ref.at[b, s, h, pl.ds(p0, BP)], mask=pmask, other=0.0)
         b_raw = plgpu.load(b_ref.at[b, s, g, pl.ds(0, NP)], mask=nmask, other=0.0)
         u = (dtp * x_raw.astype(jnp.float32))[:, None] * b_raw.astype(jnp.float32)[None, :]
