@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.prefix_decode import default_num_splits, merge_splits
-from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, online_softmax_update, split_blocks,
+from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, cta_key_blocks, online_softmax_update,
                                                          whole_page_bound)
 
 LOG2E = math.log2(math.e)
@@ -152,11 +152,8 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
         bi = lax.axis_index("batch")
         wg = lax.axis_index("wg")
         length = len_gmem[bi]
-        whole = lax.div(length, jnp.int32(page_size)) * page_size
         row0 = tile * ROWS
-        last_real = jnp.minimum(row0 + ROWS - 1, rows - 1)
-        cta_hi = jnp.maximum(whole_page_bound(length, r, hq, last_real, whole), 0)
-        lo, hi = split_blocks(cta_hi, block_k, split, blocks_per_split)
+        whole, lo, hi = cta_key_blocks(length, page_size, r, hq, row0, ROWS, block_k, split, blocks_per_split)
 
         def compute(w: int):
             plgpu.set_max_registers(232, action="increase")

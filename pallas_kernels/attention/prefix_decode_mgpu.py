@@ -93,13 +93,20 @@ def whole_page_bound(length, query_rows: int, group: int, row, whole):
     return jnp.minimum(length - query_rows + 1 + lax.div(row, jnp.int32(group)), whole)
 
 
-def split_blocks(cta_hi, block: int, split, per_split: int):
-    """This split's key blocks [lo, hi) of the cdiv(cta_hi, block) a CTA reads (a trailing split
-    may get none). cta_hi <= the last whole page, so every page a block reads below it holds finite
-    keys (a multi-page block straddling it is the caller's to fill; see prefix_decode_mgpu)."""
+def cta_key_blocks(length, page_size: int, query_rows: int, group: int, row0, rows_per_cta: int,
+                   block: int, split, per_split: int):
+    """(whole, lo, hi) for a CTA owning rows [row0, row0 + rows_per_cta) of the R * G real ones:
+    `whole` = (P // page_size) * page_size, and [lo, hi) this split's `block`-key blocks of the
+    cdiv(cta_hi, block) the CTA reads, cta_hi being its last real row's whole-page bound (a trailing
+    split may get none; per-row bounds are masked in the loop). Every page below cta_hi <= whole
+    holds finite keys (a multi-page block straddling it is the caller's to fill; see
+    prefix_decode_mgpu). Shared by the GQA prefix and the MLA latent decode."""
+    whole = lax.div(length, jnp.int32(page_size)) * page_size
+    last_real = jnp.minimum(row0 + rows_per_cta - 1, query_rows * group - 1)
+    cta_hi = jnp.maximum(whole_page_bound(length, query_rows, group, last_real, whole), 0)
     steps = lax.div(cta_hi + block - 1, jnp.int32(block))
     lo = split * per_split
-    return lo, jnp.maximum(jnp.minimum(lo + per_split, steps), lo)
+    return whole, lo, jnp.maximum(jnp.minimum(lo + per_split, steps), lo)
 
 
 def online_softmax_update(s, m, l, acc, scale2: float, visible=None):
@@ -216,11 +223,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
         tile = lax.axis_index("tiles")
         wg = lax.axis_index("wg")
         length = len_gmem[bi]
-        whole = lax.div(length, jnp.int32(page_size)) * page_size
         cta_row0 = tile * rows_per_cta
-        last_real = jnp.minimum(cta_row0 + rows_per_cta - 1, query_rows * group - 1)
-        cta_hi = jnp.maximum(whole_page_bound(length, query_rows, group, last_real, whole), 0)
-        lo, hi = split_blocks(cta_hi, block, split, steps_per_split)  # per-row bounds masked late
+        whole, lo, hi = cta_key_blocks(length, page_size, query_rows, group, cta_row0, rows_per_cta, block, split,
+                                       steps_per_split)
 
         def take_turn():
             plgpu.barrier_arrive(turn)
