@@ -47,6 +47,7 @@ SMALL = dict(H=2, HV=4, DK=16, DV=16)
 INNER = 10  # kernel calls per timed jit call
 DEFAULT_CONFIGS = [(1, 8), (1, 16), (1, 64), (32, 8), (32, 16), (32, 64), (64, 8), (64, 16), (64, 64)]
 _T0 = time.time()  # this module's start, for its --budget-s
+CHUNKED_IEEE = False  # --chunked-ieee: also time the chunked form with IEEE fp32 products (3.5-7x slower)
 SKIP_COMMIT = False  # --skip-commit: the T=64 commit step took minutes to compile at B=32 (05:35 UTC run)
 
 
@@ -271,12 +272,16 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
     eagle_tree_ = jax.block_until_ready(GdnTree.from_parents(eagle)) if eagle_trees else None
     knobs = tuple(launch) if launch else ()
     # launch = (block_v, warps, stages[, value_major]) from --sweep-recurrent ("32:4:1:v").
-    kcfg = GdnKernelConfig(*knobs[:3], value_major=len(knobs) > 3 and bool(knobs[3]))
+    # No launch: the library's default config (value-major tiles); a swept launch is key-major unless it
+    # ends in "v".
+    kcfg = GdnKernelConfig(*knobs[:3], value_major=len(knobs) > 3 and bool(knobs[3])) if knobs else GdnKernelConfig()
     ccfg = GdnKernelConfig(*chunked_launch) if chunked_launch else GdnKernelConfig()
     nodes = jnp.zeros((bsz, t, d["HV"], d["DK"], d["DV"]), jnp.float32)
     payload = jnp.zeros((bsz, t, width(d)), dtype)
     out0 = jnp.zeros(x["v"].shape, dtype)
     res = {}
+
+    chain_mask = ancestor_mask(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) - 1, (bsz, t)))
 
     def verify_step(is_tree, store, chunked=False, drafter_tree=False, fp32_dots="ieee"):
         step_tree = eagle_tree_ if drafter_tree else tree
@@ -284,7 +289,8 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
         def step(c):
             ns, pl_, _ = c
             if chunked:
-                o, pl_ = gdn_chunked_verify(*args, tree.ancestor_mask, pl_, config=ccfg, fp32_dots=fp32_dots)
+                mask = tree.ancestor_mask if is_tree else chain_mask
+                o, pl_ = gdn_chunked_verify(*args, mask, pl_, config=ccfg, fp32_dots=fp32_dots)
                 return ns, pl_, o
             r = gdn_tree_verify(*args, step_tree.parents if is_tree else None, ns, store=store,
                                 payload=pl_ if store == "branch_points" else None,
@@ -310,8 +316,11 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
         # The chain and the tree kernels share one launch (no tree-only launch knobs).
         res["launch_chain"] = res["launch_tree"] = pick_launch(dims_of(d, bsz, t), kcfg)
     if t <= 16 and sweep is not True:  # a recurrent launch sweep leaves the chunked form alone
-        res["tree_chunked"], carry = time_step(verify_step(True, None, chunked=True), carry)
+        if CHUNKED_IEEE:
+            res["tree_chunked"], carry = time_step(verify_step(True, None, chunked=True), carry)
         res["tree_chunked_tf32x3"], carry = time_step(verify_step(True, None, chunked=True, fp32_dots="tf32x3"), carry)
+        res["chain_chunked_tf32x3"], carry = time_step(verify_step(False, None, chunked=True, fp32_dots="tf32x3"),
+                                                       carry)
     br = np.asarray(branch_points(parents))
     res["branch_frac"] = float(br.sum()) / (bsz * t)
     if eagle_trees:
@@ -338,6 +347,13 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
 def parse_launch(text):
     """"block_v:warps:stages[:v],..." -> tuples; a trailing "v" = value-major state tiles (1)."""
     return [tuple(1 if v == "v" else int(v) for v in item.split(":")) for item in text.split(",") if item]
+
+
+def best_ratio(r):
+    """Fastest tree form over fastest chain form (the recurrent and, T <= 16, chunked kernels)."""
+    trees = [r[k] for k in ("tree_replay_rec", "tree_chunked_tf32x3") if k in r]
+    chains = [r[k] for k in ("chain_replay", "chain_chunked_tf32x3") if k in r]
+    return f"{min(trees) / min(chains):.2f}x" if trees and chains else "-"
 
 
 def _us(r, key):
@@ -369,7 +385,8 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
         rows.append((bsz, t, r))
         log(f"B={bsz:3d} T={t:3d} chain_replay {_us(r, 'chain_replay')}us tree_replay(rec) "
             f"{_us(r, 'tree_replay_rec')}us ({r['tree_replay_rec'] / r['chain_replay']:.2f}x) "
-            f"chunked {_us(r, 'tree_chunked')}us (tf32x3 {_us(r, 'tree_chunked_tf32x3')}us) chain_staged {_us(r, 'chain_staged')}us tree_staged "
+            f"chunked tf32x3 tree {_us(r, 'tree_chunked_tf32x3')}us chain {_us(r, 'chain_chunked_tf32x3')}us "
+            f"(ieee tree {_us(r, 'tree_chunked')}us) best tree/best chain {best_ratio(r)} chain_staged {_us(r, 'chain_staged')}us tree_staged "
             f"{_us(r, 'tree_staged')}us commit {_us(r, 'replay_commit')}us floor_rw {_us(r, 'floor_rw')}us"
             + (f" eagle_tree {_us(r, 'eagle_replay_rec')}us "
                f"({r['eagle_replay_rec'] / r['chain_replay']:.2f}x)" if eagle_trees else ""))
@@ -414,9 +431,9 @@ def render(rows, sweep, fla, bw):
               "S-step rounds, DFS numbered); branch = share of nodes that are branch points.")
     md.append("| B | T | launch | chain (ReplaySSM) | tree ReplaySSM recurrent | tree/chain "
               "| branch nodes | drafter tree ReplaySSM | drafter tree/chain | drafter branch "
-              "| chunked form (opt-in) | staged chain | staged tree | staged tree/chain "
+              "| chunked tree (tf32x3) | chunked chain (tf32x3) | best tree / best chain | staged chain | staged tree | staged tree/chain "
               "| floor r+w | chain/floor_r | commit (move+replay) | staged B/node | ReplaySSM B/node (recurrent) |")
-    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for bsz, t, r in rows:
         replay_b = r["branch_frac"] * state_node + payload_node
         tree_rec = r["tree_replay_rec"]
@@ -428,15 +445,17 @@ def render(rows, sweep, fla, bw):
         md.append(
             f"| {bsz} | {t} | {r['launch_tree']} | {_us(r, 'chain_replay')} "
             f"| {tree_rec*1e6:.1f} | {tree_rec / r['chain_replay']:.2f}x "
-            f"| {r['branch_frac']:.0%} " + eagle + f"| {_us(r, 'tree_chunked')} "
+            f"| {r['branch_frac']:.0%} " + eagle + f"| {_us(r, 'tree_chunked_tf32x3')} "
+            f"| {_us(r, 'chain_chunked_tf32x3')} | {best_ratio(r)} "
             f"| {_us(r, 'chain_staged')} | {_us(r, 'tree_staged')} "
             f"| {r['tree_staged'] / r['chain_staged']:.2f}x | {_us(r, 'floor_rw')} "
             f"| {r['chain_replay'] / r['floor_r']:.1f}x | {_us(r, 'replay_commit')} (acc {r.get('accept_mean', float('nan')):.1f}) "
             f"| {state_node/1024:.0f} KiB | {replay_b/1024:.1f} KiB |")
     if sweep:
         md.append("\n| B | T | kernel | (block_v, warps, stages) | chain (us) | tree recurrent (us) "
-                  "| tree/chain | drafter tree (us) | drafter tree/chain | chunked (us) |")
-        md.append("|---|---|---|---|---|---|---|---|---|---|")
+                  "| tree/chain | drafter tree (us) | drafter tree/chain | chunked tree tf32x3 (us) "
+                  "| chunked chain tf32x3 (us) |")
+        md.append("|---|---|---|---|---|---|---|---|---|---|---|")
         nan = float("nan")
         for bsz, t, kind, launch, r in sweep:
             tree = r.get("tree_replay_rec", nan)
@@ -444,7 +463,8 @@ def render(rows, sweep, fla, bw):
             chain = r.get("chain_replay", nan)
             md.append(f"| {bsz} | {t} | {kind} | {launch} | {chain*1e6:.1f} "
                       f"| {tree*1e6:.1f} | {tree / chain:.2f}x | {eagle*1e6:.1f} | {eagle / chain:.2f}x "
-                      f"| {r.get('tree_chunked', nan)*1e6:.1f} |")
+                      f"| {r.get('tree_chunked_tf32x3', nan)*1e6:.1f} "
+                      f"| {r.get('chain_chunked_tf32x3', nan)*1e6:.1f} |")
     if fla:
         md.append("\n| fla fused_recurrent chain, T=16 | us |")
         md.append("|---|---|")
@@ -506,6 +526,7 @@ def main(argv=None) -> int:
                    help="block_v:warps:stages[:v],... for the recurrent kernels (v: value-major state tiles)")
     p.add_argument("--sweep-chunked", default="", help="block_v:warps:stages,... for the chunked form")
     p.add_argument("--sweep-at", default="32x16", help="BxT configs the sweeps run at")
+    p.add_argument("--chunked-ieee", action="store_true", help="also time the chunked form with IEEE products")
     p.add_argument("--skip-commit", action="store_true", help="do not time the ReplaySSM commit")
     p.add_argument("--inner", type=int, default=INNER, help="kernel calls per timed jit call")
     p.add_argument("--markdown", default=None, help="also write the dated section to this file (e.g. $OUT/gdn.md)")
@@ -515,6 +536,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     globals()["INNER"] = a.inner
     globals()["SKIP_COMMIT"] = a.skip_commit
+    globals()["CHUNKED_IEEE"] = a.chunked_ieee
     bxt = lambda text: [tuple(int(v) for v in c.split("x")) for c in text.split(",") if c]
     configs = None if a.configs is None else bxt(a.configs)
     log(f"jax {jax.__version__} devices {jax.devices()}")

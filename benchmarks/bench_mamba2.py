@@ -391,6 +391,67 @@ def bench_case(nb, t, rng, launch, staged=False, unroll_variant=False, drafter=T
     return res
 
 
+def bench_forms(configs, budget_s, on_table=None):
+    """--forms: the verify forms alone (ReplaySSM, y + payload rows) at each (B, T): the recurrent
+    chain and tree scans (launch defaults, parent walk) and the chunked form's chain and tree with
+    TF32x3 products. Returns the markdown table; `on_table(text)` gets it after every config."""
+    d = TIMING_DIMS
+    H, P, N, G = d["H"], d["P"], d["N"], d["G"]
+    bw = measure_copy_bandwidth() if jax.default_backend() == "gpu" else 1e11
+    rng = np.random.default_rng(3)
+    head = ("| B | T | recurrent chain | recurrent tree | chunked chain (tf32x3) | chunked tree (tf32x3) "
+            "| best tree / best chain | chunked tree / recurrent chain | state-read floor |\n|" + " --- |" * 9)
+    lines = []
+    table = lambda: (f"Verify forms, Nemotron-H-like dims, ReplaySSM (y + payload rows), median us per layer call; "  # noqa: E731
+                     f"copy bandwidth {bw / 1e12:.2f} TB/s:\n\n{head}\n" + "\n".join(lines))
+    for nb, t in configs:
+        if time.time() - _T0 > budget_s:
+            log(f"budget reached; skipping forms at B={nb} T={t} and later")
+            lines.append(f"| {nb} | {t} | skipped (budget) |")
+            continue
+        state_bytes = H * P * N * 4
+        sets = max(2, -(-POOL_BYTES // (nb * state_bytes)))
+        a = mamba_inputs(jax.random.key(nb * 100 + t + 7), nb, t, d, nb * sets)
+        lay = Mamba2PayloadLayout(G, N, H, P)
+        parents = jnp.asarray(dfs_tree(rng, nb, t))
+        mask = ancestor_mask(parents)
+
+        def step_of(form, tree):
+            def step(c):
+                side, i, acc = c
+                slots = (jnp.arange(nb, dtype=jnp.int32) + i * nb) % (nb * sets)
+                par = parents if tree else None
+                if form == "chunked":
+                    y, side2 = chunked(a, slots, par, mask=mask if tree else None, mode="replay", payload=side,
+                                       fp32_dots="tf32x3")
+                else:
+                    y, side2 = scan(a, slots, par, mode="replay", payload=side, **(OLD if tree else {}))
+                return side2, (i + 1) % sets, acc + y[0, 0, 0, 0].astype(jnp.float32)
+            return step
+
+        r = {}
+        try:
+            for form in ("recurrent", "chunked"):
+                for tree in (False, True):
+                    carry = (jnp.zeros((nb, t, lay.width), jnp.bfloat16), jnp.int32(0), jnp.float32(0))
+                    r[form, tree], _ = time_step(step_of(form, tree), carry)
+        except Exception:
+            traceback.print_exc()
+            lines.append(f"| {nb} | {t} | error (see log) |")
+            continue
+        us = lambda s: f"{s * 1e6:.1f}"  # noqa: E731
+        best_tree = min(r["recurrent", True], r["chunked", True])
+        best_chain = min(r["recurrent", False], r["chunked", False])
+        cells = [str(nb), str(t), us(r["recurrent", False]), us(r["recurrent", True]), us(r["chunked", False]),
+                 us(r["chunked", True]), f"{best_tree / best_chain:.2f}x",
+                 f"{r['chunked', True] / r['recurrent', False]:.2f}x", us(nb * state_bytes / bw)]
+        lines.append("| " + " | ".join(cells) + " |")
+        log("forms " + " ".join(cells))
+        if on_table is not None:
+            on_table(table())
+    return table()
+
+
 def sweep_tiles(tiles, nb=32, t=16):
     """Tree ReplaySSM verify (outputs only) at one shape over (block_p, num_warps) choices, for the
     chain and both tree walks."""
@@ -567,6 +628,8 @@ def main(argv=None) -> int:
                    "(block_p, num_warps) tilings at B=32 T=16 for the chain and both tree walks")
     p.add_argument("--tiles", default="16x4,16x2,32x4,8x4,16x8", help="tilings for --sweep (BLOCK_PxWARPS)")
     p.add_argument("--unroll", action="store_true", help="also time the unrolled node loop (unroll=True)")
+    p.add_argument("--forms", action="store_true", help="time only the verify forms (recurrent and chunked "
+                   "chain/tree) at --configs; no conv, plan, commit or walk variants")
     p.add_argument("--chunked", action="store_true", help="also time the chunked (SSD) tree and chain forms")
     p.add_argument("--skip-commit", action="store_true", help="do not time the ReplaySSM commit (unchanged here)")
     p.add_argument("--no-drafter-trees", action="store_true",
@@ -607,7 +670,12 @@ def main(argv=None) -> int:
                 fh.write(text + "\n")
 
     write_md()
-    if not a.skip_timing:
+    if a.forms and not a.skip_timing:
+        def on_table(text):
+            state["sweep"] = text
+            write_md()
+        on_table(bench_forms(configs, a.budget_s, on_table))
+    elif not a.skip_timing:
         bench(configs, a.budget_s, launch, a.staged, a.unroll, on_row=write_md,
               drafter=not a.no_drafter_trees, commit=not a.skip_commit)
         if a.sweep and time.time() - _T0 <= a.budget_s:

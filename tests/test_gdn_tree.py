@@ -151,8 +151,8 @@ def test_chunked_reference_states_match_per_path():
 
 
 def test_layer_verify_dispatch_and_modes_agree():
-    """With chunked_tree_verify, gdn_verify picks the chunked form for 8..16-node ReplaySSM trees;
-    masks alone describe the tree."""
+    """With chunked_tree_verify (the default), gdn_verify picks the chunked form for ReplaySSM trees
+    of chunked_min_nodes (default 12, at least 8) ..16 nodes; masks alone describe the tree."""
     assert (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_MAX_NODES) == (8, 16)
     assert verify_kernel_for("replay_ssm", 16, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 8, True, True) == "chunked"
@@ -161,6 +161,13 @@ def test_layer_verify_dispatch_and_modes_agree():
     assert verify_kernel_for("replay_ssm", 16, True, False) == "recurrent_tree"
     assert verify_kernel_for("staged", 16, True, True) == "recurrent_tree"
     assert verify_kernel_for("replay_ssm", 16, False, True) == "recurrent_chain"
+    # The layer's default threshold (chunked_min_nodes=12): 8-node trees stay recurrent.
+    default = GdnLayerConfig(H, HV, DK, DV)
+    assert (default.chunked_tree_verify, default.chunked_min_nodes, default.chunked_fp32_dots) == (True, 12, "tf32x3")
+    assert verify_kernel_for("replay_ssm", 8, True, True, default.chunked_min_nodes) == "recurrent_tree"
+    assert verify_kernel_for("replay_ssm", 12, True, True, default.chunked_min_nodes) == "chunked"
+    with pytest.raises(ValueError, match=r"chunked_min_nodes=17.*chunked_fp32_dots='bf16'"):
+        GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=17, chunked_fp32_dots="bf16")
     t = 12
     rng = np.random.default_rng(11)
     x = random_inputs(rng, B, t)
@@ -189,7 +196,7 @@ def test_layer_glue_shares_the_step_branch_points():
     ref_out, ref_states = per_path_numpy(x, parents, use_qk_l2norm=True)
     tree = GdnTree.from_parents(jnp.asarray(parents))
     np.testing.assert_array_equal(np.asarray(tree.branch), branch_rows(parents))
-    cfg = GdnLayerConfig(H, HV, DK, DV)
+    cfg = GdnLayerConfig(H, HV, DK, DV, chunked_tree_verify=False)  # the recurrent kernel's workspace
     for tr, rows in ((tree, branch_rows(parents)), (tree._replace(branch=jnp.ones((B, t), bool)),
                                                    np.ones((B, t), bool))):
         res = gdn_verify(cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tr,
@@ -262,11 +269,15 @@ def test_bad_inputs_are_named():
 
 
 def test_pick_launch_defaults_and_refusals():
-    """Small batches split dv down to 32-column tiles; an explicit config wins; nonsense values are
-    refused by name."""
+    """Value-major (the default) takes 32-column tiles at every batch; key-major tiles split dv down
+    to 32 columns only for small batches; the chunked form ignores value_major; an explicit config
+    wins; nonsense values are refused by name."""
     qwen = lambda batch: GdnDims(batch, 16, 16, 32, 128, 128, batch + 1)  # noqa: E731
-    assert pick_launch(qwen(32), None) == (128, 8, 1)
-    assert pick_launch(qwen(1), None) == (32, 4, 1)
+    key_major = GdnKernelConfig(value_major=False)
+    assert pick_launch(qwen(32), None) == pick_launch(qwen(1), None) == (32, 4, 1)
+    assert pick_launch(qwen(32), key_major) == (128, 8, 1)
+    assert pick_launch(qwen(1), key_major) == (32, 4, 1)
+    assert pick_launch(qwen(32), None, chunked=True) == (128, 8, 1)
     assert pick_launch(qwen(32), GdnKernelConfig(block_v=128, num_warps=2)) == (128, 2, 1)
     for field, bad in (("block_v", 0), ("num_warps", -4), ("num_stages", 0), ("num_warps", 2.0)):
         with pytest.raises(ValueError, match=f"{field}="):

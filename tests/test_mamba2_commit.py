@@ -133,7 +133,9 @@ def test_layer_glue_staged_and_replay_agree_with_per_path(tree):
     slots = jnp.asarray([2, 0], jnp.int32)
     outs = {}
     for replay in (True, False):
-        layer = Mamba2Layer("layers.0", DIMS, Mamba2CommitConfig(mode="replay_ssm" if replay else "staged", backend="interpret"))
+        # The recurrent form under both modes: bitwise-equal outputs (the chunked form rounds differently).
+        layer = Mamba2Layer("layers.0", DIMS, Mamba2CommitConfig(mode="replay_ssm" if replay else "staged",
+                                                                 backend="interpret", verify_form="recurrent"))
         scratch = new_verify_scratch(DIMS, layer.cfg, nb, T, act_dtype=jnp.float32)
         scratch = jax.tree.map(lambda s: jnp.full_like(s, jnp.nan), scratch)
         res = layer.verify(weights, pools, slots, xbc, dt, jnp.asarray(parents) if tree else None, scratch, z)
@@ -141,8 +143,12 @@ def test_layer_glue_staged_and_replay_agree_with_per_path(tree):
     np.testing.assert_array_equal(np.asarray(outs[True][0]), np.asarray(outs[False][0]))
     np.testing.assert_array_equal(np.asarray(outs[True][1].conv), np.asarray(outs[False][1].conv))
     assert rel_err(outs[True][1].ssm, np.asarray(outs[False][1].ssm)) < 2e-6
-    # The chunked (SSD) verify form: same outputs up to rounding, the same payload, so the same commit.
-    layer = Mamba2Layer("layers.0", DIMS, Mamba2CommitConfig(backend="interpret", verify_form="chunked"))
+    # The chunked (SSD) verify form, the ReplaySSM default: same outputs up to rounding, the same
+    # payload, so the same commit.
+    assert Mamba2CommitConfig().form_for(T) == "chunked"
+    assert Mamba2CommitConfig(mode="staged").form_for(T) == "recurrent"
+    assert Mamba2CommitConfig().form_for(65) == "recurrent"
+    layer = Mamba2Layer("layers.0", DIMS, Mamba2CommitConfig(backend="interpret"))
     scratch = jax.tree.map(lambda s: jnp.full_like(s, jnp.nan), new_verify_scratch(DIMS, layer.cfg, nb, T,
                                                                                     act_dtype=jnp.float32))
     res = layer.verify(weights, pools, slots, xbc, dt, jnp.asarray(parents) if tree else None, scratch, z)
@@ -171,6 +177,8 @@ def test_layer_declares_tree_support_and_checks_scratch():
         Mamba2CommitConfig(mode="staged", verify_form="chunked")
     with pytest.raises(ValueError, match="verify_form must be one of"):
         Mamba2CommitConfig(verify_form="ssd")
+    with pytest.raises(ValueError, match="fp32_dots must be one of.*'bf16'"):
+        Mamba2CommitConfig(fp32_dots="bf16")
     layer = Mamba2Layer("layers.0", DIMS)
     assert layer.tree_support().verify.supported
     assert not layer.tree_support().lanes.supported

@@ -330,7 +330,8 @@ def test_layer_shares_one_step_plan():
     weights, pools, xbc, dt, z = _layer_inputs(rng, nb, T)
     parents = jnp.asarray(random_parents(rng, nb, T))
     slots = jnp.asarray([1, 3], jnp.int32)
-    layers = [Mamba2Layer(f"layers.{i}", DIMS, Mamba2CommitConfig(backend="interpret", walk=w))
+    layers = [Mamba2Layer(f"layers.{i}", DIMS, Mamba2CommitConfig(backend="interpret", walk=w,
+                                                                    verify_form="recurrent"))
               for i, w in enumerate(("precomputed", "parents"))]
     plan = layers[0].step_plan(parents)
     assert plan.conv_lags.shape == (nb, T, DIMS.conv_width - 1) and layers[0].step_plan(None) is None

@@ -210,10 +210,10 @@ def test_mla_kernels_lower_to_triton_for_sm90(monkeypatch):
     b, n, hq, lora, rope, page, maxp = 4, 16, 128, 512, 64, 64, 8
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the Mosaic lowering)
 
-    # "auto" (the default) takes the Mosaic GPU latent decode for a 16-bit cache on a GPU, the
-    # Triton one under FP8; "triton" always the Triton one. The window kernel is Triton in all cases.
+    # "auto" (the default) takes the Mosaic GPU latent decode on a GPU (16-bit and FP8 caches);
+    # "triton" always the Triton one. The window kernel is Triton in all cases.
     for dtype, kernel, triton_calls in ((jnp.bfloat16, "triton", 2), (FP8, "triton", 2),
-                                        (jnp.bfloat16, "auto", 1), (FP8, "auto", 2)):
+                                        (jnp.bfloat16, "auto", 1), (FP8, "auto", 1)):
         config = MlaCascadeConfig(kv_lora_rank=lora, rope_dim=rope, page_size=page, scale=0.07,
                                   decode=MlaDecodeConfig(fp8_score_dot=True, prefetch_page_ids=dtype == FP8),
                                   prefix_kernel=kernel)

@@ -105,8 +105,8 @@ def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol):
 
 
 def test_auto_latent_decode_takes_mosaic_only_where_it_runs_compiled():
-    """"auto" (the default) takes the Mosaic GPU latent decode only compiled, 16-bit, page a multiple
-    of 64; an explicit "mosaic_gpu" raises every blocker at once."""
+    """"auto" (the default) takes the Mosaic GPU latent decode only compiled, page a multiple
+    of 64 (16-bit or FP8 caches); an explicit "mosaic_gpu" raises every blocker at once."""
     from treespec_jax.attention.mla import MlaCascadeConfig, uses_mosaic_latent_decode
 
     sds = jax.ShapeDtypeStruct
@@ -119,8 +119,8 @@ def test_auto_latent_decode_takes_mosaic_only_where_it_runs_compiled():
     assert not uses_mosaic_latent_decode(auto, "reference", q, pool)
     assert not uses_mosaic_latent_decode(MlaCascadeConfig(page_size=32, **cfg), "compiled", q, pool)
     fp8_q, fp8_pool = sds(q.shape, jnp.float8_e4m3fn), sds(pool.shape, jnp.float8_e4m3fn)
-    # The FP8 latent decode runs only when asked for until a GPU run has timed it.
-    assert not uses_mosaic_latent_decode(auto, "compiled", fp8_q, fp8_pool)
+    assert uses_mosaic_latent_decode(auto, "compiled", fp8_q, fp8_pool)
+    assert not uses_mosaic_latent_decode(auto, "interpret", fp8_q, fp8_pool)
     forced_ok = MlaCascadeConfig(page_size=64, prefix_kernel="mosaic_gpu", **cfg)
     assert uses_mosaic_latent_decode(forced_ok, "compiled", fp8_q, fp8_pool)
     assert not uses_mosaic_latent_decode(MlaCascadeConfig(page_size=64, prefix_kernel="triton", **cfg), "compiled",

@@ -14,6 +14,7 @@ and `pallas_kernels.row_move.pack_path_rows(...)` (the row move).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -91,7 +92,9 @@ def gdn_replay_commit(state_pool, state_slots, payload, num_rows, A_log, dt_bias
         return gdn_replay_reference(state_pool, state_slots, k, v, a, b, A_log, dt_bias, num_rows,
                                     use_qk_l2norm=use_qk_l2norm)
     dims = GdnDims(bsz, t, num_k_heads, hv, dk, dv, num_slots)
-    block_v, num_warps, num_stages = pick_launch(dims, config)
+    # The replay kernel keeps key-major tiles; value_major only steers the verify kernels' launch.
+    block_v, num_warps, num_stages = pick_launch(dims, dataclasses.replace(config or GdnKernelConfig(),
+                                                                           value_major=False))
     kernel = functools.partial(_replay_kernel, nodes=t, group=hv // num_k_heads, dk=dk, dv=dv,
                                block_v=block_v, use_qk_l2norm=use_qk_l2norm, layout=layout)
     return pl.pallas_call(

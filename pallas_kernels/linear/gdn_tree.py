@@ -54,8 +54,10 @@ class GdnKernelConfig:
     num_stages: int | None = None  # Triton software-pipelining stages of the node loop
     # Hold the state tile as [block_v, dk] in registers (memory keeps [dk, dv]) so the two per-node
     # reductions over dk run along the tile's fast axis, as flash-linear-attention's transposed
-    # state layout does. Recurrent tree/chain verify only; not measured on a GPU yet.
-    value_major: bool = False
+    # state layout does. Recurrent tree/chain verify only (the replay commit ignores it). On by
+    # default: with its 32-column default tiles the H200 ran the tree 1.03-1.16x and the chain
+    # 0.76-1.18x faster than key-major at B = 1, 32, 64, T=16 (benchmarks/RESULTS.md, 07:36 UTC).
+    value_major: bool = True
 
     def __post_init__(self):
         if not isinstance(self.value_major, bool):
@@ -66,12 +68,14 @@ class GdnKernelConfig:
                 raise ValueError(f"GdnKernelConfig.{name}={val!r} must be a positive int or None")
 
 
-# Default launch (measured on an H200, benchmarks/RESULTS.md "GDN tree verify"): split dv into
-# tiles until the grid has at least this many programs, but keep tiles >= 32 columns wide. Narrow
+# Default launch (measured on an H200, benchmarks/RESULTS.md "GDN tree verify"): value-major tiles
+# take VALUE_MAJOR_BLOCK_V columns and 4 warps at every batch; key-major ones split dv into
+# tiles until the grid has at least MIN_PROGRAMS programs, but keep tiles >= 32 columns wide. Narrow
 # one-warp tiles (block_v 8, as flash-linear-attention's fused_recurrent uses) measured 2-3x slower
 # here for the tree and staged kernels: their state stores become 32-byte strided segments.
 MIN_PROGRAMS = 512
 MIN_DEFAULT_BLOCK_V = 32
+VALUE_MAJOR_BLOCK_V = 32
 
 
 class GdnVerifyResult(NamedTuple):
@@ -84,15 +88,18 @@ def pick_launch(dims: GdnDims, config: GdnKernelConfig | None, *, chunked: bool 
                 ) -> tuple[int, int, int]:
     """(block_v, num_warps, num_stages) for one launch; explicit config fields win.
 
-    Default: halve block_v from dv while the (B, HV, dv / block_v) grid has fewer than MIN_PROGRAMS
-    programs (small batches need dv tiles to fill the GPU), stopping at MIN_DEFAULT_BLOCK_V; then 4
-    warps for state tiles of at most 64 x 64 elements, 8 above, and one pipeline stage (each node
-    depends on the last).
+    Default: value-major tiles (the recurrent verify kernels only; not `chunked`) take
+    min(VALUE_MAJOR_BLOCK_V, dv) columns; otherwise halve block_v from dv while the
+    (B, HV, dv / block_v) grid has fewer than MIN_PROGRAMS programs (small batches need dv tiles to
+    fill the GPU), stopping at MIN_DEFAULT_BLOCK_V. Then 4 warps for state tiles of at most 64 x 64
+    elements, 8 above, and one pipeline stage (each node depends on the last).
     """
     config = config or GdnKernelConfig()
     dv = dims.head_v_dim
     min_block_v = 16 if chunked else 8  # Triton dot operands need >= 16 columns
     block_v = config.block_v
+    if block_v is None and config.value_major and not chunked:
+        block_v = min(VALUE_MAJOR_BLOCK_V, dv)
     if block_v is None:
         block_v = dv
         while (block_v > MIN_DEFAULT_BLOCK_V

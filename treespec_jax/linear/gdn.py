@@ -2,7 +2,7 @@
 
 Modes (`GdnStateMode`):
   "replay_ssm" (default) The committed state pool is never written during verify. With
-               `chunked_tree_verify`, trees of GDN_TREE_VERIFY_CHUNKED_MIN_NODES ..
+               `chunked_tree_verify` (default), trees of `chunked_min_nodes` (default 12) ..
                GDN_TREE_VERIFY_CHUNKED_MAX_NODES nodes run the chunked tree form (no node states at
                all); other trees run the recurrent kernel, which stores the state of every branch
                point (a node with a child other than t + 1) in the one workspace every layer shares
@@ -30,7 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
+from pallas_kernels.linear.gdn_chunked import FP32_DOTS, gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit
 from pallas_kernels.row_move import pack_path_rows
@@ -40,9 +40,14 @@ from treespec_jax.support import Capability, TreeBackend, TreeSupport
 from treespec_jax.tree.masks import ancestor_mask as packed_ancestor_mask
 from treespec_jax.tree.masks import unpack_mask_rows
 
-# Trees with this many nodes (inclusive) verify in the chunked form under ReplaySSM.
+# Trees with this many nodes (inclusive) can verify in the chunked form under ReplaySSM.
 GDN_TREE_VERIFY_CHUNKED_MIN_NODES = 8
 GDN_TREE_VERIFY_CHUNKED_MAX_NODES = 16
+# Default smallest tree the layer sends to the chunked form. On the H200 (Qwen3-Next dims,
+# benchmarks/RESULTS.md, 07:46 UTC) the chunked form's cost barely moves with T (it pads to 16
+# rows) while the recurrent tree's grows with it: at T=16 the chunked tree was 0.70-0.77x the
+# recurrent one at B = 1, 32, 64, at T=8 1.25-1.31x at B = 32, 64 (0.86x at B=1).
+GDN_TREE_VERIFY_CHUNKED_DEFAULT_MIN_NODES = 12
 
 GdnStateMode = StateMode  # one mode for every linear-attention layer (linear.state_mode)
 
@@ -59,15 +64,31 @@ class GdnLayerConfig:
     scale: float | None = None  # query scale; None = dk ** -0.5
     mode: GdnStateMode = "replay_ssm"  # "staged" is --disable-replay-ssm
     kernel: GdnKernelConfig = GdnKernelConfig()  # launch knobs shared by the GDN kernels
-    # ReplaySSM trees of 8..16 nodes in the chunked form. Off by default: on the H200 our chunked
-    # kernel measured 3.5-7x slower than the recurrent tree kernel (benchmarks/RESULTS.md).
-    chunked_tree_verify: bool = False
+    # ReplaySSM trees of chunked_min_nodes..GDN_TREE_VERIFY_CHUNKED_MAX_NODES nodes verify in the
+    # chunked form (no node states, no workspace traffic); other trees, chains and staged verify run
+    # the recurrent kernel.
+    chunked_tree_verify: bool = True
+    # Smallest tree sent to the chunked form, in [GDN_TREE_VERIFY_CHUNKED_MIN_NODES,
+    # GDN_TREE_VERIFY_CHUNKED_MAX_NODES] (see GDN_TREE_VERIFY_CHUNKED_DEFAULT_MIN_NODES).
+    chunked_min_nodes: int = GDN_TREE_VERIFY_CHUNKED_DEFAULT_MIN_NODES
+    # The chunked form's fp32 products: "tf32x3" (three TF32 tensor-core passes, about fp32
+    # accuracy; 4.5x faster than "ieee" at B=32 T=16 on the H200) or "ieee". The CPU interpreter
+    # always runs IEEE.
+    chunked_fp32_dots: str = "tf32x3"
 
     def __post_init__(self):
         check_state_mode(self.mode, "GDN")
+        errors = []
         if self.num_k_heads < 1 or self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"num_v_heads={self.num_v_heads} must be a positive multiple of "
-                             f"num_k_heads={self.num_k_heads}")
+            errors.append(f"num_v_heads={self.num_v_heads} must be a positive multiple of "
+                          f"num_k_heads={self.num_k_heads}")
+        lo, hi = GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_MAX_NODES
+        if not lo <= self.chunked_min_nodes <= hi:
+            errors.append(f"chunked_min_nodes={self.chunked_min_nodes} must be in [{lo}, {hi}]")
+        if self.chunked_fp32_dots not in FP32_DOTS:
+            errors.append(f"chunked_fp32_dots={self.chunked_fp32_dots!r} must be one of {tuple(FP32_DOTS)}")
+        if errors:
+            raise ValueError("GdnLayerConfig: " + "; ".join(errors))
 
     @property
     def payload_layout(self) -> GdnPayloadLayout:
@@ -80,13 +101,14 @@ class GdnVerifyOutput(NamedTuple):
     payload: jax.Array | None  # ReplaySSM payload rows [B, T, width]; None when staged
 
 
-def verify_kernel_for(mode: GdnStateMode, num_nodes: int, is_tree: bool, chunked_tree_verify: bool) -> str:
+def verify_kernel_for(mode: GdnStateMode, num_nodes: int, is_tree: bool, chunked_tree_verify: bool,
+                      min_nodes: int = GDN_TREE_VERIFY_CHUNKED_MIN_NODES) -> str:
     """Which kernel a verify runs: "chunked", "recurrent_tree" or "recurrent_chain"."""
     check_state_mode(mode, "GDN")
     if not is_tree:
         return "recurrent_chain"
-    if chunked_tree_verify and mode == "replay_ssm" and (GDN_TREE_VERIFY_CHUNKED_MIN_NODES <= num_nodes
-                                 <= GDN_TREE_VERIFY_CHUNKED_MAX_NODES):
+    if chunked_tree_verify and mode == "replay_ssm" and (max(min_nodes, GDN_TREE_VERIFY_CHUNKED_MIN_NODES)
+                                                         <= num_nodes <= GDN_TREE_VERIFY_CHUNKED_MAX_NODES):
         return "chunked"
     return "recurrent_tree"
 
@@ -146,11 +168,11 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
         raise ValueError("ReplaySSM verify needs this layer's payload buffer [B, T, width] (payload=None)")
     if cfg.mode == "staged" and payload is not None:
         raise ValueError("staged verify writes no replay payload; pass payload=None")
-    kernel = verify_kernel_for(cfg.mode, t, tree is not None, cfg.chunked_tree_verify)
+    kernel = verify_kernel_for(cfg.mode, t, tree is not None, cfg.chunked_tree_verify, cfg.chunked_min_nodes)
     common = dict(use_qk_l2norm=cfg.use_qk_l2norm, scale=cfg.scale, config=cfg.kernel, backend=backend)
     if kernel == "chunked":
         out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
-                                          tree.ancestor_mask, payload, **common)
+                                          tree.ancestor_mask, payload, fp32_dots=cfg.chunked_fp32_dots, **common)
         return GdnVerifyOutput(out, node_states, payload)
     store = "every_node" if cfg.mode == "staged" else "branch_points"
     res = gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout, payload_dtype
 from pallas_kernels.linear.mamba2_replay import mamba2_replay_commit
 from pallas_kernels.linear.conv_tree import conv_lag_sources
-from pallas_kernels.linear.mamba2_chunked import mamba2_tree_chunked
+from pallas_kernels.linear.mamba2_chunked import FP32_DOTS, MAX_CHUNKED_NODES, mamba2_tree_chunked
 from pallas_kernels.linear.mamba2_tree import WALKS, Mamba2ScanPlan, mamba2_scan_plan, mamba2_tree_scan
 from pallas_kernels.row_move import pack_path_rows
 from treespec_jax.linear.conv import conv_commit_from_inputs, conv_commit_staged, conv_verify
@@ -80,7 +80,7 @@ class Mamba2Dims:
         return Mamba2PayloadLayout(self.ngroups, self.dstate, self.nheads, self.headdim)
 
 
-VERIFY_FORMS = ("recurrent", "chunked")
+VERIFY_FORMS = ("auto", "recurrent", "chunked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +94,17 @@ class Mamba2CommitConfig:
     # "precomputed" replays along the step's ancestor list (Mamba2StepPlan.scan; 17% faster at B=1
     # T=64, tied elsewhere). Speed only: both give the same results up to rounding.
     walk: str = "parents"
-    # Verify scan form: "recurrent" (mamba2_tree_scan, node by node) or "chunked" (mamba2_chunked:
-    # all nodes at once under the ancestor mask; ReplaySSM only, as it forms no node states; not yet
-    # timed on a GPU). Same results up to rounding.
-    verify_form: str = "recurrent"
+    # Verify scan form: "recurrent" (mamba2_tree_scan, node by node), "chunked" (mamba2_chunked: all
+    # nodes at once under the ancestor mask; ReplaySSM only, as it forms no node states; T <= 64) or
+    # "auto" (default): chunked under ReplaySSM up to 64 nodes, else recurrent. Same results up to
+    # rounding. On the H200 (Nemotron-H-like dims, benchmarks/RESULTS.md, 07:40 UTC) the chunked tree
+    # took 0.19-0.56x the recurrent chain's time at B = 1, 32, 64 and T = 8, 16, 64, except B=1 T=8
+    # (1.12x), and tree / chain fell from 1.7-2.4x to 0.7-1.2x.
+    verify_form: str = "auto"
+    # The chunked form's fp32 products: "tf32x3" (three TF32 tensor-core passes, about fp32
+    # accuracy; 1.9x faster than "ieee" at B=32 T=16 on the H200) or "ieee". The CPU interpreter
+    # always runs IEEE.
+    fp32_dots: str = "tf32x3"
 
     def __post_init__(self):
         check_state_mode(self.mode, "Mamba2")
@@ -105,6 +112,8 @@ class Mamba2CommitConfig:
             raise ValueError(f"Mamba2CommitConfig.walk must be one of {WALKS}, got {self.walk!r}")
         if self.verify_form not in VERIFY_FORMS:
             raise ValueError(f"Mamba2CommitConfig.verify_form must be one of {VERIFY_FORMS}, got {self.verify_form!r}")
+        if self.fp32_dots not in FP32_DOTS:
+            raise ValueError(f"Mamba2CommitConfig.fp32_dots must be one of {tuple(FP32_DOTS)}, got {self.fp32_dots!r}")
         if self.verify_form == "chunked" and self.mode != "replay_ssm":
             raise ValueError(f"Mamba2CommitConfig: verify_form='chunked' forms no node states, so it needs "
                              f"mode='replay_ssm', got mode={self.mode!r}")
@@ -112,6 +121,12 @@ class Mamba2CommitConfig:
     @property
     def replay_ssm(self) -> bool:
         return self.mode == "replay_ssm"
+
+    def form_for(self, num_nodes: int) -> str:
+        """The scan form a verify of `num_nodes` nodes runs: "chunked" or "recurrent"."""
+        if self.verify_form != "auto":
+            return self.verify_form
+        return "chunked" if self.replay_ssm and num_nodes <= MAX_CHUNKED_NODES else "recurrent"
 
 
 class Mamba2Weights(NamedTuple):
@@ -209,10 +224,10 @@ def mamba2_verify(dims: Mamba2Dims, cfg: Mamba2CommitConfig, weights: Mamba2Weig
                                     silu=True, node_states=scratch.conv_rows, lags=lags, backend=cfg.backend)
     x, B, C = _split_xbc(dims, conv_y)
     scan_kw = dict(z=z, walk=cfg.walk, plan=scan_plan, backend=cfg.backend)
-    if cfg.verify_form == "chunked":
+    if cfg.form_for(xbc.shape[1]) == "chunked":
         y, payload = mamba2_tree_chunked(x, dt, weights.A_log, B, C, weights.D, weights.dt_bias, pools.ssm,
                                          state_slots, parents, mask=mask, z=z, mode="replay", payload=scratch.ssm,
-                                         backend=cfg.backend)
+                                         fp32_dots=cfg.fp32_dots, backend=cfg.backend)
         return Mamba2VerifyResult(y, Mamba2VerifyScratch(payload, None), xbc)
     if cfg.replay_ssm:
         y, payload = mamba2_tree_scan(x, dt, weights.A_log, B, C, weights.D, weights.dt_bias, pools.ssm, state_slots,
