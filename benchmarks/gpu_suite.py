@@ -35,25 +35,14 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 
 # Measurements still owed (see benchmarks/RESULTS.md, summary); one call of `--owed --out $OUT`
-# (about 8 minutes on an H200, under the 10-minute call limit) takes them: the first compiled run
-# of the chunked (SSD) Mamba2 tree verify and of the slot-free Mamba2 scan (conformance, then
-# timing against the recurrent tree and chain; make "chunked" the default verify_form only if
-# faster), the FP8 cascade at B=1 and B=8 with the Mosaic prefix,
-# the first compiled run of the Mosaic FP8 MLA latent decode (conformance, then timing against the
-# Triton one; adopt it under "auto" only if faster), three stages of two pages for the FP8 GQA
-# prefix at B=32 (fits shared memory with FP8 rings only), GDN's ReplaySSM commit at B=64, T=64, the
-# chunked GDN form with TF32x3 products (compiled conformance of case 2, T=16, then B=32 timing), and
-# value-major GDN tiles at B=1, 32 and 64, also narrow fla-style ones (at B=32, T=16 32-column
-# value-major tiles made the chain 18% and the tree 2% faster; make them the default only if they
-# win at every batch).
+# (about 4 minutes on an H200) takes them: the Mamba2 verify forms at B=1, T=64 (cut by the last
+# run's budget), and flash-linear-attention's fused_recurrent chain against our GDN defaults
+# (value-major tiles from B * HV >= 512, chunked TF32x3 trees of 12..16 nodes) in one run at
+# B = 1, 32, T=16 (fla-core must be carried; the bench skips fla with a note when it is missing).
 OWED = {
-    "mamba2": ["--quick", "--configs", "32x16,64x16,32x64,1x16", "--skip-commit", "--no-drafter-trees",
-               "--chunked", "--budget-s", "120"],
-    "cascade": ["--skip-conformance", "--dtypes", "fp8", "--shapes", "1x32768x64,8x8192x16"],
-    "mosaic": ["--skip-conformance", "--shapes", "32x32768x64", "--fp8", "--mla"],
-    "gdn": ["--no-fla", "--conformance-cases", "2", "--configs", "64x64,32x16", "--no-drafter-trees",
-            "--budget-s", "150", "--sweep-recurrent", "32:4:1:v,16:2:3:v,8:1:3:v,128:8:1",
-            "--sweep-at", "64x16,1x16,32x16"],
+    "mamba2": ["--skip-conformance", "--forms", "--configs", "1x64,32x16", "--budget-s", "200"],
+    "gdn": ["--skip-conformance", "--configs", "1x16,32x16", "--no-drafter-trees", "--skip-commit",
+            "--budget-s", "150"],
 }
 
 

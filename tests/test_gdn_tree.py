@@ -10,7 +10,8 @@ from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
 from pallas_kernels.linear.gdn_common import GdnDims
-from pallas_kernels.linear.gdn_tree import GdnKernelConfig, branch_points, gdn_tree_verify, pick_launch
+from pallas_kernels.linear.gdn_tree import (GdnKernelConfig, branch_points, gdn_tree_verify, pick_launch,
+                                            uses_value_major)
 from treespec_jax.linear.gdn import (
     GDN_TREE_VERIFY_CHUNKED_MAX_NODES, GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GdnLayerConfig, GdnTree, gdn_verify,
     parents_from_ancestor_mask, verify_kernel_for)
@@ -269,17 +270,21 @@ def test_bad_inputs_are_named():
 
 
 def test_pick_launch_defaults_and_refusals():
-    """Value-major (the default) takes 32-column tiles at every batch; key-major tiles split dv down
-    to 32 columns only for small batches; the chunked form ignores value_major; an explicit config
-    wins; nonsense values are refused by name."""
+    """By default batches with B * HV >= 512 take value-major 32-column tiles and small ones
+    key-major tiles split down to 32 columns; the chunked form ignores value_major; an explicit
+    config wins; nonsense values are refused by name."""
     qwen = lambda batch: GdnDims(batch, 16, 16, 32, 128, 128, batch + 1)  # noqa: E731
-    key_major = GdnKernelConfig(value_major=False)
+    key_major, value_major = GdnKernelConfig(value_major=False), GdnKernelConfig(value_major=True)
+    assert [uses_value_major(qwen(b), None) for b in (1, 8, 16, 32)] == [False, False, True, True]
+    assert not uses_value_major(qwen(32), key_major) and uses_value_major(qwen(1), value_major)
     assert pick_launch(qwen(32), None) == pick_launch(qwen(1), None) == (32, 4, 1)
+    assert pick_launch(qwen(8), None) == (64, 8, 1)  # key-major: 8 * 32 * 2 = 512 programs, 128x64 > 64x64
     assert pick_launch(qwen(32), key_major) == (128, 8, 1)
-    assert pick_launch(qwen(1), key_major) == (32, 4, 1)
+    assert pick_launch(qwen(8), value_major) == (32, 4, 1)
     assert pick_launch(qwen(32), None, chunked=True) == (128, 8, 1)
     assert pick_launch(qwen(32), GdnKernelConfig(block_v=128, num_warps=2)) == (128, 2, 1)
-    for field, bad in (("block_v", 0), ("num_warps", -4), ("num_stages", 0), ("num_warps", 2.0)):
+    for field, bad in (("block_v", 0), ("num_warps", -4), ("num_stages", 0), ("num_warps", 2.0),
+                       ("value_major", 1)):
         with pytest.raises(ValueError, match=f"{field}="):
             GdnKernelConfig(**{field: bad})
     with pytest.raises(ValueError, match="num_warps=64"):

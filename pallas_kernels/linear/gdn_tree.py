@@ -54,14 +54,16 @@ class GdnKernelConfig:
     num_stages: int | None = None  # Triton software-pipelining stages of the node loop
     # Hold the state tile as [block_v, dk] in registers (memory keeps [dk, dv]) so the two per-node
     # reductions over dk run along the tile's fast axis, as flash-linear-attention's transposed
-    # state layout does. Recurrent tree/chain verify only (the replay commit ignores it). On by
-    # default: with its 32-column default tiles the H200 ran the tree 1.03-1.16x and the chain
-    # 0.76-1.18x faster than key-major at B = 1, 32, 64, T=16 (benchmarks/RESULTS.md, 07:36 UTC).
-    value_major: bool = True
+    # state layout does. Recurrent tree/chain verify only (the replay commit ignores it). None
+    # (default) = value-major exactly when B * HV >= MIN_PROGRAMS (full-width key-major tiles would
+    # already fill the GPU): on the H200 (benchmarks/RESULTS.md, 07:52 UTC) value-major 32-column
+    # tiles ran the chain 1.2-1.37x and the tree 0.96-1.13x faster at B = 32, 64 and T = 8..64,
+    # but the B=1 tree 1.2-1.45x slower at T = 8 and 64.
+    value_major: bool | None = None
 
     def __post_init__(self):
-        if not isinstance(self.value_major, bool):
-            raise ValueError(f"GdnKernelConfig.value_major={self.value_major!r} must be a bool")
+        if self.value_major is not None and not isinstance(self.value_major, bool):
+            raise ValueError(f"GdnKernelConfig.value_major={self.value_major!r} must be a bool or None")
         for name in ("block_v", "num_warps", "num_stages"):
             val = getattr(self, name)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
@@ -69,8 +71,9 @@ class GdnKernelConfig:
 
 
 # Default launch (measured on an H200, benchmarks/RESULTS.md "GDN tree verify"): value-major tiles
-# take VALUE_MAJOR_BLOCK_V columns and 4 warps at every batch; key-major ones split dv into
-# tiles until the grid has at least MIN_PROGRAMS programs, but keep tiles >= 32 columns wide. Narrow
+# (the default once B * HV >= MIN_PROGRAMS) take VALUE_MAJOR_BLOCK_V columns and 4 warps; key-major
+# ones split dv into tiles until the grid has at least MIN_PROGRAMS programs, but keep tiles >= 32
+# columns wide. Narrow
 # one-warp tiles (block_v 8, as flash-linear-attention's fused_recurrent uses) measured 2-3x slower
 # here for the tree and staged kernels: their state stores become 32-byte strided segments.
 MIN_PROGRAMS = 512
@@ -82,6 +85,14 @@ class GdnVerifyResult(NamedTuple):
     out: jax.Array  # [B, T, HV, dv] in v's dtype
     node_states: jax.Array  # [B, T, HV, dk, dv] fp32: the staged scratch or the ReplaySSM workspace
     payload: jax.Array | None  # [B, T, width] replay payload rows, when a payload buffer was given
+
+
+def uses_value_major(dims: GdnDims, config: GdnKernelConfig | None) -> bool:
+    """Whether the recurrent verify kernels hold value-major state tiles (see GdnKernelConfig)."""
+    config = config or GdnKernelConfig()
+    if config.value_major is not None:
+        return config.value_major
+    return dims.batch * dims.num_v_heads >= MIN_PROGRAMS
 
 
 def pick_launch(dims: GdnDims, config: GdnKernelConfig | None, *, chunked: bool = False
@@ -98,7 +109,7 @@ def pick_launch(dims: GdnDims, config: GdnKernelConfig | None, *, chunked: bool 
     dv = dims.head_v_dim
     min_block_v = 16 if chunked else 8  # Triton dot operands need >= 16 columns
     block_v = config.block_v
-    if block_v is None and config.value_major and not chunked:
+    if block_v is None and not chunked and uses_value_major(dims, config):
         block_v = min(VALUE_MAJOR_BLOCK_V, dv)
     if block_v is None:
         block_v = dv
@@ -306,7 +317,7 @@ def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, pare
         _verify_kernel, chain=chain, store=store, nodes=dims.nodes, group=dims.group,
         block_v=block_v, use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout,
         compiled=kind == "compiled", nodes_pow2=max(2, next_pow2(dims.nodes)),
-        value_major=config.value_major)
+        value_major=uses_value_major(dims, config))
     out_shape = [jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(node_states.shape, jnp.float32)]
     args = [parents.astype(jnp.int32), branch, state_slots.astype(jnp.int32), q, k, v, a, b,
             A_log.astype(jnp.float32), dt_bias.astype(jnp.float32), state_pool, node_states]
@@ -328,4 +339,4 @@ def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, pare
 
 
 __all__ = ["GdnKernelConfig", "GdnVerifyResult", "branch_points", "check_payload", "gdn_tree_verify",
-           "pick_launch"]
+           "pick_launch", "uses_value_major"]

@@ -44,9 +44,9 @@ from treespec_jax.tree.masks import unpack_mask_rows
 GDN_TREE_VERIFY_CHUNKED_MIN_NODES = 8
 GDN_TREE_VERIFY_CHUNKED_MAX_NODES = 16
 # Default smallest tree the layer sends to the chunked form. On the H200 (Qwen3-Next dims,
-# benchmarks/RESULTS.md, 07:46 UTC) the chunked form's cost barely moves with T (it pads to 16
-# rows) while the recurrent tree's grows with it: at T=16 the chunked tree was 0.70-0.77x the
-# recurrent one at B = 1, 32, 64, at T=8 1.25-1.31x at B = 32, 64 (0.86x at B=1).
+# benchmarks/RESULTS.md, 07:46 and 07:52 UTC) the chunked form's cost barely moves with T (it pads to 16
+# rows) while the recurrent tree's grows with it: at B = 32, 64 the chunked tree took 0.70-0.84x
+# the recurrent one's time at T=16, 0.89-0.98x at T=12 and 1.25-1.37x at T=8 (0.67-1.02x at B=1).
 GDN_TREE_VERIFY_CHUNKED_DEFAULT_MIN_NODES = 12
 
 GdnStateMode = StateMode  # one mode for every linear-attention layer (linear.state_mode)
