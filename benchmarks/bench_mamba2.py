@@ -535,7 +535,7 @@ def bench(configs, budget_s, launch, staged=False, unroll_variant=False, on_row=
             continue
         floor = r["state_bytes"] / bw  # read the committed state once
         chain, old, pre = r[("replay", "chain")], r[("replay", "old")], r[("replay", "pre")]
-        us = lambda s: f"{s * 1e6:.1f}"
+        us = lambda s: "skipped" if s != s else f"{s * 1e6:.1f}"  # noqa: E731  (NaN = not timed)
         log(f"B={nb:2d} T={t:2d} branches~{r['stats'][0]:.1f} depth {r['stats'][1]:2d} | ReplaySSM verify chain "
             f"{us(chain)} us, old tree {us(old)} us ({old / chain:.2f}x, {r['stats'][2]:.2f} replays/node), "
             f"precomputed walk {us(pre)} us ({pre / chain:.2f}x) | floor {us(floor)} us | plan {us(r['plan'])} us/step "
