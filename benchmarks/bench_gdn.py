@@ -32,7 +32,7 @@ import numpy as np
 from benchmarks.report import log, rel_err
 from benchmarks import timing
 from benchmarks.timing import measure_copy_bandwidth
-from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
+from pallas_kernels.linear.gdn_chunked import MAX_CHUNKED_NODES, gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit
 from pallas_kernels.row_move import pack_path_rows
@@ -218,7 +218,7 @@ def conformance_case(i, d, bsz, t, dtype, tol, rng, check):
     ch = gdn_tree_verify(*args, None, nodes, store="every_node", backend="pallas")
     e5 = rel_err(ch.out, ref_chain.out)
     check("chain kernel vs reference", e5 < tol, f"{e5:.2e}")
-    if t <= 16:
+    if t <= MAX_CHUNKED_NODES:
         out, pl_ = gdn_chunked_verify(*args, ancestor_mask(parents), payload, backend="pallas")
         e6 = rel_err(out, ref.out)
         check("chunked vs recurrent reference", e6 < tol, f"{e6:.2e}")
@@ -315,7 +315,7 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
     if sweep != "chunked":
         # The chain and the tree kernels share one launch (no tree-only launch knobs).
         res["launch_chain"] = res["launch_tree"] = pick_launch(dims_of(d, bsz, t), kcfg)
-    if t <= 16 and sweep is not True:  # a recurrent launch sweep leaves the chunked form alone
+    if t <= MAX_CHUNKED_NODES and sweep is not True:  # a recurrent launch sweep leaves the chunked form alone
         if CHUNKED_IEEE:
             res["tree_chunked"], carry = time_step(verify_step(True, None, chunked=True), carry)
         res["tree_chunked_tf32x3"], carry = time_step(verify_step(True, None, chunked=True, fp32_dots="tf32x3"), carry)
@@ -350,7 +350,7 @@ def parse_launch(text):
 
 
 def best_ratio(r):
-    """Fastest tree form over fastest chain form (the recurrent and, T <= 16, chunked kernels)."""
+    """Fastest tree form over fastest chain form (the recurrent and, T <= MAX_CHUNKED_NODES, chunked kernels)."""
     trees = [r[k] for k in ("tree_replay_rec", "tree_chunked_tf32x3") if k in r]
     chains = [r[k] for k in ("chain_replay", "chain_chunked_tf32x3") if k in r]
     return f"{min(trees) / min(chains):.2f}x" if trees and chains else "-"
@@ -394,7 +394,7 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
             progress(show())
     fla.update(fla_reference(bw) if use_fla else {})
     for bsz, t in sweep_at:
-        for kind, launches in (("recurrent", sweep_rec), ("chunked", sweep_chunked if t <= 16 else [])):
+        for kind, launches in (("recurrent", sweep_rec), ("chunked", sweep_chunked if t <= MAX_CHUNKED_NODES else [])):
             for launch in launches:
                 if time.time() - _T0 > budget_s + 40:
                     log(f"budget reached; skipping the {kind} sweep at B={bsz} T={t} from launch {launch}")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gdn_numpy import B, DK, DV, H, HV, branch_rows, chain, per_path_numpy, random_inputs, random_tree, rel_err
-from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
+from pallas_kernels.linear.gdn_chunked import MAX_CHUNKED_NODES, gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
 from pallas_kernels.linear.gdn_common import GdnDims
@@ -139,6 +139,69 @@ def test_chunked_matches_recurrent(t, l2, shape):
     np.testing.assert_array_equal(_bits(args[7]), pool_before)
 
 
+@pytest.mark.parametrize("t, l2", [(17, False), (33, True), (64, True)])
+def test_chunked_up_to_64_nodes(t, l2):
+    """Trees of 17..64 nodes pad to 32 or 64 rows; from 33 nodes on, ancestor bits of columns 32..63
+    come from mask word 1. Request 0 is a random tree (half the nodes extend i - 1, so deep paths
+    cross column 32), request 1 the chain (every bit of both words set below the diagonal)."""
+    rng = np.random.default_rng(300 + t)
+    x = random_inputs(rng, B, t)
+    parents = random_tree(rng, B, t)
+    parents[1] = chain(1, t)[0]
+    ref_out, _ = per_path_numpy(x, parents, use_qk_l2norm=l2)
+    args = _args(x)
+    pool_before = _bits(x["state_pool"]).copy()
+    out, payload = gdn_chunked_verify(*args, ancestor_mask(jnp.asarray(parents)), _nan_payload(t),
+                                      use_qk_l2norm=l2, backend="interpret")
+    for req, shape in enumerate(("tree", "chain")):
+        assert rel_err(np.asarray(out)[req], ref_out[req]) < TOL, shape
+    np.testing.assert_array_equal(np.asarray(payload), np.asarray(pack_payload(*args[1:5])))
+    np.testing.assert_array_equal(_bits(args[7]), pool_before)
+
+
+def test_layer_routes_larger_trees_to_chunked_only_when_raised():
+    """chunked_max_nodes (default 16) opts trees of up to MAX_CHUNKED_NODES nodes into the chunked
+    form; out-of-range values are refused by name, all errors in one message."""
+    assert MAX_CHUNKED_NODES == 64
+    assert GdnLayerConfig(H, HV, DK, DV).chunked_max_nodes == GDN_TREE_VERIFY_CHUNKED_MAX_NODES == 16
+    assert verify_kernel_for("replay_ssm", 33, True, True, 12) == "recurrent_tree"
+    assert verify_kernel_for("replay_ssm", 33, True, True, 12, max_nodes=64) == "chunked"
+    assert verify_kernel_for("replay_ssm", 64, True, True, 12, max_nodes=64) == "chunked"
+    assert verify_kernel_for("replay_ssm", 33, True, True, 12, max_nodes=32) == "recurrent_tree"
+    assert verify_kernel_for("staged", 33, True, True, 12, max_nodes=64) == "recurrent_tree"
+    assert verify_kernel_for("replay_ssm", 33, False, True, 12, max_nodes=64) == "recurrent_chain"
+    big_only = GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=20, chunked_max_nodes=64)
+    for n, want in ((19, "recurrent_tree"), (20, "chunked"), (64, "chunked")):
+        assert verify_kernel_for("replay_ssm", n, True, True, big_only.chunked_min_nodes,
+                                 max_nodes=big_only.chunked_max_nodes) == want, n
+    with pytest.raises(ValueError, match=r"chunked_max_nodes=65 must be in \[8, 64\].*chunked_fp32_dots='bf16'"):
+        GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=65, chunked_fp32_dots="bf16")
+    with pytest.raises(ValueError, match="chunked_min_nodes=12 must not exceed chunked_max_nodes=10"):
+        GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10)
+    with pytest.raises(ValueError, match=r"chunked_min_nodes=65 must be in \[8, 64\]"):
+        GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=65, chunked_max_nodes=64)
+
+    t = 33
+    rng = np.random.default_rng(13)
+    x = random_inputs(rng, B, t)
+    parents = random_tree(rng, B, t)
+    ref_out, ref_states = per_path_numpy(x, parents, use_qk_l2norm=True)
+    tree = GdnTree.from_parents(jnp.asarray(parents))
+    raised = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64)
+    chunked = gdn_verify(raised, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
+                         backend="interpret")
+    assert rel_err(chunked.out, ref_out) < TOL
+    assert np.isnan(np.asarray(chunked.node_states)).all()  # the chunked form keeps no node states
+    np.testing.assert_array_equal(np.asarray(chunked.payload), np.asarray(pack_payload(*_args(x)[1:5])))
+    # By default the same tree runs the recurrent kernel, which stores exactly its branch points.
+    recurrent = gdn_verify(GdnLayerConfig(H, HV, DK, DV), *_args(x), node_states=_nan_states(t),
+                           payload=_nan_payload(t), tree=tree, backend="interpret")
+    assert rel_err(recurrent.out, ref_out) < TOL
+    rows = branch_rows(parents)
+    ws = np.asarray(recurrent.node_states)
+    assert rows.any() and np.isnan(ws[~rows]).all() and rel_err(ws[rows], ref_states[rows]) < TOL
+
+
 def test_chunked_reference_states_match_per_path():
     t = 16
     rng = np.random.default_rng(5)
@@ -243,10 +306,9 @@ def test_bad_inputs_are_named():
         gdn_tree_verify(*bad, parents, _nan_states(t), store="every_node", backend="interpret")
     with pytest.raises(ValueError, match="store='all'"):
         gdn_tree_verify(*args, parents, _nan_states(t), store="all", backend="interpret")
-    with pytest.raises(ValueError, match="at most 16 nodes, got T=17"):
-        y = random_inputs(rng, B, 17)
-        gdn_chunked_verify(*_args(y), ancestor_mask(jnp.asarray(random_tree(rng, B, 17))),
-                           _nan_payload(17), backend="interpret")
+    with pytest.raises(ValueError, match="at most 64 nodes, got T=65"):
+        y = random_inputs(rng, B, 65)  # no 65-node tree mask exists; the node count is refused first
+        gdn_chunked_verify(*_args(y), jnp.zeros((B, 65, 2), jnp.uint32), _nan_payload(65), backend="interpret")
     with pytest.raises(ValueError, match="fp32_dots must be one of \\('ieee', 'tf32x3'\\), got 'tf32'"):
         gdn_chunked_verify(*args, ancestor_mask(jnp.asarray(parents)), _nan_payload(t), fp32_dots="tf32",
                            backend="interpret")
@@ -307,10 +369,8 @@ def test_branch_inputs_are_checked():
         gdn_tree_verify(*args, None, _nan_states(t), store="branch_points", branch=branch, backend="interpret")
 
 
-def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
-    """Qwen3-Next dims lower Pallas -> Triton IR in both store modes and as a chain, key- and
-    value-major (no GPU needed; compiling to PTX and running is benchmarks/bench_gdn.py's conformance)."""
-    import jax
+def _fake_sm90(monkeypatch):
+    """Makes the Pallas Triton lowering target an sm_90 GPU on this CPU-only machine."""
     import jax._src.pallas.triton.pallas_call_registration as reg
 
     import pallas_kernels.common as common
@@ -318,12 +378,29 @@ def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
     monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: reg.gpu_info_lib.GpuInfo(
         gpu_version=None, arch_name="sm_90", compute_capability=90))
     monkeypatch.setattr(common, "on_gpu", lambda: True)
+
+
+def _qwen_specs(bsz, t, h=16, hv=32, dk=128, dv=128):
+    """Abstract Qwen3-Next inputs `(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots)` and the
+    payload width."""
+    import jax
+
     sd = jax.ShapeDtypeStruct
-    bsz, t, h, hv, dk, dv = 4, 16, 16, 32, 128, 128
-    width = GdnPayloadLayout(h, hv, dk, dv).width
     ins = (sd((bsz, t, h, dk), jnp.bfloat16), sd((bsz, t, h, dk), jnp.bfloat16), sd((bsz, t, hv, dv), jnp.bfloat16),
            sd((bsz, t, hv), jnp.bfloat16), sd((bsz, t, hv), jnp.bfloat16), sd((hv,), jnp.float32),
            sd((hv,), jnp.float32), sd((bsz + 1, hv, dk, dv), jnp.float32), sd((bsz,), jnp.int32))
+    return ins, GdnPayloadLayout(h, hv, dk, dv).width
+
+
+def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
+    """Qwen3-Next dims lower Pallas -> Triton IR in both store modes and as a chain, key- and
+    value-major (no GPU needed; compiling to PTX and running is benchmarks/bench_gdn.py's conformance)."""
+    import jax
+
+    _fake_sm90(monkeypatch)
+    sd = jax.ShapeDtypeStruct
+    bsz, t, hv, dk, dv = 4, 16, 32, 128, 128
+    ins, width = _qwen_specs(bsz, t)
     nodes = sd((bsz, t, hv, dk, dv), jnp.float32)
     for store, tree, vm in (("branch_points", True, False), ("branch_points", True, True),
                             ("every_node", True, True), ("branch_points", False, False),
@@ -348,3 +425,23 @@ def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
             *ins, sd((bsz, t, 2), jnp.uint32), sd((bsz, t, width), jnp.bfloat16)).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text and "gdn_chunked_verify" in text, fp32_dots
+
+
+@pytest.mark.parametrize("fp32_dots", ["ieee", "tf32x3"])
+def test_chunked_64_nodes_lowers_to_triton_for_sm90(monkeypatch, fp32_dots):
+    """At T = 64 the chunked form pads to 64 rows and reads both mask words; it still lowers to
+    Triton IR for sm_90 at Qwen3-Next dims (compiling and timing it is benchmarks/bench_gdn.py's)."""
+    import jax
+
+    _fake_sm90(monkeypatch)
+    bsz, t = 4, MAX_CHUNKED_NODES
+    ins, width = _qwen_specs(bsz, t)
+
+    def chunked(*a):
+        return gdn_chunked_verify(*a, fp32_dots=fp32_dots)
+
+    sd = jax.ShapeDtypeStruct
+    text = jax.jit(chunked, donate_argnums=(10,)).trace(
+        *ins, sd((bsz, t, 2), jnp.uint32), sd((bsz, t, width), jnp.bfloat16)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "gdn_chunked_verify" in text

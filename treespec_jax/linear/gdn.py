@@ -3,10 +3,11 @@
 Modes (`GdnStateMode`):
   "replay_ssm" (default) The committed state pool is never written during verify. With
                `chunked_tree_verify` (default), trees of `chunked_min_nodes` (default 12) ..
-               GDN_TREE_VERIFY_CHUNKED_MAX_NODES nodes run the chunked tree form (no node states at
-               all); other trees run the recurrent kernel, which stores the state of every branch
-               point (a node with a child other than t + 1) in the one workspace every layer shares
-               (`[B, T, HV, dk, dv]`, one layer's worth) and reloads a branch's parent from there.
+               `chunked_max_nodes` (default 16, at most the kernel's MAX_CHUNKED_NODES = 64) nodes
+               run the chunked tree form (no node states at all); other trees run the recurrent
+               kernel, which stores the state of every branch point (a node with a child other than
+               t + 1) in the one workspace every layer shares (`[B, T, HV, dk, dv]`, one layer's
+               worth) and reloads a branch's parent from there.
                Verify writes each node's replay payload row `[k | v | a | b]`; the commit packs the
                accepted path's rows to the window front (`pallas_kernels.row_move.move_rows`) and
                replays min(accept_len, T) of them over the committed state in place.
@@ -30,7 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.linear.gdn_chunked import FP32_DOTS, gdn_chunked_verify
+from pallas_kernels.linear.gdn_chunked import FP32_DOTS, MAX_CHUNKED_NODES, gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit
 from pallas_kernels.row_move import pack_path_rows
@@ -40,8 +41,12 @@ from treespec_jax.support import Capability, TreeBackend, TreeSupport
 from treespec_jax.tree.masks import ancestor_mask as packed_ancestor_mask
 from treespec_jax.tree.masks import unpack_mask_rows
 
-# Trees with this many nodes (inclusive) can verify in the chunked form under ReplaySSM.
+# Smallest tree the layer may send to the chunked form under ReplaySSM.
 GDN_TREE_VERIFY_CHUNKED_MIN_NODES = 8
+# Default largest tree sent to the chunked form. The kernel takes up to MAX_CHUNKED_NODES (64) and
+# `GdnLayerConfig.chunked_max_nodes` may raise this up to there, but the default stays 16 because
+# the H200 runs behind the routing (benchmarks/RESULTS.md) measured the chunked form only at T <= 16;
+# at T = 32 or 64 it pads to 32 or 64 rows and its cost against the recurrent tree is not yet measured.
 GDN_TREE_VERIFY_CHUNKED_MAX_NODES = 16
 # Default smallest tree the layer sends to the chunked form. On the H200 (Qwen3-Next dims,
 # benchmarks/RESULTS.md, 07:46 and 07:52 UTC) the chunked form's cost barely moves with T (it pads to 16
@@ -64,13 +69,15 @@ class GdnLayerConfig:
     scale: float | None = None  # query scale; None = dk ** -0.5
     mode: GdnStateMode = "replay_ssm"  # "staged" is --disable-replay-ssm
     kernel: GdnKernelConfig = GdnKernelConfig()  # launch knobs shared by the GDN kernels
-    # ReplaySSM trees of chunked_min_nodes..GDN_TREE_VERIFY_CHUNKED_MAX_NODES nodes verify in the
-    # chunked form (no node states, no workspace traffic); other trees, chains and staged verify run
-    # the recurrent kernel.
+    # ReplaySSM trees of chunked_min_nodes..chunked_max_nodes nodes verify in the chunked form (no
+    # node states, no workspace traffic); other trees, chains and staged verify run the recurrent kernel.
     chunked_tree_verify: bool = True
     # Smallest tree sent to the chunked form, in [GDN_TREE_VERIFY_CHUNKED_MIN_NODES,
-    # GDN_TREE_VERIFY_CHUNKED_MAX_NODES] (see GDN_TREE_VERIFY_CHUNKED_DEFAULT_MIN_NODES).
+    # chunked_max_nodes] (see GDN_TREE_VERIFY_CHUNKED_DEFAULT_MIN_NODES).
     chunked_min_nodes: int = GDN_TREE_VERIFY_CHUNKED_DEFAULT_MIN_NODES
+    # Largest tree sent to the chunked form, in [chunked_min_nodes, MAX_CHUNKED_NODES (64)]; opt in
+    # above the default 16 (see GDN_TREE_VERIFY_CHUNKED_MAX_NODES for why it is not raised by default).
+    chunked_max_nodes: int = GDN_TREE_VERIFY_CHUNKED_MAX_NODES
     # The chunked form's fp32 products: "tf32x3" (three TF32 tensor-core passes, about fp32
     # accuracy; 4.5x faster than "ieee" at B=32 T=16 on the H200) or "ieee". The CPU interpreter
     # always runs IEEE.
@@ -82,9 +89,15 @@ class GdnLayerConfig:
         if self.num_k_heads < 1 or self.num_v_heads % self.num_k_heads:
             errors.append(f"num_v_heads={self.num_v_heads} must be a positive multiple of "
                           f"num_k_heads={self.num_k_heads}")
-        lo, hi = GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_MAX_NODES
+        lo, hi = GDN_TREE_VERIFY_CHUNKED_MIN_NODES, MAX_CHUNKED_NODES
         if not lo <= self.chunked_min_nodes <= hi:
             errors.append(f"chunked_min_nodes={self.chunked_min_nodes} must be in [{lo}, {hi}]")
+        if not lo <= self.chunked_max_nodes <= hi:
+            errors.append(f"chunked_max_nodes={self.chunked_max_nodes} must be in [{lo}, {hi}] (the chunked "
+                          f"kernel's MAX_CHUNKED_NODES is {hi})")
+        if self.chunked_min_nodes > self.chunked_max_nodes:
+            errors.append(f"chunked_min_nodes={self.chunked_min_nodes} must not exceed "
+                          f"chunked_max_nodes={self.chunked_max_nodes}")
         if self.chunked_fp32_dots not in FP32_DOTS:
             errors.append(f"chunked_fp32_dots={self.chunked_fp32_dots!r} must be one of {tuple(FP32_DOTS)}")
         if errors:
@@ -102,13 +115,18 @@ class GdnVerifyOutput(NamedTuple):
 
 
 def verify_kernel_for(mode: GdnStateMode, num_nodes: int, is_tree: bool, chunked_tree_verify: bool,
-                      min_nodes: int = GDN_TREE_VERIFY_CHUNKED_MIN_NODES) -> str:
-    """Which kernel a verify runs: "chunked", "recurrent_tree" or "recurrent_chain"."""
+                      min_nodes: int = GDN_TREE_VERIFY_CHUNKED_MIN_NODES, *,
+                      max_nodes: int = GDN_TREE_VERIFY_CHUNKED_MAX_NODES) -> str:
+    """Which kernel a verify runs: "chunked", "recurrent_tree" or "recurrent_chain".
+
+    ReplaySSM trees of max(min_nodes, GDN_TREE_VERIFY_CHUNKED_MIN_NODES)..max_nodes nodes take the
+    chunked form (`GdnLayerConfig` keeps max_nodes <= MAX_CHUNKED_NODES).
+    """
     check_state_mode(mode, "GDN")
     if not is_tree:
         return "recurrent_chain"
     if chunked_tree_verify and mode == "replay_ssm" and (max(min_nodes, GDN_TREE_VERIFY_CHUNKED_MIN_NODES)
-                                                         <= num_nodes <= GDN_TREE_VERIFY_CHUNKED_MAX_NODES):
+                                                         <= num_nodes <= max_nodes):
         return "chunked"
     return "recurrent_tree"
 
@@ -168,7 +186,8 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
         raise ValueError("ReplaySSM verify needs this layer's payload buffer [B, T, width] (payload=None)")
     if cfg.mode == "staged" and payload is not None:
         raise ValueError("staged verify writes no replay payload; pass payload=None")
-    kernel = verify_kernel_for(cfg.mode, t, tree is not None, cfg.chunked_tree_verify, cfg.chunked_min_nodes)
+    kernel = verify_kernel_for(cfg.mode, t, tree is not None, cfg.chunked_tree_verify, cfg.chunked_min_nodes,
+                               max_nodes=cfg.chunked_max_nodes)
     common = dict(use_qk_l2norm=cfg.use_qk_l2norm, scale=cfg.scale, config=cfg.kernel, backend=backend)
     if kernel == "chunked":
         out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
