@@ -35,14 +35,16 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 
 # Measurements still owed (see benchmarks/RESULTS.md, summary); one call of `--owed --out $OUT`
-# (about 4 minutes on an H200) takes them: the Mamba2 verify forms at B=1, T=64 (cut by the last
+# (about 6 minutes on an H200) takes them: the Mamba2 verify forms at B=1, T=64 (cut by the last
 # run's budget), and flash-linear-attention's fused_recurrent chain against our GDN defaults
 # (value-major tiles from B * HV >= 512, chunked TF32x3 trees of 12..16 nodes) in one run at
-# B = 1, 32, T=16 (fla-core must be carried; the bench skips fla with a note when it is missing).
+# B = 1, 32, T=16 (fla-core must be carried; the bench skips fla with a note when it is missing),
+# and the first compiled run of the chunked GDN form above 16 nodes (conformance at T = 33, 64, then
+# timing at T=64 against the recurrent tree; raise GdnLayerConfig.chunked_max_nodes only if it wins).
 OWED = {
     "mamba2": ["--skip-conformance", "--forms", "--configs", "1x64,32x16", "--budget-s", "200"],
-    "gdn": ["--skip-conformance", "--configs", "1x16,32x16", "--no-drafter-trees", "--skip-commit",
-            "--budget-s", "150"],
+    "gdn": ["--conformance-cases", "3,4", "--configs", "1x16,32x16,32x64,64x64", "--no-drafter-trees",
+            "--skip-commit", "--budget-s", "240"],
 }
 
 
