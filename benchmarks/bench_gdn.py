@@ -37,7 +37,8 @@ from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit
 from pallas_kernels.row_move import pack_path_rows
 from pallas_kernels.linear.gdn_common import GdnDims
-from pallas_kernels.linear.gdn_tree import GdnKernelConfig, branch_points, gdn_tree_verify, pick_launch
+from pallas_kernels.linear.gdn_tree import (GdnKernelConfig, branch_points, gdn_tree_verify, pick_launch,
+                                            uses_value_major)
 from treespec_jax.linear.gdn import GdnLayerConfig, GdnTree, gdn_commit_replay
 from treespec_jax.tree import draft_tree
 from treespec_jax.tree.masks import ancestor_mask
@@ -314,7 +315,9 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
         log(f"    {name} {res[name]*1e6:.1f}us (compile+time {time.time() - t0:.1f}s)")
     if sweep != "chunked":
         # The chain and the tree kernels share one launch (no tree-only launch knobs).
-        res["launch_chain"] = res["launch_tree"] = pick_launch(dims_of(d, bsz, t), kcfg)
+        # A trailing "v" marks value-major state tiles.
+        launch_used = pick_launch(dims_of(d, bsz, t), kcfg) + (("v",) if uses_value_major(dims_of(d, bsz, t), kcfg) else ())
+        res["launch_chain"] = res["launch_tree"] = launch_used
     if t <= MAX_CHUNKED_NODES and sweep is not True:  # a recurrent launch sweep leaves the chunked form alone
         if CHUNKED_IEEE:
             res["tree_chunked"], carry = time_step(verify_step(True, None, chunked=True), carry)
