@@ -33,7 +33,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks.report import log, rel_err  # noqa: E402
 from benchmarks.timing import measure_matmul_flops, median_time  # noqa: E402
-from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, prefix_decode_row_layout  # noqa: E402
+from pallas_kernels.attention.prefix_decode import (default_num_splits, heads_to_rows, padded_rows,  # noqa: E402
+                                                   prefix_decode_row_layout)
 from pallas_kernels.attention.prefix_decode_mgpu import mgpu_input_errors, prefix_decode_mgpu_row_layout  # noqa: E402
 from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference  # noqa: E402
 from pallas_kernels.attention.tree_window import tree_window_row_layout  # noqa: E402
@@ -97,16 +98,18 @@ FULL_SHAPES = ((32, 32768, 64), (64, 4096, 64), (1, 32768, 64), (8, 8192, 16))
 SMOKE_SHAPES = ((2, 200, 32), (1, 300, 16))
 
 
-def timing(shapes=FULL_SHAPES, hq=32, hkv=8, d=128, samples=7, interpret=False, dtypes=(jnp.bfloat16,)):
+def timing(shapes=FULL_SHAPES, hq=32, hkv=8, d=128, samples=7, interpret=False, dtypes=(jnp.bfloat16,), splits=()):
     """`--smoke` runs this on tiny shapes in the interpreters (a CPU check of the script itself)."""
     flops_rate = measure_matmul_flops(512 if interpret else 8192)
     for dtype in dtypes:
         for shape in shapes:
-            time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret)
+            time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits)
 
 
-def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret):
-    """Mosaic GPU prefix (1 and 2 pages per step) against the Triton prefix, alone and as cascades."""
+def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=()):
+    """Mosaic GPU prefix (1 and 2 pages per step) against the Triton prefix, alone and as cascades;
+    `splits`: also the 2-page Mosaic prefix and cascade with each of these key-split counts (the
+    default count is `prefix_decode.default_num_splits`, tuned for the Triton kernel)."""
     g = hq // hkv
     b, p, n = shape
     total = padded_rows(n * g)
@@ -126,6 +129,11 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret):
     fits3 = not mgpu_input_errors(qr, k, v, PAGE, stages=3, pages_per_step=2)
     mg_pps2_s3 = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, pages_per_step=2, stages=3, **kw))
     tr = jax.jit(lambda *a: prefix_decode_row_layout(*a, **kw))
+    rows_per_cta = 128 if total % 128 == 0 else 64  # as prefix_decode_mgpu_row_layout picks its warpgroups
+    log(f"{jnp.dtype(dtype).name} B={b} P={p} N={n}: default key splits "
+        f"{default_num_splits(b, hkv, total // rows_per_cta, table.shape[1])}")
+    split_fns = [(ns, jax.jit(lambda *a, ns=ns: prefix_decode_mgpu_row_layout(*a, pages_per_step=2, num_splits=ns,
+                                                                               **kw))) for ns in splits]
 
     def cascade(prefix, whole):
         def f(qr, k, v, table, lens, mask):
@@ -143,7 +151,11 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret):
                            ("triton prefix", tr, (qr, k, v, table, lens)),
                            ("mgpu cascade", cascade(mg, True), (qr, k, v, table, lens, mask)),
                            ("mgpu cascade, 2 pages/step", cascade(mg_pps2, True), (qr, k, v, table, lens, mask)),
-                           ("triton cascade", cascade(tr, False), (qr, k, v, table, lens, mask))):
+                           ("triton cascade", cascade(tr, False), (qr, k, v, table, lens, mask)),
+                           *((f"mgpu prefix, 2 pages/step, {ns} splits", fn, (qr, k, v, table, lens))
+                             for ns, fn in split_fns),
+                           *((f"mgpu cascade, 2 pages/step, {ns} splits", cascade(fn, True),
+                              (qr, k, v, table, lens, mask)) for ns, fn in split_fns)):
         try:
             res[name] = median_time(fn, *args, samples=samples)
             log(f"{jnp.dtype(dtype).name} B={b} P={p} N={n}: {name} {res[name] * 1e3:.3f} ms, {flop / res[name] / 1e12:.0f} TFLOP/s, "
@@ -248,9 +260,12 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-conformance", action="store_true")
     ap.add_argument("--shapes", default=None, help="timing shapes BxPxN,... (default: the four of issue #3)")
     ap.add_argument("--fp8", action="store_true", help="also time FP8 E4M3 pools")
+    ap.add_argument("--splits", default="", help="also time the 2-page Mosaic prefix/cascade with these key-split "
+                    "counts, e.g. 4,8,16")
     a = ap.parse_args(argv)
     if a.smoke:
-        timing(SMOKE_SHAPES, hq=8, hkv=2, d=64, samples=1, interpret=True, dtypes=(jnp.bfloat16, jnp.float8_e4m3fn))
+        timing(SMOKE_SHAPES, hq=8, hkv=2, d=64, samples=1, interpret=True, dtypes=(jnp.bfloat16, jnp.float8_e4m3fn),
+               splits=(2,))
         return 0 if mla_check(interpret=True, timing_too=True, smoke=True) else 1
     timing_too = not (a.skip_timing or a.interpret)
     ok = True
@@ -266,7 +281,8 @@ def main(argv=None) -> int:
     if ok and timing_too:
         shapes = FULL_SHAPES if a.shapes is None else [tuple(int(v) for v in item.split("x"))
                                                         for item in a.shapes.split(",") if item]
-        timing(shapes, dtypes=(jnp.bfloat16, jnp.float8_e4m3fn) if a.fp8 else (jnp.bfloat16,))
+        timing(shapes, dtypes=(jnp.bfloat16, jnp.float8_e4m3fn) if a.fp8 else (jnp.bfloat16,),
+               splits=tuple(int(v) for v in a.splits.split(",") if v))
     if a.mla:
         try:
             ok = mla_check(a.interpret, timing_too) and ok
