@@ -25,6 +25,16 @@ def _args(x):
     return [jnp.asarray(x[n]) for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_pool", "state_slots")]
 
 
+def _random_tree_case(seed: int, t: int):
+    """Fresh inputs and a random tree of t nodes per request, with the fp64 per-path reference:
+    (inputs, parents [B, t], GdnTree, ref_out, ref_states)."""
+    rng = np.random.default_rng(seed)
+    x = random_inputs(rng, B, t)
+    parents = random_tree(rng, B, t)
+    ref_out, ref_states = per_path_numpy(x, parents, use_qk_l2norm=True)
+    return x, parents, GdnTree.from_parents(jnp.asarray(parents)), ref_out, ref_states
+
+
 def _nan_states(t):
     return jnp.full((B, t, HV, DK, DV), jnp.nan, jnp.float32)
 
@@ -182,11 +192,7 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
         GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=65, chunked_max_nodes=64)
 
     t = 33
-    rng = np.random.default_rng(13)
-    x = random_inputs(rng, B, t)
-    parents = random_tree(rng, B, t)
-    ref_out, ref_states = per_path_numpy(x, parents, use_qk_l2norm=True)
-    tree = GdnTree.from_parents(jnp.asarray(parents))
+    x, parents, tree, ref_out, ref_states = _random_tree_case(13, t)
     raised = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64)
     chunked = gdn_verify(raised, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
                          backend="interpret")
@@ -204,10 +210,7 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
 
 def test_chunked_reference_states_match_per_path():
     t = 16
-    rng = np.random.default_rng(5)
-    x = random_inputs(rng, B, t)
-    parents = random_tree(rng, B, t)
-    ref_out, ref_states = per_path_numpy(x, parents, use_qk_l2norm=True)
+    x, parents, _, ref_out, ref_states = _random_tree_case(5, t)
     out, states = gdn_chunked_reference(*_args(x), ancestor_mask_bool(jnp.asarray(parents)),
                                         use_qk_l2norm=True)
     assert rel_err(out, ref_out) < TOL
@@ -254,11 +257,7 @@ def test_layer_glue_shares_the_step_branch_points():
     """`GdnTree` computes the branch points once per step and every layer's verify stores exactly
     the rows that vector names (an all-true vector stores every row)."""
     t = 14
-    rng = np.random.default_rng(12)
-    x = random_inputs(rng, B, t)
-    parents = random_tree(rng, B, t)
-    ref_out, ref_states = per_path_numpy(x, parents, use_qk_l2norm=True)
-    tree = GdnTree.from_parents(jnp.asarray(parents))
+    x, parents, tree, ref_out, ref_states = _random_tree_case(12, t)
     np.testing.assert_array_equal(np.asarray(tree.branch), branch_rows(parents))
     cfg = GdnLayerConfig(H, HV, DK, DV, chunked_tree_verify=False)  # the recurrent kernel's workspace
     for tr, rows in ((tree, branch_rows(parents)), (tree._replace(branch=jnp.ones((B, t), bool)),
