@@ -11,8 +11,8 @@ accumulator `run_state` idiom). The compiled path also lowers on the CPU (layout
 shared-memory check; that lowering caught a 32-key step, below wgmma's K of 64, and an over-budget
 output tile).
 
-FP8 E4M3 caches (added later; interpreter- and lowering-tested, not yet compiled, so the cascade's
-"auto" leaves them on the Triton decode): q arrives quantised to FP8 (the cascade's
+FP8 E4M3 caches (compiled conformance passes on the H200, and the cascade's "auto" takes this
+kernel for them: 3.00 ms against 12.31 ms through the Triton decode at B=32, P=8k, N=16): q arrives quantised to FP8 (the cascade's
 `quantize_absorbed_query`) and the scores are an FP8 x FP8 wgmma (the latent rows are its K-major
 operand). The value channels are the MN-major operand of P V, which 8-bit wgmma cannot take, so
 each warpgroup widens its half of them to an fp16 tile of its own (exact), releases the FP8 ring

@@ -1,5 +1,6 @@
 """Mamba2 tree verify in chunked (SSD) form: every node at once, the ancestor mask in place of the
-causal mask. EXPERIMENTAL and opt-in: interpreter- and lowering-tested, not yet timed on a GPU.
+causal mask. The ReplaySSM default of the Mamba2 layer (`Mamba2CommitConfig.verify_form="auto"`):
+compiled conformance passes on the H200, where its tree took 0.19-0.56x the recurrent chain's time.
 
 Why: the recurrent tree scan (`mamba2_tree.mamba2_tree_scan`) walks nodes one by one and, at a
 branch, replays the parent's ancestors; on the H200 it ran 1.7-2.5x slower than the chain at B=32
