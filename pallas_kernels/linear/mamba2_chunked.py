@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2, resolve_backend
 from pallas_kernels.linear.mamba2_reference import mamba2_tree_scan_reference, softplus
-from pallas_kernels.linear.mamba2_tree import _check, program_coords
+from pallas_kernels.linear.mamba2_tree import _check, launch_head_tiles, program_coords
 from treespec_jax.tree.masks import ancestor_mask, chain_parents
 
 MAX_CHUNKED_NODES = 64
@@ -157,25 +157,12 @@ def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots,
     BP = block_p or min(max(16, next_pow2(P)), 64)
     inputs = [mask, state_slots.astype(jnp.int32), x, dt, A_log, dt_bias, D, B, C]
     inputs += ([z] if z is not None else []) + [state_pool]
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
-    aliases = {}
-    if mode == "replay":
-        aliases = {len(inputs): 1}
-        inputs.append(payload)
-        out_shape.append(jax.ShapeDtypeStruct(payload.shape, payload.dtype))
     kernel = functools.partial(_chunked_kernel, T=T, TP=TP, H=H, P=P, N=N, G=G, BP=BP, NP=NP,
                                has_z=z is not None, mode=mode, layout=layout,
                                precision=FP32_DOTS["ieee" if kind == "interpret" else fp32_dots])
-    outs = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=(nb, H, pl.cdiv(P, BP)),
-        input_output_aliases=aliases,
-        interpret=kind == "interpret",
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        name="mamba2_tree_chunked",
-    )(*inputs)
-    return outs[0], (outs[1] if mode == "replay" else None)
+    return launch_head_tiles(kernel, inputs, x, payload if mode == "replay" else None,
+                             grid=(nb, H, pl.cdiv(P, BP)), num_warps=num_warps, interpret=kind == "interpret",
+                             name="mamba2_tree_chunked")
 
 
 __all__ = ["CHUNKED_MODES", "FP32_DOTS", "MAX_CHUNKED_NODES", "mamba2_tree_chunked"]

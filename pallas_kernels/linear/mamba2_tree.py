@@ -343,26 +343,36 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
             tree_inputs += [plan.depth.astype(jnp.int32), plan.paths.astype(jnp.int32)]
     inputs = tree_inputs + [
         state_slots.astype(jnp.int32), x, dt, A_log, dt_bias, D, B, C] + ([z] if z is not None else []) + [state_pool]
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
-    aliases = {}
-    if mode != "outputs":
-        side = scratch if mode == "staged" else payload
-        aliases = {len(inputs): 1}
-        inputs.append(side)
-        out_shape.append(jax.ShapeDtypeStruct(side.shape, side.dtype))
+    side = None if mode == "outputs" else (scratch if mode == "staged" else payload)
     kernel = functools.partial(_scan_kernel, T=T, H=H, P=P, N=N, G=G, BP=BP, NP=NP, tree=tree,
                                walk=walk, has_z=z is not None, mode=mode, layout=layout, unroll=bool(unroll))
+    return launch_head_tiles(kernel, inputs, x, side, grid=(nb, H, pl.cdiv(P, BP)), num_warps=num_warps,
+                             interpret=kind == "interpret",
+                             name="mamba2_tree_scan" if tree else "mamba2_chain_scan")
+
+
+def launch_head_tiles(kernel, inputs: list, x: jax.Array, side: jax.Array | None, *, grid, num_warps: int,
+                      interpret: bool, name: str):
+    """One launch over (request, head, channel tile) programs, shared by the recurrent and chunked
+    Mamba2 scans: writes y (x's shape and dtype) and, when `side` (the staged scratch or the payload
+    rows) is given, updates it in place as the last, aliased operand. Returns `(y, side or None)`."""
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+    aliases = {}
+    if side is not None:
+        aliases = {len(inputs): 1}
+        inputs = inputs + [side]
+        out_shape.append(jax.ShapeDtypeStruct(side.shape, side.dtype))
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(nb, H, pl.cdiv(P, BP)),
+        grid=grid,
         input_output_aliases=aliases,
-        interpret=kind == "interpret",
+        interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        name="mamba2_tree_scan" if tree else "mamba2_chain_scan",
+        name=name,
     )(*inputs)
-    return outs[0], (outs[1] if mode != "outputs" else None)
+    return outs[0], (outs[1] if side is not None else None)
 
 
-__all__ = ["MODES", "WALKS", "Mamba2ScanPlan", "ancestor_paths", "check_plan", "mamba2_scan_plan",
-           "mamba2_tree_scan", "sanitize_parents"]
+__all__ = ["MODES", "WALKS", "Mamba2ScanPlan", "ancestor_paths", "check_plan", "launch_head_tiles",
+           "mamba2_scan_plan", "mamba2_tree_scan", "sanitize_parents"]
