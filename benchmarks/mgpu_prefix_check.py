@@ -35,7 +35,8 @@ from benchmarks.report import log, rel_err  # noqa: E402
 from benchmarks.timing import measure_matmul_flops, median_time  # noqa: E402
 from pallas_kernels.attention.prefix_decode import (default_num_splits, heads_to_rows, padded_rows,  # noqa: E402
                                                    prefix_decode_row_layout)
-from pallas_kernels.attention.prefix_decode_mgpu import mgpu_input_errors, prefix_decode_mgpu_row_layout  # noqa: E402
+from pallas_kernels.attention.prefix_decode_mgpu import (default_mgpu_num_splits, mgpu_input_errors,  # noqa: E402
+                                                     prefix_decode_mgpu_row_layout)
 from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference  # noqa: E402
 from pallas_kernels.attention.tree_window import tree_window_row_layout  # noqa: E402
 from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
@@ -130,8 +131,10 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
     mg_pps2_s3 = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, pages_per_step=2, stages=3, **kw))
     tr = jax.jit(lambda *a: prefix_decode_row_layout(*a, **kw))
     rows_per_cta = 128 if total % 128 == 0 else 64  # as prefix_decode_mgpu_row_layout picks its warpgroups
-    log(f"{jnp.dtype(dtype).name} B={b} P={p} N={n}: default key splits "
-        f"{default_num_splits(b, hkv, total // rows_per_cta, table.shape[1])}")
+    pps2_steps = -(-table.shape[1] // 2)
+    log(f"{jnp.dtype(dtype).name} B={b} P={p} N={n}: default key splits: Triton prefix "
+        f"{default_num_splits(b, hkv, total // rows_per_cta, table.shape[1])}, Mosaic prefix (2 pages/step) "
+        f"{default_mgpu_num_splits(b, hkv, total // rows_per_cta, pps2_steps)}")
     split_fns = [(ns, jax.jit(lambda *a, ns=ns: prefix_decode_mgpu_row_layout(*a, pages_per_step=2, num_splits=ns,
                                                                                **kw))) for ns in splits]
 

@@ -332,7 +332,8 @@ def test_bad_inputs_are_named():
 
 def test_pick_launch_defaults_and_refusals():
     """By default batches with B * HV >= 512 take value-major 32-column tiles and small ones
-    key-major tiles split down to 32 columns; the chunked form ignores value_major; an explicit
+    key-major tiles split down to 32 columns; the chunked form ignores value_major but takes
+    32-column tiles above 32 nodes; an explicit
     config wins; nonsense values are refused by name."""
     qwen = lambda batch: GdnDims(batch, 16, 16, 32, 128, 128, batch + 1)  # noqa: E731
     key_major, value_major = GdnKernelConfig(value_major=False), GdnKernelConfig(value_major=True)
@@ -343,6 +344,10 @@ def test_pick_launch_defaults_and_refusals():
     assert pick_launch(qwen(32), key_major) == (128, 8, 1)
     assert pick_launch(qwen(8), value_major) == (32, 4, 1)
     assert pick_launch(qwen(32), None, chunked=True) == (128, 8, 1)
+    wide_tree = GdnDims(32, 33, 16, 32, 128, 128, 33)  # 64 padded rows: narrower tiles (shared memory)
+    assert pick_launch(wide_tree, None, chunked=True) == (32, 4, 1)
+    assert pick_launch(wide_tree, None) == (32, 4, 1)
+    assert pick_launch(wide_tree, GdnKernelConfig(block_v=64), chunked=True) == (64, 8, 1)
     assert pick_launch(qwen(32), GdnKernelConfig(block_v=128, num_warps=2)) == (128, 2, 1)
     for field, bad in (("block_v", 0), ("num_warps", -4), ("num_stages", 0), ("num_warps", 2.0),
                        ("value_major", 1)):

@@ -1,4 +1,4 @@
-"""The Mosaic GPU prefix half (experimental) in Pallas' GPU interpreter, against dense fp32 attention.
+"""The Mosaic GPU prefix half in Pallas' GPU interpreter, against dense fp32 attention.
 
 The interpreter simulates shared memory, TMA copies, barriers and wgmma on the CPU, so these tests
 check the kernel's indexing, page-table reads, masking and synchronisation. They cannot check the
@@ -11,8 +11,8 @@ import pytest
 from paged_fixtures import rel_err, verify_case
 
 from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads
-from pallas_kernels.attention.prefix_decode_mgpu import (check_mgpu_inputs, default_pages_per_step,
-                                                         prefix_decode_mgpu_row_layout)
+from pallas_kernels.attention.prefix_decode_mgpu import (check_mgpu_inputs, default_mgpu_num_splits,
+                                                         default_pages_per_step, prefix_decode_mgpu_row_layout)
 from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference
 from pallas_kernels.attention.tree_window import tree_window_row_layout
 
@@ -92,6 +92,17 @@ def test_mgpu_prefix_refuses_unsupported_shapes():
         check_mgpu_inputs(jnp.zeros((1, 1, 256, 128), bf), big, big, 64, pages_per_step=4)
     with pytest.raises(ValueError, match="page_size=128, pages_per_step=1, stages=3, head dim 128 need"):
         check_mgpu_inputs(jnp.zeros((1, 1, 256, 128), bf), big, big, 128, stages=3)
+
+
+def test_default_mgpu_num_splits_fills_one_wave():
+    """One CTA per SM in one wave: B=1, Hkv=8, two row tiles (16 programs) on 132 SMs take 8 splits;
+    a grid that already fills the SMs takes none; short prefixes keep >= 4 steps per split."""
+    assert default_mgpu_num_splits(1, 8, 2, 257, sms=132) == 8
+    assert default_mgpu_num_splits(8, 8, 1, 65, sms=132) == 2
+    assert default_mgpu_num_splits(32, 8, 2, 257, sms=132) == 1
+    assert default_mgpu_num_splits(200, 1, 1, 257, sms=132) == 1
+    assert default_mgpu_num_splits(1, 8, 2, 13, sms=132) == 3
+    assert default_mgpu_num_splits(1, 8, 2, 3, sms=132) == 1
 
 
 def test_default_pages_per_step_makes_128_key_steps_that_fit():

@@ -51,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention.prefix_decode import default_num_splits, merge_splits
+from pallas_kernels.attention.prefix_decode import merge_splits, num_sms
 from pallas_kernels.attention.reference import quantize_query_for_pool
 
 LOG2E = math.log2(math.e)
@@ -69,6 +69,24 @@ SMEM_OVERHEAD = 4096
 # P=32768 cascade 1.17x faster than one page per step on the H200 (bf16 2.275 vs 2.658 ms, FP8
 # 2.187 vs 2.454; benchmarks/RESULTS.md, 2026-11-30 06:19 UTC).
 STEP_KEYS = 128
+# A split of fewer key steps than this costs more in its merge and pipeline fill than it saves.
+MIN_STEPS_PER_SPLIT = 4
+
+
+def default_mgpu_num_splits(batch: int, kv_heads: int, tiles: int, steps: int, sms: int | None = None) -> int:
+    """Key splits of the Mosaic prefix: the most that still fit one wave (one CTA per SM; a CTA
+    holds most of an SM's shared memory), and 1 once (B, Hkv, row tiles) fills the SMs.
+
+    A CTA pays a fixed pipeline fill and output write, so a second wave of half-length splits loses.
+    H200 cascade ms (benchmarks/RESULTS.md, 2026-11-30 08:48 and 09:10 UTC), this rule's count first:
+    B=1, P=32k, N=64 (16 programs): 8 splits 0.084 bf16 / 0.097 FP8; 6: 0.103 / 0.117; 12: 0.118 /
+    0.122; 16: 0.110 / 0.105; the Triton rule's 33: 0.127 / 0.117. B=2, P=32k, N=64: 4 splits
+    0.143 / 0.155; 2: 0.231 / 0.269; 6: 0.187 / -. B=8, P=8k, N=16: 2 splits 0.092 / 0.091; 1:
+    0.102 / 0.123; 4: 0.100 / 0.084; the Triton rule's 9: 0.109 / 0.092.
+    """
+    sms = sms or num_sms()
+    programs = batch * kv_heads * tiles
+    return max(1, min(sms // programs, steps // MIN_STEPS_PER_SPLIT))
 
 
 def smem_bytes(total_rows: int, width: int, itemsize: int, block: int, stages: int) -> int:
@@ -184,8 +202,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                                   pingpong: bool = True, pages_per_step: int | None = None,
                                   interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
-    per (row tile, KV head, request) along the key axis, merged by LSE (None: split only when the
-    grid leaves SMs idle, as `prefix_decode.default_num_splits`); `pingpong`: the two compute
+    per (row tile, KV head, request) along the key axis, merged by LSE (None:
+    `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
     warpgroups take turns on the tensor cores (one's softmax overlaps the other's matmuls);
     `pages_per_step`: pages (one TMA copy each) per key step, so a step's matmuls are
     [64, pages_per_step * page_size] wide (None: `default_pages_per_step`, 2 for 64-token pages);
@@ -202,10 +220,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     rows_per_cta = ROWS_PER_WG * wgs
     pingpong = pingpong and wgs == 2  # taking turns needs two warpgroups
     tiles = total // rows_per_cta
-    splits = num_splits or default_num_splits(b, hkv, tiles, max_pages)
-    if splits < 1:
+    if num_splits is not None and num_splits < 1:
         raise ValueError(f"prefix_decode_mgpu: num_splits must be >= 1, got {num_splits}")
     pps = pages_per_step or default_pages_per_step(total, d, jnp.dtype(k_pool.dtype).itemsize, page_size, stages)
+    splits = num_splits or default_mgpu_num_splits(b, hkv, tiles, -(-max_pages // pps))
     block = page_size * pps
     steps_per_split = -(-(-(-max_pages // pps)) // splits)
     dtype = qr.dtype

@@ -79,6 +79,10 @@ class GdnKernelConfig:
 MIN_PROGRAMS = 512
 MIN_DEFAULT_BLOCK_V = 32
 VALUE_MAJOR_BLOCK_V = 32
+# Chunked trees of more than 32 nodes (64 padded rows) hold [64, dk] q/k tiles beside the state
+# tile: with 128-column state tiles they asked for 278,528 bytes of shared memory on the H200
+# (232,448 available; RESULTS.md, 2026-11-30 08:54 UTC), so their default tiles are narrower.
+CHUNKED_WIDE_BLOCK_V = 32
 
 
 class GdnVerifyResult(NamedTuple):
@@ -102,7 +106,8 @@ def pick_launch(dims: GdnDims, config: GdnKernelConfig | None, *, chunked: bool 
     Default: value-major tiles (the recurrent verify kernels only; not `chunked`) take
     min(VALUE_MAJOR_BLOCK_V, dv) columns; otherwise halve block_v from dv while the
     (B, HV, dv / block_v) grid has fewer than MIN_PROGRAMS programs (small batches need dv tiles to
-    fill the GPU), stopping at MIN_DEFAULT_BLOCK_V. Then 4 warps for state tiles of at most 64 x 64
+    fill the GPU), stopping at MIN_DEFAULT_BLOCK_V; chunked trees above 32 nodes take
+    CHUNKED_WIDE_BLOCK_V columns (shared memory). Then 4 warps for state tiles of at most 64 x 64
     elements, 8 above, and one pipeline stage (each node depends on the last).
     """
     config = config or GdnKernelConfig()
@@ -111,6 +116,8 @@ def pick_launch(dims: GdnDims, config: GdnKernelConfig | None, *, chunked: bool 
     block_v = config.block_v
     if block_v is None and not chunked and uses_value_major(dims, config):
         block_v = min(VALUE_MAJOR_BLOCK_V, dv)
+    if block_v is None and chunked and dims.nodes > 32:
+        block_v = min(CHUNKED_WIDE_BLOCK_V, dv)
     if block_v is None:
         block_v = dv
         while (block_v > MIN_DEFAULT_BLOCK_V
