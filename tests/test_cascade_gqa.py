@@ -37,17 +37,38 @@ def test_verify_matches_dense_attention(n, group, page, dtype, tol):
     assert rel_err(out, composed) < 1e-2
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (FP8, 6e-2)])
-def test_verify_through_the_mosaic_gpu_prefix_kernel(dtype, tol):
+@pytest.mark.parametrize("dtype,tol,splits", [(jnp.bfloat16, 1e-2, None), (FP8, 6e-2, None), (jnp.bfloat16, 1e-2, 2)])
+def test_verify_through_the_mosaic_gpu_prefix_kernel(dtype, tol, splits):
     """CascadeConfig(prefix_kernel="mosaic_gpu") (Pallas' GPU interpreter here): the
-    prefix half over whole pages plus the window over the partial page equals dense attention."""
+    prefix half over whole pages plus the window over the partial page equals dense attention,
+    with the kernel's own key split or a forced one (num_splits reaches the Mosaic kernel)."""
     d, n, page = 64, 32, 64
     q, k, v, table, lengths, mask = verify_case(np.random.default_rng(5), [100, 7], n, 2, 4, d, page,
                                                 dtype, q_dtype=jnp.bfloat16)
-    cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu")
+    cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu", num_splits=splits)
     out = verify_attention(q, k, v, table, lengths, mask, config=cfg)
     dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
     assert rel_err(out, dense) < tol
+
+
+def test_forced_key_split_reaches_the_mosaic_prefix(monkeypatch):
+    """CascadeConfig.num_splits is passed to the Mosaic prefix kernel, not dropped."""
+    from treespec_jax.attention import cascade as cascade_module
+    seen = []
+    real = cascade_module.prefix_decode_mgpu_row_layout
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("num_splits"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cascade_module, "prefix_decode_mgpu_row_layout", spy)
+    d, n, page = 64, 16, 64
+    q, k, v, table, lengths, mask = verify_case(np.random.default_rng(11), [150, 70], n, 2, 4, d, page, jnp.bfloat16)
+    cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu", num_splits=3)
+    out = verify_attention(q, k, v, table, lengths, mask, config=cfg)
+    dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
+    assert seen == [3]
+    assert rel_err(out, dense) < 1e-2
 
 
 def test_prefix_kernel_refusals_name_the_value():
@@ -55,8 +76,6 @@ def test_prefix_kernel_refusals_name_the_value():
     q, k, v, table, lengths, mask = verify_case(np.random.default_rng(5), [100, 7], n, 2, 4, d, page, jnp.bfloat16)
     with pytest.raises(ValueError, match="prefix_kernel must be one of"):
         CascadeConfig(page_size=page, prefix_kernel="cuda")
-    with pytest.raises(ValueError, match="does not split the key axis"):
-        CascadeConfig(page_size=page, prefix_kernel="mosaic_gpu", num_splits=4)
     with pytest.raises(ValueError, match="page_size must be 64 or 128"):
         verify_attention(q, k, v, table, lengths, mask,
                          config=CascadeConfig(page_size=32, backend="interpret", prefix_kernel="mosaic_gpu"))
@@ -64,7 +83,8 @@ def test_prefix_kernel_refusals_name_the_value():
 
 def test_auto_prefix_kernel_takes_mosaic_only_where_it_runs_compiled():
     """"auto" (the default) picks the Mosaic GPU prefix only for a compiled GPU run with bf16/fp16 or
-    FP8 pools, page 64/128, rows it tiles and no forced key split; everything else falls back to Triton, and
+    FP8 pools, page 64/128 and rows it tiles (a forced key split goes to it too); everything else falls back
+    to Triton, and
     an explicit "mosaic_gpu" raises every blocker at once."""
     sds = jax.ShapeDtypeStruct
     bf, f8 = jnp.bfloat16, jnp.float8_e4m3fn
@@ -76,7 +96,7 @@ def test_auto_prefix_kernel_takes_mosaic_only_where_it_runs_compiled():
     assert not uses_mosaic_prefix(auto, "interpret", q, pool, pool)  # CPU: the Triton kernel, interpreted
     assert not uses_mosaic_prefix(auto, "reference", q, pool, pool)
     assert not uses_mosaic_prefix(CascadeConfig(page_size=32), "compiled", q, pool, pool)
-    assert not uses_mosaic_prefix(CascadeConfig(page_size=64, num_splits=4), "compiled", q, pool, pool)
+    assert uses_mosaic_prefix(CascadeConfig(page_size=64, num_splits=4), "compiled", q, pool, pool)
     assert not uses_mosaic_prefix(CascadeConfig(page_size=64, prefix_kernel="triton"), "compiled", q, pool, pool)
     fp8_pool = sds(pool.shape, f8)
     assert uses_mosaic_prefix(auto, "compiled", q, fp8_pool, fp8_pool)  # FP8 pools: FP8 scores, V widened

@@ -47,14 +47,15 @@ class CascadeConfig:
     page_size: int
     # Softmax scale for s = scale * q.k; None means head_dim^-1/2.
     scale: float | None = None
-    # Splits of the prefix's key axis (merged by LSE); None lets prefix_decode fill the GPU.
+    # Splits of the prefix's key axis (merged by LSE), for either prefix kernel; None lets the kernel
+    # choose (Triton: enough programs to fill the GPU; Mosaic GPU: one wave of one CTA per SM).
     num_splits: int | None = None
     # Kernel backend: None/"pallas" (compiled on GPU, interpret on CPU), "interpret", "reference".
     backend: str | None = None
     # Native FP8 x FP8 score dot in the prefix half on GPU (else FP8 K is widened to bf16).
     fp8_score_dot: bool = False
     # Prefix-half kernel. "auto": "mosaic_gpu" wherever it runs compiled (a GPU, bf16/fp16 or FP8
-    # pools, page 64/128, no forced key split; on the H200 its cascade ran 1.06-1.23x (bf16) and
+    # pools, page 64/128; on the H200 its cascade ran 1.06-1.23x (bf16) and
     # 1.70-1.80x (FP8) faster, benchmarks/RESULTS.md), else "triton".
     # "triton": Pallas Triton, every shape and dtype. "mosaic_gpu": wgmma/TMA over whole pages (the
     # window kernel then covers the partial last page), refused where it cannot run. See
@@ -64,9 +65,6 @@ class CascadeConfig:
     def __post_init__(self):
         if self.prefix_kernel not in PREFIX_KERNELS:
             raise ValueError(f"CascadeConfig.prefix_kernel must be one of {PREFIX_KERNELS}, got {self.prefix_kernel!r}")
-        if self.prefix_kernel == "mosaic_gpu" and self.num_splits not in (None, 1):
-            raise ValueError(f"CascadeConfig: the mosaic_gpu prefix kernel does not split the key axis, "
-                             f"got num_splits={self.num_splits}")
         if self.page_size < 16 or self.page_size & (self.page_size - 1):
             raise ValueError(f"CascadeConfig.page_size must be a power of two >= 16, got {self.page_size}")
         if self.scale is not None and not self.scale > 0:
@@ -128,8 +126,7 @@ def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> b
     if config.prefix_kernel == "mosaic_gpu":
         check_mgpu_inputs(rows, k_pool, v_pool, config.page_size)
         return True
-    return (kind == "compiled" and config.num_splits in (None, 1)
-            and not mgpu_input_errors(rows, k_pool, v_pool, config.page_size))
+    return kind == "compiled" and not mgpu_input_errors(rows, k_pool, v_pool, config.page_size)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "num_splits", "fp8_score_dot",
@@ -143,7 +140,7 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
     if mosaic:
         prefix_out, prefix_lse2 = prefix_decode_mgpu_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, query_rows=r, group=group, page_size=page_size,
-            scale=scale, interpret=interpret)
+            scale=scale, num_splits=num_splits, interpret=interpret)
     else:
         prefix_out, prefix_lse2 = prefix_decode_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, query_rows=r, group=group, page_size=page_size,
