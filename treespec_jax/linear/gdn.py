@@ -44,9 +44,10 @@ from treespec_jax.tree.masks import unpack_mask_rows
 # Smallest tree the layer may send to the chunked form under ReplaySSM.
 GDN_TREE_VERIFY_CHUNKED_MIN_NODES = 8
 # Default largest tree sent to the chunked form. The kernel takes up to MAX_CHUNKED_NODES (64) and
-# `GdnLayerConfig.chunked_max_nodes` may raise this up to there, but the default stays 16 because
-# the H200 runs behind the routing (benchmarks/RESULTS.md) measured the chunked form only at T <= 16;
-# at T = 32 or 64 it pads to 32 or 64 rows and its cost against the recurrent tree is not yet measured.
+# `GdnLayerConfig.chunked_max_nodes` may raise this up to there, but the default stays 16: on the
+# H200 (benchmarks/RESULTS.md, 2026-11-30 09:21 and 09:25 UTC) the chunked tree padded to 32 or 64
+# rows took 1055 / 1758 us at B=32, T = 32 / 64 against 677 / 1423 us for the recurrent tree
+# (and 2050 vs 1311 us at B=64, T=32), while at T=16 it took 243 us against 366 us.
 GDN_TREE_VERIFY_CHUNKED_MAX_NODES = 16
 # Default smallest tree the layer sends to the chunked form. On the H200 (Qwen3-Next dims,
 # benchmarks/RESULTS.md, 07:46 and 07:52 UTC) the chunked form's cost barely moves with T (it pads to 16
