@@ -35,20 +35,13 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 
 # Measurements still owed (see benchmarks/RESULTS.md, summary); one call of `--owed --out $OUT`
-# (about 9 minutes on an H200; split it with --only if needed) takes them: the Mamba2 verify forms at B=1, T=64 (cut by the last
-# run's budget), and flash-linear-attention's fused_recurrent chain against our GDN defaults
-# (value-major tiles from B * HV >= 512, chunked TF32x3 trees of 12..16 nodes) in one run at
-# B = 1, 32, T=16 (fla-core must be carried; the bench skips fla with a note when it is missing),
-# and the first compiled run of the chunked GDN form above 16 nodes (conformance at T = 33, 64, then
-# timing at T=64 against the recurrent tree; raise GdnLayerConfig.chunked_max_nodes only if it wins).
+# (about 4 minutes on an H200) takes them: the GDN rows not yet re-timed since the chunked form's
+# inverse became doubling products (T = 8 and 12 at B = 32, 64, where the 12-node routing threshold
+# was set, and B=64 T=16), next to flash-linear-attention's fused_recurrent chain in the same run
+# (fla-core must be carried; the bench skips fla with a note when it is missing). Lower
+# GdnLayerConfig.chunked_min_nodes only if the chunked tree beats the recurrent one there.
 OWED = {
-    # Key-split counts for the Mosaic prefix at the shapes furthest from the floor (B=1: 2.5-2.95x,
-    # B=8: 1.73-3.16x). Its split count comes from the Triton kernel's heuristic (33 splits at B=1, so
-    # ~528 one-CTA-per-SM programs in four short waves and 35 MB of partials to merge); fewer, longer
-    # splits may win. Adopt a Mosaic-specific default only where one wins at both dtypes.
-    "mosaic": ["--skip-conformance", "--shapes", "1x32768x64,8x8192x16", "--fp8", "--splits", "4,8,16"],
-    "mamba2": ["--skip-conformance", "--forms", "--configs", "1x64,32x16", "--budget-s", "200"],
-    "gdn": ["--conformance-cases", "3,4", "--configs", "1x16,32x16,32x64,64x64", "--no-drafter-trees",
+    "gdn": ["--skip-conformance", "--configs", "32x8,64x8,32x12,64x12,64x16,32x16", "--no-drafter-trees",
             "--skip-commit", "--budget-s", "240"],
 }
 
