@@ -131,8 +131,11 @@ def test_chain_as_parents_equals_chain_kernel():
     np.testing.assert_array_equal(np.asarray(replay.out), np.asarray(as_chain.out))
 
 
-@pytest.mark.parametrize("t, l2, shape", [(8, True, "chain"), (14, False, "tree"), (16, True, "tree")])
-def test_chunked_matches_recurrent(t, l2, shape):
+@pytest.mark.parametrize("t, l2, shape, two_pass", [(8, True, "chain", False), (14, False, "tree", False),
+                                                     (16, True, "tree", False), (8, True, "chain", True),
+                                                     (14, False, "tree", True), (16, True, "tree", True)])
+def test_chunked_matches_recurrent(t, l2, shape, two_pass):
+    """The fused kernel and the two-pass form (factors Q', P per value head, then Q' h0 + P v)."""
     rng = np.random.default_rng(200 + t)
     x = random_inputs(rng, B, t)
     parents = chain(B, t) if shape == "chain" else random_tree(rng, B, t)
@@ -140,7 +143,7 @@ def test_chunked_matches_recurrent(t, l2, shape):
     args = _args(x)
     pool_before = _bits(x["state_pool"]).copy()
     out, payload = gdn_chunked_verify(*args, ancestor_mask(jnp.asarray(parents)), _nan_payload(t),
-                                      use_qk_l2norm=l2, backend="interpret")
+                                      use_qk_l2norm=l2, two_pass=two_pass, backend="interpret")
     assert rel_err(out, ref_out) < TOL
     recurrent = gdn_tree_verify(*args, jnp.asarray(parents), _nan_states(t), store="every_node",
                                 use_qk_l2norm=l2, backend="interpret")
@@ -149,8 +152,9 @@ def test_chunked_matches_recurrent(t, l2, shape):
     np.testing.assert_array_equal(_bits(args[7]), pool_before)
 
 
-@pytest.mark.parametrize("t, l2", [(17, False), (33, True), (64, True)])
-def test_chunked_up_to_64_nodes(t, l2):
+@pytest.mark.parametrize("t, l2, two_pass", [(17, False, False), (33, True, False), (64, True, False),
+                                             (33, False, True), (64, True, True)])
+def test_chunked_up_to_64_nodes(t, l2, two_pass):
     """Trees of 17..64 nodes pad to 32 or 64 rows; from 33 nodes on, ancestor bits of columns 32..63
     come from mask word 1. Request 0 is a random tree (half the nodes extend i - 1, so deep paths
     cross column 32), request 1 the chain (every bit of both words set below the diagonal)."""
@@ -162,7 +166,7 @@ def test_chunked_up_to_64_nodes(t, l2):
     args = _args(x)
     pool_before = _bits(x["state_pool"]).copy()
     out, payload = gdn_chunked_verify(*args, ancestor_mask(jnp.asarray(parents)), _nan_payload(t),
-                                      use_qk_l2norm=l2, backend="interpret")
+                                      use_qk_l2norm=l2, two_pass=two_pass, backend="interpret")
     for req, shape in enumerate(("tree", "chain")):
         assert rel_err(np.asarray(out)[req], ref_out[req]) < TOL, shape
     np.testing.assert_array_equal(np.asarray(payload), np.asarray(pack_payload(*args[1:5])))
@@ -420,19 +424,20 @@ def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
             *ins, sd((bsz, t), jnp.int32), nodes, sd((bsz, t, width), jnp.bfloat16)).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text and "gdn_tree_verify" in text, (store, tree, vm)
-    # The chunked form, with IEEE and with TF32x3 fp32 products.
-    for fp32_dots in ("ieee", "tf32x3"):
-        def chunked(*a, fp32_dots=fp32_dots):
-            return gdn_chunked_verify(*a, fp32_dots=fp32_dots)
+    # The chunked form, fused and two-pass, with IEEE and with TF32x3 fp32 products.
+    for fp32_dots, two_pass in (("ieee", False), ("tf32x3", False), ("tf32x3", True)):
+        def chunked(*a, fp32_dots=fp32_dots, two_pass=two_pass):
+            return gdn_chunked_verify(*a, fp32_dots=fp32_dots, two_pass=two_pass)
 
         text = jax.jit(chunked, donate_argnums=(10,)).trace(
             *ins, sd((bsz, t, 2), jnp.uint32), sd((bsz, t, width), jnp.bfloat16)).lower(
             lowering_platforms=("cuda",)).as_text()
-        assert "__gpu$xla.gpu.triton" in text and "gdn_chunked_verify" in text, fp32_dots
+        names = ("gdn_chunked_factor", "gdn_chunked_apply") if two_pass else ("gdn_chunked_verify",)
+        assert "__gpu$xla.gpu.triton" in text and all(n in text for n in names), (fp32_dots, two_pass)
 
 
-@pytest.mark.parametrize("fp32_dots", ["ieee", "tf32x3"])
-def test_chunked_64_nodes_lowers_to_triton_for_sm90(monkeypatch, fp32_dots):
+@pytest.mark.parametrize("fp32_dots, two_pass", [("ieee", False), ("tf32x3", False), ("tf32x3", True)])
+def test_chunked_64_nodes_lowers_to_triton_for_sm90(monkeypatch, fp32_dots, two_pass):
     """At T = 64 the chunked form pads to 64 rows and reads both mask words; it still lowers to
     Triton IR for sm_90 at Qwen3-Next dims (compiling and timing it is benchmarks/bench_gdn.py's)."""
     import jax
@@ -442,10 +447,10 @@ def test_chunked_64_nodes_lowers_to_triton_for_sm90(monkeypatch, fp32_dots):
     ins, width = _qwen_specs(bsz, t)
 
     def chunked(*a):
-        return gdn_chunked_verify(*a, fp32_dots=fp32_dots)
+        return gdn_chunked_verify(*a, fp32_dots=fp32_dots, two_pass=two_pass)
 
     sd = jax.ShapeDtypeStruct
     text = jax.jit(chunked, donate_argnums=(10,)).trace(
         *ins, sd((bsz, t, 2), jnp.uint32), sd((bsz, t, width), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in text and "gdn_chunked_verify" in text
+    assert "__gpu$xla.gpu.triton" in text and ("gdn_chunked_apply" if two_pass else "gdn_chunked_verify") in text

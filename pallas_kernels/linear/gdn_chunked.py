@@ -37,6 +37,12 @@ MAX_CHUNKED_NODES = 64
 # Fewest padded rows: a Triton dot needs every operand dim >= 16.
 MIN_CHUNK = 16
 
+# Two-pass form launches (not yet timed on a GPU): the factor kernel's warps, the apply kernel's
+# default dv tile and warps.
+TWO_PASS_FACTOR_WARPS = 4
+TWO_PASS_BLOCK_V = 32
+TWO_PASS_APPLY_WARPS = 4
+
 # fp32 products: "ieee" (exact fp32 on the FMA units; the default) or "tf32x3" (three TF32
 # tensor-core passes, about fp32 accuracy; compiled runs only, the CPU has no TF32x3).
 FP32_DOTS = {"ieee": jax.lax.Precision.HIGHEST, "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
@@ -52,14 +58,10 @@ def _dot(x, y, precision):
     return jnp.dot(x, y, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _chunked_kernel(mask_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref,
-                    pool_ref, _payload_in_ref, o_ref, payload_ref, *, nodes: int, chunk: int, group: int,
-                    block_v: int, use_qk_l2norm: bool, scale: float, layout: GdnPayloadLayout, precision):
-    b = pl.program_id(0)
-    hv = pl.program_id(1)
-    vt = pl.program_id(2)
-    kh = hv // group
-    cols = pl.ds(vt * block_v, block_v)
+def _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, *, b, hv, kh, nodes: int, chunk: int,
+              use_qk_l2norm: bool, scale: float, precision):
+    """The value-independent part of one (request, value head): inputs as loaded, the gates and the
+    [chunk, chunk] factors. Rows t >= nodes are padding (zero inputs, all-zero mask rows)."""
     rows = jnp.arange(chunk, dtype=jnp.int32)
     live = rows < nodes
     node_rows = pl.ds(0, chunk)
@@ -77,7 +79,6 @@ def _chunked_kernel(mask_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog
     anc = ((words >> (rows[None, :] % 32).astype(jnp.uint32)) & 1) != 0  # [t, s]
     k_raw = plgpu.load(k_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0)
     q_raw = plgpu.load(q_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0)
-    v_raw = plgpu.load(v_ref.at[b, node_rows, hv, cols], mask=live[:, None], other=0)
     a_raw = plgpu.load(a_ref.at[b, node_rows, hv], mask=live, other=0)
     b_raw = plgpu.load(b_ref.at[b, node_rows, hv], mask=live, other=0)
 
@@ -103,6 +104,38 @@ def _chunked_kernel(mask_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog
     for _ in range(chunk.bit_length() - 2):
         power = _dot(power, power, precision)
         inv = inv + _dot(inv, power, precision)
+    return dict(live=live, node_rows=node_rows, k_raw=k_raw, a_raw=a_raw, b_raw=b_raw, k=k, q=q, beta=beta,
+                big_g=big_g, decay_ts=decay_ts, inv=inv)
+
+
+def _store_key_payload(payload_ref, x, *, b, hv, kh, group: int, dk: int, layout: GdnPayloadLayout, first_tile):
+    """The payload row pieces one value head owns besides its v columns: a and b (every value head,
+    on its first dv tile) and k (the first value head of each key head)."""
+    live, node_rows = x["live"], x["node_rows"]
+
+    @pl.when(first_tile)
+    def _():
+        plgpu.store(payload_ref.at[b, node_rows, layout.a_offset + hv], x["a_raw"], mask=live)
+        plgpu.store(payload_ref.at[b, node_rows, layout.b_offset + hv], x["b_raw"], mask=live)
+
+    @pl.when(first_tile & (hv % group == 0))
+    def _():
+        plgpu.store(payload_ref.at[b, node_rows, pl.ds(kh * dk, dk)], x["k_raw"], mask=live[:, None])
+
+
+def _chunked_kernel(mask_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref,
+                    pool_ref, _payload_in_ref, o_ref, payload_ref, *, nodes: int, chunk: int, group: int,
+                    block_v: int, use_qk_l2norm: bool, scale: float, layout: GdnPayloadLayout, precision):
+    b = pl.program_id(0)
+    hv = pl.program_id(1)
+    vt = pl.program_id(2)
+    kh = hv // group
+    cols = pl.ds(vt * block_v, block_v)
+    x = _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, b=b, hv=hv, kh=kh, nodes=nodes,
+                  chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision)
+    live, node_rows, k, q, beta, big_g, decay_ts, inv = (x[n] for n in (
+        "live", "node_rows", "k", "q", "beta", "big_g", "decay_ts", "inv"))
+    v_raw = plgpu.load(v_ref.at[b, node_rows, hv, cols], mask=live[:, None], other=0)
 
     h0 = pool_ref[slots_ref[b], hv, :, cols].astype(jnp.float32)  # [dk, block_v]
     decay = jnp.exp(big_g)[:, None]
@@ -114,28 +147,64 @@ def _chunked_kernel(mask_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog
     dv = v_ref.shape[-1]
     plgpu.store(payload_ref.at[b, node_rows, pl.ds(layout.v_offset + hv * dv + vt * block_v, block_v)],
                 v_raw, mask=live[:, None])
+    _store_key_payload(payload_ref, x, b=b, hv=hv, kh=kh, group=group, dk=k_ref.shape[-1], layout=layout,
+                       first_tile=vt == 0)
 
-    @pl.when(vt == 0)
-    def _():
-        plgpu.store(payload_ref.at[b, node_rows, layout.a_offset + hv], a_raw, mask=live)
-        plgpu.store(payload_ref.at[b, node_rows, layout.b_offset + hv], b_raw, mask=live)
 
-    @pl.when((vt == 0) & (hv % group == 0))
-    def _():
-        dk = k_ref.shape[-1]
-        plgpu.store(payload_ref.at[b, node_rows, pl.ds(kh * dk, dk)], k_raw, mask=live[:, None])
+def _factor_kernel(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, _payload_in_ref,
+                   qf_ref, p_ref, payload_ref, *, nodes: int, chunk: int, group: int, use_qk_l2norm: bool,
+                   scale: float, layout: GdnPayloadLayout, precision):
+    """Two-pass form, pass 1, one program per (request, value head): out = Q' h0 + P v with
+    W = (I + M)^-1 diag(beta * decay) k, A = decay_ts * (q k^T) on ancestor-or-self pairs,
+    Q' = diag(decay) q - A W  [chunk, dk] and P = A (I + M)^-1 diag(beta)  [chunk, chunk]."""
+    b = pl.program_id(0)
+    hv = pl.program_id(1)
+    kh = hv // group
+    x = _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, b=b, hv=hv, kh=kh, nodes=nodes,
+                  chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision)
+    k, q, beta, big_g, decay_ts, inv = (x[n] for n in ("k", "q", "beta", "big_g", "decay_ts", "inv"))
+    decay = jnp.exp(big_g)
+    attn = decay_ts * _dot_t(q, k, precision)
+    w = _dot(inv, (beta * decay)[:, None] * k, precision)
+    qf_ref[b, hv] = decay[:, None] * q - _dot(attn, w, precision)
+    p_ref[b, hv] = _dot(attn, inv, precision) * beta[None, :]
+    _store_key_payload(payload_ref, x, b=b, hv=hv, kh=kh, group=group, dk=k_ref.shape[-1], layout=layout,
+                       first_tile=True)
+
+
+def _apply_kernel(slots_ref, qf_ref, p_ref, v_ref, pool_ref, _payload_in_ref, o_ref, payload_ref, *,
+                  nodes: int, chunk: int, block_v: int, layout: GdnPayloadLayout, precision):
+    """Two-pass form, pass 2, one program per (request, value head, dv tile): out = Q' h0 + P v."""
+    b = pl.program_id(0)
+    hv = pl.program_id(1)
+    vt = pl.program_id(2)
+    cols = pl.ds(vt * block_v, block_v)
+    live = jnp.arange(chunk, dtype=jnp.int32) < nodes
+    node_rows = pl.ds(0, chunk)
+    v_raw = plgpu.load(v_ref.at[b, node_rows, hv, cols], mask=live[:, None], other=0)
+    h0 = pool_ref[slots_ref[b], hv, :, cols].astype(jnp.float32)  # [dk, block_v]
+    out = _dot(qf_ref[b, hv], h0, precision) + _dot(p_ref[b, hv], v_raw.astype(jnp.float32), precision)
+    plgpu.store(o_ref.at[b, node_rows, hv, cols], out.astype(o_ref.dtype), mask=live[:, None])
+    dv = v_ref.shape[-1]
+    plgpu.store(payload_ref.at[b, node_rows, pl.ds(layout.v_offset + hv * dv + vt * block_v, block_v)],
+                v_raw, mask=live[:, None])
 
 
 def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload,
                        *, use_qk_l2norm: bool = True, scale: float | None = None,
                        config: GdnKernelConfig | None = None, fp32_dots: str = "ieee",
-                       backend: str | None = None):
+                       two_pass: bool = False, backend: str | None = None):
     """Chunked GDN verify of a tree with T <= MAX_CHUNKED_NODES (64) nodes. Shapes in `gdn_common`.
 
     ancestor_mask: `[B, T, 2] uint32` packed ancestor-or-self rows (`tree.masks.ancestor_mask`),
     node order with parents before children. payload: `[B, T, width]` buffer for the replay payload
     rows, written in place. Returns `(out [B, T, HV, dv], payload)`. The committed pool is only read.
     `fp32_dots`: "ieee" or "tf32x3" (see FP32_DOTS).
+    `two_pass`: one kernel per (request, value head) folds everything that does not touch v or the
+    state into Q' [T, dk] and P [T, T] (fp32, `_factor_kernel`), then one per dv tile computes
+    out = Q' h0 + P v (`_apply_kernel`): the key-side work is done once instead of per dv tile and
+    neither kernel holds both the key-side tiles and a state tile. The default (False) is the single
+    fused kernel. `config` sets the second kernel's launch (default: 32-column tiles, 4 warps).
     """
     if fp32_dots not in FP32_DOTS:
         raise ValueError(f"gdn_chunked_verify: fp32_dots must be one of {tuple(FP32_DOTS)}, got {fp32_dots!r}")
@@ -153,11 +222,15 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
         out, _ = gdn_chunked_reference(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, anc,
                                        use_qk_l2norm=use_qk_l2norm, scale=scale)
         return out.astype(v.dtype), pack_payload(k, v, a, b)
-    block_v, num_warps, num_stages = pick_launch(dims, config, chunked=True)
     chunk = max(MIN_CHUNK, next_pow2(dims.nodes))
+    precision = FP32_DOTS["ieee" if kind == "interpret" else fp32_dots]
+    if two_pass:
+        return _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload, dims=dims,
+                         chunk=chunk, layout=layout, use_qk_l2norm=use_qk_l2norm, scale=scale, config=config,
+                         precision=precision, interpret=kind == "interpret")
+    block_v, num_warps, num_stages = pick_launch(dims, config, chunked=True)
     kernel = functools.partial(_chunked_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group, block_v=block_v,
-                               use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout,
-                               precision=FP32_DOTS["ieee" if kind == "interpret" else fp32_dots])
+                               use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout, precision=precision)
     out, payload = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(payload.shape, payload.dtype)),
@@ -169,3 +242,39 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     )(ancestor_mask, state_slots.astype(jnp.int32), q, k, v, a, b, A_log.astype(jnp.float32),
       dt_bias.astype(jnp.float32), state_pool, payload)
     return out, payload
+
+
+def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload, *, dims, chunk, layout,
+              use_qk_l2norm, scale, config, precision, interpret):
+    """`gdn_chunked_verify(two_pass=True)`: `_factor_kernel` then `_apply_kernel`."""
+    config = config or GdnKernelConfig()
+    bsz, hv, dk, dv = dims.batch, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim
+    factor = functools.partial(_factor_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group,
+                               use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout, precision=precision)
+    q_fold, p_fold, payload = pl.pallas_call(
+        factor,
+        out_shape=(jax.ShapeDtypeStruct((bsz, hv, chunk, dk), jnp.float32),
+                   jax.ShapeDtypeStruct((bsz, hv, chunk, chunk), jnp.float32),
+                   jax.ShapeDtypeStruct(payload.shape, payload.dtype)),
+        grid=(bsz, hv),
+        input_output_aliases={7: 2},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=TWO_PASS_FACTOR_WARPS, num_stages=1),
+        name="gdn_chunked_factor",
+    )(ancestor_mask, q, k, a, b, A_log.astype(jnp.float32), dt_bias.astype(jnp.float32), payload)
+    block_v = config.block_v or min(TWO_PASS_BLOCK_V, dv)
+    if block_v < MIN_CHUNK or block_v & (block_v - 1) or dv % block_v:
+        raise ValueError(f"block_v={block_v} must be a power of two >= {MIN_CHUNK} dividing dv={dv}")
+    apply = functools.partial(_apply_kernel, nodes=dims.nodes, chunk=chunk, block_v=block_v, layout=layout,
+                              precision=precision)
+    return pl.pallas_call(
+        apply,
+        out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(payload.shape, payload.dtype)),
+        grid=(bsz, hv, dv // block_v),
+        input_output_aliases={5: 1},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps or TWO_PASS_APPLY_WARPS,
+                                             num_stages=config.num_stages or 1),
+        name="gdn_chunked_apply",
+    )(state_slots.astype(jnp.int32), q_fold, p_fold, v, state_pool, payload)
+
