@@ -228,6 +228,13 @@ def conformance_case(i, d, bsz, t, dtype, tol, rng, check):
         check("chunked (tf32x3 products) vs recurrent reference", e7 < tol, f"{e7:.2e}")
         check("chunked payload == [k|v|a|b]", np.array_equal(
             np.asarray(pl_.astype(jnp.float32)), np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
+        for dots in ("ieee", "tf32x3"):
+            out2, pl2 = gdn_chunked_verify(*args, ancestor_mask(parents), jnp.full_like(payload, jnp.nan),
+                                           backend="pallas", fp32_dots=dots, two_pass=True)
+            e8 = rel_err(out2, ref.out)
+            check(f"chunked two-pass ({dots} products) vs recurrent reference", e8 < tol, f"{e8:.2e}")
+        check("chunked two-pass payload == [k|v|a|b]", np.array_equal(
+            np.asarray(pl2.astype(jnp.float32)), np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
     # ReplaySSM commit along a random accepted path equals the state at the last accepted node.
     path_np, acc_np = random_path(rng, np.asarray(parents))
     acc_np[0] = 0 if bsz > 2 else acc_np[0]  # a padded request commits nothing
@@ -284,14 +291,14 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
 
     chain_mask = ancestor_mask(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) - 1, (bsz, t)))
 
-    def verify_step(is_tree, store, chunked=False, drafter_tree=False, fp32_dots="ieee"):
+    def verify_step(is_tree, store, chunked=False, drafter_tree=False, fp32_dots="ieee", two_pass=False):
         step_tree = eagle_tree_ if drafter_tree else tree
 
         def step(c):
             ns, pl_, _ = c
             if chunked:
                 mask = tree.ancestor_mask if is_tree else chain_mask
-                o, pl_ = gdn_chunked_verify(*args, mask, pl_, config=ccfg, fp32_dots=fp32_dots)
+                o, pl_ = gdn_chunked_verify(*args, mask, pl_, config=ccfg, fp32_dots=fp32_dots, two_pass=two_pass)
                 return ns, pl_, o
             r = gdn_tree_verify(*args, step_tree.parents if is_tree else None, ns, store=store,
                                 payload=pl_ if store == "branch_points" else None,
@@ -319,11 +326,13 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
         launch_used = pick_launch(dims_of(d, bsz, t), kcfg) + (("v",) if uses_value_major(dims_of(d, bsz, t), kcfg) else ())
         res["launch_chain"] = res["launch_tree"] = launch_used
     if t <= MAX_CHUNKED_NODES and sweep is not True:  # a recurrent launch sweep leaves the chunked form alone
-        forms = [("tree_chunked", True, "ieee")] if CHUNKED_IEEE else []
-        for name, is_tree, dots in forms + [("tree_chunked_tf32x3", True, "tf32x3"),
-                                            ("chain_chunked_tf32x3", False, "tf32x3")]:
+        forms = [("tree_chunked", True, "ieee", False)] if CHUNKED_IEEE else []
+        forms += [("tree_chunked_tf32x3", True, "tf32x3", False), ("chain_chunked_tf32x3", False, "tf32x3", False),
+                  ("tree_chunked2_tf32x3", True, "tf32x3", True), ("chain_chunked2_tf32x3", False, "tf32x3", True)]
+        for name, is_tree, dots, two in forms:
             try:  # one form that cannot launch (e.g. shared memory) leaves the row's other columns
-                res[name], carry = time_step(verify_step(is_tree, None, chunked=True, fp32_dots=dots), carry)
+                res[name], carry = time_step(verify_step(is_tree, None, chunked=True, fp32_dots=dots, two_pass=two),
+                                             carry)
             except Exception as e:  # noqa: BLE001
                 log(f"    {name} at B={bsz} T={t} raised {e!r}"[:600])
     br = np.asarray(branch_points(parents))
@@ -356,8 +365,8 @@ def parse_launch(text):
 
 def best_ratio(r):
     """Fastest tree form over fastest chain form (the recurrent and, T <= MAX_CHUNKED_NODES, chunked kernels)."""
-    trees = [r[k] for k in ("tree_replay_rec", "tree_chunked_tf32x3") if k in r]
-    chains = [r[k] for k in ("chain_replay", "chain_chunked_tf32x3") if k in r]
+    trees = [r[k] for k in ("tree_replay_rec", "tree_chunked_tf32x3", "tree_chunked2_tf32x3") if k in r]
+    chains = [r[k] for k in ("chain_replay", "chain_chunked_tf32x3", "chain_chunked2_tf32x3") if k in r]
     return f"{min(trees) / min(chains):.2f}x" if trees and chains else "-"
 
 
@@ -391,6 +400,7 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
         log(f"B={bsz:3d} T={t:3d} chain_replay {_us(r, 'chain_replay')}us tree_replay(rec) "
             f"{_us(r, 'tree_replay_rec')}us ({r['tree_replay_rec'] / r['chain_replay']:.2f}x) "
             f"chunked tf32x3 tree {_us(r, 'tree_chunked_tf32x3')}us chain {_us(r, 'chain_chunked_tf32x3')}us "
+            f"two-pass tree {_us(r, 'tree_chunked2_tf32x3')}us chain {_us(r, 'chain_chunked2_tf32x3')}us "
             f"(ieee tree {_us(r, 'tree_chunked')}us) best tree/best chain {best_ratio(r)} chain_staged {_us(r, 'chain_staged')}us tree_staged "
             f"{_us(r, 'tree_staged')}us commit {_us(r, 'replay_commit')}us floor_rw {_us(r, 'floor_rw')}us"
             + (f" eagle_tree {_us(r, 'eagle_replay_rec')}us "
@@ -436,9 +446,10 @@ def render(rows, sweep, fla, bw):
               "S-step rounds, DFS numbered); branch = share of nodes that are branch points.")
     md.append("| B | T | launch | chain (ReplaySSM) | tree ReplaySSM recurrent | tree/chain "
               "| branch nodes | drafter tree ReplaySSM | drafter tree/chain | drafter branch "
-              "| chunked tree (tf32x3) | chunked chain (tf32x3) | best tree / best chain | staged chain | staged tree | staged tree/chain "
+              "| chunked tree (tf32x3) | chunked chain (tf32x3) | two-pass chunked tree (tf32x3) "
+              "| two-pass chunked chain (tf32x3) | best tree / best chain | staged chain | staged tree | staged tree/chain "
               "| floor r+w | chain/floor_r | commit (move+replay) | staged B/node | ReplaySSM B/node (recurrent) |")
-    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for bsz, t, r in rows:
         replay_b = r["branch_frac"] * state_node + payload_node
         tree_rec = r["tree_replay_rec"]
@@ -451,7 +462,8 @@ def render(rows, sweep, fla, bw):
             f"| {bsz} | {t} | {r['launch_tree']} | {_us(r, 'chain_replay')} "
             f"| {tree_rec*1e6:.1f} | {tree_rec / r['chain_replay']:.2f}x "
             f"| {r['branch_frac']:.0%} " + eagle + f"| {_us(r, 'tree_chunked_tf32x3')} "
-            f"| {_us(r, 'chain_chunked_tf32x3')} | {best_ratio(r)} "
+            f"| {_us(r, 'chain_chunked_tf32x3')} | {_us(r, 'tree_chunked2_tf32x3')} "
+            f"| {_us(r, 'chain_chunked2_tf32x3')} | {best_ratio(r)} "
             f"| {_us(r, 'chain_staged')} | {_us(r, 'tree_staged')} "
             f"| {r['tree_staged'] / r['chain_staged']:.2f}x | {_us(r, 'floor_rw')} "
             f"| {r['chain_replay'] / r['floor_r']:.1f}x | {_us(r, 'replay_commit')} (acc {r.get('accept_mean', float('nan')):.1f}) "

@@ -203,6 +203,13 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
     assert rel_err(chunked.out, ref_out) < TOL
     assert np.isnan(np.asarray(chunked.node_states)).all()  # the chunked form keeps no node states
     np.testing.assert_array_equal(np.asarray(chunked.payload), np.asarray(pack_payload(*_args(x)[1:5])))
+    # chunked_two_pass reaches the kernel: the layer's output is the two-pass form's, bit for bit.
+    two_cfg = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64, chunked_two_pass=True)
+    two = gdn_verify(two_cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
+                     backend="interpret")
+    direct, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=True, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(two.out), np.asarray(direct))
+    assert rel_err(two.out, ref_out) < TOL
     # By default the same tree runs the recurrent kernel, which stores exactly its branch points.
     recurrent = gdn_verify(GdnLayerConfig(H, HV, DK, DV), *_args(x), node_states=_nan_states(t),
                            payload=_nan_payload(t), tree=tree, backend="interpret")

@@ -83,6 +83,10 @@ class GdnLayerConfig:
     # accuracy; 4.5x faster than "ieee" at B=32 T=16 on the H200) or "ieee". The CPU interpreter
     # always runs IEEE.
     chunked_fp32_dots: str = "tf32x3"
+    # Run the chunked form as two kernels (`gdn_chunked_verify(two_pass=True)`: key-side factors once
+    # per value head, then out = Q' h0 + P v per dv tile) instead of the fused one. Off until a GPU
+    # run times it against the fused kernel (benchmarks/bench_gdn.py reports both).
+    chunked_two_pass: bool = False
 
     def __post_init__(self):
         check_state_mode(self.mode, "GDN")
@@ -192,7 +196,8 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
     common = dict(use_qk_l2norm=cfg.use_qk_l2norm, scale=cfg.scale, config=cfg.kernel, backend=backend)
     if kernel == "chunked":
         out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
-                                          tree.ancestor_mask, payload, fp32_dots=cfg.chunked_fp32_dots, **common)
+                                          tree.ancestor_mask, payload, fp32_dots=cfg.chunked_fp32_dots,
+                                          two_pass=cfg.chunked_two_pass, **common)
         return GdnVerifyOutput(out, node_states, payload)
     store = "every_node" if cfg.mode == "staged" else "branch_points"
     res = gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
