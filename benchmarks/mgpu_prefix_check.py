@@ -110,7 +110,7 @@ def timing(shapes=FULL_SHAPES, hq=32, hkv=8, d=128, samples=7, interpret=False, 
 def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=()):
     """Mosaic GPU prefix (1 and 2 pages per step) against the Triton prefix, alone and as cascades;
     `splits`: also the 2-page Mosaic prefix and cascade with each of these key-split counts (the
-    default count is `prefix_decode.default_num_splits`, tuned for the Triton kernel)."""
+    default count is `prefix_decode_mgpu.default_mgpu_num_splits`, one wave of CTAs)."""
     g = hq // hkv
     b, p, n = shape
     total = padded_rows(n * g)

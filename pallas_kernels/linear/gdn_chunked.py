@@ -2,16 +2,18 @@
 
 The ancestor mask replaces the causal mask of the chunked delta rule (see `gdn_chunked_reference`
 for the math). Parents precede children, so M (strict ancestors) is strictly lower triangular and
-(I + M) is inverted by log2(chunk) doubling products (M is nilpotent), then applied with one dot.
+(I + M) is inverted by recursive 2 x 2 block inversion (log2(chunk) levels of dots), then applied.
 Rows are padded to `chunk = max(16, next power of two >= T)` (16, 32 or 64): Triton block shapes
 must be powers of two and dot operands at least 16 wide. Padded rows (t >= T) have an all-zero mask
 row: they are nobody's ancestor and are never stored. The packed ancestor row holds bits 0..31 in
 word 0 and 32..63 in word 1 (`treespec_jax.tree.masks`); word 1 is read only when chunk > 32.
 
-One program per (request b, value head hv, dv-tile): every dv column of the solve is independent,
-so each program recomputes the small `[chunk, chunk]` matrices and handles `block_v` columns. The
-program also writes the node's replay payload row pieces `[k | v | a | b]` as it reads them
-(v and a/b by every value head, k by the first value head of each key head).
+Fused form (the default): one program per (request b, value head hv, dv-tile); every dv column of
+the solve is independent, so each program recomputes the small `[chunk, chunk]` matrices and
+handles `block_v` columns. Two-pass form (`two_pass=True`): `_factor_kernel` per (b, hv) folds the
+key side into Q' and P once, `_apply_kernel` per dv tile computes out = Q' h0 + P v. Either way the
+node's replay payload row pieces `[k | v | a | b]` are written as they are read (v by every value
+head's tiles, a/b by every value head, k by the first value head of each key head).
 
 Public entry point: `gdn_chunked_verify(...)` with `backend=None|"pallas"|"interpret"|"reference"`.
 """
@@ -95,15 +97,19 @@ def _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, *, b, hv,
     strict = anc & (rows[:, None] != rows[None, :])
     m = jnp.where(strict, beta[:, None] * decay_ts * _dot_t(k, k, precision), 0.0)
 
-    # (I + M)^-1 without a serial substitution: M is strictly lower triangular, so M^chunk = 0 and
-    # (I + M)^-1 = sum_{j < chunk} (-M)^j = prod_{i < log2(chunk)} (I + (-M)^(2^i)). That is
-    # 2 (log2(chunk) - 1) tensor-core dots instead of `chunk` dependent row reductions.
-    eye = (rows[:, None] == rows[None, :]).astype(jnp.float32)
-    power = -m
-    inv = eye + power
-    for _ in range(chunk.bit_length() - 2):
-        power = _dot(power, power, precision)
-        inv = inv + _dot(inv, power, precision)
+    # (I + M)^-1 by recursive block inversion, log2(chunk) levels of two dots each (no serial
+    # substitution): X holds the inverses of the diagonal blocks of size s; for each 2s block
+    # [[A, 0], [C, D]] the inverse is [[A^-1, 0], [-D^-1 C A^-1, D^-1]], i.e. X <- X - X N X with N
+    # the C blocks of I + M. Unlike the power series sum (-M)^j, whose terms grow like
+    # beta^j C(depth, j) and cancel (1e6 relative error at 64 nodes of correlated keys), every
+    # product here is of true inverse blocks.
+    inv = (rows[:, None] == rows[None, :]).astype(jnp.float32)  # 1 x 1 blocks of a unit diagonal
+    s = 1
+    while s < chunk:
+        row_block, col_block = rows[:, None] // s, rows[None, :] // s
+        lower_half = (row_block % 2 == 1) & (col_block == row_block - 1)
+        inv = inv - _dot(_dot(inv, jnp.where(lower_half, m, 0.0), precision), inv, precision)
+        s *= 2
     return dict(live=live, node_rows=node_rows, k_raw=k_raw, a_raw=a_raw, b_raw=b_raw, k=k, q=q, beta=beta,
                 big_g=big_g, decay_ts=decay_ts, inv=inv)
 
@@ -264,7 +270,8 @@ def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_m
     )(ancestor_mask, q, k, a, b, A_log.astype(jnp.float32), dt_bias.astype(jnp.float32), payload)
     block_v = config.block_v or min(TWO_PASS_BLOCK_V, dv)
     if block_v < MIN_CHUNK or block_v & (block_v - 1) or dv % block_v:
-        raise ValueError(f"block_v={block_v} must be a power of two >= {MIN_CHUNK} dividing dv={dv}")
+        raise ValueError(f"gdn_chunked_verify(two_pass=True): block_v={block_v} must be a power of two "
+                         f">= {MIN_CHUNK} dividing dv={dv}")
     apply = functools.partial(_apply_kernel, nodes=dims.nodes, chunk=chunk, block_v=block_v, layout=layout,
                               precision=precision)
     return pl.pallas_call(
