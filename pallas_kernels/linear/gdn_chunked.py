@@ -28,14 +28,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2, resolve_backend
+from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES, load_ancestor_tile
 from pallas_kernels.linear.gdn_common import default_scale, gates, gdn_dims, l2_normalize
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
 from pallas_kernels.linear.gdn_tree import GdnKernelConfig, check_payload, pick_launch
 from treespec_jax.tree.masks import unpack_mask_rows
 
-# Largest tree the chunked form takes: the packed ancestor row is two 32-bit words.
-MAX_CHUNKED_NODES = 64
 # Fewest padded rows: a Triton dot needs every operand dim >= 16.
 MIN_CHUNK = 16
 
@@ -44,10 +43,6 @@ MIN_CHUNK = 16
 TWO_PASS_FACTOR_WARPS = 4
 TWO_PASS_BLOCK_V = 32
 TWO_PASS_APPLY_WARPS = 4
-
-# fp32 products: "ieee" (exact fp32 on the FMA units; the default) or "tf32x3" (three TF32
-# tensor-core passes, about fp32 accuracy; compiled runs only, the CPU has no TF32x3).
-FP32_DOTS = {"ieee": jax.lax.Precision.HIGHEST, "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
 
 
 def _dot_t(x, y, precision):
@@ -68,17 +63,7 @@ def _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, *, b, hv,
     live = rows < nodes
     node_rows = pl.ds(0, chunk)
 
-    # Ancestor-or-self bits [t, s]: bit s % 32 of word s // 32. With chunk <= 32 word 0 holds every
-    # column, so word 1 is not loaded at all.
-    if chunk <= 32:
-        words = plgpu.load(mask_ref.at[b, node_rows, jnp.int32(0)], mask=live, other=0)[:, None]
-    else:
-        both = plgpu.load(mask_ref.at[b, node_rows, pl.ds(0, 2)], mask=live[:, None], other=0)  # [chunk, 2]
-        which = jnp.arange(2, dtype=jnp.int32)[None, :]
-        word0 = jnp.sum(jnp.where(which == 0, both, 0), axis=1)
-        word1 = jnp.sum(jnp.where(which == 1, both, 0), axis=1)
-        words = jnp.where(rows[None, :] < 32, word0[:, None], word1[:, None])  # [t, s]
-    anc = ((words >> (rows[None, :] % 32).astype(jnp.uint32)) & 1) != 0  # [t, s]
+    anc = load_ancestor_tile(mask_ref, b, chunk, live)  # [t, s]
     k_raw = plgpu.load(k_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0)
     q_raw = plgpu.load(q_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0)
     a_raw = plgpu.load(a_ref.at[b, node_rows, hv], mask=live, other=0)

@@ -30,20 +30,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2, resolve_backend
+from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES, load_ancestor_tile
 from pallas_kernels.linear.mamba2_reference import mamba2_tree_scan_reference, softplus
 from pallas_kernels.linear.mamba2_tree import _check, launch_head_tiles, program_coords
 from treespec_jax.tree.masks import ancestor_mask, chain_parents
 
-MAX_CHUNKED_NODES = 64
 CHUNKED_MODES = ("replay", "outputs")
-# fp32 products: "ieee" (exact fp32, FMA units) or "tf32x3" (three TF32 tensor-core passes, about
-# fp32 accuracy). The CPU has no TF32x3, so interpreted runs always take "ieee".
-FP32_DOTS = {"ieee": lax.Precision.HIGHEST, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
 
 
 def _chunked_kernel(mask_ref, slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref, b_ref, c_ref, *refs,
@@ -62,15 +58,7 @@ def _chunked_kernel(mask_ref, slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref
     pmask = (p0 + jnp.arange(BP)) < P
     nmask = jnp.arange(NP) < N
 
-    # Ancestor-or-self bits [t, s] from the packed rows (word s // 32, bit s % 32).
-    both = plgpu.load(mask_ref.at[b, pl.ds(0, TP), pl.ds(0, 2)], mask=tmask[:, None], other=0)  # [T, 2]
-    which = jnp.arange(2)[None, :]
-    w0 = jnp.sum(jnp.where(which == 0, both, 0), axis=1)
-    w1 = jnp.sum(jnp.where(which == 1, both, 0), axis=1)
-    s_col = t_idx[None, :]
-    words = jnp.where(s_col < 32, w0[:, None], w1[:, None])
-    anc = ((words >> (s_col % 32).astype(jnp.uint32)) & 1) == 1
-    anc = anc & tmask[:, None] & tmask[None, :]
+    anc = load_ancestor_tile(mask_ref, b, TP, tmask) & tmask[:, None] & tmask[None, :]  # [t, s]
 
     dt_raw = plgpu.load(dt_ref.at[b, pl.ds(0, TP), h], mask=tmask, other=0.0)
     dtp = jnp.where(tmask, softplus(dt_raw.astype(jnp.float32) + dtb_ref[h].astype(jnp.float32)), 0.0)

@@ -31,7 +31,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.linear.gdn_chunked import FP32_DOTS, MAX_CHUNKED_NODES, gdn_chunked_verify
+from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES
+from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit
 from pallas_kernels.row_move import pack_path_rows

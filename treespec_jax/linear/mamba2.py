@@ -38,7 +38,8 @@ import jax.numpy as jnp
 from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout, payload_dtype
 from pallas_kernels.linear.mamba2_replay import mamba2_replay_commit
 from pallas_kernels.linear.conv_tree import conv_lag_sources
-from pallas_kernels.linear.mamba2_chunked import FP32_DOTS, MAX_CHUNKED_NODES, mamba2_tree_chunked
+from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES
+from pallas_kernels.linear.mamba2_chunked import mamba2_tree_chunked
 from pallas_kernels.linear.mamba2_tree import WALKS, Mamba2ScanPlan, mamba2_scan_plan, mamba2_tree_scan
 from pallas_kernels.row_move import pack_path_rows
 from treespec_jax.linear.conv import conv_commit_from_inputs, conv_commit_staged, conv_verify
