@@ -223,9 +223,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"prefix_decode_mgpu: num_splits must be >= 1, got {num_splits}")
     pps = pages_per_step or default_pages_per_step(total, d, jnp.dtype(k_pool.dtype).itemsize, page_size, stages)
-    splits = num_splits or default_mgpu_num_splits(b, hkv, tiles, -(-max_pages // pps))
+    steps = -(-max_pages // pps)  # key steps of a full page table
+    splits = num_splits or default_mgpu_num_splits(b, hkv, tiles, steps)
     block = page_size * pps
-    steps_per_split = -(-(-(-max_pages // pps)) // splits)
+    steps_per_split = -(-steps // splits)
     dtype = qr.dtype
     pv_dtype = jnp.float16 if fp8 else dtype  # P V operands: FP8 V widens exactly to fp16
     scale2 = float(scale) * LOG2E
