@@ -35,16 +35,9 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 
 # Measurements still owed (see benchmarks/RESULTS.md, summary), run by `--owed --out $OUT`: module name
-# -> its flags. The GDN chunked form's recursive block inversion and its two-pass form
-# (GdnLayerConfig.chunked_two_pass), both written after the last GPU run of 2026-11-30, have never
-# been compiled: their first conformance (T=16 bf16 and T=33 fp32, IEEE and TF32x3) and timing next
-# to the recurrent tree and fla's chain (carry fla-core). About 7.5 minutes (the budget counts from
-# the start, conformance included). Adopt it as the chunked default only where it beats the fused kernel,
-# and move chunked_min_nodes / chunked_max_nodes only where it beats the recurrent tree.
-OWED: dict[str, list[str]] = {
-    "gdn": ["--conformance-cases", "2,3", "--configs", "32x16,64x16,32x8,32x12,32x32,32x64,1x16",
-            "--no-drafter-trees", "--skip-commit", "--budget-s", "380"],
-}
+# -> its flags. Empty: session 6 (2026-11-30) ran the last owed item, the GDN chunked form's block
+# inversion and two-pass form (conformance and timings).
+OWED: dict[str, list[str]] = {}
 
 
 def main(argv=None) -> int:

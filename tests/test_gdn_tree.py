@@ -6,14 +6,16 @@ import numpy as np
 import pytest
 
 from gdn_numpy import B, DK, DV, H, HV, branch_rows, chain, per_path_numpy, random_inputs, random_tree, rel_err
-from pallas_kernels.linear.gdn_chunked import MAX_CHUNKED_NODES, gdn_chunked_verify
+from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, TWO_PASS_MIN_PROGRAMS, default_two_pass,
+                                              gdn_chunked_verify)
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
 from pallas_kernels.linear.gdn_common import GdnDims
 from pallas_kernels.linear.gdn_tree import (GdnKernelConfig, branch_points, gdn_tree_verify, pick_launch,
                                             uses_value_major)
 from treespec_jax.linear.gdn import (
-    GDN_TREE_VERIFY_CHUNKED_MAX_NODES, GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GdnLayerConfig, GdnTree, gdn_verify,
+    GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_NODES_LARGE_GRID,
+    GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID, GdnLayerConfig, GdnTree, gdn_verify,
     parents_from_ancestor_mask, verify_kernel_for)
 from treespec_jax.tree.masks import ancestor_mask, ancestor_mask_bool
 
@@ -192,24 +194,26 @@ def test_chunked_is_stable_on_deep_chains_of_correlated_keys(t, two_pass):
 
 
 def test_layer_routes_larger_trees_to_chunked_only_when_raised():
-    """chunked_max_nodes (default 16) opts trees of up to MAX_CHUNKED_NODES nodes into the chunked
-    form; out-of-range values are refused by name, all errors in one message."""
+    """chunked_max_nodes opts trees of up to MAX_CHUNKED_NODES nodes into the chunked form (the
+    default, by grid, is 64 on large grids and 16 on small ones); out-of-range values are refused by
+    name, all errors in one message."""
     assert MAX_CHUNKED_NODES == 64
-    assert GdnLayerConfig(H, HV, DK, DV).chunked_max_nodes == GDN_TREE_VERIFY_CHUNKED_MAX_NODES == 16
-    assert verify_kernel_for("replay_ssm", 33, True, True, 12) == "recurrent_tree"
+    assert GdnLayerConfig(H, HV, DK, DV).chunked_max_nodes is None
+    assert verify_kernel_for("replay_ssm", 33, True, True, 12, max_nodes=16) == "recurrent_tree"
     assert verify_kernel_for("replay_ssm", 33, True, True, 12, max_nodes=64) == "chunked"
     assert verify_kernel_for("replay_ssm", 64, True, True, 12, max_nodes=64) == "chunked"
     assert verify_kernel_for("replay_ssm", 33, True, True, 12, max_nodes=32) == "recurrent_tree"
     assert verify_kernel_for("staged", 33, True, True, 12, max_nodes=64) == "recurrent_tree"
     assert verify_kernel_for("replay_ssm", 33, False, True, 12, max_nodes=64) == "recurrent_chain"
     big_only = GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=20, chunked_max_nodes=64)
+    assert big_only.chunked_node_range(B) == big_only.chunked_node_range(4096) == (20, 64)
     for n, want in ((19, "recurrent_tree"), (20, "chunked"), (64, "chunked")):
-        assert verify_kernel_for("replay_ssm", n, True, True, big_only.chunked_min_nodes,
-                                 max_nodes=big_only.chunked_max_nodes) == want, n
+        assert verify_kernel_for("replay_ssm", n, True, True, *big_only.chunked_node_range(B)[:1],
+                                 max_nodes=big_only.chunked_node_range(B)[1]) == want, n
     with pytest.raises(ValueError, match=r"chunked_max_nodes=65 must be in \[8, 64\].*chunked_fp32_dots='bf16'"):
         GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=65, chunked_fp32_dots="bf16")
     with pytest.raises(ValueError, match="chunked_min_nodes=12 must not exceed chunked_max_nodes=10"):
-        GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10)
+        GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12, chunked_max_nodes=10)
     with pytest.raises(ValueError, match=r"chunked_min_nodes=65 must be in \[8, 64\]"):
         GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=65, chunked_max_nodes=64)
 
@@ -237,6 +241,31 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
     assert rows.any() and np.isnan(ws[~rows]).all() and rel_err(ws[rows], ref_states[rows]) < TOL
 
 
+def test_large_grid_default_runs_two_pass_up_to_64_nodes(monkeypatch):
+    """On a grid of at least TWO_PASS_MIN_PROGRAMS (b, hv) programs the default layer config sends a
+    33-node tree to the chunked form and the kernel's default picks the two-pass form (the output is
+    two_pass=True's, bit for bit); on a smaller grid the same tree stays recurrent. The threshold is
+    lowered here so the test's small batch counts as a large grid."""
+    import pallas_kernels.linear.gdn_chunked as gdn_chunked_module
+    t = 33
+    x, parents, tree, ref_out, _ = _random_tree_case(17, t)
+    default = GdnLayerConfig(H, HV, DK, DV)
+    small = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
+                       backend="interpret")
+    assert not np.isnan(np.asarray(small.node_states)).all()  # recurrent: branch-point rows written
+    monkeypatch.setattr(gdn_chunked_module, "TWO_PASS_MIN_PROGRAMS", B * HV)
+    assert default.chunked_node_range(B) == (8, 64)
+    large = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
+                       backend="interpret")
+    assert np.isnan(np.asarray(large.node_states)).all()  # chunked: no node states
+    two, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=True, backend="interpret")
+    fused, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=False,
+                                  backend="interpret")
+    np.testing.assert_array_equal(np.asarray(large.out), np.asarray(two))
+    assert not np.array_equal(np.asarray(two), np.asarray(fused))  # the two forms are told apart
+    assert rel_err(large.out, ref_out) < TOL and rel_err(small.out, ref_out) < TOL
+
+
 def test_chunked_reference_states_match_per_path():
     t = 16
     x, parents, _, ref_out, ref_states = _random_tree_case(5, t)
@@ -248,22 +277,37 @@ def test_chunked_reference_states_match_per_path():
 
 def test_layer_verify_dispatch_and_modes_agree():
     """With chunked_tree_verify (the default), gdn_verify picks the chunked form for ReplaySSM trees
-    of chunked_min_nodes (default 12, at least 8) ..16 nodes; masks alone describe the tree."""
-    assert (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_MAX_NODES) == (8, 16)
+    in the layer's chunked node range (by grid: 8..64 on large grids, 12..16 on small ones; at least
+    8); masks alone describe the tree."""
+    assert GDN_TREE_VERIFY_CHUNKED_MIN_NODES == 8
+    assert GDN_TREE_VERIFY_CHUNKED_NODES_LARGE_GRID == (8, 64)
+    assert GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID == (12, 16)
     assert verify_kernel_for("replay_ssm", 16, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 8, True, True) == "chunked"
+    assert verify_kernel_for("replay_ssm", 64, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 7, True, True) == "recurrent_tree"
-    assert verify_kernel_for("replay_ssm", 17, True, True) == "recurrent_tree"
+    assert verify_kernel_for("replay_ssm", 7, True, True, 4) == "recurrent_tree"  # never below 8
     assert verify_kernel_for("replay_ssm", 16, True, False) == "recurrent_tree"
     assert verify_kernel_for("staged", 16, True, True) == "recurrent_tree"
     assert verify_kernel_for("replay_ssm", 16, False, True) == "recurrent_chain"
-    # The layer's default threshold (chunked_min_nodes=12): 8-node trees stay recurrent.
+    # The layer's default range follows the chunked kernels' grid (B * HV against TWO_PASS_MIN_PROGRAMS).
     default = GdnLayerConfig(H, HV, DK, DV)
-    assert (default.chunked_tree_verify, default.chunked_min_nodes, default.chunked_fp32_dots) == (True, 12, "tf32x3")
-    assert verify_kernel_for("replay_ssm", 8, True, True, default.chunked_min_nodes) == "recurrent_tree"
-    assert verify_kernel_for("replay_ssm", 12, True, True, default.chunked_min_nodes) == "chunked"
-    with pytest.raises(ValueError, match=r"chunked_min_nodes=17.*chunked_fp32_dots='bf16'"):
-        GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=17, chunked_fp32_dots="bf16")
+    assert (default.chunked_tree_verify, default.chunked_min_nodes, default.chunked_two_pass,
+            default.chunked_fp32_dots) == (True, None, None, "tf32x3")
+    small_b, large_b = TWO_PASS_MIN_PROGRAMS // HV - 1, -(-TWO_PASS_MIN_PROGRAMS // HV)
+    assert not default_two_pass(small_b, HV) and default_two_pass(large_b, HV)
+    assert default.chunked_node_range(small_b) == (12, 16)
+    assert default.chunked_node_range(large_b) == (8, 64)
+    # One explicit bound keeps the other from the grid unless they would cross.
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_node_range(small_b) == (10, 10)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_node_range(large_b) == (8, 10)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=20).chunked_node_range(small_b) == (20, 64)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_node_range(small_b) == (12, 16)
+    lo, hi = default.chunked_node_range(B)
+    assert verify_kernel_for("replay_ssm", 8, True, True, lo, max_nodes=hi) == "recurrent_tree"
+    assert verify_kernel_for("replay_ssm", 12, True, True, lo, max_nodes=hi) == "chunked"
+    with pytest.raises(ValueError, match=r"chunked_min_nodes=65.*chunked_fp32_dots='bf16'"):
+        GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=65, chunked_fp32_dots="bf16")
     t = 12
     rng = np.random.default_rng(11)
     x = random_inputs(rng, B, t)

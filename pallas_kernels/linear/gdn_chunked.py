@@ -8,10 +8,11 @@ must be powers of two and dot operands at least 16 wide. Padded rows (t >= T) ha
 row: they are nobody's ancestor and are never stored. The packed ancestor row holds bits 0..31 in
 word 0 and 32..63 in word 1 (`treespec_jax.tree.masks`); word 1 is read only when chunk > 32.
 
-Fused form (the default): one program per (request b, value head hv, dv-tile); every dv column of
+Fused form: one program per (request b, value head hv, dv-tile); every dv column of
 the solve is independent, so each program recomputes the small `[chunk, chunk]` matrices and
-handles `block_v` columns. Two-pass form (`two_pass=True`): `_factor_kernel` per (b, hv) folds the
-key side into Q' and P once, `_apply_kernel` per dv tile computes out = Q' h0 + P v. Either way the
+handles `block_v` columns. Two-pass form (`two_pass=True`; by default on grids of at least
+TWO_PASS_MIN_PROGRAMS (b, hv) pairs): `_factor_kernel` per (b, hv) folds the key side into Q' and P
+once, `_apply_kernel` per dv tile computes out = Q' h0 + P v. Either way the
 node's replay payload row pieces `[k | v | a | b]` are written as they are read (v by every value
 head's tiles, a/b by every value head, k by the first value head of each key head).
 
@@ -38,11 +39,26 @@ from treespec_jax.tree.masks import unpack_mask_rows
 # Fewest padded rows: a Triton dot needs every operand dim >= 16.
 MIN_CHUNK = 16
 
-# Two-pass form launches (not yet timed on a GPU): the factor kernel's warps, the apply kernel's
-# default dv tile and warps.
+# Two-pass form launches: the factor kernel's warps, the apply kernel's default dv tile and warps.
+# On the H200 at B=32, T=16 (benchmarks/RESULTS.md, session 6) a sweep timed 16-column tiles and 8
+# apply warps at 222-252 us and 64-column tiles at 146 us, against 152 us for this default in another
+# call; 2 factor warps timed 129 us but the sweep lacks its own default row, so 4 stays until one run
+# times both.
 TWO_PASS_FACTOR_WARPS = 4
 TWO_PASS_BLOCK_V = 32
 TWO_PASS_APPLY_WARPS = 4
+# Fewest factor-kernel programs (B * HV) for which `two_pass=None` picks the two-pass form. On the
+# H200 (Qwen3-Next dims, benchmarks/RESULTS.md, session 6) the two-pass form took 0.45-0.56x the fused
+# kernel's time at B = 8, 32, 64 (256-2048 programs) for T = 8..64, but at B=1 (32 programs: a fraction
+# of the 132 SMs, and two launches in series) it lost at T=16 (32.7 vs 29.1 us; 65.3 vs 36.2 in another
+# run). Grids in between are unmeasured; this threshold puts them with the measured large grids.
+TWO_PASS_MIN_PROGRAMS = 128
+
+
+def default_two_pass(batch: int, num_v_heads: int) -> bool:
+    """Whether `gdn_chunked_verify(two_pass=None)` runs the two-pass form: when its factor kernel's
+    (B, HV) grid has at least TWO_PASS_MIN_PROGRAMS programs."""
+    return batch * num_v_heads >= TWO_PASS_MIN_PROGRAMS
 
 
 def _dot_t(x, y, precision):
@@ -184,7 +200,7 @@ def _apply_kernel(slots_ref, qf_ref, p_ref, v_ref, pool_ref, _payload_in_ref, o_
 def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload,
                        *, use_qk_l2norm: bool = True, scale: float | None = None,
                        config: GdnKernelConfig | None = None, fp32_dots: str = "ieee",
-                       two_pass: bool = False, backend: str | None = None):
+                       two_pass: bool | None = None, factor_warps: int | None = None, backend: str | None = None):
     """Chunked GDN verify of a tree with T <= MAX_CHUNKED_NODES (64) nodes. Shapes in `gdn_common`.
 
     ancestor_mask: `[B, T, 2] uint32` packed ancestor-or-self rows (`tree.masks.ancestor_mask`),
@@ -194,8 +210,9 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     `two_pass`: one kernel per (request, value head) folds everything that does not touch v or the
     state into Q' [T, dk] and P [T, T] (fp32, `_factor_kernel`), then one per dv tile computes
     out = Q' h0 + P v (`_apply_kernel`): the key-side work is done once instead of per dv tile and
-    neither kernel holds both the key-side tiles and a state tile. The default (False) is the single
-    fused kernel. `config` sets the second kernel's launch (default: 32-column tiles, 4 warps).
+    neither kernel holds both the key-side tiles and a state tile. False: the single fused kernel.
+    None (default): `default_two_pass(B, HV)`. `config` sets the second kernel's launch (default: 32-column tiles, 4 warps);
+    `factor_warps` the first kernel's warps (default TWO_PASS_FACTOR_WARPS).
     """
     if fp32_dots not in FP32_DOTS:
         raise ValueError(f"gdn_chunked_verify: fp32_dots must be one of {tuple(FP32_DOTS)}, got {fp32_dots!r}")
@@ -215,10 +232,13 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
         return out.astype(v.dtype), pack_payload(k, v, a, b)
     chunk = max(MIN_CHUNK, next_pow2(dims.nodes))
     precision = FP32_DOTS["ieee" if kind == "interpret" else fp32_dots]
+    if two_pass is None:
+        two_pass = default_two_pass(dims.batch, dims.num_v_heads)
     if two_pass:
         return _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload, dims=dims,
                          chunk=chunk, layout=layout, use_qk_l2norm=use_qk_l2norm, scale=scale, config=config,
-                         precision=precision, interpret=kind == "interpret")
+                         precision=precision, interpret=kind == "interpret",
+                         factor_warps=TWO_PASS_FACTOR_WARPS if factor_warps is None else factor_warps)
     block_v, num_warps, num_stages = pick_launch(dims, config, chunked=True)
     kernel = functools.partial(_chunked_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group, block_v=block_v,
                                use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout, precision=precision)
@@ -236,9 +256,11 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
 
 
 def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload, *, dims, chunk, layout,
-              use_qk_l2norm, scale, config, precision, interpret):
+              use_qk_l2norm, scale, config, precision, interpret, factor_warps):
     """`gdn_chunked_verify(two_pass=True)`: `_factor_kernel` then `_apply_kernel`."""
     config = config or GdnKernelConfig()
+    if factor_warps < 1 or factor_warps & (factor_warps - 1):
+        raise ValueError(f"gdn_chunked_verify(two_pass=True): factor_warps={factor_warps} must be a power of two")
     bsz, hv, dk, dv = dims.batch, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim
     factor = functools.partial(_factor_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group,
                                use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout, precision=precision)
@@ -250,7 +272,7 @@ def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_m
         grid=(bsz, hv),
         input_output_aliases={7: 2},
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=TWO_PASS_FACTOR_WARPS, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=factor_warps, num_stages=1),
         name="gdn_chunked_factor",
     )(ancestor_mask, q, k, a, b, A_log.astype(jnp.float32), dt_bias.astype(jnp.float32), payload)
     block_v = config.block_v or min(TWO_PASS_BLOCK_V, dv)

@@ -2,9 +2,9 @@
 
 Modes (`GdnStateMode`):
   "replay_ssm" (default) The committed state pool is never written during verify. With
-               `chunked_tree_verify` (default), trees of `chunked_min_nodes` (default 12) ..
-               `chunked_max_nodes` (default 16, at most the kernel's MAX_CHUNKED_NODES = 64) nodes
-               run the chunked tree form (no node states at all); other trees run the recurrent
+               `chunked_tree_verify` (default), trees of `chunked_min_nodes` .. `chunked_max_nodes`
+               nodes (default by grid: 8..64 when B * HV >= 128, else 12..16) run the chunked tree
+               form (no node states at all); other trees run the recurrent
                kernel, which stores the state of every branch point (a node with a child other than
                t + 1) in the one workspace every layer shares (`[B, T, HV, dk, dv]`, one layer's
                worth) and reloads a branch's parent from there.
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES
-from pallas_kernels.linear.gdn_chunked import gdn_chunked_verify
+from pallas_kernels.linear.gdn_chunked import default_two_pass, gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit
 from pallas_kernels.row_move import pack_path_rows
@@ -44,17 +44,16 @@ from treespec_jax.tree.masks import unpack_mask_rows
 
 # Smallest tree the layer may send to the chunked form under ReplaySSM.
 GDN_TREE_VERIFY_CHUNKED_MIN_NODES = 8
-# Default largest tree sent to the chunked form. The kernel takes up to MAX_CHUNKED_NODES (64) and
-# `GdnLayerConfig.chunked_max_nodes` may raise this up to there, but the default stays 16: on the
-# H200 (benchmarks/RESULTS.md, 2026-11-30 09:21 and 09:25 UTC) the chunked tree padded to 32 or 64
-# rows took 1055 / 1758 us at B=32, T = 32 / 64 against 677 / 1423 us for the recurrent tree
-# (and 2050 vs 1311 us at B=64, T=32), while at T=16 it took 243 us against 366 us.
-GDN_TREE_VERIFY_CHUNKED_MAX_NODES = 16
-# Default smallest tree the layer sends to the chunked form. On the H200 (Qwen3-Next dims,
-# benchmarks/RESULTS.md, 07:46 and 07:52 UTC) the chunked form's cost barely moves with T (it pads to 16
-# rows) while the recurrent tree's grows with it: at B = 32, 64 the chunked tree took 0.70-0.84x
-# the recurrent one's time at T=16, 0.89-0.98x at T=12 and 1.25-1.37x at T=8 (0.67-1.02x at B=1).
-GDN_TREE_VERIFY_CHUNKED_DEFAULT_MIN_NODES = 12
+# Default (smallest, largest) tree sent to the chunked form, by the grid of the chunked kernels
+# (`gdn_chunked.default_two_pass(B, HV)`). On the H200 (Qwen3-Next dims, benchmarks/RESULTS.md,
+# session 6) the two-pass chunked tree beat the recurrent tree at every measured T on large grids:
+# B=32: 138 vs 206 us (T=8), 152 vs 275 (T=12), 152 vs 351 (T=16), 525 vs 666 (T=32), 1298 vs 1433
+# (T=64); B=64: 232 vs 339 (T=8), 996 vs 1335 (T=32); B=8: 80 vs 180 (T=16), 339 vs 563 (T=64).
+# On small grids (B=1: the fused form) it won at T=16 (29 vs 45 us) but lost at T=8 (40 vs 32), T=32
+# (86 vs 67 even two-pass) and tied at T=64, so there the range stays 12..16 (earlier sessions'
+# B=1 runs: 0.67-1.02x at T=12).
+GDN_TREE_VERIFY_CHUNKED_NODES_LARGE_GRID = (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, MAX_CHUNKED_NODES)
+GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID = (12, 16)
 
 GdnStateMode = StateMode  # one mode for every linear-attention layer (linear.state_mode)
 
@@ -74,20 +73,20 @@ class GdnLayerConfig:
     # ReplaySSM trees of chunked_min_nodes..chunked_max_nodes nodes verify in the chunked form (no
     # node states, no workspace traffic); other trees, chains and staged verify run the recurrent kernel.
     chunked_tree_verify: bool = True
-    # Smallest tree sent to the chunked form, in [GDN_TREE_VERIFY_CHUNKED_MIN_NODES,
-    # chunked_max_nodes] (see GDN_TREE_VERIFY_CHUNKED_DEFAULT_MIN_NODES).
-    chunked_min_nodes: int = GDN_TREE_VERIFY_CHUNKED_DEFAULT_MIN_NODES
-    # Largest tree sent to the chunked form, in [chunked_min_nodes, MAX_CHUNKED_NODES (64)]; opt in
-    # above the default 16 (see GDN_TREE_VERIFY_CHUNKED_MAX_NODES for why it is not raised by default).
-    chunked_max_nodes: int = GDN_TREE_VERIFY_CHUNKED_MAX_NODES
+    # Smallest tree sent to the chunked form, in [GDN_TREE_VERIFY_CHUNKED_MIN_NODES (8),
+    # MAX_CHUNKED_NODES (64)]; None = by grid (`chunked_node_range`).
+    chunked_min_nodes: int | None = None
+    # Largest tree sent to the chunked form, in [chunked_min_nodes, MAX_CHUNKED_NODES (64)]; None = by
+    # grid: 64 on large grids, 16 on small ones (GDN_TREE_VERIFY_CHUNKED_NODES_LARGE_GRID / _SMALL_GRID).
+    chunked_max_nodes: int | None = None
     # The chunked form's fp32 products: "tf32x3" (three TF32 tensor-core passes, about fp32
     # accuracy; 4.5x faster than "ieee" at B=32 T=16 on the H200) or "ieee". The CPU interpreter
     # always runs IEEE.
     chunked_fp32_dots: str = "tf32x3"
-    # Run the chunked form as two kernels (`gdn_chunked_verify(two_pass=True)`: key-side factors once
-    # per value head, then out = Q' h0 + P v per dv tile) instead of the fused one. Off until a GPU
-    # run times it against the fused kernel (benchmarks/bench_gdn.py reports both).
-    chunked_two_pass: bool = False
+    # Run the chunked form as two kernels (True: key-side factors once per value head, then
+    # out = Q' h0 + P v per dv tile), as one fused kernel (False), or None = by grid
+    # (`gdn_chunked.default_two_pass`: two-pass when B * HV >= TWO_PASS_MIN_PROGRAMS).
+    chunked_two_pass: bool | None = None
 
     def __post_init__(self):
         check_state_mode(self.mode, "GDN")
@@ -96,18 +95,34 @@ class GdnLayerConfig:
             errors.append(f"num_v_heads={self.num_v_heads} must be a positive multiple of "
                           f"num_k_heads={self.num_k_heads}")
         lo, hi = GDN_TREE_VERIFY_CHUNKED_MIN_NODES, MAX_CHUNKED_NODES
-        if not lo <= self.chunked_min_nodes <= hi:
+        if self.chunked_min_nodes is not None and not lo <= self.chunked_min_nodes <= hi:
             errors.append(f"chunked_min_nodes={self.chunked_min_nodes} must be in [{lo}, {hi}]")
-        if not lo <= self.chunked_max_nodes <= hi:
+        if self.chunked_max_nodes is not None and not lo <= self.chunked_max_nodes <= hi:
             errors.append(f"chunked_max_nodes={self.chunked_max_nodes} must be in [{lo}, {hi}] (the chunked "
                           f"kernel's MAX_CHUNKED_NODES is {hi})")
-        if self.chunked_min_nodes > self.chunked_max_nodes:
+        if (self.chunked_min_nodes is not None and self.chunked_max_nodes is not None
+                and self.chunked_min_nodes > self.chunked_max_nodes):
             errors.append(f"chunked_min_nodes={self.chunked_min_nodes} must not exceed "
                           f"chunked_max_nodes={self.chunked_max_nodes}")
         if self.chunked_fp32_dots not in FP32_DOTS:
             errors.append(f"chunked_fp32_dots={self.chunked_fp32_dots!r} must be one of {tuple(FP32_DOTS)}")
         if errors:
             raise ValueError("GdnLayerConfig: " + "; ".join(errors))
+
+    def chunked_node_range(self, batch: int) -> tuple[int, int]:
+        """(smallest, largest) tree this layer sends to the chunked form at this batch size: the
+        explicit fields, else the grid's default. A default range never crosses an explicit bound:
+        an explicit max below the default min takes min = max, an explicit min above the default
+        max takes max = 64."""
+        lo, hi = (GDN_TREE_VERIFY_CHUNKED_NODES_LARGE_GRID if default_two_pass(batch, self.num_v_heads)
+                  else GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID)
+        if self.chunked_min_nodes is not None:
+            lo = self.chunked_min_nodes
+            hi = hi if self.chunked_max_nodes is not None or hi >= lo else MAX_CHUNKED_NODES
+        if self.chunked_max_nodes is not None:
+            hi = self.chunked_max_nodes
+            lo = lo if self.chunked_min_nodes is not None or lo <= hi else hi
+        return lo, hi
 
     @property
     def payload_layout(self) -> GdnPayloadLayout:
@@ -122,7 +137,7 @@ class GdnVerifyOutput(NamedTuple):
 
 def verify_kernel_for(mode: GdnStateMode, num_nodes: int, is_tree: bool, chunked_tree_verify: bool,
                       min_nodes: int = GDN_TREE_VERIFY_CHUNKED_MIN_NODES, *,
-                      max_nodes: int = GDN_TREE_VERIFY_CHUNKED_MAX_NODES) -> str:
+                      max_nodes: int = MAX_CHUNKED_NODES) -> str:
     """Which kernel a verify runs: "chunked", "recurrent_tree" or "recurrent_chain".
 
     ReplaySSM trees of max(min_nodes, GDN_TREE_VERIFY_CHUNKED_MIN_NODES)..max_nodes nodes take the
@@ -192,8 +207,8 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
         raise ValueError("ReplaySSM verify needs this layer's payload buffer [B, T, width] (payload=None)")
     if cfg.mode == "staged" and payload is not None:
         raise ValueError("staged verify writes no replay payload; pass payload=None")
-    kernel = verify_kernel_for(cfg.mode, t, tree is not None, cfg.chunked_tree_verify, cfg.chunked_min_nodes,
-                               max_nodes=cfg.chunked_max_nodes)
+    lo, hi = cfg.chunked_node_range(q.shape[0])
+    kernel = verify_kernel_for(cfg.mode, t, tree is not None, cfg.chunked_tree_verify, lo, max_nodes=hi)
     common = dict(use_qk_l2norm=cfg.use_qk_l2norm, scale=cfg.scale, config=cfg.kernel, backend=backend)
     if kernel == "chunked":
         out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
