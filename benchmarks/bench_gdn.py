@@ -32,7 +32,11 @@ import numpy as np
 from benchmarks.report import log, rel_err
 from benchmarks import timing
 from benchmarks.timing import measure_copy_bandwidth
-from pallas_kernels.linear.gdn_chunked import MAX_CHUNKED_NODES, gdn_chunked_verify
+from pallas_kernels.linear.chunked_common import FP32_DOTS
+from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, MIN_CHUNK, TWO_PASS_FACTOR_WARPS, gdn_chunked_verify,
+                                              two_pass_factor)
+from pallas_kernels.linear.gdn_common import default_scale, gdn_dims
+from pallas_kernels.common import next_pow2
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit
 from pallas_kernels.row_move import pack_path_rows
@@ -339,6 +343,22 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
                                              carry)
             except Exception as e:  # noqa: BLE001
                 log(f"    {name} at B={bsz} T={t} raised {e!r}"[:600])
+        # The two-pass form's first kernel alone (tree masks): the rest of its time is the apply kernel's.
+        dims = gdn_dims(*args)
+
+        def factor_step(c):
+            ns, pl_, o = c
+            _, _, pl_ = two_pass_factor(args[0], args[1], args[3], args[4], args[5], args[6], tree.ancestor_mask, pl_,
+                                        dims=dims, chunk=max(MIN_CHUNK, next_pow2(t)),
+                                        layout=GdnPayloadLayout(d["H"], d["HV"], d["DK"], d["DV"]),
+                                        use_qk_l2norm=True, scale=default_scale(d["DK"]),
+                                        precision=FP32_DOTS["tf32x3"], interpret=False,
+                                        factor_warps=fwarps or TWO_PASS_FACTOR_WARPS)
+            return ns, pl_, o
+        try:
+            res["tree_factor_tf32x3"], carry = time_step(factor_step, carry)
+        except Exception as e:  # noqa: BLE001
+            log(f"    two-pass factor alone at B={bsz} T={t} raised {e!r}"[:600])
     br = np.asarray(branch_points(parents))
     res["branch_frac"] = float(br.sum()) / (bsz * t)
     if eagle_trees:
@@ -451,9 +471,9 @@ def render(rows, sweep, fla, bw):
     md.append("| B | T | launch | chain (ReplaySSM) | tree ReplaySSM recurrent | tree/chain "
               "| branch nodes | drafter tree ReplaySSM | drafter tree/chain | drafter branch "
               "| chunked tree (tf32x3) | chunked chain (tf32x3) | two-pass chunked tree (tf32x3) "
-              "| two-pass chunked chain (tf32x3) | best tree / best chain | staged chain | staged tree | staged tree/chain "
+              "| two-pass chunked chain (tf32x3) | two-pass factor kernel alone (tree) | best tree / best chain | staged chain | staged tree | staged tree/chain "
               "| floor r+w | chain/floor_r | commit (move+replay) | staged B/node | ReplaySSM B/node (recurrent) |")
-    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for bsz, t, r in rows:
         replay_b = r["branch_frac"] * state_node + payload_node
         tree_rec = r["tree_replay_rec"]
@@ -467,7 +487,7 @@ def render(rows, sweep, fla, bw):
             f"| {tree_rec*1e6:.1f} | {tree_rec / r['chain_replay']:.2f}x "
             f"| {r['branch_frac']:.0%} " + eagle + f"| {_us(r, 'tree_chunked_tf32x3')} "
             f"| {_us(r, 'chain_chunked_tf32x3')} | {_us(r, 'tree_chunked2_tf32x3')} "
-            f"| {_us(r, 'chain_chunked2_tf32x3')} | {best_ratio(r)} "
+            f"| {_us(r, 'chain_chunked2_tf32x3')} | {_us(r, 'tree_factor_tf32x3')} | {best_ratio(r)} "
             f"| {_us(r, 'chain_staged')} | {_us(r, 'tree_staged')} "
             f"| {r['tree_staged'] / r['chain_staged']:.2f}x | {_us(r, 'floor_rw')} "
             f"| {r['chain_replay'] / r['floor_r']:.1f}x | {_us(r, 'replay_commit')} (acc {r.get('accept_mean', float('nan')):.1f}) "
@@ -475,8 +495,9 @@ def render(rows, sweep, fla, bw):
     if sweep:
         md.append("\n| B | T | kernel | (block_v, warps, stages[, factor warps]) | chain (us) | tree recurrent (us) "
                   "| tree/chain | drafter tree (us) | drafter tree/chain | chunked tree tf32x3 (us) "
-                  "| chunked chain tf32x3 (us) | two-pass tree tf32x3 (us) | two-pass chain tf32x3 (us) |")
-        md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                  "| chunked chain tf32x3 (us) | two-pass tree tf32x3 (us) | two-pass chain tf32x3 (us) "
+                  "| two-pass factor alone (us) |")
+        md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         nan = float("nan")
         for bsz, t, kind, launch, r in sweep:
             tree = r.get("tree_replay_rec", nan)
@@ -487,7 +508,8 @@ def render(rows, sweep, fla, bw):
                       f"| {r.get('tree_chunked_tf32x3', nan)*1e6:.1f} "
                       f"| {r.get('chain_chunked_tf32x3', nan)*1e6:.1f} "
                       f"| {r.get('tree_chunked2_tf32x3', nan)*1e6:.1f} "
-                      f"| {r.get('chain_chunked2_tf32x3', nan)*1e6:.1f} |")
+                      f"| {r.get('chain_chunked2_tf32x3', nan)*1e6:.1f} "
+                      f"| {r.get('tree_factor_tf32x3', nan)*1e6:.1f} |")
     if fla:
         md.append("\n| fla fused_recurrent chain, T=16 | us |")
         md.append("|---|---|")

@@ -259,12 +259,38 @@ def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_m
               use_qk_l2norm, scale, config, precision, interpret, factor_warps):
     """`gdn_chunked_verify(two_pass=True)`: `_factor_kernel` then `_apply_kernel`."""
     config = config or GdnKernelConfig()
+    dv = dims.head_v_dim
+    block_v = config.block_v or min(TWO_PASS_BLOCK_V, dv)
+    if block_v < MIN_CHUNK or block_v & (block_v - 1) or dv % block_v:
+        raise ValueError(f"gdn_chunked_verify(two_pass=True): block_v={block_v} must be a power of two "
+                         f">= {MIN_CHUNK} dividing dv={dv}")
+    q_fold, p_fold, payload = two_pass_factor(q, k, a, b, A_log, dt_bias, ancestor_mask, payload, dims=dims,
+                                              chunk=chunk, layout=layout, use_qk_l2norm=use_qk_l2norm, scale=scale,
+                                              precision=precision, interpret=interpret, factor_warps=factor_warps)
+    apply = functools.partial(_apply_kernel, nodes=dims.nodes, chunk=chunk, block_v=block_v, layout=layout,
+                              precision=precision)
+    return pl.pallas_call(
+        apply,
+        out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(payload.shape, payload.dtype)),
+        grid=(dims.batch, dims.num_v_heads, dv // block_v),
+        input_output_aliases={5: 1},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps or TWO_PASS_APPLY_WARPS,
+                                             num_stages=config.num_stages or 1),
+        name="gdn_chunked_apply",
+    )(state_slots.astype(jnp.int32), q_fold, p_fold, v, state_pool, payload)
+
+
+def two_pass_factor(q, k, a, b, A_log, dt_bias, ancestor_mask, payload, *, dims, chunk, layout, use_qk_l2norm,
+                    scale, precision, interpret, factor_warps):
+    """The two-pass form's first kernel alone (the bench times it on its own to split the form's
+    time between its passes): `(Q' [B, HV, chunk, dk] f32, P [B, HV, chunk, chunk] f32, payload)`."""
     if factor_warps < 1 or factor_warps & (factor_warps - 1):
         raise ValueError(f"gdn_chunked_verify(two_pass=True): factor_warps={factor_warps} must be a power of two")
-    bsz, hv, dk, dv = dims.batch, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim
+    bsz, hv, dk = dims.batch, dims.num_v_heads, dims.head_k_dim
     factor = functools.partial(_factor_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group,
                                use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout, precision=precision)
-    q_fold, p_fold, payload = pl.pallas_call(
+    return pl.pallas_call(
         factor,
         out_shape=(jax.ShapeDtypeStruct((bsz, hv, chunk, dk), jnp.float32),
                    jax.ShapeDtypeStruct((bsz, hv, chunk, chunk), jnp.float32),
@@ -275,20 +301,3 @@ def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_m
         compiler_params=plgpu.CompilerParams(num_warps=factor_warps, num_stages=1),
         name="gdn_chunked_factor",
     )(ancestor_mask, q, k, a, b, A_log.astype(jnp.float32), dt_bias.astype(jnp.float32), payload)
-    block_v = config.block_v or min(TWO_PASS_BLOCK_V, dv)
-    if block_v < MIN_CHUNK or block_v & (block_v - 1) or dv % block_v:
-        raise ValueError(f"gdn_chunked_verify(two_pass=True): block_v={block_v} must be a power of two "
-                         f">= {MIN_CHUNK} dividing dv={dv}")
-    apply = functools.partial(_apply_kernel, nodes=dims.nodes, chunk=chunk, block_v=block_v, layout=layout,
-                              precision=precision)
-    return pl.pallas_call(
-        apply,
-        out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(payload.shape, payload.dtype)),
-        grid=(bsz, hv, dv // block_v),
-        input_output_aliases={5: 1},
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps or TWO_PASS_APPLY_WARPS,
-                                             num_stages=config.num_stages or 1),
-        name="gdn_chunked_apply",
-    )(state_slots.astype(jnp.int32), q_fold, p_fold, v, state_pool, payload)
-
