@@ -54,6 +54,7 @@ DEFAULT_CONFIGS = [(1, 8), (1, 16), (1, 64), (32, 8), (32, 16), (32, 64), (64, 8
 _T0 = time.time()  # this module's start, for its --budget-s
 CHUNKED_IEEE = False  # --chunked-ieee: also time the chunked form with IEEE fp32 products (3.5-7x slower)
 SKIP_COMMIT = False  # --skip-commit: the T=64 commit step took minutes to compile at B=32 (05:35 UTC run)
+FUSED_CHUNKED = True  # --no-fused-chunked: skip the fused chunked kernel (2-3x slower than two-pass past 16 nodes)
 
 
 def random_tree(rng, batch, t, p_extend=0.5):
@@ -334,7 +335,7 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
         res["launch_chain"] = res["launch_tree"] = launch_used
     if t <= MAX_CHUNKED_NODES and sweep is not True:  # a recurrent launch sweep leaves the chunked form alone
         forms = [("tree_chunked", True, "ieee", False)] if CHUNKED_IEEE else []
-        if fwarps is None:  # a swept launch that names factor warps times the two-pass form only
+        if fwarps is None and FUSED_CHUNKED:  # a swept launch that names factor warps times the two-pass form only
             forms += [("tree_chunked_tf32x3", True, "tf32x3", False), ("chain_chunked_tf32x3", False, "tf32x3", False)]
         forms += [("tree_chunked2_tf32x3", True, "tf32x3", True), ("chain_chunked2_tf32x3", False, "tf32x3", True)]
         for name, is_tree, dots, two in forms:
@@ -353,7 +354,7 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
                                         layout=GdnPayloadLayout(d["H"], d["HV"], d["DK"], d["DV"]),
                                         use_qk_l2norm=True, scale=default_scale(d["DK"]),
                                         precision=FP32_DOTS["tf32x3"], interpret=False,
-                                        factor_warps=fwarps or TWO_PASS_FACTOR_WARPS)
+                                        factor_warps=TWO_PASS_FACTOR_WARPS if fwarps is None else fwarps)
             return ns, pl_, o
         try:
             res["tree_factor_tf32x3"], carry = time_step(factor_step, carry)
@@ -574,6 +575,8 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-at", default="32x16", help="BxT configs the sweeps run at")
     p.add_argument("--chunked-ieee", action="store_true", help="also time the chunked form with IEEE products")
     p.add_argument("--skip-commit", action="store_true", help="do not time the ReplaySSM commit")
+    p.add_argument("--no-fused-chunked", action="store_true",
+                   help="time the chunked form only as two-pass (the fused kernel loses 2-3x past 16 nodes)")
     p.add_argument("--inner", type=int, default=INNER, help="kernel calls per timed jit call")
     p.add_argument("--markdown", default=None, help="also write the dated section to this file (e.g. $OUT/gdn.md)")
     p.add_argument("--results", default=str(Path(__file__).resolve().parent / "RESULTS.md"),
@@ -582,6 +585,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     globals()["INNER"] = a.inner
     globals()["SKIP_COMMIT"] = a.skip_commit
+    globals()["FUSED_CHUNKED"] = not a.no_fused_chunked
     globals()["CHUNKED_IEEE"] = a.chunked_ieee
     bxt = lambda text: [tuple(int(v) for v in c.split("x")) for c in text.split(",") if c]
     configs = None if a.configs is None else bxt(a.configs)

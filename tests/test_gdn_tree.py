@@ -14,8 +14,8 @@ from pallas_kernels.linear.gdn_common import GdnDims
 from pallas_kernels.linear.gdn_tree import (GdnKernelConfig, branch_points, gdn_tree_verify, pick_launch,
                                             uses_value_major)
 from treespec_jax.linear.gdn import (
-    GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_NODES_LARGE_GRID,
-    GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID, GdnLayerConfig, GdnTree, gdn_verify,
+    GDN_TREE_VERIFY_CHUNKED_MIN_FILL, GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_NODES_FUSED,
+    GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS, GdnLayerConfig, GdnTree, gdn_verify,
     parents_from_ancestor_mask, verify_kernel_for)
 from treespec_jax.tree.masks import ancestor_mask, ancestor_mask_bool
 
@@ -194,11 +194,12 @@ def test_chunked_is_stable_on_deep_chains_of_correlated_keys(t, two_pass):
 
 
 def test_layer_routes_larger_trees_to_chunked_only_when_raised():
-    """chunked_max_nodes opts trees of up to MAX_CHUNKED_NODES nodes into the chunked form (the
-    default, by grid, is 64 on large grids and 16 on small ones); out-of-range values are refused by
+    """Where the fused form runs (small grids), trees above 16 nodes stay recurrent unless
+    chunked_max_nodes raises the bound (up to MAX_CHUNKED_NODES); out-of-range values are refused by
     name, all errors in one message."""
     assert MAX_CHUNKED_NODES == 64
     assert GdnLayerConfig(H, HV, DK, DV).chunked_max_nodes is None
+    assert not default_two_pass(B, HV)  # the test's batch is a small grid
     assert verify_kernel_for("replay_ssm", 33, True, True, 12, max_nodes=16) == "recurrent_tree"
     assert verify_kernel_for("replay_ssm", 33, True, True, 12, max_nodes=64) == "chunked"
     assert verify_kernel_for("replay_ssm", 64, True, True, 12, max_nodes=64) == "chunked"
@@ -206,20 +207,24 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
     assert verify_kernel_for("staged", 33, True, True, 12, max_nodes=64) == "recurrent_tree"
     assert verify_kernel_for("replay_ssm", 33, False, True, 12, max_nodes=64) == "recurrent_chain"
     big_only = GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=20, chunked_max_nodes=64)
-    assert big_only.chunked_node_range(B) == big_only.chunked_node_range(4096) == (20, 64)
-    for n, want in ((19, "recurrent_tree"), (20, "chunked"), (64, "chunked")):
-        assert verify_kernel_for("replay_ssm", n, True, True, *big_only.chunked_node_range(B)[:1],
-                                 max_nodes=big_only.chunked_node_range(B)[1]) == want, n
+    assert big_only.chunked_route(B) == big_only.chunked_route(4096) == (20, 64, 0.0)
+    lo, hi, fill = big_only.chunked_route(B)
+    for n, want in ((19, "recurrent_tree"), (20, "chunked"), (33, "chunked"), (64, "chunked")):
+        assert verify_kernel_for("replay_ssm", n, True, True, lo, max_nodes=hi, min_fill=fill) == want, n
     with pytest.raises(ValueError, match=r"chunked_max_nodes=65 must be in \[8, 64\].*chunked_fp32_dots='bf16'"):
         GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=65, chunked_fp32_dots="bf16")
     with pytest.raises(ValueError, match="chunked_min_nodes=12 must not exceed chunked_max_nodes=10"):
         GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12, chunked_max_nodes=10)
     with pytest.raises(ValueError, match=r"chunked_min_nodes=65 must be in \[8, 64\]"):
         GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=65, chunked_max_nodes=64)
+    with pytest.raises(ValueError, match=r"chunked_two_pass='no' must be None, True or False.*kernel.block_v=8"):
+        GdnLayerConfig(H, HV, DK, DV, chunked_two_pass="no", kernel=GdnKernelConfig(block_v=8))
+    GdnLayerConfig(H, HV, DK, DV, chunked_tree_verify=False, kernel=GdnKernelConfig(block_v=8))  # recurrent only
 
     t = 33
     x, parents, tree, ref_out, ref_states = _random_tree_case(13, t)
     raised = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64)
+    assert raised.chunked_route(B) == (12, 64, 0.0)
     chunked = gdn_verify(raised, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
                          backend="interpret")
     assert rel_err(chunked.out, ref_out) < TOL
@@ -243,18 +248,19 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
 
 def test_large_grid_default_runs_two_pass_up_to_64_nodes(monkeypatch):
     """On a grid of at least TWO_PASS_MIN_PROGRAMS (b, hv) programs the default layer config sends a
-    33-node tree to the chunked form and the kernel's default picks the two-pass form (the output is
-    two_pass=True's, bit for bit); on a smaller grid the same tree stays recurrent. The threshold is
-    lowered here so the test's small batch counts as a large grid."""
+    30-node tree (it fills 29/32 of its 32 padded rows) to the chunked form and the kernel's default
+    picks the two-pass form (the output is two_pass=True's, bit for bit); on a smaller grid the same
+    tree stays recurrent. The threshold is lowered here so the test's small batch counts as a large
+    grid."""
     import pallas_kernels.linear.gdn_chunked as gdn_chunked_module
-    t = 33
+    t = 30
     x, parents, tree, ref_out, _ = _random_tree_case(17, t)
     default = GdnLayerConfig(H, HV, DK, DV)
     small = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
                        backend="interpret")
     assert not np.isnan(np.asarray(small.node_states)).all()  # recurrent: branch-point rows written
     monkeypatch.setattr(gdn_chunked_module, "TWO_PASS_MIN_PROGRAMS", B * HV)
-    assert default.chunked_node_range(B) == (8, 64)
+    assert default.chunked_route(B) == (8, 64, GDN_TREE_VERIFY_CHUNKED_MIN_FILL)
     large = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
                        backend="interpret")
     assert np.isnan(np.asarray(large.node_states)).all()  # chunked: no node states
@@ -277,35 +283,49 @@ def test_chunked_reference_states_match_per_path():
 
 def test_layer_verify_dispatch_and_modes_agree():
     """With chunked_tree_verify (the default), gdn_verify picks the chunked form for ReplaySSM trees
-    in the layer's chunked node range (by grid: 8..64 on large grids, 12..16 on small ones; at least
-    8); masks alone describe the tree."""
+    in the layer's chunked route: by the form that runs, 8..64 nodes filling 29/32 of their padded rows
+    above 16 (two-pass, large grids) or 12..16 (fused); at least 8; masks alone describe the tree."""
     assert GDN_TREE_VERIFY_CHUNKED_MIN_NODES == 8
-    assert GDN_TREE_VERIFY_CHUNKED_NODES_LARGE_GRID == (8, 64)
-    assert GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID == (12, 16)
+    assert GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS == (8, 64)
+    assert GDN_TREE_VERIFY_CHUNKED_NODES_FUSED == (12, 16)
+    assert GDN_TREE_VERIFY_CHUNKED_MIN_FILL == 29 / 32
     assert verify_kernel_for("replay_ssm", 16, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 8, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 64, True, True) == "chunked"
+    assert verify_kernel_for("replay_ssm", 17, True, True) == "chunked"  # no fill rule by default
     assert verify_kernel_for("replay_ssm", 7, True, True) == "recurrent_tree"
     assert verify_kernel_for("replay_ssm", 7, True, True, 4) == "recurrent_tree"  # never below 8
     assert verify_kernel_for("replay_ssm", 16, True, False) == "recurrent_tree"
     assert verify_kernel_for("staged", 16, True, True) == "recurrent_tree"
     assert verify_kernel_for("replay_ssm", 16, False, True) == "recurrent_chain"
-    # The layer's default range follows the chunked kernels' grid (B * HV against TWO_PASS_MIN_PROGRAMS).
+    # The fill rule: past 16 rows a tree must fill 29/32 of its padded 32 or 64 rows.
+    chunked_sizes = [n for n in range(1, 65) if verify_kernel_for("replay_ssm", n, True, True, 8, max_nodes=64,
+                                                                  min_fill=GDN_TREE_VERIFY_CHUNKED_MIN_FILL) == "chunked"]
+    assert chunked_sizes == list(range(8, 17)) + list(range(29, 33)) + list(range(58, 65))
+    # The layer's default route follows the form that runs (B * HV against TWO_PASS_MIN_PROGRAMS).
     default = GdnLayerConfig(H, HV, DK, DV)
     assert (default.chunked_tree_verify, default.chunked_min_nodes, default.chunked_two_pass,
             default.chunked_fp32_dots) == (True, None, None, "tf32x3")
     small_b, large_b = TWO_PASS_MIN_PROGRAMS // HV - 1, -(-TWO_PASS_MIN_PROGRAMS // HV)
     assert not default_two_pass(small_b, HV) and default_two_pass(large_b, HV)
-    assert default.chunked_node_range(small_b) == (12, 16)
-    assert default.chunked_node_range(large_b) == (8, 64)
-    # One explicit bound keeps the other from the grid unless they would cross.
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_node_range(small_b) == (10, 10)
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_node_range(large_b) == (8, 10)
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=20).chunked_node_range(small_b) == (20, 64)
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_node_range(small_b) == (12, 16)
-    lo, hi = default.chunked_node_range(B)
-    assert verify_kernel_for("replay_ssm", 8, True, True, lo, max_nodes=hi) == "recurrent_tree"
-    assert verify_kernel_for("replay_ssm", 12, True, True, lo, max_nodes=hi) == "chunked"
+    fill = GDN_TREE_VERIFY_CHUNKED_MIN_FILL
+    assert default.chunked_route(small_b) == (12, 16, 0.0)
+    assert default.chunked_route(large_b) == (8, 64, fill)
+    # Forcing the fused form on a large grid keeps the fused range; forcing two-pass on a small grid
+    # keeps the small grid's (two-pass was not measured ahead of the recurrent tree there past 16).
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=False).chunked_route(large_b) == (12, 16, 0.0)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True).chunked_route(small_b) == (12, 16, 0.0)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True).chunked_route(large_b) == (8, 64, fill)
+    # One explicit bound keeps the other from the default unless they would cross; an explicit max
+    # drops the fill rule.
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_route(small_b) == (8, 10, 0.0)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_route(large_b) == (8, 10, 0.0)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=20).chunked_route(small_b) == (20, 64, 0.0)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_route(small_b) == (12, 16, 0.0)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_route(large_b) == (12, 64, fill)
+    lo, hi, fill = default.chunked_route(B)
+    assert verify_kernel_for("replay_ssm", 8, True, True, lo, max_nodes=hi, min_fill=fill) == "recurrent_tree"
+    assert verify_kernel_for("replay_ssm", 12, True, True, lo, max_nodes=hi, min_fill=fill) == "chunked"
     with pytest.raises(ValueError, match=r"chunked_min_nodes=65.*chunked_fp32_dots='bf16'"):
         GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=65, chunked_fp32_dots="bf16")
     t = 12
@@ -324,6 +344,9 @@ def test_layer_verify_dispatch_and_modes_agree():
     assert rel_err(replay.out, ref_out) < TOL
     assert rel_err(staged.out, replay.out) < TOL
     assert np.isnan(np.asarray(replay.node_states)).all()  # the chunked form keeps no node states
+    # On this small grid the default form is the fused kernel, bit for bit.
+    fused, _ = gdn_chunked_verify(*_args(x), mask, _nan_payload(t), two_pass=False, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(replay.out), np.asarray(fused))
 
 
 def test_layer_glue_shares_the_step_branch_points():
@@ -503,6 +526,25 @@ def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
             lowering_platforms=("cuda",)).as_text()
         names = ("gdn_chunked_factor", "gdn_chunked_apply") if two_pass else ("gdn_chunked_verify",)
         assert "__gpu$xla.gpu.triton" in text and all(n in text for n in names), (fp32_dots, two_pass)
+
+
+def test_default_form_follows_the_grid_in_the_sm90_lowering(monkeypatch):
+    """two_pass=None lowers to the factor and apply kernels at the threshold grid (B * HV ==
+    TWO_PASS_MIN_PROGRAMS) and to the fused kernel one request below it (Qwen3-Next dims, HV=32)."""
+    import jax
+
+    _fake_sm90(monkeypatch)
+    sd = jax.ShapeDtypeStruct
+    t = 16
+    hv = 32
+    for bsz, two in ((TWO_PASS_MIN_PROGRAMS // hv, True), (TWO_PASS_MIN_PROGRAMS // hv - 1, False)):
+        ins, width = _qwen_specs(bsz, t)
+        assert ins[2].shape[2] == hv
+        text = jax.jit(lambda *a: gdn_chunked_verify(*a, fp32_dots="tf32x3"), donate_argnums=(10,)).trace(
+            *ins, sd((bsz, t, 2), jnp.uint32), sd((bsz, t, width), jnp.bfloat16)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert ("gdn_chunked_factor" in text and "gdn_chunked_apply" in text) == two, bsz
+        assert ("gdn_chunked_verify" in text) == (not two), bsz
 
 
 @pytest.mark.parametrize("fp32_dots, two_pass", [("ieee", False), ("tf32x3", False), ("tf32x3", True)])

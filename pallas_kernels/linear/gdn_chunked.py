@@ -33,7 +33,7 @@ from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES, l
 from pallas_kernels.linear.gdn_common import default_scale, gates, gdn_dims, l2_normalize
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
-from pallas_kernels.linear.gdn_tree import GdnKernelConfig, check_payload, pick_launch
+from pallas_kernels.linear.gdn_tree import MAX_NUM_WARPS, GdnKernelConfig, check_payload, pick_launch
 from treespec_jax.tree.masks import unpack_mask_rows
 
 # Fewest padded rows: a Triton dot needs every operand dim >= 16.
@@ -41,18 +41,19 @@ MIN_CHUNK = 16
 
 # Two-pass form launches: the factor kernel's warps, the apply kernel's default dv tile and warps.
 # On the H200 at B=32, T=16 (benchmarks/RESULTS.md, session 6) a sweep timed 16-column tiles and 8
-# apply warps at 222-252 us and 64-column tiles at 146 us, against 152 us for this default in another
-# call; 2 factor warps timed 129 us but the sweep lacks its own default row, so 4 stays until one run
-# times both.
+# apply warps at 222-252 us and 64-column tiles at 146 us, against 152-155 us for this default. Two
+# factor warps won at B=32, T=16 (141 vs 155 us) and lost at B=64, T=16 (311 vs 264); eight lost at
+# T = 16 and 32 (T=64 is owed), so 4 stays.
 TWO_PASS_FACTOR_WARPS = 4
 TWO_PASS_BLOCK_V = 32
 TWO_PASS_APPLY_WARPS = 4
 # Fewest factor-kernel programs (B * HV) for which `two_pass=None` picks the two-pass form. On the
-# H200 (Qwen3-Next dims, benchmarks/RESULTS.md, session 6) the two-pass form took 0.45-0.56x the fused
-# kernel's time at B = 8, 32, 64 (256-2048 programs) for T = 8..64, but at B=1 (32 programs: a fraction
-# of the 132 SMs, and two launches in series) it lost at T=16 (32.7 vs 29.1 us; 65.3 vs 36.2 in another
-# run). Grids in between are unmeasured; this threshold puts them with the measured large grids.
-TWO_PASS_MIN_PROGRAMS = 128
+# H200 (Qwen3-Next dims, HV=32, benchmarks/RESULTS.md, session 6) the two-pass tree took 0.33-0.56x
+# the fused kernel's time at B = 32, 64 (1024-2048 programs) for T = 8..64, and at B=8 (256) 0.37x at
+# T=64 and 0.96x at T=16. At B=1 (32 programs, two launches in series) it lost at T=16 (32.7 vs
+# 29.1 us; 65.3 vs 36.2 in another run) and won at T = 8, 32, 64. B = 2..7 are unmeasured and stay
+# with the fused kernel.
+TWO_PASS_MIN_PROGRAMS = 256
 
 
 def default_two_pass(batch: int, num_v_heads: int) -> bool:
@@ -212,7 +213,8 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     out = Q' h0 + P v (`_apply_kernel`): the key-side work is done once instead of per dv tile and
     neither kernel holds both the key-side tiles and a state tile. False: the single fused kernel.
     None (default): `default_two_pass(B, HV)`. `config` sets the second kernel's launch (default: 32-column tiles, 4 warps);
-    `factor_warps` the first kernel's warps (default TWO_PASS_FACTOR_WARPS).
+    `factor_warps` the first kernel's warps (default TWO_PASS_FACTOR_WARPS; unused when the fused
+    form runs).
     """
     if fp32_dots not in FP32_DOTS:
         raise ValueError(f"gdn_chunked_verify: fp32_dots must be one of {tuple(FP32_DOTS)}, got {fp32_dots!r}")
@@ -232,6 +234,9 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
         return out.astype(v.dtype), pack_payload(k, v, a, b)
     chunk = max(MIN_CHUNK, next_pow2(dims.nodes))
     precision = FP32_DOTS["ieee" if kind == "interpret" else fp32_dots]
+    if two_pass is False and factor_warps is not None:
+        raise ValueError(f"gdn_chunked_verify: factor_warps={factor_warps} sets the two-pass form's factor kernel, "
+                         "but two_pass=False runs the fused kernel")
     if two_pass is None:
         two_pass = default_two_pass(dims.batch, dims.num_v_heads)
     if two_pass:
@@ -285,8 +290,8 @@ def two_pass_factor(q, k, a, b, A_log, dt_bias, ancestor_mask, payload, *, dims,
                     scale, precision, interpret, factor_warps):
     """The two-pass form's first kernel alone (the bench times it on its own to split the form's
     time between its passes): `(Q' [B, HV, chunk, dk] f32, P [B, HV, chunk, chunk] f32, payload)`."""
-    if factor_warps < 1 or factor_warps & (factor_warps - 1):
-        raise ValueError(f"gdn_chunked_verify(two_pass=True): factor_warps={factor_warps} must be a power of two")
+    if not 1 <= factor_warps <= MAX_NUM_WARPS or factor_warps & (factor_warps - 1):
+        raise ValueError(f"two_pass_factor: factor_warps={factor_warps} must be a power of two in [1, {MAX_NUM_WARPS}]")
     bsz, hv, dk = dims.batch, dims.num_v_heads, dims.head_k_dim
     factor = functools.partial(_factor_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group,
                                use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout, precision=precision)

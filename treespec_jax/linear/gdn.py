@@ -3,8 +3,9 @@
 Modes (`GdnStateMode`):
   "replay_ssm" (default) The committed state pool is never written during verify. With
                `chunked_tree_verify` (default), trees of `chunked_min_nodes` .. `chunked_max_nodes`
-               nodes (default by grid: 8..64 when B * HV >= 128, else 12..16) run the chunked tree
-               form (no node states at all); other trees run the recurrent
+               nodes (default: 8..16, 29..32 and 58..64 where the two-pass form runs, B * HV >= 256;
+               12..16 where the fused form runs) run the chunked tree form (no node states at all);
+               other trees run the recurrent
                kernel, which stores the state of every branch point (a node with a child other than
                t + 1) in the one workspace every layer shares (`[B, T, HV, dk, dv]`, one layer's
                worth) and reloads a branch's parent from there.
@@ -32,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES
-from pallas_kernels.linear.gdn_chunked import default_two_pass, gdn_chunked_verify
+from pallas_kernels.common import next_pow2
+from pallas_kernels.linear.gdn_chunked import MIN_CHUNK, default_two_pass, gdn_chunked_verify
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit
 from pallas_kernels.row_move import pack_path_rows
@@ -44,16 +46,23 @@ from treespec_jax.tree.masks import unpack_mask_rows
 
 # Smallest tree the layer may send to the chunked form under ReplaySSM.
 GDN_TREE_VERIFY_CHUNKED_MIN_NODES = 8
-# Default (smallest, largest) tree sent to the chunked form, by the grid of the chunked kernels
-# (`gdn_chunked.default_two_pass(B, HV)`). On the H200 (Qwen3-Next dims, benchmarks/RESULTS.md,
-# session 6) the two-pass chunked tree beat the recurrent tree at every measured T on large grids:
-# B=32: 138 vs 206 us (T=8), 152 vs 275 (T=12), 152 vs 351 (T=16), 525 vs 666 (T=32), 1298 vs 1433
-# (T=64); B=64: 232 vs 339 (T=8), 996 vs 1335 (T=32); B=8: 80 vs 180 (T=16), 339 vs 563 (T=64).
-# On small grids (B=1: the fused form) it won at T=16 (29 vs 45 us) but lost at T=8 (40 vs 32), T=32
-# (86 vs 67 even two-pass) and tied at T=64, so there the range stays 12..16 (earlier sessions'
-# B=1 runs: 0.67-1.02x at T=12).
-GDN_TREE_VERIFY_CHUNKED_NODES_LARGE_GRID = (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, MAX_CHUNKED_NODES)
-GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID = (12, 16)
+# Default (smallest, largest) tree sent to the chunked form, by the form that runs: the two-pass form
+# on a large grid (`gdn_chunked.default_two_pass(B, HV)`), else the fused form. On the H200
+# (Qwen3-Next dims, benchmarks/RESULTS.md, session 6) the two-pass tree beat the recurrent tree at
+# every T measured on large grids: B=32: 138 vs 206 us (T=8), 152 vs 275 (T=12), 152 vs 351 (T=16),
+# 525 vs 666 (T=32), 1298 vs 1433 (T=64); B=64: 232 vs 339 (T=8), 996 vs 1335 (T=32), 2626 vs 2758
+# (T=64); B=8: 80 vs 180 (T=16), 339 vs 563 (T=64). The fused tree at B=1 won at T=16 (29 vs 45 us)
+# and lost at T=8 (40 vs 32), T=32 (141 vs 67) and T=64 (156 vs 118); at B = 32, 64 it lost from
+# T=32 up (1088 vs 666 us at B=32, T=32). So the fused form keeps 12..16 (sessions 4-5 measured it
+# ahead of the recurrent tree at B = 32, 64 from T=12).
+GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS = (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, MAX_CHUNKED_NODES)
+GDN_TREE_VERIFY_CHUNKED_NODES_FUSED = (12, 16)
+# Under the default two-pass range, a tree padded past 16 rows goes chunked only if it fills at least
+# this share of its padded rows (32 or 64): the chunked cost steps with the padded rows while the
+# recurrent tree's grows with T. Interpolating the B = 32, 64 rows above, the recurrent tree catches
+# up near T = 24-25 below 32 rows and T = 57-61 below 64 rows; 29/32 keeps 29..32 and 58..64
+# (timings at T = 24, 29, 48 and 58 are owed: benchmarks/gpu_suite.py --owed).
+GDN_TREE_VERIFY_CHUNKED_MIN_FILL = 29 / 32
 
 GdnStateMode = StateMode  # one mode for every linear-attention layer (linear.state_mode)
 
@@ -74,10 +83,11 @@ class GdnLayerConfig:
     # node states, no workspace traffic); other trees, chains and staged verify run the recurrent kernel.
     chunked_tree_verify: bool = True
     # Smallest tree sent to the chunked form, in [GDN_TREE_VERIFY_CHUNKED_MIN_NODES (8),
-    # MAX_CHUNKED_NODES (64)]; None = by grid (`chunked_node_range`).
+    # MAX_CHUNKED_NODES (64)]; None = the default of the form that runs (`chunked_route`).
     chunked_min_nodes: int | None = None
-    # Largest tree sent to the chunked form, in [chunked_min_nodes, MAX_CHUNKED_NODES (64)]; None = by
-    # grid: 64 on large grids, 16 on small ones (GDN_TREE_VERIFY_CHUNKED_NODES_LARGE_GRID / _SMALL_GRID).
+    # Largest tree sent to the chunked form, in [chunked_min_nodes, MAX_CHUNKED_NODES (64)]; None = the
+    # default of the form that runs: 64 for two-pass (trees past 16 nodes only when they fill 29/32 of
+    # their padded rows), 16 for fused (GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS / _FUSED).
     chunked_max_nodes: int | None = None
     # The chunked form's fp32 products: "tf32x3" (three TF32 tensor-core passes, about fp32
     # accuracy; 4.5x faster than "ieee" at B=32 T=16 on the H200) or "ieee". The CPU interpreter
@@ -104,25 +114,35 @@ class GdnLayerConfig:
                 and self.chunked_min_nodes > self.chunked_max_nodes):
             errors.append(f"chunked_min_nodes={self.chunked_min_nodes} must not exceed "
                           f"chunked_max_nodes={self.chunked_max_nodes}")
+        if self.chunked_two_pass not in (None, True, False):
+            errors.append(f"chunked_two_pass={self.chunked_two_pass!r} must be None, True or False")
+        if self.chunked_tree_verify and self.kernel.block_v is not None and self.kernel.block_v < MIN_CHUNK:
+            errors.append(f"kernel.block_v={self.kernel.block_v} is below the chunked forms' {MIN_CHUNK} columns "
+                          f"(they share the layer's kernel config); use block_v >= {MIN_CHUNK} or "
+                          f"chunked_tree_verify=False")
         if self.chunked_fp32_dots not in FP32_DOTS:
             errors.append(f"chunked_fp32_dots={self.chunked_fp32_dots!r} must be one of {tuple(FP32_DOTS)}")
         if errors:
             raise ValueError("GdnLayerConfig: " + "; ".join(errors))
 
-    def chunked_node_range(self, batch: int) -> tuple[int, int]:
-        """(smallest, largest) tree this layer sends to the chunked form at this batch size: the
-        explicit fields, else the grid's default. A default range never crosses an explicit bound:
-        an explicit max below the default min takes min = max, an explicit min above the default
-        max takes max = 64."""
-        lo, hi = (GDN_TREE_VERIFY_CHUNKED_NODES_LARGE_GRID if default_two_pass(batch, self.num_v_heads)
-                  else GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID)
+    def chunked_route(self, batch: int) -> tuple[int, int, float]:
+        """(smallest tree, largest tree, min_fill) this layer sends to the chunked form at this batch
+        size (see `verify_kernel_for`). Explicit bounds win; an unset bound takes the default range of
+        the form that runs (two-pass or fused, `GDN_TREE_VERIFY_CHUNKED_NODES_*`), clipped so that it
+        never crosses the explicit one (an unset min becomes 8, an unset max 64). The fill rule
+        (GDN_TREE_VERIFY_CHUNKED_MIN_FILL) holds only when chunked_max_nodes is unset and the two-pass
+        form runs."""
+        two_pass = default_two_pass(batch, self.num_v_heads) if self.chunked_two_pass is None else self.chunked_two_pass
+        large = two_pass and default_two_pass(batch, self.num_v_heads)
+        lo, hi = GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS if large else GDN_TREE_VERIFY_CHUNKED_NODES_FUSED
         if self.chunked_min_nodes is not None:
             lo = self.chunked_min_nodes
-            hi = hi if self.chunked_max_nodes is not None or hi >= lo else MAX_CHUNKED_NODES
+            hi = hi if hi >= lo else MAX_CHUNKED_NODES
         if self.chunked_max_nodes is not None:
             hi = self.chunked_max_nodes
-            lo = lo if self.chunked_min_nodes is not None or lo <= hi else hi
-        return lo, hi
+            lo = lo if lo <= hi else GDN_TREE_VERIFY_CHUNKED_MIN_NODES
+        fill = GDN_TREE_VERIFY_CHUNKED_MIN_FILL if large and self.chunked_max_nodes is None else 0.0
+        return lo, hi, fill
 
     @property
     def payload_layout(self) -> GdnPayloadLayout:
@@ -137,17 +157,21 @@ class GdnVerifyOutput(NamedTuple):
 
 def verify_kernel_for(mode: GdnStateMode, num_nodes: int, is_tree: bool, chunked_tree_verify: bool,
                       min_nodes: int = GDN_TREE_VERIFY_CHUNKED_MIN_NODES, *,
-                      max_nodes: int = MAX_CHUNKED_NODES) -> str:
+                      max_nodes: int = MAX_CHUNKED_NODES, min_fill: float = 0.0) -> str:
     """Which kernel a verify runs: "chunked", "recurrent_tree" or "recurrent_chain".
 
     ReplaySSM trees of max(min_nodes, GDN_TREE_VERIFY_CHUNKED_MIN_NODES)..max_nodes nodes take the
-    chunked form (`GdnLayerConfig` keeps max_nodes <= MAX_CHUNKED_NODES).
+    chunked form (`GdnLayerConfig` keeps max_nodes <= MAX_CHUNKED_NODES), except a tree padded past
+    16 rows that fills less than `min_fill` of its padded rows. A layer passes
+    `*cfg.chunked_route(B)`; the defaults here are the widest range, with no fill rule.
     """
     check_state_mode(mode, "GDN")
     if not is_tree:
         return "recurrent_chain"
-    if chunked_tree_verify and mode == "replay_ssm" and (max(min_nodes, GDN_TREE_VERIFY_CHUNKED_MIN_NODES)
-                                                         <= num_nodes <= max_nodes):
+    padded = max(MIN_CHUNK, next_pow2(num_nodes))
+    if (chunked_tree_verify and mode == "replay_ssm"
+            and max(min_nodes, GDN_TREE_VERIFY_CHUNKED_MIN_NODES) <= num_nodes <= max_nodes
+            and (padded == MIN_CHUNK or num_nodes >= min_fill * padded)):
         return "chunked"
     return "recurrent_tree"
 
@@ -207,8 +231,9 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
         raise ValueError("ReplaySSM verify needs this layer's payload buffer [B, T, width] (payload=None)")
     if cfg.mode == "staged" and payload is not None:
         raise ValueError("staged verify writes no replay payload; pass payload=None")
-    lo, hi = cfg.chunked_node_range(q.shape[0])
-    kernel = verify_kernel_for(cfg.mode, t, tree is not None, cfg.chunked_tree_verify, lo, max_nodes=hi)
+    lo, hi, fill = cfg.chunked_route(q.shape[0])
+    kernel = verify_kernel_for(cfg.mode, t, tree is not None, cfg.chunked_tree_verify, lo, max_nodes=hi,
+                               min_fill=fill)
     common = dict(use_qk_l2norm=cfg.use_qk_l2norm, scale=cfg.scale, config=cfg.kernel, backend=backend)
     if kernel == "chunked":
         out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
