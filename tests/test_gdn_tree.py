@@ -219,7 +219,8 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
         GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=65, chunked_max_nodes=64)
     with pytest.raises(ValueError, match=r"chunked_two_pass='no' must be None, True or False.*kernel.block_v=8"):
         GdnLayerConfig(H, HV, DK, DV, chunked_two_pass="no", kernel=GdnKernelConfig(block_v=8))
-    GdnLayerConfig(H, HV, DK, DV, chunked_tree_verify=False, kernel=GdnKernelConfig(block_v=8))  # recurrent only
+    GdnLayerConfig(H, HV, DK, DV, chunked_tree_verify=False, chunked_chain_verify=False,
+                   kernel=GdnKernelConfig(block_v=8))  # recurrent kernels only
 
     t = 33
     x, parents, tree, ref_out, ref_states = _random_tree_case(13, t)
@@ -270,6 +271,37 @@ def test_large_grid_default_runs_two_pass_up_to_64_nodes(monkeypatch):
     np.testing.assert_array_equal(np.asarray(large.out), np.asarray(two))
     assert not np.array_equal(np.asarray(two), np.asarray(fused))  # the two forms are told apart
     assert rel_err(large.out, ref_out) < TOL and rel_err(small.out, ref_out) < TOL
+
+
+@pytest.mark.parametrize("t, want_chunked", [(12, True), (16, True), (8, False), (17, False)])
+def test_chains_of_12_to_16_nodes_take_the_two_pass_form_on_large_grids(monkeypatch, t, want_chunked):
+    """Under ReplaySSM a chain (tree=None) of 12..16 nodes runs the two-pass chunked form with a chain's
+    ancestor mask where that form runs (bit for bit, no workspace row written, payload as read); other
+    lengths, small grids, chunked_chain_verify=False and chunked_two_pass=False run the recurrent chain.
+    The two-pass threshold is lowered so the test's batch counts as a large grid."""
+    import pallas_kernels.linear.gdn_chunked as gdn_chunked_module
+    rng = np.random.default_rng(40 + t)
+    x = random_inputs(rng, B, t)
+    parents = chain(B, t)
+    ref_out, _ = per_path_numpy(x, parents, use_qk_l2norm=True)
+    default = GdnLayerConfig(H, HV, DK, DV)
+    assert not default.chain_runs_chunked(t, B)  # small grid
+    monkeypatch.setattr(gdn_chunked_module, "TWO_PASS_MIN_PROGRAMS", B * HV)
+    assert default.chain_runs_chunked(t, B) == want_chunked
+    assert not GdnLayerConfig(H, HV, DK, DV, chunked_chain_verify=False).chain_runs_chunked(t, B)
+    assert not GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=False).chain_runs_chunked(t, B)
+    assert not GdnLayerConfig(H, HV, DK, DV, mode="staged").chain_runs_chunked(t, B)
+    res = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=None,
+                     backend="interpret")
+    assert rel_err(res.out, ref_out) < TOL
+    np.testing.assert_array_equal(np.asarray(res.payload), np.asarray(pack_payload(*_args(x)[1:5])))
+    assert np.isnan(np.asarray(res.node_states)).all()  # neither form writes workspace rows for a chain
+    chain_mask = ancestor_mask(jnp.asarray(parents))
+    two, _ = gdn_chunked_verify(*_args(x), chain_mask, _nan_payload(t), two_pass=True, backend="interpret")
+    recurrent = gdn_verify(GdnLayerConfig(H, HV, DK, DV, chunked_chain_verify=False), *_args(x),
+                           node_states=_nan_states(t), payload=_nan_payload(t), tree=None, backend="interpret")
+    assert not np.array_equal(np.asarray(two), np.asarray(recurrent.out))  # the two routes are told apart
+    np.testing.assert_array_equal(np.asarray(res.out), np.asarray(two if want_chunked else recurrent.out))
 
 
 def test_chunked_reference_states_match_per_path():

@@ -21,7 +21,8 @@ the staged source row is path[accept_len - 1] (DESIGN's "1 + path[accept_len - 1
 leading row). For a chain it is accept_len - 1. accept_len == 0 (a padded request) commits nothing.
 
 A chain (topk == 1) passes no tree (`parents=None`, `ancestor_mask=None`): the recurrent kernel runs
-without reading parents and never reloads.
+without reading parents and never reloads; under ReplaySSM, chains of 12..16 nodes on grids where the
+two-pass chunked form runs take that form with a chain's ancestor mask (`chunked_chain_verify`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ GDN_TREE_VERIFY_CHUNKED_NODES_FUSED = (12, 16)
 # (timings at T = 24, 29, 48 and 58 are owed: benchmarks/gpu_suite.py --owed).
 GDN_TREE_VERIFY_CHUNKED_MIN_FILL = 29 / 32
 
+# ReplaySSM chains (no tree) of this many nodes verify in the two-pass chunked form where it runs
+# (with a chain's ancestor mask). On the H200 (benchmarks/RESULTS.md, session 6) the two-pass chain
+# beat the recurrent chain at T=12 (B=32: 156.9 vs 198.5 us) and T=16 (B=8: 66.0 vs 91.9; B=32: 148.0
+# vs 212.2; B=64: 273.0 vs 395.9), and lost at T=8 (B=32: 138.8 vs 133.2; B=64: 265.4 vs 220.8) and
+# T = 32, 64 (514 vs 385, 1279 vs 752 at B=32). The fused chain lost at every size at B = 32, 64.
+GDN_CHAIN_VERIFY_CHUNKED_NODES = (12, 16)
+
 GdnStateMode = StateMode  # one mode for every linear-attention layer (linear.state_mode)
 
 
@@ -82,6 +90,10 @@ class GdnLayerConfig:
     # ReplaySSM trees of chunked_min_nodes..chunked_max_nodes nodes verify in the chunked form (no
     # node states, no workspace traffic); other trees, chains and staged verify run the recurrent kernel.
     chunked_tree_verify: bool = True
+    # ReplaySSM chains of GDN_CHAIN_VERIFY_CHUNKED_NODES (12..16) nodes verify in the two-pass chunked
+    # form where that form runs by default (B * HV >= TWO_PASS_MIN_PROGRAMS, chunked_two_pass not
+    # False); other chains run the recurrent chain kernel.
+    chunked_chain_verify: bool = True
     # Smallest tree sent to the chunked form, in [GDN_TREE_VERIFY_CHUNKED_MIN_NODES (8),
     # MAX_CHUNKED_NODES (64)]; None = the default of the form that runs (`chunked_route`).
     chunked_min_nodes: int | None = None
@@ -116,14 +128,25 @@ class GdnLayerConfig:
                           f"chunked_max_nodes={self.chunked_max_nodes}")
         if self.chunked_two_pass not in (None, True, False):
             errors.append(f"chunked_two_pass={self.chunked_two_pass!r} must be None, True or False")
-        if self.chunked_tree_verify and self.kernel.block_v is not None and self.kernel.block_v < MIN_CHUNK:
+        if ((self.chunked_tree_verify or self.chunked_chain_verify) and self.kernel.block_v is not None
+                and self.kernel.block_v < MIN_CHUNK):
             errors.append(f"kernel.block_v={self.kernel.block_v} is below the chunked forms' {MIN_CHUNK} columns "
                           f"(they share the layer's kernel config); use block_v >= {MIN_CHUNK} or "
-                          f"chunked_tree_verify=False")
+                          f"chunked_tree_verify=False and chunked_chain_verify=False")
         if self.chunked_fp32_dots not in FP32_DOTS:
             errors.append(f"chunked_fp32_dots={self.chunked_fp32_dots!r} must be one of {tuple(FP32_DOTS)}")
         if errors:
             raise ValueError("GdnLayerConfig: " + "; ".join(errors))
+
+    def _two_pass_runs(self, batch: int) -> bool:
+        """The two-pass chunked form runs at this batch size: a large grid, not forced off."""
+        return default_two_pass(batch, self.num_v_heads) and self.chunked_two_pass is not False
+
+    def chain_runs_chunked(self, num_nodes: int, batch: int) -> bool:
+        """Whether a ReplaySSM chain of num_nodes nodes verifies in the two-pass chunked form."""
+        lo, hi = GDN_CHAIN_VERIFY_CHUNKED_NODES
+        return (self.chunked_chain_verify and self.mode == "replay_ssm" and self._two_pass_runs(batch)
+                and lo <= num_nodes <= hi)
 
     def chunked_route(self, batch: int) -> tuple[int, int, float]:
         """(smallest tree, largest tree, min_fill) this layer sends to the chunked form at this batch
@@ -132,8 +155,7 @@ class GdnLayerConfig:
         never crosses the explicit one (an unset min becomes 8, an unset max 64). The fill rule
         (GDN_TREE_VERIFY_CHUNKED_MIN_FILL) holds only when chunked_max_nodes is unset and the two-pass
         form runs."""
-        two_pass = default_two_pass(batch, self.num_v_heads) if self.chunked_two_pass is None else self.chunked_two_pass
-        large = two_pass and default_two_pass(batch, self.num_v_heads)
+        large = self._two_pass_runs(batch)
         lo, hi = GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS if large else GDN_TREE_VERIFY_CHUNKED_NODES_FUSED
         if self.chunked_min_nodes is not None:
             lo = self.chunked_min_nodes
@@ -157,17 +179,19 @@ class GdnVerifyOutput(NamedTuple):
 
 def verify_kernel_for(mode: GdnStateMode, num_nodes: int, is_tree: bool, chunked_tree_verify: bool,
                       min_nodes: int = GDN_TREE_VERIFY_CHUNKED_MIN_NODES, *,
-                      max_nodes: int = MAX_CHUNKED_NODES, min_fill: float = 0.0) -> str:
+                      max_nodes: int = MAX_CHUNKED_NODES, min_fill: float = 0.0,
+                      chain_chunked: bool = False) -> str:
     """Which kernel a verify runs: "chunked", "recurrent_tree" or "recurrent_chain".
 
     ReplaySSM trees of max(min_nodes, GDN_TREE_VERIFY_CHUNKED_MIN_NODES)..max_nodes nodes take the
     chunked form (`GdnLayerConfig` keeps max_nodes <= MAX_CHUNKED_NODES), except a tree padded past
     16 rows that fills less than `min_fill` of its padded rows. A layer passes
-    `*cfg.chunked_route(B)`; the defaults here are the widest range, with no fill rule.
+    `*cfg.chunked_route(B)`; the defaults here are the widest range, with no fill rule. A chain runs
+    the chunked form only under ReplaySSM with `chain_chunked` (`cfg.chain_runs_chunked(T, B)`).
     """
     check_state_mode(mode, "GDN")
     if not is_tree:
-        return "recurrent_chain"
+        return "chunked" if chain_chunked and mode == "replay_ssm" else "recurrent_chain"
     padded = max(MIN_CHUNK, next_pow2(num_nodes))
     if (chunked_tree_verify and mode == "replay_ssm"
             and max(min_nodes, GDN_TREE_VERIFY_CHUNKED_MIN_NODES) <= num_nodes <= max_nodes
@@ -233,12 +257,17 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
         raise ValueError("staged verify writes no replay payload; pass payload=None")
     lo, hi, fill = cfg.chunked_route(q.shape[0])
     kernel = verify_kernel_for(cfg.mode, t, tree is not None, cfg.chunked_tree_verify, lo, max_nodes=hi,
-                               min_fill=fill)
+                               min_fill=fill, chain_chunked=cfg.chain_runs_chunked(t, q.shape[0]))
     common = dict(use_qk_l2norm=cfg.use_qk_l2norm, scale=cfg.scale, config=cfg.kernel, backend=backend)
     if kernel == "chunked":
+        chain_chunked = tree is None
+        if chain_chunked:  # a chain's ancestor rows: every earlier node (a trace-time constant)
+            mask = packed_ancestor_mask(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) - 1, (q.shape[0], t)))
+        else:
+            mask = tree.ancestor_mask
         out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
-                                          tree.ancestor_mask, payload, fp32_dots=cfg.chunked_fp32_dots,
-                                          two_pass=cfg.chunked_two_pass, **common)
+                                          mask, payload, fp32_dots=cfg.chunked_fp32_dots,
+                                          two_pass=True if chain_chunked else cfg.chunked_two_pass, **common)
         return GdnVerifyOutput(out, node_states, payload)
     store = "every_node" if cfg.mode == "staged" else "branch_points"
     res = gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
