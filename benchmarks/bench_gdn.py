@@ -33,8 +33,8 @@ from benchmarks.report import log, rel_err
 from benchmarks import timing
 from benchmarks.timing import measure_copy_bandwidth
 from pallas_kernels.linear.chunked_common import FP32_DOTS
-from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, MIN_CHUNK, TWO_PASS_FACTOR_WARPS, gdn_chunked_verify,
-                                              two_pass_factor)
+from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, MIN_CHUNK, TWO_PASS_FACTOR_WARPS, default_two_pass,
+                                              gdn_chunked_verify, two_pass_factor)
 from pallas_kernels.linear.gdn_common import default_scale, gdn_dims
 from pallas_kernels.common import next_pow2
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
@@ -43,7 +43,7 @@ from pallas_kernels.row_move import pack_path_rows
 from pallas_kernels.linear.gdn_common import GdnDims
 from pallas_kernels.linear.gdn_tree import (GdnKernelConfig, branch_points, gdn_tree_verify, pick_launch,
                                             uses_value_major)
-from treespec_jax.linear.gdn import GdnLayerConfig, GdnTree, gdn_commit_replay
+from treespec_jax.linear.gdn import GdnLayerConfig, GdnTree, gdn_commit_replay, verify_kernel_for
 from treespec_jax.tree import draft_tree
 from treespec_jax.tree.masks import ancestor_mask
 
@@ -395,6 +395,22 @@ def best_ratio(r):
     return f"{min(trees) / min(chains):.2f}x" if trees and chains else "-"
 
 
+def default_route(bsz, t, r):
+    """What the layer's default config runs for this (B, T) (`GdnLayerConfig.chunked_route`,
+    `chain_runs_chunked`): "tree form / chain form, default tree / default chain" from the timed forms."""
+    d = QWEN
+    cfg = GdnLayerConfig(d["H"], d["HV"], d["DK"], d["DV"])
+    lo, hi, fill = cfg.chunked_route(bsz)
+    two = default_two_pass(bsz, d["HV"])
+    tree_kernel = verify_kernel_for(cfg.mode, t, True, cfg.chunked_tree_verify, lo, max_nodes=hi, min_fill=fill)
+    tree_key = ("tree_chunked2_tf32x3" if two else "tree_chunked_tf32x3") if tree_kernel == "chunked" else "tree_replay_rec"
+    chain_key = "chain_chunked2_tf32x3" if cfg.chain_runs_chunked(t, bsz) else "chain_replay"
+    name = {"tree_replay_rec": "recurrent", "tree_chunked_tf32x3": "fused", "tree_chunked2_tf32x3": "two-pass",
+            "chain_replay": "recurrent", "chain_chunked2_tf32x3": "two-pass"}
+    ratio = f"{r[tree_key] / r[chain_key]:.2f}x" if tree_key in r and chain_key in r else "-"
+    return f"{name[tree_key]} / {name[chain_key]}, {ratio}"
+
+
 def _us(r, key):
     return f"{r[key]*1e6:.1f}" if key in r else "-"
 
@@ -472,9 +488,10 @@ def render(rows, sweep, fla, bw):
     md.append("| B | T | launch | chain (ReplaySSM) | tree ReplaySSM recurrent | tree/chain "
               "| branch nodes | drafter tree ReplaySSM | drafter tree/chain | drafter branch "
               "| chunked tree (tf32x3) | chunked chain (tf32x3) | two-pass chunked tree (tf32x3) "
-              "| two-pass chunked chain (tf32x3) | two-pass factor kernel alone (tree) | best tree / best chain | staged chain | staged tree | staged tree/chain "
+              "| two-pass chunked chain (tf32x3) | two-pass factor kernel alone (tree) | best tree / best chain "
+              "| layer default tree / chain form, ratio | staged chain | staged tree | staged tree/chain "
               "| floor r+w | chain/floor_r | commit (move+replay) | staged B/node | ReplaySSM B/node (recurrent) |")
-    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for bsz, t, r in rows:
         replay_b = r["branch_frac"] * state_node + payload_node
         tree_rec = r["tree_replay_rec"]
@@ -489,6 +506,7 @@ def render(rows, sweep, fla, bw):
             f"| {r['branch_frac']:.0%} " + eagle + f"| {_us(r, 'tree_chunked_tf32x3')} "
             f"| {_us(r, 'chain_chunked_tf32x3')} | {_us(r, 'tree_chunked2_tf32x3')} "
             f"| {_us(r, 'chain_chunked2_tf32x3')} | {_us(r, 'tree_factor_tf32x3')} | {best_ratio(r)} "
+            f"| {default_route(bsz, t, r)} "
             f"| {_us(r, 'chain_staged')} | {_us(r, 'tree_staged')} "
             f"| {r['tree_staged'] / r['chain_staged']:.2f}x | {_us(r, 'floor_rw')} "
             f"| {r['chain_replay'] / r['floor_r']:.1f}x | {_us(r, 'replay_commit')} (acc {r.get('accept_mean', float('nan')):.1f}) "
