@@ -240,6 +240,14 @@ def conformance_case(i, d, bsz, t, dtype, tol, rng, check):
             check(f"chunked two-pass ({dots} products) vs recurrent reference", e8 < tol, f"{e8:.2e}")
         check("chunked two-pass payload == [k|v|a|b]", np.array_equal(
             np.asarray(pl2.astype(jnp.float32)), np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
+        for dots in ("ieee", "tf32x3"):
+            out4, pl4 = gdn_chunked_verify(*args, ancestor_mask(parents), jnp.full_like(payload, jnp.nan),
+                                           backend="pallas", fp32_dots=dots, two_pass=True, apply_reads_keys=True)
+            e9 = rel_err(out4, ref.out)
+            check(f"chunked two-pass, apply reads keys ({dots} products) vs recurrent reference", e9 < tol,
+                  f"{e9:.2e}")
+        check("chunked two-pass (apply reads keys) payload == [k|v|a|b]", np.array_equal(
+            np.asarray(pl4.astype(jnp.float32)), np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
     # ReplaySSM commit along a random accepted path equals the state at the last accepted node.
     path_np, acc_np = random_path(rng, np.asarray(parents))
     acc_np[0] = 0 if bsz > 2 else acc_np[0]  # a padded request commits nothing
@@ -298,7 +306,8 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
 
     chain_mask = ancestor_mask(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) - 1, (bsz, t)))
 
-    def verify_step(is_tree, store, chunked=False, drafter_tree=False, fp32_dots="ieee", two_pass=False):
+    def verify_step(is_tree, store, chunked=False, drafter_tree=False, fp32_dots="ieee", two_pass=False,
+                    keys=False):
         step_tree = eagle_tree_ if drafter_tree else tree
 
         def step(c):
@@ -306,7 +315,7 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
             if chunked:
                 mask = tree.ancestor_mask if is_tree else chain_mask
                 o, pl_ = gdn_chunked_verify(*args, mask, pl_, config=ccfg, fp32_dots=fp32_dots, two_pass=two_pass,
-                                            factor_warps=fwarps if two_pass else None)
+                                            factor_warps=fwarps if two_pass else None, apply_reads_keys=keys)
                 return ns, pl_, o
             r = gdn_tree_verify(*args, step_tree.parents if is_tree else None, ns, store=store,
                                 payload=pl_ if store == "branch_points" else None,
@@ -334,16 +343,29 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
         launch_used = pick_launch(dims_of(d, bsz, t), kcfg) + (("v",) if uses_value_major(dims_of(d, bsz, t), kcfg) else ())
         res["launch_chain"] = res["launch_tree"] = launch_used
     if t <= MAX_CHUNKED_NODES and sweep is not True:  # a recurrent launch sweep leaves the chunked form alone
-        forms = [("tree_chunked", True, "ieee", False)] if CHUNKED_IEEE else []
-        if fwarps is None and FUSED_CHUNKED:  # a swept launch that names factor warps times the two-pass form only
-            forms += [("tree_chunked_tf32x3", True, "tf32x3", False), ("chain_chunked_tf32x3", False, "tf32x3", False)]
-        forms += [("tree_chunked2_tf32x3", True, "tf32x3", True), ("chain_chunked2_tf32x3", False, "tf32x3", True)]
-        for name, is_tree, dots, two in forms:
+        # (name, tree?, fp32 products, two-pass?, apply reads keys?)
+        forms = [("tree_chunked", True, "ieee", False, False)] if CHUNKED_IEEE else []
+        if fwarps is None and FUSED_CHUNKED:  # a swept launch that names factor warps times the two-pass forms only
+            forms += [("tree_chunked_tf32x3", True, "tf32x3", False, False),
+                      ("chain_chunked_tf32x3", False, "tf32x3", False, False)]
+        forms += [("tree_chunked2_tf32x3", True, "tf32x3", True, False),
+                  ("chain_chunked2_tf32x3", False, "tf32x3", True, False),
+                  ("tree_chunked3_tf32x3", True, "tf32x3", True, True),
+                  ("chain_chunked3_tf32x3", False, "tf32x3", True, True)]
+        for name, is_tree, dots, two, keys in forms:
             try:  # one form that cannot launch (e.g. shared memory) leaves the row's other columns
-                res[name], carry = time_step(verify_step(is_tree, None, chunked=True, fp32_dots=dots, two_pass=two),
-                                             carry)
+                res[name], carry = time_step(verify_step(is_tree, None, chunked=True, fp32_dots=dots, two_pass=two,
+                                                         keys=keys), carry)
             except Exception as e:  # noqa: BLE001
                 log(f"    {name} at B={bsz} T={t} raised {e!r}"[:600])
+        # Compiled agreement of the two two-pass forms at this shape (the conformance cases cover T=16 and 33).
+        try:
+            outs = [gdn_chunked_verify(*args, tree.ancestor_mask, jnp.zeros_like(carry[1]), fp32_dots="tf32x3",
+                                       two_pass=True, apply_reads_keys=keys)[0] for keys in (False, True)]
+            res["keys_vs_two_pass"] = float(rel_err(outs[1], outs[0]))
+            log(f"    two-pass (apply reads keys) vs two-pass at B={bsz} T={t}: rel err {res['keys_vs_two_pass']:.2e}")
+        except Exception as e:  # noqa: BLE001
+            log(f"    two-pass agreement check at B={bsz} T={t} raised {e!r}"[:600])
         # The two-pass form's first kernel alone (tree masks): the rest of its time is the apply kernel's.
         dims = gdn_dims(*args)
 
@@ -390,8 +412,10 @@ def parse_launch(text):
 
 def best_ratio(r):
     """Fastest tree form over fastest chain form (the recurrent and, T <= MAX_CHUNKED_NODES, chunked kernels)."""
-    trees = [r[k] for k in ("tree_replay_rec", "tree_chunked_tf32x3", "tree_chunked2_tf32x3") if k in r]
-    chains = [r[k] for k in ("chain_replay", "chain_chunked_tf32x3", "chain_chunked2_tf32x3") if k in r]
+    trees = [r[k] for k in ("tree_replay_rec", "tree_chunked_tf32x3", "tree_chunked2_tf32x3", "tree_chunked3_tf32x3")
+             if k in r]
+    chains = [r[k] for k in ("chain_replay", "chain_chunked_tf32x3", "chain_chunked2_tf32x3", "chain_chunked3_tf32x3")
+              if k in r]
     return f"{min(trees) / min(chains):.2f}x" if trees and chains else "-"
 
 
@@ -442,6 +466,7 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
             f"{_us(r, 'tree_replay_rec')}us ({r['tree_replay_rec'] / r['chain_replay']:.2f}x) "
             f"chunked tf32x3 tree {_us(r, 'tree_chunked_tf32x3')}us chain {_us(r, 'chain_chunked_tf32x3')}us "
             f"two-pass tree {_us(r, 'tree_chunked2_tf32x3')}us chain {_us(r, 'chain_chunked2_tf32x3')}us "
+            f"two-pass/keys tree {_us(r, 'tree_chunked3_tf32x3')}us chain {_us(r, 'chain_chunked3_tf32x3')}us "
             f"(ieee tree {_us(r, 'tree_chunked')}us) best tree/best chain {best_ratio(r)} chain_staged {_us(r, 'chain_staged')}us tree_staged "
             f"{_us(r, 'tree_staged')}us commit {_us(r, 'replay_commit')}us floor_rw {_us(r, 'floor_rw')}us"
             + (f" eagle_tree {_us(r, 'eagle_replay_rec')}us "
@@ -488,10 +513,11 @@ def render(rows, sweep, fla, bw):
     md.append("| B | T | launch | chain (ReplaySSM) | tree ReplaySSM recurrent | tree/chain "
               "| branch nodes | drafter tree ReplaySSM | drafter tree/chain | drafter branch "
               "| chunked tree (tf32x3) | chunked chain (tf32x3) | two-pass chunked tree (tf32x3) "
-              "| two-pass chunked chain (tf32x3) | two-pass factor kernel alone (tree) | best tree / best chain "
+              "| two-pass chunked chain (tf32x3) | two-pass factor kernel alone (tree) "
+              "| two-pass, apply reads keys: tree | same: chain | best tree / best chain "
               "| layer default tree / chain form, ratio | staged chain | staged tree | staged tree/chain "
               "| floor r+w | chain/floor_r | commit (move+replay) | staged B/node | ReplaySSM B/node (recurrent) |")
-    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for bsz, t, r in rows:
         replay_b = r["branch_frac"] * state_node + payload_node
         tree_rec = r["tree_replay_rec"]
@@ -505,7 +531,10 @@ def render(rows, sweep, fla, bw):
             f"| {tree_rec*1e6:.1f} | {tree_rec / r['chain_replay']:.2f}x "
             f"| {r['branch_frac']:.0%} " + eagle + f"| {_us(r, 'tree_chunked_tf32x3')} "
             f"| {_us(r, 'chain_chunked_tf32x3')} | {_us(r, 'tree_chunked2_tf32x3')} "
-            f"| {_us(r, 'chain_chunked2_tf32x3')} | {_us(r, 'tree_factor_tf32x3')} | {best_ratio(r)} "
+            f"| {_us(r, 'chain_chunked2_tf32x3')} | {_us(r, 'tree_factor_tf32x3')} "
+            f"| {_us(r, 'tree_chunked3_tf32x3')}"
+            + (f" (vs two-pass: rel err {r['keys_vs_two_pass']:.1e})" if "keys_vs_two_pass" in r else "")
+            + f" | {_us(r, 'chain_chunked3_tf32x3')} | {best_ratio(r)} "
             f"| {default_route(bsz, t, r)} "
             f"| {_us(r, 'chain_staged')} | {_us(r, 'tree_staged')} "
             f"| {r['tree_staged'] / r['chain_staged']:.2f}x | {_us(r, 'floor_rw')} "
@@ -515,8 +544,8 @@ def render(rows, sweep, fla, bw):
         md.append("\n| B | T | kernel | (block_v, warps, stages[, factor warps]) | chain (us) | tree recurrent (us) "
                   "| tree/chain | drafter tree (us) | drafter tree/chain | chunked tree tf32x3 (us) "
                   "| chunked chain tf32x3 (us) | two-pass tree tf32x3 (us) | two-pass chain tf32x3 (us) "
-                  "| two-pass factor alone (us) |")
-        md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                  "| two-pass factor alone (us) | two-pass, apply reads keys: tree | chain |")
+        md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         nan = float("nan")
         for bsz, t, kind, launch, r in sweep:
             tree = r.get("tree_replay_rec", nan)
@@ -528,7 +557,8 @@ def render(rows, sweep, fla, bw):
                       f"| {r.get('chain_chunked_tf32x3', nan)*1e6:.1f} "
                       f"| {r.get('tree_chunked2_tf32x3', nan)*1e6:.1f} "
                       f"| {r.get('chain_chunked2_tf32x3', nan)*1e6:.1f} "
-                      f"| {r.get('tree_factor_tf32x3', nan)*1e6:.1f} |")
+                      f"| {r.get('tree_factor_tf32x3', nan)*1e6:.1f} "
+                      f"| {r.get('tree_chunked3_tf32x3', nan)*1e6:.1f} | {r.get('chain_chunked3_tf32x3', nan)*1e6:.1f} |")
     if fla:
         md.append("\n| fla fused_recurrent chain, T=16 | us |")
         md.append("|---|---|")

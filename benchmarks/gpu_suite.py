@@ -35,16 +35,20 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 
 # Measurements still owed (see benchmarks/RESULTS.md, summary), run by `--owed --out $OUT`: module name
-# -> its flags. (1) The GDN layer's default chunked route past 16 nodes rests on interpolation: time
-# T = 24, 29, 48 and 58 at B=32 (the route sends 29 and 58 to the two-pass form, 24 and 48 to the
-# recurrent tree). (2) Where the two-pass form spends its time at T = 32 and 64 (the only GDN shapes
-# still above 1.25x the chain): its factor kernel timed alone, and 8 factor warps against 4 at T=64.
-# About 5 minutes. Move GDN_TREE_VERIFY_CHUNKED_MIN_FILL to where the two forms cross; if the factor
-# kernel is most of the time and 8 warps win at T=64, make the factor warps depend on the padded rows.
+# -> its flags. (1) First compiled run of the two-pass variant whose apply kernel reads q and k
+# (`apply_reads_keys`, GdnLayerConfig.chunked_apply_reads_keys; the factor kernel keeps only [T, T]
+# products): conformance case 2 (T=16, IEEE and TF32x3) and, at every timed shape, its agreement
+# with the default two-pass form. (2) Timings at B=32, T = 16, 24, 29, 32, 48, 58, 64 and B=64, T=64:
+# the layer's default chunked route past 16 nodes rests on interpolation (it sends 29, 32, 58 and 64
+# to the two-pass form, 24 and 48 to the recurrent tree), and both two-pass variants with the factor
+# kernel alone show where the time goes at T = 32, 64 (the only GDN shapes above 1.25x the chain).
+# (3) 8 factor warps against 4 at T=64. About 8 minutes. Then: make apply_reads_keys the default
+# where it beats the other two-pass form; move GDN_TREE_VERIFY_CHUNKED_MIN_FILL to where chunked and
+# recurrent cross; set the factor warps by padded rows if 8 wins at T=64.
 OWED: dict[str, list[str]] = {
-    "gdn": ["--skip-conformance", "--configs", "32x24,32x29,32x48,32x58,32x64", "--no-drafter-trees", "--skip-commit",
-            "--no-fla", "--no-fused-chunked", "--sweep-chunked", "32:4:1:4,32:4:1:8", "--sweep-at", "32x64",
-            "--budget-s", "220"],
+    "gdn": ["--conformance-cases", "2", "--configs", "32x16,32x32,32x64,64x64,32x24,32x29,32x48,32x58",
+            "--no-drafter-trees", "--skip-commit", "--no-fla", "--no-fused-chunked",
+            "--sweep-chunked", "32:4:1:4,32:4:1:8", "--sweep-at", "32x64", "--budget-s", "420"],
 }
 
 

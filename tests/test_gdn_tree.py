@@ -133,11 +133,20 @@ def test_chain_as_parents_equals_chain_kernel():
     np.testing.assert_array_equal(np.asarray(replay.out), np.asarray(as_chain.out))
 
 
-@pytest.mark.parametrize("t, l2, shape, two_pass", [(8, True, "chain", False), (14, False, "tree", False),
-                                                     (16, True, "tree", False), (8, True, "chain", True),
-                                                     (14, False, "tree", True), (16, True, "tree", True)])
-def test_chunked_matches_recurrent(t, l2, shape, two_pass):
-    """The fused kernel and the two-pass form (factors Q', P per value head, then Q' h0 + P v)."""
+def _form(form):
+    """gdn_chunked_verify keywords of a chunked form: "fused", "two_pass" (Q', P) or "keys" (two-pass
+    whose apply kernel reads q and k: P and decay only from the first kernel)."""
+    return dict(fused=dict(two_pass=False), two_pass=dict(two_pass=True),
+                keys=dict(two_pass=True, apply_reads_keys=True))[form]
+
+
+@pytest.mark.parametrize("t, l2, shape, form", [(8, True, "chain", "fused"), (14, False, "tree", "fused"),
+                                                 (16, True, "tree", "fused"), (8, True, "chain", "two_pass"),
+                                                 (14, False, "tree", "two_pass"), (16, True, "tree", "two_pass"),
+                                                 (8, False, "chain", "keys"), (14, True, "tree", "keys")])
+def test_chunked_matches_recurrent(t, l2, shape, form):
+    """The fused kernel and the two-pass forms (factors Q', P per value head, then Q' h0 + P v; or P
+    and decay, then decay q h0 + P (v - decay k h0))."""
     rng = np.random.default_rng(200 + t)
     x = random_inputs(rng, B, t)
     parents = chain(B, t) if shape == "chain" else random_tree(rng, B, t)
@@ -145,7 +154,7 @@ def test_chunked_matches_recurrent(t, l2, shape, two_pass):
     args = _args(x)
     pool_before = _bits(x["state_pool"]).copy()
     out, payload = gdn_chunked_verify(*args, ancestor_mask(jnp.asarray(parents)), _nan_payload(t),
-                                      use_qk_l2norm=l2, two_pass=two_pass, backend="interpret")
+                                      use_qk_l2norm=l2, **_form(form), backend="interpret")
     assert rel_err(out, ref_out) < TOL
     recurrent = gdn_tree_verify(*args, jnp.asarray(parents), _nan_states(t), store="every_node",
                                 use_qk_l2norm=l2, backend="interpret")
@@ -154,9 +163,10 @@ def test_chunked_matches_recurrent(t, l2, shape, two_pass):
     np.testing.assert_array_equal(_bits(args[7]), pool_before)
 
 
-@pytest.mark.parametrize("t, l2, two_pass", [(17, False, False), (33, True, False), (64, True, False),
-                                             (33, False, True), (64, True, True)])
-def test_chunked_up_to_64_nodes(t, l2, two_pass):
+@pytest.mark.parametrize("t, l2, form", [(17, False, "fused"), (33, True, "fused"), (64, True, "fused"),
+                                         (33, False, "two_pass"), (64, True, "two_pass"), (33, True, "keys"),
+                                         (64, False, "keys")])
+def test_chunked_up_to_64_nodes(t, l2, form):
     """Trees of 17..64 nodes pad to 32 or 64 rows; from 33 nodes on, ancestor bits of columns 32..63
     come from mask word 1. Request 0 is a random tree (half the nodes extend i - 1, so deep paths
     cross column 32), request 1 the chain (every bit of both words set below the diagonal)."""
@@ -168,15 +178,15 @@ def test_chunked_up_to_64_nodes(t, l2, two_pass):
     args = _args(x)
     pool_before = _bits(x["state_pool"]).copy()
     out, payload = gdn_chunked_verify(*args, ancestor_mask(jnp.asarray(parents)), _nan_payload(t),
-                                      use_qk_l2norm=l2, two_pass=two_pass, backend="interpret")
+                                      use_qk_l2norm=l2, **_form(form), backend="interpret")
     for req, shape in enumerate(("tree", "chain")):
         assert rel_err(np.asarray(out)[req], ref_out[req]) < TOL, shape
     np.testing.assert_array_equal(np.asarray(payload), np.asarray(pack_payload(*args[1:5])))
     np.testing.assert_array_equal(_bits(args[7]), pool_before)
 
 
-@pytest.mark.parametrize("t, two_pass", [(16, False), (32, False), (64, False), (64, True)])
-def test_chunked_is_stable_on_deep_chains_of_correlated_keys(t, two_pass):
+@pytest.mark.parametrize("t, form", [(16, "fused"), (32, "fused"), (64, "fused"), (64, "two_pass"), (64, "keys")])
+def test_chunked_is_stable_on_deep_chains_of_correlated_keys(t, form):
     """Keys sharing one direction, beta near 1 and no decay make (I + M)^-1 ill-suited to a
     power series: the sum of (-M)^j has entries near 1e16 at j = 32 that must cancel. The inverse
     must come out as accurate as a substitution would give (fp64 per-path reference)."""
@@ -189,7 +199,7 @@ def test_chunked_is_stable_on_deep_chains_of_correlated_keys(t, two_pass):
     parents = chain(B, t)
     ref_out, _ = per_path_numpy(x, parents, use_qk_l2norm=True)
     out, _ = gdn_chunked_verify(*_args(x), ancestor_mask(jnp.asarray(parents)), _nan_payload(t),
-                                two_pass=two_pass, backend="interpret")
+                                **_form(form), backend="interpret")
     assert rel_err(out, ref_out) < TOL
 
 
@@ -238,6 +248,19 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
     direct, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=True, backend="interpret")
     np.testing.assert_array_equal(np.asarray(two.out), np.asarray(direct))
     assert rel_err(two.out, ref_out) < TOL
+    # chunked_apply_reads_keys reaches the kernel likewise.
+    keys_cfg = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64, chunked_two_pass=True, chunked_apply_reads_keys=True)
+    keys = gdn_verify(keys_cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
+                      backend="interpret")
+    direct_keys, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=True,
+                                        apply_reads_keys=True, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(keys.out), np.asarray(direct_keys))
+    assert not np.array_equal(np.asarray(direct_keys), np.asarray(direct))
+    with pytest.raises(ValueError, match="chunked_apply_reads_keys=True is a two-pass form"):
+        GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=False, chunked_apply_reads_keys=True)
+    with pytest.raises(ValueError, match="apply_reads_keys=True is a two-pass form"):
+        gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=False, apply_reads_keys=True,
+                           backend="interpret")
     # By default the same tree runs the recurrent kernel, which stores exactly its branch points.
     recurrent = gdn_verify(GdnLayerConfig(H, HV, DK, DV), *_args(x), node_states=_nan_states(t),
                            payload=_nan_payload(t), tree=tree, backend="interpret")
@@ -549,15 +572,17 @@ def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
             lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text and "gdn_tree_verify" in text, (store, tree, vm)
     # The chunked form, fused and two-pass, with IEEE and with TF32x3 fp32 products.
-    for fp32_dots, two_pass in (("ieee", False), ("tf32x3", False), ("tf32x3", True)):
-        def chunked(*a, fp32_dots=fp32_dots, two_pass=two_pass):
-            return gdn_chunked_verify(*a, fp32_dots=fp32_dots, two_pass=two_pass)
+    for fp32_dots, two_pass, keys in (("ieee", False, False), ("tf32x3", False, False), ("tf32x3", True, False),
+                                      ("tf32x3", True, True)):
+        def chunked(*a, fp32_dots=fp32_dots, two_pass=two_pass, keys=keys):
+            return gdn_chunked_verify(*a, fp32_dots=fp32_dots, two_pass=two_pass, apply_reads_keys=keys)
 
         text = jax.jit(chunked, donate_argnums=(10,)).trace(
             *ins, sd((bsz, t, 2), jnp.uint32), sd((bsz, t, width), jnp.bfloat16)).lower(
             lowering_platforms=("cuda",)).as_text()
-        names = ("gdn_chunked_factor", "gdn_chunked_apply") if two_pass else ("gdn_chunked_verify",)
-        assert "__gpu$xla.gpu.triton" in text and all(n in text for n in names), (fp32_dots, two_pass)
+        names = (("gdn_chunked_p_factor", "gdn_chunked_apply_keys") if keys else
+                 ("gdn_chunked_factor", "gdn_chunked_apply") if two_pass else ("gdn_chunked_verify",))
+        assert "__gpu$xla.gpu.triton" in text and all(n in text for n in names), (fp32_dots, two_pass, keys)
 
 
 def test_default_form_follows_the_grid_in_the_sm90_lowering(monkeypatch):
@@ -579,8 +604,9 @@ def test_default_form_follows_the_grid_in_the_sm90_lowering(monkeypatch):
         assert ("gdn_chunked_verify" in text) == (not two), bsz
 
 
-@pytest.mark.parametrize("fp32_dots, two_pass", [("ieee", False), ("tf32x3", False), ("tf32x3", True)])
-def test_chunked_64_nodes_lowers_to_triton_for_sm90(monkeypatch, fp32_dots, two_pass):
+@pytest.mark.parametrize("fp32_dots, form", [("ieee", "fused"), ("tf32x3", "fused"), ("tf32x3", "two_pass"),
+                                             ("tf32x3", "keys")])
+def test_chunked_64_nodes_lowers_to_triton_for_sm90(monkeypatch, fp32_dots, form):
     """At T = 64 the chunked form pads to 64 rows and reads both mask words; it still lowers to
     Triton IR for sm_90 at Qwen3-Next dims (compiling and timing it is benchmarks/bench_gdn.py's)."""
     import jax
@@ -590,10 +616,11 @@ def test_chunked_64_nodes_lowers_to_triton_for_sm90(monkeypatch, fp32_dots, two_
     ins, width = _qwen_specs(bsz, t)
 
     def chunked(*a):
-        return gdn_chunked_verify(*a, fp32_dots=fp32_dots, two_pass=two_pass)
+        return gdn_chunked_verify(*a, fp32_dots=fp32_dots, **_form(form))
 
     sd = jax.ShapeDtypeStruct
     text = jax.jit(chunked, donate_argnums=(10,)).trace(
         *ins, sd((bsz, t, 2), jnp.uint32), sd((bsz, t, width), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in text and ("gdn_chunked_apply" if two_pass else "gdn_chunked_verify") in text
+    name = dict(fused="gdn_chunked_verify", two_pass="gdn_chunked_apply", keys="gdn_chunked_apply_keys")[form]
+    assert "__gpu$xla.gpu.triton" in text and name in text

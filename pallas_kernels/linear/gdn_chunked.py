@@ -73,9 +73,11 @@ def _dot(x, y, precision):
 
 
 def _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, *, b, hv, kh, nodes: int, chunk: int,
-              use_qk_l2norm: bool, scale: float, precision):
+              use_qk_l2norm: bool, scale: float, precision, with_attn: bool = False):
     """The value-independent part of one (request, value head): inputs as loaded, the gates and the
-    [chunk, chunk] factors. Rows t >= nodes are padding (zero inputs, all-zero mask rows)."""
+    [chunk, chunk] factors. Rows t >= nodes are padding (zero inputs, all-zero mask rows).
+    `with_attn`: also A = decay_ts * q k^T, formed before the inversion (so a caller that needs no
+    [chunk, dk] tile afterwards lets q and k die there)."""
     rows = jnp.arange(chunk, dtype=jnp.int32)
     live = rows < nodes
     node_rows = pl.ds(0, chunk)
@@ -98,6 +100,7 @@ def _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, *, b, hv,
     decay_ts = jnp.where(anc, jnp.exp(jnp.minimum(big_g[:, None] - big_g[None, :], 0.0)), 0.0)
     strict = anc & (rows[:, None] != rows[None, :])
     m = jnp.where(strict, beta[:, None] * decay_ts * _dot_t(k, k, precision), 0.0)
+    attn = decay_ts * _dot_t(q, k, precision) if with_attn else None
 
     # (I + M)^-1 by recursive block inversion, log2(chunk) levels of two dots each (no serial
     # substitution): X holds the inverses of the diagonal blocks of size s; for each 2s block
@@ -113,7 +116,7 @@ def _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, *, b, hv,
         inv = inv - _dot(_dot(inv, jnp.where(lower_half, m, 0.0), precision), inv, precision)
         s *= 2
     return dict(live=live, node_rows=node_rows, k_raw=k_raw, a_raw=a_raw, b_raw=b_raw, k=k, q=q, beta=beta,
-                big_g=big_g, decay_ts=decay_ts, inv=inv)
+                big_g=big_g, decay_ts=decay_ts, inv=inv, attn=attn)
 
 
 def _store_key_payload(payload_ref, x, *, b, hv, kh, group: int, dk: int, layout: GdnPayloadLayout, first_tile):
@@ -180,6 +183,51 @@ def _factor_kernel(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, _pay
                        first_tile=True)
 
 
+def _p_factor_kernel(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, _payload_in_ref,
+                     p_ref, decay_ref, payload_ref, *, nodes: int, chunk: int, group: int, use_qk_l2norm: bool,
+                     scale: float, layout: GdnPayloadLayout, precision):
+    """Two-pass form whose apply kernel reads the keys, pass 1, one program per (request, value head):
+    only [chunk, chunk] products leave it, P = A (I + M)^-1 diag(beta) and decay = exp(G) [chunk], so
+    the [chunk, dk] tiles q, k die after q k^T and k k^T (no W, no Q')."""
+    b = pl.program_id(0)
+    hv = pl.program_id(1)
+    kh = hv // group
+    x = _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, b=b, hv=hv, kh=kh, nodes=nodes,
+                  chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision, with_attn=True)
+    p_ref[b, hv] = _dot(x["attn"], x["inv"], precision) * x["beta"][None, :]
+    decay_ref[b, hv] = jnp.exp(x["big_g"])
+    _store_key_payload(payload_ref, x, b=b, hv=hv, kh=kh, group=group, dk=k_ref.shape[-1], layout=layout,
+                       first_tile=True)
+
+
+def _apply_keys_kernel(slots_ref, q_ref, k_ref, p_ref, decay_ref, v_ref, pool_ref, _payload_in_ref, o_ref,
+                       payload_ref, *, nodes: int, chunk: int, group: int, block_v: int, use_qk_l2norm: bool,
+                       scale: float, layout: GdnPayloadLayout, precision):
+    """Pass 2 of that form, one program per (request, value head, dv tile):
+    out = diag(decay) q h0 + P (v - diag(decay) k h0), the fused kernel's expression with P read."""
+    b = pl.program_id(0)
+    hv = pl.program_id(1)
+    vt = pl.program_id(2)
+    kh = hv // group
+    cols = pl.ds(vt * block_v, block_v)
+    live = jnp.arange(chunk, dtype=jnp.int32) < nodes
+    node_rows = pl.ds(0, chunk)
+    k = plgpu.load(k_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0).astype(jnp.float32)
+    q = plgpu.load(q_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0).astype(jnp.float32)
+    if use_qk_l2norm:
+        k, q = l2_normalize(k), l2_normalize(q)
+    q = q * scale
+    v_raw = plgpu.load(v_ref.at[b, node_rows, hv, cols], mask=live[:, None], other=0)
+    h0 = pool_ref[slots_ref[b], hv, :, cols].astype(jnp.float32)  # [dk, block_v]
+    decay = decay_ref[b, hv][:, None]
+    delta = v_raw.astype(jnp.float32) - decay * _dot(k, h0, precision)
+    out = decay * _dot(q, h0, precision) + _dot(p_ref[b, hv], delta, precision)
+    plgpu.store(o_ref.at[b, node_rows, hv, cols], out.astype(o_ref.dtype), mask=live[:, None])
+    dv = v_ref.shape[-1]
+    plgpu.store(payload_ref.at[b, node_rows, pl.ds(layout.v_offset + hv * dv + vt * block_v, block_v)],
+                v_raw, mask=live[:, None])
+
+
 def _apply_kernel(slots_ref, qf_ref, p_ref, v_ref, pool_ref, _payload_in_ref, o_ref, payload_ref, *,
                   nodes: int, chunk: int, block_v: int, layout: GdnPayloadLayout, precision):
     """Two-pass form, pass 2, one program per (request, value head, dv tile): out = Q' h0 + P v."""
@@ -201,7 +249,8 @@ def _apply_kernel(slots_ref, qf_ref, p_ref, v_ref, pool_ref, _payload_in_ref, o_
 def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload,
                        *, use_qk_l2norm: bool = True, scale: float | None = None,
                        config: GdnKernelConfig | None = None, fp32_dots: str = "ieee",
-                       two_pass: bool | None = None, factor_warps: int | None = None, backend: str | None = None):
+                       two_pass: bool | None = None, factor_warps: int | None = None,
+                       apply_reads_keys: bool = False, backend: str | None = None):
     """Chunked GDN verify of a tree with T <= MAX_CHUNKED_NODES (64) nodes. Shapes in `gdn_common`.
 
     ancestor_mask: `[B, T, 2] uint32` packed ancestor-or-self rows (`tree.masks.ancestor_mask`),
@@ -214,7 +263,11 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     neither kernel holds both the key-side tiles and a state tile. False: the single fused kernel.
     None (default): `default_two_pass(B, HV)`. `config` sets the second kernel's launch (default: 32-column tiles, 4 warps);
     `factor_warps` the first kernel's warps (default TWO_PASS_FACTOR_WARPS; unused when the fused
-    form runs).
+    form runs). `apply_reads_keys` (two-pass only; not yet timed on a GPU): the first kernel keeps only
+    [T, T] products (P and decay, `_p_factor_kernel`) and the second reads q and k itself and computes
+    out = diag(decay) q h0 + P (v - diag(decay) k h0) (`_apply_keys_kernel`): two fewer [T, T] x
+    [T, dk] products per (request, value head) and no [T, dk] fp32 Q' in HBM, for one more
+    [T, dk] x [dk, block_v] product per dv tile.
     """
     if fp32_dots not in FP32_DOTS:
         raise ValueError(f"gdn_chunked_verify: fp32_dots must be one of {tuple(FP32_DOTS)}, got {fp32_dots!r}")
@@ -234,6 +287,9 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
         return out.astype(v.dtype), pack_payload(k, v, a, b)
     chunk = max(MIN_CHUNK, next_pow2(dims.nodes))
     precision = FP32_DOTS["ieee" if kind == "interpret" else fp32_dots]
+    if two_pass is False and apply_reads_keys:
+        raise ValueError("gdn_chunked_verify: apply_reads_keys=True is a two-pass form, but two_pass=False "
+                         "runs the fused kernel")
     if two_pass is False and factor_warps is not None:
         raise ValueError(f"gdn_chunked_verify: factor_warps={factor_warps} sets the two-pass form's factor kernel, "
                          "but two_pass=False runs the fused kernel")
@@ -243,7 +299,8 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
         return _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload, dims=dims,
                          chunk=chunk, layout=layout, use_qk_l2norm=use_qk_l2norm, scale=scale, config=config,
                          precision=precision, interpret=kind == "interpret",
-                         factor_warps=TWO_PASS_FACTOR_WARPS if factor_warps is None else factor_warps)
+                         factor_warps=TWO_PASS_FACTOR_WARPS if factor_warps is None else factor_warps,
+                         apply_reads_keys=apply_reads_keys)
     block_v, num_warps, num_stages = pick_launch(dims, config, chunked=True)
     kernel = functools.partial(_chunked_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group, block_v=block_v,
                                use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout, precision=precision)
@@ -261,14 +318,33 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
 
 
 def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload, *, dims, chunk, layout,
-              use_qk_l2norm, scale, config, precision, interpret, factor_warps):
-    """`gdn_chunked_verify(two_pass=True)`: `_factor_kernel` then `_apply_kernel`."""
+              use_qk_l2norm, scale, config, precision, interpret, factor_warps, apply_reads_keys=False):
+    """`gdn_chunked_verify(two_pass=True)`: `_factor_kernel` then `_apply_kernel` (or, with
+    `apply_reads_keys`, `_p_factor_kernel` then `_apply_keys_kernel`)."""
     config = config or GdnKernelConfig()
     dv = dims.head_v_dim
     block_v = config.block_v or min(TWO_PASS_BLOCK_V, dv)
     if block_v < MIN_CHUNK or block_v & (block_v - 1) or dv % block_v:
         raise ValueError(f"gdn_chunked_verify(two_pass=True): block_v={block_v} must be a power of two "
                          f">= {MIN_CHUNK} dividing dv={dv}")
+    if apply_reads_keys:
+        p_fold, decay, payload = two_pass_factor(
+            q, k, a, b, A_log, dt_bias, ancestor_mask, payload, dims=dims, chunk=chunk, layout=layout,
+            use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision, interpret=interpret,
+            factor_warps=factor_warps, p_only=True)
+        apply = functools.partial(_apply_keys_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group,
+                                  block_v=block_v, use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout,
+                                  precision=precision)
+        return pl.pallas_call(
+            apply,
+            out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(payload.shape, payload.dtype)),
+            grid=(dims.batch, dims.num_v_heads, dv // block_v),
+            input_output_aliases={7: 1},
+            interpret=interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=config.num_warps or TWO_PASS_APPLY_WARPS,
+                                                 num_stages=config.num_stages or 1),
+            name="gdn_chunked_apply_keys",
+        )(state_slots.astype(jnp.int32), q, k, p_fold, decay, v, state_pool, payload)
     q_fold, p_fold, payload = two_pass_factor(q, k, a, b, A_log, dt_bias, ancestor_mask, payload, dims=dims,
                                               chunk=chunk, layout=layout, use_qk_l2norm=use_qk_l2norm, scale=scale,
                                               precision=precision, interpret=interpret, factor_warps=factor_warps)
@@ -287,22 +363,27 @@ def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_m
 
 
 def two_pass_factor(q, k, a, b, A_log, dt_bias, ancestor_mask, payload, *, dims, chunk, layout, use_qk_l2norm,
-                    scale, precision, interpret, factor_warps):
+                    scale, precision, interpret, factor_warps, p_only: bool = False):
     """The two-pass form's first kernel alone (the bench times it on its own to split the form's
-    time between its passes): `(Q' [B, HV, chunk, dk] f32, P [B, HV, chunk, chunk] f32, payload)`."""
+    time between its passes): `(Q' [B, HV, chunk, dk] f32, P [B, HV, chunk, chunk] f32, payload)`,
+    or with `p_only` (the form whose apply kernel reads the keys)
+    `(P [B, HV, chunk, chunk] f32, decay [B, HV, chunk] f32, payload)`."""
     if not 1 <= factor_warps <= MAX_NUM_WARPS or factor_warps & (factor_warps - 1):
         raise ValueError(f"two_pass_factor: factor_warps={factor_warps} must be a power of two in [1, {MAX_NUM_WARPS}]")
     bsz, hv, dk = dims.batch, dims.num_v_heads, dims.head_k_dim
-    factor = functools.partial(_factor_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group,
-                               use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout, precision=precision)
+    factor = functools.partial(_p_factor_kernel if p_only else _factor_kernel, nodes=dims.nodes, chunk=chunk,
+                               group=dims.group, use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout,
+                               precision=precision)
+    folds = ((jax.ShapeDtypeStruct((bsz, hv, chunk, chunk), jnp.float32),
+              jax.ShapeDtypeStruct((bsz, hv, chunk), jnp.float32)) if p_only else
+             (jax.ShapeDtypeStruct((bsz, hv, chunk, dk), jnp.float32),
+              jax.ShapeDtypeStruct((bsz, hv, chunk, chunk), jnp.float32)))
     return pl.pallas_call(
         factor,
-        out_shape=(jax.ShapeDtypeStruct((bsz, hv, chunk, dk), jnp.float32),
-                   jax.ShapeDtypeStruct((bsz, hv, chunk, chunk), jnp.float32),
-                   jax.ShapeDtypeStruct(payload.shape, payload.dtype)),
+        out_shape=folds + (jax.ShapeDtypeStruct(payload.shape, payload.dtype),),
         grid=(bsz, hv),
         input_output_aliases={7: 2},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=factor_warps, num_stages=1),
-        name="gdn_chunked_factor",
+        name="gdn_chunked_p_factor" if p_only else "gdn_chunked_factor",
     )(ancestor_mask, q, k, a, b, A_log.astype(jnp.float32), dt_bias.astype(jnp.float32), payload)

@@ -109,6 +109,10 @@ class GdnLayerConfig:
     # out = Q' h0 + P v per dv tile), as one fused kernel (False), or None = by grid
     # (`gdn_chunked.default_two_pass`: two-pass when B * HV >= TWO_PASS_MIN_PROGRAMS).
     chunked_two_pass: bool | None = None
+    # Where the two-pass form runs, run its variant whose second kernel reads q and k
+    # (`gdn_chunked_verify(apply_reads_keys=True)`: the first kernel keeps only [T, T] products). Off
+    # until a GPU run times it against the default two-pass form (benchmarks/bench_gdn.py reports both).
+    chunked_apply_reads_keys: bool = False
 
     def __post_init__(self):
         check_state_mode(self.mode, "GDN")
@@ -128,6 +132,8 @@ class GdnLayerConfig:
                           f"chunked_max_nodes={self.chunked_max_nodes}")
         if self.chunked_two_pass not in (None, True, False):
             errors.append(f"chunked_two_pass={self.chunked_two_pass!r} must be None, True or False")
+        if self.chunked_apply_reads_keys and self.chunked_two_pass is False:
+            errors.append("chunked_apply_reads_keys=True is a two-pass form, but chunked_two_pass=False")
         if ((self.chunked_tree_verify or self.chunked_chain_verify) and self.kernel.block_v is not None
                 and self.kernel.block_v < MIN_CHUNK):
             errors.append(f"kernel.block_v={self.kernel.block_v} is below the chunked forms' {MIN_CHUNK} columns "
@@ -267,7 +273,8 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
             mask = tree.ancestor_mask
         out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
                                           mask, payload, fp32_dots=cfg.chunked_fp32_dots,
-                                          two_pass=True if chain_chunked else cfg.chunked_two_pass, **common)
+                                          two_pass=True if chain_chunked else cfg.chunked_two_pass,
+                                          apply_reads_keys=cfg.chunked_apply_reads_keys, **common)
         return GdnVerifyOutput(out, node_states, payload)
     store = "every_node" if cfg.mode == "staged" else "branch_points"
     res = gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
