@@ -327,39 +327,29 @@ def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_m
     if block_v < MIN_CHUNK or block_v & (block_v - 1) or dv % block_v:
         raise ValueError(f"gdn_chunked_verify(two_pass=True): block_v={block_v} must be a power of two "
                          f">= {MIN_CHUNK} dividing dv={dv}")
-    if apply_reads_keys:
-        p_fold, decay, payload = two_pass_factor(
-            q, k, a, b, A_log, dt_bias, ancestor_mask, payload, dims=dims, chunk=chunk, layout=layout,
-            use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision, interpret=interpret,
-            factor_warps=factor_warps, p_only=True)
+    factor = two_pass_factor(q, k, a, b, A_log, dt_bias, ancestor_mask, payload, dims=dims, chunk=chunk,
+                             layout=layout, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision,
+                             interpret=interpret, factor_warps=factor_warps, p_only=apply_reads_keys)
+    payload = factor[-1]
+    if apply_reads_keys:  # (P, decay): the apply kernel reads q and k itself
         apply = functools.partial(_apply_keys_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group,
                                   block_v=block_v, use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout,
                                   precision=precision)
-        return pl.pallas_call(
-            apply,
-            out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(payload.shape, payload.dtype)),
-            grid=(dims.batch, dims.num_v_heads, dv // block_v),
-            input_output_aliases={7: 1},
-            interpret=interpret,
-            compiler_params=plgpu.CompilerParams(num_warps=config.num_warps or TWO_PASS_APPLY_WARPS,
-                                                 num_stages=config.num_stages or 1),
-            name="gdn_chunked_apply_keys",
-        )(state_slots.astype(jnp.int32), q, k, p_fold, decay, v, state_pool, payload)
-    q_fold, p_fold, payload = two_pass_factor(q, k, a, b, A_log, dt_bias, ancestor_mask, payload, dims=dims,
-                                              chunk=chunk, layout=layout, use_qk_l2norm=use_qk_l2norm, scale=scale,
-                                              precision=precision, interpret=interpret, factor_warps=factor_warps)
-    apply = functools.partial(_apply_kernel, nodes=dims.nodes, chunk=chunk, block_v=block_v, layout=layout,
-                              precision=precision)
+        operands, name = (q, k) + factor[:2], "gdn_chunked_apply_keys"
+    else:  # (Q', P)
+        apply = functools.partial(_apply_kernel, nodes=dims.nodes, chunk=chunk, block_v=block_v, layout=layout,
+                                  precision=precision)
+        operands, name = factor[:2], "gdn_chunked_apply"
     return pl.pallas_call(
         apply,
         out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(payload.shape, payload.dtype)),
         grid=(dims.batch, dims.num_v_heads, dv // block_v),
-        input_output_aliases={5: 1},
+        input_output_aliases={len(operands) + 3: 1},  # the payload, after slots, the folds, v and the pool
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps or TWO_PASS_APPLY_WARPS,
                                              num_stages=config.num_stages or 1),
-        name="gdn_chunked_apply",
-    )(state_slots.astype(jnp.int32), q_fold, p_fold, v, state_pool, payload)
+        name=name,
+    )(state_slots.astype(jnp.int32), *operands, v, state_pool, payload)
 
 
 def two_pass_factor(q, k, a, b, A_log, dt_bias, ancestor_mask, payload, *, dims, chunk, layout, use_qk_l2norm,
