@@ -20,6 +20,7 @@ reference.
 from __future__ import annotations
 
 import argparse
+import functools
 import datetime
 import sys
 import time
@@ -361,30 +362,38 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
                                                          keys=keys), carry)
             except Exception as e:  # noqa: BLE001
                 log(f"    {name} at B={bsz} T={t} raised {e!r}"[:600])
-        # Compiled agreement of the two two-pass forms at this shape (the conformance cases cover T=16 and 33).
+        # Compiled agreement of the two two-pass forms at this shape (the conformance cases cover T=16 and 33);
+        # bf16 outputs round at about 4e-3, so above 1e-2 is a failure.
         try:
+            if sweep:
+                raise StopIteration  # the config rows check it at the default launch
             outs = [gdn_chunked_verify(*args, tree.ancestor_mask, jnp.zeros_like(carry[1]), fp32_dots="tf32x3",
                                        two_pass=True, apply_reads_keys=keys)[0] for keys in (False, True)]
             res["keys_vs_two_pass"] = float(rel_err(outs[1], outs[0]))
-            log(f"    two-pass (apply reads keys) vs two-pass at B={bsz} T={t}: rel err {res['keys_vs_two_pass']:.2e}")
+            log(f"    {'PASS' if res['keys_vs_two_pass'] < 1e-2 else 'FAIL'} two-pass (apply reads keys) vs two-pass "
+                f"at B={bsz} T={t}: rel err {res['keys_vs_two_pass']:.2e}")
+        except StopIteration:
+            pass
         except Exception as e:  # noqa: BLE001
             log(f"    two-pass agreement check at B={bsz} T={t} raised {e!r}"[:600])
         # The two-pass form's first kernel alone (tree masks): the rest of its time is the apply kernel's.
         dims = gdn_dims(*args)
 
-        def factor_step(c):
+        def factor_step(c, p_only=False):
             ns, pl_, o = c
             _, _, pl_ = two_pass_factor(args[0], args[1], args[3], args[4], args[5], args[6], tree.ancestor_mask, pl_,
                                         dims=dims, chunk=max(MIN_CHUNK, next_pow2(t)),
                                         layout=GdnPayloadLayout(d["H"], d["HV"], d["DK"], d["DV"]),
                                         use_qk_l2norm=True, scale=default_scale(d["DK"]),
                                         precision=FP32_DOTS["tf32x3"], interpret=False,
-                                        factor_warps=TWO_PASS_FACTOR_WARPS if fwarps is None else fwarps)
+                                        factor_warps=TWO_PASS_FACTOR_WARPS if fwarps is None else fwarps,
+                                        p_only=p_only)
             return ns, pl_, o
-        try:
-            res["tree_factor_tf32x3"], carry = time_step(factor_step, carry)
-        except Exception as e:  # noqa: BLE001
-            log(f"    two-pass factor alone at B={bsz} T={t} raised {e!r}"[:600])
+        for key, p_only in (("tree_factor_tf32x3", False), ("tree_p_factor_tf32x3", True)):
+            try:
+                res[key], carry = time_step(functools.partial(factor_step, p_only=p_only), carry)
+            except Exception as e:  # noqa: BLE001
+                log(f"    two-pass factor alone (p_only={p_only}) at B={bsz} T={t} raised {e!r}"[:600])
     br = np.asarray(branch_points(parents))
     res["branch_frac"] = float(br.sum()) / (bsz * t)
     if eagle_trees:
@@ -424,7 +433,8 @@ def best_ratio(r):
 
 def default_route(bsz, t, r):
     """What the layer's default config runs for this (B, T) (`GdnLayerConfig.chunked_route`,
-    `chain_runs_chunked`): "tree form / chain form, default tree / default chain" from the timed forms."""
+    `chain_runs_chunked`): "<tree form> / <chain form>, <their time ratio>" ("-" if either form was
+    not timed)."""
     d = QWEN
     cfg = GdnLayerConfig(d["H"], d["HV"], d["DK"], d["DV"])
     lo, hi, fill = cfg.chunked_route(bsz)
@@ -535,7 +545,7 @@ def render(rows, sweep, fla, bw):
             f"| {r['branch_frac']:.0%} " + eagle + f"| {_us(r, 'tree_chunked_tf32x3')} "
             f"| {_us(r, 'chain_chunked_tf32x3')} | {_us(r, 'tree_chunked2_tf32x3')} "
             f"| {_us(r, 'chain_chunked2_tf32x3')} | {_us(r, 'tree_factor_tf32x3')} "
-            f"| {_us(r, 'tree_chunked3_tf32x3')}"
+            f"| {_us(r, 'tree_chunked3_tf32x3')} (its factor kernel alone {_us(r, 'tree_p_factor_tf32x3')})"
             + (f" (vs two-pass: rel err {r['keys_vs_two_pass']:.1e})" if "keys_vs_two_pass" in r else "")
             + f" | {_us(r, 'chain_chunked3_tf32x3')} | {best_ratio(r)} "
             f"| {default_route(bsz, t, r)} "

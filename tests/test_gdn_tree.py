@@ -185,6 +185,34 @@ def test_chunked_up_to_64_nodes(t, l2, form):
     np.testing.assert_array_equal(_bits(args[7]), pool_before)
 
 
+@pytest.mark.parametrize("form", ["fused", "two_pass", "keys"])
+def test_chunked_forms_over_several_dv_tiles_and_a_group_of_three(form):
+    """dv = 64 split into 16- and 32-column tiles, three value heads per key head: every form equals the
+    chunked reference and writes the payload bits (the module's small dims have one dv tile)."""
+    from pallas_kernels.linear.gdn_tree import GdnKernelConfig as Launch
+    rng = np.random.default_rng(77)
+    bsz, t, h, hv, dk, dv, slots_n = 2, 13, 2, 6, 16, 64, 5
+    f32 = jnp.float32
+    q, k = (jnp.asarray(rng.standard_normal((bsz, t, h, dk)), f32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((bsz, t, hv, dv)), f32)
+    a, b_ = (jnp.asarray(rng.standard_normal((bsz, t, hv)), f32) for _ in range(2))
+    a_log = jnp.asarray(0.5 * rng.standard_normal(hv), f32)
+    dt_bias = jnp.asarray(rng.standard_normal(hv), f32)
+    pool = jnp.asarray(0.3 * rng.standard_normal((slots_n, hv, dk, dv)), f32)
+    slots = jnp.asarray([3, 1], jnp.int32)
+    parents = np.stack([random_tree(rng, 1, t)[0], chain(1, t)[0]])
+    mask = ancestor_mask(jnp.asarray(parents))
+    ref, _ = gdn_chunked_reference(q, k, v, a, b_, a_log, dt_bias, pool, slots, ancestor_mask_bool(jnp.asarray(parents)),
+                                   use_qk_l2norm=True)
+    width = GdnPayloadLayout(h, hv, dk, dv).width
+    for block_v in (16, 32):
+        out, payload = gdn_chunked_verify(q, k, v, a, b_, a_log, dt_bias, pool, slots, mask,
+                                          jnp.full((bsz, t, width), jnp.nan, f32), config=Launch(block_v=block_v),
+                                          **_form(form), backend="interpret")
+        assert rel_err(out, ref) < TOL, block_v
+        np.testing.assert_array_equal(np.asarray(payload), np.asarray(pack_payload(k, v, a, b_)))
+
+
 @pytest.mark.parametrize("t, form", [(16, "fused"), (32, "fused"), (64, "fused"), (64, "two_pass"), (64, "keys")])
 def test_chunked_is_stable_on_deep_chains_of_correlated_keys(t, form):
     """Keys sharing one direction, beta near 1 and no decay make (I + M)^-1 ill-suited to a

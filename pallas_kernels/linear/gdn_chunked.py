@@ -12,7 +12,9 @@ Fused form: one program per (request b, value head hv, dv-tile); every dv column
 the solve is independent, so each program recomputes the small `[chunk, chunk]` matrices and
 handles `block_v` columns. Two-pass form (`two_pass=True`; by default on grids of at least
 TWO_PASS_MIN_PROGRAMS (b, hv) pairs): `_factor_kernel` per (b, hv) folds the key side into Q' and P
-once, `_apply_kernel` per dv tile computes out = Q' h0 + P v. Either way the
+once, `_apply_kernel` per dv tile computes out = Q' h0 + P v; its variant (`apply_reads_keys=True`,
+not yet compiled on a GPU) keeps only P and decay in the first kernel and has the second read q and k.
+Every way the
 node's replay payload row pieces `[k | v | a | b]` are written as they are read (v by every value
 head's tiles, a/b by every value head, k by the first value head of each key head).
 
@@ -187,8 +189,9 @@ def _p_factor_kernel(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, _p
                      p_ref, decay_ref, payload_ref, *, nodes: int, chunk: int, group: int, use_qk_l2norm: bool,
                      scale: float, layout: GdnPayloadLayout, precision):
     """Two-pass form whose apply kernel reads the keys, pass 1, one program per (request, value head):
-    only [chunk, chunk] products leave it, P = A (I + M)^-1 diag(beta) and decay = exp(G) [chunk], so
-    the [chunk, dk] tiles q, k die after q k^T and k k^T (no W, no Q')."""
+    only [chunk, chunk] products leave it, P = A (I + M)^-1 diag(beta) and decay = exp(G) [chunk]; the
+    fp32 [chunk, dk] tiles q, k are not used after q k^T and k k^T (no W, no Q'; the raw bf16 k stays
+    for the payload store)."""
     b = pl.program_id(0)
     hv = pl.program_id(1)
     kh = hv // group
@@ -263,7 +266,7 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     neither kernel holds both the key-side tiles and a state tile. False: the single fused kernel.
     None (default): `default_two_pass(B, HV)`. `config` sets the second kernel's launch (default: 32-column tiles, 4 warps);
     `factor_warps` the first kernel's warps (default TWO_PASS_FACTOR_WARPS; unused when the fused
-    form runs). `apply_reads_keys` (two-pass only; not yet timed on a GPU): the first kernel keeps only
+    form runs). `apply_reads_keys` (two-pass only; not yet compiled or timed on a GPU): the first kernel keeps only
     [T, T] products (P and decay, `_p_factor_kernel`) and the second reads q and k itself and computes
     out = diag(decay) q h0 + P (v - diag(decay) k h0) (`_apply_keys_kernel`): two fewer [T, T] x
     [T, dk] products per (request, value head) and no [T, dk] fp32 Q' in HBM, for one more

@@ -87,8 +87,9 @@ class GdnLayerConfig:
     scale: float | None = None  # query scale; None = dk ** -0.5
     mode: GdnStateMode = "replay_ssm"  # "staged" is --disable-replay-ssm
     kernel: GdnKernelConfig = GdnKernelConfig()  # launch knobs shared by the GDN kernels
-    # ReplaySSM trees of chunked_min_nodes..chunked_max_nodes nodes verify in the chunked form (no
-    # node states, no workspace traffic); other trees, chains and staged verify run the recurrent kernel.
+    # ReplaySSM trees on the chunked route (`chunked_route`) verify in the chunked form (no node
+    # states, no workspace traffic); other trees and staged verify run the recurrent kernel. This and
+    # chunked_min/max_nodes govern trees only; chains follow chunked_chain_verify.
     chunked_tree_verify: bool = True
     # ReplaySSM chains of GDN_CHAIN_VERIFY_CHUNKED_NODES (12..16) nodes verify in the two-pass chunked
     # form where that form runs by default (B * HV >= TWO_PASS_MIN_PROGRAMS, chunked_two_pass not
@@ -110,8 +111,8 @@ class GdnLayerConfig:
     # (`gdn_chunked.default_two_pass`: two-pass when B * HV >= TWO_PASS_MIN_PROGRAMS).
     chunked_two_pass: bool | None = None
     # Where the two-pass form runs, run its variant whose second kernel reads q and k
-    # (`gdn_chunked_verify(apply_reads_keys=True)`: the first kernel keeps only [T, T] products). Off
-    # until a GPU run times it against the default two-pass form (benchmarks/bench_gdn.py reports both).
+    # (`gdn_chunked_verify(apply_reads_keys=True)`: the first kernel keeps only [T, T] products). Off:
+    # not yet compiled or timed on a GPU (benchmarks/gpu_suite.py --owed; bench_gdn reports both).
     chunked_apply_reads_keys: bool = False
 
     def __post_init__(self):
@@ -267,7 +268,7 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
     common = dict(use_qk_l2norm=cfg.use_qk_l2norm, scale=cfg.scale, config=cfg.kernel, backend=backend)
     if kernel == "chunked":
         chain_chunked = tree is None
-        if chain_chunked:  # a chain's ancestor rows: every earlier node (a trace-time constant)
+        if chain_chunked:  # a chain's ancestor rows: every earlier node (built from iota; no inputs read)
             mask = packed_ancestor_mask(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) - 1, (q.shape[0], t)))
         else:
             mask = tree.ancestor_mask
