@@ -74,27 +74,42 @@ def _dot(x, y, precision):
     return jnp.dot(x, y, precision=precision, preferred_element_type=jnp.float32)
 
 
+def _load_qk(q_ref, k_ref, *, b, kh, node_rows, live, use_qk_l2norm: bool, scale: float):
+    """Key head kh's query and key rows as the update uses them: fp32, optionally L2-normalised, q
+    scaled. Returns (q, k, k_raw) with k_raw as loaded (the payload keeps it)."""
+    k_raw = plgpu.load(k_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0)
+    q = plgpu.load(q_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0).astype(jnp.float32)
+    k = k_raw.astype(jnp.float32)
+    if use_qk_l2norm:
+        k, q = l2_normalize(k), l2_normalize(q)
+    return q * scale, k, k_raw
+
+
+def _store_out_and_v_payload(o_ref, payload_ref, out, v_raw, *, b, hv, vt, block_v: int, dv: int, node_rows, live,
+                             layout: GdnPayloadLayout):
+    """One dv tile's output rows, and the v columns of the payload rows (as loaded)."""
+    plgpu.store(o_ref.at[b, node_rows, hv, pl.ds(vt * block_v, block_v)], out.astype(o_ref.dtype),
+                mask=live[:, None])
+    plgpu.store(payload_ref.at[b, node_rows, pl.ds(layout.v_offset + hv * dv + vt * block_v, block_v)],
+                v_raw, mask=live[:, None])
+
+
 def _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, *, b, hv, kh, nodes: int, chunk: int,
-              use_qk_l2norm: bool, scale: float, precision, with_attn: bool = False):
+              use_qk_l2norm: bool, scale: float, precision):
     """The value-independent part of one (request, value head): inputs as loaded, the gates and the
-    [chunk, chunk] factors. Rows t >= nodes are padding (zero inputs, all-zero mask rows).
-    `with_attn`: also A = decay_ts * q k^T, formed before the inversion (so a caller that needs no
-    [chunk, dk] tile afterwards lets q and k die there)."""
+    [chunk, chunk] factors, A = decay_ts * q k^T among them (formed before the inversion, so a caller
+    that needs no [chunk, dk] tile afterwards does not hold q and k through it). Rows t >= nodes are
+    padding (zero inputs, all-zero mask rows)."""
     rows = jnp.arange(chunk, dtype=jnp.int32)
     live = rows < nodes
     node_rows = pl.ds(0, chunk)
 
     anc = load_ancestor_tile(mask_ref, b, chunk, live)  # [t, s]
-    k_raw = plgpu.load(k_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0)
-    q_raw = plgpu.load(q_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0)
+    q, k, k_raw = _load_qk(q_ref, k_ref, b=b, kh=kh, node_rows=node_rows, live=live, use_qk_l2norm=use_qk_l2norm,
+                           scale=scale)
     a_raw = plgpu.load(a_ref.at[b, node_rows, hv], mask=live, other=0)
     b_raw = plgpu.load(b_ref.at[b, node_rows, hv], mask=live, other=0)
 
-    k = k_raw.astype(jnp.float32)
-    q = q_raw.astype(jnp.float32)
-    if use_qk_l2norm:
-        k, q = l2_normalize(k), l2_normalize(q)
-    q = q * scale
     g, beta = gates(a_raw, b_raw, alog_ref[hv], dtb_ref[hv])
     g = jnp.where(live, g, 0.0)
     big_g = jnp.sum(jnp.where(anc, g[None, :], 0.0), axis=1)  # log-decay from the root to t
@@ -102,7 +117,7 @@ def _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, *, b, hv,
     decay_ts = jnp.where(anc, jnp.exp(jnp.minimum(big_g[:, None] - big_g[None, :], 0.0)), 0.0)
     strict = anc & (rows[:, None] != rows[None, :])
     m = jnp.where(strict, beta[:, None] * decay_ts * _dot_t(k, k, precision), 0.0)
-    attn = decay_ts * _dot_t(q, k, precision) if with_attn else None
+    attn = decay_ts * _dot_t(q, k, precision)
 
     # (I + M)^-1 by recursive block inversion, log2(chunk) levels of two dots each (no serial
     # substitution): X holds the inverses of the diagonal blocks of size s; for each 2s block
@@ -118,7 +133,7 @@ def _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, *, b, hv,
         inv = inv - _dot(_dot(inv, jnp.where(lower_half, m, 0.0), precision), inv, precision)
         s *= 2
     return dict(live=live, node_rows=node_rows, k_raw=k_raw, a_raw=a_raw, b_raw=b_raw, k=k, q=q, beta=beta,
-                big_g=big_g, decay_ts=decay_ts, inv=inv, attn=attn)
+                big_g=big_g, inv=inv, attn=attn)
 
 
 def _store_key_payload(payload_ref, x, *, b, hv, kh, group: int, dk: int, layout: GdnPayloadLayout, first_tile):
@@ -146,20 +161,17 @@ def _chunked_kernel(mask_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog
     cols = pl.ds(vt * block_v, block_v)
     x = _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, b=b, hv=hv, kh=kh, nodes=nodes,
                   chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision)
-    live, node_rows, k, q, beta, big_g, decay_ts, inv = (x[n] for n in (
-        "live", "node_rows", "k", "q", "beta", "big_g", "decay_ts", "inv"))
+    live, node_rows, k, q, beta, big_g, attn, inv = (x[n] for n in (
+        "live", "node_rows", "k", "q", "beta", "big_g", "attn", "inv"))
     v_raw = plgpu.load(v_ref.at[b, node_rows, hv, cols], mask=live[:, None], other=0)
 
     h0 = pool_ref[slots_ref[b], hv, :, cols].astype(jnp.float32)  # [dk, block_v]
     decay = jnp.exp(big_g)[:, None]
     rhs = beta[:, None] * (v_raw.astype(jnp.float32) - decay * _dot(k, h0, precision))
     u = _dot(inv, rhs, precision)
-    out = decay * _dot(q, h0, precision) + _dot(decay_ts * _dot_t(q, k, precision), u, precision)
-    plgpu.store(o_ref.at[b, node_rows, hv, cols], out.astype(o_ref.dtype), mask=live[:, None])
-
-    dv = v_ref.shape[-1]
-    plgpu.store(payload_ref.at[b, node_rows, pl.ds(layout.v_offset + hv * dv + vt * block_v, block_v)],
-                v_raw, mask=live[:, None])
+    out = decay * _dot(q, h0, precision) + _dot(attn, u, precision)
+    _store_out_and_v_payload(o_ref, payload_ref, out, v_raw, b=b, hv=hv, vt=vt, block_v=block_v, dv=v_ref.shape[-1],
+                             node_rows=node_rows, live=live, layout=layout)
     _store_key_payload(payload_ref, x, b=b, hv=hv, kh=kh, group=group, dk=k_ref.shape[-1], layout=layout,
                        first_tile=vt == 0)
 
@@ -175,9 +187,8 @@ def _factor_kernel(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, _pay
     kh = hv // group
     x = _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, b=b, hv=hv, kh=kh, nodes=nodes,
                   chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision)
-    k, q, beta, big_g, decay_ts, inv = (x[n] for n in ("k", "q", "beta", "big_g", "decay_ts", "inv"))
+    k, q, beta, big_g, attn, inv = (x[n] for n in ("k", "q", "beta", "big_g", "attn", "inv"))
     decay = jnp.exp(big_g)
-    attn = decay_ts * _dot_t(q, k, precision)
     w = _dot(inv, (beta * decay)[:, None] * k, precision)
     qf_ref[b, hv] = decay[:, None] * q - _dot(attn, w, precision)
     p_ref[b, hv] = _dot(attn, inv, precision) * beta[None, :]
@@ -196,7 +207,7 @@ def _p_factor_kernel(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, _p
     hv = pl.program_id(1)
     kh = hv // group
     x = _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, b=b, hv=hv, kh=kh, nodes=nodes,
-                  chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision, with_attn=True)
+                  chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision)
     p_ref[b, hv] = _dot(x["attn"], x["inv"], precision) * x["beta"][None, :]
     decay_ref[b, hv] = jnp.exp(x["big_g"])
     _store_key_payload(payload_ref, x, b=b, hv=hv, kh=kh, group=group, dk=k_ref.shape[-1], layout=layout,
@@ -215,20 +226,15 @@ def _apply_keys_kernel(slots_ref, q_ref, k_ref, p_ref, decay_ref, v_ref, pool_re
     cols = pl.ds(vt * block_v, block_v)
     live = jnp.arange(chunk, dtype=jnp.int32) < nodes
     node_rows = pl.ds(0, chunk)
-    k = plgpu.load(k_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0).astype(jnp.float32)
-    q = plgpu.load(q_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0).astype(jnp.float32)
-    if use_qk_l2norm:
-        k, q = l2_normalize(k), l2_normalize(q)
-    q = q * scale
+    q, k, _ = _load_qk(q_ref, k_ref, b=b, kh=kh, node_rows=node_rows, live=live, use_qk_l2norm=use_qk_l2norm,
+                       scale=scale)
     v_raw = plgpu.load(v_ref.at[b, node_rows, hv, cols], mask=live[:, None], other=0)
     h0 = pool_ref[slots_ref[b], hv, :, cols].astype(jnp.float32)  # [dk, block_v]
     decay = decay_ref[b, hv][:, None]
     delta = v_raw.astype(jnp.float32) - decay * _dot(k, h0, precision)
     out = decay * _dot(q, h0, precision) + _dot(p_ref[b, hv], delta, precision)
-    plgpu.store(o_ref.at[b, node_rows, hv, cols], out.astype(o_ref.dtype), mask=live[:, None])
-    dv = v_ref.shape[-1]
-    plgpu.store(payload_ref.at[b, node_rows, pl.ds(layout.v_offset + hv * dv + vt * block_v, block_v)],
-                v_raw, mask=live[:, None])
+    _store_out_and_v_payload(o_ref, payload_ref, out, v_raw, b=b, hv=hv, vt=vt, block_v=block_v, dv=v_ref.shape[-1],
+                             node_rows=node_rows, live=live, layout=layout)
 
 
 def _apply_kernel(slots_ref, qf_ref, p_ref, v_ref, pool_ref, _payload_in_ref, o_ref, payload_ref, *,
@@ -243,10 +249,8 @@ def _apply_kernel(slots_ref, qf_ref, p_ref, v_ref, pool_ref, _payload_in_ref, o_
     v_raw = plgpu.load(v_ref.at[b, node_rows, hv, cols], mask=live[:, None], other=0)
     h0 = pool_ref[slots_ref[b], hv, :, cols].astype(jnp.float32)  # [dk, block_v]
     out = _dot(qf_ref[b, hv], h0, precision) + _dot(p_ref[b, hv], v_raw.astype(jnp.float32), precision)
-    plgpu.store(o_ref.at[b, node_rows, hv, cols], out.astype(o_ref.dtype), mask=live[:, None])
-    dv = v_ref.shape[-1]
-    plgpu.store(payload_ref.at[b, node_rows, pl.ds(layout.v_offset + hv * dv + vt * block_v, block_v)],
-                v_raw, mask=live[:, None])
+    _store_out_and_v_payload(o_ref, payload_ref, out, v_raw, b=b, hv=hv, vt=vt, block_v=block_v, dv=v_ref.shape[-1],
+                             node_rows=node_rows, live=live, layout=layout)
 
 
 def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload,

@@ -43,6 +43,7 @@ from pallas_kernels.linear.gdn_tree import GdnKernelConfig, branch_points, gdn_t
 from treespec_jax.linear.state_mode import StateMode, check_state_mode
 from treespec_jax.support import Capability, TreeBackend, TreeSupport
 from treespec_jax.tree.masks import ancestor_mask as packed_ancestor_mask
+from treespec_jax.tree.masks import chain_parents
 from treespec_jax.tree.masks import unpack_mask_rows
 
 # Smallest tree the layer may send to the chunked form under ReplaySSM.
@@ -268,10 +269,7 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
     common = dict(use_qk_l2norm=cfg.use_qk_l2norm, scale=cfg.scale, config=cfg.kernel, backend=backend)
     if kernel == "chunked":
         chain_chunked = tree is None
-        if chain_chunked:  # a chain's ancestor rows: every earlier node (built from iota; no inputs read)
-            mask = packed_ancestor_mask(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) - 1, (q.shape[0], t)))
-        else:
-            mask = tree.ancestor_mask
+        mask = packed_ancestor_mask(chain_parents(q.shape[0], t)) if chain_chunked else tree.ancestor_mask
         out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
                                           mask, payload, fp32_dots=cfg.chunked_fp32_dots,
                                           two_pass=True if chain_chunked else cfg.chunked_two_pass,
