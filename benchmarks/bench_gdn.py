@@ -408,84 +408,6 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
     return res
 
 
-# --factor-probe variants of the apply-reads-keys two-pass form: (factor_block_rows, factor warps);
-# None = one [chunk, chunk] tile (the first compiled form), 16/32 = row tiles (block forward
-# substitution). The first is the baseline every other variant is compared with.
-PROBE_VARIANTS = [(None, 4), (None, 8), (16, 4), (16, 2), (32, 4), (32, 8)]
-
-
-def factor_probe(configs, rng, budget_s):
-    """Times the apply-reads-keys two-pass tree (and its factor kernel alone) for each
-    PROBE_VARIANTS launch at each (B, T) that pads past 16 rows, against the recurrent tree and chain
-    of the same run; checks each variant's output against the first's (rel err below 1e-2). Returns
-    the markdown table."""
-    d = QWEN
-    md = ["\n### Apply-reads-keys factor kernel: row tiles and warps (--factor-probe)",
-          "Times are medians (us) at Qwen3-Next dims on the bench's random trees; 'form' is the whole "
-          "two-pass tree (factor + apply kernels), 'factor' its first kernel alone; rel err vs the "
-          "one-tile, 4-warp form.",
-          "| B | T | recurrent chain | recurrent tree | factor rows, warps | form (tree) | factor alone "
-          "| form / recurrent chain | rel err |", "|---|---|---|---|---|---|---|---|---|"]
-    for bsz, t in configs:
-        chunk = max(MIN_CHUNK, next_pow2(t))
-        x = inputs(jax.random.key(bsz * 1000 + t), bsz, t, d, jnp.bfloat16)
-        args = args_of(x)
-        tree = jax.block_until_ready(GdnTree.from_parents(jnp.asarray(random_tree(rng, bsz, t))))
-        carry = (jnp.zeros((bsz, t, d["HV"], d["DK"], d["DV"]), jnp.float32),
-                 jnp.zeros((bsz, t, width(d)), jnp.bfloat16), jnp.zeros(x["v"].shape, jnp.bfloat16))
-
-        def recurrent(c, parents):
-            ns, pl_, _ = c
-            r = gdn_tree_verify(*args, parents, ns, store="branch_points", payload=pl_,
-                                branch=tree.branch if parents is not None else None)
-            return r.node_states, r.payload, r.out
-        base = {}
-        for name, parents in (("chain", None), ("tree", tree.parents)):
-            base[name], carry = time_step(functools.partial(recurrent, parents=parents), carry)
-        first = None
-        for rows, warps in PROBE_VARIANTS:
-            if rows is not None and rows >= chunk:
-                continue
-            if time.time() - _T0 > budget_s:
-                log(f"budget reached; skipping the factor probe at B={bsz} T={t} from {(rows, warps)}")
-                break
-            kw = dict(fp32_dots="tf32x3", two_pass=True, apply_reads_keys=True, factor_warps=warps,
-                      factor_block_rows=rows)
-
-            def form(c, kw=kw):
-                ns, pl_, _ = c
-                o, pl_ = gdn_chunked_verify(*args, tree.ancestor_mask, pl_, **kw)
-                return ns, pl_, o
-
-            def factor(c, rows=rows, warps=warps):
-                ns, pl_, o = c
-                pl_ = two_pass_factor(args[0], args[1], args[3], args[4], args[5], args[6], tree.ancestor_mask, pl_,
-                                      dims=gdn_dims(*args), chunk=chunk,
-                                      layout=GdnPayloadLayout(d["H"], d["HV"], d["DK"], d["DV"]),
-                                      use_qk_l2norm=True, scale=default_scale(d["DK"]),
-                                      precision=FP32_DOTS["tf32x3"], interpret=False, factor_warps=warps,
-                                      p_only=True, factor_block_rows=rows)[-1]
-                return ns, pl_, o
-            try:
-                t0 = time.time()
-                out = gdn_chunked_verify(*args, tree.ancestor_mask, jnp.zeros_like(carry[1]), **kw)[0]
-                first = out if first is None else first
-                err = float(rel_err(out, first))
-                t_form, carry = time_step(form, carry)
-                t_factor, carry = time_step(factor, carry)
-            except Exception as e:  # noqa: BLE001
-                log(f"    factor probe B={bsz} T={t} {(rows, warps)} raised {e!r}"[:600])
-                continue
-            verdict = "PASS" if err < 1e-2 else "FAIL"
-            log(f"    probe B={bsz} T={t} rows={rows} warps={warps}: form {t_form*1e6:.1f}us factor "
-                f"{t_factor*1e6:.1f}us chain {base['chain']*1e6:.1f}us tree {base['tree']*1e6:.1f}us "
-                f"{verdict} {err:.1e} (compile+time {time.time() - t0:.0f}s)")
-            md.append(f"| {bsz} | {t} | {base['chain']*1e6:.1f} | {base['tree']*1e6:.1f} | {rows or chunk}, {warps} "
-                      f"| {t_form*1e6:.1f} | {t_factor*1e6:.1f} | {t_form / base['chain']:.2f}x "
-                      f"| {verdict} {err:.1e} |")
-    return "\n".join(md)
-
-
 def parse_launch(text):
     """"block_v:warps:stages[:v],..." -> tuples; a trailing "v" = value-major state tiles (1)."""
     return [tuple(1 if v == "v" else int(v) for v in item.split(":")) for item in text.split(",") if item]
@@ -506,13 +428,17 @@ def default_route(bsz, t, r):
     not timed)."""
     d = QWEN
     cfg = GdnLayerConfig(d["H"], d["HV"], d["DK"], d["DV"])
-    lo, hi, fill = cfg.chunked_route(bsz)
+    lo, hi, padded_min = cfg.chunked_route(bsz)
     two = default_two_pass(bsz, d["HV"])
-    tree_kernel = verify_kernel_for(cfg.mode, t, True, cfg.chunked_tree_verify, lo, max_nodes=hi, min_fill=fill)
-    tree_key = ("tree_chunked2_tf32x3" if two else "tree_chunked_tf32x3") if tree_kernel == "chunked" else "tree_replay_rec"
+    keys = cfg.runs_apply_reads_keys(max(MIN_CHUNK, next_pow2(t)))
+    tree_kernel = verify_kernel_for(cfg.mode, t, True, cfg.chunked_tree_verify, lo, max_nodes=hi,
+                                    padded_min_nodes=padded_min)
+    two_key = "tree_chunked3_tf32x3" if keys else "tree_chunked2_tf32x3"
+    tree_key = (two_key if two else "tree_chunked_tf32x3") if tree_kernel == "chunked" else "tree_replay_rec"
     chain_key = "chain_chunked2_tf32x3" if cfg.chain_runs_chunked(t, bsz) else "chain_replay"
     name = {"tree_replay_rec": "recurrent", "tree_chunked_tf32x3": "fused", "tree_chunked2_tf32x3": "two-pass",
-            "chain_replay": "recurrent", "chain_chunked2_tf32x3": "two-pass"}
+            "tree_chunked3_tf32x3": "two-pass (apply reads keys)", "chain_replay": "recurrent",
+            "chain_chunked2_tf32x3": "two-pass"}
     ratio = f"{r[tree_key] / r[chain_key]:.2f}x" if tree_key in r and chain_key in r else "-"
     return f"{name[tree_key]} / {name[chain_key]}, {ratio}"
 
@@ -707,8 +633,6 @@ def main(argv=None) -> int:
     p.add_argument("--skip-commit", action="store_true", help="do not time the ReplaySSM commit")
     p.add_argument("--no-fused-chunked", action="store_true",
                    help="time the chunked form only as two-pass (the fused kernel loses 2-3x past 16 nodes)")
-    p.add_argument("--factor-probe", default="", help="BxT configs: time the apply-reads-keys factor kernel's row "
-                   "tiles and warps (PROBE_VARIANTS) there, after the other timings")
     p.add_argument("--inner", type=int, default=INNER, help="kernel calls per timed jit call")
     p.add_argument("--markdown", default=None, help="also write the dated section to this file (e.g. $OUT/gdn.md)")
     p.add_argument("--results", default=str(Path(__file__).resolve().parent / "RESULTS.md"),
@@ -748,8 +672,6 @@ def main(argv=None) -> int:
                    parse_launch(a.sweep_chunked), bxt(a.sweep_at),
                    progress=lambda t: write_markdown(section(t, "\n(run still in progress)\n")),
                    eagle_trees=not a.no_drafter_trees)
-    if a.factor_probe:
-        tables += "\n" + factor_probe(bxt(a.factor_probe), np.random.default_rng(2), a.budget_s)
     md = section(tables)
     print(md, flush=True)
     write_markdown(md)

@@ -35,22 +35,13 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 
 # Measurements still owed (see benchmarks/RESULTS.md, summary), run by `--owed --out $OUT`: module name
-# -> its flags. (1) First compiled run of the two-pass variant whose apply kernel reads q and k
-# (`apply_reads_keys`, GdnLayerConfig.chunked_apply_reads_keys; the factor kernel keeps only [T, T]
-# products): conformance case 2 (T=16, IEEE and TF32x3) and, at every timed shape, its agreement
-# with the default two-pass form (PASS below 1e-2). (2) Timings at B=32, T = 16, 64, 24, 29, 48, 58, 32
-# and B=64, T=64 (in that order, so a cut-off run keeps the most useful rows): the layer's default
-# chunked route past 16 nodes rests on interpolation (it sends 29, 32, 58 and 64 to the two-pass form,
-# 24 and 48 to the recurrent tree), and both two-pass variants with each factor kernel timed alone show
-# where the time goes at T = 32, 64 (the only GDN shapes above 1.25x the chain). (3) 8 factor warps at
-# T=64 (the 32x64 row is the 4-warp baseline). About 8-10 minutes; rows past the budget are skipped
-# and can be run again with --configs. Then: make apply_reads_keys the default where it agrees and
-# beats the other two-pass form; move GDN_TREE_VERIFY_CHUNKED_MIN_FILL to where chunked and recurrent
-# cross; set the factor warps by padded rows if 8 wins at T=64.
+# -> its flags. GDN with the session-7 defaults (the apply-reads-keys two-pass form from 64 padded rows,
+# GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES): B=64 T=64 (the keys form was timed at B=32 only), B=32
+# T=40 (the 64-row minimum of 42 nodes is interpolated between T=48 and 64) and T=32. About 6 minutes.
+# Then: move the 64-row minimum to where the keys form and the recurrent tree cross.
 OWED: dict[str, list[str]] = {
-    "gdn": ["--conformance-cases", "2", "--configs", "32x16,32x64,32x24,32x29,32x48,32x58,32x32,64x64",
-            "--no-drafter-trees", "--skip-commit", "--no-fla", "--no-fused-chunked",
-            "--sweep-chunked", "32:4:1:8", "--sweep-at", "32x64", "--budget-s", "430"],
+    "gdn": ["--conformance-cases", "2", "--configs", "64x64,32x40,32x32", "--no-drafter-trees", "--skip-commit",
+            "--no-fla", "--no-fused-chunked", "--budget-s", "400"],
 }
 
 

@@ -14,7 +14,7 @@ from pallas_kernels.linear.gdn_common import GdnDims
 from pallas_kernels.linear.gdn_tree import (GdnKernelConfig, branch_points, gdn_tree_verify, pick_launch,
                                             uses_value_major)
 from treespec_jax.linear.gdn import (
-    GDN_TREE_VERIFY_CHUNKED_MIN_FILL, GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_NODES_FUSED,
+    GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_NODES_FUSED,
     GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS, GdnLayerConfig, GdnTree, gdn_verify,
     parents_from_ancestor_mask, verify_kernel_for)
 from treespec_jax.tree.masks import ancestor_mask, ancestor_mask_bool
@@ -136,7 +136,7 @@ def test_chain_as_parents_equals_chain_kernel():
 def _form(form):
     """gdn_chunked_verify keywords of a chunked form: "fused", "two_pass" (Q', P) or "keys" (two-pass
     whose apply kernel reads q and k: P and decay only from the first kernel)."""
-    return dict(fused=dict(two_pass=False), two_pass=dict(two_pass=True),
+    return dict(fused=dict(two_pass=False), two_pass=dict(two_pass=True, apply_reads_keys=False),
                 keys=dict(two_pass=True, apply_reads_keys=True))[form]
 
 
@@ -245,10 +245,10 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
     assert verify_kernel_for("staged", 33, True, True, 12, max_nodes=64) == "recurrent_tree"
     assert verify_kernel_for("replay_ssm", 33, False, True, 12, max_nodes=64) == "recurrent_chain"
     big_only = GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=20, chunked_max_nodes=64)
-    assert big_only.chunked_route(B) == big_only.chunked_route(4096) == (20, 64, 0.0)
-    lo, hi, fill = big_only.chunked_route(B)
+    assert big_only.chunked_route(B) == big_only.chunked_route(4096) == (20, 64, {})
+    lo, hi, padded_min = big_only.chunked_route(B)
     for n, want in ((19, "recurrent_tree"), (20, "chunked"), (33, "chunked"), (64, "chunked")):
-        assert verify_kernel_for("replay_ssm", n, True, True, lo, max_nodes=hi, min_fill=fill) == want, n
+        assert verify_kernel_for("replay_ssm", n, True, True, lo, max_nodes=hi, padded_min_nodes=padded_min) == want, n
     with pytest.raises(ValueError, match=r"chunked_max_nodes=65 must be in \[8, 64\].*chunked_fp32_dots='bf16'"):
         GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=65, chunked_fp32_dots="bf16")
     with pytest.raises(ValueError, match="chunked_min_nodes=12 must not exceed chunked_max_nodes=10"):
@@ -263,17 +263,18 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
     t = 33
     x, parents, tree, ref_out, ref_states = _random_tree_case(13, t)
     raised = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64)
-    assert raised.chunked_route(B) == (12, 64, 0.0)
+    assert raised.chunked_route(B) == (12, 64, {})
     chunked = gdn_verify(raised, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
                          backend="interpret")
     assert rel_err(chunked.out, ref_out) < TOL
     assert np.isnan(np.asarray(chunked.node_states)).all()  # the chunked form keeps no node states
     np.testing.assert_array_equal(np.asarray(chunked.payload), np.asarray(pack_payload(*_args(x)[1:5])))
     # chunked_two_pass reaches the kernel: the layer's output is the two-pass form's, bit for bit.
-    two_cfg = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64, chunked_two_pass=True)
+    two_cfg = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64, chunked_two_pass=True, chunked_apply_reads_keys=False)
     two = gdn_verify(two_cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
                      backend="interpret")
-    direct, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=True, backend="interpret")
+    direct, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=True,
+                                   apply_reads_keys=False, backend="interpret")
     np.testing.assert_array_equal(np.asarray(two.out), np.asarray(direct))
     assert rel_err(two.out, ref_out) < TOL
     # chunked_apply_reads_keys reaches the kernel likewise.
@@ -284,8 +285,17 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
                                         apply_reads_keys=True, backend="interpret")
     np.testing.assert_array_equal(np.asarray(keys.out), np.asarray(direct_keys))
     assert not np.array_equal(np.asarray(direct_keys), np.asarray(direct))
+    # By default (None) the variant runs from 64 padded rows; 33 nodes pad to 64.
+    default_keys = gdn_verify(GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64, chunked_two_pass=True), *_args(x),
+                              node_states=_nan_states(t), payload=_nan_payload(t), tree=tree, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(default_keys.out), np.asarray(direct_keys))
+    default_direct, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=True,
+                                           backend="interpret")
+    np.testing.assert_array_equal(np.asarray(default_direct), np.asarray(direct_keys))
     with pytest.raises(ValueError, match="chunked_apply_reads_keys=True is a two-pass form"):
         GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=False, chunked_apply_reads_keys=True)
+    with pytest.raises(ValueError, match="chunked_apply_reads_keys='yes' must be None, True or False"):
+        GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys="yes")
     with pytest.raises(ValueError, match="apply_reads_keys=True is a two-pass form"):
         gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=False, apply_reads_keys=True,
                            backend="interpret")
@@ -300,7 +310,7 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
 
 def test_large_grid_default_runs_two_pass_up_to_64_nodes(monkeypatch):
     """On a grid of at least TWO_PASS_MIN_PROGRAMS (b, hv) programs the default layer config sends a
-    30-node tree (it fills 29/32 of its 32 padded rows) to the chunked form and the kernel's default
+    30-node tree (at least GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES' 26 for 32 padded rows) to the chunked form and the kernel's default
     picks the two-pass form (the output is two_pass=True's, bit for bit); on a smaller grid the same
     tree stays recurrent. The threshold is lowered here so the test's small batch counts as a large
     grid."""
@@ -312,7 +322,7 @@ def test_large_grid_default_runs_two_pass_up_to_64_nodes(monkeypatch):
                        backend="interpret")
     assert not np.isnan(np.asarray(small.node_states)).all()  # recurrent: branch-point rows written
     monkeypatch.setattr(gdn_chunked_module, "TWO_PASS_MIN_PROGRAMS", B * HV)
-    assert default.chunked_route(B) == (8, 64, GDN_TREE_VERIFY_CHUNKED_MIN_FILL)
+    assert default.chunked_route(B) == (8, 64, {32: 26, 64: 42})
     large = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
                        backend="interpret")
     assert np.isnan(np.asarray(large.node_states)).all()  # chunked: no node states
@@ -366,49 +376,56 @@ def test_chunked_reference_states_match_per_path():
 
 def test_layer_verify_dispatch_and_modes_agree():
     """With chunked_tree_verify (the default), gdn_verify picks the chunked form for ReplaySSM trees
-    in the layer's chunked route: by the form that runs, 8..64 nodes filling 29/32 of their padded rows
-    above 16 (two-pass, large grids) or 12..16 (fused); at least 8; masks alone describe the tree."""
+    in the layer's chunked route: by the form that runs, 8..16, 26..32 and 42..64 nodes (two-pass,
+    large grids; the padded-rows minimum follows the two-pass variant that runs) or 12..16 (fused); at
+    least 8; masks alone describe the tree."""
     assert GDN_TREE_VERIFY_CHUNKED_MIN_NODES == 8
     assert GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS == (8, 64)
     assert GDN_TREE_VERIFY_CHUNKED_NODES_FUSED == (12, 16)
-    assert GDN_TREE_VERIFY_CHUNKED_MIN_FILL == 29 / 32
+    assert GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES == {(32, False): 26, (32, True): 29, (64, False): 56,
+                                                        (64, True): 42}
     assert verify_kernel_for("replay_ssm", 16, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 8, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 64, True, True) == "chunked"
-    assert verify_kernel_for("replay_ssm", 17, True, True) == "chunked"  # no fill rule by default
+    assert verify_kernel_for("replay_ssm", 17, True, True) == "chunked"  # no padded-rows minimum by default
     assert verify_kernel_for("replay_ssm", 7, True, True) == "recurrent_tree"
     assert verify_kernel_for("replay_ssm", 7, True, True, 4) == "recurrent_tree"  # never below 8
     assert verify_kernel_for("replay_ssm", 16, True, False) == "recurrent_tree"
     assert verify_kernel_for("staged", 16, True, True) == "recurrent_tree"
     assert verify_kernel_for("replay_ssm", 16, False, True) == "recurrent_chain"
-    # The fill rule: past 16 rows a tree must fill 29/32 of its padded 32 or 64 rows.
+    # The padded-rows minimum: past 16 rows a tree needs that many nodes for its padded 32 or 64 rows.
     chunked_sizes = [n for n in range(1, 65) if verify_kernel_for("replay_ssm", n, True, True, 8, max_nodes=64,
-                                                                  min_fill=GDN_TREE_VERIFY_CHUNKED_MIN_FILL) == "chunked"]
-    assert chunked_sizes == list(range(8, 17)) + list(range(29, 33)) + list(range(58, 65))
+                                                                  padded_min_nodes={32: 26, 64: 42}) == "chunked"]
+    assert chunked_sizes == list(range(8, 17)) + list(range(26, 33)) + list(range(42, 65))
     # The layer's default route follows the form that runs (B * HV against TWO_PASS_MIN_PROGRAMS).
     default = GdnLayerConfig(H, HV, DK, DV)
     assert (default.chunked_tree_verify, default.chunked_min_nodes, default.chunked_two_pass,
             default.chunked_fp32_dots) == (True, None, None, "tf32x3")
     small_b, large_b = TWO_PASS_MIN_PROGRAMS // HV - 1, -(-TWO_PASS_MIN_PROGRAMS // HV)
     assert not default_two_pass(small_b, HV) and default_two_pass(large_b, HV)
-    fill = GDN_TREE_VERIFY_CHUNKED_MIN_FILL
-    assert default.chunked_route(small_b) == (12, 16, 0.0)
+    fill = {32: 26, 64: 42}  # the plain two-pass form at 32 rows, the apply-reads-keys one at 64
+    assert default.chunked_route(small_b) == (12, 16, {})
     assert default.chunked_route(large_b) == (8, 64, fill)
     # Forcing the fused form on a large grid keeps the fused range; forcing two-pass on a small grid
     # keeps the small grid's (two-pass was not measured ahead of the recurrent tree there past 16).
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=False).chunked_route(large_b) == (12, 16, 0.0)
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True).chunked_route(small_b) == (12, 16, 0.0)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=False).chunked_route(large_b) == (12, 16, {})
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True).chunked_route(small_b) == (12, 16, {})
     assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True).chunked_route(large_b) == (8, 64, fill)
+    # The minimum follows the variant the layer runs at each padding.
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=False).chunked_route(large_b) == (
+        8, 64, {32: 26, 64: 56})
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=True).chunked_route(large_b) == (
+        8, 64, {32: 29, 64: 42})
     # One explicit bound keeps the other from the default unless they would cross; an explicit max
-    # drops the fill rule.
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_route(small_b) == (8, 10, 0.0)
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_route(large_b) == (8, 10, 0.0)
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=20).chunked_route(small_b) == (20, 64, 0.0)
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_route(small_b) == (12, 16, 0.0)
+    # drops the padded-rows minimum.
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_route(small_b) == (8, 10, {})
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_route(large_b) == (8, 10, {})
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=20).chunked_route(small_b) == (20, 64, {})
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_route(small_b) == (12, 16, {})
     assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_route(large_b) == (12, 64, fill)
-    lo, hi, fill = default.chunked_route(B)
-    assert verify_kernel_for("replay_ssm", 8, True, True, lo, max_nodes=hi, min_fill=fill) == "recurrent_tree"
-    assert verify_kernel_for("replay_ssm", 12, True, True, lo, max_nodes=hi, min_fill=fill) == "chunked"
+    lo, hi, padded_min = default.chunked_route(B)
+    assert verify_kernel_for("replay_ssm", 8, True, True, lo, max_nodes=hi, padded_min_nodes=padded_min) == "recurrent_tree"
+    assert verify_kernel_for("replay_ssm", 12, True, True, lo, max_nodes=hi, padded_min_nodes=padded_min) == "chunked"
     with pytest.raises(ValueError, match=r"chunked_min_nodes=65.*chunked_fp32_dots='bf16'"):
         GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=65, chunked_fp32_dots="bf16")
     t = 12

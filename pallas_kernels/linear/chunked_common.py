@@ -34,13 +34,4 @@ def load_ancestor_tile(mask_ref, b, rows: int, live):
     return ((words >> (idx[None, :] % 32).astype(jnp.uint32)) & 1) != 0
 
 
-def load_ancestor_block(mask_ref, b, row0, col0: int, size: int, live):
-    """Ancestor-or-self bits `[size, size]` of rows row0.. against columns col0.. (a block of the
-    tile `load_ancestor_tile` gives; size <= 32 and col0 a multiple of size, so the columns lie in
-    one mask word). Rows where `live [size]` is False read as all zero."""
-    idx = jnp.arange(size, dtype=jnp.int32)
-    words = plgpu.load(mask_ref.at[b, pl.ds(row0, size), jnp.int32(col0 // 32)], mask=live, other=0)
-    return ((words[:, None] >> (col0 % 32 + idx[None, :]).astype(jnp.uint32)) & 1) != 0
-
-
-__all__ = ["FP32_DOTS", "MAX_CHUNKED_NODES", "load_ancestor_block", "load_ancestor_tile"]
+__all__ = ["FP32_DOTS", "MAX_CHUNKED_NODES", "load_ancestor_tile"]

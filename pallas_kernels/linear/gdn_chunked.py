@@ -12,11 +12,13 @@ Fused form: one program per (request b, value head hv, dv-tile); every dv column
 the solve is independent, so each program recomputes the small `[chunk, chunk]` matrices and
 handles `block_v` columns. Two-pass form (`two_pass=True`; by default on grids of at least
 TWO_PASS_MIN_PROGRAMS (b, hv) pairs): `_factor_kernel` per (b, hv) folds the key side into Q' and P
-once, `_apply_kernel` per dv tile computes out = Q' h0 + P v; its variant (`apply_reads_keys=True`,
-not yet compiled on a GPU) keeps only P and decay in the first kernel and has the second read q and k.
-Every way the
-node's replay payload row pieces `[k | v | a | b]` are written as they are read (v by every value
-head's tiles, a/b by every value head, k by the first value head of each key head).
+once, `_apply_kernel` per dv tile computes out = Q' h0 + P v; its variant (`apply_reads_keys`, by
+default from 64 padded rows) keeps only P and decay in the first kernel and has the second read q
+and k. The factor kernels work on whole [chunk, chunk] tiles: 16-row tiles with block forward
+substitution (88 small dots at 64 rows instead of 15 large ones) took 1.7-2.2x as long on the H200
+(session 7, commit 28d892c). Every form writes the node's replay payload row pieces `[k | v | a | b]`
+as they are read (v by every value head's tiles, a/b by every value head, k by the first value head
+of each key head).
 
 Public entry point: `gdn_chunked_verify(...)` with `backend=None|"pallas"|"interpret"|"reference"`.
 """
@@ -31,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2, resolve_backend
-from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES, load_ancestor_block, load_ancestor_tile
+from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES, load_ancestor_tile
 from pallas_kernels.linear.gdn_common import default_scale, gates, gdn_dims, l2_normalize
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
@@ -45,7 +47,7 @@ MIN_CHUNK = 16
 # On the H200 at B=32, T=16 (benchmarks/RESULTS.md, session 6) a sweep timed 16-column tiles and 8
 # apply warps at 222-252 us and 64-column tiles at 146 us, against 152-155 us for this default. Two
 # factor warps won at B=32, T=16 (141 vs 155 us) and lost at B=64, T=16 (311 vs 264); eight lost at
-# T = 16 and 32 (T=64 is owed), so 4 stays.
+# T = 16, 32 and (apply-reads-keys form, B=32, session 7) at T=64 (1096 vs 814 us), so 4 stays.
 TWO_PASS_FACTOR_WARPS = 4
 TWO_PASS_BLOCK_V = 32
 TWO_PASS_APPLY_WARPS = 4
@@ -56,15 +58,22 @@ TWO_PASS_APPLY_WARPS = 4
 # 29.1 us; 65.3 vs 36.2 in another run) and won at T = 8, 32, 64. B = 2..7 are unmeasured and stay
 # with the fused kernel.
 TWO_PASS_MIN_PROGRAMS = 256
-# Row-tile sizes the apply-reads-keys factor kernel can work in (`factor_block_rows`): at least a
-# dot's 16, at most one 32-bit ancestor mask word.
-FACTOR_BLOCK_ROWS = (16, 32)
+# Fewest padded rows at which `apply_reads_keys=None` runs the two-pass variant whose apply kernel
+# reads q and k. On the H200 (B=32, Qwen3-Next dims, benchmarks/RESULTS.md, session 7) it took
+# 967-1019 us against 1306 at T=64 and 913 against 1199 at T=48 (64 rows), and tied or lost below:
+# 539 vs 539 at T=24, 589 vs 533 at T=29 (32 rows), 151 vs 156 at T=16.
+APPLY_READS_KEYS_MIN_ROWS = 64
 
 
 def default_two_pass(batch: int, num_v_heads: int) -> bool:
     """Whether `gdn_chunked_verify(two_pass=None)` runs the two-pass form: when its factor kernel's
     (B, HV) grid has at least TWO_PASS_MIN_PROGRAMS programs."""
     return batch * num_v_heads >= TWO_PASS_MIN_PROGRAMS
+
+
+def default_apply_reads_keys(chunk: int) -> bool:
+    """Whether the two-pass form runs its apply-reads-keys variant by default at `chunk` padded rows."""
+    return chunk >= APPLY_READS_KEYS_MIN_ROWS
 
 
 def _dot_t(x, y, precision):
@@ -223,69 +232,6 @@ def _p_factor_kernel(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, _p
                        first_tile=True)
 
 
-def _blocked_p_factor_kernel(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, _payload_in_ref,
-                             p_ref, decay_ref, payload_ref, *, nodes: int, chunk: int, block: int, group: int,
-                             use_qk_l2norm: bool, scale: float, layout: GdnPayloadLayout, precision):
-    """`_p_factor_kernel`'s P and decay from `[block, block]` tiles (block < chunk). The [chunk, chunk]
-    form makes every product a full-tile dot whatever its zero blocks, and at 64 rows its six
-    inversion levels dominate the kernel; here each diagonal block of (I + M) is inverted on its own
-    and the lower blocks of the inverse follow by block forward substitution,
-    X_ij = -X_ii sum_{j <= l < i} M_il X_lj; blocks above the diagonal are never formed. Row blocks
-    past the last node are padding: P is zero there and decay one (never read for a stored row)."""
-    b = pl.program_id(0)
-    hv = pl.program_id(1)
-    kh = hv // group
-    idx = jnp.arange(block, dtype=jnp.int32)
-    eye = idx[:, None] == idx[None, :]
-    n_live = -(-nodes // block)
-    ks, gs, betas, big_g, anc, qk, kk = [], [], [], [], {}, {}, {}
-    # Traced row starts: Pallas checks a concrete slice against T, and the last live tile may reach
-    # past T (its rows there are masked).
-    start = lambda i: b * 0 + i * block  # noqa: E731
-    for i in range(n_live):
-        rows, live = pl.ds(start(i), block), idx + i * block < nodes
-        q, k, k_raw = _load_qk(q_ref, k_ref, b=b, kh=kh, node_rows=rows, live=live, use_qk_l2norm=use_qk_l2norm,
-                               scale=scale)
-        a_raw = plgpu.load(a_ref.at[b, rows, hv], mask=live, other=0)
-        b_raw = plgpu.load(b_ref.at[b, rows, hv], mask=live, other=0)
-        _store_key_payload(payload_ref, dict(live=live, node_rows=rows, k_raw=k_raw, a_raw=a_raw, b_raw=b_raw),
-                           b=b, hv=hv, kh=kh, group=group, dk=k_ref.shape[-1], layout=layout, first_tile=True)
-        g, beta = gates(a_raw, b_raw, alog_ref[hv], dtb_ref[hv])
-        ks.append(k)
-        gs.append(jnp.where(live, g, 0.0))
-        betas.append(beta)
-        for j in range(i + 1):
-            anc[i, j] = load_ancestor_block(mask_ref, b, start(i), j * block, block, live)
-            qk[i, j] = _dot_t(q, ks[j], precision)
-            kk[i, j] = _dot_t(k, ks[j], precision)
-        # log-decay from the root to each row: its ancestors lie in blocks 0..i
-        big_g.append(functools.reduce(jnp.add, [jnp.sum(jnp.where(anc[i, j], gs[j][None, :], 0.0), axis=1)
-                                                for j in range(i + 1)]))
-    m, attn, x = {}, {}, {}
-    for i in range(n_live):
-        for j in range(i + 1):
-            # G_t - G_s <= 0 on ancestor pairs (g <= 0); the min keeps masked pairs from overflowing.
-            decay_ts = jnp.where(anc[i, j], jnp.exp(jnp.minimum(big_g[i][:, None] - big_g[j][None, :], 0.0)), 0.0)
-            strict = anc[i, j] & ~eye if i == j else anc[i, j]
-            m[i, j] = jnp.where(strict, betas[i][:, None] * decay_ts * kk[i, j], 0.0)
-            attn[i, j] = decay_ts * qk[i, j]
-    for i in range(n_live):
-        x[i, i] = _invert_unit_lower(m[i, i], block, precision)
-        for j in range(i):
-            acc = functools.reduce(jnp.add, [_dot(m[i, l], x[l, j], precision) for l in range(j, i)])
-            x[i, j] = -_dot(x[i, i], acc, precision)
-    for i in range(chunk // block):
-        rows = pl.ds(i * block, block)
-        for j in range(chunk // block):
-            if j <= i < n_live:
-                p = functools.reduce(jnp.add, [_dot(attn[i, l], x[l, j], precision) for l in range(j, i + 1)])
-                p = p * betas[j][None, :]
-            else:
-                p = jnp.zeros((block, block), jnp.float32)
-            p_ref[b, hv, rows, pl.ds(j * block, block)] = p
-        decay_ref[b, hv, rows] = jnp.exp(big_g[i]) if i < n_live else jnp.ones((block,), jnp.float32)
-
-
 def _apply_keys_kernel(slots_ref, q_ref, k_ref, p_ref, decay_ref, v_ref, pool_ref, _payload_in_ref, o_ref,
                        payload_ref, *, nodes: int, chunk: int, group: int, block_v: int, use_qk_l2norm: bool,
                        scale: float, layout: GdnPayloadLayout, precision):
@@ -329,8 +275,7 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
                        *, use_qk_l2norm: bool = True, scale: float | None = None,
                        config: GdnKernelConfig | None = None, fp32_dots: str = "ieee",
                        two_pass: bool | None = None, factor_warps: int | None = None,
-                       apply_reads_keys: bool = False, factor_block_rows: int | None = None,
-                       backend: str | None = None):
+                       apply_reads_keys: bool | None = None, backend: str | None = None):
     """Chunked GDN verify of a tree with T <= MAX_CHUNKED_NODES (64) nodes. Shapes in `gdn_common`.
 
     ancestor_mask: `[B, T, 2] uint32` packed ancestor-or-self rows (`tree.masks.ancestor_mask`),
@@ -343,7 +288,8 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     neither kernel holds both the key-side tiles and a state tile. False: the single fused kernel.
     None (default): `default_two_pass(B, HV)`. `config` sets the second kernel's launch (default: 32-column tiles, 4 warps);
     `factor_warps` the first kernel's warps (default TWO_PASS_FACTOR_WARPS; unused when the fused
-    form runs). `apply_reads_keys` (two-pass only; not yet compiled or timed on a GPU): the first kernel keeps only
+    form runs). `apply_reads_keys` (two-pass only; None = `default_apply_reads_keys(chunk)`, on from 64 padded
+    rows): the first kernel keeps only
     [T, T] products (P and decay, `_p_factor_kernel`) and the second reads q and k itself and computes
     out = diag(decay) q h0 + P (v - diag(decay) k h0) (`_apply_keys_kernel`): two fewer [T, T] x
     [T, dk] products per (request, value head) and no [T, dk] fp32 Q' in HBM, for one more
@@ -370,20 +316,19 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     if two_pass is False and apply_reads_keys:
         raise ValueError("gdn_chunked_verify: apply_reads_keys=True is a two-pass form, but two_pass=False "
                          "runs the fused kernel")
-    if factor_block_rows is not None and not apply_reads_keys:
-        raise ValueError(f"gdn_chunked_verify: factor_block_rows={factor_block_rows} sets the apply-reads-keys form's "
-                         "factor kernel, but apply_reads_keys=False")
     if two_pass is False and factor_warps is not None:
         raise ValueError(f"gdn_chunked_verify: factor_warps={factor_warps} sets the two-pass form's factor kernel, "
                          "but two_pass=False runs the fused kernel")
     if two_pass is None:
         two_pass = default_two_pass(dims.batch, dims.num_v_heads)
+    if apply_reads_keys is None:
+        apply_reads_keys = two_pass and default_apply_reads_keys(chunk)
     if two_pass:
         return _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload, dims=dims,
                          chunk=chunk, layout=layout, use_qk_l2norm=use_qk_l2norm, scale=scale, config=config,
                          precision=precision, interpret=kind == "interpret",
                          factor_warps=TWO_PASS_FACTOR_WARPS if factor_warps is None else factor_warps,
-                         apply_reads_keys=apply_reads_keys, factor_block_rows=factor_block_rows)
+                         apply_reads_keys=apply_reads_keys)
     block_v, num_warps, num_stages = pick_launch(dims, config, chunked=True)
     kernel = functools.partial(_chunked_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group, block_v=block_v,
                                use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout, precision=precision)
@@ -401,8 +346,7 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
 
 
 def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload, *, dims, chunk, layout,
-              use_qk_l2norm, scale, config, precision, interpret, factor_warps, apply_reads_keys=False,
-              factor_block_rows=None):
+              use_qk_l2norm, scale, config, precision, interpret, factor_warps, apply_reads_keys=False):
     """`gdn_chunked_verify(two_pass=True)`: `_factor_kernel` then `_apply_kernel` (or, with
     `apply_reads_keys`, `_p_factor_kernel` then `_apply_keys_kernel`)."""
     config = config or GdnKernelConfig()
@@ -413,8 +357,7 @@ def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_m
                          f">= {MIN_CHUNK} dividing dv={dv}")
     factor = two_pass_factor(q, k, a, b, A_log, dt_bias, ancestor_mask, payload, dims=dims, chunk=chunk,
                              layout=layout, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision,
-                             interpret=interpret, factor_warps=factor_warps, p_only=apply_reads_keys,
-                             factor_block_rows=factor_block_rows)
+                             interpret=interpret, factor_warps=factor_warps, p_only=apply_reads_keys)
     payload = factor[-1]
     if apply_reads_keys:  # (P, decay): the apply kernel reads q and k itself
         apply = functools.partial(_apply_keys_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group,
@@ -438,23 +381,15 @@ def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_m
 
 
 def two_pass_factor(q, k, a, b, A_log, dt_bias, ancestor_mask, payload, *, dims, chunk, layout, use_qk_l2norm,
-                    scale, precision, interpret, factor_warps, p_only: bool = False,
-                    factor_block_rows: int | None = None):
+                    scale, precision, interpret, factor_warps, p_only: bool = False):
     """The two-pass form's first kernel alone (the bench times it on its own to split the form's
     time between its passes): `(Q' [B, HV, chunk, dk] f32, P [B, HV, chunk, chunk] f32, payload)`,
     or with `p_only` (the form whose apply kernel reads the keys)
-    `(P [B, HV, chunk, chunk] f32, decay [B, HV, chunk] f32, payload)`. `factor_block_rows` (p_only;
-    16 or 32): below chunk, P comes from tiles of that many rows (`_blocked_p_factor_kernel`)."""
+    `(P [B, HV, chunk, chunk] f32, decay [B, HV, chunk] f32, payload)`."""
     if not 1 <= factor_warps <= MAX_NUM_WARPS or factor_warps & (factor_warps - 1):
         raise ValueError(f"two_pass_factor: factor_warps={factor_warps} must be a power of two in [1, {MAX_NUM_WARPS}]")
-    if factor_block_rows is not None and (factor_block_rows not in FACTOR_BLOCK_ROWS or not p_only):
-        raise ValueError(f"two_pass_factor: factor_block_rows={factor_block_rows} must be one of {FACTOR_BLOCK_ROWS} "
-                         f"and needs p_only (the apply-reads-keys form); got p_only={p_only}")
     bsz, hv, dk = dims.batch, dims.num_v_heads, dims.head_k_dim
-    blocked = factor_block_rows is not None and factor_block_rows < chunk
-    kernel = (functools.partial(_blocked_p_factor_kernel, block=factor_block_rows) if blocked
-              else _p_factor_kernel if p_only else _factor_kernel)
-    factor = functools.partial(kernel, nodes=dims.nodes, chunk=chunk, group=dims.group, use_qk_l2norm=use_qk_l2norm,
+    factor = functools.partial(_p_factor_kernel if p_only else _factor_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group, use_qk_l2norm=use_qk_l2norm,
                                scale=scale, layout=layout, precision=precision)
     folds = ((jax.ShapeDtypeStruct((bsz, hv, chunk, chunk), jnp.float32),
               jax.ShapeDtypeStruct((bsz, hv, chunk), jnp.float32)) if p_only else
@@ -467,5 +402,5 @@ def two_pass_factor(q, k, a, b, A_log, dt_bias, ancestor_mask, payload, *, dims,
         input_output_aliases={7: 2},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=factor_warps, num_stages=1),
-        name="gdn_chunked_blocked_p_factor" if blocked else "gdn_chunked_p_factor" if p_only else "gdn_chunked_factor",
+        name="gdn_chunked_p_factor" if p_only else "gdn_chunked_factor",
     )(ancestor_mask, q, k, a, b, A_log.astype(jnp.float32), dt_bias.astype(jnp.float32), payload)

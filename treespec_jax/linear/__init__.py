@@ -1,7 +1,7 @@
 """treespec_jax.linear"""
 # GDN verify + commit (ReplaySSM and staged).
 from treespec_jax.linear.gdn import (  # noqa: E402,F401
-    GDN_TREE_VERIFY_CHUNKED_MIN_FILL, GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_NODES_FUSED,
+    GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_NODES_FUSED,
     GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS, FusedChainGdnLayer, GdnLayerConfig,
     GdnTree, GdnTreeLayer, gdn_commit_replay, gdn_commit_staged, gdn_verify)
 # Mamba2 verify + commit (ReplaySSM and staged) and the tree conv glue.

@@ -3,7 +3,7 @@
 Modes (`GdnStateMode`):
   "replay_ssm" (default) The committed state pool is never written during verify. With
                `chunked_tree_verify` (default), trees of `chunked_min_nodes` .. `chunked_max_nodes`
-               nodes (default: 8..16, 29..32 and 58..64 where the two-pass form runs, B * HV >= 256;
+               nodes (default: 8..16, 26..32 and 42..64 where the two-pass form runs, B * HV >= 256;
                12..16 where the fused form runs) run the chunked tree form (no node states at all);
                other trees run the recurrent
                kernel, which stores the state of every branch point (a node with a child other than
@@ -27,6 +27,7 @@ two-pass chunked form runs take that form with a chain's ancestor mask (`chunked
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,7 +36,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES
 from pallas_kernels.common import next_pow2
-from pallas_kernels.linear.gdn_chunked import MIN_CHUNK, default_two_pass, gdn_chunked_verify
+from pallas_kernels.linear.gdn_chunked import (MIN_CHUNK, default_apply_reads_keys, default_two_pass,
+                                              gdn_chunked_verify)
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit
 from pallas_kernels.row_move import pack_path_rows
@@ -59,12 +61,14 @@ GDN_TREE_VERIFY_CHUNKED_MIN_NODES = 8
 # ahead of the recurrent tree at B = 32, 64 from T=12).
 GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS = (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, MAX_CHUNKED_NODES)
 GDN_TREE_VERIFY_CHUNKED_NODES_FUSED = (12, 16)
-# Under the default two-pass range, a tree padded past 16 rows goes chunked only if it fills at least
-# this share of its padded rows (32 or 64): the chunked cost steps with the padded rows while the
-# recurrent tree's grows with T. Interpolating the B = 32, 64 rows above, the recurrent tree catches
-# up near T = 24-25 below 32 rows and T = 57-61 below 64 rows; 29/32 keeps 29..32 and 58..64
-# (timings at T = 24, 29, 48 and 58 are owed: benchmarks/gpu_suite.py --owed).
-GDN_TREE_VERIFY_CHUNKED_MIN_FILL = 29 / 32
+# Under the default two-pass range, a tree padded past 16 rows goes chunked only with at least this
+# many nodes, by (padded rows, whether the apply-reads-keys variant runs): the chunked cost steps
+# with the padded rows while the recurrent tree's grows with T. On the H200 (B=32, Qwen3-Next dims,
+# benchmarks/RESULTS.md, session 7), 32 rows: recurrent 520 us vs two-pass 539 at T=24, 593 vs 533
+# (apply-reads-keys 589) at T=29; 64 rows: 1087 vs 1199 (913) at T=48, 1447 vs 1306 (967) at T=64.
+# With the recurrent tree's 14.6 / 22.5 us per node between those points, it catches up near T=25
+# (two-pass) and 29 (keys) below 32 rows, and near T=56 (two-pass) and 42 (keys) below 64 rows.
+GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES = {(32, False): 26, (32, True): 29, (64, False): 56, (64, True): 42}
 
 # ReplaySSM chains (no tree) of this many nodes verify in the two-pass chunked form where it runs
 # (with a chain's ancestor mask). On the H200 (benchmarks/RESULTS.md, session 6) the two-pass chain
@@ -100,8 +104,9 @@ class GdnLayerConfig:
     # MAX_CHUNKED_NODES (64)]; None = the default of the form that runs (`chunked_route`).
     chunked_min_nodes: int | None = None
     # Largest tree sent to the chunked form, in [chunked_min_nodes, MAX_CHUNKED_NODES (64)]; None = the
-    # default of the form that runs: 64 for two-pass (trees past 16 nodes only when they fill 29/32 of
-    # their padded rows), 16 for fused (GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS / _FUSED).
+    # default of the form that runs: 64 for two-pass (trees past 16 nodes only from
+    # GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES: 26..32 and 42..64 by default), 16 for fused
+    # (GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS / _FUSED).
     chunked_max_nodes: int | None = None
     # The chunked form's fp32 products: "tf32x3" (three TF32 tensor-core passes, about fp32
     # accuracy; 4.5x faster than "ieee" at B=32 T=16 on the H200) or "ieee". The CPU interpreter
@@ -112,9 +117,10 @@ class GdnLayerConfig:
     # (`gdn_chunked.default_two_pass`: two-pass when B * HV >= TWO_PASS_MIN_PROGRAMS).
     chunked_two_pass: bool | None = None
     # Where the two-pass form runs, run its variant whose second kernel reads q and k
-    # (`gdn_chunked_verify(apply_reads_keys=True)`: the first kernel keeps only [T, T] products). Off:
-    # not yet compiled or timed on a GPU (benchmarks/gpu_suite.py --owed; bench_gdn reports both).
-    chunked_apply_reads_keys: bool = False
+    # (`gdn_chunked_verify(apply_reads_keys=True)`: the first kernel keeps only [T, T] products):
+    # True / False at every size, None = from 64 padded rows (`gdn_chunked.default_apply_reads_keys`;
+    # 0.74-0.85x the other two-pass form's time there on the H200, a tie or a loss below).
+    chunked_apply_reads_keys: bool | None = None
 
     def __post_init__(self):
         check_state_mode(self.mode, "GDN")
@@ -134,7 +140,9 @@ class GdnLayerConfig:
                           f"chunked_max_nodes={self.chunked_max_nodes}")
         if self.chunked_two_pass not in (None, True, False):
             errors.append(f"chunked_two_pass={self.chunked_two_pass!r} must be None, True or False")
-        if self.chunked_apply_reads_keys and self.chunked_two_pass is False:
+        if self.chunked_apply_reads_keys not in (None, True, False):
+            errors.append(f"chunked_apply_reads_keys={self.chunked_apply_reads_keys!r} must be None, True or False")
+        elif self.chunked_apply_reads_keys and self.chunked_two_pass is False:
             errors.append("chunked_apply_reads_keys=True is a two-pass form, but chunked_two_pass=False")
         if ((self.chunked_tree_verify or self.chunked_chain_verify) and self.kernel.block_v is not None
                 and self.kernel.block_v < MIN_CHUNK):
@@ -156,13 +164,14 @@ class GdnLayerConfig:
         return (self.chunked_chain_verify and self.mode == "replay_ssm" and self._two_pass_runs(batch)
                 and lo <= num_nodes <= hi)
 
-    def chunked_route(self, batch: int) -> tuple[int, int, float]:
-        """(smallest tree, largest tree, min_fill) this layer sends to the chunked form at this batch
-        size (see `verify_kernel_for`). Explicit bounds win; an unset bound takes the default range of
-        the form that runs (two-pass or fused, `GDN_TREE_VERIFY_CHUNKED_NODES_*`), clipped so that it
-        never crosses the explicit one (an unset min becomes 8, an unset max 64). The fill rule
-        (GDN_TREE_VERIFY_CHUNKED_MIN_FILL) holds only when chunked_max_nodes is unset and the two-pass
-        form runs."""
+    def chunked_route(self, batch: int) -> tuple[int, int, dict[int, int]]:
+        """(smallest tree, largest tree, padded_min_nodes) this layer sends to the chunked form at this
+        batch size (see `verify_kernel_for`). Explicit bounds win; an unset bound takes the default
+        range of the form that runs (two-pass or fused, `GDN_TREE_VERIFY_CHUNKED_NODES_*`), clipped so
+        that it never crosses the explicit one (an unset min becomes 8, an unset max 64). The
+        padded-rows minimum (GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES, for the two-pass variant this
+        layer runs at 32 and 64 rows) holds only when chunked_max_nodes is unset and the two-pass form
+        runs; otherwise it is empty."""
         large = self._two_pass_runs(batch)
         lo, hi = GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS if large else GDN_TREE_VERIFY_CHUNKED_NODES_FUSED
         if self.chunked_min_nodes is not None:
@@ -171,8 +180,17 @@ class GdnLayerConfig:
         if self.chunked_max_nodes is not None:
             hi = self.chunked_max_nodes
             lo = lo if lo <= hi else GDN_TREE_VERIFY_CHUNKED_MIN_NODES
-        fill = GDN_TREE_VERIFY_CHUNKED_MIN_FILL if large and self.chunked_max_nodes is None else 0.0
-        return lo, hi, fill
+        if not large or self.chunked_max_nodes is not None:
+            return lo, hi, {}
+        return lo, hi, {rows: GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES[rows, self.runs_apply_reads_keys(rows)]
+                        for rows in (32, 64)}
+
+    def runs_apply_reads_keys(self, padded_rows: int) -> bool:
+        """Whether the two-pass form, where it runs, takes its apply-reads-keys variant at this many
+        padded rows."""
+        if self.chunked_apply_reads_keys is None:
+            return default_apply_reads_keys(padded_rows)
+        return self.chunked_apply_reads_keys
 
     @property
     def payload_layout(self) -> GdnPayloadLayout:
@@ -187,15 +205,16 @@ class GdnVerifyOutput(NamedTuple):
 
 def verify_kernel_for(mode: GdnStateMode, num_nodes: int, is_tree: bool, chunked_tree_verify: bool,
                       min_nodes: int = GDN_TREE_VERIFY_CHUNKED_MIN_NODES, *,
-                      max_nodes: int = MAX_CHUNKED_NODES, min_fill: float = 0.0,
+                      max_nodes: int = MAX_CHUNKED_NODES, padded_min_nodes: Mapping[int, int] | None = None,
                       chain_chunked: bool = False) -> str:
     """Which kernel a verify runs: "chunked", "recurrent_tree" or "recurrent_chain".
 
     ReplaySSM trees of max(min_nodes, GDN_TREE_VERIFY_CHUNKED_MIN_NODES)..max_nodes nodes take the
     chunked form (`GdnLayerConfig` keeps max_nodes <= MAX_CHUNKED_NODES), except a tree padded past
-    16 rows that fills less than `min_fill` of its padded rows. A layer passes
-    `*cfg.chunked_route(B)`; the defaults here are the widest range, with no fill rule. A chain runs
-    the chunked form only under ReplaySSM with `chain_chunked` (`cfg.chain_runs_chunked(T, B)`).
+    16 rows with fewer nodes than `padded_min_nodes[padded rows]` (32 or 64 rows; a missing key sets
+    no minimum). A layer passes `*cfg.chunked_route(B)`; the defaults here are the widest range, with
+    no padded-rows minimum. A chain runs the chunked form only under ReplaySSM with `chain_chunked`
+    (`cfg.chain_runs_chunked(T, B)`).
     """
     check_state_mode(mode, "GDN")
     if not is_tree:
@@ -203,7 +222,7 @@ def verify_kernel_for(mode: GdnStateMode, num_nodes: int, is_tree: bool, chunked
     padded = max(MIN_CHUNK, next_pow2(num_nodes))
     if (chunked_tree_verify and mode == "replay_ssm"
             and max(min_nodes, GDN_TREE_VERIFY_CHUNKED_MIN_NODES) <= num_nodes <= max_nodes
-            and (padded == MIN_CHUNK or num_nodes >= min_fill * padded)):
+            and (padded == MIN_CHUNK or num_nodes >= (padded_min_nodes or {}).get(padded, 0))):
         return "chunked"
     return "recurrent_tree"
 
@@ -263,9 +282,9 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
         raise ValueError("ReplaySSM verify needs this layer's payload buffer [B, T, width] (payload=None)")
     if cfg.mode == "staged" and payload is not None:
         raise ValueError("staged verify writes no replay payload; pass payload=None")
-    lo, hi, fill = cfg.chunked_route(q.shape[0])
+    lo, hi, padded_min = cfg.chunked_route(q.shape[0])
     kernel = verify_kernel_for(cfg.mode, t, tree is not None, cfg.chunked_tree_verify, lo, max_nodes=hi,
-                               min_fill=fill, chain_chunked=cfg.chain_runs_chunked(t, q.shape[0]))
+                               padded_min_nodes=padded_min, chain_chunked=cfg.chain_runs_chunked(t, q.shape[0]))
     common = dict(use_qk_l2norm=cfg.use_qk_l2norm, scale=cfg.scale, config=cfg.kernel, backend=backend)
     if kernel == "chunked":
         chain_chunked = tree is None
