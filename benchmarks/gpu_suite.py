@@ -35,13 +35,16 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 
 # Measurements still owed (see benchmarks/RESULTS.md, summary), run by `--owed --out $OUT`: module name
-# -> its flags. GDN with the session-7 defaults (the apply-reads-keys two-pass form from 64 padded rows,
-# GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES): B=64 T=64 (the keys form was timed at B=32 only), B=32
-# T=40 (the 64-row minimum of 42 nodes is interpolated between T=48 and 64) and T=32. About 6 minutes.
-# Then: move the 64-row minimum to where the keys form and the recurrent tree cross.
+# -> its flags. GDN with the session-7 code: compiled conformance of the block inversion without
+# first-level dots (cases 2, 3: T = 16, 33); B=32 T=64 again (the factor kernel lost two of its
+# dots), B=64 T=64 (the apply-reads-keys form, the 64-row default, was timed at B=32 only), B=32 T=40
+# (the 64-row minimum of 42 nodes is interpolated between T=48 and 64), then 64-column apply tiles at
+# B=32 T=64. About 8-9 minutes; rows past the budget are skipped. Then: move the 64-row minimum to
+# where the keys form and the recurrent tree cross.
 OWED: dict[str, list[str]] = {
-    "gdn": ["--conformance-cases", "2", "--configs", "64x64,32x40,32x32", "--no-drafter-trees", "--skip-commit",
-            "--no-fla", "--no-fused-chunked", "--budget-s", "400"],
+    "gdn": ["--conformance-cases", "2,3", "--configs", "32x64,64x64,32x40", "--no-drafter-trees", "--skip-commit",
+            "--no-fla", "--no-fused-chunked", "--sweep-chunked", "64:4:1", "--sweep-at", "32x64",
+            "--budget-s", "400"],
 }
 
 
