@@ -435,10 +435,11 @@ def default_route(bsz, t, r):
                                     padded_min_nodes=padded_min)
     two_key = "tree_chunked3_tf32x3" if keys else "tree_chunked2_tf32x3"
     tree_key = (two_key if two else "tree_chunked_tf32x3") if tree_kernel == "chunked" else "tree_replay_rec"
-    chain_key = "chain_chunked2_tf32x3" if cfg.chain_runs_chunked(t, bsz) else "chain_replay"
+    chain_key = ((("chain_chunked3_tf32x3" if keys else "chain_chunked2_tf32x3") if cfg.chain_runs_chunked(t, bsz)
+                  else "chain_replay"))
     name = {"tree_replay_rec": "recurrent", "tree_chunked_tf32x3": "fused", "tree_chunked2_tf32x3": "two-pass",
             "tree_chunked3_tf32x3": "two-pass (apply reads keys)", "chain_replay": "recurrent",
-            "chain_chunked2_tf32x3": "two-pass"}
+            "chain_chunked2_tf32x3": "two-pass", "chain_chunked3_tf32x3": "two-pass (apply reads keys)"}
     ratio = f"{r[tree_key] / r[chain_key]:.2f}x" if tree_key in r and chain_key in r else "-"
     return f"{name[tree_key]} / {name[chain_key]}, {ratio}"
 

@@ -322,7 +322,7 @@ def test_large_grid_default_runs_two_pass_up_to_64_nodes(monkeypatch):
                        backend="interpret")
     assert not np.isnan(np.asarray(small.node_states)).all()  # recurrent: branch-point rows written
     monkeypatch.setattr(gdn_chunked_module, "TWO_PASS_MIN_PROGRAMS", B * HV)
-    assert default.chunked_route(B) == (8, 64, {32: 26, 64: 42})
+    assert default.chunked_route(B) == (8, 64, {32: 26, 64: 33})
     large = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
                        backend="interpret")
     assert np.isnan(np.asarray(large.node_states)).all()  # chunked: no node states
@@ -334,10 +334,12 @@ def test_large_grid_default_runs_two_pass_up_to_64_nodes(monkeypatch):
     assert rel_err(large.out, ref_out) < TOL and rel_err(small.out, ref_out) < TOL
 
 
-@pytest.mark.parametrize("t, want_chunked", [(12, True), (16, True), (8, False), (17, False)])
-def test_chains_of_12_to_16_nodes_take_the_two_pass_form_on_large_grids(monkeypatch, t, want_chunked):
-    """Under ReplaySSM a chain (tree=None) of 12..16 nodes runs the two-pass chunked form with a chain's
-    ancestor mask where that form runs (bit for bit, no workspace row written, payload as read); other
+@pytest.mark.parametrize("t, want_chunked", [(12, True), (16, True), (8, False), (17, False), (55, False),
+                                             (60, True)])
+def test_chains_of_12_to_16_and_56_to_64_nodes_take_the_two_pass_form_on_large_grids(monkeypatch, t, want_chunked):
+    """Under ReplaySSM a chain (tree=None) of 12..16 nodes, or of 56..64 where the apply-reads-keys
+    variant runs at 64 rows, runs the two-pass chunked form with a chain's ancestor mask where that
+    form runs (bit for bit, no workspace row written, payload as read); other
     lengths, small grids, chunked_chain_verify=False and chunked_two_pass=False run the recurrent chain.
     The two-pass threshold is lowered so the test's batch counts as a large grid."""
     import pallas_kernels.linear.gdn_chunked as gdn_chunked_module
@@ -352,6 +354,9 @@ def test_chains_of_12_to_16_nodes_take_the_two_pass_form_on_large_grids(monkeypa
     assert not GdnLayerConfig(H, HV, DK, DV, chunked_chain_verify=False).chain_runs_chunked(t, B)
     assert not GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=False).chain_runs_chunked(t, B)
     assert not GdnLayerConfig(H, HV, DK, DV, mode="staged").chain_runs_chunked(t, B)
+    # 56..64 only where the apply-reads-keys variant runs at 64 rows (the default).
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=False).chain_runs_chunked(t, B) == (
+        want_chunked and t <= 16)
     res = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=None,
                      backend="interpret")
     assert rel_err(res.out, ref_out) < TOL
@@ -376,14 +381,14 @@ def test_chunked_reference_states_match_per_path():
 
 def test_layer_verify_dispatch_and_modes_agree():
     """With chunked_tree_verify (the default), gdn_verify picks the chunked form for ReplaySSM trees
-    in the layer's chunked route: by the form that runs, 8..16, 26..32 and 42..64 nodes (two-pass,
+    in the layer's chunked route: by the form that runs, 8..16 and 26..64 nodes (two-pass,
     large grids; the padded-rows minimum follows the two-pass variant that runs) or 12..16 (fused); at
     least 8; masks alone describe the tree."""
     assert GDN_TREE_VERIFY_CHUNKED_MIN_NODES == 8
     assert GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS == (8, 64)
     assert GDN_TREE_VERIFY_CHUNKED_NODES_FUSED == (12, 16)
-    assert GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES == {(32, False): 26, (32, True): 29, (64, False): 56,
-                                                        (64, True): 42}
+    assert GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES == {(32, False): 26, (32, True): 29, (64, False): 40,
+                                                        (64, True): 33}
     assert verify_kernel_for("replay_ssm", 16, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 8, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 64, True, True) == "chunked"
@@ -403,7 +408,7 @@ def test_layer_verify_dispatch_and_modes_agree():
             default.chunked_fp32_dots) == (True, None, None, "tf32x3")
     small_b, large_b = TWO_PASS_MIN_PROGRAMS // HV - 1, -(-TWO_PASS_MIN_PROGRAMS // HV)
     assert not default_two_pass(small_b, HV) and default_two_pass(large_b, HV)
-    fill = {32: 26, 64: 42}  # the plain two-pass form at 32 rows, the apply-reads-keys one at 64
+    fill = {32: 26, 64: 33}  # the plain two-pass form at 32 rows, the apply-reads-keys one at 64
     assert default.chunked_route(small_b) == (12, 16, {})
     assert default.chunked_route(large_b) == (8, 64, fill)
     # Forcing the fused form on a large grid keeps the fused range; forcing two-pass on a small grid
@@ -413,9 +418,9 @@ def test_layer_verify_dispatch_and_modes_agree():
     assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True).chunked_route(large_b) == (8, 64, fill)
     # The minimum follows the variant the layer runs at each padding.
     assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=False).chunked_route(large_b) == (
-        8, 64, {32: 26, 64: 56})
+        8, 64, {32: 26, 64: 40})
     assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=True).chunked_route(large_b) == (
-        8, 64, {32: 29, 64: 42})
+        8, 64, {32: 29, 64: 33})
     # One explicit bound keeps the other from the default unless they would cross; an explicit max
     # drops the padded-rows minimum.
     assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_route(small_b) == (8, 10, {})

@@ -59,8 +59,9 @@ TWO_PASS_APPLY_WARPS = 4
 # with the fused kernel.
 TWO_PASS_MIN_PROGRAMS = 256
 # Fewest padded rows at which `apply_reads_keys=None` runs the two-pass variant whose apply kernel
-# reads q and k. On the H200 (B=32, Qwen3-Next dims, benchmarks/RESULTS.md, session 7) it took
-# 967-1019 us against 1306 at T=64 and 913 against 1199 at T=48 (64 rows), and tied or lost below:
+# reads q and k. On the H200 (Qwen3-Next dims, benchmarks/RESULTS.md, session 7) it took 967-1019 us
+# against 1306 at B=32, T=64 and 913 against 1199 at T=48 (64 rows), then, with the inversion's first
+# level done without dots, 662 vs 907 (B=32) and 1239 vs 1812 (B=64) at T=64; it tied or lost below:
 # 539 vs 539 at T=24, 589 vs 533 at T=29 (32 rows), 151 vs 156 at T=16.
 APPLY_READS_KEYS_MIN_ROWS = 64
 

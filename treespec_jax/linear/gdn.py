@@ -3,7 +3,7 @@
 Modes (`GdnStateMode`):
   "replay_ssm" (default) The committed state pool is never written during verify. With
                `chunked_tree_verify` (default), trees of `chunked_min_nodes` .. `chunked_max_nodes`
-               nodes (default: 8..16, 26..32 and 42..64 where the two-pass form runs, B * HV >= 256;
+               nodes (default: 8..16 and 26..64 where the two-pass form runs, B * HV >= 256;
                12..16 where the fused form runs) run the chunked tree form (no node states at all);
                other trees run the recurrent
                kernel, which stores the state of every branch point (a node with a child other than
@@ -21,8 +21,8 @@ the staged source row is path[accept_len - 1] (DESIGN's "1 + path[accept_len - 1
 leading row). For a chain it is accept_len - 1. accept_len == 0 (a padded request) commits nothing.
 
 A chain (topk == 1) passes no tree (`parents=None`, `ancestor_mask=None`): the recurrent kernel runs
-without reading parents and never reloads; under ReplaySSM, chains of 12..16 nodes on grids where the
-two-pass chunked form runs take that form with a chain's ancestor mask (`chunked_chain_verify`).
+without reading parents and never reloads; under ReplaySSM, chains of 12..16 and 56..64 nodes on grids
+where the two-pass chunked form runs take that form with a chain's ancestor mask (`chunked_chain_verify`).
 """
 
 from __future__ import annotations
@@ -65,10 +65,13 @@ GDN_TREE_VERIFY_CHUNKED_NODES_FUSED = (12, 16)
 # many nodes, by (padded rows, whether the apply-reads-keys variant runs): the chunked cost steps
 # with the padded rows while the recurrent tree's grows with T. On the H200 (B=32, Qwen3-Next dims,
 # benchmarks/RESULTS.md, session 7), 32 rows: recurrent 520 us vs two-pass 539 at T=24, 593 vs 533
-# (apply-reads-keys 589) at T=29; 64 rows: 1087 vs 1199 (913) at T=48, 1447 vs 1306 (967) at T=64.
-# With the recurrent tree's 14.6 / 22.5 us per node between those points, it catches up near T=25
-# (two-pass) and 29 (keys) below 32 rows, and near T=56 (two-pass) and 42 (keys) below 64 rows.
-GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES = {(32, False): 26, (32, True): 29, (64, False): 56, (64, True): 42}
+# (apply-reads-keys 589) at T=29, so it catches up near T=25 (two-pass) and 29 (keys). 64 rows, with
+# the block inversion's first level done without dots (12:29 UTC): recurrent 1441 vs two-pass 907,
+# keys 662 at T=64; the recurrent tree took 666 at T=32 (session 6) and grows by 24 per node, while
+# the chunked forms cost about the same at every T that pads to 64 (keys 913 at T=48 vs 967 at T=64
+# before that change), so the keys form wins from T=33 and the two-pass form from about T=40
+# (interpolated; owed: T = 40, 48 with this code).
+GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES = {(32, False): 26, (32, True): 29, (64, False): 40, (64, True): 33}
 
 # ReplaySSM chains (no tree) of this many nodes verify in the two-pass chunked form where it runs
 # (with a chain's ancestor mask). On the H200 (benchmarks/RESULTS.md, session 6) the two-pass chain
@@ -76,6 +79,11 @@ GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES = {(32, False): 26, (32, True): 29, (64
 # vs 212.2; B=64: 273.0 vs 395.9), and lost at T=8 (B=32: 138.8 vs 133.2; B=64: 265.4 vs 220.8) and
 # T = 32, 64 (514 vs 385, 1279 vs 752 at B=32). The fused chain lost at every size at B = 32, 64.
 GDN_CHAIN_VERIFY_CHUNKED_NODES = (12, 16)
+# Chains of this many nodes take the chunked form too where its apply-reads-keys variant runs at 64
+# rows: session 7 (12:29 UTC) timed it at T=64 against the recurrent chain at 661.8 vs 751.4 us (B=32)
+# and 1265.3 vs 1403.9 (B=64); the recurrent chain took 587 at T=48 (B=32) and grows by about 10 per
+# node, so the two cross near T=54 (interpolated).
+GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS = (56, 64)
 
 GdnStateMode = StateMode  # one mode for every linear-attention layer (linear.state_mode)
 
@@ -96,8 +104,8 @@ class GdnLayerConfig:
     # states, no workspace traffic); other trees and staged verify run the recurrent kernel. This and
     # chunked_min/max_nodes govern trees only; chains follow chunked_chain_verify.
     chunked_tree_verify: bool = True
-    # ReplaySSM chains of GDN_CHAIN_VERIFY_CHUNKED_NODES (12..16) nodes verify in the two-pass chunked
-    # form where that form runs by default (B * HV >= TWO_PASS_MIN_PROGRAMS, chunked_two_pass not
+    # ReplaySSM chains of GDN_CHAIN_VERIFY_CHUNKED_NODES (12..16) nodes, and of 56..64 where the
+    # apply-reads-keys variant runs at 64 rows, verify in the two-pass chunked form where that form runs by default (B * HV >= TWO_PASS_MIN_PROGRAMS, chunked_two_pass not
     # False); other chains run the recurrent chain kernel.
     chunked_chain_verify: bool = True
     # Smallest tree sent to the chunked form, in [GDN_TREE_VERIFY_CHUNKED_MIN_NODES (8),
@@ -105,7 +113,7 @@ class GdnLayerConfig:
     chunked_min_nodes: int | None = None
     # Largest tree sent to the chunked form, in [chunked_min_nodes, MAX_CHUNKED_NODES (64)]; None = the
     # default of the form that runs: 64 for two-pass (trees past 16 nodes only from
-    # GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES: 26..32 and 42..64 by default), 16 for fused
+    # GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES: 26..32 and 33..64 by default), 16 for fused
     # (GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS / _FUSED).
     chunked_max_nodes: int | None = None
     # The chunked form's fp32 products: "tf32x3" (three TF32 tensor-core passes, about fp32
@@ -119,7 +127,7 @@ class GdnLayerConfig:
     # Where the two-pass form runs, run its variant whose second kernel reads q and k
     # (`gdn_chunked_verify(apply_reads_keys=True)`: the first kernel keeps only [T, T] products):
     # True / False at every size, None = from 64 padded rows (`gdn_chunked.default_apply_reads_keys`;
-    # 0.74-0.85x the other two-pass form's time there on the H200, a tie or a loss below).
+    # 0.68-0.78x the other two-pass form's time there on the H200, a tie or a loss below).
     chunked_apply_reads_keys: bool | None = None
 
     def __post_init__(self):
@@ -159,10 +167,14 @@ class GdnLayerConfig:
         return default_two_pass(batch, self.num_v_heads) and self.chunked_two_pass is not False
 
     def chain_runs_chunked(self, num_nodes: int, batch: int) -> bool:
-        """Whether a ReplaySSM chain of num_nodes nodes verifies in the two-pass chunked form."""
+        """Whether a ReplaySSM chain of num_nodes nodes verifies in the two-pass chunked form:
+        GDN_CHAIN_VERIFY_CHUNKED_NODES, and GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS where the
+        apply-reads-keys variant runs at 64 rows."""
+        if not (self.chunked_chain_verify and self.mode == "replay_ssm" and self._two_pass_runs(batch)):
+            return False
         lo, hi = GDN_CHAIN_VERIFY_CHUNKED_NODES
-        return (self.chunked_chain_verify and self.mode == "replay_ssm" and self._two_pass_runs(batch)
-                and lo <= num_nodes <= hi)
+        long_lo, long_hi = GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS
+        return lo <= num_nodes <= hi or (long_lo <= num_nodes <= long_hi and self.runs_apply_reads_keys(64))
 
     def chunked_route(self, batch: int) -> tuple[int, int, dict[int, int]]:
         """(smallest tree, largest tree, padded_min_nodes) this layer sends to the chunked form at this
