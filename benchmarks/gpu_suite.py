@@ -35,16 +35,17 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 
 # Measurements still owed (see benchmarks/RESULTS.md, summary), run by `--owed --out $OUT`: module name
-# -> its flags. GDN with the session-7 code: compiled conformance of the block inversion without
-# first-level dots (cases 2, 3: T = 16, 33); B=32 T=64 again (the factor kernel lost two of its
-# dots), B=64 T=64 (the apply-reads-keys form, the 64-row default, was timed at B=32 only), B=32 T=40
-# (the 64-row minimum of 42 nodes is interpolated between T=48 and 64), then 64-column apply tiles at
-# B=32 T=64. About 8-9 minutes; rows past the budget are skipped. Then: move the 64-row minimum to
-# where the keys form and the recurrent tree cross.
+# -> its flags. GDN with the session-7 code (the block inversion's first level without dots, the
+# apply-reads-keys form from 64 rows): B=32 at T = 40, 48 (the 64-row minimum of 33 nodes is
+# interpolated), chains of 56 nodes (GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS), T = 32, 24 (the 32-row
+# minimum of 26 predates the inversion change), B=1 T=64 (the one missed shape, 1.29x in
+# session 6), then 64-column apply tiles at B=32 T=64. About 9-10 minutes; rows past the budget are
+# skipped and can be run again with --configs. Then: move the padded-rows minima and the long-chain
+# range to where the timings cross.
 OWED: dict[str, list[str]] = {
-    "gdn": ["--conformance-cases", "2,3", "--configs", "32x64,64x64,32x40", "--no-drafter-trees", "--skip-commit",
-            "--no-fla", "--no-fused-chunked", "--sweep-chunked", "64:4:1", "--sweep-at", "32x64",
-            "--budget-s", "400"],
+    "gdn": ["--skip-conformance", "--configs", "32x40,32x48,32x56,1x64,32x32,32x24", "--no-drafter-trees",
+            "--skip-commit", "--no-fla", "--no-fused-chunked", "--sweep-chunked", "64:4:1", "--sweep-at", "32x64",
+            "--budget-s", "480"],
 }
 
 

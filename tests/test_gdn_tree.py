@@ -6,15 +6,16 @@ import numpy as np
 import pytest
 
 from gdn_numpy import B, DK, DV, H, HV, branch_rows, chain, per_path_numpy, random_inputs, random_tree, rel_err
-from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, TWO_PASS_MIN_PROGRAMS, default_two_pass,
-                                              gdn_chunked_verify)
+from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, TWO_PASS_MIN_PROGRAMS, _invert_unit_lower,
+                                              default_two_pass, gdn_chunked_verify)
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
 from pallas_kernels.linear.gdn_common import GdnDims
 from pallas_kernels.linear.gdn_tree import (GdnKernelConfig, branch_points, gdn_tree_verify, pick_launch,
                                             uses_value_major)
 from treespec_jax.linear.gdn import (
-    GDN_TREE_VERIFY_CHUNKED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_NODES_FUSED,
+    GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS, GDN_TREE_VERIFY_CHUNKED_MIN_NODES,
+    GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_NODES_FUSED,
     GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS, GdnLayerConfig, GdnTree, gdn_verify,
     parents_from_ancestor_mask, verify_kernel_for)
 from treespec_jax.tree.masks import ancestor_mask, ancestor_mask_bool
@@ -213,6 +214,22 @@ def test_chunked_forms_over_several_dv_tiles_and_a_group_of_three(form):
         np.testing.assert_array_equal(np.asarray(payload), np.asarray(pack_payload(k, v, a, b_)))
 
 
+
+@pytest.mark.parametrize("rows", [16, 32, 64])
+def test_block_inversion_equals_the_inverse(rows):
+    """`_invert_unit_lower` (the chunked forms' recursive block inversion, first level without dots)
+    is (I + m)^-1 for a strictly lower triangular m, with padding rows (all-zero rows and columns of
+    m past the live ones) left as identity rows."""
+    rng = np.random.default_rng(rows)
+    for live in (rows, rows - 5, 1):
+        m = np.tril(rng.standard_normal((rows, rows)) * 0.3, -1)
+        m[live:, :] = 0.0
+        m[:, live:] = 0.0
+        got = np.asarray(_invert_unit_lower(jnp.asarray(m, jnp.float32), rows, "highest"))
+        want = np.linalg.inv(np.eye(rows) + m)
+        assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max()), live
+        np.testing.assert_array_equal(got[live:, :], np.eye(rows)[live:, :])
+
 @pytest.mark.parametrize("t, form", [(16, "fused"), (32, "fused"), (64, "fused"), (64, "two_pass"), (64, "keys")])
 def test_chunked_is_stable_on_deep_chains_of_correlated_keys(t, form):
     """Keys sharing one direction, beta near 1 and no decay make (I + M)^-1 ill-suited to a
@@ -296,6 +313,9 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
         GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=False, chunked_apply_reads_keys=True)
     with pytest.raises(ValueError, match="chunked_apply_reads_keys='yes' must be None, True or False"):
         GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys="yes")
+    with pytest.raises(ValueError, match="chunked_two_pass=0 must be None, True or False.*"
+                                         "chunked_apply_reads_keys=1 must be None, True or False"):
+        GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=1, chunked_two_pass=0)
     with pytest.raises(ValueError, match="apply_reads_keys=True is a two-pass form"):
         gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=False, apply_reads_keys=True,
                            backend="interpret")
@@ -357,6 +377,11 @@ def test_chains_of_12_to_16_and_56_to_64_nodes_take_the_two_pass_form_on_large_g
     # 56..64 only where the apply-reads-keys variant runs at 64 rows (the default).
     assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=False).chain_runs_chunked(t, B) == (
         want_chunked and t <= 16)
+    assert GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS == (56, 64)
+    for cfg_keys in (None, True, False):
+        cfg = GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=cfg_keys)
+        assert [n for n in range(17, 65) if cfg.chain_runs_chunked(n, B)] == (
+            [] if cfg_keys is False else list(range(56, 65))), cfg_keys
     res = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=None,
                      backend="interpret")
     assert rel_err(res.out, ref_out) < TOL
@@ -400,8 +425,8 @@ def test_layer_verify_dispatch_and_modes_agree():
     assert verify_kernel_for("replay_ssm", 16, False, True) == "recurrent_chain"
     # The padded-rows minimum: past 16 rows a tree needs that many nodes for its padded 32 or 64 rows.
     chunked_sizes = [n for n in range(1, 65) if verify_kernel_for("replay_ssm", n, True, True, 8, max_nodes=64,
-                                                                  padded_min_nodes={32: 26, 64: 42}) == "chunked"]
-    assert chunked_sizes == list(range(8, 17)) + list(range(26, 33)) + list(range(42, 65))
+                                                                  padded_min_nodes={32: 26, 64: 40}) == "chunked"]
+    assert chunked_sizes == list(range(8, 17)) + list(range(26, 33)) + list(range(40, 65))
     # The layer's default route follows the form that runs (B * HV against TWO_PASS_MIN_PROGRAMS).
     default = GdnLayerConfig(H, HV, DK, DV)
     assert (default.chunked_tree_verify, default.chunked_min_nodes, default.chunked_two_pass,
@@ -672,5 +697,8 @@ def test_chunked_64_nodes_lowers_to_triton_for_sm90(monkeypatch, fp32_dots, form
     text = jax.jit(chunked, donate_argnums=(10,)).trace(
         *ins, sd((bsz, t, 2), jnp.uint32), sd((bsz, t, width), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",)).as_text()
-    name = dict(fused="gdn_chunked_verify", two_pass="gdn_chunked_apply", keys="gdn_chunked_apply_keys")[form]
+    # The first kernel's name tells the two-pass forms apart ("gdn_chunked_apply" is a prefix of the
+    # keys form's apply kernel).
+    name = dict(fused="gdn_chunked_verify", two_pass="gdn_chunked_factor", keys="gdn_chunked_p_factor")[form]
     assert "__gpu$xla.gpu.triton" in text and name in text
+    assert ("gdn_chunked_apply_keys" in text) == (form == "keys")

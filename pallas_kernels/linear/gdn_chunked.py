@@ -289,10 +289,11 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     state into Q' [T, dk] and P [T, T] (fp32, `_factor_kernel`), then one per dv tile computes
     out = Q' h0 + P v (`_apply_kernel`): the key-side work is done once instead of per dv tile and
     neither kernel holds both the key-side tiles and a state tile. False: the single fused kernel.
-    None (default): `default_two_pass(B, HV)`. `config` sets the second kernel's launch (default: 32-column tiles, 4 warps);
-    `factor_warps` the first kernel's warps (default TWO_PASS_FACTOR_WARPS; unused when the fused
-    form runs). `apply_reads_keys` (two-pass only; None = `default_apply_reads_keys(chunk)`, on from 64 padded
-    rows): the first kernel keeps only
+    None (default): `default_two_pass(B, HV)`. `config` sets the second kernel's launch (default:
+    32-column tiles, 4 warps); `factor_warps` the first kernel's warps (default TWO_PASS_FACTOR_WARPS;
+    unused when the fused form runs). `apply_reads_keys` (a two-pass variant: True with
+    two_pass=False is refused, and where two_pass=None picks the fused form it has nothing to select;
+    None = `default_apply_reads_keys(chunk)`, on from 64 padded rows): the first kernel keeps only
     [T, T] products (P and decay, `_p_factor_kernel`) and the second reads q and k itself and computes
     out = diag(decay) q h0 + P (v - diag(decay) k h0) (`_apply_keys_kernel`): two fewer [T, T] x
     [T, dk] products per (request, value head) and no [T, dk] fp32 Q' in HBM, for one more
@@ -392,8 +393,9 @@ def two_pass_factor(q, k, a, b, A_log, dt_bias, ancestor_mask, payload, *, dims,
     if not 1 <= factor_warps <= MAX_NUM_WARPS or factor_warps & (factor_warps - 1):
         raise ValueError(f"two_pass_factor: factor_warps={factor_warps} must be a power of two in [1, {MAX_NUM_WARPS}]")
     bsz, hv, dk = dims.batch, dims.num_v_heads, dims.head_k_dim
-    factor = functools.partial(_p_factor_kernel if p_only else _factor_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group, use_qk_l2norm=use_qk_l2norm,
-                               scale=scale, layout=layout, precision=precision)
+    factor = functools.partial(_p_factor_kernel if p_only else _factor_kernel, nodes=dims.nodes, chunk=chunk,
+                               group=dims.group, use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout,
+                               precision=precision)
     folds = ((jax.ShapeDtypeStruct((bsz, hv, chunk, chunk), jnp.float32),
               jax.ShapeDtypeStruct((bsz, hv, chunk), jnp.float32)) if p_only else
              (jax.ShapeDtypeStruct((bsz, hv, chunk, dk), jnp.float32),

@@ -105,8 +105,9 @@ class GdnLayerConfig:
     # chunked_min/max_nodes govern trees only; chains follow chunked_chain_verify.
     chunked_tree_verify: bool = True
     # ReplaySSM chains of GDN_CHAIN_VERIFY_CHUNKED_NODES (12..16) nodes, and of 56..64 where the
-    # apply-reads-keys variant runs at 64 rows, verify in the two-pass chunked form where that form runs by default (B * HV >= TWO_PASS_MIN_PROGRAMS, chunked_two_pass not
-    # False); other chains run the recurrent chain kernel.
+    # apply-reads-keys variant runs at 64 rows, verify in the two-pass chunked form where that form
+    # runs by default (B * HV >= TWO_PASS_MIN_PROGRAMS, chunked_two_pass not False); other chains run
+    # the recurrent chain kernel.
     chunked_chain_verify: bool = True
     # Smallest tree sent to the chunked form, in [GDN_TREE_VERIFY_CHUNKED_MIN_NODES (8),
     # MAX_CHUNKED_NODES (64)]; None = the default of the form that runs (`chunked_route`).
@@ -146,9 +147,9 @@ class GdnLayerConfig:
                 and self.chunked_min_nodes > self.chunked_max_nodes):
             errors.append(f"chunked_min_nodes={self.chunked_min_nodes} must not exceed "
                           f"chunked_max_nodes={self.chunked_max_nodes}")
-        if self.chunked_two_pass not in (None, True, False):
+        if not (self.chunked_two_pass is None or isinstance(self.chunked_two_pass, bool)):
             errors.append(f"chunked_two_pass={self.chunked_two_pass!r} must be None, True or False")
-        if self.chunked_apply_reads_keys not in (None, True, False):
+        if not (self.chunked_apply_reads_keys is None or isinstance(self.chunked_apply_reads_keys, bool)):
             errors.append(f"chunked_apply_reads_keys={self.chunked_apply_reads_keys!r} must be None, True or False")
         elif self.chunked_apply_reads_keys and self.chunked_two_pass is False:
             errors.append("chunked_apply_reads_keys=True is a two-pass form, but chunked_two_pass=False")
