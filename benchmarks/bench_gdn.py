@@ -34,7 +34,8 @@ from benchmarks.report import log, rel_err
 from benchmarks import timing
 from benchmarks.timing import measure_copy_bandwidth
 from pallas_kernels.linear.chunked_common import FP32_DOTS
-from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, MIN_CHUNK, TWO_PASS_FACTOR_WARPS, default_two_pass,
+from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, MIN_CHUNK, TWO_PASS_FACTOR_WARPS,
+                                              default_apply_reads_keys, default_two_pass,
                                               gdn_chunked_verify, two_pass_factor)
 from pallas_kernels.linear.gdn_common import default_scale, gdn_dims
 from pallas_kernels.common import next_pow2
@@ -56,6 +57,10 @@ _T0 = time.time()  # this module's start, for its --budget-s
 CHUNKED_IEEE = False  # --chunked-ieee: also time the chunked form with IEEE fp32 products (3.5-7x slower)
 SKIP_COMMIT = False  # --skip-commit: the T=64 commit step took minutes to compile at B=32 (05:35 UTC run)
 FUSED_CHUNKED = True  # --no-fused-chunked: skip the fused chunked kernel (2-3x slower than two-pass past 16 nodes)
+# --lean: of the two-pass forms only the variant the layer runs at this padding (apply-reads-keys
+# from 64 rows), no staged kernels, no factor-alone timings, no agreement check: a config compiles in
+# about a third of the time, for route decisions over many T.
+LEAN = False
 
 
 def random_tree(rng, batch, t, p_extend=0.5):
@@ -326,7 +331,7 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
     kernels = [("chain_replay", False, "branch_points"), ("tree_replay_rec", True, "branch_points")]
     if eagle_trees:
         kernels += [("eagle_replay_rec", True, "branch_points")]
-    if not sweep:
+    if not sweep and not LEAN:
         kernels += [("chain_staged", False, "every_node"), ("tree_staged", True, "every_node")]
     for name, is_tree, store in kernels:
         if sweep == "chunked":
@@ -346,10 +351,14 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
         if fwarps is None and FUSED_CHUNKED:  # a swept launch that names factor warps times the two-pass forms only
             forms += [("tree_chunked_tf32x3", True, "tf32x3", False, False),
                       ("chain_chunked_tf32x3", False, "tf32x3", False, False)]
-        forms += [("tree_chunked2_tf32x3", True, "tf32x3", True, False),
-                  ("chain_chunked2_tf32x3", False, "tf32x3", True, False),
-                  ("tree_chunked3_tf32x3", True, "tf32x3", True, True),
-                  ("chain_chunked3_tf32x3", False, "tf32x3", True, True)]
+        two_pass_forms = [("tree_chunked2_tf32x3", True, "tf32x3", True, False),
+                          ("chain_chunked2_tf32x3", False, "tf32x3", True, False),
+                          ("tree_chunked3_tf32x3", True, "tf32x3", True, True),
+                          ("chain_chunked3_tf32x3", False, "tf32x3", True, True)]
+        if LEAN:
+            default_keys = default_apply_reads_keys(max(MIN_CHUNK, next_pow2(t)))
+            two_pass_forms = [f for f in two_pass_forms if f[4] == default_keys]
+        forms += two_pass_forms
         for name, is_tree, dots, two, keys in forms:
             try:  # one form that cannot launch (e.g. shared memory) leaves the row's other columns
                 res[name], carry = time_step(verify_step(is_tree, None, chunked=True, fp32_dots=dots, two_pass=two,
@@ -358,7 +367,7 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
                 log(f"    {name} at B={bsz} T={t} raised {e!r}"[:600])
         # Compiled agreement of the two two-pass forms at this shape (the conformance cases cover T=16 and 33);
         # bf16 outputs round at about 4e-3, so above 1e-2 is a failure. Config rows only (default launch).
-        if not sweep:
+        if not sweep and not LEAN:
             try:
                 outs = [gdn_chunked_verify(*args, tree.ancestor_mask, jnp.zeros_like(carry[1]), fp32_dots="tf32x3",
                                            two_pass=True, apply_reads_keys=keys)[0] for keys in (False, True)]
@@ -380,7 +389,7 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
                                         factor_warps=TWO_PASS_FACTOR_WARPS if fwarps is None else fwarps,
                                         p_only=p_only)
             return ns, pl_, o
-        for key, p_only in (("tree_factor_tf32x3", False), ("tree_p_factor_tf32x3", True)):
+        for key, p_only in () if LEAN else (("tree_factor_tf32x3", False), ("tree_p_factor_tf32x3", True)):
             try:
                 res[key], carry = time_step(functools.partial(factor_step, p_only=p_only), carry)
             except Exception as e:  # noqa: BLE001
@@ -446,6 +455,10 @@ def default_route(bsz, t, r):
 
 def _us(r, key):
     return f"{r[key]*1e6:.1f}" if key in r else "-"
+
+
+def _ratio(r, num, den):
+    return f"{r[num] / r[den]:.2f}x" if num in r and den in r else "-"
 
 
 def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep_chunked, sweep_at,
@@ -546,7 +559,7 @@ def render(rows, sweep, fla, bw):
             + f" | {_us(r, 'chain_chunked3_tf32x3')} | {best_ratio(r)} "
             f"| {default_route(bsz, t, r)} "
             f"| {_us(r, 'chain_staged')} | {_us(r, 'tree_staged')} "
-            f"| {r['tree_staged'] / r['chain_staged']:.2f}x | {_us(r, 'floor_rw')} "
+            f"| {_ratio(r, 'tree_staged', 'chain_staged')} | {_us(r, 'floor_rw')} "
             f"| {r['chain_replay'] / r['floor_r']:.1f}x | {_us(r, 'replay_commit')} (acc {r.get('accept_mean', float('nan')):.1f}) "
             f"| {state_node/1024:.0f} KiB | {replay_b/1024:.1f} KiB |")
     if sweep:
@@ -634,6 +647,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip-commit", action="store_true", help="do not time the ReplaySSM commit")
     p.add_argument("--no-fused-chunked", action="store_true",
                    help="time the chunked form only as two-pass (the fused kernel loses 2-3x past 16 nodes)")
+    p.add_argument("--lean", action="store_true", help="time only what the layer's route chooses between (the "
+                   "recurrent kernels and the default two-pass variant), no staged kernels, factor-alone or "
+                   "agreement runs")
     p.add_argument("--inner", type=int, default=INNER, help="kernel calls per timed jit call")
     p.add_argument("--markdown", default=None, help="also write the dated section to this file (e.g. $OUT/gdn.md)")
     p.add_argument("--results", default=str(Path(__file__).resolve().parent / "RESULTS.md"),
@@ -644,6 +660,7 @@ def main(argv=None) -> int:
     globals()["SKIP_COMMIT"] = a.skip_commit
     globals()["FUSED_CHUNKED"] = not a.no_fused_chunked
     globals()["CHUNKED_IEEE"] = a.chunked_ieee
+    globals()["LEAN"] = a.lean
     bxt = lambda text: [tuple(int(v) for v in c.split("x")) for c in text.split(",") if c]
     configs = None if a.configs is None else bxt(a.configs)
     log(f"jax {jax.__version__} devices {jax.devices()}")
