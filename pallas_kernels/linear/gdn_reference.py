@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.linear.gdn_common import default_scale, gates, l2_normalize
+from treespec_jax.tree.masks import chain_parents
 
 
 def _prepare(q, k, v, a, b, A_log, dt_bias, use_qk_l2norm, scale):
@@ -44,7 +45,7 @@ def gdn_tree_verify_reference(q, k, v, a, b, A_log, dt_bias, state_pool, state_s
     q, k, v, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias, use_qk_l2norm, scale)
     bsz, t = q.shape[:2]
     if parents is None:
-        parents = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) - 1, (bsz, t))
+        parents = chain_parents(bsz, t)
     h0 = state_pool[state_slots].astype(jnp.float32)
     states = jnp.zeros((bsz, t) + h0.shape[1:], jnp.float32)
     outs = jnp.zeros(v.shape, jnp.float32)
