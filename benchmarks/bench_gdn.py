@@ -251,6 +251,20 @@ def conformance_case(i, d, bsz, t, dtype, tol, rng, check):
                     np.asarray(pl2.astype(jnp.float32)), np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
             except Exception as e:  # noqa: BLE001
                 check(f"{label} raised", False, repr(e)[:2000])
+        if args[1].dtype == jnp.bfloat16:  # q k^T, k k^T from the bf16 rows as loaded, every form
+            for label, form in (("fused", dict(two_pass=False)), ("two-pass", dict(two_pass=True, apply_reads_keys=False)),
+                                ("two-pass, apply reads keys", dict(two_pass=True, apply_reads_keys=True))):
+                try:
+                    out4, pl4 = gdn_chunked_verify(*args, ancestor_mask(parents), jnp.full_like(payload, jnp.nan),
+                                                   backend="pallas", fp32_dots="tf32x3", input_dtype_grams=True,
+                                                   **form)
+                    e9 = rel_err(out4, ref.out)
+                    check(f"chunked {label}, input-dtype grams (tf32x3) vs recurrent reference", e9 < tol, f"{e9:.2e}")
+                    check(f"chunked {label}, input-dtype grams: payload == [k|v|a|b]", np.array_equal(
+                        np.asarray(pl4.astype(jnp.float32)),
+                        np.asarray(pack_payload(*args[1:5]).astype(jnp.float32))))
+                except Exception as e:  # noqa: BLE001
+                    check(f"chunked {label}, input-dtype grams raised", False, repr(e)[:2000])
     # ReplaySSM commit along a random accepted path equals the state at the last accepted node.
     path_np, acc_np = random_path(rng, np.asarray(parents))
     acc_np[0] = 0 if bsz > 2 else acc_np[0]  # a padded request commits nothing
@@ -310,7 +324,7 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
     chain_mask = ancestor_mask(chain_parents(bsz, t))
 
     def verify_step(is_tree, store, chunked=False, drafter_tree=False, fp32_dots="ieee", two_pass=False,
-                    keys=False):
+                    keys=False, grams=False):
         step_tree = eagle_tree_ if drafter_tree else tree
 
         def step(c):
@@ -318,7 +332,8 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
             if chunked:
                 mask = tree.ancestor_mask if is_tree else chain_mask
                 o, pl_ = gdn_chunked_verify(*args, mask, pl_, config=ccfg, fp32_dots=fp32_dots, two_pass=two_pass,
-                                            factor_warps=fwarps if two_pass else None, apply_reads_keys=keys)
+                                            factor_warps=fwarps if two_pass else None, apply_reads_keys=keys,
+                                            input_dtype_grams=grams)
                 return ns, pl_, o
             r = gdn_tree_verify(*args, step_tree.parents if is_tree else None, ns, store=store,
                                 payload=pl_ if store == "branch_points" else None,
@@ -355,16 +370,25 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
                           ("chain_chunked2_tf32x3", False, "tf32x3", True, False),
                           ("tree_chunked3_tf32x3", True, "tf32x3", True, True),
                           ("chain_chunked3_tf32x3", False, "tf32x3", True, True)]
+        default_keys = default_apply_reads_keys(max(MIN_CHUNK, next_pow2(t)))
         if LEAN:
-            default_keys = default_apply_reads_keys(max(MIN_CHUNK, next_pow2(t)))
             two_pass_forms = [f for f in two_pass_forms if f[4] == default_keys]
         forms += two_pass_forms
+        # The default two-pass variant's tree with q k^T, k k^T from the bf16 rows (input_dtype_grams).
+        forms += [("tree_grams_tf32x3", True, "tf32x3", True, default_keys)]
+        outs = {}  # each timed form's output (the carry's last step), for the grams agreement below
         for name, is_tree, dots, two, keys in forms:
             try:  # one form that cannot launch (e.g. shared memory) leaves the row's other columns
                 res[name], carry = time_step(verify_step(is_tree, None, chunked=True, fp32_dots=dots, two_pass=two,
-                                                         keys=keys), carry)
+                                                         keys=keys, grams=name.startswith("tree_grams")), carry)
+                outs[name] = jnp.copy(carry[2])  # the next timed form donates the carry
             except Exception as e:  # noqa: BLE001
                 log(f"    {name} at B={bsz} T={t} raised {e!r}"[:600])
+        base_tree = "tree_chunked3_tf32x3" if default_keys else "tree_chunked2_tf32x3"
+        if "tree_grams_tf32x3" in outs and base_tree in outs:  # bf16 outputs round at ~4e-3: above 1e-2 fails
+            res["grams_vs_default"] = float(rel_err(outs["tree_grams_tf32x3"], outs[base_tree]))
+            log(f"    {'PASS' if res['grams_vs_default'] < 1e-2 else 'FAIL'} input-dtype grams vs without at "
+                f"B={bsz} T={t}: rel err {res['grams_vs_default']:.2e}")
         # Compiled agreement of the two two-pass forms at this shape (the conformance cases cover T=16 and 33);
         # bf16 outputs round at about 4e-3, so above 1e-2 is a failure. Config rows only (default launch).
         if not sweep and not LEAN:
@@ -424,8 +448,8 @@ def parse_launch(text):
 
 def best_ratio(r):
     """Fastest tree form over fastest chain form (the recurrent and, T <= MAX_CHUNKED_NODES, chunked kernels)."""
-    trees = [r[k] for k in ("tree_replay_rec", "tree_chunked_tf32x3", "tree_chunked2_tf32x3", "tree_chunked3_tf32x3")
-             if k in r]
+    trees = [r[k] for k in ("tree_replay_rec", "tree_chunked_tf32x3", "tree_chunked2_tf32x3", "tree_chunked3_tf32x3",
+                            "tree_grams_tf32x3") if k in r]
     chains = [r[k] for k in ("chain_replay", "chain_chunked_tf32x3", "chain_chunked2_tf32x3", "chain_chunked3_tf32x3")
               if k in r]
     return f"{min(trees) / min(chains):.2f}x" if trees and chains else "-"
@@ -451,6 +475,16 @@ def default_route(bsz, t, r):
             "chain_chunked2_tf32x3": "two-pass", "chain_chunked3_tf32x3": "two-pass (apply reads keys)"}
     ratio = f"{r[tree_key] / r[chain_key]:.2f}x" if tree_key in r and chain_key in r else "-"
     return f"{name[tree_key]} / {name[chain_key]}, {ratio}"
+
+
+def grams_ratio(t, r):
+    """The default two-pass variant's tree with input-dtype grams over the same without them, and
+    their outputs' agreement (PASS below 1e-2)."""
+    keys = default_apply_reads_keys(max(MIN_CHUNK, next_pow2(t)))
+    ratio = _ratio(r, "tree_grams_tf32x3", "tree_chunked3_tf32x3" if keys else "tree_chunked2_tf32x3")
+    if "grams_vs_default" in r:
+        ratio += f", {'PASS' if r['grams_vs_default'] < 1e-2 else 'FAIL'} {r['grams_vs_default']:.1e}"
+    return ratio
 
 
 def _us(r, key):
@@ -489,6 +523,7 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
             f"chunked tf32x3 tree {_us(r, 'tree_chunked_tf32x3')}us chain {_us(r, 'chain_chunked_tf32x3')}us "
             f"two-pass tree {_us(r, 'tree_chunked2_tf32x3')}us chain {_us(r, 'chain_chunked2_tf32x3')}us "
             f"two-pass/keys tree {_us(r, 'tree_chunked3_tf32x3')}us chain {_us(r, 'chain_chunked3_tf32x3')}us "
+            f"grams tree {_us(r, 'tree_grams_tf32x3')}us ({grams_ratio(t, r)}) "
             f"(ieee tree {_us(r, 'tree_chunked')}us) best tree/best chain {best_ratio(r)} chain_staged {_us(r, 'chain_staged')}us tree_staged "
             f"{_us(r, 'tree_staged')}us commit {_us(r, 'replay_commit')}us floor_rw {_us(r, 'floor_rw')}us"
             + (f" eagle_tree {_us(r, 'eagle_replay_rec')}us "
@@ -536,10 +571,11 @@ def render(rows, sweep, fla, bw):
               "| branch nodes | drafter tree ReplaySSM | drafter tree/chain | drafter branch "
               "| chunked tree (tf32x3) | chunked chain (tf32x3) | two-pass chunked tree (tf32x3) "
               "| two-pass chunked chain (tf32x3) | two-pass factor kernel alone (tree) "
-              "| two-pass, apply reads keys: tree | same: chain | best tree / best chain "
+              "| two-pass, apply reads keys: tree | same: chain "
+              "| default two-pass tree, input-dtype grams (vs without) | best tree / best chain "
               "| layer default tree / chain form, ratio | staged chain | staged tree | staged tree/chain "
               "| floor r+w | chain/floor_r | commit (move+replay) | staged B/node | ReplaySSM B/node (recurrent) |")
-    md.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    md.append("|---" * 28 + "|")
     for bsz, t, r in rows:
         replay_b = r["branch_frac"] * state_node + payload_node
         tree_rec = r["tree_replay_rec"]
@@ -556,7 +592,8 @@ def render(rows, sweep, fla, bw):
             f"| {_us(r, 'chain_chunked2_tf32x3')} | {_us(r, 'tree_factor_tf32x3')} "
             f"| {_us(r, 'tree_chunked3_tf32x3')} (its factor kernel alone {_us(r, 'tree_p_factor_tf32x3')})"
             + (f" (vs two-pass: rel err {r['keys_vs_two_pass']:.1e})" if "keys_vs_two_pass" in r else "")
-            + f" | {_us(r, 'chain_chunked3_tf32x3')} | {best_ratio(r)} "
+            + f" | {_us(r, 'chain_chunked3_tf32x3')} | {_us(r, 'tree_grams_tf32x3')} ({grams_ratio(t, r)}) "
+            f"| {best_ratio(r)} "
             f"| {default_route(bsz, t, r)} "
             f"| {_us(r, 'chain_staged')} | {_us(r, 'tree_staged')} "
             f"| {_ratio(r, 'tree_staged', 'chain_staged')} | {_us(r, 'floor_rw')} "

@@ -137,8 +137,11 @@ def test_chain_as_parents_equals_chain_kernel():
 def _form(form):
     """gdn_chunked_verify keywords of a chunked form: "fused", "two_pass" (Q', P) or "keys" (two-pass
     whose apply kernel reads q and k: P and decay only from the first kernel)."""
-    return dict(fused=dict(two_pass=False), two_pass=dict(two_pass=True, apply_reads_keys=False),
-                keys=dict(two_pass=True, apply_reads_keys=True))[form]
+    forms = dict(fused=dict(two_pass=False), two_pass=dict(two_pass=True, apply_reads_keys=False),
+                 keys=dict(two_pass=True, apply_reads_keys=True))
+    # "<form>+grams": that form with q k^T and k k^T from the 16-bit rows as loaded.
+    name, _, grams = form.partition("+")
+    return dict(forms[name], **(dict(input_dtype_grams=True) if grams else {}))
 
 
 @pytest.mark.parametrize("t, l2, shape, form", [(8, True, "chain", "fused"), (14, False, "tree", "fused"),
@@ -184,6 +187,30 @@ def test_chunked_up_to_64_nodes(t, l2, form):
         assert rel_err(np.asarray(out)[req], ref_out[req]) < TOL, shape
     np.testing.assert_array_equal(np.asarray(payload), np.asarray(pack_payload(*args[1:5])))
     np.testing.assert_array_equal(_bits(args[7]), pool_before)
+
+
+@pytest.mark.parametrize("t, l2, form", [(14, True, "fused+grams"), (33, False, "two_pass+grams"),
+                                         (64, True, "keys+grams")])
+def test_input_dtype_grams_match_the_reference(t, l2, form):
+    """`input_dtype_grams`: with bf16 inputs, q k^T and k k^T from the rows as loaded (exact products)
+    and the row factors applied afterwards give the per-path reference's outputs (to the bf16 output
+    rounding) and the fp32-row form's; fp32 q and k are refused by name."""
+    rng = np.random.default_rng(500 + t)
+    x = random_inputs(rng, B, t)
+    parents = random_tree(rng, B, t)
+    args = [a.astype(jnp.bfloat16) if i < 5 else a for i, a in enumerate(_args(x))]  # q, k, v, a, b
+    x16 = dict(x, **{n: np.asarray(args[i].astype(jnp.float32)) for i, n in enumerate("qkvab")})
+    ref_out, _ = per_path_numpy(x16, parents, use_qk_l2norm=l2)
+    mask = ancestor_mask(jnp.asarray(parents))
+    payload = jnp.full((B, t, GdnPayloadLayout(H, HV, DK, DV).width), jnp.nan, jnp.bfloat16)
+    out, pay = gdn_chunked_verify(*args, mask, payload, use_qk_l2norm=l2, **_form(form), backend="interpret")
+    plain, _ = gdn_chunked_verify(*args, mask, payload, use_qk_l2norm=l2, **_form(form.partition("+")[0]),
+                                  backend="interpret")
+    assert rel_err(out, ref_out) < 1e-2 and rel_err(out, plain) < 1e-2
+    np.testing.assert_array_equal(np.asarray(pay.astype(jnp.float32)),
+                                  np.asarray(pack_payload(*args[1:5]).astype(jnp.float32)))
+    with pytest.raises(ValueError, match="input_dtype_grams=True needs q and k of one 16-bit float dtype.*float32"):
+        gdn_chunked_verify(*_args(x), mask, _nan_payload(t), input_dtype_grams=True, backend="interpret")
 
 
 @pytest.mark.parametrize("form", ["fused", "two_pass", "keys"])
@@ -316,6 +343,13 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
     with pytest.raises(ValueError, match="chunked_two_pass=0 must be None, True or False.*"
                                          "chunked_apply_reads_keys=1 must be None, True or False"):
         GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=1, chunked_two_pass=0)
+    # chunked_input_dtype_grams reaches the kernel (which refuses this test's fp32 q and k by name).
+    grams_cfg = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64, chunked_input_dtype_grams=True)
+    with pytest.raises(ValueError, match="input_dtype_grams=True needs q and k of one 16-bit float dtype"):
+        gdn_verify(grams_cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
+                   backend="interpret")
+    with pytest.raises(ValueError, match="chunked_input_dtype_grams='on' must be True or False"):
+        GdnLayerConfig(H, HV, DK, DV, chunked_input_dtype_grams="on")
     with pytest.raises(ValueError, match="apply_reads_keys=True is a two-pass form"):
         gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=False, apply_reads_keys=True,
                            backend="interpret")
@@ -680,7 +714,8 @@ def test_default_form_follows_the_grid_in_the_sm90_lowering(monkeypatch):
 
 
 @pytest.mark.parametrize("fp32_dots, form", [("ieee", "fused"), ("tf32x3", "fused"), ("tf32x3", "two_pass"),
-                                             ("tf32x3", "keys")])
+                                             ("tf32x3", "keys"), ("tf32x3", "fused+grams"),
+                                             ("tf32x3", "two_pass+grams"), ("tf32x3", "keys+grams")])
 def test_chunked_64_nodes_lowers_to_triton_for_sm90(monkeypatch, fp32_dots, form):
     """At T = 64 the chunked form pads to 64 rows and reads both mask words; it still lowers to
     Triton IR for sm_90 at Qwen3-Next dims (compiling and timing it is benchmarks/bench_gdn.py's)."""
@@ -699,6 +734,7 @@ def test_chunked_64_nodes_lowers_to_triton_for_sm90(monkeypatch, fp32_dots, form
         lowering_platforms=("cuda",)).as_text()
     # The first kernel's name tells the two-pass forms apart ("gdn_chunked_apply" is a prefix of the
     # keys form's apply kernel).
-    name = dict(fused="gdn_chunked_verify", two_pass="gdn_chunked_factor", keys="gdn_chunked_p_factor")[form]
+    base = form.partition("+")[0]
+    name = dict(fused="gdn_chunked_verify", two_pass="gdn_chunked_factor", keys="gdn_chunked_p_factor")[base]
     assert "__gpu$xla.gpu.triton" in text and name in text
-    assert ("gdn_chunked_apply_keys" in text) == (form == "keys")
+    assert ("gdn_chunked_apply_keys" in text) == (base == "keys")

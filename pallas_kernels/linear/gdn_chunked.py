@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2, resolve_backend
 from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES, load_ancestor_tile
-from pallas_kernels.linear.gdn_common import default_scale, gates, gdn_dims, l2_normalize
+from pallas_kernels.linear.gdn_common import default_scale, gates, gdn_dims, l2_norm_factor
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
 from pallas_kernels.linear.gdn_tree import MAX_NUM_WARPS, GdnKernelConfig, check_payload, pick_launch
@@ -64,6 +64,9 @@ TWO_PASS_MIN_PROGRAMS = 256
 # level done without dots, 662 vs 907 (B=32) and 1239 vs 1812 (B=64) at T=64; it tied or lost below:
 # 539 vs 539 at T=24, 589 vs 533 at T=29 (32 rows), 151 vs 156 at T=16.
 APPLY_READS_KEYS_MIN_ROWS = 64
+# Input dtypes whose pairwise products are exact in fp32 (8- and 11-bit significands), so that
+# `input_dtype_grams` loses nothing against fp32 rows.
+INPUT_DTYPE_GRAM_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def default_two_pass(batch: int, num_v_heads: int) -> bool:
@@ -87,15 +90,25 @@ def _dot(x, y, precision):
     return jnp.dot(x, y, precision=precision, preferred_element_type=jnp.float32)
 
 
+def _load_qk_raw(q_ref, k_ref, *, b, kh, node_rows, live, use_qk_l2norm: bool, scale: float):
+    """Key head kh's query and key rows as loaded (input dtype) and the per-row factors that make them
+    what the update uses: q = q_raw * q_scale[:, None], k = k_raw * k_scale[:, None] (fp32; L2
+    normalisation, optional, and the query scale). Returns (q_raw, k_raw, q_scale, k_scale)."""
+    k_raw = plgpu.load(k_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0)
+    q_raw = plgpu.load(q_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0)
+    if use_qk_l2norm:
+        q_scale, k_scale = (l2_norm_factor(x) for x in (q_raw, k_raw))
+    else:
+        q_scale = k_scale = jnp.ones((q_raw.shape[0],), jnp.float32)
+    return q_raw, k_raw, q_scale * scale, k_scale
+
+
 def _load_qk(q_ref, k_ref, *, b, kh, node_rows, live, use_qk_l2norm: bool, scale: float):
     """Key head kh's query and key rows as the update uses them: fp32, optionally L2-normalised, q
     scaled. Returns (q, k, k_raw) with k_raw as loaded (the payload keeps it)."""
-    k_raw = plgpu.load(k_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0)
-    q = plgpu.load(q_ref.at[b, node_rows, kh, :], mask=live[:, None], other=0).astype(jnp.float32)
-    k = k_raw.astype(jnp.float32)
-    if use_qk_l2norm:
-        k, q = l2_normalize(k), l2_normalize(q)
-    return q * scale, k, k_raw
+    q_raw, k_raw, q_scale, k_scale = _load_qk_raw(q_ref, k_ref, b=b, kh=kh, node_rows=node_rows, live=live,
+                                                  use_qk_l2norm=use_qk_l2norm, scale=scale)
+    return (q_raw.astype(jnp.float32) * q_scale[:, None], k_raw.astype(jnp.float32) * k_scale[:, None], k_raw)
 
 
 def _store_out_and_v_payload(o_ref, payload_ref, out, v_raw, *, b, hv, vt, block_v: int, dv: int, node_rows, live,
@@ -128,18 +141,28 @@ def _invert_unit_lower(m, rows: int, precision):
 
 
 def _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, *, b, hv, kh, nodes: int, chunk: int,
-              use_qk_l2norm: bool, scale: float, precision):
+              use_qk_l2norm: bool, scale: float, precision, input_dtype_grams: bool = False):
     """The value-independent part of one (request, value head): inputs as loaded, the gates and the
     [chunk, chunk] factors, A = decay_ts * q k^T among them (formed before the inversion, so a caller
     that needs no [chunk, dk] tile afterwards does not hold q and k through it). Rows t >= nodes are
-    padding (zero inputs, all-zero mask rows)."""
+    padding (zero inputs, all-zero mask rows). `input_dtype_grams`: q k^T and k k^T come from the
+    16-bit rows as loaded (every product exact in fp32, one tensor-core pass) scaled by the row factors
+    afterwards, instead of from the fp32 normalised rows with `precision`; q and k are then the
+    normalised rows formed on use."""
     rows = jnp.arange(chunk, dtype=jnp.int32)
     live = rows < nodes
     node_rows = pl.ds(0, chunk)
 
     anc = load_ancestor_tile(mask_ref, b, chunk, live)  # [t, s]
-    q, k, k_raw = _load_qk(q_ref, k_ref, b=b, kh=kh, node_rows=node_rows, live=live, use_qk_l2norm=use_qk_l2norm,
-                           scale=scale)
+    q_raw, k_raw, q_scale, k_scale = _load_qk_raw(q_ref, k_ref, b=b, kh=kh, node_rows=node_rows, live=live,
+                                                  use_qk_l2norm=use_qk_l2norm, scale=scale)
+    q = q_raw.astype(jnp.float32) * q_scale[:, None]
+    k = k_raw.astype(jnp.float32) * k_scale[:, None]
+    if input_dtype_grams:
+        kk = _dot_t(k_raw, k_raw, None) * k_scale[:, None] * k_scale[None, :]
+        qk = _dot_t(q_raw, k_raw, None) * q_scale[:, None] * k_scale[None, :]
+    else:
+        kk, qk = _dot_t(k, k, precision), _dot_t(q, k, precision)
     a_raw = plgpu.load(a_ref.at[b, node_rows, hv], mask=live, other=0)
     b_raw = plgpu.load(b_ref.at[b, node_rows, hv], mask=live, other=0)
 
@@ -149,8 +172,8 @@ def _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, *, b, hv,
     # G_t - G_s <= 0 on ancestor pairs (g <= 0); the min keeps masked pairs from overflowing.
     decay_ts = jnp.where(anc, jnp.exp(jnp.minimum(big_g[:, None] - big_g[None, :], 0.0)), 0.0)
     strict = anc & (rows[:, None] != rows[None, :])
-    m = jnp.where(strict, beta[:, None] * decay_ts * _dot_t(k, k, precision), 0.0)
-    attn = decay_ts * _dot_t(q, k, precision)
+    m = jnp.where(strict, beta[:, None] * decay_ts * kk, 0.0)
+    attn = decay_ts * qk
 
     inv = _invert_unit_lower(m, chunk, precision)
     return dict(live=live, node_rows=node_rows, k_raw=k_raw, a_raw=a_raw, b_raw=b_raw, k=k, q=q, beta=beta,
@@ -174,14 +197,16 @@ def _store_key_payload(payload_ref, x, *, b, hv, kh, group: int, dk: int, layout
 
 def _chunked_kernel(mask_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref,
                     pool_ref, _payload_in_ref, o_ref, payload_ref, *, nodes: int, chunk: int, group: int,
-                    block_v: int, use_qk_l2norm: bool, scale: float, layout: GdnPayloadLayout, precision):
+                    block_v: int, use_qk_l2norm: bool, scale: float, layout: GdnPayloadLayout, precision,
+                    input_dtype_grams: bool = False):
     b = pl.program_id(0)
     hv = pl.program_id(1)
     vt = pl.program_id(2)
     kh = hv // group
     cols = pl.ds(vt * block_v, block_v)
     x = _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, b=b, hv=hv, kh=kh, nodes=nodes,
-                  chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision)
+                  chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision,
+                  input_dtype_grams=input_dtype_grams)
     live, node_rows, k, q, beta, big_g, attn, inv = (x[n] for n in (
         "live", "node_rows", "k", "q", "beta", "big_g", "attn", "inv"))
     v_raw = plgpu.load(v_ref.at[b, node_rows, hv, cols], mask=live[:, None], other=0)
@@ -199,7 +224,7 @@ def _chunked_kernel(mask_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog
 
 def _factor_kernel(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, _payload_in_ref,
                    qf_ref, p_ref, payload_ref, *, nodes: int, chunk: int, group: int, use_qk_l2norm: bool,
-                   scale: float, layout: GdnPayloadLayout, precision):
+                   scale: float, layout: GdnPayloadLayout, precision, input_dtype_grams: bool = False):
     """Two-pass form, pass 1, one program per (request, value head): out = Q' h0 + P v with
     W = (I + M)^-1 diag(beta * decay) k, A = decay_ts * (q k^T) on ancestor-or-self pairs,
     Q' = diag(decay) q - A W  [chunk, dk] and P = A (I + M)^-1 diag(beta)  [chunk, chunk]."""
@@ -207,7 +232,8 @@ def _factor_kernel(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, _pay
     hv = pl.program_id(1)
     kh = hv // group
     x = _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, b=b, hv=hv, kh=kh, nodes=nodes,
-                  chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision)
+                  chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision,
+                  input_dtype_grams=input_dtype_grams)
     k, q, beta, big_g, attn, inv = (x[n] for n in ("k", "q", "beta", "big_g", "attn", "inv"))
     decay = jnp.exp(big_g)
     w = _dot(inv, (beta * decay)[:, None] * k, precision)
@@ -219,7 +245,7 @@ def _factor_kernel(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, _pay
 
 def _p_factor_kernel(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, _payload_in_ref,
                      p_ref, decay_ref, payload_ref, *, nodes: int, chunk: int, group: int, use_qk_l2norm: bool,
-                     scale: float, layout: GdnPayloadLayout, precision):
+                     scale: float, layout: GdnPayloadLayout, precision, input_dtype_grams: bool = False):
     """Two-pass form whose apply kernel reads the keys, pass 1, one program per (request, value head):
     only [chunk, chunk] products leave it, P = A (I + M)^-1 diag(beta) and decay = exp(G) [chunk]; the
     fp32 [chunk, dk] tiles q, k are not used after q k^T and k k^T (no W, no Q'; the raw bf16 k stays
@@ -228,7 +254,8 @@ def _p_factor_kernel(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, _p
     hv = pl.program_id(1)
     kh = hv // group
     x = _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, b=b, hv=hv, kh=kh, nodes=nodes,
-                  chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision)
+                  chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision,
+                  input_dtype_grams=input_dtype_grams)
     p_ref[b, hv] = _dot(x["attn"], x["inv"], precision) * x["beta"][None, :]
     decay_ref[b, hv] = jnp.exp(x["big_g"])
     _store_key_payload(payload_ref, x, b=b, hv=hv, kh=kh, group=group, dk=k_ref.shape[-1], layout=layout,
@@ -278,7 +305,8 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
                        *, use_qk_l2norm: bool = True, scale: float | None = None,
                        config: GdnKernelConfig | None = None, fp32_dots: str = "ieee",
                        two_pass: bool | None = None, factor_warps: int | None = None,
-                       apply_reads_keys: bool | None = None, backend: str | None = None):
+                       apply_reads_keys: bool | None = None, input_dtype_grams: bool = False,
+                       backend: str | None = None):
     """Chunked GDN verify of a tree with T <= MAX_CHUNKED_NODES (64) nodes. Shapes in `gdn_common`.
 
     ancestor_mask: `[B, T, 2] uint32` packed ancestor-or-self rows (`tree.masks.ancestor_mask`),
@@ -297,10 +325,17 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     [T, T] products (P and decay, `_p_factor_kernel`) and the second reads q and k itself and computes
     out = diag(decay) q h0 + P (v - diag(decay) k h0) (`_apply_keys_kernel`): two fewer [T, T] x
     [T, dk] products per (request, value head) and no [T, dk] fp32 Q' in HBM, for one more
-    [T, dk] x [dk, block_v] product per dv tile.
+    [T, dk] x [dk, block_v] product per dv tile. `input_dtype_grams` (16-bit q and k only; every form):
+    the key-side kernel forms q k^T and k k^T from the rows as loaded, whose products are exact in
+    fp32, in one tensor-core pass, and applies the L2 / query-scale row factors afterwards, instead of
+    multiplying the normalised fp32 rows with `fp32_dots` (three passes under "tf32x3"). Not yet
+    compiled or timed on a GPU (benchmarks/gpu_suite.py --owed).
     """
     if fp32_dots not in FP32_DOTS:
         raise ValueError(f"gdn_chunked_verify: fp32_dots must be one of {tuple(FP32_DOTS)}, got {fp32_dots!r}")
+    if input_dtype_grams and not (q.dtype == k.dtype and q.dtype in INPUT_DTYPE_GRAM_DTYPES):
+        raise ValueError(f"gdn_chunked_verify: input_dtype_grams=True needs q and k of one 16-bit float dtype "
+                         f"(their products exact in fp32); got q {q.dtype}, k {k.dtype}")
     dims = gdn_dims(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots)
     if dims.nodes > MAX_CHUNKED_NODES:
         raise ValueError(f"the chunked GDN form covers at most {MAX_CHUNKED_NODES} nodes, got T={dims.nodes}")
@@ -332,10 +367,11 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
                          chunk=chunk, layout=layout, use_qk_l2norm=use_qk_l2norm, scale=scale, config=config,
                          precision=precision, interpret=kind == "interpret",
                          factor_warps=TWO_PASS_FACTOR_WARPS if factor_warps is None else factor_warps,
-                         apply_reads_keys=apply_reads_keys)
+                         apply_reads_keys=apply_reads_keys, input_dtype_grams=input_dtype_grams)
     block_v, num_warps, num_stages = pick_launch(dims, config, chunked=True)
     kernel = functools.partial(_chunked_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group, block_v=block_v,
-                               use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout, precision=precision)
+                               use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout, precision=precision,
+                               input_dtype_grams=input_dtype_grams)
     out, payload = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(payload.shape, payload.dtype)),
@@ -350,7 +386,8 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
 
 
 def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload, *, dims, chunk, layout,
-              use_qk_l2norm, scale, config, precision, interpret, factor_warps, apply_reads_keys=False):
+              use_qk_l2norm, scale, config, precision, interpret, factor_warps, apply_reads_keys=False,
+              input_dtype_grams=False):
     """`gdn_chunked_verify(two_pass=True)`: `_factor_kernel` then `_apply_kernel` (or, with
     `apply_reads_keys`, `_p_factor_kernel` then `_apply_keys_kernel`)."""
     config = config or GdnKernelConfig()
@@ -361,7 +398,8 @@ def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_m
                          f">= {MIN_CHUNK} dividing dv={dv}")
     factor = two_pass_factor(q, k, a, b, A_log, dt_bias, ancestor_mask, payload, dims=dims, chunk=chunk,
                              layout=layout, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision,
-                             interpret=interpret, factor_warps=factor_warps, p_only=apply_reads_keys)
+                             interpret=interpret, factor_warps=factor_warps, p_only=apply_reads_keys,
+                             input_dtype_grams=input_dtype_grams)
     payload = factor[-1]
     if apply_reads_keys:  # (P, decay): the apply kernel reads q and k itself
         apply = functools.partial(_apply_keys_kernel, nodes=dims.nodes, chunk=chunk, group=dims.group,
@@ -385,7 +423,8 @@ def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_m
 
 
 def two_pass_factor(q, k, a, b, A_log, dt_bias, ancestor_mask, payload, *, dims, chunk, layout, use_qk_l2norm,
-                    scale, precision, interpret, factor_warps, p_only: bool = False):
+                    scale, precision, interpret, factor_warps, p_only: bool = False,
+                    input_dtype_grams: bool = False):
     """The two-pass form's first kernel alone (the bench times it on its own to split the form's
     time between its passes): `(Q' [B, HV, chunk, dk] f32, P [B, HV, chunk, chunk] f32, payload)`,
     or with `p_only` (the form whose apply kernel reads the keys)
@@ -395,7 +434,7 @@ def two_pass_factor(q, k, a, b, A_log, dt_bias, ancestor_mask, payload, *, dims,
     bsz, hv, dk = dims.batch, dims.num_v_heads, dims.head_k_dim
     factor = functools.partial(_p_factor_kernel if p_only else _factor_kernel, nodes=dims.nodes, chunk=chunk,
                                group=dims.group, use_qk_l2norm=use_qk_l2norm, scale=scale, layout=layout,
-                               precision=precision)
+                               precision=precision, input_dtype_grams=input_dtype_grams)
     folds = ((jax.ShapeDtypeStruct((bsz, hv, chunk, chunk), jnp.float32),
               jax.ShapeDtypeStruct((bsz, hv, chunk), jnp.float32)) if p_only else
              (jax.ShapeDtypeStruct((bsz, hv, chunk, dk), jnp.float32),

@@ -100,5 +100,12 @@ def l2_normalize(x, axis=-1):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + L2_NORM_EPS)
 
 
+def l2_norm_factor(x):
+    """1 / sqrt(sum(x^2) + eps) over the last axis of a 2-D `[rows, d]` tile, in fp32: `[rows]`, the
+    factor `l2_normalize` multiplies each row by."""
+    x = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.sum(x * x, axis=-1) + L2_NORM_EPS)
+
+
 def default_scale(head_k_dim: int) -> float:
     return head_k_dim ** -0.5

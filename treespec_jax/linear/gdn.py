@@ -130,6 +130,11 @@ class GdnLayerConfig:
     # True / False at every size, None = from 64 padded rows (`gdn_chunked.default_apply_reads_keys`;
     # 0.68-0.78x the other two-pass form's time there on the H200, a tie or a loss below).
     chunked_apply_reads_keys: bool | None = None
+    # The chunked forms form q k^T and k k^T from the 16-bit q and k rows as loaded (exact products, one
+    # tensor-core pass) and scale them afterwards (`gdn_chunked_verify(input_dtype_grams=True)`; the
+    # layer's q and k must then be bf16 or fp16). Off: not yet compiled or timed on a GPU
+    # (benchmarks/gpu_suite.py --owed).
+    chunked_input_dtype_grams: bool = False
 
     def __post_init__(self):
         check_state_mode(self.mode, "GDN")
@@ -153,6 +158,8 @@ class GdnLayerConfig:
             errors.append(f"chunked_apply_reads_keys={self.chunked_apply_reads_keys!r} must be None, True or False")
         elif self.chunked_apply_reads_keys and self.chunked_two_pass is False:
             errors.append("chunked_apply_reads_keys=True is a two-pass form, but chunked_two_pass=False")
+        if not isinstance(self.chunked_input_dtype_grams, bool):
+            errors.append(f"chunked_input_dtype_grams={self.chunked_input_dtype_grams!r} must be True or False")
         if ((self.chunked_tree_verify or self.chunked_chain_verify) and self.kernel.block_v is not None
                 and self.kernel.block_v < MIN_CHUNK):
             errors.append(f"kernel.block_v={self.kernel.block_v} is below the chunked forms' {MIN_CHUNK} columns "
@@ -305,7 +312,8 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
         out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
                                           mask, payload, fp32_dots=cfg.chunked_fp32_dots,
                                           two_pass=True if chain_chunked else cfg.chunked_two_pass,
-                                          apply_reads_keys=cfg.chunked_apply_reads_keys, **common)
+                                          apply_reads_keys=cfg.chunked_apply_reads_keys,
+                                          input_dtype_grams=cfg.chunked_input_dtype_grams, **common)
         return GdnVerifyOutput(out, node_states, payload)
     store = "every_node" if cfg.mode == "staged" else "branch_points"
     res = gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
