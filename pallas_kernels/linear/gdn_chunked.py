@@ -140,15 +140,19 @@ def _invert_unit_lower(m, rows: int, precision):
     return inv
 
 
-def _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, *, b, hv, kh, nodes: int, chunk: int,
+def _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, *, nodes: int, chunk: int, group: int,
               use_qk_l2norm: bool, scale: float, precision, input_dtype_grams: bool = False):
-    """The value-independent part of one (request, value head): inputs as loaded, the gates and the
+    """The value-independent part of the program's (request b, value head hv) = program ids 0, 1 (key
+    head kh = hv // group; all three are returned): inputs as loaded, the gates and the
     [chunk, chunk] factors, A = decay_ts * q k^T among them (formed before the inversion, so a caller
     that needs no [chunk, dk] tile afterwards does not hold q and k through it). Rows t >= nodes are
     padding (zero inputs, all-zero mask rows). `input_dtype_grams`: q k^T and k k^T come from the
     16-bit rows as loaded (every product exact in fp32, one tensor-core pass) scaled by the row factors
     afterwards, instead of from the fp32 normalised rows with `precision`; q and k are then the
     normalised rows formed on use."""
+    b = pl.program_id(0)
+    hv = pl.program_id(1)
+    kh = hv // group
     rows = jnp.arange(chunk, dtype=jnp.int32)
     live = rows < nodes
     node_rows = pl.ds(0, chunk)
@@ -176,14 +180,14 @@ def _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, *, b, hv,
     attn = decay_ts * qk
 
     inv = _invert_unit_lower(m, chunk, precision)
-    return dict(live=live, node_rows=node_rows, k_raw=k_raw, a_raw=a_raw, b_raw=b_raw, k=k, q=q, beta=beta,
-                big_g=big_g, inv=inv, attn=attn)
+    return dict(b=b, hv=hv, kh=kh, live=live, node_rows=node_rows, k_raw=k_raw, a_raw=a_raw, b_raw=b_raw, k=k,
+                q=q, beta=beta, big_g=big_g, inv=inv, attn=attn)
 
 
-def _store_key_payload(payload_ref, x, *, b, hv, kh, group: int, dk: int, layout: GdnPayloadLayout, first_tile):
+def _store_key_payload(payload_ref, x, *, group: int, dk: int, layout: GdnPayloadLayout, first_tile):
     """The payload row pieces one value head owns besides its v columns: a and b (every value head,
-    on its first dv tile) and k (the first value head of each key head)."""
-    live, node_rows = x["live"], x["node_rows"]
+    on its first dv tile) and k (the first value head of each key head); `x` is `_key_side`'s."""
+    b, hv, kh, live, node_rows = (x[n] for n in ("b", "hv", "kh", "live", "node_rows"))
 
     @pl.when(first_tile)
     def _():
@@ -196,19 +200,14 @@ def _store_key_payload(payload_ref, x, *, b, hv, kh, group: int, dk: int, layout
 
 
 def _chunked_kernel(mask_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref,
-                    pool_ref, _payload_in_ref, o_ref, payload_ref, *, nodes: int, chunk: int, group: int,
-                    block_v: int, use_qk_l2norm: bool, scale: float, layout: GdnPayloadLayout, precision,
-                    input_dtype_grams: bool = False):
-    b = pl.program_id(0)
-    hv = pl.program_id(1)
+                    pool_ref, _payload_in_ref, o_ref, payload_ref, *, block_v: int, layout: GdnPayloadLayout,
+                    precision, **key_side):
+    """Fused form, one program per (request, value head, dv tile); `key_side`: `_key_side`'s options."""
+    x = _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, precision=precision, **key_side)
+    b, hv, live, node_rows, k, q, beta, big_g, attn, inv = (x[n] for n in (
+        "b", "hv", "live", "node_rows", "k", "q", "beta", "big_g", "attn", "inv"))
     vt = pl.program_id(2)
-    kh = hv // group
     cols = pl.ds(vt * block_v, block_v)
-    x = _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, b=b, hv=hv, kh=kh, nodes=nodes,
-                  chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision,
-                  input_dtype_grams=input_dtype_grams)
-    live, node_rows, k, q, beta, big_g, attn, inv = (x[n] for n in (
-        "live", "node_rows", "k", "q", "beta", "big_g", "attn", "inv"))
     v_raw = plgpu.load(v_ref.at[b, node_rows, hv, cols], mask=live[:, None], other=0)
 
     h0 = pool_ref[slots_ref[b], hv, :, cols].astype(jnp.float32)  # [dk, block_v]
@@ -218,48 +217,35 @@ def _chunked_kernel(mask_ref, slots_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog
     out = decay * _dot(q, h0, precision) + _dot(attn, u, precision)
     _store_out_and_v_payload(o_ref, payload_ref, out, v_raw, b=b, hv=hv, vt=vt, block_v=block_v, dv=v_ref.shape[-1],
                              node_rows=node_rows, live=live, layout=layout)
-    _store_key_payload(payload_ref, x, b=b, hv=hv, kh=kh, group=group, dk=k_ref.shape[-1], layout=layout,
+    _store_key_payload(payload_ref, x, group=key_side["group"], dk=k_ref.shape[-1], layout=layout,
                        first_tile=vt == 0)
 
 
 def _factor_kernel(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, _payload_in_ref,
-                   qf_ref, p_ref, payload_ref, *, nodes: int, chunk: int, group: int, use_qk_l2norm: bool,
-                   scale: float, layout: GdnPayloadLayout, precision, input_dtype_grams: bool = False):
+                   qf_ref, p_ref, payload_ref, *, layout: GdnPayloadLayout, precision, **key_side):
     """Two-pass form, pass 1, one program per (request, value head): out = Q' h0 + P v with
     W = (I + M)^-1 diag(beta * decay) k, A = decay_ts * (q k^T) on ancestor-or-self pairs,
     Q' = diag(decay) q - A W  [chunk, dk] and P = A (I + M)^-1 diag(beta)  [chunk, chunk]."""
-    b = pl.program_id(0)
-    hv = pl.program_id(1)
-    kh = hv // group
-    x = _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, b=b, hv=hv, kh=kh, nodes=nodes,
-                  chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision,
-                  input_dtype_grams=input_dtype_grams)
-    k, q, beta, big_g, attn, inv = (x[n] for n in ("k", "q", "beta", "big_g", "attn", "inv"))
+    x = _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, precision=precision, **key_side)
+    b, hv, k, q, beta, big_g, attn, inv = (x[n] for n in ("b", "hv", "k", "q", "beta", "big_g", "attn", "inv"))
     decay = jnp.exp(big_g)
     w = _dot(inv, (beta * decay)[:, None] * k, precision)
     qf_ref[b, hv] = decay[:, None] * q - _dot(attn, w, precision)
     p_ref[b, hv] = _dot(attn, inv, precision) * beta[None, :]
-    _store_key_payload(payload_ref, x, b=b, hv=hv, kh=kh, group=group, dk=k_ref.shape[-1], layout=layout,
-                       first_tile=True)
+    _store_key_payload(payload_ref, x, group=key_side["group"], dk=k_ref.shape[-1], layout=layout, first_tile=True)
 
 
 def _p_factor_kernel(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, _payload_in_ref,
-                     p_ref, decay_ref, payload_ref, *, nodes: int, chunk: int, group: int, use_qk_l2norm: bool,
-                     scale: float, layout: GdnPayloadLayout, precision, input_dtype_grams: bool = False):
+                     p_ref, decay_ref, payload_ref, *, layout: GdnPayloadLayout, precision, **key_side):
     """Two-pass form whose apply kernel reads the keys, pass 1, one program per (request, value head):
     only [chunk, chunk] products leave it, P = A (I + M)^-1 diag(beta) and decay = exp(G) [chunk]; the
     fp32 [chunk, dk] tiles q, k are not used after q k^T and k k^T (no W, no Q'; the raw bf16 k stays
     for the payload store)."""
-    b = pl.program_id(0)
-    hv = pl.program_id(1)
-    kh = hv // group
-    x = _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, b=b, hv=hv, kh=kh, nodes=nodes,
-                  chunk=chunk, use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision,
-                  input_dtype_grams=input_dtype_grams)
+    x = _key_side(mask_ref, q_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, precision=precision, **key_side)
+    b, hv = x["b"], x["hv"]
     p_ref[b, hv] = _dot(x["attn"], x["inv"], precision) * x["beta"][None, :]
     decay_ref[b, hv] = jnp.exp(x["big_g"])
-    _store_key_payload(payload_ref, x, b=b, hv=hv, kh=kh, group=group, dk=k_ref.shape[-1], layout=layout,
-                       first_tile=True)
+    _store_key_payload(payload_ref, x, group=key_side["group"], dk=k_ref.shape[-1], layout=layout, first_tile=True)
 
 
 def _apply_keys_kernel(slots_ref, q_ref, k_ref, p_ref, decay_ref, v_ref, pool_ref, _payload_in_ref, o_ref,
