@@ -69,6 +69,11 @@ APPLY_READS_KEYS_MIN_ROWS = 64
 INPUT_DTYPE_GRAM_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+def chunk_rows(num_nodes: int) -> int:
+    """Rows a tree of num_nodes nodes pads to in the chunked forms: 16, 32 or 64."""
+    return max(MIN_CHUNK, next_pow2(num_nodes))
+
+
 def default_two_pass(batch: int, num_v_heads: int) -> bool:
     """Whether `gdn_chunked_verify(two_pass=None)` runs the two-pass form: when its factor kernel's
     (B, HV) grid has at least TWO_PASS_MIN_PROGRAMS programs."""
@@ -122,20 +127,22 @@ def _store_out_and_v_payload(o_ref, payload_ref, out, v_raw, *, b, hv, vt, block
 
 def _invert_unit_lower(m, rows: int, precision):
     """(I + m)^-1 for a strictly lower triangular `[rows, rows]` m, by recursive block inversion:
-    log2(rows) levels, all but the first of two dots each (no serial substitution). X holds the inverses of the
-    diagonal blocks of size s; for each 2s block [[A, 0], [C, D]] the inverse is
+    log2(rows) levels, all but the first of two dots each (no serial substitution). X holds the
+    inverses of the diagonal blocks of size s; for each 2s block [[A, 0], [C, D]] the inverse is
     [[A^-1, 0], [-D^-1 C A^-1, D^-1]], i.e. X <- X - X N X with N the C blocks of I + m. Unlike the
     power series sum (-m)^j, whose terms grow like beta^j C(depth, j) and cancel (1e6 relative error
     at 64 nodes of correlated keys), every product here is of true inverse blocks."""
     idx = jnp.arange(rows, dtype=jnp.int32)
+
+    def level_blocks(s):  # N at level s: the C blocks of m, (odd s-block row, its left neighbour)
+        row_block, col_block = idx[:, None] // s, idx[None, :] // s
+        return jnp.where((row_block % 2 == 1) & (col_block == row_block - 1), m, 0.0)
+
     # The first level needs no dots: with X = I (1 x 1 blocks of a unit diagonal), X - X N X = I - N.
-    first = (idx[:, None] % 2 == 1) & (idx[None, :] == idx[:, None] - 1)
-    inv = (idx[:, None] == idx[None, :]).astype(jnp.float32) - jnp.where(first, m, 0.0)
+    inv = (idx[:, None] == idx[None, :]).astype(jnp.float32) - level_blocks(1)
     s = 2
     while s < rows:
-        row_block, col_block = idx[:, None] // s, idx[None, :] // s
-        lower_half = (row_block % 2 == 1) & (col_block == row_block - 1)
-        inv = inv - _dot(_dot(inv, jnp.where(lower_half, m, 0.0), precision), inv, precision)
+        inv = inv - _dot(_dot(inv, level_blocks(s), precision), inv, precision)
         s *= 2
     return inv
 
@@ -336,7 +343,7 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
         out, _ = gdn_chunked_reference(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, anc,
                                        use_qk_l2norm=use_qk_l2norm, scale=scale)
         return out.astype(v.dtype), pack_payload(k, v, a, b)
-    chunk = max(MIN_CHUNK, next_pow2(dims.nodes))
+    chunk = chunk_rows(dims.nodes)
     precision = FP32_DOTS["ieee" if kind == "interpret" else fp32_dots]
     if two_pass is False and apply_reads_keys:
         raise ValueError("gdn_chunked_verify: apply_reads_keys=True is a two-pass form, but two_pass=False "

@@ -35,9 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES
-from pallas_kernels.common import next_pow2
-from pallas_kernels.linear.gdn_chunked import (MIN_CHUNK, default_apply_reads_keys, default_two_pass,
-                                              gdn_chunked_verify)
+from pallas_kernels.linear.gdn_chunked import (MIN_CHUNK, chunk_rows, default_apply_reads_keys,
+                                              default_two_pass, gdn_chunked_verify)
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit
 from pallas_kernels.row_move import pack_path_rows
@@ -239,7 +238,7 @@ def verify_kernel_for(mode: GdnStateMode, num_nodes: int, is_tree: bool, chunked
     check_state_mode(mode, "GDN")
     if not is_tree:
         return "chunked" if chain_chunked and mode == "replay_ssm" else "recurrent_chain"
-    padded = max(MIN_CHUNK, next_pow2(num_nodes))
+    padded = chunk_rows(num_nodes)
     if (chunked_tree_verify and mode == "replay_ssm"
             and max(min_nodes, GDN_TREE_VERIFY_CHUNKED_MIN_NODES) <= num_nodes <= max_nodes
             and (padded == MIN_CHUNK or num_nodes >= (padded_min_nodes or {}).get(padded, 0))):
