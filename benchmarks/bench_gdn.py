@@ -34,11 +34,10 @@ from benchmarks.report import log, rel_err
 from benchmarks import timing
 from benchmarks.timing import measure_copy_bandwidth
 from pallas_kernels.linear.chunked_common import FP32_DOTS
-from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, MIN_CHUNK, TWO_PASS_FACTOR_WARPS,
+from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, TWO_PASS_FACTOR_WARPS, chunk_rows,
                                               default_apply_reads_keys, default_two_pass,
                                               gdn_chunked_verify, two_pass_factor)
 from pallas_kernels.linear.gdn_common import default_scale, gdn_dims
-from pallas_kernels.common import next_pow2
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit
 from pallas_kernels.row_move import pack_path_rows
@@ -58,8 +57,8 @@ CHUNKED_IEEE = False  # --chunked-ieee: also time the chunked form with IEEE fp3
 SKIP_COMMIT = False  # --skip-commit: the T=64 commit step took minutes to compile at B=32 (05:35 UTC run)
 FUSED_CHUNKED = True  # --no-fused-chunked: skip the fused chunked kernel (2-3x slower than two-pass past 16 nodes)
 # --lean: of the two-pass forms only the variant the layer runs at this padding (apply-reads-keys
-# from 64 rows), no staged kernels, no factor-alone timings, no agreement check: a config compiles in
-# about a third of the time, for route decisions over many T.
+# from 64 rows), no staged kernels, no factor-alone timings: a config compiles in about a third of
+# the time, for route decisions over many T.
 LEAN = False
 
 
@@ -370,13 +369,13 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
                           ("chain_chunked2_tf32x3", False, "tf32x3", True, False),
                           ("tree_chunked3_tf32x3", True, "tf32x3", True, True),
                           ("chain_chunked3_tf32x3", False, "tf32x3", True, True)]
-        default_keys = default_apply_reads_keys(max(MIN_CHUNK, next_pow2(t)))
+        default_keys = default_apply_reads_keys(chunk_rows(t))
         if LEAN:
             two_pass_forms = [f for f in two_pass_forms if f[4] == default_keys]
         forms += two_pass_forms
         # The default two-pass variant's tree with q k^T, k k^T from the bf16 rows (input_dtype_grams).
         forms += [("tree_grams_tf32x3", True, "tf32x3", True, default_keys)]
-        outs = {}  # each timed form's output (the carry's last step), for the grams agreement below
+        outs = {}  # each timed form's output (the carry's last step), for the agreement checks below
         for name, is_tree, dots, two, keys in forms:
             try:  # one form that cannot launch (e.g. shared memory) leaves the row's other columns
                 res[name], carry = time_step(verify_step(is_tree, None, chunked=True, fp32_dots=dots, two_pass=two,
@@ -384,29 +383,24 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
                 outs[name] = jnp.copy(carry[2])  # the next timed form donates the carry
             except Exception as e:  # noqa: BLE001
                 log(f"    {name} at B={bsz} T={t} raised {e!r}"[:600])
+        # Compiled agreement, from the timed outputs (same inputs, so no extra run): the two two-pass
+        # variants, and the default one with and without input-dtype grams. bf16 outputs round at about
+        # 4e-3, so above 1e-2 is a failure.
         base_tree = "tree_chunked3_tf32x3" if default_keys else "tree_chunked2_tf32x3"
-        if "tree_grams_tf32x3" in outs and base_tree in outs:  # bf16 outputs round at ~4e-3: above 1e-2 fails
-            res["grams_vs_default"] = float(rel_err(outs["tree_grams_tf32x3"], outs[base_tree]))
-            log(f"    {'PASS' if res['grams_vs_default'] < 1e-2 else 'FAIL'} input-dtype grams vs without at "
-                f"B={bsz} T={t}: rel err {res['grams_vs_default']:.2e}")
-        # Compiled agreement of the two two-pass forms at this shape (the conformance cases cover T=16 and 33);
-        # bf16 outputs round at about 4e-3, so above 1e-2 is a failure. Config rows only (default launch).
-        if not sweep and not LEAN:
-            try:
-                outs = [gdn_chunked_verify(*args, tree.ancestor_mask, jnp.zeros_like(carry[1]), fp32_dots="tf32x3",
-                                           two_pass=True, apply_reads_keys=keys)[0] for keys in (False, True)]
-                res["keys_vs_two_pass"] = float(rel_err(outs[1], outs[0]))
-                log(f"    {'PASS' if res['keys_vs_two_pass'] < 1e-2 else 'FAIL'} two-pass (apply reads keys) vs "
-                    f"two-pass at B={bsz} T={t}: rel err {res['keys_vs_two_pass']:.2e}")
-            except Exception as e:  # noqa: BLE001
-                log(f"    two-pass agreement check at B={bsz} T={t} raised {e!r}"[:600])
+        for key, new, old, what in (("keys_vs_two_pass", "tree_chunked3_tf32x3", "tree_chunked2_tf32x3",
+                                     "two-pass (apply reads keys) vs two-pass"),
+                                    ("grams_vs_default", "tree_grams_tf32x3", base_tree,
+                                     "input-dtype grams vs without")):
+            if new in outs and old in outs:
+                res[key] = float(rel_err(outs[new], outs[old]))
+                log(f"    {'PASS' if res[key] < 1e-2 else 'FAIL'} {what} at B={bsz} T={t}: rel err {res[key]:.2e}")
         # The two-pass form's first kernel alone (tree masks): the rest of its time is the apply kernel's.
         dims = gdn_dims(*args)
 
         def factor_step(c, p_only=False):
             ns, pl_, o = c
             _, _, pl_ = two_pass_factor(args[0], args[1], args[3], args[4], args[5], args[6], tree.ancestor_mask, pl_,
-                                        dims=dims, chunk=max(MIN_CHUNK, next_pow2(t)),
+                                        dims=dims, chunk=chunk_rows(t),
                                         layout=GdnPayloadLayout(d["H"], d["HV"], d["DK"], d["DV"]),
                                         use_qk_l2norm=True, scale=default_scale(d["DK"]),
                                         precision=FP32_DOTS["tf32x3"], interpret=False,
@@ -463,7 +457,7 @@ def default_route(bsz, t, r):
     cfg = GdnLayerConfig(d["H"], d["HV"], d["DK"], d["DV"])
     lo, hi, padded_min = cfg.chunked_route(bsz)
     two = default_two_pass(bsz, d["HV"])
-    keys = cfg.runs_apply_reads_keys(max(MIN_CHUNK, next_pow2(t)))
+    keys = cfg.runs_apply_reads_keys(chunk_rows(t))
     tree_kernel = verify_kernel_for(cfg.mode, t, True, cfg.chunked_tree_verify, lo, max_nodes=hi,
                                     padded_min_nodes=padded_min)
     two_key = "tree_chunked3_tf32x3" if keys else "tree_chunked2_tf32x3"
@@ -480,7 +474,7 @@ def default_route(bsz, t, r):
 def grams_ratio(t, r):
     """The default two-pass variant's tree with input-dtype grams over the same without them, and
     their outputs' agreement (PASS below 1e-2)."""
-    keys = default_apply_reads_keys(max(MIN_CHUNK, next_pow2(t)))
+    keys = default_apply_reads_keys(chunk_rows(t))
     ratio = _ratio(r, "tree_grams_tf32x3", "tree_chunked3_tf32x3" if keys else "tree_chunked2_tf32x3")
     if "grams_vs_default" in r:
         ratio += f", {'PASS' if r['grams_vs_default'] < 1e-2 else 'FAIL'} {r['grams_vs_default']:.1e}"
@@ -685,8 +679,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-fused-chunked", action="store_true",
                    help="time the chunked form only as two-pass (the fused kernel loses 2-3x past 16 nodes)")
     p.add_argument("--lean", action="store_true", help="time only what the layer's route chooses between (the "
-                   "recurrent kernels and the default two-pass variant), no staged kernels, factor-alone or "
-                   "agreement runs")
+                   "recurrent kernels and the default two-pass variant), no staged kernels or factor-alone runs")
     p.add_argument("--inner", type=int, default=INNER, help="kernel calls per timed jit call")
     p.add_argument("--markdown", default=None, help="also write the dated section to this file (e.g. $OUT/gdn.md)")
     p.add_argument("--results", default=str(Path(__file__).resolve().parent / "RESULTS.md"),
