@@ -313,29 +313,20 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
     assert rel_err(chunked.out, ref_out) < TOL
     assert np.isnan(np.asarray(chunked.node_states)).all()  # the chunked form keeps no node states
     np.testing.assert_array_equal(np.asarray(chunked.payload), np.asarray(pack_payload(*_args(x)[1:5])))
-    # chunked_two_pass reaches the kernel: the layer's output is the two-pass form's, bit for bit.
-    two_cfg = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64, chunked_two_pass=True, chunked_apply_reads_keys=False)
-    two = gdn_verify(two_cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
-                     backend="interpret")
-    direct, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=True,
-                                   apply_reads_keys=False, backend="interpret")
-    np.testing.assert_array_equal(np.asarray(two.out), np.asarray(direct))
-    assert rel_err(two.out, ref_out) < TOL
-    # chunked_apply_reads_keys reaches the kernel likewise.
-    keys_cfg = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64, chunked_two_pass=True, chunked_apply_reads_keys=True)
-    keys = gdn_verify(keys_cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
-                      backend="interpret")
-    direct_keys, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=True,
-                                        apply_reads_keys=True, backend="interpret")
-    np.testing.assert_array_equal(np.asarray(keys.out), np.asarray(direct_keys))
-    assert not np.array_equal(np.asarray(direct_keys), np.asarray(direct))
-    # By default (None) the variant runs from 64 padded rows; 33 nodes pad to 64.
-    default_keys = gdn_verify(GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64, chunked_two_pass=True), *_args(x),
-                              node_states=_nan_states(t), payload=_nan_payload(t), tree=tree, backend="interpret")
-    np.testing.assert_array_equal(np.asarray(default_keys.out), np.asarray(direct_keys))
-    default_direct, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=True,
-                                           backend="interpret")
-    np.testing.assert_array_equal(np.asarray(default_direct), np.asarray(direct_keys))
+    # chunked_two_pass and chunked_apply_reads_keys reach the kernel: the layer's output is the two-pass
+    # variant's, bit for bit; by default (None) the keys variant runs from 64 padded rows (33 nodes pad
+    # to 64).
+    direct = {}
+    for keys in (False, True, None):
+        cfg = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64, chunked_two_pass=True, chunked_apply_reads_keys=keys)
+        layer = gdn_verify(cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
+                           backend="interpret")
+        direct[keys], _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=True,
+                                             apply_reads_keys=keys, backend="interpret")
+        np.testing.assert_array_equal(np.asarray(layer.out), np.asarray(direct[keys]))
+        assert rel_err(layer.out, ref_out) < TOL, keys
+    assert not np.array_equal(np.asarray(direct[True]), np.asarray(direct[False]))
+    np.testing.assert_array_equal(np.asarray(direct[None]), np.asarray(direct[True]))
     with pytest.raises(ValueError, match="chunked_apply_reads_keys=True is a two-pass form"):
         GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=False, chunked_apply_reads_keys=True)
     with pytest.raises(ValueError, match="chunked_apply_reads_keys='yes' must be None, True or False"):
