@@ -56,9 +56,9 @@ _T0 = time.time()  # this module's start, for its --budget-s
 CHUNKED_IEEE = False  # --chunked-ieee: also time the chunked form with IEEE fp32 products (3.5-7x slower)
 SKIP_COMMIT = False  # --skip-commit: the T=64 commit step took minutes to compile at B=32 (05:35 UTC run)
 FUSED_CHUNKED = True  # --no-fused-chunked: skip the fused chunked kernel (2-3x slower than two-pass past 16 nodes)
-# --lean: of the two-pass forms only the variant the layer runs at this padding (apply-reads-keys
-# from 64 rows), no staged kernels, no factor-alone timings: a config compiles in about a third of
-# the time, for route decisions over many T.
+# --lean: only what the layer's route chooses between (the recurrent tree and chain, and the chunked
+# form the kernel's defaults pick, input-dtype grams included), no staged kernels, no factor-alone
+# timings: a config compiles in about a third of the time, for route decisions over many T.
 LEAN = False
 
 
@@ -324,6 +324,7 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
 
     def verify_step(is_tree, store, chunked=False, drafter_tree=False, fp32_dots="ieee", two_pass=False,
                     keys=False, grams=False):
+        # two_pass / keys / grams = None: the kernel's own default for this shape and dtype.
         step_tree = eagle_tree_ if drafter_tree else tree
 
         def step(c):
@@ -360,33 +361,32 @@ def bench_case(bsz, t, rng, bw, launch=None, sweep=False, chunked_launch=None, e
         launch_used = pick_launch(dims_of(d, bsz, t), kcfg) + (("v",) if uses_value_major(dims_of(d, bsz, t), kcfg) else ())
         res["launch_chain"] = res["launch_tree"] = launch_used
     if t <= MAX_CHUNKED_NODES and sweep is not True:  # a recurrent launch sweep leaves the chunked form alone
-        # (name, tree?, fp32 products, two-pass?, apply reads keys?)
-        forms = [("tree_chunked", True, "ieee", False, False)] if CHUNKED_IEEE else []
-        if fwarps is None and FUSED_CHUNKED:  # a swept launch that names factor warps times the two-pass forms only
-            forms += [("tree_chunked_tf32x3", True, "tf32x3", False, False),
-                      ("chain_chunked_tf32x3", False, "tf32x3", False, False)]
-        two_pass_forms = [("tree_chunked2_tf32x3", True, "tf32x3", True, False),
-                          ("chain_chunked2_tf32x3", False, "tf32x3", True, False),
-                          ("tree_chunked3_tf32x3", True, "tf32x3", True, True),
-                          ("chain_chunked3_tf32x3", False, "tf32x3", True, True)]
-        default_keys = default_apply_reads_keys(chunk_rows(t))
-        if LEAN:
-            two_pass_forms = [f for f in two_pass_forms if f[4] == default_keys]
-        forms += two_pass_forms
-        # The default two-pass variant's tree with q k^T, k k^T from the bf16 rows (input_dtype_grams).
-        forms += [("tree_grams_tf32x3", True, "tf32x3", True, default_keys)]
+        # (name, tree?, fp32 products, two-pass?, apply reads keys?, input-dtype grams?)
+        forms = [("tree_chunked", True, "ieee", False, False, False)] if CHUNKED_IEEE else []
+        if fwarps is None and FUSED_CHUNKED and not LEAN:  # a swept launch naming factor warps: two-pass only
+            forms += [("tree_chunked_tf32x3", True, "tf32x3", False, False, False),
+                      ("chain_chunked_tf32x3", False, "tf32x3", False, False, False)]
+        if not LEAN:
+            forms += [("tree_chunked2_tf32x3", True, "tf32x3", True, False, False),
+                      ("chain_chunked2_tf32x3", False, "tf32x3", True, False, False),
+                      ("tree_chunked3_tf32x3", True, "tf32x3", True, True, False),
+                      ("chain_chunked3_tf32x3", False, "tf32x3", True, True, False)]
+        # The kernel's default form for bf16 rows (two-pass by grid and rows, its default variant, q k^T
+        # and k k^T from the bf16 rows): what the layer's chunked route runs.
+        forms += [("tree_grams_tf32x3", True, "tf32x3", None, None, None),
+                  ("chain_grams_tf32x3", False, "tf32x3", None, None, None)]
         outs = {}  # each timed form's output (the carry's last step), for the agreement checks below
-        for name, is_tree, dots, two, keys in forms:
+        for name, is_tree, dots, two, keys, grams in forms:
             try:  # one form that cannot launch (e.g. shared memory) leaves the row's other columns
                 res[name], carry = time_step(verify_step(is_tree, None, chunked=True, fp32_dots=dots, two_pass=two,
-                                                         keys=keys, grams=name.startswith("tree_grams")), carry)
+                                                         keys=keys, grams=grams), carry)
                 outs[name] = jnp.copy(carry[2])  # the next timed form donates the carry
             except Exception as e:  # noqa: BLE001
                 log(f"    {name} at B={bsz} T={t} raised {e!r}"[:600])
         # Compiled agreement, from the timed outputs (same inputs, so no extra run): the two two-pass
         # variants, and the default one with and without input-dtype grams. bf16 outputs round at about
         # 4e-3, so above 1e-2 is a failure.
-        base_tree = "tree_chunked3_tf32x3" if default_keys else "tree_chunked2_tf32x3"
+        base_tree = default_form_without_grams(bsz, t)
         for key, new, old, what in (("keys_vs_two_pass", "tree_chunked3_tf32x3", "tree_chunked2_tf32x3",
                                      "two-pass (apply reads keys) vs two-pass"),
                                     ("grams_vs_default", "tree_grams_tf32x3", base_tree,
@@ -444,8 +444,8 @@ def best_ratio(r):
     """Fastest tree form over fastest chain form (the recurrent and, T <= MAX_CHUNKED_NODES, chunked kernels)."""
     trees = [r[k] for k in ("tree_replay_rec", "tree_chunked_tf32x3", "tree_chunked2_tf32x3", "tree_chunked3_tf32x3",
                             "tree_grams_tf32x3") if k in r]
-    chains = [r[k] for k in ("chain_replay", "chain_chunked_tf32x3", "chain_chunked2_tf32x3", "chain_chunked3_tf32x3")
-              if k in r]
+    chains = [r[k] for k in ("chain_replay", "chain_chunked_tf32x3", "chain_chunked2_tf32x3", "chain_chunked3_tf32x3",
+                             "chain_grams_tf32x3") if k in r]
     return f"{min(trees) / min(chains):.2f}x" if trees and chains else "-"
 
 
@@ -455,27 +455,29 @@ def default_route(bsz, t, r):
     not timed)."""
     d = QWEN
     cfg = GdnLayerConfig(d["H"], d["HV"], d["DK"], d["DV"])
-    lo, hi, padded_min = cfg.chunked_route(bsz)
-    two = default_two_pass(bsz, d["HV"])
-    keys = cfg.runs_apply_reads_keys(chunk_rows(t))
+    lo, hi, padded_min = cfg.chunked_route(bsz, jnp.bfloat16)
     tree_kernel = verify_kernel_for(cfg.mode, t, True, cfg.chunked_tree_verify, lo, max_nodes=hi,
                                     padded_min_nodes=padded_min)
-    two_key = "tree_chunked3_tf32x3" if keys else "tree_chunked2_tf32x3"
-    tree_key = (two_key if two else "tree_chunked_tf32x3") if tree_kernel == "chunked" else "tree_replay_rec"
-    chain_key = ((("chain_chunked3_tf32x3" if keys else "chain_chunked2_tf32x3") if cfg.chain_runs_chunked(t, bsz)
-                  else "chain_replay"))
-    name = {"tree_replay_rec": "recurrent", "tree_chunked_tf32x3": "fused", "tree_chunked2_tf32x3": "two-pass",
-            "tree_chunked3_tf32x3": "two-pass (apply reads keys)", "chain_replay": "recurrent",
-            "chain_chunked2_tf32x3": "two-pass", "chain_chunked3_tf32x3": "two-pass (apply reads keys)"}
+    # The layer's chunked route runs the kernel's defaults for bf16 rows (the "grams" columns).
+    tree_key = "tree_grams_tf32x3" if tree_kernel == "chunked" else "tree_replay_rec"
+    chain_key = "chain_grams_tf32x3" if cfg.chain_runs_chunked(t, bsz, jnp.bfloat16) else "chain_replay"
+    name = {"tree_replay_rec": "recurrent", "tree_grams_tf32x3": "chunked", "chain_replay": "recurrent",
+            "chain_grams_tf32x3": "chunked"}
     ratio = f"{r[tree_key] / r[chain_key]:.2f}x" if tree_key in r and chain_key in r else "-"
     return f"{name[tree_key]} / {name[chain_key]}, {ratio}"
 
 
-def grams_ratio(t, r):
-    """The default two-pass variant's tree with input-dtype grams over the same without them, and
-    their outputs' agreement (PASS below 1e-2)."""
-    keys = default_apply_reads_keys(chunk_rows(t))
-    ratio = _ratio(r, "tree_grams_tf32x3", "tree_chunked3_tf32x3" if keys else "tree_chunked2_tf32x3")
+def default_form_without_grams(bsz, t):
+    """The timed tree form the kernel's default for (B, T) runs, less the input-dtype grams."""
+    if not default_two_pass(bsz, QWEN["HV"], chunk_rows(t)):
+        return "tree_chunked_tf32x3"
+    return "tree_chunked3_tf32x3" if default_apply_reads_keys(chunk_rows(t)) else "tree_chunked2_tf32x3"
+
+
+def grams_ratio(bsz, t, r):
+    """The kernel's default tree form (input-dtype grams) over the same without them, and their
+    outputs' agreement (PASS below 1e-2)."""
+    ratio = _ratio(r, "tree_grams_tf32x3", default_form_without_grams(bsz, t))
     if "grams_vs_default" in r:
         ratio += f", {'PASS' if r['grams_vs_default'] < 1e-2 else 'FAIL'} {r['grams_vs_default']:.1e}"
     return ratio
@@ -517,7 +519,8 @@ def bench(quick: bool, budget_s: float, use_fla: bool, configs, sweep_rec, sweep
             f"chunked tf32x3 tree {_us(r, 'tree_chunked_tf32x3')}us chain {_us(r, 'chain_chunked_tf32x3')}us "
             f"two-pass tree {_us(r, 'tree_chunked2_tf32x3')}us chain {_us(r, 'chain_chunked2_tf32x3')}us "
             f"two-pass/keys tree {_us(r, 'tree_chunked3_tf32x3')}us chain {_us(r, 'chain_chunked3_tf32x3')}us "
-            f"grams tree {_us(r, 'tree_grams_tf32x3')}us ({grams_ratio(t, r)}) "
+            f"default form (grams) tree {_us(r, 'tree_grams_tf32x3')}us ({grams_ratio(bsz, t, r)}) "
+            f"chain {_us(r, 'chain_grams_tf32x3')}us "
             f"(ieee tree {_us(r, 'tree_chunked')}us) best tree/best chain {best_ratio(r)} chain_staged {_us(r, 'chain_staged')}us tree_staged "
             f"{_us(r, 'tree_staged')}us commit {_us(r, 'replay_commit')}us floor_rw {_us(r, 'floor_rw')}us"
             + (f" eagle_tree {_us(r, 'eagle_replay_rec')}us "
@@ -566,10 +569,10 @@ def render(rows, sweep, fla, bw):
               "| chunked tree (tf32x3) | chunked chain (tf32x3) | two-pass chunked tree (tf32x3) "
               "| two-pass chunked chain (tf32x3) | two-pass factor kernel alone (tree) "
               "| two-pass, apply reads keys: tree | same: chain "
-              "| default two-pass tree, input-dtype grams (vs without) | best tree / best chain "
+              "| kernel's default form (input-dtype grams): tree (vs without) | same: chain | best tree / best chain "
               "| layer default tree / chain form, ratio | staged chain | staged tree | staged tree/chain "
               "| floor r+w | chain/floor_r | commit (move+replay) | staged B/node | ReplaySSM B/node (recurrent) |")
-    md.append("|---" * 28 + "|")
+    md.append("|---" * 29 + "|")
     for bsz, t, r in rows:
         replay_b = r["branch_frac"] * state_node + payload_node
         tree_rec = r["tree_replay_rec"]
@@ -586,7 +589,8 @@ def render(rows, sweep, fla, bw):
             f"| {_us(r, 'chain_chunked2_tf32x3')} | {_us(r, 'tree_factor_tf32x3')} "
             f"| {_us(r, 'tree_chunked3_tf32x3')} (its factor kernel alone {_us(r, 'tree_p_factor_tf32x3')})"
             + (f" (vs two-pass: rel err {r['keys_vs_two_pass']:.1e})" if "keys_vs_two_pass" in r else "")
-            + f" | {_us(r, 'chain_chunked3_tf32x3')} | {_us(r, 'tree_grams_tf32x3')} ({grams_ratio(t, r)}) "
+            + f" | {_us(r, 'chain_chunked3_tf32x3')} | {_us(r, 'tree_grams_tf32x3')} ({grams_ratio(bsz, t, r)}) "
+            f"| {_us(r, 'chain_grams_tf32x3')} "
             f"| {best_ratio(r)} "
             f"| {default_route(bsz, t, r)} "
             f"| {_us(r, 'chain_staged')} | {_us(r, 'tree_staged')} "

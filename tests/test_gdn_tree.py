@@ -1,13 +1,14 @@
 """GDN tree verify: recurrent (staged / ReplaySSM), chain, chunked form; Pallas in interpret mode
 against an fp64 numpy recurrence along each node's root path."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from gdn_numpy import B, DK, DV, H, HV, branch_rows, chain, per_path_numpy, random_inputs, random_tree, rel_err
 from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, TWO_PASS_MIN_PROGRAMS, _invert_unit_lower,
-                                              default_two_pass, gdn_chunked_verify)
+                                              default_two_pass, gdn_chunked_verify, two_pass_block_v)
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
 from pallas_kernels.linear.gdn_common import GdnDims
@@ -16,7 +17,8 @@ from pallas_kernels.linear.gdn_tree import (GdnKernelConfig, branch_points, gdn_
 from treespec_jax.linear.gdn import (
     GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS, GDN_TREE_VERIFY_CHUNKED_MIN_NODES,
     GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES, GDN_TREE_VERIFY_CHUNKED_NODES_FUSED,
-    GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS, GdnLayerConfig, GdnTree, gdn_verify,
+    GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID, GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS,
+    GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID, GdnLayerConfig, GdnTree, gdn_verify,
     parents_from_ancestor_mask, verify_kernel_for)
 from treespec_jax.tree.masks import ancestor_mask, ancestor_mask_bool
 
@@ -141,7 +143,7 @@ def _form(form):
                  keys=dict(two_pass=True, apply_reads_keys=True))
     # "<form>+grams": that form with q k^T and k k^T from the 16-bit rows as loaded.
     name, _, grams = form.partition("+")
-    return dict(forms[name], **(dict(input_dtype_grams=True) if grams else {}))
+    return dict(forms[name], input_dtype_grams=bool(grams))
 
 
 @pytest.mark.parametrize("t, l2, shape, form", [(8, True, "chain", "fused"), (14, False, "tree", "fused"),
@@ -207,6 +209,15 @@ def test_input_dtype_grams_match_the_reference(t, l2, form):
     plain, _ = gdn_chunked_verify(*args, mask, payload, use_qk_l2norm=l2, **_form(form.partition("+")[0]),
                                   backend="interpret")
     assert rel_err(out, ref_out) < 1e-2 and rel_err(out, plain) < 1e-2
+    # input_dtype_grams=None (the default) is on for bf16 q and k: it traces to the grams form's
+    # program (bf16 outputs can round both forms alike, so the program tells them apart).
+    default_kw = {k: v for k, v in _form(form).items() if k != "input_dtype_grams"}
+
+    def program(**kw):
+        return str(jax.make_jaxpr(lambda *a: gdn_chunked_verify(*a, mask, payload, use_qk_l2norm=l2, **kw,
+                                                                 backend="interpret"))(*args))
+    with_grams = program(**_form(form))
+    assert program(**default_kw) == with_grams != program(**_form(form.partition("+")[0]))
     np.testing.assert_array_equal(np.asarray(pay.astype(jnp.float32)),
                                   np.asarray(pack_payload(*args[1:5]).astype(jnp.float32)))
     with pytest.raises(ValueError, match="input_dtype_grams=True needs q and k of one 16-bit float dtype.*float32"):
@@ -276,9 +287,9 @@ def test_chunked_is_stable_on_deep_chains_of_correlated_keys(t, form):
 
 
 def test_layer_routes_larger_trees_to_chunked_only_when_raised():
-    """Where the fused form runs (small grids), trees above 16 nodes stay recurrent unless
-    chunked_max_nodes raises the bound (up to MAX_CHUNKED_NODES); out-of-range values are refused by
-    name, all errors in one message."""
+    """Explicit chunked_min/max_nodes bounds (up to MAX_CHUNKED_NODES) replace the default route and
+    its padded-rows minima; on a small grid the default sends a 33-node tree (64 padded rows) to the
+    two-pass form; out-of-range values are refused by name, all errors in one message."""
     assert MAX_CHUNKED_NODES == 64
     assert GdnLayerConfig(H, HV, DK, DV).chunked_max_nodes is None
     assert not default_two_pass(B, HV)  # the test's batch is a small grid
@@ -339,74 +350,89 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
     with pytest.raises(ValueError, match="input_dtype_grams=True needs q and k of one 16-bit float dtype"):
         gdn_verify(grams_cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
                    backend="interpret")
-    with pytest.raises(ValueError, match="chunked_input_dtype_grams='on' must be True or False"):
+    with pytest.raises(ValueError, match="chunked_input_dtype_grams='on' must be None, True or False"):
         GdnLayerConfig(H, HV, DK, DV, chunked_input_dtype_grams="on")
     with pytest.raises(ValueError, match="apply_reads_keys=True is a two-pass form"):
         gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=False, apply_reads_keys=True,
                            backend="interpret")
-    # By default the same tree runs the recurrent kernel, which stores exactly its branch points.
-    recurrent = gdn_verify(GdnLayerConfig(H, HV, DK, DV), *_args(x), node_states=_nan_states(t),
-                           payload=_nan_payload(t), tree=tree, backend="interpret")
+    # By default (a small grid, fp32 q and k) the same tree runs the two-pass keys form, bit for bit.
+    default = gdn_verify(GdnLayerConfig(H, HV, DK, DV), *_args(x), node_states=_nan_states(t),
+                         payload=_nan_payload(t), tree=tree, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(default.out), np.asarray(direct[True]))
+    assert np.isnan(np.asarray(default.node_states)).all()
+    # With chunked trees off it runs the recurrent kernel, which stores exactly its branch points.
+    recurrent = gdn_verify(GdnLayerConfig(H, HV, DK, DV, chunked_tree_verify=False), *_args(x),
+                           node_states=_nan_states(t), payload=_nan_payload(t), tree=tree, backend="interpret")
     assert rel_err(recurrent.out, ref_out) < TOL
     rows = branch_rows(parents)
     ws = np.asarray(recurrent.node_states)
     assert rows.any() and np.isnan(ws[~rows]).all() and rel_err(ws[rows], ref_states[rows]) < TOL
 
 
-def test_large_grid_default_runs_two_pass_up_to_64_nodes(monkeypatch):
-    """On a grid of at least TWO_PASS_MIN_PROGRAMS (b, hv) programs the default layer config sends a
-    30-node tree (at least GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES' 26 for 32 padded rows) to the chunked form and the kernel's default
-    picks the two-pass form (the output is two_pass=True's, bit for bit); on a smaller grid the same
-    tree stays recurrent. The threshold is lowered here so the test's small batch counts as a large
-    grid."""
+def test_default_runs_two_pass_past_16_rows_on_every_grid(monkeypatch):
+    """A 30-node tree (32 padded rows, at least the small grid's minimum of 28 and the large grid's 26
+    for fp32 q and k) goes to the chunked form on both grids, and past 16 rows the kernel's default
+    is the two-pass form on every grid (the output is two_pass=True's, bit for bit). The threshold is
+    lowered so the test's small batch also counts as a large grid."""
     import pallas_kernels.linear.gdn_chunked as gdn_chunked_module
     t = 30
     x, parents, tree, ref_out, _ = _random_tree_case(17, t)
     default = GdnLayerConfig(H, HV, DK, DV)
-    small = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
-                       backend="interpret")
-    assert not np.isnan(np.asarray(small.node_states)).all()  # recurrent: branch-point rows written
-    monkeypatch.setattr(gdn_chunked_module, "TWO_PASS_MIN_PROGRAMS", B * HV)
-    assert default.chunked_route(B) == (8, 64, {32: 26, 64: 33})
-    large = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
-                       backend="interpret")
-    assert np.isnan(np.asarray(large.node_states)).all()  # chunked: no node states
     two, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=True, backend="interpret")
     fused, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=False,
                                   backend="interpret")
-    np.testing.assert_array_equal(np.asarray(large.out), np.asarray(two))
     assert not np.array_equal(np.asarray(two), np.asarray(fused))  # the two forms are told apart
-    assert rel_err(large.out, ref_out) < TOL and rel_err(small.out, ref_out) < TOL
+    assert default.chunked_route(B, jnp.float32) == (12, 64, {32: 28, 64: 33})
+    for grid in ("small", "large"):
+        if grid == "large":
+            monkeypatch.setattr(gdn_chunked_module, "TWO_PASS_MIN_PROGRAMS", B * HV)
+            assert default.chunked_route(B, jnp.float32) == (8, 64, {32: 26, 64: 33})
+        res = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
+                         backend="interpret")
+        assert np.isnan(np.asarray(res.node_states)).all(), grid  # chunked: no node states
+        np.testing.assert_array_equal(np.asarray(res.out), np.asarray(two))
+        assert rel_err(res.out, ref_out) < TOL
 
 
 @pytest.mark.parametrize("t, want_chunked", [(12, True), (16, True), (8, False), (17, False), (55, False),
                                              (60, True)])
-def test_chains_of_12_to_16_and_56_to_64_nodes_take_the_two_pass_form_on_large_grids(monkeypatch, t, want_chunked):
-    """Under ReplaySSM a chain (tree=None) of 12..16 nodes, or of 56..64 where the apply-reads-keys
-    variant runs at 64 rows, runs the two-pass chunked form with a chain's ancestor mask where that
-    form runs (bit for bit, no workspace row written, payload as read); other
-    lengths, small grids, chunked_chain_verify=False and chunked_two_pass=False run the recurrent chain.
-    The two-pass threshold is lowered so the test's batch counts as a large grid."""
+def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked):
+    """Under ReplaySSM a chain (tree=None) runs the two-pass chunked form with a chain's ancestor mask
+    (bit for bit, no workspace row written, payload as read) over `chain_chunked_ranges`: with fp32
+    q and k (this test's) 12..16 nodes, and 56..64 where the apply-reads-keys variant runs at 64 rows,
+    on large grids only; with 16-bit q and k 8..64 on large grids (8..32 without the keys variant at
+    64 rows) and 48..64 on small ones. Other lengths, chunked_chain_verify=False, chunked_two_pass=False
+    and staged run the recurrent chain. The two-pass threshold is lowered so the test's batch counts
+    as a large grid."""
     import pallas_kernels.linear.gdn_chunked as gdn_chunked_module
     rng = np.random.default_rng(40 + t)
     x = random_inputs(rng, B, t)
     parents = chain(B, t)
     ref_out, _ = per_path_numpy(x, parents, use_qk_l2norm=True)
+    f32, bf16 = jnp.float32, jnp.bfloat16
     default = GdnLayerConfig(H, HV, DK, DV)
-    assert not default.chain_runs_chunked(t, B)  # small grid
+    assert not default.chain_runs_chunked(t, B, f32)  # small grid, no grams
+    assert default.chain_chunked_ranges(B, f32) == ()
+    assert default.chain_chunked_ranges(B, bf16) == ((48, 64),)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=False).chain_chunked_ranges(B, bf16) == ()
     monkeypatch.setattr(gdn_chunked_module, "TWO_PASS_MIN_PROGRAMS", B * HV)
-    assert default.chain_runs_chunked(t, B) == want_chunked
-    assert not GdnLayerConfig(H, HV, DK, DV, chunked_chain_verify=False).chain_runs_chunked(t, B)
-    assert not GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=False).chain_runs_chunked(t, B)
-    assert not GdnLayerConfig(H, HV, DK, DV, mode="staged").chain_runs_chunked(t, B)
+    assert default.chain_runs_chunked(t, B, f32) == want_chunked
+    for off in (dict(chunked_chain_verify=False), dict(chunked_two_pass=False), dict(mode="staged")):
+        cfg = GdnLayerConfig(H, HV, DK, DV, **off)
+        assert cfg.chain_chunked_ranges(B, f32) == cfg.chain_chunked_ranges(B, bf16) == (), off
     # 56..64 only where the apply-reads-keys variant runs at 64 rows (the default).
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=False).chain_runs_chunked(t, B) == (
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=False).chain_runs_chunked(t, B, f32) == (
         want_chunked and t <= 16)
     assert GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS == (56, 64)
     for cfg_keys in (None, True, False):
         cfg = GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=cfg_keys)
-        assert [n for n in range(17, 65) if cfg.chain_runs_chunked(n, B)] == (
+        assert [n for n in range(17, 65) if cfg.chain_runs_chunked(n, B, f32)] == (
             [] if cfg_keys is False else list(range(56, 65))), cfg_keys
+        # 16-bit q and k (input-dtype grams): every chain of 8..64 nodes, 8..32 without keys at 64 rows.
+        assert [n for n in range(1, 65) if cfg.chain_runs_chunked(n, B, bf16)] == (
+            list(range(8, 33)) if cfg_keys is False else list(range(8, 65))), cfg_keys
+        grams_off = GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=cfg_keys, chunked_input_dtype_grams=False)
+        assert grams_off.chain_chunked_ranges(B, bf16) == cfg.chain_chunked_ranges(B, f32), cfg_keys
     res = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=None,
                      backend="interpret")
     assert rel_err(res.out, ref_out) < TOL
@@ -431,14 +457,18 @@ def test_chunked_reference_states_match_per_path():
 
 def test_layer_verify_dispatch_and_modes_agree():
     """With chunked_tree_verify (the default), gdn_verify picks the chunked form for ReplaySSM trees
-    in the layer's chunked route: by the form that runs, 8..16 and 26..64 nodes (two-pass,
-    large grids; the padded-rows minimum follows the two-pass variant that runs) or 12..16 (fused); at
-    least 8; masks alone describe the tree."""
+    in the layer's chunked route: on large grids 8..64 nodes with padded-rows minima by the two-pass
+    variant that runs and whether the grams come from 16-bit rows, on small grids 12..16 (fused) and
+    past 16 rows from the small grid's minima, 12..16 wherever only the fused form runs; at least 8;
+    masks alone describe the tree."""
     assert GDN_TREE_VERIFY_CHUNKED_MIN_NODES == 8
     assert GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS == (8, 64)
     assert GDN_TREE_VERIFY_CHUNKED_NODES_FUSED == (12, 16)
-    assert GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES == {(32, False): 26, (32, True): 29, (64, False): 40,
-                                                        (64, True): 33}
+    assert GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID == (12, 64)
+    assert GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES == {
+        (32, False, False): 26, (32, True, False): 29, (64, False, False): 40, (64, True, False): 33,
+        (32, False, True): 17, (32, True, True): 17, (64, False, True): 33, (64, True, True): 33}
+    assert GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID == {32: 28, 64: 33}
     assert verify_kernel_for("replay_ssm", 16, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 8, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 64, True, True) == "chunked"
@@ -452,32 +482,52 @@ def test_layer_verify_dispatch_and_modes_agree():
     chunked_sizes = [n for n in range(1, 65) if verify_kernel_for("replay_ssm", n, True, True, 8, max_nodes=64,
                                                                   padded_min_nodes={32: 26, 64: 40}) == "chunked"]
     assert chunked_sizes == list(range(8, 17)) + list(range(26, 33)) + list(range(40, 65))
-    # The layer's default route follows the form that runs (B * HV against TWO_PASS_MIN_PROGRAMS).
+    # The layer's default route follows the grid (B * HV against TWO_PASS_MIN_PROGRAMS) and q's dtype.
     default = GdnLayerConfig(H, HV, DK, DV)
     assert (default.chunked_tree_verify, default.chunked_min_nodes, default.chunked_two_pass,
-            default.chunked_fp32_dots) == (True, None, None, "tf32x3")
+            default.chunked_fp32_dots, default.chunked_input_dtype_grams) == (True, None, None, "tf32x3", None)
+    assert default.runs_input_dtype_grams(jnp.bfloat16) and default.runs_input_dtype_grams(jnp.float16)
+    assert not default.runs_input_dtype_grams(jnp.float32)
+    assert not GdnLayerConfig(H, HV, DK, DV, chunked_input_dtype_grams=False).runs_input_dtype_grams(jnp.bfloat16)
     small_b, large_b = TWO_PASS_MIN_PROGRAMS // HV - 1, -(-TWO_PASS_MIN_PROGRAMS // HV)
     assert not default_two_pass(small_b, HV) and default_two_pass(large_b, HV)
-    fill = {32: 26, 64: 33}  # the plain two-pass form at 32 rows, the apply-reads-keys one at 64
-    assert default.chunked_route(small_b) == (12, 16, {})
-    assert default.chunked_route(large_b) == (8, 64, fill)
-    # Forcing the fused form on a large grid keeps the fused range; forcing two-pass on a small grid
-    # keeps the small grid's (two-pass was not measured ahead of the recurrent tree there past 16).
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=False).chunked_route(large_b) == (12, 16, {})
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True).chunked_route(small_b) == (12, 16, {})
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True).chunked_route(large_b) == (8, 64, fill)
+    assert default_two_pass(small_b, HV, 32) and default_two_pass(small_b, HV, 64)  # past 16 rows: any grid
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    small = {32: 28, 64: 33}
+    fill = {32: 26, 64: 33}  # fp32 rows: the plain two-pass form at 32 rows, the apply-reads-keys one at 64
+    grams = {32: 17, 64: 33}  # 16-bit rows: every tree past 16 nodes
+    for dtype in (f32, bf16):
+        assert default.chunked_route(small_b, dtype) == (12, 64, small)
+        # Forcing two-pass on a small grid keeps the small grid's route (unmeasured at 12..16).
+        assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True).chunked_route(small_b, dtype) == (12, 64, small)
+        # Forcing the fused form keeps the fused range on every grid.
+        for b in (small_b, large_b):
+            assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=False).chunked_route(b, dtype) == (12, 16, {})
+    assert default.chunked_route(large_b, f32) == (8, 64, fill)
+    assert default.chunked_route(large_b, bf16) == default.chunked_route(large_b) == (8, 64, grams)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_input_dtype_grams=False).chunked_route(large_b, bf16) == (
+        8, 64, fill)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True).chunked_route(large_b, f32) == (8, 64, fill)
     # The minimum follows the variant the layer runs at each padding.
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=False).chunked_route(large_b) == (
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=False).chunked_route(large_b, f32) == (
         8, 64, {32: 26, 64: 40})
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=True).chunked_route(large_b) == (
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=True).chunked_route(large_b, f32) == (
         8, 64, {32: 29, 64: 33})
+    for keys in (False, True):
+        assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=keys).chunked_route(large_b, bf16) == (
+            8, 64, grams)
     # One explicit bound keeps the other from the default unless they would cross; an explicit max
     # drops the padded-rows minimum.
     assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_route(small_b) == (8, 10, {})
     assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_route(large_b) == (8, 10, {})
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=20).chunked_route(small_b) == (20, 64, {})
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_route(small_b) == (12, 16, {})
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_route(large_b) == (12, 64, fill)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=20).chunked_route(small_b) == (20, 64, small)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_route(small_b) == (12, 64, small)
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_route(large_b, f32) == (12, 64, fill)
+    # The small grid's route: 12..16, then 28..32 and 33..64 (a 20-node tree stays recurrent).
+    lo, hi, padded_min = default.chunked_route(small_b)
+    assert [n for n in range(1, 65) if verify_kernel_for("replay_ssm", n, True, True, lo, max_nodes=hi,
+                                                         padded_min_nodes=padded_min) == "chunked"] == (
+        list(range(12, 17)) + list(range(28, 65)))
     lo, hi, padded_min = default.chunked_route(B)
     assert verify_kernel_for("replay_ssm", 8, True, True, lo, max_nodes=hi, padded_min_nodes=padded_min) == "recurrent_tree"
     assert verify_kernel_for("replay_ssm", 12, True, True, lo, max_nodes=hi, padded_min_nodes=padded_min) == "chunked"
@@ -638,7 +688,6 @@ def _fake_sm90(monkeypatch):
 def _qwen_specs(bsz, t, h=16, hv=32, dk=128, dv=128):
     """Abstract Qwen3-Next inputs `(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots)` and the
     payload width."""
-    import jax
 
     sd = jax.ShapeDtypeStruct
     ins = (sd((bsz, t, h, dk), jnp.bfloat16), sd((bsz, t, h, dk), jnp.bfloat16), sd((bsz, t, hv, dv), jnp.bfloat16),
@@ -650,7 +699,6 @@ def _qwen_specs(bsz, t, h=16, hv=32, dk=128, dv=128):
 def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
     """Qwen3-Next dims lower Pallas -> Triton IR in both store modes and as a chain, key- and
     value-major (no GPU needed; compiling to PTX and running is benchmarks/bench_gdn.py's conformance)."""
-    import jax
 
     _fake_sm90(monkeypatch)
     sd = jax.ShapeDtypeStruct
@@ -686,22 +734,27 @@ def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
 
 
 def test_default_form_follows_the_grid_in_the_sm90_lowering(monkeypatch):
-    """two_pass=None lowers to the factor and apply kernels at the threshold grid (B * HV ==
-    TWO_PASS_MIN_PROGRAMS) and to the fused kernel one request below it (Qwen3-Next dims, HV=32)."""
-    import jax
+    """two_pass=None at 16 padded rows lowers to the factor and apply kernels at the threshold grid
+    (B * HV == TWO_PASS_MIN_PROGRAMS) and to the fused kernel one request below it; past 16 rows to
+    the two-pass kernels on any grid (Qwen3-Next dims, HV=32). The apply kernel's default tile is 64
+    columns up to 32 rows and 32 at 64 rows."""
+    assert [two_pass_block_v(rows, 128) for rows in (16, 32, 64)] == [64, 64, 32]
+    assert two_pass_block_v(32, 16) == 16  # never wider than dv
 
     _fake_sm90(monkeypatch)
     sd = jax.ShapeDtypeStruct
-    t = 16
     hv = 32
-    for bsz, two in ((TWO_PASS_MIN_PROGRAMS // hv, True), (TWO_PASS_MIN_PROGRAMS // hv - 1, False)):
+    small = TWO_PASS_MIN_PROGRAMS // hv - 1
+    # Past 16 padded rows the two-pass form is the default on every grid.
+    for bsz, t, two in ((small + 1, 16, True), (small, 16, False), (small, 17, True), (1, 33, True)):
         ins, width = _qwen_specs(bsz, t)
         assert ins[2].shape[2] == hv
         text = jax.jit(lambda *a: gdn_chunked_verify(*a, fp32_dots="tf32x3"), donate_argnums=(10,)).trace(
             *ins, sd((bsz, t, 2), jnp.uint32), sd((bsz, t, width), jnp.bfloat16)).lower(
             lowering_platforms=("cuda",)).as_text()
-        assert ("gdn_chunked_factor" in text and "gdn_chunked_apply" in text) == two, bsz
-        assert ("gdn_chunked_verify" in text) == (not two), bsz
+        assert (("gdn_chunked_factor" in text or "gdn_chunked_p_factor" in text)
+                and "gdn_chunked_apply" in text) == two, (bsz, t)
+        assert ("gdn_chunked_verify" in text) == (not two), (bsz, t)
 
 
 @pytest.mark.parametrize("fp32_dots, form", [("ieee", "fused"), ("tf32x3", "fused"), ("tf32x3", "two_pass"),
@@ -710,7 +763,6 @@ def test_default_form_follows_the_grid_in_the_sm90_lowering(monkeypatch):
 def test_chunked_64_nodes_lowers_to_triton_for_sm90(monkeypatch, fp32_dots, form):
     """At T = 64 the chunked form pads to 64 rows and reads both mask words; it still lowers to
     Triton IR for sm_90 at Qwen3-Next dims (compiling and timing it is benchmarks/bench_gdn.py's)."""
-    import jax
 
     _fake_sm90(monkeypatch)
     bsz, t = 4, MAX_CHUNKED_NODES

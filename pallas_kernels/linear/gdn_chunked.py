@@ -43,20 +43,23 @@ from treespec_jax.tree.masks import unpack_mask_rows
 # Fewest padded rows: a Triton dot needs every operand dim >= 16.
 MIN_CHUNK = 16
 
-# Two-pass form launches: the factor kernel's warps, the apply kernel's default dv tile and warps.
-# On the H200 at B=32, T=16 (benchmarks/RESULTS.md, session 6) a sweep timed 16-column tiles and 8
-# apply warps at 222-252 us and 64-column tiles at 146 us, against 152-155 us for this default. Two
-# factor warps won at B=32, T=16 (141 vs 155 us) and lost at B=64, T=16 (311 vs 264); eight lost at
-# T = 16, 32 and (apply-reads-keys form, B=32, session 7) at T=64 (1096 vs 814 us), so 4 stays.
+# Two-pass form launches: the factor kernel's warps, the apply kernel's default dv tile (by padded
+# rows) and warps. On the H200 (benchmarks/RESULTS.md) at B=32: T=16 (session 6), 16-column tiles and
+# 8 apply warps took 222-252 us and 64-column tiles 146, against 152-155 for 32 columns; T=32 (session
+# 8, input-dtype grams) 64 columns 224.8 vs 319.5 (without grams 403.5 vs 464.1); T=64 (keys variant)
+# 64 columns lost: 481.5 vs 458.0 with grams, 685.6 vs 666.0 without. Two factor warps won at B=32,
+# T=16 (141 vs 155 us) and lost at B=64, T=16 (311 vs 264); eight lost at T = 16, 32 and (keys form,
+# B=32, session 7) at T=64 (1096 vs 814 us), so 4 stays.
 TWO_PASS_FACTOR_WARPS = 4
-TWO_PASS_BLOCK_V = 32
+TWO_PASS_BLOCK_V = {16: 64, 32: 64, 64: 32}
 TWO_PASS_APPLY_WARPS = 4
-# Fewest factor-kernel programs (B * HV) for which `two_pass=None` picks the two-pass form. On the
-# H200 (Qwen3-Next dims, HV=32, benchmarks/RESULTS.md, session 6) the two-pass tree took 0.33-0.56x
-# the fused kernel's time at B = 32, 64 (1024-2048 programs) for T = 8..64, and at B=8 (256) 0.37x at
-# T=64 and 0.96x at T=16. At B=1 (32 programs, two launches in series) it lost at T=16 (32.7 vs
-# 29.1 us; 65.3 vs 36.2 in another run) and won at T = 8, 32, 64. B = 2..7 are unmeasured and stay
-# with the fused kernel.
+# Fewest factor-kernel programs (B * HV) for which `two_pass=None` picks the two-pass form at 16
+# padded rows; past 16 rows it runs on every grid. On the H200 (Qwen3-Next dims, HV=32,
+# benchmarks/RESULTS.md, session 6) the two-pass tree took 0.33-0.56x the fused kernel's time at
+# B = 32, 64 (1024-2048 programs) for T = 8..64, and at B=8 (256) 0.37x at T=64 and 0.96x at T=16.
+# At B=1 (32 programs, two launches in series) it lost at T=16 (32.7 vs 29.1 us; 65.3 vs 36.2 in
+# another run) and won at T = 8, 32 (93.7 vs 141) and 64 (apply-reads-keys variant 86.8 vs 156).
+# B = 2..7 at 16 rows are unmeasured and stay with the fused kernel.
 TWO_PASS_MIN_PROGRAMS = 256
 # Fewest padded rows at which `apply_reads_keys=None` runs the two-pass variant whose apply kernel
 # reads q and k. On the H200 (Qwen3-Next dims, benchmarks/RESULTS.md, session 7) it took 967-1019 us
@@ -65,7 +68,9 @@ TWO_PASS_MIN_PROGRAMS = 256
 # 539 vs 539 at T=24, 589 vs 533 at T=29 (32 rows), 151 vs 156 at T=16.
 APPLY_READS_KEYS_MIN_ROWS = 64
 # Input dtypes whose pairwise products are exact in fp32 (8- and 11-bit significands), so that
-# `input_dtype_grams` loses nothing against fp32 rows.
+# `input_dtype_grams` loses nothing against fp32 rows; `input_dtype_grams=None` turns it on for them.
+# On the H200 (Qwen3-Next dims, bf16, benchmarks/RESULTS.md, session 8) it took 0.65-0.70x the time
+# of the same form without it at every shape timed (B = 1, 32, 64; T = 24..64), agreeing to 3-4e-5.
 INPUT_DTYPE_GRAM_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -74,10 +79,22 @@ def chunk_rows(num_nodes: int) -> int:
     return max(MIN_CHUNK, next_pow2(num_nodes))
 
 
-def default_two_pass(batch: int, num_v_heads: int) -> bool:
-    """Whether `gdn_chunked_verify(two_pass=None)` runs the two-pass form: when its factor kernel's
-    (B, HV) grid has at least TWO_PASS_MIN_PROGRAMS programs."""
-    return batch * num_v_heads >= TWO_PASS_MIN_PROGRAMS
+def default_two_pass(batch: int, num_v_heads: int, chunk: int = MIN_CHUNK) -> bool:
+    """Whether `gdn_chunked_verify(two_pass=None)` runs the two-pass form at `chunk` padded rows:
+    always past MIN_CHUNK rows, and at MIN_CHUNK rows when its factor kernel's (B, HV) grid has at
+    least TWO_PASS_MIN_PROGRAMS programs."""
+    return chunk > MIN_CHUNK or batch * num_v_heads >= TWO_PASS_MIN_PROGRAMS
+
+
+def default_input_dtype_grams(q_dtype, k_dtype) -> bool:
+    """Whether `gdn_chunked_verify(input_dtype_grams=None)` forms the grams from the rows as loaded:
+    when q and k share one INPUT_DTYPE_GRAM_DTYPES dtype."""
+    return jnp.dtype(q_dtype) == jnp.dtype(k_dtype) and jnp.dtype(q_dtype) in INPUT_DTYPE_GRAM_DTYPES
+
+
+def two_pass_block_v(chunk: int, head_v_dim: int) -> int:
+    """The two-pass apply kernel's default dv tile at `chunk` padded rows (TWO_PASS_BLOCK_V)."""
+    return min(TWO_PASS_BLOCK_V[chunk], head_v_dim)
 
 
 def default_apply_reads_keys(chunk: int) -> bool:
@@ -298,7 +315,7 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
                        *, use_qk_l2norm: bool = True, scale: float | None = None,
                        config: GdnKernelConfig | None = None, fp32_dots: str = "ieee",
                        two_pass: bool | None = None, factor_warps: int | None = None,
-                       apply_reads_keys: bool | None = None, input_dtype_grams: bool = False,
+                       apply_reads_keys: bool | None = None, input_dtype_grams: bool | None = None,
                        backend: str | None = None):
     """Chunked GDN verify of a tree with T <= MAX_CHUNKED_NODES (64) nodes. Shapes in `gdn_common`.
 
@@ -310,8 +327,8 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     state into Q' [T, dk] and P [T, T] (fp32, `_factor_kernel`), then one per dv tile computes
     out = Q' h0 + P v (`_apply_kernel`): the key-side work is done once instead of per dv tile and
     neither kernel holds both the key-side tiles and a state tile. False: the single fused kernel.
-    None (default): `default_two_pass(B, HV)`. `config` sets the second kernel's launch (default:
-    32-column tiles, 4 warps); `factor_warps` the first kernel's warps (default TWO_PASS_FACTOR_WARPS;
+    None (default): `default_two_pass(B, HV, padded rows)`. `config` sets the second kernel's launch
+    (default: `two_pass_block_v` columns, 4 warps); `factor_warps` the first kernel's warps (default TWO_PASS_FACTOR_WARPS;
     unused when the fused form runs). `apply_reads_keys` (a two-pass variant: True with
     two_pass=False is refused, and where two_pass=None picks the fused form it has nothing to select;
     None = `default_apply_reads_keys(chunk)`, on from 64 padded rows): the first kernel keeps only
@@ -321,12 +338,14 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     [T, dk] x [dk, block_v] product per dv tile. `input_dtype_grams` (16-bit q and k only; every form):
     the key-side kernel forms q k^T and k k^T from the rows as loaded, whose products are exact in
     fp32, in one tensor-core pass, and applies the L2 / query-scale row factors afterwards, instead of
-    multiplying the normalised fp32 rows with `fp32_dots` (three passes under "tf32x3"). Not yet
-    compiled or timed on a GPU (benchmarks/gpu_suite.py --owed).
+    multiplying the normalised fp32 rows with `fp32_dots` (three passes under "tf32x3"); None
+    (default) = `default_input_dtype_grams(q.dtype, k.dtype)`, on for 16-bit q and k.
     """
     if fp32_dots not in FP32_DOTS:
         raise ValueError(f"gdn_chunked_verify: fp32_dots must be one of {tuple(FP32_DOTS)}, got {fp32_dots!r}")
-    if input_dtype_grams and not (q.dtype == k.dtype and q.dtype in INPUT_DTYPE_GRAM_DTYPES):
+    if input_dtype_grams is None:
+        input_dtype_grams = default_input_dtype_grams(q.dtype, k.dtype)
+    elif input_dtype_grams and not default_input_dtype_grams(q.dtype, k.dtype):
         raise ValueError(f"gdn_chunked_verify: input_dtype_grams=True needs q and k of one 16-bit float dtype "
                          f"(their products exact in fp32); got q {q.dtype}, k {k.dtype}")
     dims = gdn_dims(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots)
@@ -352,7 +371,7 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
         raise ValueError(f"gdn_chunked_verify: factor_warps={factor_warps} sets the two-pass form's factor kernel, "
                          "but two_pass=False runs the fused kernel")
     if two_pass is None:
-        two_pass = default_two_pass(dims.batch, dims.num_v_heads)
+        two_pass = default_two_pass(dims.batch, dims.num_v_heads, chunk)
     if apply_reads_keys is None:
         apply_reads_keys = two_pass and default_apply_reads_keys(chunk)
     if two_pass:
@@ -385,7 +404,7 @@ def _two_pass(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_m
     `apply_reads_keys`, `_p_factor_kernel` then `_apply_keys_kernel`)."""
     config = config or GdnKernelConfig()
     dv = dims.head_v_dim
-    block_v = config.block_v or min(TWO_PASS_BLOCK_V, dv)
+    block_v = config.block_v or two_pass_block_v(chunk, dv)
     if block_v < MIN_CHUNK or block_v & (block_v - 1) or dv % block_v:
         raise ValueError(f"gdn_chunked_verify(two_pass=True): block_v={block_v} must be a power of two "
                          f">= {MIN_CHUNK} dividing dv={dv}")

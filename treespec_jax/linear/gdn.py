@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES
 from pallas_kernels.linear.gdn_chunked import (MIN_CHUNK, chunk_rows, default_apply_reads_keys,
+                                              default_input_dtype_grams,
                                               default_two_pass, gdn_chunked_verify)
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit
@@ -60,29 +61,50 @@ GDN_TREE_VERIFY_CHUNKED_MIN_NODES = 8
 # ahead of the recurrent tree at B = 32, 64 from T=12).
 GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS = (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, MAX_CHUNKED_NODES)
 GDN_TREE_VERIFY_CHUNKED_NODES_FUSED = (12, 16)
-# Under the default two-pass range, a tree padded past 16 rows goes chunked only with at least this
-# many nodes, by (padded rows, whether the apply-reads-keys variant runs): the chunked cost steps
-# with the padded rows while the recurrent tree's grows with T. On the H200 (B=32, Qwen3-Next dims,
-# benchmarks/RESULTS.md, session 7), 32 rows: recurrent 520 us vs two-pass 539 at T=24, 593 vs 533
-# (apply-reads-keys 589) at T=29, so it catches up near T=25 (two-pass) and 29 (keys). 64 rows, with
-# the block inversion's first level done without dots (12:29 UTC): recurrent 1441 vs two-pass 907,
-# keys 662 at T=64; the recurrent tree took 666 at T=32 (session 6) and grows by 24 per node, while
-# the chunked forms cost about the same at every T that pads to 64 (keys 913 at T=48 vs 967 at T=64
-# before that change), so the keys form wins from T=33 and the two-pass form from about T=40
-# (interpolated; owed: T = 40, 48 with this code).
-GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES = {(32, False): 26, (32, True): 29, (64, False): 40, (64, True): 33}
+# The default range on a small grid: the fused form at 12..16 nodes, the two-pass form past 16 (from
+# GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID).
+GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID = (12, MAX_CHUNKED_NODES)
+# Under the default two-pass range on a large grid, a tree padded past 16 rows goes chunked only with
+# at least this many nodes, by (padded rows, whether the apply-reads-keys variant runs, whether the
+# grams come from the 16-bit rows): the chunked cost steps with the padded rows while the recurrent
+# tree's grows with T. On the H200 (Qwen3-Next dims, benchmarks/RESULTS.md):
+# - without input-dtype grams (session 7, B=32): 32 rows, recurrent 520 us vs two-pass 539 at T=24,
+#   593 vs 533 (keys 589) at T=29, so it catches up near T=25 (two-pass) and 29 (keys); 64 rows,
+#   recurrent 1441 vs two-pass 907, keys 662 at T=64, and the recurrent tree grows by 24 per node from
+#   666 at T=32, so keys wins from T=33 and two-pass from about T=40 (interpolated);
+# - with them (session 8, the kernel's default form against the recurrent tree): B=32 T=17 210 vs
+#   372, T=20 231 vs 452, T=33 395 vs 694, T=64 463 vs 1438; B=64 T=17 396 vs 680, T=64 823 vs 2758;
+#   B=8 T=17 87 vs 172, T=33 137 vs 284. Every size goes chunked (the variants not run by default,
+#   keys at 32 rows and plain two-pass at 64, are not timed with grams).
+GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES = {
+    (32, False, False): 26, (32, True, False): 29, (64, False, False): 40, (64, True, False): 33,
+    (32, False, True): 17, (32, True, True): 17, (64, False, True): 33, (64, True, True): 33}
+# On a small grid (B * HV below gdn_chunked.TWO_PASS_MIN_PROGRAMS: the fused form at 16 rows, the
+# two-pass form past them) trees past 16 nodes go chunked only from this many nodes by padded rows.
+# On the H200 at B=1 (session 8, noisy at this size): T=32 recurrent tree 67.5 us vs the default
+# chunked form 65.1, T=36 67.0 vs 62.3, T=40 80.9 vs 70.5, T=48 86.6 vs 69.3, T=64 118.3 vs 80.4; B=4
+# T=40 207.0 vs 86.0. The recurrent tree grows by about 2.2 us per node at B=1 against a flat ~63 us,
+# so they cross near T=28 at 32 rows (interpolated); 64 rows go chunked from 33.
+GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID = {32: 28, 64: 33}
 
-# ReplaySSM chains (no tree) of this many nodes verify in the two-pass chunked form where it runs
-# (with a chain's ancestor mask). On the H200 (benchmarks/RESULTS.md, session 6) the two-pass chain
-# beat the recurrent chain at T=12 (B=32: 156.9 vs 198.5 us) and T=16 (B=8: 66.0 vs 91.9; B=32: 148.0
-# vs 212.2; B=64: 273.0 vs 395.9), and lost at T=8 (B=32: 138.8 vs 133.2; B=64: 265.4 vs 220.8) and
-# T = 32, 64 (514 vs 385, 1279 vs 752 at B=32). The fused chain lost at every size at B = 32, 64.
+# ReplaySSM chains (no tree) verify in the two-pass chunked form (with a chain's ancestor mask) over
+# these node ranges, by grid and grams. On the H200 (benchmarks/RESULTS.md):
+# - without input-dtype grams, large grid (session 6): the two-pass chain beat the recurrent chain at
+#   T=12 (B=32: 156.9 vs 198.5 us) and T=16 (B=8: 66.0 vs 91.9; B=32: 148.0 vs 212.2; B=64: 273.0 vs
+#   395.9) and lost at T=8 (B=32: 138.8 vs 133.2; B=64: 265.4 vs 220.8) and T = 32, 64 (514 vs 385,
+#   1279 vs 752 at B=32); the keys variant at T=64 (session 7) won, 661.8 vs 751.4 (B=32), 1265.3 vs
+#   1403.9 (B=64), crossing near T=54 (interpolated): 12..16 and, where keys runs at 64 rows, 56..64.
+# - with them, large grid (session 8, default form vs recurrent chain): B=32 T=8 129.5 vs 137.9,
+#   T=16 131.6 vs 232.8, T=17 216.8 vs 247.6, T=20 214.0 vs 265.1, T=33 402.0 vs 415.6, T=64 436.8 vs
+#   740.8; B=64 T=8 189.8 vs 221.0, T=17 366.5 vs 433.6, T=64 811.2 vs 1432.4; B=8 T=17 91.2 vs 96.6,
+#   T=33 139.2 vs 158.9: 8..64 where keys runs at 64 rows (else 8..32: the plain two-pass form at 64
+#   rows is not timed with grams).
+# - with them, small grid (B=1, noisy): T=36 74.3 vs 61.4, T=40 94.3 vs 73.9 (lost), T=48 71.4 vs
+#   100.8, T=64 67.8 vs 104.9 (won); B=4 T=40 92.6 vs 101.7: 48..64. Without grams: none.
 GDN_CHAIN_VERIFY_CHUNKED_NODES = (12, 16)
-# Chains of this many nodes take the chunked form too where its apply-reads-keys variant runs at 64
-# rows: session 7 (12:29 UTC) timed it at T=64 against the recurrent chain at 661.8 vs 751.4 us (B=32)
-# and 1265.3 vs 1403.9 (B=64); the recurrent chain took 587 at T=48 (B=32) and grows by about 10 per
-# node, so the two cross near T=54 (interpolated).
 GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS = (56, 64)
+GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS = (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, MAX_CHUNKED_NODES)
+GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS_SMALL_GRID = (48, MAX_CHUNKED_NODES)
 
 GdnStateMode = StateMode  # one mode for every linear-attention layer (linear.state_mode)
 
@@ -103,18 +125,17 @@ class GdnLayerConfig:
     # states, no workspace traffic); other trees and staged verify run the recurrent kernel. This and
     # chunked_min/max_nodes govern trees only; chains follow chunked_chain_verify.
     chunked_tree_verify: bool = True
-    # ReplaySSM chains of GDN_CHAIN_VERIFY_CHUNKED_NODES (12..16) nodes, and of 56..64 where the
-    # apply-reads-keys variant runs at 64 rows, verify in the two-pass chunked form where that form
-    # runs by default (B * HV >= TWO_PASS_MIN_PROGRAMS, chunked_two_pass not False); other chains run
-    # the recurrent chain kernel.
+    # ReplaySSM chains in `chain_chunked_ranges` verify in the two-pass chunked form (with 16-bit q
+    # and k: 8..64 nodes on a large grid, 48..64 on a small one; otherwise 12..16 and 56..64 on a
+    # large grid only); other chains run the recurrent chain kernel.
     chunked_chain_verify: bool = True
     # Smallest tree sent to the chunked form, in [GDN_TREE_VERIFY_CHUNKED_MIN_NODES (8),
     # MAX_CHUNKED_NODES (64)]; None = the default of the form that runs (`chunked_route`).
     chunked_min_nodes: int | None = None
     # Largest tree sent to the chunked form, in [chunked_min_nodes, MAX_CHUNKED_NODES (64)]; None = the
-    # default of the form that runs: 64 for two-pass (trees past 16 nodes only from
-    # GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES: 26..32 and 33..64 by default), 16 for fused
-    # (GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS / _FUSED).
+    # default of the grid: 64 (trees past 16 nodes only from the padded-rows minima,
+    # GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES[_SMALL_GRID]), 16 under chunked_two_pass=False
+    # (GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS / _SMALL_GRID / _FUSED).
     chunked_max_nodes: int | None = None
     # The chunked form's fp32 products: "tf32x3" (three TF32 tensor-core passes, about fp32
     # accuracy; 4.5x faster than "ieee" at B=32 T=16 on the H200) or "ieee". The CPU interpreter
@@ -130,10 +151,10 @@ class GdnLayerConfig:
     # 0.68-0.78x the other two-pass form's time there on the H200, a tie or a loss below).
     chunked_apply_reads_keys: bool | None = None
     # The chunked forms form q k^T and k k^T from the 16-bit q and k rows as loaded (exact products, one
-    # tensor-core pass) and scale them afterwards (`gdn_chunked_verify(input_dtype_grams=True)`; the
-    # layer's q and k must then be bf16 or fp16). Off: not yet compiled or timed on a GPU
-    # (benchmarks/gpu_suite.py --owed).
-    chunked_input_dtype_grams: bool = False
+    # tensor-core pass) and scale them afterwards (`gdn_chunked_verify(input_dtype_grams=True)`): True
+    # (q and k must then be bf16 or fp16), False, or None = on for bf16 / fp16 q and k (0.65-0.70x the
+    # time without it on the H200, session 8; the route's padded-rows minima follow it).
+    chunked_input_dtype_grams: bool | None = None
 
     def __post_init__(self):
         check_state_mode(self.mode, "GDN")
@@ -157,8 +178,8 @@ class GdnLayerConfig:
             errors.append(f"chunked_apply_reads_keys={self.chunked_apply_reads_keys!r} must be None, True or False")
         elif self.chunked_apply_reads_keys and self.chunked_two_pass is False:
             errors.append("chunked_apply_reads_keys=True is a two-pass form, but chunked_two_pass=False")
-        if not isinstance(self.chunked_input_dtype_grams, bool):
-            errors.append(f"chunked_input_dtype_grams={self.chunked_input_dtype_grams!r} must be True or False")
+        if not (self.chunked_input_dtype_grams is None or isinstance(self.chunked_input_dtype_grams, bool)):
+            errors.append(f"chunked_input_dtype_grams={self.chunked_input_dtype_grams!r} must be None, True or False")
         if ((self.chunked_tree_verify or self.chunked_chain_verify) and self.kernel.block_v is not None
                 and self.kernel.block_v < MIN_CHUNK):
             errors.append(f"kernel.block_v={self.kernel.block_v} is below the chunked forms' {MIN_CHUNK} columns "
@@ -170,38 +191,65 @@ class GdnLayerConfig:
             raise ValueError("GdnLayerConfig: " + "; ".join(errors))
 
     def _two_pass_runs(self, batch: int) -> bool:
-        """The two-pass chunked form runs at this batch size: a large grid, not forced off."""
+        """The two-pass chunked form runs at 16 padded rows at this batch size: a large grid, not forced
+        off (past 16 rows it runs on every grid unless forced off)."""
         return default_two_pass(batch, self.num_v_heads) and self.chunked_two_pass is not False
 
-    def chain_runs_chunked(self, num_nodes: int, batch: int) -> bool:
-        """Whether a ReplaySSM chain of num_nodes nodes verifies in the two-pass chunked form:
-        GDN_CHAIN_VERIFY_CHUNKED_NODES, and GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS where the
-        apply-reads-keys variant runs at 64 rows."""
-        if not (self.chunked_chain_verify and self.mode == "replay_ssm" and self._two_pass_runs(batch)):
-            return False
-        lo, hi = GDN_CHAIN_VERIFY_CHUNKED_NODES
-        long_lo, long_hi = GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS
-        return lo <= num_nodes <= hi or (long_lo <= num_nodes <= long_hi and self.runs_apply_reads_keys(64))
+    def runs_input_dtype_grams(self, dtype) -> bool:
+        """Whether the chunked forms take their grams from q and k rows of this dtype as loaded."""
+        if self.chunked_input_dtype_grams is None:
+            return default_input_dtype_grams(dtype, dtype)
+        return self.chunked_input_dtype_grams
 
-    def chunked_route(self, batch: int) -> tuple[int, int, dict[int, int]]:
+    def chain_chunked_ranges(self, batch: int, dtype=jnp.bfloat16) -> tuple[tuple[int, int], ...]:
+        """The (smallest, largest) node ranges of ReplaySSM chains (q and k of `dtype`) that verify in
+        the two-pass chunked form at this batch size (the GDN_CHAIN_VERIFY_CHUNKED_NODES* constants);
+        () when chunked chains are off, staged, or chunked_two_pass=False."""
+        if not (self.chunked_chain_verify and self.mode == "replay_ssm" and self.chunked_two_pass is not False):
+            return ()
+        keys_at_64 = self.runs_apply_reads_keys(64)
+        if not self.runs_input_dtype_grams(dtype):
+            if not self._two_pass_runs(batch):
+                return ()
+            return (GDN_CHAIN_VERIFY_CHUNKED_NODES,) + ((GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS,) if keys_at_64 else ())
+        if not self._two_pass_runs(batch):
+            return (GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS_SMALL_GRID,) if keys_at_64 else ()
+        lo, hi = GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS
+        return ((lo, hi if keys_at_64 else 2 * MIN_CHUNK),)
+
+    def chain_runs_chunked(self, num_nodes: int, batch: int, dtype=jnp.bfloat16) -> bool:
+        """Whether a ReplaySSM chain of num_nodes nodes (q and k of `dtype`) verifies in the two-pass
+        chunked form (`chain_chunked_ranges`)."""
+        return any(lo <= num_nodes <= hi for lo, hi in self.chain_chunked_ranges(batch, dtype))
+
+    def chunked_route(self, batch: int, dtype=jnp.bfloat16) -> tuple[int, int, dict[int, int]]:
         """(smallest tree, largest tree, padded_min_nodes) this layer sends to the chunked form at this
-        batch size (see `verify_kernel_for`). Explicit bounds win; an unset bound takes the default
-        range of the form that runs (two-pass or fused, `GDN_TREE_VERIFY_CHUNKED_NODES_*`), clipped so
-        that it never crosses the explicit one (an unset min becomes 8, an unset max 64). The
-        padded-rows minimum (GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES, for the two-pass variant this
-        layer runs at 32 and 64 rows) holds only when chunked_max_nodes is unset and the two-pass form
-        runs; otherwise it is empty."""
+        batch size with q and k of `dtype` (see `verify_kernel_for`). Explicit bounds win; an unset
+        bound takes the default range of the grid (`GDN_TREE_VERIFY_CHUNKED_NODES_*`: 8..64 on a large
+        grid, 12..64 on a small one, 12..16 wherever chunked_two_pass=False leaves only the fused form),
+        clipped so that it never crosses the explicit one (an unset min becomes 8, an unset max 64).
+        The padded-rows minimum (GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES on a large grid, for the
+        two-pass variant and grams this layer runs at 32 and 64 rows; _SMALL_GRID on a small one)
+        holds only when chunked_max_nodes is unset and the default range reaches past 16 nodes;
+        otherwise it is empty."""
         large = self._two_pass_runs(batch)
-        lo, hi = GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS if large else GDN_TREE_VERIFY_CHUNKED_NODES_FUSED
+        if self.chunked_two_pass is False:
+            lo, hi = GDN_TREE_VERIFY_CHUNKED_NODES_FUSED
+        else:
+            lo, hi = GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS if large else GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID
+        past_16 = hi > MIN_CHUNK
         if self.chunked_min_nodes is not None:
             lo = self.chunked_min_nodes
             hi = hi if hi >= lo else MAX_CHUNKED_NODES
         if self.chunked_max_nodes is not None:
             hi = self.chunked_max_nodes
             lo = lo if lo <= hi else GDN_TREE_VERIFY_CHUNKED_MIN_NODES
-        if not large or self.chunked_max_nodes is not None:
+        if not past_16 or self.chunked_max_nodes is not None:
             return lo, hi, {}
-        return lo, hi, {rows: GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES[rows, self.runs_apply_reads_keys(rows)]
+        if not large:
+            return lo, hi, dict(GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID)
+        grams = self.runs_input_dtype_grams(dtype)
+        return lo, hi, {rows: GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES[rows, self.runs_apply_reads_keys(rows), grams]
                         for rows in (32, 64)}
 
     def runs_apply_reads_keys(self, padded_rows: int) -> bool:
@@ -301,9 +349,10 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
         raise ValueError("ReplaySSM verify needs this layer's payload buffer [B, T, width] (payload=None)")
     if cfg.mode == "staged" and payload is not None:
         raise ValueError("staged verify writes no replay payload; pass payload=None")
-    lo, hi, padded_min = cfg.chunked_route(q.shape[0])
+    lo, hi, padded_min = cfg.chunked_route(q.shape[0], q.dtype)
     kernel = verify_kernel_for(cfg.mode, t, tree is not None, cfg.chunked_tree_verify, lo, max_nodes=hi,
-                               padded_min_nodes=padded_min, chain_chunked=cfg.chain_runs_chunked(t, q.shape[0]))
+                               padded_min_nodes=padded_min,
+                               chain_chunked=cfg.chain_runs_chunked(t, q.shape[0], q.dtype))
     common = dict(use_qk_l2norm=cfg.use_qk_l2norm, scale=cfg.scale, config=cfg.kernel, backend=backend)
     if kernel == "chunked":
         chain_chunked = tree is None
@@ -312,7 +361,7 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
                                           mask, payload, fp32_dots=cfg.chunked_fp32_dots,
                                           two_pass=True if chain_chunked else cfg.chunked_two_pass,
                                           apply_reads_keys=cfg.chunked_apply_reads_keys,
-                                          input_dtype_grams=cfg.chunked_input_dtype_grams, **common)
+                                          input_dtype_grams=cfg.runs_input_dtype_grams(q.dtype), **common)
         return GdnVerifyOutput(out, node_states, payload)
     store = "every_node" if cfg.mode == "staged" else "branch_points"
     res = gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
