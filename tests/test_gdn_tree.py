@@ -401,7 +401,7 @@ def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked):
     (bit for bit, no workspace row written, payload as read) over `chain_chunked_ranges`: with fp32
     q and k (this test's) 12..16 nodes, and 56..64 where the apply-reads-keys variant runs at 64 rows,
     on large grids only; with 16-bit q and k 8..64 on large grids (8..32 without the keys variant at
-    64 rows) and 48..64 on small ones. Other lengths, chunked_chain_verify=False, chunked_two_pass=False
+    64 rows) and 12..16 (the fused form) and 48..64 on small ones. Other lengths, chunked_chain_verify=False, chunked_two_pass=False
     and staged run the recurrent chain. The two-pass threshold is lowered so the test's batch counts
     as a large grid."""
     import pallas_kernels.linear.gdn_chunked as gdn_chunked_module
@@ -413,8 +413,18 @@ def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked):
     default = GdnLayerConfig(H, HV, DK, DV)
     assert not default.chain_runs_chunked(t, B, f32)  # small grid, no grams
     assert default.chain_chunked_ranges(B, f32) == ()
-    assert default.chain_chunked_ranges(B, bf16) == ((48, 64),)
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=False).chain_chunked_ranges(B, bf16) == ()
+    assert default.chain_chunked_ranges(B, bf16) == ((12, 16), (48, 64))
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=False).chain_chunked_ranges(B, bf16) == (
+        (12, 16),)
+    chain_mask = ancestor_mask(jnp.asarray(parents))
+    if t in (12, 16):  # a bf16 chain on the small grid runs the fused form with input-dtype grams
+        args16 = [a.astype(bf16) if i < 5 else a for i, a in enumerate(_args(x))]
+        res16 = gdn_verify(default, *args16, node_states=_nan_states(t), payload=_nan_payload(t, bf16), tree=None,
+                           backend="interpret")
+        fused16, _ = gdn_chunked_verify(*args16, chain_mask, _nan_payload(t, bf16), two_pass=False,
+                                        input_dtype_grams=True, backend="interpret")
+        np.testing.assert_array_equal(np.asarray(res16.out), np.asarray(fused16))
+        assert np.isnan(np.asarray(res16.node_states)).all() and rel_err(res16.out, ref_out) < 1e-2
     monkeypatch.setattr(gdn_chunked_module, "TWO_PASS_MIN_PROGRAMS", B * HV)
     assert default.chain_runs_chunked(t, B, f32) == want_chunked
     for off in (dict(chunked_chain_verify=False), dict(chunked_two_pass=False), dict(mode="staged")):
@@ -438,7 +448,6 @@ def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked):
     assert rel_err(res.out, ref_out) < TOL
     np.testing.assert_array_equal(np.asarray(res.payload), np.asarray(pack_payload(*_args(x)[1:5])))
     assert np.isnan(np.asarray(res.node_states)).all()  # neither form writes workspace rows for a chain
-    chain_mask = ancestor_mask(jnp.asarray(parents))
     two, _ = gdn_chunked_verify(*_args(x), chain_mask, _nan_payload(t), two_pass=True, backend="interpret")
     recurrent = gdn_verify(GdnLayerConfig(H, HV, DK, DV, chunked_chain_verify=False), *_args(x),
                            node_states=_nan_states(t), payload=_nan_payload(t), tree=None, backend="interpret")

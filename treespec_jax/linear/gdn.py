@@ -99,12 +99,14 @@ GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID = {32: 28, 64: 33}
 #   740.8; B=64 T=8 189.8 vs 221.0, T=17 366.5 vs 433.6, T=64 811.2 vs 1432.4; B=8 T=17 91.2 vs 96.6,
 #   T=33 139.2 vs 158.9: 8..64 where keys runs at 64 rows (else 8..32: the plain two-pass form at 64
 #   rows is not timed with grams).
-# - with them, small grid (B=1, noisy): T=36 74.3 vs 61.4, T=40 94.3 vs 73.9 (lost), T=48 71.4 vs
-#   100.8, T=64 67.8 vs 104.9 (won); B=4 T=40 92.6 vs 101.7: 48..64. Without grams: none.
+# - with them, small grid (B=1, noisy; the fused form at 16 rows, two-pass past them): T=16 25.7,
+#   30.0, 30.7, 30.1 vs 63.0, 45.7, 64.5, 39.0 (four runs, won); T=8 33.3, 41.0 vs 35.7, 36.5 (lost);
+#   T=36 74.3 vs 61.4, T=40 94.3 vs 73.9 (lost); T=48 71.4 vs 100.8, T=64 67.8 vs 104.9 (won); B=4
+#   T=40 92.6 vs 101.7: 12..16 and, where keys runs at 64 rows, 48..64. Without grams: none.
 GDN_CHAIN_VERIFY_CHUNKED_NODES = (12, 16)
 GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS = (56, 64)
 GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS = (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, MAX_CHUNKED_NODES)
-GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS_SMALL_GRID = (48, MAX_CHUNKED_NODES)
+GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS_SMALL_GRID = ((12, 16), (48, MAX_CHUNKED_NODES))
 
 GdnStateMode = StateMode  # one mode for every linear-attention layer (linear.state_mode)
 
@@ -125,8 +127,8 @@ class GdnLayerConfig:
     # states, no workspace traffic); other trees and staged verify run the recurrent kernel. This and
     # chunked_min/max_nodes govern trees only; chains follow chunked_chain_verify.
     chunked_tree_verify: bool = True
-    # ReplaySSM chains in `chain_chunked_ranges` verify in the two-pass chunked form (with 16-bit q
-    # and k: 8..64 nodes on a large grid, 48..64 on a small one; otherwise 12..16 and 56..64 on a
+    # ReplaySSM chains in `chain_chunked_ranges` verify in the chunked form (with 16-bit q and k:
+    # 8..64 nodes on a large grid, 12..16 and 48..64 on a small one; otherwise 12..16 and 56..64 on a
     # large grid only); other chains run the recurrent chain kernel.
     chunked_chain_verify: bool = True
     # Smallest tree sent to the chunked form, in [GDN_TREE_VERIFY_CHUNKED_MIN_NODES (8),
@@ -203,8 +205,9 @@ class GdnLayerConfig:
 
     def chain_chunked_ranges(self, batch: int, dtype=jnp.bfloat16) -> tuple[tuple[int, int], ...]:
         """The (smallest, largest) node ranges of ReplaySSM chains (q and k of `dtype`) that verify in
-        the two-pass chunked form at this batch size (the GDN_CHAIN_VERIFY_CHUNKED_NODES* constants);
-        () when chunked chains are off, staged, or chunked_two_pass=False."""
+        the chunked form at this batch size (the GDN_CHAIN_VERIFY_CHUNKED_NODES* constants; the form is
+        the kernel's default: fused at 16 rows on a small grid, else two-pass); () when chunked chains
+        are off, staged, or chunked_two_pass=False."""
         if not (self.chunked_chain_verify and self.mode == "replay_ssm" and self.chunked_two_pass is not False):
             return ()
         keys_at_64 = self.runs_apply_reads_keys(64)
@@ -213,7 +216,7 @@ class GdnLayerConfig:
                 return ()
             return (GDN_CHAIN_VERIFY_CHUNKED_NODES,) + ((GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS,) if keys_at_64 else ())
         if not self._two_pass_runs(batch):
-            return (GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS_SMALL_GRID,) if keys_at_64 else ()
+            return GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS_SMALL_GRID[:None if keys_at_64 else 1]
         lo, hi = GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS
         return ((lo, hi if keys_at_64 else 2 * MIN_CHUNK),)
 
@@ -359,7 +362,7 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
         mask = packed_ancestor_mask(chain_parents(q.shape[0], t)) if chain_chunked else tree.ancestor_mask
         out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
                                           mask, payload, fp32_dots=cfg.chunked_fp32_dots,
-                                          two_pass=True if chain_chunked else cfg.chunked_two_pass,
+                                          two_pass=cfg.chunked_two_pass,
                                           apply_reads_keys=cfg.chunked_apply_reads_keys,
                                           input_dtype_grams=cfg.runs_input_dtype_grams(q.dtype), **common)
         return GdnVerifyOutput(out, node_states, payload)
