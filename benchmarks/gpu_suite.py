@@ -34,26 +34,9 @@ SUITES = {
 # Flags a module gets in the full (not --quick) run beyond its defaults.
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 
-# Measurements still owed (see benchmarks/RESULTS.md, summary), run by `--owed --out $OUT`: module name
-# -> its flags. GDN with the session-7 code (the block inversion's first level without dots, the
-# apply-reads-keys form from 64 rows): first compiled conformance of `input_dtype_grams` (case 2, T=16
-# bf16, every chunked form); then lean rows (the recurrent kernels and the default two-pass variant,
-# with and without input-dtype grams, their agreement PASS below 1e-2): B=1 T=64 (the issue's one
-# missed shape, 1.29x in session 6; routed to the recurrent tree on small grids), B=32 at T = 40, 48
-# (the 64-row minimum of 33 nodes is interpolated), 64 (again: the first-level change took 31% off
-# it, more than its two dots suggest), 32, 24, 28 (the 32-row minimum of 26 predates the inversion
-# change), 56 (chains of 56..64 take the keys form), 36, B=64 at T = 40, 32 and B=1 T=32;
-# then 64-column apply tiles at B=32, T = 64 and 32 (the apply kernels took longer at 32 padded rows
-# than at 64 in this session's first call: 332 vs 200 us keys, 197 vs 155 plain, factor subtracted).
-# About 9-10 minutes; rows past the budget are skipped and
-# can be run again with --configs. Then: move the padded-rows minima, the long-chain range and the
-# small-grid route to where the timings cross, and turn input_dtype_grams on where it agrees and wins.
-OWED: dict[str, list[str]] = {
-    "gdn": ["--conformance-cases", "2", "--lean",
-            "--configs", "1x64,32x40,32x48,32x64,32x32,32x24,32x28,32x56,32x36,64x40,64x32,1x32",
-            "--no-drafter-trees", "--skip-commit", "--no-fla", "--no-fused-chunked", "--sweep-chunked", "64:4:1",
-            "--sweep-at", "32x64,32x32", "--budget-s", "500"],
-}
+# What is still owed (`--owed`): nothing. Session 8 ran session 7's list and a small-grid follow-up
+# and set the GDN routes from them (benchmarks/RESULTS.md, "Session 8 runs").
+OWED: dict[str, list[str]] = {}
 
 
 def main(argv=None) -> int:

@@ -370,7 +370,7 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
 
 
 def test_default_runs_two_pass_past_16_rows_on_every_grid(monkeypatch):
-    """A 30-node tree (32 padded rows, at least the small grid's minimum of 28 and the large grid's 26
+    """A 30-node tree (32 padded rows, at least the small grid's minimum of 17 and the large grid's 26
     for fp32 q and k) goes to the chunked form on both grids, and past 16 rows the kernel's default
     is the two-pass form on every grid (the output is two_pass=True's, bit for bit). The threshold is
     lowered so the test's small batch also counts as a large grid."""
@@ -382,7 +382,7 @@ def test_default_runs_two_pass_past_16_rows_on_every_grid(monkeypatch):
     fused, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=False,
                                   backend="interpret")
     assert not np.array_equal(np.asarray(two), np.asarray(fused))  # the two forms are told apart
-    assert default.chunked_route(B, jnp.float32) == (12, 64, {32: 28, 64: 33})
+    assert default.chunked_route(B, jnp.float32) == (12, 64, {32: 17, 64: 33})
     for grid in ("small", "large"):
         if grid == "large":
             monkeypatch.setattr(gdn_chunked_module, "TWO_PASS_MIN_PROGRAMS", B * HV)
@@ -477,7 +477,7 @@ def test_layer_verify_dispatch_and_modes_agree():
     assert GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES == {
         (32, False, False): 26, (32, True, False): 29, (64, False, False): 40, (64, True, False): 33,
         (32, False, True): 17, (32, True, True): 17, (64, False, True): 33, (64, True, True): 33}
-    assert GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID == {32: 28, 64: 33}
+    assert GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID == {32: 17, 64: 33}
     assert verify_kernel_for("replay_ssm", 16, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 8, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 64, True, True) == "chunked"
@@ -502,7 +502,7 @@ def test_layer_verify_dispatch_and_modes_agree():
     assert not default_two_pass(small_b, HV) and default_two_pass(large_b, HV)
     assert default_two_pass(small_b, HV, 32) and default_two_pass(small_b, HV, 64)  # past 16 rows: any grid
     f32, bf16 = jnp.float32, jnp.bfloat16
-    small = {32: 28, 64: 33}
+    small = {32: 17, 64: 33}
     fill = {32: 26, 64: 33}  # fp32 rows: the plain two-pass form at 32 rows, the apply-reads-keys one at 64
     grams = {32: 17, 64: 33}  # 16-bit rows: every tree past 16 nodes
     for dtype in (f32, bf16):
@@ -532,11 +532,11 @@ def test_layer_verify_dispatch_and_modes_agree():
     assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=20).chunked_route(small_b) == (20, 64, small)
     assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_route(small_b) == (12, 64, small)
     assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_route(large_b, f32) == (12, 64, fill)
-    # The small grid's route: 12..16, then 28..32 and 33..64 (a 20-node tree stays recurrent).
+    # The small grid's route: 12..64 (fused to 16 nodes, two-pass past them); 8..11 stay recurrent.
     lo, hi, padded_min = default.chunked_route(small_b)
     assert [n for n in range(1, 65) if verify_kernel_for("replay_ssm", n, True, True, lo, max_nodes=hi,
                                                          padded_min_nodes=padded_min) == "chunked"] == (
-        list(range(12, 17)) + list(range(28, 65)))
+        list(range(12, 65)))
     lo, hi, padded_min = default.chunked_route(B)
     assert verify_kernel_for("replay_ssm", 8, True, True, lo, max_nodes=hi, padded_min_nodes=padded_min) == "recurrent_tree"
     assert verify_kernel_for("replay_ssm", 12, True, True, lo, max_nodes=hi, padded_min_nodes=padded_min) == "chunked"

@@ -81,11 +81,12 @@ GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES = {
     (32, False, True): 17, (32, True, True): 17, (64, False, True): 33, (64, True, True): 33}
 # On a small grid (B * HV below gdn_chunked.TWO_PASS_MIN_PROGRAMS: the fused form at 16 rows, the
 # two-pass form past them) trees past 16 nodes go chunked only from this many nodes by padded rows.
-# On the H200 at B=1 (session 8, noisy at this size): T=32 recurrent tree 67.5 us vs the default
-# chunked form 65.1, T=36 67.0 vs 62.3, T=40 80.9 vs 70.5, T=48 86.6 vs 69.3, T=64 118.3 vs 80.4; B=4
-# T=40 207.0 vs 86.0. The recurrent tree grows by about 2.2 us per node at B=1 against a flat ~63 us,
-# so they cross near T=28 at 32 rows (interpolated); 64 rows go chunked from 33.
-GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID = {32: 28, 64: 33}
+# On the H200 (session 8, noisy at these sizes), the default chunked form against the recurrent tree:
+# B=1 T=20 56.9 vs 62.9 us, T=24 49.8 vs 68.8, T=28 43.0 vs 58.0, T=36 62.3 vs 67.0, T=40 70.5 vs
+# 80.9, T=48 69.3 vs 86.6, T=64 80.4 vs 118.3; B=2 T=24 44.7 vs 62.1; B=4 T=20 57.6 vs 69.4, T=24
+# 45.8 vs 112.9, T=28 60.5 vs 100.3, T=40 86.0 vs 207.0. Every size goes chunked (17..19 and 33..35
+# not timed; the chunked cost is flat within a padding).
+GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID = {32: 17, 64: 33}
 
 # ReplaySSM chains (no tree) verify in the two-pass chunked form (with a chain's ancestor mask) over
 # these node ranges, by grid and grams. On the H200 (benchmarks/RESULTS.md):
@@ -102,7 +103,8 @@ GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID = {32: 28, 64: 33}
 # - with them, small grid (B=1, noisy; the fused form at 16 rows, two-pass past them): T=16 25.7,
 #   30.0, 30.7, 30.1 vs 63.0, 45.7, 64.5, 39.0 (four runs, won); T=8 33.3, 41.0 vs 35.7, 36.5 (lost);
 #   T=36 74.3 vs 61.4, T=40 94.3 vs 73.9 (lost); T=48 71.4 vs 100.8, T=64 67.8 vs 104.9 (won); B=4
-#   T=40 92.6 vs 101.7: 12..16 and, where keys runs at 64 rows, 48..64. Without grams: none.
+#   T=40 92.6 vs 101.7; T = 20..28 (B = 1, 2, 4) won four times and lost four: 12..16 and, where
+#   keys runs at 64 rows, 48..64. Without grams: none.
 GDN_CHAIN_VERIFY_CHUNKED_NODES = (12, 16)
 GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS = (56, 64)
 GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS = (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, MAX_CHUNKED_NODES)
