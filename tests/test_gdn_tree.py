@@ -1,6 +1,9 @@
 """GDN tree verify: recurrent (staged / ReplaySSM), chain, chunked form; Pallas in interpret mode
 against an fp64 numpy recurrence along each node's root path."""
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,6 +137,11 @@ def test_chain_as_parents_equals_chain_kernel():
     replay = gdn_tree_verify(*args, None, _nan_states(t), store="branch_points", backend="interpret")
     assert np.isnan(np.asarray(replay.node_states)).all()
     np.testing.assert_array_equal(np.asarray(replay.out), np.asarray(as_chain.out))
+
+
+def _kernel_names(fn, *args):
+    """The chunked Pallas kernels `fn(*args)` traces to (their names appear in the program)."""
+    return set(re.findall(r"gdn_chunked_[a-z_]+", str(jax.make_jaxpr(fn)(*args))))
 
 
 def _form(form):
@@ -286,10 +294,12 @@ def test_chunked_is_stable_on_deep_chains_of_correlated_keys(t, form):
     assert rel_err(out, ref_out) < TOL
 
 
-def test_layer_routes_larger_trees_to_chunked_only_when_raised():
+def test_layer_routes_by_explicit_bounds_knobs_and_dtype():
     """Explicit chunked_min/max_nodes bounds (up to MAX_CHUNKED_NODES) replace the default route and
-    its padded-rows minima; on a small grid the default sends a 33-node tree (64 padded rows) to the
-    two-pass form; out-of-range values are refused by name, all errors in one message."""
+    its padded-rows minima; the two-pass and keys knobs reach the kernel; on a small grid the default
+    keeps a 33-node fp32 tree recurrent and sends the bf16 one to the two-pass keys form with
+    input-dtype grams; forced grams are refused by name for non-16-bit q / k on every route;
+    out-of-range values are refused by name, all errors in one message."""
     assert MAX_CHUNKED_NODES == 64
     assert GdnLayerConfig(H, HV, DK, DV).chunked_max_nodes is None
     assert not default_two_pass(B, HV)  # the test's batch is a small grid
@@ -300,8 +310,8 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
     assert verify_kernel_for("staged", 33, True, True, 12, max_nodes=64) == "recurrent_tree"
     assert verify_kernel_for("replay_ssm", 33, False, True, 12, max_nodes=64) == "recurrent_chain"
     big_only = GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=20, chunked_max_nodes=64)
-    assert big_only.chunked_route(B) == big_only.chunked_route(4096) == (20, 64, {})
-    lo, hi, padded_min = big_only.chunked_route(B)
+    assert big_only.chunked_route(B, jnp.float32) == big_only.chunked_route(4096, jnp.bfloat16) == (20, 64, {})
+    lo, hi, padded_min = big_only.chunked_route(B, jnp.float32)
     for n, want in ((19, "recurrent_tree"), (20, "chunked"), (33, "chunked"), (64, "chunked")):
         assert verify_kernel_for("replay_ssm", n, True, True, lo, max_nodes=hi, padded_min_nodes=padded_min) == want, n
     with pytest.raises(ValueError, match=r"chunked_max_nodes=65 must be in \[8, 64\].*chunked_fp32_dots='bf16'"):
@@ -318,7 +328,7 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
     t = 33
     x, parents, tree, ref_out, ref_states = _random_tree_case(13, t)
     raised = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64)
-    assert raised.chunked_route(B) == (12, 64, {})
+    assert raised.chunked_route(B, jnp.float32) == (12, 64, {})
     chunked = gdn_verify(raised, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
                          backend="interpret")
     assert rel_err(chunked.out, ref_out) < TOL
@@ -345,53 +355,75 @@ def test_layer_routes_larger_trees_to_chunked_only_when_raised():
     with pytest.raises(ValueError, match="chunked_two_pass=0 must be None, True or False.*"
                                          "chunked_apply_reads_keys=1 must be None, True or False"):
         GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=1, chunked_two_pass=0)
-    # chunked_input_dtype_grams reaches the kernel (which refuses this test's fp32 q and k by name).
-    grams_cfg = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64, chunked_input_dtype_grams=True)
-    with pytest.raises(ValueError, match="input_dtype_grams=True needs q and k of one 16-bit float dtype"):
-        gdn_verify(grams_cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
-                   backend="interpret")
+    # chunked_input_dtype_grams=True with this test's fp32 q and k is refused by name on every route
+    # (here the recurrent one too).
+    for routes in (dict(chunked_max_nodes=64), dict(chunked_tree_verify=False)):
+        grams_cfg = GdnLayerConfig(H, HV, DK, DV, chunked_input_dtype_grams=True, **routes)
+        with pytest.raises(ValueError, match="chunked_input_dtype_grams=True needs q and k of one 16-bit float "
+                                             "dtype; got q float32, k float32"):
+            gdn_verify(grams_cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
+                       backend="interpret")
     with pytest.raises(ValueError, match="chunked_input_dtype_grams='on' must be None, True or False"):
         GdnLayerConfig(H, HV, DK, DV, chunked_input_dtype_grams="on")
     with pytest.raises(ValueError, match="apply_reads_keys=True is a two-pass form"):
         gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=False, apply_reads_keys=True,
                            backend="interpret")
-    # By default (a small grid, fp32 q and k) the same tree runs the two-pass keys form, bit for bit.
-    default = gdn_verify(GdnLayerConfig(H, HV, DK, DV), *_args(x), node_states=_nan_states(t),
-                         payload=_nan_payload(t), tree=tree, backend="interpret")
-    np.testing.assert_array_equal(np.asarray(default.out), np.asarray(direct[True]))
-    assert np.isnan(np.asarray(default.node_states)).all()
-    # With chunked trees off it runs the recurrent kernel, which stores exactly its branch points.
-    recurrent = gdn_verify(GdnLayerConfig(H, HV, DK, DV, chunked_tree_verify=False), *_args(x),
-                           node_states=_nan_states(t), payload=_nan_payload(t), tree=tree, backend="interpret")
+    # By default (a small grid, fp32 q and k: two-pass from 48 nodes at 64 rows) the same tree runs
+    # the recurrent kernel, which stores exactly its branch points.
+    recurrent = gdn_verify(GdnLayerConfig(H, HV, DK, DV), *_args(x), node_states=_nan_states(t),
+                           payload=_nan_payload(t), tree=tree, backend="interpret")
     assert rel_err(recurrent.out, ref_out) < TOL
     rows = branch_rows(parents)
     ws = np.asarray(recurrent.node_states)
     assert rows.any() and np.isnan(ws[~rows]).all() and rel_err(ws[rows], ref_states[rows]) < TOL
+    # With bf16 q and k the default sends it to the two-pass keys form with input-dtype grams, bit for bit.
+    bf16 = jnp.bfloat16
+    args16 = [a.astype(bf16) if i < 5 else a for i, a in enumerate(_args(x))]
+    default16 = gdn_verify(GdnLayerConfig(H, HV, DK, DV), *args16, node_states=_nan_states(t),
+                           payload=_nan_payload(t, bf16), tree=tree, backend="interpret")
+    direct16, _ = gdn_chunked_verify(*args16, tree.ancestor_mask, _nan_payload(t, bf16), two_pass=True,
+                                     apply_reads_keys=True, input_dtype_grams=True, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(default16.out), np.asarray(direct16))
+    assert np.isnan(np.asarray(default16.node_states)).all() and rel_err(default16.out, ref_out) < 2e-2
+    # q bf16 with k fp32: no input-dtype grams by default (the fp32 route), refused when forced.
+    mixed = [args16[0]] + _args(x)[1:]
+    assert not GdnLayerConfig(H, HV, DK, DV).runs_input_dtype_grams(bf16, jnp.float32)
+    assert GdnLayerConfig(H, HV, DK, DV).chunked_route(B, bf16, jnp.float32) == (12, 64, {32: 33, 64: 48})
+    with pytest.raises(ValueError, match="got q bfloat16, k float32"):
+        gdn_verify(GdnLayerConfig(H, HV, DK, DV, chunked_input_dtype_grams=True), *mixed, node_states=_nan_states(t),
+                   payload=_nan_payload(t), tree=tree, backend="interpret")
 
 
 def test_default_runs_two_pass_past_16_rows_on_every_grid(monkeypatch):
-    """A 30-node tree (32 padded rows, at least the small grid's minimum of 17 and the large grid's 26
-    for fp32 q and k) goes to the chunked form on both grids, and past 16 rows the kernel's default
-    is the two-pass form on every grid (the output is two_pass=True's, bit for bit). The threshold is
-    lowered so the test's small batch also counts as a large grid."""
+    """With bf16 q and k a 30-node tree (32 padded rows) goes to the chunked form on both grids, and
+    past 16 rows the kernel's default is the two-pass form with input-dtype grams on every grid (the
+    output is two_pass=True's, bit for bit). With fp32 q and k the small grid keeps it recurrent (no
+    two-pass tree at 32 rows without grams). The threshold is lowered so the test's small batch also
+    counts as a large grid."""
     import pallas_kernels.linear.gdn_chunked as gdn_chunked_module
     t = 30
+    bf16 = jnp.bfloat16
     x, parents, tree, ref_out, _ = _random_tree_case(17, t)
+    args16 = [a.astype(bf16) if i < 5 else a for i, a in enumerate(_args(x))]
     default = GdnLayerConfig(H, HV, DK, DV)
-    two, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=True, backend="interpret")
-    fused, _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=False,
-                                  backend="interpret")
-    assert not np.array_equal(np.asarray(two), np.asarray(fused))  # the two forms are told apart
-    assert default.chunked_route(B, jnp.float32) == (12, 64, {32: 17, 64: 33})
+    two, _ = gdn_chunked_verify(*args16, tree.ancestor_mask, _nan_payload(t, bf16), two_pass=True,
+                                input_dtype_grams=True, backend="interpret")
+    assert default.chunked_route(B, jnp.float32) == (12, 64, {32: 33, 64: 48})
+    assert default.chunked_route(B, bf16) == (8, 64, {32: 17, 64: 33})
     for grid in ("small", "large"):
         if grid == "large":
             monkeypatch.setattr(gdn_chunked_module, "TWO_PASS_MIN_PROGRAMS", B * HV)
             assert default.chunked_route(B, jnp.float32) == (8, 64, {32: 26, 64: 33})
-        res = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
-                         backend="interpret")
+            assert default.chunked_route(B, bf16) == (8, 64, {32: 17, 64: 33})
+        def layer(*a):
+            return gdn_verify(default, *a, node_states=_nan_states(t), payload=_nan_payload(t, bf16), tree=tree,
+                              backend="interpret")
+        res = layer(*args16)
         assert np.isnan(np.asarray(res.node_states)).all(), grid  # chunked: no node states
+        # bf16 outputs can round the fused and two-pass forms alike: the program names the kernels.
+        assert _kernel_names(layer, *args16) == {"gdn_chunked_factor", "gdn_chunked_apply"}, grid
         np.testing.assert_array_equal(np.asarray(res.out), np.asarray(two))
-        assert rel_err(res.out, ref_out) < TOL
+        assert rel_err(res.out, ref_out) < 2e-2
 
 
 @pytest.mark.parametrize("t, want_chunked", [(12, True), (16, True), (8, False), (17, False), (55, False),
@@ -401,7 +433,7 @@ def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked):
     (bit for bit, no workspace row written, payload as read) over `chain_chunked_ranges`: with fp32
     q and k (this test's) 12..16 nodes, and 56..64 where the apply-reads-keys variant runs at 64 rows,
     on large grids only; with 16-bit q and k 8..64 on large grids (8..32 without the keys variant at
-    64 rows) and 12..16 (the fused form) and 48..64 on small ones. Other lengths, chunked_chain_verify=False, chunked_two_pass=False
+    64 rows) and 8..16 (the fused form) and 48..64 on small ones. Other lengths, chunked_chain_verify=False, chunked_two_pass=False
     and staged run the recurrent chain. The two-pass threshold is lowered so the test's batch counts
     as a large grid."""
     import pallas_kernels.linear.gdn_chunked as gdn_chunked_module
@@ -413,14 +445,24 @@ def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked):
     default = GdnLayerConfig(H, HV, DK, DV)
     assert not default.chain_runs_chunked(t, B, f32)  # small grid, no grams
     assert default.chain_chunked_ranges(B, f32) == ()
-    assert default.chain_chunked_ranges(B, bf16) == ((12, 16), (48, 64))
+    assert default.chain_chunked_ranges(B, bf16) == ((8, 16), (48, 64))
+    assert default.chain_chunked_ranges(B, bf16, f32) == ()  # mixed q / k dtypes: no grams
     assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=False).chain_chunked_ranges(B, bf16) == (
-        (12, 16),)
+        (8, 16),)
     chain_mask = ancestor_mask(jnp.asarray(parents))
-    if t in (12, 16):  # a bf16 chain on the small grid runs the fused form with input-dtype grams
+    if t <= 16:  # a bf16 chain on the small grid runs the fused form with input-dtype grams
         args16 = [a.astype(bf16) if i < 5 else a for i, a in enumerate(_args(x))]
-        res16 = gdn_verify(default, *args16, node_states=_nan_states(t), payload=_nan_payload(t, bf16), tree=None,
-                           backend="interpret")
+
+        def layer(cfg, *a):
+            return gdn_verify(cfg, *a, node_states=_nan_states(t), payload=_nan_payload(t, bf16), tree=None,
+                              backend="interpret")
+        res16 = layer(default, *args16)
+        assert _kernel_names(functools.partial(layer, default), *args16) == {"gdn_chunked_verify"}
+        # chunked_two_pass=True keeps the range and runs the two-pass form there.
+        forced = GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True)
+        assert forced.chain_chunked_ranges(B, bf16) == default.chain_chunked_ranges(B, bf16)
+        assert _kernel_names(functools.partial(layer, forced), *args16) == {"gdn_chunked_factor",
+                                                                             "gdn_chunked_apply"}
         fused16, _ = gdn_chunked_verify(*args16, chain_mask, _nan_payload(t, bf16), two_pass=False,
                                         input_dtype_grams=True, backend="interpret")
         np.testing.assert_array_equal(np.asarray(res16.out), np.asarray(fused16))
@@ -473,11 +515,12 @@ def test_layer_verify_dispatch_and_modes_agree():
     assert GDN_TREE_VERIFY_CHUNKED_MIN_NODES == 8
     assert GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS == (8, 64)
     assert GDN_TREE_VERIFY_CHUNKED_NODES_FUSED == (12, 16)
-    assert GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID == (12, 64)
+    assert GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID == {False: (12, 64), True: (8, 64)}
     assert GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES == {
         (32, False, False): 26, (32, True, False): 29, (64, False, False): 40, (64, True, False): 33,
-        (32, False, True): 17, (32, True, True): 17, (64, False, True): 33, (64, True, True): 33}
-    assert GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID == {32: 17, 64: 33}
+        (32, False, True): 17, (32, True, True): 29, (64, False, True): 40, (64, True, True): 33}
+    assert GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID == {(32, False): 33, (64, False): 48,
+                                                                   (32, True): 17, (64, True): 33}
     assert verify_kernel_for("replay_ssm", 16, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 8, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 64, True, True) == "chunked"
@@ -502,18 +545,18 @@ def test_layer_verify_dispatch_and_modes_agree():
     assert not default_two_pass(small_b, HV) and default_two_pass(large_b, HV)
     assert default_two_pass(small_b, HV, 32) and default_two_pass(small_b, HV, 64)  # past 16 rows: any grid
     f32, bf16 = jnp.float32, jnp.bfloat16
-    small = {32: 17, 64: 33}
+    small = {f32: (12, 64, {32: 33, 64: 48}), bf16: (8, 64, {32: 17, 64: 33})}
     fill = {32: 26, 64: 33}  # fp32 rows: the plain two-pass form at 32 rows, the apply-reads-keys one at 64
     grams = {32: 17, 64: 33}  # 16-bit rows: every tree past 16 nodes
     for dtype in (f32, bf16):
-        assert default.chunked_route(small_b, dtype) == (12, 64, small)
+        assert default.chunked_route(small_b, dtype) == small[dtype]
         # Forcing two-pass on a small grid keeps the small grid's route (unmeasured at 12..16).
-        assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True).chunked_route(small_b, dtype) == (12, 64, small)
+        assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True).chunked_route(small_b, dtype) == small[dtype]
         # Forcing the fused form keeps the fused range on every grid.
         for b in (small_b, large_b):
             assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=False).chunked_route(b, dtype) == (12, 16, {})
     assert default.chunked_route(large_b, f32) == (8, 64, fill)
-    assert default.chunked_route(large_b, bf16) == default.chunked_route(large_b) == (8, 64, grams)
+    assert default.chunked_route(large_b, bf16) == default.chunked_route(large_b, jnp.float16) == (8, 64, grams)
     assert GdnLayerConfig(H, HV, DK, DV, chunked_input_dtype_grams=False).chunked_route(large_b, bf16) == (
         8, 64, fill)
     assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True).chunked_route(large_b, f32) == (8, 64, fill)
@@ -522,22 +565,28 @@ def test_layer_verify_dispatch_and_modes_agree():
         8, 64, {32: 26, 64: 40})
     assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=True).chunked_route(large_b, f32) == (
         8, 64, {32: 29, 64: 33})
-    for keys in (False, True):
-        assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=keys).chunked_route(large_b, bf16) == (
-            8, 64, grams)
+    # With grams the variants not run by default keep their minima without them (not timed with grams).
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=False).chunked_route(large_b, bf16) == (
+        8, 64, {32: 17, 64: 40})
+    assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=True).chunked_route(large_b, bf16) == (
+        8, 64, {32: 29, 64: 33})
     # One explicit bound keeps the other from the default unless they would cross; an explicit max
     # drops the padded-rows minimum.
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_route(small_b) == (8, 10, {})
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_route(large_b) == (8, 10, {})
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=20).chunked_route(small_b) == (20, 64, small)
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_route(small_b) == (12, 64, small)
+    for dtype in (f32, bf16):
+        assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_route(small_b, dtype) == (8, 10, {})
+        assert GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=10).chunked_route(large_b, dtype) == (8, 10, {})
+        assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=20).chunked_route(small_b, dtype) == (
+            20, 64, small[dtype][2])
+        assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_route(small_b, dtype) == (
+            12, 64, small[dtype][2])
     assert GdnLayerConfig(H, HV, DK, DV, chunked_min_nodes=12).chunked_route(large_b, f32) == (12, 64, fill)
-    # The small grid's route: 12..64 (fused to 16 nodes, two-pass past them); 8..11 stay recurrent.
-    lo, hi, padded_min = default.chunked_route(small_b)
-    assert [n for n in range(1, 65) if verify_kernel_for("replay_ssm", n, True, True, lo, max_nodes=hi,
-                                                         padded_min_nodes=padded_min) == "chunked"] == (
-        list(range(12, 65)))
-    lo, hi, padded_min = default.chunked_route(B)
+    # The small grid's route: with grams 8..64 (fused to 16 nodes, two-pass past them); without them
+    # 12..16 and 48..64.
+    for dtype, want in ((bf16, list(range(8, 65))), (f32, list(range(12, 17)) + list(range(48, 65)))):
+        lo, hi, padded_min = default.chunked_route(small_b, dtype)
+        assert [n for n in range(1, 65) if verify_kernel_for("replay_ssm", n, True, True, lo, max_nodes=hi,
+                                                             padded_min_nodes=padded_min) == "chunked"] == want
+    lo, hi, padded_min = default.chunked_route(B, f32)
     assert verify_kernel_for("replay_ssm", 8, True, True, lo, max_nodes=hi, padded_min_nodes=padded_min) == "recurrent_tree"
     assert verify_kernel_for("replay_ssm", 12, True, True, lo, max_nodes=hi, padded_min_nodes=padded_min) == "chunked"
     with pytest.raises(ValueError, match=r"chunked_min_nodes=65.*chunked_fp32_dots='bf16'"):
@@ -749,6 +798,12 @@ def test_default_form_follows_the_grid_in_the_sm90_lowering(monkeypatch):
     columns up to 32 rows and 32 at 64 rows."""
     assert [two_pass_block_v(rows, 128) for rows in (16, 32, 64)] == [64, 64, 32]
     assert two_pass_block_v(32, 16) == 16  # never wider than dv
+    sd = jax.ShapeDtypeStruct
+    for t, tiles in ((16, 2), (32, 2), (64, 4)):  # the apply kernel's grid (B, HV, dv / block_v), dv=128
+        ins, width = _qwen_specs(2, t)
+        program = str(jax.make_jaxpr(lambda *a: gdn_chunked_verify(*a, two_pass=True, backend="interpret"))(
+            *ins, sd((2, t, 2), jnp.uint32), sd((2, t, width), jnp.bfloat16)))
+        assert f"grid=(2, 32, {tiles})" in program, t
 
     _fake_sm90(monkeypatch)
     sd = jax.ShapeDtypeStruct

@@ -10,15 +10,16 @@ word 0 and 32..63 in word 1 (`treespec_jax.tree.masks`); word 1 is read only whe
 
 Fused form: one program per (request b, value head hv, dv-tile); every dv column of
 the solve is independent, so each program recomputes the small `[chunk, chunk]` matrices and
-handles `block_v` columns. Two-pass form (`two_pass=True`; by default on grids of at least
-TWO_PASS_MIN_PROGRAMS (b, hv) pairs): `_factor_kernel` per (b, hv) folds the key side into Q' and P
+handles `block_v` columns. Two-pass form (`two_pass=True`; by default past 16 padded rows, and at
+16 on grids of at least TWO_PASS_MIN_PROGRAMS (b, hv) pairs): `_factor_kernel` per (b, hv) folds the key side into Q' and P
 once, `_apply_kernel` per dv tile computes out = Q' h0 + P v; its variant (`apply_reads_keys`, by
 default from 64 padded rows) keeps only P and decay in the first kernel and has the second read q
 and k. The factor kernels work on whole [chunk, chunk] tiles: 16-row tiles with block forward
 substitution (88 small dots at 64 rows instead of 15 large ones) took 1.7-2.2x as long on the H200
 (session 7, commit 28d892c). Every form writes the node's replay payload row pieces `[k | v | a | b]`
 as they are read (v by every value head's tiles, a/b by every value head, k by the first value head
-of each key head).
+of each key head). With 16-bit q and k every form by default (`input_dtype_grams`) forms q k^T and
+k k^T from the rows as loaded in one tensor-core pass and applies the row factors afterwards.
 
 Public entry point: `gdn_chunked_verify(...)` with `backend=None|"pallas"|"interpret"|"reference"`.
 """
@@ -46,8 +47,9 @@ MIN_CHUNK = 16
 # Two-pass form launches: the factor kernel's warps, the apply kernel's default dv tile (by padded
 # rows) and warps. On the H200 (benchmarks/RESULTS.md) at B=32: T=16 (session 6), 16-column tiles and
 # 8 apply warps took 222-252 us and 64-column tiles 146, against 152-155 for 32 columns; T=32 (session
-# 8, input-dtype grams) 64 columns 224.8 vs 319.5 (without grams 403.5 vs 464.1); T=64 (keys variant)
-# 64 columns lost: 481.5 vs 458.0 with grams, 685.6 vs 666.0 without. Two factor warps won at B=32,
+# 8, input-dtype grams; the with-grams pair from the run's log) 64 columns 224.8 vs 319.5 (without
+# grams 403.5 vs 464.1); T=64 (keys variant) 64 columns lost: 481.5 vs 458.0 with grams, 685.6 vs
+# 666.0 without. Two factor warps won at B=32,
 # T=16 (141 vs 155 us) and lost at B=64, T=16 (311 vs 264); eight lost at T = 16, 32 and (keys form,
 # B=32, session 7) at T=64 (1096 vs 814 us), so 4 stays.
 TWO_PASS_FACTOR_WARPS = 4
@@ -58,8 +60,8 @@ TWO_PASS_APPLY_WARPS = 4
 # benchmarks/RESULTS.md, session 6) the two-pass tree took 0.33-0.56x the fused kernel's time at
 # B = 32, 64 (1024-2048 programs) for T = 8..64, and at B=8 (256) 0.37x at T=64 and 0.96x at T=16.
 # At B=1 (32 programs, two launches in series) it lost at T=16 (32.7 vs 29.1 us; 65.3 vs 36.2 in
-# another run) and won at T = 8, 32 (93.7 vs 141) and 64 (apply-reads-keys variant 86.8 vs 156).
-# B = 2..7 at 16 rows are unmeasured and stay with the fused kernel.
+# another run) and won at T = 8, 32 (93.7 vs 141, session 8) and 64 (apply-reads-keys variant 86.8
+# vs 156). B = 2..7 at 16 rows are unmeasured and stay with the fused kernel.
 TWO_PASS_MIN_PROGRAMS = 256
 # Fewest padded rows at which `apply_reads_keys=None` runs the two-pass variant whose apply kernel
 # reads q and k. On the H200 (Qwen3-Next dims, benchmarks/RESULTS.md, session 7) it took 967-1019 us
@@ -69,8 +71,9 @@ TWO_PASS_MIN_PROGRAMS = 256
 APPLY_READS_KEYS_MIN_ROWS = 64
 # Input dtypes whose pairwise products are exact in fp32 (8- and 11-bit significands), so that
 # `input_dtype_grams` loses nothing against fp32 rows; `input_dtype_grams=None` turns it on for them.
-# On the H200 (Qwen3-Next dims, bf16, benchmarks/RESULTS.md, session 8) it took 0.65-0.70x the time
-# of the same form without it at every shape timed (B = 1, 32, 64; T = 24..64), agreeing to 3-4e-5.
+# On the H200 (Qwen3-Next dims, bf16, benchmarks/RESULTS.md, session 8) it took 0.65-0.86x the time
+# of the same form without it at B = 32, 64 (T = 16..64) and 0.67-1.00x at B=1 (noisy), agreeing to
+# 1e-6-5e-5.
 INPUT_DTYPE_GRAM_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 

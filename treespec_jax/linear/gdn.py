@@ -2,9 +2,10 @@
 
 Modes (`GdnStateMode`):
   "replay_ssm" (default) The committed state pool is never written during verify. With
-               `chunked_tree_verify` (default), trees of `chunked_min_nodes` .. `chunked_max_nodes`
-               nodes (default: 8..16 and 26..64 where the two-pass form runs, B * HV >= 256;
-               12..16 where the fused form runs) run the chunked tree form (no node states at all);
+               `chunked_tree_verify` (default), trees on the layer's chunked route
+               (`GdnLayerConfig.chunked_route`: by grid, padding and whether q and k are 16-bit;
+               with bf16 q and k every tree of 8..64 nodes) run the chunked tree form (no node
+               states at all);
                other trees run the recurrent
                kernel, which stores the state of every branch point (a node with a child other than
                t + 1) in the one workspace every layer shares (`[B, T, HV, dk, dv]`, one layer's
@@ -21,8 +22,9 @@ the staged source row is path[accept_len - 1] (DESIGN's "1 + path[accept_len - 1
 leading row). For a chain it is accept_len - 1. accept_len == 0 (a padded request) commits nothing.
 
 A chain (topk == 1) passes no tree (`parents=None`, `ancestor_mask=None`): the recurrent kernel runs
-without reading parents and never reloads; under ReplaySSM, chains of 12..16 and 56..64 nodes on grids
-where the two-pass chunked form runs take that form with a chain's ancestor mask (`chunked_chain_verify`).
+without reading parents and never reloads; under ReplaySSM, chains in
+`GdnLayerConfig.chain_chunked_ranges` take the chunked form with a chain's ancestor mask
+(`chunked_chain_verify`).
 """
 
 from __future__ import annotations
@@ -50,65 +52,51 @@ from treespec_jax.tree.masks import unpack_mask_rows
 
 # Smallest tree the layer may send to the chunked form under ReplaySSM.
 GDN_TREE_VERIFY_CHUNKED_MIN_NODES = 8
-# Default (smallest, largest) tree sent to the chunked form, by the form that runs: the two-pass form
-# on a large grid (`gdn_chunked.default_two_pass(B, HV)`), else the fused form. On the H200
-# (Qwen3-Next dims, benchmarks/RESULTS.md, session 6) the two-pass tree beat the recurrent tree at
-# every T measured on large grids: B=32: 138 vs 206 us (T=8), 152 vs 275 (T=12), 152 vs 351 (T=16),
-# 525 vs 666 (T=32), 1298 vs 1433 (T=64); B=64: 232 vs 339 (T=8), 996 vs 1335 (T=32), 2626 vs 2758
-# (T=64); B=8: 80 vs 180 (T=16), 339 vs 563 (T=64). The fused tree at B=1 won at T=16 (29 vs 45 us)
-# and lost at T=8 (40 vs 32), T=32 (141 vs 67) and T=64 (156 vs 118); at B = 32, 64 it lost from
-# T=32 up (1088 vs 666 us at B=32, T=32). So the fused form keeps 12..16 (sessions 4-5 measured it
-# ahead of the recurrent tree at B = 32, 64 from T=12).
+
+# The layer's default routes, measured on the H200 at Qwen3-Next dims (benchmarks/RESULTS.md; session
+# 8 for 16-bit q and k, sessions 6-7 without input-dtype grams). "Large grid": B * HV >=
+# gdn_chunked.TWO_PASS_MIN_PROGRAMS (the two-pass form at every padding); "small grid": below it (the
+# fused form at 16 padded rows, two-pass past them). The chunked cost steps with the padded rows
+# (16, 32, 64) while the recurrent kernels' grows with T, so past 16 rows a tree goes chunked only
+# from a minimum node count per padding.
+#
+# Trees, large grid: 8..64 nodes, past 16 from GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES[padded rows,
+# apply-reads-keys variant runs, input-dtype grams]. With grams the default chunked tree beat the
+# recurrent tree at every size timed (B = 8, 32, 64; T = 8..64: 0.30-0.62x), so 17 and 33. Without
+# them (B=32, session 7) two-pass caught up near T=25 at 32 rows (keys variant near 29) and, at 64
+# rows, the keys variant won from 33 and plain two-pass from about 40 (interpolated). The variants
+# not run by default (keys at 32 rows, plain two-pass at 64) are not timed with grams and keep their
+# minima without them.
 GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS = (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, MAX_CHUNKED_NODES)
-GDN_TREE_VERIFY_CHUNKED_NODES_FUSED = (12, 16)
-# The default range on a small grid: the fused form at 12..16 nodes, the two-pass form past 16 (from
-# GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID).
-GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID = (12, MAX_CHUNKED_NODES)
-# Under the default two-pass range on a large grid, a tree padded past 16 rows goes chunked only with
-# at least this many nodes, by (padded rows, whether the apply-reads-keys variant runs, whether the
-# grams come from the 16-bit rows): the chunked cost steps with the padded rows while the recurrent
-# tree's grows with T. On the H200 (Qwen3-Next dims, benchmarks/RESULTS.md):
-# - without input-dtype grams (session 7, B=32): 32 rows, recurrent 520 us vs two-pass 539 at T=24,
-#   593 vs 533 (keys 589) at T=29, so it catches up near T=25 (two-pass) and 29 (keys); 64 rows,
-#   recurrent 1441 vs two-pass 907, keys 662 at T=64, and the recurrent tree grows by 24 per node from
-#   666 at T=32, so keys wins from T=33 and two-pass from about T=40 (interpolated);
-# - with them (session 8, the kernel's default form against the recurrent tree): B=32 T=17 210 vs
-#   372, T=20 231 vs 452, T=33 395 vs 694, T=64 463 vs 1438; B=64 T=17 396 vs 680, T=64 823 vs 2758;
-#   B=8 T=17 87 vs 172, T=33 137 vs 284. Every size goes chunked (the variants not run by default,
-#   keys at 32 rows and plain two-pass at 64, are not timed with grams).
 GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES = {
     (32, False, False): 26, (32, True, False): 29, (64, False, False): 40, (64, True, False): 33,
-    (32, False, True): 17, (32, True, True): 17, (64, False, True): 33, (64, True, True): 33}
-# On a small grid (B * HV below gdn_chunked.TWO_PASS_MIN_PROGRAMS: the fused form at 16 rows, the
-# two-pass form past them) trees past 16 nodes go chunked only from this many nodes by padded rows.
-# On the H200 (session 8, noisy at these sizes), the default chunked form against the recurrent tree:
-# B=1 T=20 56.9 vs 62.9 us, T=24 49.8 vs 68.8, T=28 43.0 vs 58.0, T=36 62.3 vs 67.0, T=40 70.5 vs
-# 80.9, T=48 69.3 vs 86.6, T=64 80.4 vs 118.3; B=2 T=24 44.7 vs 62.1; B=4 T=20 57.6 vs 69.4, T=24
-# 45.8 vs 112.9, T=28 60.5 vs 100.3, T=40 86.0 vs 207.0. Every size goes chunked (17..19 and 33..35
-# not timed; the chunked cost is flat within a padding).
-GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID = {32: 17, 64: 33}
+    (32, False, True): 17, (32, True, True): 29, (64, False, True): 40, (64, True, True): 33}
+# Trees, small grid, by input-dtype grams: with them 8..64 (B = 1, 2, 4: the fused tree won at T = 8,
+# 12, 16 and the two-pass one at every T timed from 20 to 64, 0.41-0.96x the recurrent tree); without
+# them 12..16 (the fused tree lost at B=1 T=8, 40 vs 32 us, session 6) and from 48 nodes at 64 rows
+# (two-pass keys 86.8 vs 147.6 at T=64; recurrent 81 at T=40, so near T=48, interpolated), none at
+# 32 rows (two-pass lost at T=32, 93.7 vs 67.5; 33 = none).
+GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID = {False: (12, MAX_CHUNKED_NODES), True: (8, MAX_CHUNKED_NODES)}
+GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID = {(32, False): 33, (64, False): 48, (32, True): 17,
+                                                       (64, True): 33}
+# Wherever only the fused form runs (chunked_two_pass=False): it lost to the recurrent tree past 16
+# nodes at every grid (B=1: 141 vs 67 us at T=32; B=32: 1088 vs 666).
+GDN_TREE_VERIFY_CHUNKED_NODES_FUSED = (12, 16)
 
-# ReplaySSM chains (no tree) verify in the two-pass chunked form (with a chain's ancestor mask) over
-# these node ranges, by grid and grams. On the H200 (benchmarks/RESULTS.md):
-# - without input-dtype grams, large grid (session 6): the two-pass chain beat the recurrent chain at
-#   T=12 (B=32: 156.9 vs 198.5 us) and T=16 (B=8: 66.0 vs 91.9; B=32: 148.0 vs 212.2; B=64: 273.0 vs
-#   395.9) and lost at T=8 (B=32: 138.8 vs 133.2; B=64: 265.4 vs 220.8) and T = 32, 64 (514 vs 385,
-#   1279 vs 752 at B=32); the keys variant at T=64 (session 7) won, 661.8 vs 751.4 (B=32), 1265.3 vs
-#   1403.9 (B=64), crossing near T=54 (interpolated): 12..16 and, where keys runs at 64 rows, 56..64.
-# - with them, large grid (session 8, default form vs recurrent chain): B=32 T=8 129.5 vs 137.9,
-#   T=16 131.6 vs 232.8, T=17 216.8 vs 247.6, T=20 214.0 vs 265.1, T=33 402.0 vs 415.6, T=64 436.8 vs
-#   740.8; B=64 T=8 189.8 vs 221.0, T=17 366.5 vs 433.6, T=64 811.2 vs 1432.4; B=8 T=17 91.2 vs 96.6,
-#   T=33 139.2 vs 158.9: 8..64 where keys runs at 64 rows (else 8..32: the plain two-pass form at 64
-#   rows is not timed with grams).
-# - with them, small grid (B=1, noisy; the fused form at 16 rows, two-pass past them): T=16 25.7,
-#   30.0, 30.7, 30.1 vs 63.0, 45.7, 64.5, 39.0 (four runs, won); T=8 33.3, 41.0 vs 35.7, 36.5 (lost);
-#   T=36 74.3 vs 61.4, T=40 94.3 vs 73.9 (lost); T=48 71.4 vs 100.8, T=64 67.8 vs 104.9 (won); B=4
-#   T=40 92.6 vs 101.7; T = 20..28 (B = 1, 2, 4) won four times and lost four: 12..16 and, where
-#   keys runs at 64 rows, 48..64. Without grams: none.
+# Chains (no tree) under ReplaySSM take the chunked form (the kernel's default for the grid and
+# padding) over these node ranges (`GdnLayerConfig.chain_chunked_ranges`):
+# - with grams, large grid: 8..64 (the default chunked chain won at every size timed, B = 8, 32, 64,
+#   T = 8..64: 0.51-0.97x the recurrent chain); 8..32 where the keys variant is off at 64 rows (the
+#   plain two-pass chain with grams is not timed there);
+# - with grams, small grid: 8..16 (fused; B=1 won at T=16 in five runs, at T=8 in two of three,
+#   the least noisy 18.3 vs 20.8 us) and 48..64 where keys runs at 64 rows (won at 48 and 64, lost at
+#   36 and 40; at 20..28 four wins, three losses);
+# - without grams, large grid only: 12..16 (two-pass won at 12 and 16, lost at 8 and 32) and 56..64
+#   where keys runs at 64 rows (0.88-0.90x at T=64, crossing near 54, interpolated).
 GDN_CHAIN_VERIFY_CHUNKED_NODES = (12, 16)
 GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS = (56, 64)
 GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS = (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, MAX_CHUNKED_NODES)
-GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS_SMALL_GRID = ((12, 16), (48, MAX_CHUNKED_NODES))
+GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS_SMALL_GRID = ((GDN_TREE_VERIFY_CHUNKED_MIN_NODES, 16), (48, MAX_CHUNKED_NODES))
 
 GdnStateMode = StateMode  # one mode for every linear-attention layer (linear.state_mode)
 
@@ -134,7 +122,7 @@ class GdnLayerConfig:
     # large grid only); other chains run the recurrent chain kernel.
     chunked_chain_verify: bool = True
     # Smallest tree sent to the chunked form, in [GDN_TREE_VERIFY_CHUNKED_MIN_NODES (8),
-    # MAX_CHUNKED_NODES (64)]; None = the default of the form that runs (`chunked_route`).
+    # MAX_CHUNKED_NODES (64)]; None = the grid's default (`chunked_route`).
     chunked_min_nodes: int | None = None
     # Largest tree sent to the chunked form, in [chunked_min_nodes, MAX_CHUNKED_NODES (64)]; None = the
     # default of the grid: 64 (trees past 16 nodes only from the padded-rows minima,
@@ -146,8 +134,9 @@ class GdnLayerConfig:
     # always runs IEEE.
     chunked_fp32_dots: str = "tf32x3"
     # Run the chunked form as two kernels (True: key-side factors once per value head, then
-    # out = Q' h0 + P v per dv tile), as one fused kernel (False), or None = by grid
-    # (`gdn_chunked.default_two_pass`: two-pass when B * HV >= TWO_PASS_MIN_PROGRAMS).
+    # out = Q' h0 + P v per dv tile), as one fused kernel (False), or None = by grid and padding
+    # (`gdn_chunked.default_two_pass`: two-pass past 16 padded rows, and at 16 when B * HV >=
+    # TWO_PASS_MIN_PROGRAMS). True on a small grid also runs two-pass at 16 rows (not timed there).
     chunked_two_pass: bool | None = None
     # Where the two-pass form runs, run its variant whose second kernel reads q and k
     # (`gdn_chunked_verify(apply_reads_keys=True)`: the first kernel keeps only [T, T] products):
@@ -156,8 +145,9 @@ class GdnLayerConfig:
     chunked_apply_reads_keys: bool | None = None
     # The chunked forms form q k^T and k k^T from the 16-bit q and k rows as loaded (exact products, one
     # tensor-core pass) and scale them afterwards (`gdn_chunked_verify(input_dtype_grams=True)`): True
-    # (q and k must then be bf16 or fp16), False, or None = on for bf16 / fp16 q and k (0.65-0.70x the
-    # time without it on the H200, session 8; the route's padded-rows minima follow it).
+    # (q and k must then share bf16 or fp16; refused by gdn_verify otherwise), False, or None = on
+    # when they do (on the H200, session 8: 0.65-0.86x the time without it at B = 32, 64, 0.67-1.00x
+    # at B=1; the routes follow it).
     chunked_input_dtype_grams: bool | None = None
 
     def __post_init__(self):
@@ -199,21 +189,22 @@ class GdnLayerConfig:
         off (past 16 rows it runs on every grid unless forced off)."""
         return default_two_pass(batch, self.num_v_heads) and self.chunked_two_pass is not False
 
-    def runs_input_dtype_grams(self, dtype) -> bool:
-        """Whether the chunked forms take their grams from q and k rows of this dtype as loaded."""
+    def runs_input_dtype_grams(self, q_dtype, k_dtype=None) -> bool:
+        """Whether the chunked forms take their grams from the q and k rows as loaded (k_dtype None =
+        q's): chunked_input_dtype_grams, or where it is None, whether q and k share a 16-bit dtype."""
         if self.chunked_input_dtype_grams is None:
-            return default_input_dtype_grams(dtype, dtype)
+            return default_input_dtype_grams(q_dtype, q_dtype if k_dtype is None else k_dtype)
         return self.chunked_input_dtype_grams
 
-    def chain_chunked_ranges(self, batch: int, dtype=jnp.bfloat16) -> tuple[tuple[int, int], ...]:
-        """The (smallest, largest) node ranges of ReplaySSM chains (q and k of `dtype`) that verify in
-        the chunked form at this batch size (the GDN_CHAIN_VERIFY_CHUNKED_NODES* constants; the form is
-        the kernel's default: fused at 16 rows on a small grid, else two-pass); () when chunked chains
-        are off, staged, or chunked_two_pass=False."""
+    def chain_chunked_ranges(self, batch: int, q_dtype, k_dtype=None) -> tuple[tuple[int, int], ...]:
+        """The (smallest, largest) node ranges of ReplaySSM chains that verify in the chunked form at
+        this batch size and q / k dtypes (the GDN_CHAIN_VERIFY_CHUNKED_NODES* constants; the form is the
+        kernel's default for the grid and padding, or chunked_two_pass=True's); () when chunked
+        chains are off, staged, or chunked_two_pass=False."""
         if not (self.chunked_chain_verify and self.mode == "replay_ssm" and self.chunked_two_pass is not False):
             return ()
         keys_at_64 = self.runs_apply_reads_keys(64)
-        if not self.runs_input_dtype_grams(dtype):
+        if not self.runs_input_dtype_grams(q_dtype, k_dtype):
             if not self._two_pass_runs(batch):
                 return ()
             return (GDN_CHAIN_VERIFY_CHUNKED_NODES,) + ((GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS,) if keys_at_64 else ())
@@ -222,26 +213,27 @@ class GdnLayerConfig:
         lo, hi = GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS
         return ((lo, hi if keys_at_64 else 2 * MIN_CHUNK),)
 
-    def chain_runs_chunked(self, num_nodes: int, batch: int, dtype=jnp.bfloat16) -> bool:
-        """Whether a ReplaySSM chain of num_nodes nodes (q and k of `dtype`) verifies in the two-pass
-        chunked form (`chain_chunked_ranges`)."""
-        return any(lo <= num_nodes <= hi for lo, hi in self.chain_chunked_ranges(batch, dtype))
+    def chain_runs_chunked(self, num_nodes: int, batch: int, q_dtype, k_dtype=None) -> bool:
+        """Whether a ReplaySSM chain of num_nodes nodes verifies in the chunked form
+        (`chain_chunked_ranges`)."""
+        return any(lo <= num_nodes <= hi for lo, hi in self.chain_chunked_ranges(batch, q_dtype, k_dtype))
 
-    def chunked_route(self, batch: int, dtype=jnp.bfloat16) -> tuple[int, int, dict[int, int]]:
+    def chunked_route(self, batch: int, q_dtype, k_dtype=None) -> tuple[int, int, dict[int, int]]:
         """(smallest tree, largest tree, padded_min_nodes) this layer sends to the chunked form at this
-        batch size with q and k of `dtype` (see `verify_kernel_for`). Explicit bounds win; an unset
-        bound takes the default range of the grid (`GDN_TREE_VERIFY_CHUNKED_NODES_*`: 8..64 on a large
-        grid, 12..64 on a small one, 12..16 wherever chunked_two_pass=False leaves only the fused form),
+        batch size and q / k dtypes (see `verify_kernel_for`). Explicit bounds win; an unset bound
+        takes the grid's default range (8..64 on a large grid; on a small one 8..64 with input-dtype
+        grams, 12..64 without; 12..16 wherever chunked_two_pass=False leaves only the fused form),
         clipped so that it never crosses the explicit one (an unset min becomes 8, an unset max 64).
-        The padded-rows minimum (GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES on a large grid, for the
-        two-pass variant and grams this layer runs at 32 and 64 rows; _SMALL_GRID on a small one)
-        holds only when chunked_max_nodes is unset and the default range reaches past 16 nodes;
-        otherwise it is empty."""
+        The padded-rows minima (GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES on a large grid, by the
+        two-pass variant this layer runs at 32 and 64 rows and grams; _SMALL_GRID by grams on a small
+        one) hold only when chunked_max_nodes is unset and the default range reaches past 16 nodes;
+        otherwise the dict is empty."""
         large = self._two_pass_runs(batch)
+        grams = self.runs_input_dtype_grams(q_dtype, k_dtype)
         if self.chunked_two_pass is False:
             lo, hi = GDN_TREE_VERIFY_CHUNKED_NODES_FUSED
         else:
-            lo, hi = GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS if large else GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID
+            lo, hi = GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS if large else GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID[grams]
         past_16 = hi > MIN_CHUNK
         if self.chunked_min_nodes is not None:
             lo = self.chunked_min_nodes
@@ -252,8 +244,7 @@ class GdnLayerConfig:
         if not past_16 or self.chunked_max_nodes is not None:
             return lo, hi, {}
         if not large:
-            return lo, hi, dict(GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID)
-        grams = self.runs_input_dtype_grams(dtype)
+            return lo, hi, {rows: GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID[rows, grams] for rows in (32, 64)}
         return lo, hi, {rows: GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES[rows, self.runs_apply_reads_keys(rows), grams]
                         for rows in (32, 64)}
 
@@ -284,9 +275,9 @@ def verify_kernel_for(mode: GdnStateMode, num_nodes: int, is_tree: bool, chunked
     ReplaySSM trees of max(min_nodes, GDN_TREE_VERIFY_CHUNKED_MIN_NODES)..max_nodes nodes take the
     chunked form (`GdnLayerConfig` keeps max_nodes <= MAX_CHUNKED_NODES), except a tree padded past
     16 rows with fewer nodes than `padded_min_nodes[padded rows]` (32 or 64 rows; a missing key sets
-    no minimum). A layer passes `*cfg.chunked_route(B)`; the defaults here are the widest range, with
+    no minimum). A layer passes `*cfg.chunked_route(B, q.dtype, k.dtype)`; the defaults here are the widest range, with
     no padded-rows minimum. A chain runs the chunked form only under ReplaySSM with `chain_chunked`
-    (`cfg.chain_runs_chunked(T, B)`).
+    (`cfg.chain_runs_chunked(T, B, q.dtype, k.dtype)`).
     """
     check_state_mode(mode, "GDN")
     if not is_tree:
@@ -354,10 +345,14 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
         raise ValueError("ReplaySSM verify needs this layer's payload buffer [B, T, width] (payload=None)")
     if cfg.mode == "staged" and payload is not None:
         raise ValueError("staged verify writes no replay payload; pass payload=None")
-    lo, hi, padded_min = cfg.chunked_route(q.shape[0], q.dtype)
+    if cfg.chunked_input_dtype_grams and not default_input_dtype_grams(q.dtype, k.dtype):
+        # Refused on every route, not only where the chunked form would run.
+        raise ValueError(f"chunked_input_dtype_grams=True needs q and k of one 16-bit float dtype; got q {q.dtype}, "
+                         f"k {k.dtype} (use None to turn it on only for 16-bit rows)")
+    lo, hi, padded_min = cfg.chunked_route(q.shape[0], q.dtype, k.dtype)
     kernel = verify_kernel_for(cfg.mode, t, tree is not None, cfg.chunked_tree_verify, lo, max_nodes=hi,
                                padded_min_nodes=padded_min,
-                               chain_chunked=cfg.chain_runs_chunked(t, q.shape[0], q.dtype))
+                               chain_chunked=cfg.chain_runs_chunked(t, q.shape[0], q.dtype, k.dtype))
     common = dict(use_qk_l2norm=cfg.use_qk_l2norm, scale=cfg.scale, config=cfg.kernel, backend=backend)
     if kernel == "chunked":
         chain_chunked = tree is None
@@ -366,7 +361,7 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
                                           mask, payload, fp32_dots=cfg.chunked_fp32_dots,
                                           two_pass=cfg.chunked_two_pass,
                                           apply_reads_keys=cfg.chunked_apply_reads_keys,
-                                          input_dtype_grams=cfg.runs_input_dtype_grams(q.dtype), **common)
+                                          input_dtype_grams=cfg.runs_input_dtype_grams(q.dtype, k.dtype), **common)
         return GdnVerifyOutput(out, node_states, payload)
     store = "every_node" if cfg.mode == "staged" else "branch_points"
     res = gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
