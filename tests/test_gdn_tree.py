@@ -261,6 +261,23 @@ def test_chunked_forms_over_several_dv_tiles_and_a_group_of_three(form):
 
 
 
+def test_two_pass_knobs_select_the_two_pass_form_on_a_small_grid():
+    """two_pass=None at 16 padded rows on a small grid picks the fused kernel, unless a two-pass knob
+    (apply_reads_keys=True, factor_warps) is set: then the two-pass form it names runs."""
+    t = 14
+    rng = np.random.default_rng(77)
+    x = random_inputs(rng, B, t)
+    mask = ancestor_mask(jnp.asarray(random_tree(rng, B, t)))
+    assert not default_two_pass(B, HV, 16)
+
+    def names(**kw):
+        return _kernel_names(lambda *a: gdn_chunked_verify(*a, mask, _nan_payload(t), backend="interpret", **kw),
+                             *_args(x))
+    assert names() == names(apply_reads_keys=None) == names(apply_reads_keys=False) == {"gdn_chunked_verify"}
+    assert names(apply_reads_keys=True) == {"gdn_chunked_p_factor", "gdn_chunked_apply_keys"}
+    assert names(factor_warps=2) == {"gdn_chunked_factor", "gdn_chunked_apply"}
+
+
 @pytest.mark.parametrize("rows", [16, 32, 64])
 def test_block_inversion_equals_the_inverse(rows):
     """`_invert_unit_lower` (the chunked forms' recursive block inversion, first level without dots)

@@ -330,11 +330,11 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     state into Q' [T, dk] and P [T, T] (fp32, `_factor_kernel`), then one per dv tile computes
     out = Q' h0 + P v (`_apply_kernel`): the key-side work is done once instead of per dv tile and
     neither kernel holds both the key-side tiles and a state tile. False: the single fused kernel.
-    None (default): `default_two_pass(B, HV, padded rows)`. `config` sets the second kernel's launch
-    (default: `two_pass_block_v` columns, 4 warps); `factor_warps` the first kernel's warps (default TWO_PASS_FACTOR_WARPS;
-    unused when the fused form runs). `apply_reads_keys` (a two-pass variant: True with
-    two_pass=False is refused, and where two_pass=None picks the fused form it has nothing to select;
-    None = `default_apply_reads_keys(chunk)`, on from 64 padded rows): the first kernel keeps only
+    None (default): `default_two_pass(B, HV, padded rows)`, or two-pass wherever apply_reads_keys or
+    factor_warps asks for it. `config` sets the second kernel's launch (default: `two_pass_block_v`
+    columns, 4 warps); `factor_warps` the first kernel's warps (default TWO_PASS_FACTOR_WARPS).
+    `apply_reads_keys` (a two-pass variant: True with two_pass=False is refused; None =
+    `default_apply_reads_keys(chunk)`, on from 64 padded rows): the first kernel keeps only
     [T, T] products (P and decay, `_p_factor_kernel`) and the second reads q and k itself and computes
     out = diag(decay) q h0 + P (v - diag(decay) k h0) (`_apply_keys_kernel`): two fewer [T, T] x
     [T, dk] products per (request, value head) and no [T, dk] fp32 Q' in HBM, for one more
@@ -373,8 +373,9 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     if two_pass is False and factor_warps is not None:
         raise ValueError(f"gdn_chunked_verify: factor_warps={factor_warps} sets the two-pass form's factor kernel, "
                          "but two_pass=False runs the fused kernel")
-    if two_pass is None:
-        two_pass = default_two_pass(dims.batch, dims.num_v_heads, chunk)
+    if two_pass is None:  # a two-pass knob set explicitly selects the two-pass form
+        two_pass = (bool(apply_reads_keys) or factor_warps is not None
+                    or default_two_pass(dims.batch, dims.num_v_heads, chunk))
     if apply_reads_keys is None:
         apply_reads_keys = two_pass and default_apply_reads_keys(chunk)
     if two_pass:
