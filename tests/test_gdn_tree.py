@@ -475,6 +475,9 @@ def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked):
                               backend="interpret")
         res16 = layer(default, *args16)
         assert _kernel_names(functools.partial(layer, default), *args16) == {"gdn_chunked_verify"}
+        # chunked_apply_reads_keys=True applies where two-pass runs: the fused form stays.
+        keys_cfg = GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=True)
+        assert _kernel_names(functools.partial(layer, keys_cfg), *args16) == {"gdn_chunked_verify"}
         # chunked_two_pass=True keeps the range and runs the two-pass form there.
         forced = GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True)
         assert forced.chain_chunked_ranges(B, bf16) == default.chain_chunked_ranges(B, bf16)
@@ -526,9 +529,9 @@ def test_chunked_reference_states_match_per_path():
 def test_layer_verify_dispatch_and_modes_agree():
     """With chunked_tree_verify (the default), gdn_verify picks the chunked form for ReplaySSM trees
     in the layer's chunked route: on large grids 8..64 nodes with padded-rows minima by the two-pass
-    variant that runs and whether the grams come from 16-bit rows, on small grids 12..16 (fused) and
-    past 16 rows from the small grid's minima, 12..16 wherever only the fused form runs; at least 8;
-    masks alone describe the tree."""
+    variant that runs and whether the grams come from 16-bit rows; on small grids 8..16 (fused) with
+    grams, 12..16 without, and past 16 rows from the small grid's minima (by variant and grams);
+    12..16 wherever only the fused form runs; at least 8; masks alone describe the tree."""
     assert GDN_TREE_VERIFY_CHUNKED_MIN_NODES == 8
     assert GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS == (8, 64)
     assert GDN_TREE_VERIFY_CHUNKED_NODES_FUSED == (12, 16)
@@ -536,8 +539,9 @@ def test_layer_verify_dispatch_and_modes_agree():
     assert GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES == {
         (32, False, False): 26, (32, True, False): 29, (64, False, False): 40, (64, True, False): 33,
         (32, False, True): 17, (32, True, True): 29, (64, False, True): 40, (64, True, True): 33}
-    assert GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID == {(32, False): 33, (64, False): 48,
-                                                                   (32, True): 17, (64, True): 33}
+    assert GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID == {
+        (32, False, False): 33, (32, True, False): 33, (64, False, False): 65, (64, True, False): 48,
+        (32, False, True): 17, (32, True, True): 33, (64, False, True): 65, (64, True, True): 33}
     assert verify_kernel_for("replay_ssm", 16, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 8, True, True) == "chunked"
     assert verify_kernel_for("replay_ssm", 64, True, True) == "chunked"
@@ -567,7 +571,8 @@ def test_layer_verify_dispatch_and_modes_agree():
     grams = {32: 17, 64: 33}  # 16-bit rows: every tree past 16 nodes
     for dtype in (f32, bf16):
         assert default.chunked_route(small_b, dtype) == small[dtype]
-        # Forcing two-pass on a small grid keeps the small grid's route (unmeasured at 12..16).
+        # Forcing two-pass on a small grid keeps the small grid's route (two-pass is not timed there at
+        # 8..16 with bf16, 12..16 with fp32).
         assert GdnLayerConfig(H, HV, DK, DV, chunked_two_pass=True).chunked_route(small_b, dtype) == small[dtype]
         # Forcing the fused form keeps the fused range on every grid.
         for b in (small_b, large_b):
@@ -582,6 +587,13 @@ def test_layer_verify_dispatch_and_modes_agree():
         8, 64, {32: 26, 64: 40})
     assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=True).chunked_route(large_b, f32) == (
         8, 64, {32: 29, 64: 33})
+    # On a small grid the minima follow the variant too: plain two-pass at 64 rows and keys at 32 take
+    # none (the first lost at B=1 without grams; neither is timed there with them).
+    for keys, want in ((False, {f32: {32: 33, 64: 65}, bf16: {32: 17, 64: 65}}),
+                       (True, {f32: {32: 33, 64: 48}, bf16: {32: 33, 64: 33}})):
+        for dtype in (f32, bf16):
+            assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=keys).chunked_route(small_b, dtype)[2] == (
+                want[dtype]), (keys, dtype)
     # With grams the variants not run by default keep their minima without them (not timed with grams).
     assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=False).chunked_route(large_b, bf16) == (
         8, 64, {32: 17, 64: 40})

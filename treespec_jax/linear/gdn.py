@@ -71,14 +71,19 @@ GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS = (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, MAX
 GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES = {
     (32, False, False): 26, (32, True, False): 29, (64, False, False): 40, (64, True, False): 33,
     (32, False, True): 17, (32, True, True): 29, (64, False, True): 40, (64, True, True): 33}
-# Trees, small grid, by input-dtype grams: with them 8..64 (B = 1, 2, 4: the fused tree won at T = 8,
-# 12, 16 and the two-pass one at every T timed from 20 to 64, 0.41-0.96x the recurrent tree); without
-# them 12..16 (the fused tree lost at B=1 T=8, 40 vs 32 us, session 6) and from 48 nodes at 64 rows
-# (two-pass keys 86.8 vs 147.6 at T=64; recurrent 81 at T=40, so near T=48, interpolated), none at
-# 32 rows (two-pass lost at T=32, 93.7 vs 67.5; 33 = none).
+# Trees, small grid: with input-dtype grams 8..64 (B = 1, 2, 4: the fused tree won at T = 8, 12, 16
+# and the default two-pass one at every T timed from 20 to 64, 0.41-0.96x the recurrent tree); without
+# them 12..16 (the fused tree lost at B=1 T=8, 40 vs 32 us, session 6). Past 16 nodes by
+# GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID[padded rows, keys variant runs, grams] (a
+# minimum above the padded rows sends none): without grams the keys variant at 64 rows from 48 nodes
+# (86.8 vs 147.6 us at T=64, recurrent 81 at T=40, so near 48, interpolated), none at 32 rows
+# (two-pass lost at T=32, 93.7 vs 67.5) nor for plain two-pass at 64 (122.5 vs 118.1 at T=64,
+# session 6); with grams the default variants from 17 and 33, and the variants not run by default
+# (keys at 32 rows, plain two-pass at 64), not timed with grams, keep their minima without them.
 GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID = {False: (12, MAX_CHUNKED_NODES), True: (8, MAX_CHUNKED_NODES)}
-GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID = {(32, False): 33, (64, False): 48, (32, True): 17,
-                                                       (64, True): 33}
+GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID = {
+    (32, False, False): 33, (32, True, False): 33, (64, False, False): 65, (64, True, False): 48,
+    (32, False, True): 17, (32, True, True): 33, (64, False, True): 65, (64, True, True): 33}
 # Wherever only the fused form runs (chunked_two_pass=False): it lost to the recurrent tree past 16
 # nodes at every grid (B=1: 141 vs 67 us at T=32; B=32: 1088 vs 666).
 GDN_TREE_VERIFY_CHUNKED_NODES_FUSED = (12, 16)
@@ -88,8 +93,8 @@ GDN_TREE_VERIFY_CHUNKED_NODES_FUSED = (12, 16)
 # - with grams, large grid: 8..64 (the default chunked chain won at every size timed, B = 8, 32, 64,
 #   T = 8..64: 0.51-0.97x the recurrent chain); 8..32 where the keys variant is off at 64 rows (the
 #   plain two-pass chain with grams is not timed there);
-# - with grams, small grid: 8..16 (fused; B=1 won at T=16 in five runs, at T=8 in two of three,
-#   the least noisy 18.3 vs 20.8 us) and 48..64 where keys runs at 64 rows (won at 48 and 64, lost at
+# - with grams, small grid: 8..16 (fused; B=1 won at T=16 in eight runs over three calls, at T=8 in
+#   two of three, the least noisy 18.3 vs 20.8 us) and 48..64 where keys runs at 64 rows (won at 48 and 64, lost at
 #   36 and 40; at 20..28 four wins, three losses);
 # - without grams, large grid only: 12..16 (two-pass won at 12 and 16, lost at 8 and 32) and 56..64
 #   where keys runs at 64 rows (0.88-0.90x at T=64, crossing near 54, interpolated).
@@ -118,7 +123,7 @@ class GdnLayerConfig:
     # chunked_min/max_nodes govern trees only; chains follow chunked_chain_verify.
     chunked_tree_verify: bool = True
     # ReplaySSM chains in `chain_chunked_ranges` verify in the chunked form (with 16-bit q and k:
-    # 8..64 nodes on a large grid, 12..16 and 48..64 on a small one; otherwise 12..16 and 56..64 on a
+    # 8..64 nodes on a large grid, 8..16 and 48..64 on a small one; otherwise 12..16 and 56..64 on a
     # large grid only); other chains run the recurrent chain kernel.
     chunked_chain_verify: bool = True
     # Smallest tree sent to the chunked form, in [GDN_TREE_VERIFY_CHUNKED_MIN_NODES (8),
@@ -225,7 +230,7 @@ class GdnLayerConfig:
         grams, 12..64 without; 12..16 wherever chunked_two_pass=False leaves only the fused form),
         clipped so that it never crosses the explicit one (an unset min becomes 8, an unset max 64).
         The padded-rows minima (GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES on a large grid, by the
-        two-pass variant this layer runs at 32 and 64 rows and grams; _SMALL_GRID by grams on a small
+        two-pass variant this layer runs at 32 and 64 rows and grams; _SMALL_GRID likewise on a small
         one) hold only when chunked_max_nodes is unset and the default range reaches past 16 nodes;
         otherwise the dict is empty."""
         large = self._two_pass_runs(batch)
@@ -244,9 +249,10 @@ class GdnLayerConfig:
         if not past_16 or self.chunked_max_nodes is not None:
             return lo, hi, {}
         if not large:
-            return lo, hi, {rows: GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID[rows, grams] for rows in (32, 64)}
-        return lo, hi, {rows: GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES[rows, self.runs_apply_reads_keys(rows), grams]
-                        for rows in (32, 64)}
+            table = GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID
+        else:
+            table = GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES
+        return lo, hi, {rows: table[rows, self.runs_apply_reads_keys(rows), grams] for rows in (32, 64)}
 
     def runs_apply_reads_keys(self, padded_rows: int) -> bool:
         """Whether the two-pass form, where it runs, takes its apply-reads-keys variant at this many
@@ -357,10 +363,15 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
     if kernel == "chunked":
         chain_chunked = tree is None
         mask = packed_ancestor_mask(chain_parents(q.shape[0], t)) if chain_chunked else tree.ancestor_mask
+        # The keys knob applies where the two-pass form runs; it must not pull a small grid's 16-row
+        # verify off the fused form the route chose (the kernel takes an explicit knob as asking for
+        # two-pass).
+        two_pass_runs = cfg.chunked_two_pass or (cfg.chunked_two_pass is None and default_two_pass(
+            q.shape[0], cfg.num_v_heads, chunk_rows(t)))
         out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
                                           mask, payload, fp32_dots=cfg.chunked_fp32_dots,
                                           two_pass=cfg.chunked_two_pass,
-                                          apply_reads_keys=cfg.chunked_apply_reads_keys,
+                                          apply_reads_keys=cfg.chunked_apply_reads_keys if two_pass_runs else None,
                                           input_dtype_grams=cfg.runs_input_dtype_grams(q.dtype, k.dtype), **common)
         return GdnVerifyOutput(out, node_states, payload)
     store = "every_node" if cfg.mode == "staged" else "branch_points"
