@@ -363,15 +363,14 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
     if kernel == "chunked":
         chain_chunked = tree is None
         mask = packed_ancestor_mask(chain_parents(q.shape[0], t)) if chain_chunked else tree.ancestor_mask
-        # The keys knob applies where the two-pass form runs; it must not pull a small grid's 16-row
-        # verify off the fused form the route chose (the kernel takes an explicit knob as asking for
-        # two-pass).
-        two_pass_runs = cfg.chunked_two_pass or (cfg.chunked_two_pass is None and default_two_pass(
-            q.shape[0], cfg.num_v_heads, chunk_rows(t)))
+        # The layer picks the form itself (its knob, else the kernel's default for this grid and
+        # padding) and passes its keys knob only to the two-pass form: given to the kernel with
+        # two_pass=None, an explicit keys knob would ask for two-pass where the route chose fused.
+        two_pass = (default_two_pass(q.shape[0], cfg.num_v_heads, chunk_rows(t)) if cfg.chunked_two_pass is None
+                    else cfg.chunked_two_pass)
         out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
-                                          mask, payload, fp32_dots=cfg.chunked_fp32_dots,
-                                          two_pass=cfg.chunked_two_pass,
-                                          apply_reads_keys=cfg.chunked_apply_reads_keys if two_pass_runs else None,
+                                          mask, payload, fp32_dots=cfg.chunked_fp32_dots, two_pass=two_pass,
+                                          apply_reads_keys=cfg.chunked_apply_reads_keys if two_pass else None,
                                           input_dtype_grams=cfg.runs_input_dtype_grams(q.dtype, k.dtype), **common)
         return GdnVerifyOutput(out, node_states, payload)
     store = "every_node" if cfg.mode == "staged" else "branch_points"
