@@ -36,7 +36,7 @@ from benchmarks.timing import measure_matmul_flops, median_time  # noqa: E402
 from pallas_kernels.attention.prefix_decode import (default_num_splits, heads_to_rows, padded_rows,  # noqa: E402
                                                    prefix_decode_row_layout)
 from pallas_kernels.attention.prefix_decode_mgpu import (default_mgpu_num_splits, mgpu_input_errors,  # noqa: E402
-                                                     prefix_decode_mgpu_row_layout)
+                                                     prefix_decode_mgpu_row_layout, warpgroup_layout)
 from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference  # noqa: E402
 from pallas_kernels.attention.tree_window import tree_window_row_layout  # noqa: E402
 from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
@@ -59,19 +59,22 @@ def pools(rng, b, lengths, w, hkv, d, dtype):
     return jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table)
 
 
-def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int = 1, stages: int = 2) -> bool:
-    """`dtype`: the pools' dtype (bf16, or FP8 E4M3 with the bf16 query cast to FP8 by the kernel)."""
+def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int = 1, stages: int = 2,
+                r: int = 64, key_split: bool | None = None, merge: bool = True) -> bool:
+    """`dtype`: the pools' dtype (bf16, or FP8 E4M3 with the bf16 query cast to FP8 by the kernel);
+    `r` = 16 makes 64-row heads (both warpgroups on one row tile, alternating key steps, unless
+    `key_split=False`); `merge=False` hands the window kernel the unmerged partials."""
     rng = np.random.default_rng(0)
-    b, hkv, g, d, r = 3, 2, 4, 128, 64
+    b, hkv, g, d = 3, 2, 4, 128
     lengths = np.array([0, 100, 1000], np.int32)
     k, v, table = pools(rng, b, lengths, r, hkv, d, dtype)
     q = jnp.asarray(rng.standard_normal((b, r, hkv * g, d)), jnp.bfloat16)
     lens = jnp.asarray(lengths)
     total = padded_rows(r * g)
     qr = heads_to_rows(q, hkv, total)
-    out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
-                                             scale=d ** -0.5, pages_per_step=pages_per_step, stages=stages,
-                                             interpret=interpret)
+    kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, pages_per_step=pages_per_step, stages=stages,
+              key_split=key_split, interpret=interpret)
+    out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, **kw)
     ref_out, ref_lse = prefix_decode_reference(q, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
                                                whole_pages=True)
     got = jnp.transpose(out[:, :, : r * g].reshape(b, hkv, r, g, d), (0, 2, 1, 3, 4)).reshape(b, r, hkv * g, d)
@@ -82,7 +85,8 @@ def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int
         jnp.max(jnp.abs(jnp.where(fin, lse_rows - ref_lse, 0.0)))) < 5e-2
     mask = ancestor_mask(jnp.asarray(np.stack([np.r_[-1, rng.integers(0, np.arange(1, r))] for _ in range(b)])
                                      .astype(np.int32)))
-    win = tree_window_row_layout(qr, k, v, table, lens, mask, out, lse, query_rows=r, group=g, window=r,
+    parts = (out, lse) if merge else prefix_decode_mgpu_row_layout(qr, k, v, table, lens, merge=False, **kw)
+    win = tree_window_row_layout(qr, k, v, table, lens, mask, *parts, query_rows=r, group=g, window=r,
                                  page_size=PAGE, scale=d ** -0.5, value_dim=d, prefix_whole_pages=True,
                                  interpret=interpret)
     cas = jnp.transpose(win[:, :, : r * g].reshape(b, hkv, r, g, d), (0, 2, 1, 3, 4)).reshape(b, r, hkv * g, d)
@@ -90,7 +94,8 @@ def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int
     e_cas = rel_err(cas, dense)
     # Under FP8 the dense reference scores the unquantised query, the prefix half the FP8 one.
     ok = e_out < 2e-2 and lse_ok and e_cas < (6e-2 if dtype != jnp.bfloat16 else 2e-2)
-    log(f"conformance {jnp.dtype(dtype).name} pages_per_step={pages_per_step} stages={stages}: prefix rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}, cascade rel {e_cas:.2e} -> "
+    log(f"conformance {jnp.dtype(dtype).name} R={r} pages_per_step={pages_per_step} stages={stages} "
+        f"key_split={key_split} merge={merge}: prefix rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}, cascade rel {e_cas:.2e} -> "
         f"{'PASS' if ok else 'FAIL'}")
     return ok
 
@@ -99,15 +104,16 @@ FULL_SHAPES = ((32, 32768, 64), (64, 4096, 64), (1, 32768, 64), (8, 8192, 16))
 SMOKE_SHAPES = ((2, 200, 32), (1, 300, 16))
 
 
-def timing(shapes=FULL_SHAPES, hq=32, hkv=8, d=128, samples=7, interpret=False, dtypes=(jnp.bfloat16,), splits=()):
+def timing(shapes=FULL_SHAPES, hq=32, hkv=8, d=128, samples=7, interpret=False, dtypes=(jnp.bfloat16,), splits=(),
+           triton=True):
     """`--smoke` runs this on tiny shapes in the interpreters (a CPU check of the script itself)."""
     flops_rate = measure_matmul_flops(512 if interpret else 8192)
     for dtype in dtypes:
         for shape in shapes:
-            time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits)
+            time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits, triton)
 
 
-def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=()):
+def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=(), triton=True):
     """Mosaic GPU prefix (1 and 2 pages per step) against the Triton prefix, alone and as cascades;
     `splits`: also the 2-page Mosaic prefix and cascade with each of these key-split counts (the
     default count is `prefix_decode_mgpu.default_mgpu_num_splits`, one wave of CTAs)."""
@@ -124,41 +130,49 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
     mask = ancestor_mask(jnp.asarray(np.stack([np.r_[-1, rng.integers(0, np.arange(1, n))] for _ in range(b)])
                                      .astype(np.int32)))
     kw = dict(query_rows=n, group=g, page_size=PAGE, scale=d ** -0.5, interpret=interpret)
-    mg = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, **kw))
-    mg_pps2 = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, pages_per_step=2, **kw))
-    # Three stages of two pages fit shared memory only with FP8 rings.
-    fits3 = not mgpu_input_errors(qr, k, v, PAGE, stages=3, pages_per_step=2)
-    mg_pps2_s3 = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, pages_per_step=2, stages=3, **kw))
+
+    def mgpu(**opts):
+        return jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, **opts, **kw))
+
     tr = jax.jit(lambda *a: prefix_decode_row_layout(*a, **kw))
-    rows_per_cta = 128 if total % 128 == 0 else 64  # as prefix_decode_mgpu_row_layout picks its warpgroups
-    pps2_steps = -(-table.shape[1] // 2)
+    wgs, rows_per_cta, key_split = warpgroup_layout(total)
+    steps = -(-table.shape[1] // 2)
     log(f"{jnp.dtype(dtype).name} B={b} P={p} N={n}: default key splits: Triton prefix "
-        f"{default_num_splits(b, hkv, total // rows_per_cta, table.shape[1])}, Mosaic prefix (2 pages/step) "
-        f"{default_mgpu_num_splits(b, hkv, total // rows_per_cta, pps2_steps)}")
-    split_fns = [(ns, jax.jit(lambda *a, ns=ns: prefix_decode_mgpu_row_layout(*a, pages_per_step=2, num_splits=ns,
-                                                                               **kw))) for ns in splits]
+        f"{default_num_splits(b, hkv, total // (128 if total % 128 == 0 else 64), table.shape[1])}, Mosaic prefix "
+        f"{default_mgpu_num_splits(b, hkv, total // rows_per_cta, steps)} (warpgroup key split: {key_split})")
 
-    def cascade(prefix, whole):
+    def cascade(prefix, whole, unmerged=None):
+        """prefix (merged) + window; `unmerged`: the same prefix kernel with merge=False (as the cascade)."""
         def f(qr, k, v, table, lens, mask):
-            out, lse = prefix(qr, k, v, table, lens)
-            return tree_window_row_layout(qr, k, v, table, lens, mask, out, lse, window=n, value_dim=d,
+            parts = unmerged(qr, k, v, table, lens) if unmerged is not None else prefix(qr, k, v, table, lens)
+            return tree_window_row_layout(qr, k, v, table, lens, mask, *parts, window=n, value_dim=d,
                                           prefix_whole_pages=whole, **kw)
-        return jax.jit(f)
+        # Interpreted (--smoke), the two kernels run as separate calls: Pallas' Mosaic GPU
+        # interpreter inside one jit with the window kernel deadlocked on a 2-core CPU
+        # (its simulated warpgroups block XLA's CPU threads in callbacks).
+        return f if interpret else jax.jit(f)
 
+    variants = [("mgpu prefix", mgpu(), None), ("mgpu prefix, no softmax fence", mgpu(fence_softmax=False), None)]
+    if key_split:
+        variants.append(("mgpu prefix, no warpgroup key split", mgpu(key_split=False), None))
+        if not mgpu_input_errors(qr, k, v, PAGE, stages=4, pages_per_step=2, key_split=True):
+            variants.append(("mgpu prefix, 4 stages", mgpu(stages=4), None))
+        variants.append(("mgpu prefix, 1 page/step, 4 stages", mgpu(stages=4, pages_per_step=1), None))
+    variants += [(f"mgpu prefix, {ns} splits", mgpu(num_splits=ns), None) for ns in splits]
     flop = 4 * b * n * hq * (p + n) * d
     res = {}
-    for name, fn, args in (("mgpu prefix", mg, (qr, k, v, table, lens)),
-                           ("mgpu prefix, 2 pages/step", mg_pps2, (qr, k, v, table, lens)),
-                           *((("mgpu prefix, 2 pages/step, 3 stages", mg_pps2_s3, (qr, k, v, table, lens)),)
-                             if fits3 else ()),
-                           ("triton prefix", tr, (qr, k, v, table, lens)),
-                           ("mgpu cascade", cascade(mg, True), (qr, k, v, table, lens, mask)),
-                           ("mgpu cascade, 2 pages/step", cascade(mg_pps2, True), (qr, k, v, table, lens, mask)),
-                           ("triton cascade", cascade(tr, False), (qr, k, v, table, lens, mask)),
-                           *((f"mgpu prefix, 2 pages/step, {ns} splits", fn, (qr, k, v, table, lens))
-                             for ns, fn in split_fns),
-                           *((f"mgpu cascade, 2 pages/step, {ns} splits", cascade(fn, True),
-                              (qr, k, v, table, lens, mask)) for ns, fn in split_fns)):
+    runs = [(name, fn, (qr, k, v, table, lens)) for name, fn, _ in variants]
+    if triton:
+        runs.append(("triton prefix", tr, (qr, k, v, table, lens)))
+    cas_args = (qr, k, v, table, lens, mask)
+    runs.append(("mgpu cascade (partials unmerged)", cascade(None, True, mgpu(merge=False)), cas_args))
+    runs.append(("mgpu cascade, merged first", cascade(mgpu(), True), cas_args))
+    for name, fn, _ in variants[1:]:
+        opts = name.removeprefix("mgpu prefix, ")
+        runs.append((f"mgpu cascade, {opts}", cascade(fn, True), cas_args))
+    if triton:
+        runs.append(("triton cascade", cascade(tr, False), cas_args))
+    for name, fn, args in runs:
         try:
             res[name] = median_time(fn, *args, samples=samples)
             log(f"{jnp.dtype(dtype).name} B={b} P={p} N={n}: {name} {res[name] * 1e3:.3f} ms, {flop / res[name] / 1e12:.0f} TFLOP/s, "
@@ -263,6 +277,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-conformance", action="store_true")
     ap.add_argument("--shapes", default=None, help="timing shapes BxPxN,... (default: the four of issue #3)")
     ap.add_argument("--fp8", action="store_true", help="also time FP8 E4M3 pools")
+    ap.add_argument("--no-triton", action="store_true", help="skip the Triton prefix and cascade rows")
     ap.add_argument("--splits", default="", help="also time the 2-page Mosaic prefix/cascade with these key-split "
                     "counts, e.g. 4,8,16")
     a = ap.parse_args(argv)
@@ -272,12 +287,20 @@ def main(argv=None) -> int:
         return 0 if mla_check(interpret=True, timing_too=True, smoke=True) else 1
     timing_too = not (a.skip_timing or a.interpret)
     ok = True
-    for dtype, pps, stages in ((jnp.bfloat16, 1, 2), (jnp.float8_e4m3fn, 1, 2), (jnp.bfloat16, 2, 2),
-                               (jnp.float8_e4m3fn, 2, 2), (jnp.float8_e4m3fn, 2, 3)):
+    bf, f8 = jnp.bfloat16, jnp.float8_e4m3fn
+    # (dtype, pages per step, stages, R, key split, merge): 256-row heads (two row tiles of
+    # warpgroups), then 64-row heads (warpgroup key split, forced off once), and the unmerged
+    # partials the cascade hands the window kernel.
+    for dtype, pps, stages, r, ks, merge in ((bf, 1, 2, 64, None, True), (f8, 1, 2, 64, None, True),
+                                             (bf, 2, 2, 64, None, True), (f8, 2, 2, 64, None, False),
+                                             (f8, 2, 3, 64, None, True), (bf, 2, 2, 16, None, False),
+                                             (f8, 2, 2, 16, None, True), (f8, 2, 4, 16, None, False),
+                                             (bf, 1, 4, 16, None, True), (bf, 2, 2, 16, False, True),
+                                             (bf, 2, 2, 64, True, False)):
         if a.skip_conformance:
             break
         try:
-            ok = conformance(a.interpret, dtype, pps, stages) and ok
+            ok = conformance(a.interpret, dtype, pps, stages, r, ks, merge) and ok
         except Exception:  # noqa: BLE001 - a first run may find lowering problems
             traceback.print_exc()
             ok = False
@@ -285,7 +308,7 @@ def main(argv=None) -> int:
         shapes = FULL_SHAPES if a.shapes is None else [tuple(int(v) for v in item.split("x"))
                                                         for item in a.shapes.split(",") if item]
         timing(shapes, dtypes=(jnp.bfloat16, jnp.float8_e4m3fn) if a.fp8 else (jnp.bfloat16,),
-               splits=tuple(int(v) for v in a.splits.split(",") if v))
+               splits=tuple(int(v) for v in a.splits.split(",") if v), triton=not a.no_triton)
     if a.mla:
         try:
             ok = mla_check(a.interpret, timing_too) and ok

@@ -12,7 +12,8 @@ from paged_fixtures import rel_err, verify_case
 
 from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads
 from pallas_kernels.attention.prefix_decode_mgpu import (check_mgpu_inputs, default_mgpu_num_splits,
-                                                         default_pages_per_step, prefix_decode_mgpu_row_layout)
+                                                         default_pages_per_step, prefix_decode_mgpu_row_layout,
+                                                         warpgroup_layout)
 from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference
 from pallas_kernels.attention.tree_window import tree_window_row_layout
 
@@ -38,11 +39,22 @@ CASES = [
     (16, 4, [200, 130], 1, True, FP8, 2),
 ]
 # Three stages of two pages per step (at D=128 only FP8 rings fit shared memory so).
-STAGED = [(*case, 2) for case in CASES] + [(32, 4, [70, 200, 300], 2, True, FP8, 2, 3)]
+STAGED = [(*case, 2, None) for case in CASES] + [(32, 4, [70, 200, 300], 2, True, FP8, 2, 3, None)]
+# Warpgroup key splits (the default for 64-row heads, so the 64-row cases above run them too): the
+# one-warpgroup form forced; odd step counts (P = 200, 330: 3 and 5 whole pages), where warpgroup 1
+# owns one step fewer and must still take its turns; forced on 128-row heads; no
+# turn-taking, FP8; four stages (each warpgroup owns two buffers of the ring).
+KEY_SPLIT = [
+    (16, 4, [200, 330], 1, True, jnp.bfloat16, 1, 2, False),
+    (16, 4, [200, 330], 1, True, jnp.bfloat16, 1, 2, True),
+    (16, 4, [200, 330, 10], 2, True, FP8, 1, 4, True),
+    (32, 4, [70, 200, 330], 2, True, jnp.bfloat16, 2, 2, True),
+    (16, 4, [200, 330], 1, False, FP8, 2, 4, True),
+]
 
 
-@pytest.mark.parametrize("r,g,lengths,splits,pingpong,dtype,pps,stages", STAGED)
-def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dtype, pps, stages):
+@pytest.mark.parametrize("r,g,lengths,splits,pingpong,dtype,pps,stages,key_split", STAGED + KEY_SPLIT)
+def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dtype, pps, stages, key_split):
     hkv, d = 2, 64
     q, k, v, table, lens, mask = verify_case(np.random.default_rng(r * g), lengths, r, hkv, g, d, PAGE,
                                              dtype, q_dtype=jnp.bfloat16)
@@ -50,7 +62,8 @@ def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dt
     qr = heads_to_rows(q, hkv, total)
     out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
                                              scale=d ** -0.5, num_splits=splits, pingpong=pingpong,
-                                             pages_per_step=pps, stages=stages, interpret=True)
+                                             pages_per_step=pps, stages=stages, key_split=key_split,
+                                             interpret=True)
     ref_out, ref_lse = prefix_decode_reference(q, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
                                                whole_pages=True)
     assert rel_err(rows_to_heads(out, r, hkv * g), ref_out) < 1e-2
@@ -105,6 +118,44 @@ def test_default_mgpu_num_splits_fills_one_wave():
     assert default_mgpu_num_splits(1, 8, 2, 3, sms=132) == 1
 
 
+def test_warpgroup_layout_splits_keys_of_64_row_heads():
+    """Rows per KV head -> (compute warpgroups, rows per CTA, key split)."""
+    assert warpgroup_layout(256) == (2, 128, False)  # N=64, G=4: each warpgroup its own 64 rows
+    assert warpgroup_layout(64) == (2, 64, True)  # N=16, G=4: both on the same rows, alternate steps
+    assert warpgroup_layout(64, key_split=False) == (1, 64, False)
+    assert warpgroup_layout(256, key_split=True) == (2, 64, True)
+    assert warpgroup_layout(192) == (2, 64, True)  # 1.5 CTAs of 128 rows: 64-row CTAs, split
+
+
+def test_key_split_refuses_an_odd_number_of_stages():
+    """Each warpgroup owns half of the ring under a key split: a buffer both warpgroups waited on in
+    turn would desynchronise the per-thread barrier phases on the GPU (the interpreter does not
+    model that), so odd stage counts are refused, naming the value."""
+    bf = jnp.bfloat16
+    pool = jnp.zeros((256, 1, 128), FP8)
+    with pytest.raises(ValueError, match="even number of stages.*got 3"):
+        check_mgpu_inputs(jnp.zeros((1, 1, 64, 128), bf), pool, pool, 64, stages=3)
+    with pytest.raises(ValueError, match="even number of stages.*got 3"):
+        check_mgpu_inputs(jnp.zeros((1, 1, 256, 128), bf), pool, pool, 64, stages=3, key_split=True)
+    check_mgpu_inputs(jnp.zeros((1, 1, 256, 128), bf), pool, pool, 64, stages=3)  # rows mode: any count
+    check_mgpu_inputs(jnp.zeros((1, 1, 64, 128), bf), pool, pool, 64, stages=3, key_split=False)
+    check_mgpu_inputs(jnp.zeros((1, 1, 64, 128), bf), pool, pool, 64, stages=4)
+
+
+def test_key_split_output_has_one_partial_per_warpgroup():
+    """Under a key split each warpgroup writes its own (out, lse2) partial: the kernel's raw output
+    has 2 x num_splits partials before the LSE merge, which a wrong partial index would corrupt
+    (covered by the dense comparisons); here the count, through the traced output shape."""
+    import jax
+    sd = jax.ShapeDtypeStruct
+    fn = lambda qr, k, v, t, ln: prefix_decode_mgpu_row_layout(  # noqa: E731
+        qr, k, v, t, ln, query_rows=16, group=4, page_size=64, scale=0.1, num_splits=3, interpret=True)
+    pool = sd((64 * 64, 2, 64), jnp.bfloat16)
+    jaxpr = str(jax.make_jaxpr(fn)(sd((2, 2, 64, 64), jnp.bfloat16), pool, pool, sd((2, 8), jnp.int32),
+                                   sd((2,), jnp.int32)))
+    assert "f32[6,2,2,64,64]" in jaxpr
+
+
 def test_default_pages_per_step_makes_128_key_steps_that_fit():
     assert default_pages_per_step(256, 128, 2, 64, 2) == 2  # bf16, 64-token pages: two per step
     assert default_pages_per_step(256, 128, 1, 64, 3) == 2  # FP8 rings are half the size
@@ -112,11 +163,13 @@ def test_default_pages_per_step_makes_128_key_steps_that_fit():
     assert default_pages_per_step(256, 128, 2, 64, 3) == 1  # three bf16 stages of two pages do not fit
 
 
-@pytest.mark.parametrize("total,splits,pingpong,page,stages,pool_dtype,pps", [
-    (256, 1, True, 64, 2, jnp.bfloat16, 1), (64, 3, False, 64, 3, jnp.bfloat16, 1),
-    (256, 1, True, 128, 2, jnp.bfloat16, 1), (256, 1, True, 64, 3, FP8, 1), (64, 2, True, 128, 2, FP8, 1),
-    (256, 1, True, 64, 2, jnp.bfloat16, 2), (64, 3, True, 64, 2, jnp.bfloat16, 2), (256, 2, True, 64, 3, FP8, 2)])
-def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages, pool_dtype, pps):
+@pytest.mark.parametrize("total,splits,pingpong,page,stages,pool_dtype,pps,key_split", [
+    (256, 1, True, 64, 2, jnp.bfloat16, 1, None), (64, 3, False, 64, 3, jnp.bfloat16, 1, False),
+    (256, 1, True, 128, 2, jnp.bfloat16, 1, None), (256, 1, True, 64, 3, FP8, 1, None),
+    (64, 2, True, 128, 2, FP8, 1, None), (256, 1, True, 64, 2, jnp.bfloat16, 2, None),
+    (64, 3, True, 64, 2, jnp.bfloat16, 2, None), (256, 2, True, 64, 3, FP8, 2, None),
+    (64, 2, True, 64, 2, jnp.bfloat16, 2, False), (256, 1, True, 64, 4, FP8, 1, True)])
+def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages, pool_dtype, pps, key_split):
     """The compiled path (wgmma PV through run_state, not the interpreter's dot) lowers to a Mosaic GPU
     module on the CPU; compiling that module to a cubin needs the GPU machine."""
     import jax
@@ -127,7 +180,7 @@ def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages,
     b, hkv, d = 2, 8, 128
     fn = lambda qr, k, v, t, ln: prefix_decode_mgpu_row_layout(  # noqa: E731
         qr, k, v, t, ln, query_rows=total // 4, group=4, page_size=page, scale=0.1, num_splits=splits,
-        pingpong=pingpong, stages=stages, pages_per_step=pps)
+        pingpong=pingpong, stages=stages, pages_per_step=pps, key_split=key_split)
     pool = sd((64 * page, hkv, d), pool_dtype)
     text = jax.jit(fn).trace(sd((b, hkv, total, d), jnp.bfloat16), pool, pool, sd((b, 32), jnp.int32),
                              sd((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()

@@ -31,9 +31,11 @@ anything (NaN included), which a zero softmax weight would still turn into NaN. 
 covers the rest of each row's prefix (`tree_window_attention(..., prefix_whole_pages=True)`).
 
 Layout of one CTA (grid (row tiles, key splits, Hkv, B)): two compute warpgroups each own 64 query
-rows (one when a KV head has only 64 rows, e.g. N=16 with G=4) and run the online softmax with
-wgmma (QK^T and PV from shared memory, fp32 accumulators in registers), taking turns on the tensor
-cores (`pingpong`) so one's softmax overlaps the other's matmuls; the last warpgroup only issues
+rows and run the online softmax with wgmma (QK^T and PV from shared memory, fp32 accumulators in
+registers), taking turns on the tensor cores (`pingpong`) so one's softmax overlaps the other's
+matmuls. Where a KV head has only 64 rows (e.g. N=16 with G=4) both warpgroups take those rows and
+alternate key steps instead (`key_split`), each writing its own partial for the LSE merge, so the
+tensor cores still have a second warpgroup to turn to; the last warpgroup only issues
 TMA copies of one or two pages (`pages_per_step`) of K and of V per step into a ring of `stages`
 buffers, reading each page id from the table, and waits until every compute warpgroup released a
 buffer before refilling it. Steps whose keys every row of a warpgroup sees run without masks. A
@@ -89,10 +91,28 @@ def default_mgpu_num_splits(batch: int, kv_heads: int, tiles: int, steps: int, s
     return max(1, min(sms // programs, steps // MIN_STEPS_PER_SPLIT))
 
 
-def smem_bytes(total_rows: int, width: int, itemsize: int, block: int, stages: int) -> int:
+def warpgroup_layout(total_rows: int, key_split: bool | None = None) -> tuple[int, int, bool]:
+    """(compute warpgroups, query rows per CTA, key split) for `total_rows` padded rows per KV head.
+
+    Rows that fill 128-row CTAs give each compute warpgroup its own 64 rows. A 64-row head (e.g.
+    N=16, G=4) would leave one compute warpgroup alone, its QK^T -> softmax -> PV chain serial
+    with nothing to overlap; under `key_split` (the default there) both warpgroups take the same
+    64 rows and alternate key steps, taking turns on the tensor cores, and each writes its own
+    partial (out, lse2), merged by LSE with the key splits. `key_split=True` forces it on 128-row
+    heads too (64-row CTAs)."""
+    fills_two = total_rows % ROWS_PER_CTA == 0
+    if key_split is None:
+        key_split = not fills_two
+    if key_split:
+        return COMPUTE_WGS, ROWS_PER_WG, True
+    return (COMPUTE_WGS, ROWS_PER_CTA, False) if fills_two else (1, ROWS_PER_WG, False)
+
+
+def smem_bytes(total_rows: int, width: int, itemsize: int, block: int, stages: int,
+               key_split: bool | None = None) -> int:
     """Shared memory of one CTA (`block` keys per step): query tiles, the K and V rings, output
     staging, LSE; with 1-byte (FP8) items also each compute warpgroup's fp16 copy of the step's V."""
-    wgs = COMPUTE_WGS if total_rows % ROWS_PER_CTA == 0 else 1
+    wgs, _, _ = warpgroup_layout(total_rows, key_split)
     widened = wgs * block * width * 2 if itemsize == 1 else 0
     return (wgs * ROWS_PER_WG * width * itemsize + 2 * stages * block * width * itemsize + widened
             + wgs * ROWS_PER_WG * (OUT_CHUNK + 1) * 4 + SMEM_OVERHEAD)
@@ -144,22 +164,24 @@ def online_softmax_update(s, m, l, acc, scale2: float, visible=None):
     return p, alpha, m_new, l * alpha + p.sum(axis=1), acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
 
-def default_pages_per_step(total_rows: int, width: int, itemsize: int, page_size: int, stages: int) -> int:
+def default_pages_per_step(total_rows: int, width: int, itemsize: int, page_size: int, stages: int,
+                           key_split: bool | None = None) -> int:
     """Pages per key step: as many as make STEP_KEYS keys (at most 2) while shared memory holds them."""
     pps = 2 if 2 * page_size <= STEP_KEYS else 1
-    if pps == 2 and smem_bytes(total_rows, width, itemsize, 2 * page_size, stages) > MAX_SMEM_BYTES:
+    if pps == 2 and smem_bytes(total_rows, width, itemsize, 2 * page_size, stages, key_split) > MAX_SMEM_BYTES:
         pps = 1
     return pps
 
 
 def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2,
-                      pages_per_step: int | None = None) -> list[str]:
+                      pages_per_step: int | None = None, key_split: bool | None = None) -> list[str]:
     """Every reason this kernel cannot take these inputs (empty: it can). Arrays or ShapeDtypeStructs;
     `pages_per_step` None: `default_pages_per_step`."""
     b, hkv, total, d = qr.shape
     errors = []
     if pages_per_step is None:
-        pages_per_step = default_pages_per_step(total, d, jnp.dtype(k_pool.dtype).itemsize, page_size, stages)
+        pages_per_step = default_pages_per_step(total, d, jnp.dtype(k_pool.dtype).itemsize, page_size, stages,
+                                                key_split)
     if total % ROWS_PER_WG:
         errors.append(f"prefix_decode_mgpu: padded rows per KV head must be a multiple of {ROWS_PER_WG}, got {total}")
     if page_size not in (64, 128):
@@ -177,10 +199,13 @@ def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2,
                       f"got {qr.dtype}")
     if stages < 2:
         errors.append(f"prefix_decode_mgpu: stages must be >= 2, got {stages}")
+    elif stages % 2 and warpgroup_layout(total, key_split)[2]:
+        errors.append(f"prefix_decode_mgpu: a warpgroup key split needs an even number of stages (each "
+                      f"warpgroup owns half of the K/V ring), got {stages}")
     if pages_per_step not in (1, 2):
         errors.append(f"prefix_decode_mgpu: pages_per_step must be 1 or 2, got {pages_per_step}")
     if not errors:
-        need = smem_bytes(total, d, pool.itemsize, page_size * pages_per_step, stages)
+        need = smem_bytes(total, d, pool.itemsize, page_size * pages_per_step, stages, key_split)
         if need > MAX_SMEM_BYTES:
             errors.append(f"prefix_decode_mgpu: page_size={page_size}, pages_per_step={pages_per_step}, "
                           f"stages={stages}, head dim {d} need {need} bytes of shared memory, "
@@ -188,41 +213,52 @@ def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2,
     return errors
 
 
-def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages_per_step: int | None = None):
+def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages_per_step: int | None = None,
+                      key_split: bool | None = None):
     """Shapes this kernel takes; raises naming every unsupported value."""
-    errors = mgpu_input_errors(qr, k_pool, v_pool, page_size, stages, pages_per_step)
+    errors = mgpu_input_errors(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
     if errors:
         raise ValueError("; ".join(errors))
 
 
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "num_splits",
-                                             "pingpong", "pages_per_step", "interpret"))
+                                             "pingpong", "pages_per_step", "key_split", "fence_softmax",
+                                             "merge", "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
                                   pingpong: bool = True, pages_per_step: int | None = None,
-                                  interpret: bool = False):
+                                  key_split: bool | None = None, fence_softmax: bool = True,
+                                  merge: bool = True, interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
     warpgroups take turns on the tensor cores (one's softmax overlaps the other's matmuls);
     `pages_per_step`: pages (one TMA copy each) per key step, so a step's matmuls are
     [64, pages_per_step * page_size] wide (None: `default_pages_per_step`, 2 for 64-token pages);
+    `key_split`: both compute warpgroups on the same 64 rows, alternating key steps (None: on
+    where a KV head has 64 rows; see `warpgroup_layout`); `fence_softmax`: finish the softmax
+    (the rescaled accumulator, the row sums and P in the matmul dtype) behind an optimization
+    barrier before handing the tensor cores over, so the compiler cannot sink that work past the
+    turn (JAX's Mosaic GPU flash attention orders its step the same way); `merge=False` returns
+    the unmerged partials `[S, B, Hkv, T, D]`, `[S, B, Hkv, T]` (S = key splits, times 2 under a
+    key split), which the window kernel merges as it starts (the cascade does this);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
-    check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step)
+    check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
     # K-major operand FP8 needs); V is not, so each step's V page is widened to fp16 in shared memory.
     fp8 = jnp.dtype(k_pool.dtype) == F8
     qr = quantize_query_for_pool(qr, k_pool.dtype)
     b, hkv, total, d = qr.shape
     max_pages = page_table.shape[1]
-    # Two compute warpgroups per CTA when the rows fill them; a 64-row head (e.g. N=16, G=4) gets one.
-    wgs = COMPUTE_WGS if total % ROWS_PER_CTA == 0 else 1
-    rows_per_cta = ROWS_PER_WG * wgs
+    wgs, rows_per_cta, key_split = warpgroup_layout(total, key_split)
+    # Under a key split each warpgroup takes every other step of the CTA's range and owns a partial.
+    stride = 2 if key_split else 1
     pingpong = pingpong and wgs == 2  # taking turns needs two warpgroups
     tiles = total // rows_per_cta
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"prefix_decode_mgpu: num_splits must be >= 1, got {num_splits}")
-    pps = pages_per_step or default_pages_per_step(total, d, jnp.dtype(k_pool.dtype).itemsize, page_size, stages)
+    pps = pages_per_step or default_pages_per_step(total, d, jnp.dtype(k_pool.dtype).itemsize, page_size, stages,
+                                                   key_split)
     steps = -(-max_pages // pps)  # key steps of a full page table
     splits = num_splits or default_mgpu_num_splits(b, hkv, tiles, steps)
     block = page_size * pps
@@ -250,10 +286,26 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
 
+        def slot_of(i):
+            if not key_split:
+                return lax.rem(i - lo, jnp.int32(stages))
+            # Each warpgroup owns half of the ring: a barrier's phase is tracked by each thread that
+            # waits on it, so a buffer waited on by both warpgroups in turn would desynchronise their
+            # phases (reads of stale pages, then a hang; the GPU interpreter does not show this).
+            rel = i - lo
+            half = stages // 2
+            return lax.rem(rel, jnp.int32(2)) * half + lax.rem(lax.div(rel, jnp.int32(2)), jnp.int32(half))
+
         @pl.when(wg < wgs)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
-            row0 = cta_row0 + wg * ROWS_PER_WG
+            row0 = cta_row0 if key_split else cta_row0 + wg * ROWS_PER_WG
+            # This warpgroup's steps: i = first + k * stride for k in [0, mine(hi)).
+            first = lo + wg if key_split else lo
+
+            def mine(end):
+                return lax.div(jnp.maximum(end - first, 0) + stride - 1, jnp.int32(stride))
+
             plgpu.copy_gmem_to_smem(q_gmem.at[bi, head, pl.ds(row0, ROWS_PER_WG)], q_smem.at[wg], q_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
             shape = (ROWS_PER_WG, block)
@@ -265,15 +317,16 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             open_end = jnp.clip(lax.div(first_hi, jnp.int32(block)), lo, hi)
 
             def wait_next_keys(i):
-                # Step i + 1's K wait is taken while step i's P V product runs (the first step's
-                # before the loop), so a late TMA copy hides behind tensor-core work.
-                @pl.when(i + 1 < hi)
+                # This warpgroup's next K wait is taken while step i's P V product runs (the first
+                # step's before the loop), so a late TMA copy hides behind tensor-core work.
+                @pl.when(i + stride < hi)
                 def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(i + 1 - lo, jnp.int32(stages))])
+                    plgpu.barrier_wait(k_ready.at[slot_of(i + stride)])
 
-            def step(i, carry, masked: bool):
+            def step(k, carry, masked: bool):
                 acc, m, l = carry
-                slot = lax.rem(i - lo, jnp.int32(stages))
+                i = first + k * stride
+                slot = slot_of(i)
 
                 def scores(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
@@ -285,6 +338,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                 plgpu.barrier_arrive(k_free.at[slot])
                 p, _, m_new, l, acc = online_softmax_update(
                     s, m, l, acc, scale2, (col + i * block < row_hi) if masked else None)
+                p16 = p.astype(pv_dtype)
+                if fence_softmax and not interpret:
+                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                 if pingpong:
                     plgpu.barrier_arrive(turn)  # softmax done
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -303,11 +359,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                 if interpret:
                     # The GPU interpreter can neither run run_state nor store into an accumulator,
                     # so interpreted runs add P V with a plain dot on the same shared-memory tile.
-                    acc = acc + jnp.dot(p.astype(pv_dtype), v_tile[...], preferred_element_type=jnp.float32)
+                    acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
                     wait_next_keys(i)
                 else:
                     def values(acc_ref):
-                        plgpu.wgmma(acc_ref, p.astype(pv_dtype), v_tile)
+                        plgpu.wgmma(acc_ref, p16, v_tile)
                         wait_next_keys(i)
 
                     acc = pl.run_state(values)(plgpu.ACC.init(acc))
@@ -318,30 +374,39 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             m = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, d), jnp.float32), plgpu.Layout.WGMMA)
-            @pl.when(hi > lo)
+            @pl.when(first < hi)
             def _():
-                plgpu.barrier_wait(k_ready.at[0])  # the first step's keys (slot 0)
+                plgpu.barrier_wait(k_ready.at[slot_of(first)])  # this warpgroup's first keys
 
             if pingpong:
                 pl.when(wg == 1)(take_turn)  # start half a step behind warpgroup 0
-            carry = lax.fori_loop(lo, open_end, functools.partial(step, masked=False), (acc, m, l))
-            acc, m, l = lax.fori_loop(open_end, hi, functools.partial(step, masked=True), carry)
+            n_open, n_all = mine(open_end), mine(hi)
+            carry = lax.fori_loop(0, n_open, functools.partial(step, masked=False), (acc, m, l))
+            acc, m, l = lax.fori_loop(n_open, n_all, functools.partial(step, masked=True), carry)
+            if pingpong and key_split:
+                # An odd step count leaves warpgroup 1 one step short: it still takes that step's
+                # two turns, or warpgroup 0 would wait on the turn barrier forever.
+                @pl.when(n_all < lax.div(hi - lo + 1, jnp.int32(2)))
+                def _():
+                    take_turn()
+                    take_turn()
             if pingpong:
                 pl.when(wg == 0)(take_turn)
             seen = l > 0
             l_safe = jnp.where(seen, l, 1.0)
             out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
                             acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
+            part = split * stride + (wg if key_split else 0)  # this warpgroup's partial
             lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[split, bi, head, pl.ds(row0, ROWS_PER_WG)])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG)])
             # The fp32 output leaves through a small staging tile, piece by piece (a whole [64, D]
             # fp32 tile per warpgroup would cost the K/V ring a stage).
             for j in range(d // OUT_CHUNK):
                 plgpu.wait_smem_to_gmem(0)  # the previous piece has been read out
                 o_smem.at[wg][...] = out[:, j * OUT_CHUNK:(j + 1) * OUT_CHUNK]
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[split, bi, head, pl.ds(row0, ROWS_PER_WG),
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG),
                                                                    pl.ds(j * OUT_CHUNK, OUT_CHUNK)])
             plgpu.wait_smem_to_gmem(0)
 
@@ -361,7 +426,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
 
             @pl.loop(lo, hi)
             def _fetch(i):
-                slot = lax.rem(i - lo, jnp.int32(stages))
+                slot = slot_of(i)
 
                 @pl.when(i - lo >= stages)
                 def _():
@@ -383,7 +448,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             # when the scope ends (the GPU interpreter checks this).
             @pl.loop(jnp.maximum(hi - stages, lo), hi)
             def _drain(i):
-                slot = lax.rem(i - lo, jnp.int32(stages))
+                slot = slot_of(i)
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
@@ -398,15 +463,17 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             + ((plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),) if fp8 else ()),
             (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_arrivals=pps, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pps, num_barriers=stages)),
-            (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 2,
+            # A step's buffers are released by every warpgroup that reads them: both, or under a
+            # key split the one warpgroup that owns the step.
+            (plgpu.Barrier(num_arrivals=1 if key_split else wgs, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=wgs),
             collective_axes="wg",
         )
 
     out, lse = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((splits, b, hkv, total, d), jnp.float32),
-                  jax.ShapeDtypeStruct((splits, b, hkv, total), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((splits * stride, b, hkv, total, d), jnp.float32),
+                  jax.ShapeDtypeStruct((splits * stride, b, hkv, total), jnp.float32)),
         grid=(tiles, splits, hkv, b),
         grid_names=("tiles", "splits", "heads", "batch"),
         num_threads=wgs + 1,
@@ -415,7 +482,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
         # Pallas' GPU interpreter simulates shared memory, TMA and barriers on the CPU.
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(qr, k_pool, v_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
-    if splits > 1:
+    if not merge:
+        return out, lse
+    if splits * stride > 1:
         return merge_splits(out, lse)
     return out[0], lse[0]
 
