@@ -113,7 +113,7 @@ def timing(shapes=FULL_SHAPES, hq=32, hkv=8, d=128, samples=7, interpret=False, 
             time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits, triton)
 
 
-def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=(), triton=True):
+def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=(), triton=True, unmerged_too=True):
     """Mosaic GPU prefix (1 and 2 pages per step) against the Triton prefix, alone and as cascades;
     `splits`: also the 2-page Mosaic prefix and cascade with each of these key-split counts (the
     default count is `prefix_decode_mgpu.default_mgpu_num_splits`, one wave of CTAs)."""
@@ -135,7 +135,7 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
         return jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, **opts, **kw))
 
     tr = jax.jit(lambda *a: prefix_decode_row_layout(*a, **kw))
-    wgs, rows_per_cta, key_split = warpgroup_layout(total)
+    wgs, rows_per_cta, key_split = warpgroup_layout(total, itemsize=jnp.dtype(dtype).itemsize)
     steps = -(-table.shape[1] // 2)
     log(f"{jnp.dtype(dtype).name} B={b} P={p} N={n}: default key splits: Triton prefix "
         f"{default_num_splits(b, hkv, total // (128 if total % 128 == 0 else 64), table.shape[1])}, Mosaic prefix "
@@ -152,24 +152,29 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
         # (its simulated warpgroups block XLA's CPU threads in callbacks).
         return f if interpret else jax.jit(f)
 
-    variants = [("mgpu prefix", mgpu(), None), ("mgpu prefix, no softmax fence", mgpu(fence_softmax=False), None)]
-    if key_split:
-        variants.append(("mgpu prefix, no warpgroup key split", mgpu(key_split=False), None))
-        if not mgpu_input_errors(qr, k, v, PAGE, stages=4, pages_per_step=2, key_split=True):
-            variants.append(("mgpu prefix, 4 stages", mgpu(stages=4), None))
-        variants.append(("mgpu prefix, 1 page/step, 4 stages", mgpu(stages=4, pages_per_step=1), None))
+    fence = key_split  # the kernel's default
+    variants = [("mgpu prefix", mgpu(), None),
+                (f"mgpu prefix, softmax fence {'off' if fence else 'on'}", mgpu(fence_softmax=not fence), None)]
+    if total % 128:  # a 64-row head: the other warpgroup layout too
+        if key_split:
+            variants.append(("mgpu prefix, no warpgroup key split", mgpu(key_split=False), None))
+        else:
+            variants.append(("mgpu prefix, warpgroup key split", mgpu(key_split=True), None))
+        variants.append(("mgpu prefix, warpgroup key split, 1 page/step, 4 stages",
+                         mgpu(key_split=True, stages=4, pages_per_step=1), None))
+    if unmerged_too:
+        variants.append(("mgpu prefix, window merges the splits", mgpu(merge=False), "unmerged"))
     variants += [(f"mgpu prefix, {ns} splits", mgpu(num_splits=ns), None) for ns in splits]
     flop = 4 * b * n * hq * (p + n) * d
     res = {}
-    runs = [(name, fn, (qr, k, v, table, lens)) for name, fn, _ in variants]
+    runs = [(name, fn, (qr, k, v, table, lens)) for name, fn, kind in variants if not kind]
     if triton:
         runs.append(("triton prefix", tr, (qr, k, v, table, lens)))
     cas_args = (qr, k, v, table, lens, mask)
-    runs.append(("mgpu cascade (partials unmerged)", cascade(None, True, mgpu(merge=False)), cas_args))
-    runs.append(("mgpu cascade, merged first", cascade(mgpu(), True), cas_args))
-    for name, fn, _ in variants[1:]:
+    runs.append(("mgpu cascade", cascade(mgpu(), True), cas_args))
+    for name, fn, kind in variants[1:]:
         opts = name.removeprefix("mgpu prefix, ")
-        runs.append((f"mgpu cascade, {opts}", cascade(fn, True), cas_args))
+        runs.append((f"mgpu cascade, {opts}", cascade(None, True, fn) if kind else cascade(fn, True), cas_args))
     if triton:
         runs.append(("triton cascade", cascade(tr, False), cas_args))
     for name, fn, args in runs:
@@ -294,8 +299,8 @@ def main(argv=None) -> int:
     for dtype, pps, stages, r, ks, merge in ((bf, 1, 2, 64, None, True), (f8, 1, 2, 64, None, True),
                                              (bf, 2, 2, 64, None, True), (f8, 2, 2, 64, None, False),
                                              (f8, 2, 3, 64, None, True), (bf, 2, 2, 16, None, False),
-                                             (f8, 2, 2, 16, None, True), (f8, 2, 4, 16, None, False),
-                                             (bf, 1, 4, 16, None, True), (bf, 2, 2, 16, False, True),
+                                             (f8, 2, 2, 16, None, True), (f8, 1, 4, 16, None, False),
+                                             (bf, 1, 4, 16, True, True), (bf, 2, 2, 16, None, True),
                                              (bf, 2, 2, 64, True, False)):
         if a.skip_conformance:
             break

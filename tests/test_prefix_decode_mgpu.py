@@ -40,8 +40,8 @@ CASES = [
 ]
 # Three stages of two pages per step (at D=128 only FP8 rings fit shared memory so).
 STAGED = [(*case, 2, None) for case in CASES] + [(32, 4, [70, 200, 300], 2, True, FP8, 2, 3, None)]
-# Warpgroup key splits (the default for 64-row heads, so the 64-row cases above run them too): the
-# one-warpgroup form forced; odd step counts (P = 200, 330: 3 and 5 whole pages), where warpgroup 1
+# Warpgroup key splits (the default for 64-row heads of FP8 pools, so the 64-row FP8 cases above
+# run them too): the one-warpgroup form forced; odd step counts (P = 200, 330: 3 and 5 whole pages), where warpgroup 1
 # owns one step fewer and must still take its turns; forced on 128-row heads; no
 # turn-taking, FP8; four stages (each warpgroup owns two buffers of the ring).
 KEY_SPLIT = [
@@ -121,10 +121,13 @@ def test_default_mgpu_num_splits_fills_one_wave():
 def test_warpgroup_layout_splits_keys_of_64_row_heads():
     """Rows per KV head -> (compute warpgroups, rows per CTA, key split)."""
     assert warpgroup_layout(256) == (2, 128, False)  # N=64, G=4: each warpgroup its own 64 rows
-    assert warpgroup_layout(64) == (2, 64, True)  # N=16, G=4: both on the same rows, alternate steps
-    assert warpgroup_layout(64, key_split=False) == (1, 64, False)
+    assert warpgroup_layout(256, itemsize=1) == (2, 128, False)
+    assert warpgroup_layout(64) == (1, 64, False)  # N=16, G=4, bf16: one warpgroup (measured faster)
+    assert warpgroup_layout(64, itemsize=1) == (2, 64, True)  # FP8: both on the rows, alternate steps
+    assert warpgroup_layout(64, key_split=True) == (2, 64, True)
+    assert warpgroup_layout(64, key_split=False, itemsize=1) == (1, 64, False)
     assert warpgroup_layout(256, key_split=True) == (2, 64, True)
-    assert warpgroup_layout(192) == (2, 64, True)  # 1.5 CTAs of 128 rows: 64-row CTAs, split
+    assert warpgroup_layout(192, itemsize=1) == (2, 64, True)  # 1.5 CTAs of 128 rows: 64-row CTAs
 
 
 def test_key_split_refuses_an_odd_number_of_stages():
@@ -149,7 +152,8 @@ def test_key_split_output_has_one_partial_per_warpgroup():
     import jax
     sd = jax.ShapeDtypeStruct
     fn = lambda qr, k, v, t, ln: prefix_decode_mgpu_row_layout(  # noqa: E731
-        qr, k, v, t, ln, query_rows=16, group=4, page_size=64, scale=0.1, num_splits=3, interpret=True)
+        qr, k, v, t, ln, query_rows=16, group=4, page_size=64, scale=0.1, num_splits=3, key_split=True,
+        interpret=True)
     pool = sd((64 * 64, 2, 64), jnp.bfloat16)
     jaxpr = str(jax.make_jaxpr(fn)(sd((2, 2, 64, 64), jnp.bfloat16), pool, pool, sd((2, 8), jnp.int32),
                                    sd((2,), jnp.int32)))

@@ -33,9 +33,9 @@ covers the rest of each row's prefix (`tree_window_attention(..., prefix_whole_p
 Layout of one CTA (grid (row tiles, key splits, Hkv, B)): two compute warpgroups each own 64 query
 rows and run the online softmax with wgmma (QK^T and PV from shared memory, fp32 accumulators in
 registers), taking turns on the tensor cores (`pingpong`) so one's softmax overlaps the other's
-matmuls. Where a KV head has only 64 rows (e.g. N=16 with G=4) both warpgroups take those rows and
-alternate key steps instead (`key_split`), each writing its own partial for the LSE merge, so the
-tensor cores still have a second warpgroup to turn to; the last warpgroup only issues
+matmuls. Where a KV head has only 64 rows (e.g. N=16 with G=4) one compute warpgroup runs, or,
+by default for FP8 pools, both take those rows and alternate key steps (`key_split`), each writing
+its own partial for the LSE merge, so the tensor cores still have a second warpgroup to turn to; the last warpgroup only issues
 TMA copies of one or two pages (`pages_per_step`) of K and of V per step into a ring of `stages`
 buffers, reading each page id from the table, and waits until every compute warpgroup released a
 buffer before refilling it. Steps whose keys every row of a warpgroup sees run without masks. A
@@ -91,18 +91,22 @@ def default_mgpu_num_splits(batch: int, kv_heads: int, tiles: int, steps: int, s
     return max(1, min(sms // programs, steps // MIN_STEPS_PER_SPLIT))
 
 
-def warpgroup_layout(total_rows: int, key_split: bool | None = None) -> tuple[int, int, bool]:
-    """(compute warpgroups, query rows per CTA, key split) for `total_rows` padded rows per KV head.
+def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: int = 2) -> tuple[int, int, bool]:
+    """(compute warpgroups, query rows per CTA, key split) for `total_rows` padded rows per KV head
+    of a pool with `itemsize`-byte elements.
 
     Rows that fill 128-row CTAs give each compute warpgroup its own 64 rows. A 64-row head (e.g.
-    N=16, G=4) would leave one compute warpgroup alone, its QK^T -> softmax -> PV chain serial
-    with nothing to overlap; under `key_split` (the default there) both warpgroups take the same
-    64 rows and alternate key steps, taking turns on the tensor cores, and each writes its own
-    partial (out, lse2), merged by LSE with the key splits. `key_split=True` forces it on 128-row
-    heads too (64-row CTAs)."""
+    N=16, G=4) leaves one compute warpgroup alone, its QK^T -> softmax -> PV chain serial; under
+    `key_split` both warpgroups take the same 64 rows and alternate key steps, taking turns on the
+    tensor cores, and each writes its own partial (out, lse2), merged by LSE with the key splits.
+    None: on for 64-row heads of FP8 pools only. On the H200 (B=8, P=8192, N=16; benchmarks/
+    RESULTS.md, session 9) it ran the FP8 cascade 1.18x faster (0.073 vs 0.086 ms), whose
+    warpgroups also widen V, but the bf16 one 0.95x (0.099 vs 0.094; each warpgroup then has one
+    buffer of a two-stage ring, four stages 0.093). `key_split=True` forces it on 128-row heads
+    too (64-row CTAs)."""
     fills_two = total_rows % ROWS_PER_CTA == 0
     if key_split is None:
-        key_split = not fills_two
+        key_split = not fills_two and itemsize == 1
     if key_split:
         return COMPUTE_WGS, ROWS_PER_WG, True
     return (COMPUTE_WGS, ROWS_PER_CTA, False) if fills_two else (1, ROWS_PER_WG, False)
@@ -112,7 +116,7 @@ def smem_bytes(total_rows: int, width: int, itemsize: int, block: int, stages: i
                key_split: bool | None = None) -> int:
     """Shared memory of one CTA (`block` keys per step): query tiles, the K and V rings, output
     staging, LSE; with 1-byte (FP8) items also each compute warpgroup's fp16 copy of the step's V."""
-    wgs, _, _ = warpgroup_layout(total_rows, key_split)
+    wgs, _, _ = warpgroup_layout(total_rows, key_split, itemsize)
     widened = wgs * block * width * 2 if itemsize == 1 else 0
     return (wgs * ROWS_PER_WG * width * itemsize + 2 * stages * block * width * itemsize + widened
             + wgs * ROWS_PER_WG * (OUT_CHUNK + 1) * 4 + SMEM_OVERHEAD)
@@ -199,7 +203,7 @@ def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2,
                       f"got {qr.dtype}")
     if stages < 2:
         errors.append(f"prefix_decode_mgpu: stages must be >= 2, got {stages}")
-    elif stages % 2 and warpgroup_layout(total, key_split)[2]:
+    elif stages % 2 and warpgroup_layout(total, key_split, jnp.dtype(k_pool.dtype).itemsize)[2]:
         errors.append(f"prefix_decode_mgpu: a warpgroup key split needs an even number of stages (each "
                       f"warpgroup owns half of the K/V ring), got {stages}")
     if pages_per_step not in (1, 2):
@@ -227,7 +231,7 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
                                   pingpong: bool = True, pages_per_step: int | None = None,
-                                  key_split: bool | None = None, fence_softmax: bool = True,
+                                  key_split: bool | None = None, fence_softmax: bool | None = None,
                                   merge: bool = True, interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
@@ -236,10 +240,13 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     `pages_per_step`: pages (one TMA copy each) per key step, so a step's matmuls are
     [64, pages_per_step * page_size] wide (None: `default_pages_per_step`, 2 for 64-token pages);
     `key_split`: both compute warpgroups on the same 64 rows, alternating key steps (None: on
-    where a KV head has 64 rows; see `warpgroup_layout`); `fence_softmax`: finish the softmax
-    (the rescaled accumulator, the row sums and P in the matmul dtype) behind an optimization
-    barrier before handing the tensor cores over, so the compiler cannot sink that work past the
-    turn (JAX's Mosaic GPU flash attention orders its step the same way); `merge=False` returns
+    where a KV head of an FP8 pool has 64 rows; see `warpgroup_layout`); `fence_softmax`: finish
+    the softmax (the rescaled accumulator, the row sums and P in the matmul dtype) behind an
+    optimization barrier before handing the tensor cores over, so the compiler cannot sink that
+    work past the turn, as JAX's Mosaic GPU flash attention orders its step (None: only under a
+    key split. H200, session 9: it made the FP8 B=8 N=16 key-split prefix 1.20x faster, 0.061 vs
+    0.073 ms, but the B=32 P=32k prefix 0.93x (bf16 2.324 vs 2.155 ms) and 0.90x (FP8 2.160 vs
+    1.936); elsewhere within 3-7%, mostly for it); `merge=False` returns
     the unmerged partials `[S, B, Hkv, T, D]`, `[S, B, Hkv, T]` (S = key splits, times 2 under a
     key split), which the window kernel merges as it starts (the cascade does this);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
@@ -250,7 +257,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     qr = quantize_query_for_pool(qr, k_pool.dtype)
     b, hkv, total, d = qr.shape
     max_pages = page_table.shape[1]
-    wgs, rows_per_cta, key_split = warpgroup_layout(total, key_split)
+    wgs, rows_per_cta, key_split = warpgroup_layout(total, key_split, jnp.dtype(k_pool.dtype).itemsize)
+    if fence_softmax is None:
+        fence_softmax = key_split
     # Under a key split each warpgroup takes every other step of the CTA's range and owns a partial.
     stride = 2 if key_split else 1
     pingpong = pingpong and wgs == 2  # taking turns needs two warpgroups

@@ -5,8 +5,8 @@ only the slots its ancestor mask names. The prefix (where the time goes at long 
 causal multi-query paged decode (`pallas_kernels.attention.prefix_decode`) that returns its base-2
 LSE; on a GPU with page 64/128 it is the Mosaic GPU kernel over whole pages
 (`prefix_decode_mgpu`, chosen by `CascadeConfig.prefix_kernel="auto"`). The window kernel
-(`pallas_kernels.attention.tree_window`) merges the prefix's key-split partials, attends what the
-prefix half missed and merges both in one kernel. One path for every size.
+(`pallas_kernels.attention.tree_window`) attends what the prefix half missed and merges both in one
+kernel. One path for every size.
 
 - Verify: R = W = N rows/keys; the window is the verify forward's N freshly written slots.
 - Draft lanes: R = K rows over the lane window of W = (S - 1) * K keys starting at the frontier.
@@ -137,16 +137,17 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
     hkv = k_pool.shape[1]
     group = hq // hkv
     qr = heads_to_rows(q, hkv, padded_rows(r * group))
-    # The prefix's key-split partials go to the window kernel unmerged: it merges them as it starts,
-    # so the merge is no separate pass (at B=1 the Mosaic prefix makes 8 splits of 1 MB each).
+    # The key-split partials are merged by XLA before the window kernel (`merge_splits`). The window
+    # kernel can merge them itself (`merge=False` here); on the H200 that was no faster (session 9,
+    # benchmarks/RESULTS.md: B=1 bf16 0.128 vs 0.089 ms, FP8 0.093 vs 0.092), so it is not the default.
     if mosaic:
         prefix_out, prefix_lse2 = prefix_decode_mgpu_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, query_rows=r, group=group, page_size=page_size,
-            scale=scale, num_splits=num_splits, interpret=interpret, merge=False)
+            scale=scale, num_splits=num_splits, interpret=interpret)
     else:
         prefix_out, prefix_lse2 = prefix_decode_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, query_rows=r, group=group, page_size=page_size,
-            scale=scale, num_splits=num_splits, interpret=interpret, fp8_score_dot=fp8_score_dot, merge=False)
+            scale=scale, num_splits=num_splits, interpret=interpret, fp8_score_dot=fp8_score_dot)
     out = tree_window_row_layout(
         qr, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2,
         query_rows=r, group=group, window=window, page_size=page_size, scale=scale, causal_prefix=True,
