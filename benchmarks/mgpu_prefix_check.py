@@ -152,7 +152,7 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
         # (its simulated warpgroups block XLA's CPU threads in callbacks).
         return f if interpret else jax.jit(f)
 
-    fence = key_split  # the kernel's default
+    fence = False  # the kernel's default
     variants = [("mgpu prefix", mgpu(), None),
                 (f"mgpu prefix, softmax fence {'off' if fence else 'on'}", mgpu(fence_softmax=not fence), None)]
     if total % 128:  # a 64-row head: the other warpgroup layout too

@@ -100,9 +100,10 @@ def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: i
     `key_split` both warpgroups take the same 64 rows and alternate key steps, taking turns on the
     tensor cores, and each writes its own partial (out, lse2), merged by LSE with the key splits.
     None: on for 64-row heads of FP8 pools only. On the H200 (B=8, P=8192, N=16; benchmarks/
-    RESULTS.md, session 9) it ran the FP8 cascade 1.18x faster (0.073 vs 0.086 ms), whose
-    warpgroups also widen V, but the bf16 one 0.95x (0.099 vs 0.094; each warpgroup then has one
-    buffer of a two-stage ring, four stages 0.093). `key_split=True` forces it on 128-row heads
+    RESULTS.md, session 9, two runs) it ran the FP8 cascade 1.10-1.22x faster (0.068-0.078 vs
+    0.083-0.086 ms), whose warpgroups also widen V, but the bf16 one 0.95-0.98x (0.097-0.100 vs
+    0.094-0.095; each warpgroup then has one buffer of a two-stage ring; four stages of one page:
+    0.093-0.100). `key_split=True` forces it on 128-row heads
     too (64-row CTAs)."""
     fills_two = total_rows % ROWS_PER_CTA == 0
     if key_split is None:
@@ -231,7 +232,7 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
                                   pingpong: bool = True, pages_per_step: int | None = None,
-                                  key_split: bool | None = None, fence_softmax: bool | None = None,
+                                  key_split: bool | None = None, fence_softmax: bool = False,
                                   merge: bool = True, interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
@@ -243,12 +244,12 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     where a KV head of an FP8 pool has 64 rows; see `warpgroup_layout`); `fence_softmax`: finish
     the softmax (the rescaled accumulator, the row sums and P in the matmul dtype) behind an
     optimization barrier before handing the tensor cores over, so the compiler cannot sink that
-    work past the turn, as JAX's Mosaic GPU flash attention orders its step (None: only under a
-    key split. H200, session 9: it made the FP8 B=8 N=16 key-split prefix 1.20x faster, 0.061 vs
-    0.073 ms, but the B=32 P=32k prefix 0.93x (bf16 2.324 vs 2.155 ms) and 0.90x (FP8 2.160 vs
-    1.936); elsewhere within 3-7%, mostly for it); `merge=False` returns
-    the unmerged partials `[S, B, Hkv, T, D]`, `[S, B, Hkv, T]` (S = key splits, times 2 under a
-    key split), which the window kernel merges as it starts (the cascade does this);
+    work past the turn, as JAX's Mosaic GPU flash attention orders its step (off by default: on
+    the H200 it made the B=32, P=32k prefix 0.93x (bf16, 2.324 vs 2.155 ms) and 0.90x (FP8, 2.160
+    vs 1.936), and elsewhere it moved both ways within the run-to-run noise; benchmarks/RESULTS.md,
+    session 9); `merge=False` returns the unmerged partials `[S, B, Hkv, T, D]`, `[S, B, Hkv, T]`
+    (S = key splits, times 2 under a key split), which the window kernel can merge as it starts
+    (the cascade merges them in XLA first: the in-kernel merge was not faster on the H200);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
@@ -258,8 +259,6 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     b, hkv, total, d = qr.shape
     max_pages = page_table.shape[1]
     wgs, rows_per_cta, key_split = warpgroup_layout(total, key_split, jnp.dtype(k_pool.dtype).itemsize)
-    if fence_softmax is None:
-        fence_softmax = key_split
     # Under a key split each warpgroup takes every other step of the CTA's range and owns a partial.
     stride = 2 if key_split else 1
     pingpong = pingpong and wgs == 2  # taking turns needs two warpgroups
