@@ -13,9 +13,12 @@ whole-pages fp32 reference, then DeepSeek-V3 shapes against the Triton latent de
 cascades.
 
 2. Timing (Hq=32, Hkv=8, D=128, page 64, random page tables; by default N=64 at B=32/P=32k,
-   B=64/P=4k, B=1/P=32k (a key split) and B=8/P=8k/N=16 (one compute warpgroup per CTA); bf16, and
-   FP8 with `--fp8`): the Mosaic GPU prefix at one and two pages per step against the Pallas Triton
-   `prefix_decode_row_layout` on the same inputs, alone and as cascades with the window kernel.
+   B=64/P=4k, B=1/P=32k (a key split) and B=8/P=8k/N=16 (64-row heads: one compute warpgroup for
+   bf16, the warpgroup key split for FP8); bf16, and FP8 with `--fp8`): the Mosaic GPU prefix with
+   its defaults and with one option flipped at a time (softmax fence, the other warpgroup layout on
+   64-row heads, the window kernel merging the key splits), alone and as cascades with the window
+   kernel, against the Pallas Triton `prefix_decode_row_layout` on the same inputs (`--no-triton`
+   skips it).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from benchmarks.report import log, rel_err  # noqa: E402
 from benchmarks.timing import measure_matmul_flops, median_time  # noqa: E402
 from pallas_kernels.attention.prefix_decode import (default_num_splits, heads_to_rows, padded_rows,  # noqa: E402
                                                    prefix_decode_row_layout)
-from pallas_kernels.attention.prefix_decode_mgpu import (default_mgpu_num_splits, mgpu_input_errors,  # noqa: E402
+from pallas_kernels.attention.prefix_decode_mgpu import (default_mgpu_num_splits,  # noqa: E402
                                                      prefix_decode_mgpu_row_layout, warpgroup_layout)
 from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference  # noqa: E402
 from pallas_kernels.attention.tree_window import tree_window_row_layout  # noqa: E402
@@ -62,8 +65,9 @@ def pools(rng, b, lengths, w, hkv, d, dtype):
 def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int = 1, stages: int = 2,
                 r: int = 64, key_split: bool | None = None, merge: bool = True) -> bool:
     """`dtype`: the pools' dtype (bf16, or FP8 E4M3 with the bf16 query cast to FP8 by the kernel);
-    `r` = 16 makes 64-row heads (both warpgroups on one row tile, alternating key steps, unless
-    `key_split=False`); `merge=False` hands the window kernel the unmerged partials."""
+    `r` = 16 makes 64-row heads (one compute warpgroup, or both on the same rows alternating key
+    steps: the default for FP8, or `key_split=True`); `merge=False` hands the window kernel the
+    unmerged partials."""
     rng = np.random.default_rng(0)
     b, hkv, g, d = 3, 2, 4, 128
     lengths = np.array([0, 100, 1000], np.int32)
@@ -114,9 +118,9 @@ def timing(shapes=FULL_SHAPES, hq=32, hkv=8, d=128, samples=7, interpret=False, 
 
 
 def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=(), triton=True, unmerged_too=True):
-    """Mosaic GPU prefix (1 and 2 pages per step) against the Triton prefix, alone and as cascades;
-    `splits`: also the 2-page Mosaic prefix and cascade with each of these key-split counts (the
-    default count is `prefix_decode_mgpu.default_mgpu_num_splits`, one wave of CTAs)."""
+    """Mosaic GPU prefix (defaults, then one option flipped at a time) against the Triton prefix,
+    alone and as cascades; `splits`: also the Mosaic prefix and cascade with each of these key-split
+    counts (the default count is `prefix_decode_mgpu.default_mgpu_num_splits`, one wave of CTAs)."""
     g = hq // hkv
     b, p, n = shape
     total = padded_rows(n * g)
@@ -142,7 +146,7 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
         f"{default_mgpu_num_splits(b, hkv, total // rows_per_cta, steps)} (warpgroup key split: {key_split})")
 
     def cascade(prefix, whole, unmerged=None):
-        """prefix (merged) + window; `unmerged`: the same prefix kernel with merge=False (as the cascade)."""
+        """prefix (merged) + window; `unmerged`: a prefix kernel with merge=False, whose partials the window kernel merges."""
         def f(qr, k, v, table, lens, mask):
             parts = unmerged(qr, k, v, table, lens) if unmerged is not None else prefix(qr, k, v, table, lens)
             return tree_window_row_layout(qr, k, v, table, lens, mask, *parts, window=n, value_dim=d,
@@ -283,7 +287,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="timing shapes BxPxN,... (default: the four of issue #3)")
     ap.add_argument("--fp8", action="store_true", help="also time FP8 E4M3 pools")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton prefix and cascade rows")
-    ap.add_argument("--splits", default="", help="also time the 2-page Mosaic prefix/cascade with these key-split "
+    ap.add_argument("--splits", default="", help="also time the Mosaic prefix/cascade with these key-split "
                     "counts, e.g. 4,8,16")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -294,13 +298,14 @@ def main(argv=None) -> int:
     ok = True
     bf, f8 = jnp.bfloat16, jnp.float8_e4m3fn
     # (dtype, pages per step, stages, R, key split, merge): 256-row heads (two row tiles of
-    # warpgroups), then 64-row heads (warpgroup key split, forced off once), and the unmerged
-    # partials the cascade hands the window kernel.
+    # warpgroups), then 64-row heads (the default layout per dtype, the key split forced on for bf16
+    # and off for FP8), the key split forced on 256-row heads, and unmerged partials (merge=False)
+    # into the window kernel.
     for dtype, pps, stages, r, ks, merge in ((bf, 1, 2, 64, None, True), (f8, 1, 2, 64, None, True),
                                              (bf, 2, 2, 64, None, True), (f8, 2, 2, 64, None, False),
                                              (f8, 2, 3, 64, None, True), (bf, 2, 2, 16, None, False),
                                              (f8, 2, 2, 16, None, True), (f8, 1, 4, 16, None, False),
-                                             (bf, 1, 4, 16, True, True), (bf, 2, 2, 16, None, True),
+                                             (bf, 1, 4, 16, True, True), (f8, 2, 2, 16, False, True),
                                              (bf, 2, 2, 64, True, False)):
         if a.skip_conformance:
             break

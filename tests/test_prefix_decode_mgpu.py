@@ -41,11 +41,11 @@ CASES = [
 # Three stages of two pages per step (at D=128 only FP8 rings fit shared memory so).
 STAGED = [(*case, 2, None) for case in CASES] + [(32, 4, [70, 200, 300], 2, True, FP8, 2, 3, None)]
 # Warpgroup key splits (the default for 64-row heads of FP8 pools, so the 64-row FP8 cases above
-# run them too): the one-warpgroup form forced; odd step counts (P = 200, 330: 3 and 5 whole pages), where warpgroup 1
+# run them too): the one-warpgroup form forced for FP8 (whose warpgroup also widens V); odd step counts (P = 200, 330: 3 and 5 whole pages), where warpgroup 1
 # owns one step fewer and must still take its turns; forced on 128-row heads; no
 # turn-taking, FP8; four stages (each warpgroup owns two buffers of the ring).
 KEY_SPLIT = [
-    (16, 4, [200, 330], 1, True, jnp.bfloat16, 1, 2, False),
+    (16, 4, [200, 330], 1, True, FP8, 1, 2, False),
     (16, 4, [200, 330], 1, True, jnp.bfloat16, 1, 2, True),
     (16, 4, [200, 330, 10], 2, True, FP8, 1, 4, True),
     (32, 4, [70, 200, 330], 2, True, jnp.bfloat16, 2, 2, True),
@@ -172,7 +172,8 @@ def test_default_pages_per_step_makes_128_key_steps_that_fit():
     (256, 1, True, 128, 2, jnp.bfloat16, 1, None), (256, 1, True, 64, 3, FP8, 1, None),
     (64, 2, True, 128, 2, FP8, 1, None), (256, 1, True, 64, 2, jnp.bfloat16, 2, None),
     (64, 3, True, 64, 2, jnp.bfloat16, 2, None), (256, 2, True, 64, 3, FP8, 2, None),
-    (64, 2, True, 64, 2, jnp.bfloat16, 2, False), (256, 1, True, 64, 4, FP8, 1, True)])
+    (64, 2, True, 64, 2, jnp.bfloat16, 2, False), (256, 1, True, 64, 4, FP8, 1, True),
+    (64, 2, True, 64, 2, FP8, 2, False)])
 def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages, pool_dtype, pps, key_split):
     """The compiled path (wgmma PV through run_state, not the interpreter's dot) lowers to a Mosaic GPU
     module on the CPU; compiling that module to a cubin needs the GPU machine."""

@@ -238,8 +238,8 @@ def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r):
 
 
 def test_window_merges_unmerged_key_split_partials():
-    """The cascade hands the window kernel the prefix's key-split partials unmerged ([S, B, Hkv, T,
-    D]); it merges them by LSE as it starts. Against one dense fp32 attention of the whole verify,
+    """The window kernel takes the prefix's key-split partials unmerged ([S, B, Hkv, T, D], a prefix
+    kernel's merge=False) and merges them by LSE as it starts. Against one dense fp32 attention of the whole verify,
     with the out of every split that saw no key poisoned to NaN (its lse2 is -inf: zero weight)."""
     from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, prefix_decode_row_layout, rows_to_heads
     from pallas_kernels.attention.reference import cascade_dense_reference

@@ -37,8 +37,8 @@ matmuls. Where a KV head has only 64 rows (e.g. N=16 with G=4) one compute warpg
 by default for FP8 pools, both take those rows and alternate key steps (`key_split`), each writing
 its own partial for the LSE merge, so the tensor cores still have a second warpgroup to turn to; the last warpgroup only issues
 TMA copies of one or two pages (`pages_per_step`) of K and of V per step into a ring of `stages`
-buffers, reading each page id from the table, and waits until every compute warpgroup released a
-buffer before refilling it. Steps whose keys every row of a warpgroup sees run without masks. A
+buffers, reading each page id from the table, and waits until every compute warpgroup that reads
+a buffer (both, or under a key split the step's owner) released it before refilling it. Steps whose keys every row of a warpgroup sees run without masks. A
 small grid splits the key axis; the partials merge by LSE (`prefix_decode.merge_splits`).
 """
 
@@ -100,8 +100,8 @@ def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: i
     `key_split` both warpgroups take the same 64 rows and alternate key steps, taking turns on the
     tensor cores, and each writes its own partial (out, lse2), merged by LSE with the key splits.
     None: on for 64-row heads of FP8 pools only. On the H200 (B=8, P=8192, N=16; benchmarks/
-    RESULTS.md, session 9, two runs) it ran the FP8 cascade 1.10-1.22x faster (0.068-0.078 vs
-    0.083-0.086 ms), whose warpgroups also widen V, but the bf16 one 0.95-0.98x (0.097-0.100 vs
+    RESULTS.md, session 9, two runs) it ran the FP8 cascade 1.10-1.23x faster (0.068-0.078 vs
+    0.083-0.086 ms), whose warpgroups also widen V, but the bf16 one 0.94-0.98x (0.097-0.100 vs
     0.094-0.095; each warpgroup then has one buffer of a two-stage ring; four stages of one page:
     0.093-0.100). `key_split=True` forces it on 128-row heads
     too (64-row CTAs)."""
