@@ -16,8 +16,7 @@ cascades.
    B=64/P=4k, B=1/P=32k (a key split) and B=8/P=8k/N=16 (64-row heads: one compute warpgroup for
    bf16, the warpgroup key split for FP8); bf16, and FP8 with `--fp8`): the Mosaic GPU prefix with
    its defaults and with one option flipped at a time (softmax fence, the other warpgroup layout on
-   64-row heads, the window kernel merging the key splits), alone and as cascades with the window
-   kernel, against the Pallas Triton `prefix_decode_row_layout` on the same inputs (`--no-triton`
+   64-row heads), alone and as cascades with the window kernel, against the Pallas Triton `prefix_decode_row_layout` on the same inputs (`--no-triton`
    skips it).
 """
 
@@ -63,11 +62,10 @@ def pools(rng, b, lengths, w, hkv, d, dtype):
 
 
 def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int = 1, stages: int = 2,
-                r: int = 64, key_split: bool | None = None, merge: bool = True) -> bool:
+                r: int = 64, key_split: bool | None = None) -> bool:
     """`dtype`: the pools' dtype (bf16, or FP8 E4M3 with the bf16 query cast to FP8 by the kernel);
     `r` = 16 makes 64-row heads (one compute warpgroup, or both on the same rows alternating key
-    steps: the default for FP8, or `key_split=True`); `merge=False` hands the window kernel the
-    unmerged partials."""
+    steps: the default for FP8, or `key_split=True`)."""
     rng = np.random.default_rng(0)
     b, hkv, g, d = 3, 2, 4, 128
     lengths = np.array([0, 100, 1000], np.int32)
@@ -89,8 +87,7 @@ def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int
         jnp.max(jnp.abs(jnp.where(fin, lse_rows - ref_lse, 0.0)))) < 5e-2
     mask = ancestor_mask(jnp.asarray(np.stack([np.r_[-1, rng.integers(0, np.arange(1, r))] for _ in range(b)])
                                      .astype(np.int32)))
-    parts = (out, lse) if merge else prefix_decode_mgpu_row_layout(qr, k, v, table, lens, merge=False, **kw)
-    win = tree_window_row_layout(qr, k, v, table, lens, mask, *parts, query_rows=r, group=g, window=r,
+    win = tree_window_row_layout(qr, k, v, table, lens, mask, out, lse, query_rows=r, group=g, window=r,
                                  page_size=PAGE, scale=d ** -0.5, value_dim=d, prefix_whole_pages=True,
                                  interpret=interpret)
     cas = jnp.transpose(win[:, :, : r * g].reshape(b, hkv, r, g, d), (0, 2, 1, 3, 4)).reshape(b, r, hkv * g, d)
@@ -99,7 +96,7 @@ def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int
     # Under FP8 the dense reference scores the unquantised query, the prefix half the FP8 one.
     ok = e_out < 2e-2 and lse_ok and e_cas < (6e-2 if dtype != jnp.bfloat16 else 2e-2)
     log(f"conformance {jnp.dtype(dtype).name} R={r} pages_per_step={pages_per_step} stages={stages} "
-        f"key_split={key_split} merge={merge}: prefix rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}, cascade rel {e_cas:.2e} -> "
+        f"key_split={key_split}: prefix rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}, cascade rel {e_cas:.2e} -> "
         f"{'PASS' if ok else 'FAIL'}")
     return ok
 
@@ -117,7 +114,7 @@ def timing(shapes=FULL_SHAPES, hq=32, hkv=8, d=128, samples=7, interpret=False, 
             time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits, triton)
 
 
-def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=(), triton=True, unmerged_too=True):
+def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=(), triton=True):
     """Mosaic GPU prefix (defaults, then one option flipped at a time) against the Triton prefix,
     alone and as cascades; `splits`: also the Mosaic prefix and cascade with each of these key-split
     counts (the default count is `prefix_decode_mgpu.default_mgpu_num_splits`, one wave of CTAs)."""
@@ -145,40 +142,33 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
         f"{default_num_splits(b, hkv, total // (128 if total % 128 == 0 else 64), table.shape[1])}, Mosaic prefix "
         f"{default_mgpu_num_splits(b, hkv, total // rows_per_cta, steps)} (warpgroup key split: {key_split})")
 
-    def cascade(prefix, whole, unmerged=None):
-        """prefix (merged) + window; `unmerged`: a prefix kernel with merge=False, whose partials the window kernel merges."""
+    def cascade(prefix, whole):
         def f(qr, k, v, table, lens, mask):
-            parts = unmerged(qr, k, v, table, lens) if unmerged is not None else prefix(qr, k, v, table, lens)
-            return tree_window_row_layout(qr, k, v, table, lens, mask, *parts, window=n, value_dim=d,
+            out, lse = prefix(qr, k, v, table, lens)
+            return tree_window_row_layout(qr, k, v, table, lens, mask, out, lse, window=n, value_dim=d,
                                           prefix_whole_pages=whole, **kw)
         # Interpreted (--smoke), the two kernels run as separate calls: Pallas' Mosaic GPU
         # interpreter inside one jit with the window kernel deadlocked on a 2-core CPU
         # (its simulated warpgroups block XLA's CPU threads in callbacks).
         return f if interpret else jax.jit(f)
 
-    fence = False  # the kernel's default
-    variants = [("mgpu prefix", mgpu(), None),
-                (f"mgpu prefix, softmax fence {'off' if fence else 'on'}", mgpu(fence_softmax=not fence), None)]
+    # (options, prefix kernel): the defaults first, then one option flipped at a time.
+    variants = [("", mgpu()), (", softmax fence on", mgpu(fence_softmax=True))]
     if total % 128:  # a 64-row head: the other warpgroup layout too
         if key_split:
-            variants.append(("mgpu prefix, no warpgroup key split", mgpu(key_split=False), None))
+            variants.append((", no warpgroup key split", mgpu(key_split=False)))
         else:
-            variants.append(("mgpu prefix, warpgroup key split", mgpu(key_split=True), None))
-        variants.append(("mgpu prefix, warpgroup key split, 1 page/step, 4 stages",
-                         mgpu(key_split=True, stages=4, pages_per_step=1), None))
-    if unmerged_too:
-        variants.append(("mgpu prefix, window merges the splits", mgpu(merge=False), "unmerged"))
-    variants += [(f"mgpu prefix, {ns} splits", mgpu(num_splits=ns), None) for ns in splits]
+            variants.append((", warpgroup key split", mgpu(key_split=True)))
+        variants.append((", warpgroup key split, 1 page/step, 4 stages",
+                         mgpu(key_split=True, stages=4, pages_per_step=1)))
+    variants += [(f", {ns} splits", mgpu(num_splits=ns)) for ns in splits]
     flop = 4 * b * n * hq * (p + n) * d
     res = {}
-    runs = [(name, fn, (qr, k, v, table, lens)) for name, fn, kind in variants if not kind]
+    runs = [(f"mgpu prefix{opts}", fn, (qr, k, v, table, lens)) for opts, fn in variants]
     if triton:
         runs.append(("triton prefix", tr, (qr, k, v, table, lens)))
     cas_args = (qr, k, v, table, lens, mask)
-    runs.append(("mgpu cascade", cascade(mgpu(), True), cas_args))
-    for name, fn, kind in variants[1:]:
-        opts = name.removeprefix("mgpu prefix, ")
-        runs.append((f"mgpu cascade, {opts}", cascade(None, True, fn) if kind else cascade(fn, True), cas_args))
+    runs += [(f"mgpu cascade{opts}", cascade(fn, True), cas_args) for opts, fn in variants]
     if triton:
         runs.append(("triton cascade", cascade(tr, False), cas_args))
     for name, fn, args in runs:
@@ -297,20 +287,17 @@ def main(argv=None) -> int:
     timing_too = not (a.skip_timing or a.interpret)
     ok = True
     bf, f8 = jnp.bfloat16, jnp.float8_e4m3fn
-    # (dtype, pages per step, stages, R, key split, merge): 256-row heads (two row tiles of
+    # (dtype, pages per step, stages, R, key split): 256-row heads (two row tiles of
     # warpgroups), then 64-row heads (the default layout per dtype, the key split forced on for bf16
-    # and off for FP8), the key split forced on 256-row heads, and unmerged partials (merge=False)
-    # into the window kernel.
-    for dtype, pps, stages, r, ks, merge in ((bf, 1, 2, 64, None, True), (f8, 1, 2, 64, None, True),
-                                             (bf, 2, 2, 64, None, True), (f8, 2, 2, 64, None, False),
-                                             (f8, 2, 3, 64, None, True), (bf, 2, 2, 16, None, False),
-                                             (f8, 2, 2, 16, None, True), (f8, 1, 4, 16, None, False),
-                                             (bf, 1, 4, 16, True, True), (f8, 2, 2, 16, False, True),
-                                             (bf, 2, 2, 64, True, False)):
+    # and off for FP8), and the key split forced on 256-row heads.
+    for dtype, pps, stages, r, ks in ((bf, 1, 2, 64, None), (f8, 1, 2, 64, None), (bf, 2, 2, 64, None),
+                                      (f8, 2, 2, 64, None), (f8, 2, 3, 64, None), (bf, 2, 2, 16, None),
+                                      (f8, 2, 2, 16, None), (f8, 1, 4, 16, None), (bf, 1, 4, 16, True),
+                                      (f8, 2, 2, 16, False), (bf, 2, 2, 64, True)):
         if a.skip_conformance:
             break
         try:
-            ok = conformance(a.interpret, dtype, pps, stages, r, ks, merge) and ok
+            ok = conformance(a.interpret, dtype, pps, stages, r, ks) and ok
         except Exception:  # noqa: BLE001 - a first run may find lowering problems
             traceback.print_exc()
             ok = False

@@ -236,26 +236,3 @@ def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r):
                                  scale=d ** -0.5, prefix_whole_pages=True)
     assert rel_err(ref2, ref) < 1e-5
 
-
-def test_window_merges_unmerged_key_split_partials():
-    """The window kernel takes the prefix's key-split partials unmerged ([S, B, Hkv, T, D], a prefix
-    kernel's merge=False) and merges them by LSE as it starts. Against one dense fp32 attention of the whole verify,
-    with the out of every split that saw no key poisoned to NaN (its lse2 is -inf: zero weight)."""
-    from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, prefix_decode_row_layout, rows_to_heads
-    from pallas_kernels.attention.reference import cascade_dense_reference
-    from pallas_kernels.attention.tree_window import tree_window_row_layout
-
-    r, g, hkv, d, page = 8, 4, 2, 32, 16
-    q, k, v, table, lens, mask = verify_case(np.random.default_rng(7), [0, 40, 200], r, hkv, g, d, page,
-                                             jnp.float32)
-    total = padded_rows(r * g)
-    qr = heads_to_rows(q, hkv, total)
-    kw = dict(query_rows=r, group=g, page_size=page, scale=d ** -0.5, interpret=True)
-    out_s, lse_s = prefix_decode_row_layout(qr, k, v, table, lens, num_splits=3, merge=False, **kw)
-    assert out_s.shape == (3, 3, hkv, total, d) and lse_s.shape == (3, 3, hkv, total)
-    assert bool(jnp.any(jnp.isneginf(lse_s))) and bool(jnp.any(jnp.isfinite(lse_s)))
-    out_s = jnp.where(jnp.isneginf(lse_s)[..., None], jnp.nan, out_s)
-    win = tree_window_row_layout(qr, k, v, table, lens, mask, out_s, lse_s, window=r, value_dim=d,
-                                 poison_outputs=True, **kw)
-    dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=r, page_size=page, scale=d ** -0.5)
-    assert rel_err(rows_to_heads(win, r, hkv * g), dense) < 1e-5

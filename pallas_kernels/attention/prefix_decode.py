@@ -320,20 +320,17 @@ def merge_splits(out: jax.Array, lse: jax.Array):
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "num_splits",
                                              "sliding_window", "block_rows", "num_warps", "num_stages",
                                              "pages_per_step", "interpret", "fp8_score_dot",
-                                             "poison_outputs", "prefetch_page_ids", "merge"))
+                                             "poison_outputs", "prefetch_page_ids"))
 def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                              page_size: int, scale: float, num_splits=None, sliding_window=None,
                              block_rows=None, num_warps=None, num_stages=None, pages_per_step=None,
                              interpret: bool = False, fp8_score_dot: bool = False,
-                             poison_outputs: bool = False, prefetch_page_ids: bool | None = None,
-                             merge: bool = True):
+                             poison_outputs: bool = False, prefetch_page_ids: bool | None = None):
     """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, D]` (row `r * G + g`,
     T = padded_rows(R * G)) -> (out `[B, Hkv, T, D]` f32, lse2 `[B, Hkv, T]` f32). The cascade keeps
     this layout between its two halves, so q is transposed once on the way in and the final output
     once on the way out. Inputs are assumed validated by the public entry points (pages_per_step
-    is checked here too, since the benchmarks call this directly). `merge=False` returns the
-    key splits' unmerged partials `[S, B, Hkv, T, D]`, `[S, B, Hkv, T]` for the window kernel to
-    merge as it starts."""
+    is checked here too, since the benchmarks call this directly)."""
     b, hkv, total, d = qr.shape
     max_pages = page_table.shape[1]
     launch = default_launch(b, hkv, total, max_pages)
@@ -383,8 +380,6 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
                                              num_stages=num_stages or launch.num_stages),
         name="prefix_decode",
     )(*args)
-    if not merge:
-        return out, lse
     if splits > 1:
         return merge_splits(out, lse)
     return out[0], lse[0]

@@ -228,12 +228,12 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
 
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "num_splits",
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
-                                             "merge", "interpret"))
+                                             "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
                                   pingpong: bool = True, pages_per_step: int | None = None,
                                   key_split: bool | None = None, fence_softmax: bool = False,
-                                  merge: bool = True, interpret: bool = False):
+                                  interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
@@ -247,9 +247,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     work past the turn, as JAX's Mosaic GPU flash attention orders its step (off by default: on
     the H200 it made the B=32, P=32k prefix 0.93x (bf16, 2.324 vs 2.155 ms) and 0.90x (FP8, 2.160
     vs 1.936), and elsewhere it moved both ways within the run-to-run noise; benchmarks/RESULTS.md,
-    session 9); `merge=False` returns the unmerged partials `[S, B, Hkv, T, D]`, `[S, B, Hkv, T]`
-    (S = key splits, times 2 under a key split), which the window kernel can merge as it starts
-    (the cascade merges them in XLA first: the in-kernel merge was not faster on the H200);
+    session 9);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
@@ -490,8 +488,6 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
         # Pallas' GPU interpreter simulates shared memory, TMA and barriers on the CPU.
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(qr, k_pool, v_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
-    if not merge:
-        return out, lse
     if splits * stride > 1:
         return merge_splits(out, lse)
     return out[0], lse[0]

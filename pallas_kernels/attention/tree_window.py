@@ -85,7 +85,7 @@ def check_launch(block_rows, num_warps, num_stages, what: str):
 
 def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_size: int,
                    window: int, scale2: float, causal_prefix: bool, main_dim: int, rope_dim: int,
-                   shared_kv: bool, prefix_whole_pages: bool = False, partials: int = 1):
+                   shared_kv: bool, prefix_whole_pages: bool = False):
     refs = list(refs)
     plen_ref, pt_ref, q_ref = refs[:3]
     refs = refs[3:]
@@ -127,23 +127,11 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
             x = x.astype(jnp.float16)
         return x.astype(cdt)
 
-    # The prefix half's partials (one per key split; a split that saw no key has lse2 = -inf and
-    # out = 0) start the online softmax at (m = max lse2, l = sum 2^(lse2 - m), acc = sum of the
-    # weighted outputs): the split merge costs no separate pass over the partials.
-    own = pl.ds(tile * block_rows, block_rows)
-    lses = [plgpu.load(plse_ref.at[jnp.int32(s), b, head, own]) for s in range(partials)]
-    m = functools.reduce(jnp.maximum, lses)
-    started = (m > -jnp.inf) & real_row
-    m = jnp.where(started, m, -jnp.inf)
-    m_safe = jnp.where(started, m, 0.0)
-    l = jnp.zeros((block_rows,), jnp.float32)
-    acc = None
-    for s, lse_s in enumerate(lses):
-        w = jnp.where(started & (lse_s > -jnp.inf), jnp.exp2(lse_s - m_safe), 0.0)
-        part = plgpu.load(pout_ref.at[jnp.int32(s), b, head, own, :]).astype(jnp.float32)
-        term = jnp.where(w[:, None] > 0, w[:, None] * part, 0.0)  # an empty split's out never reaches a row
-        l = l + w
-        acc = term if acc is None else acc + term
+    lse = plse_ref[...]
+    started = (lse > -jnp.inf) & real_row
+    m = jnp.where(started, lse, -jnp.inf)
+    l = jnp.where(started, 1.0, 0.0).astype(jnp.float32)
+    acc = jnp.where(started[:, None], pout_ref[...].astype(jnp.float32), 0.0)
 
     key_iota = lax.broadcasted_iota(jnp.int32, (page_size,), 0)
 
@@ -197,9 +185,7 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
                            poison_outputs: bool = False, prefix_whole_pages: bool = False):
     """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, Dk]`, `mask [B, R, 2]`,
     `prefix_out_rows [B, Hkv, T, Dv]` f32, `prefix_lse2_rows [B, Hkv, T]` -> `[B, Hkv, T, Dv]` in
-    qr's dtype. The prefix may also come as unmerged key-split partials, `[S, B, Hkv, T, Dv]` and
-    `[S, B, Hkv, T]` (a prefix kernel's `merge=False`): the kernel merges them by LSE as it starts.
-    Inputs are assumed validated by `tree_window_attention`."""
+    qr's dtype. Inputs are assumed validated by `tree_window_attention`."""
     b, hkv, total, dk = qr.shape
     r = query_rows
     shared = v_pool is None
@@ -210,13 +196,6 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
     block = min(block_rows or default_block_rows(total, max(main_dim, dv), b * hkv), total)
     tiles = total // block
 
-    if prefix_out_rows.ndim == 4:
-        prefix_out_rows, prefix_lse2_rows = prefix_out_rows[None], prefix_lse2_rows[None]
-    partials = prefix_out_rows.shape[0]
-    if prefix_out_rows.shape != (partials, b, hkv, total, dv) or prefix_lse2_rows.shape != (partials, b, hkv, total):
-        raise ValueError(f"tree_window_row_layout: prefix partials must be [S, B, Hkv, T, Dv] = "
-                         f"{(partials, b, hkv, total, dv)} and [S, B, Hkv, T], got {prefix_out_rows.shape} and "
-                         f"{prefix_lse2_rows.shape}")
     words = jax.lax.bitcast_convert_type(mask.astype(jnp.uint32), jnp.int32)  # [B, R, 2]
     words = heads_to_rows(jnp.broadcast_to(words[:, :, None, :], (b, r, hkv * group, 2)), hkv, total, fill=0)
 
@@ -239,12 +218,12 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
         in_specs.append(any_spec)
     args += [words[..., 0], words[..., 1], prefix_out_rows.astype(jnp.float32),
              prefix_lse2_rows.astype(jnp.float32)]
-    in_specs += [row_spec(None), row_spec(None), any_spec, any_spec]
+    in_specs += [row_spec(None), row_spec(None), row_spec(dv), row_spec(None)]
 
     kernel = functools.partial(
         _window_kernel, query_rows=r, group=group, block_rows=block, page_size=page_size,
         window=window, scale2=float(scale) * LOG2E, causal_prefix=causal_prefix, main_dim=main_dim,
-        rope_dim=rope_dim, shared_kv=shared, prefix_whole_pages=prefix_whole_pages, partials=partials)
+        rope_dim=rope_dim, shared_kv=shared, prefix_whole_pages=prefix_whole_pages)
     out_shape = jax.ShapeDtypeStruct((b, hkv, total, dv), qr.dtype)
     aliases = {}
     if poison_outputs:

@@ -137,9 +137,9 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
     hkv = k_pool.shape[1]
     group = hq // hkv
     qr = heads_to_rows(q, hkv, padded_rows(r * group))
-    # The key-split partials are merged by XLA before the window kernel (`merge_splits`). The window
-    # kernel can merge them itself (`merge=False` here); on the H200 that was no faster (session 9,
-    # benchmarks/RESULTS.md: B=1 bf16 0.128 vs 0.089 ms, FP8 0.093 vs 0.092), so it is not the default.
+    # The key-split partials are merged by XLA before the window kernel (`merge_splits`). Merging them
+    # in the window kernel instead was no faster on the H200 (session 9, benchmarks/RESULTS.md: B=1
+    # bf16 0.126-0.128 vs 0.087-0.089 ms, FP8 0.093-0.100 vs 0.092-0.099), so that was taken out.
     if mosaic:
         prefix_out, prefix_lse2 = prefix_decode_mgpu_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, query_rows=r, group=group, page_size=page_size,
