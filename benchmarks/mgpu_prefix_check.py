@@ -15,7 +15,8 @@ cascades.
 2. Timing (Hq=32, Hkv=8, D=128, page 64, random page tables; by default N=64 at B=32/P=32k,
    B=64/P=4k, B=1/P=32k (a key split) and B=8/P=8k/N=16 (64-row heads: one compute warpgroup for
    bf16, the warpgroup key split for FP8); bf16, and FP8 with `--fp8`): the Mosaic GPU prefix with
-   its defaults and with one option flipped at a time (softmax fence, the other warpgroup layout on
+   its defaults and with one option flipped at a time (softmax fence, page ids read a step ahead,
+   two output staging tiles, the other warpgroup layout on
    64-row heads), alone and as cascades with the window kernel, against the Pallas Triton `prefix_decode_row_layout` on the same inputs (`--no-triton`
    skips it).
 """
@@ -34,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.report import log, rel_err  # noqa: E402
-from benchmarks.timing import measure_matmul_flops, median_time  # noqa: E402
+from benchmarks.timing import chained_time, feed_output, feed_scalar, measure_matmul_flops, median_time  # noqa: E402
 from pallas_kernels.attention.prefix_decode import (default_num_splits, heads_to_rows, padded_rows,  # noqa: E402
                                                    prefix_decode_row_layout)
 from pallas_kernels.attention.prefix_decode_mgpu import (default_mgpu_num_splits,  # noqa: E402
@@ -44,6 +45,8 @@ from pallas_kernels.attention.tree_window import tree_window_row_layout  # noqa:
 from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
 
 PAGE = 64
+# Calls chained inside one jit per device-time sample (timing.chained_time).
+CHAINED = 20
 
 
 def pools(rng, b, lengths, w, hkv, d, dtype):
@@ -62,7 +65,7 @@ def pools(rng, b, lengths, w, hkv, d, dtype):
 
 
 def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int = 1, stages: int = 2,
-                r: int = 64, key_split: bool | None = None) -> bool:
+                r: int = 64, key_split: bool | None = None, **opts) -> bool:
     """`dtype`: the pools' dtype (bf16, or FP8 E4M3 with the bf16 query cast to FP8 by the kernel);
     `r` = 16 makes 64-row heads (one compute warpgroup, or both on the same rows alternating key
     steps: the default for FP8, or `key_split=True`)."""
@@ -75,7 +78,7 @@ def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int
     total = padded_rows(r * g)
     qr = heads_to_rows(q, hkv, total)
     kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, pages_per_step=pages_per_step, stages=stages,
-              key_split=key_split, interpret=interpret)
+              key_split=key_split, interpret=interpret, **opts)
     out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, **kw)
     ref_out, ref_lse = prefix_decode_reference(q, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
                                                whole_pages=True)
@@ -96,7 +99,7 @@ def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int
     # Under FP8 the dense reference scores the unquantised query, the prefix half the FP8 one.
     ok = e_out < 2e-2 and lse_ok and e_cas < (6e-2 if dtype != jnp.bfloat16 else 2e-2)
     log(f"conformance {jnp.dtype(dtype).name} R={r} pages_per_step={pages_per_step} stages={stages} "
-        f"key_split={key_split}: prefix rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}, cascade rel {e_cas:.2e} -> "
+        f"key_split={key_split}{''.join(f' {k}={v}' for k, v in opts.items())}: prefix rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}, cascade rel {e_cas:.2e} -> "
         f"{'PASS' if ok else 'FAIL'}")
     return ok
 
@@ -153,7 +156,9 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
         return f if interpret else jax.jit(f)
 
     # (options, prefix kernel): the defaults first, then one option flipped at a time.
-    variants = [("", mgpu()), (", softmax fence on", mgpu(fence_softmax=True))]
+    variants = [("", mgpu()), (", softmax fence on", mgpu(fence_softmax=True)),
+                (", page ids prefetched", mgpu(prefetch_pages=True)), (", two output tiles", mgpu(out_buffers=2)),
+                (", page ids prefetched, two output tiles", mgpu(prefetch_pages=True, out_buffers=2))]
     if total % 128:  # a 64-row head: the other warpgroup layout too
         if key_split:
             variants.append((", no warpgroup key split", mgpu(key_split=False)))
@@ -164,16 +169,21 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
     variants += [(f", {ns} splits", mgpu(num_splits=ns)) for ns in splits]
     flop = 4 * b * n * hq * (p + n) * d
     res = {}
-    runs = [(f"mgpu prefix{opts}", fn, (qr, k, v, table, lens)) for opts, fn in variants]
+    # (name, function, arguments, chained-time feed: the prefix's partial into P, the cascade's
+    # output (the row layout, q's dtype) into q).
+    pre_feed, cas_feed = feed_scalar(4), feed_output(0)
+    runs = [(f"mgpu prefix{opts}", fn, (qr, k, v, table, lens), pre_feed) for opts, fn in variants]
     if triton:
-        runs.append(("triton prefix", tr, (qr, k, v, table, lens)))
+        runs.append(("triton prefix", tr, (qr, k, v, table, lens), pre_feed))
     cas_args = (qr, k, v, table, lens, mask)
-    runs += [(f"mgpu cascade{opts}", cascade(fn, True), cas_args) for opts, fn in variants]
+    runs += [(f"mgpu cascade{opts}", cascade(fn, True), cas_args, cas_feed) for opts, fn in variants]
     if triton:
-        runs.append(("triton cascade", cascade(tr, False), cas_args))
-    for name, fn, args in runs:
+        runs.append(("triton cascade", cascade(tr, False), cas_args, cas_feed))
+    for name, fn, args, feed in runs:
         try:
-            res[name] = median_time(fn, *args, samples=samples)
+            # Interpreted (--smoke), per-call timing: chaining would put both interpreters in one jit.
+            res[name] = (median_time(fn, *args, samples=samples) if interpret
+                         else chained_time(fn, args, feed, inner=CHAINED, reps=samples))
             log(f"{jnp.dtype(dtype).name} B={b} P={p} N={n}: {name} {res[name] * 1e3:.3f} ms, {flop / res[name] / 1e12:.0f} TFLOP/s, "
                 f"{flop / flops_rate / res[name]:.2f} of the FLOP floor's speed")
         except Exception as exc:  # noqa: BLE001
@@ -298,6 +308,15 @@ def main(argv=None) -> int:
             break
         try:
             ok = conformance(a.interpret, dtype, pps, stages, r, ks) and ok
+        except Exception:  # noqa: BLE001 - a first run may find lowering problems
+            traceback.print_exc()
+            ok = False
+    # Page ids read a step ahead and two output staging tiles (bf16 256-row heads, FP8 key split).
+    for dtype, pps, stages, r in ((bf, 2, 2, 64), (f8, 2, 2, 16), (f8, 1, 4, 16)):
+        if a.skip_conformance:
+            break
+        try:
+            ok = conformance(a.interpret, dtype, pps, stages, r, None, prefetch_pages=True, out_buffers=2) and ok
         except Exception:  # noqa: BLE001 - a first run may find lowering problems
             traceback.print_exc()
             ok = False
