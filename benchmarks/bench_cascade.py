@@ -331,10 +331,15 @@ def time_mla_window(b=32, p=8192, n=16, hq=128, lat=512, rope=64):
         plse = jax.random.normal(key, (b, n, hq), jnp.float32) + 10.0
         mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
         lengths = jnp.full((b,), p, jnp.int32)
-        f = jax.jit(lambda *a: tree_window_attention(*a, window=n, page_size=PAGE, scale=192 ** -0.5, rope_dim=rope))
-        out[jnp.dtype(dtype).name] = median_time(f, q, lp, None, table, lengths, mask, po, plse) * 1e3
-        print(f"  MLA window B={b} N={n} Hq={hq} latent={lat} rope={rope} {jnp.dtype(dtype).name}: "
-              f"{out[jnp.dtype(dtype).name]:.3f} ms", flush=True)
+        # The default row tiles, then 16 and 32 explicitly (device time, chained through P).
+        for rows in (None, 16, 32):
+            f = jax.jit(lambda q, lp, table, lengths, mask, po, plse, rows=rows: tree_window_attention(
+                q, lp, None, table, lengths, mask, po, plse, window=n, page_size=PAGE, scale=192 ** -0.5,
+                rope_dim=rope, block_rows=rows))
+            name = jnp.dtype(dtype).name + ("" if rows is None else f" ({rows}-row tiles)")
+            out[name] = chained_time(f, (q, lp, table, lengths, mask, po, plse), feed_scalar(3),
+                                     inner=CHAINED) * 1e3
+            print(f"  MLA window B={b} N={n} Hq={hq} latent={lat} rope={rope} {name}: {out[name]:.3f} ms", flush=True)
     return out
 
 

@@ -15,8 +15,7 @@ cascades.
 2. Timing (Hq=32, Hkv=8, D=128, page 64, random page tables; by default N=64 at B=32/P=32k,
    B=64/P=4k, B=1/P=32k (a key split) and B=8/P=8k/N=16 (64-row heads: one compute warpgroup for
    bf16, the warpgroup key split for FP8); bf16, and FP8 with `--fp8`): the Mosaic GPU prefix with
-   its defaults and with one option flipped at a time (softmax fence, page ids read a step ahead,
-   two output staging tiles, the other warpgroup layout on
+   its defaults and with one option flipped at a time (softmax fence, the other warpgroup layout on
    64-row heads), alone and as cascades with the window kernel, against the Pallas Triton `prefix_decode_row_layout` on the same inputs (`--no-triton`
    skips it).
 """
@@ -156,9 +155,7 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
         return f if interpret else jax.jit(f)
 
     # (options, prefix kernel): the defaults first, then one option flipped at a time.
-    variants = [("", mgpu()), (", softmax fence on", mgpu(fence_softmax=True)),
-                (", page ids prefetched", mgpu(prefetch_pages=True)), (", two output tiles", mgpu(out_buffers=2)),
-                (", page ids prefetched, two output tiles", mgpu(prefetch_pages=True, out_buffers=2))]
+    variants = [("", mgpu()), (", softmax fence on", mgpu(fence_softmax=True))]
     if total % 128:  # a 64-row head: the other warpgroup layout too
         if key_split:
             variants.append((", no warpgroup key split", mgpu(key_split=False)))
@@ -308,15 +305,6 @@ def main(argv=None) -> int:
             break
         try:
             ok = conformance(a.interpret, dtype, pps, stages, r, ks) and ok
-        except Exception:  # noqa: BLE001 - a first run may find lowering problems
-            traceback.print_exc()
-            ok = False
-    # Page ids read a step ahead and two output staging tiles (bf16 256-row heads, FP8 key split).
-    for dtype, pps, stages, r in ((bf, 2, 2, 64), (f8, 2, 2, 16), (f8, 1, 4, 16)):
-        if a.skip_conformance:
-            break
-        try:
-            ok = conformance(a.interpret, dtype, pps, stages, r, None, prefetch_pages=True, out_buffers=2) and ok
         except Exception:  # noqa: BLE001 - a first run may find lowering problems
             traceback.print_exc()
             ok = False

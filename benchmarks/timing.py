@@ -14,6 +14,20 @@ import jax
 import jax.numpy as jnp
 
 
+# Seconds of back-to-back calls before a timing starts. Compiles leave the GPU idle long enough for
+# its clocks to drop (nvidia-smi showed 345 MHz of 1980 at rest on the H200), and a timing of a few
+# milliseconds right after one measured the same window-kernel launch at 0.013 and 0.024 ms in one
+# sweep (benchmarks/RESULTS.md, session 10).
+WARM_S = 0.2
+
+
+def _warm(call):
+    """Runs `call()` (returns arrays to wait on) until WARM_S seconds have passed."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < WARM_S:
+        jax.block_until_ready(call())
+
+
 def median_time(fn, *args, samples=15, inner=None):
     """Median seconds per call of `fn(*args)`: warm-up, then `samples` rounds of `inner` calls.
 
@@ -25,6 +39,7 @@ def median_time(fn, *args, samples=15, inner=None):
     jax.block_until_ready(fn(*args))
     one = time.perf_counter() - t0
     inner = inner or max(1, min(20, int(0.02 / max(one, 1e-6))))
+    _warm(lambda: fn(*args))
     times = []
     for _ in range(samples):
         t0 = time.perf_counter()
@@ -48,6 +63,9 @@ def time_step(step, carry, *, inner: int, reps: int = 7):
 
     f = jax.jit(many, donate_argnums=0)
     carry = jax.block_until_ready(f(carry))
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < WARM_S:  # _warm, threading the donated carry
+        carry = jax.block_until_ready(f(carry))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -74,6 +92,7 @@ def chained_time(fn, args, feed, *, inner: int = 20, reps: int = 7):
 
     f = jax.jit(many)
     jax.block_until_ready(f(*args))
+    _warm(lambda: f(*args))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -55,23 +55,6 @@ KEY_SPLIT = [
 
 @pytest.mark.parametrize("r,g,lengths,splits,pingpong,dtype,pps,stages,key_split", STAGED + KEY_SPLIT)
 def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dtype, pps, stages, key_split):
-    check_against_dense(r, g, lengths, splits, pingpong, dtype, pps, stages, key_split)
-
-
-# Page ids read one step ahead (the prefetch reads past the CTA's last step, clamped into the
-# table: P = 330 ends mid-step, P = 0 has no step) and two output staging tiles, alone and together,
-# with and without a key split.
-@pytest.mark.parametrize("case,opts", [
-    ((64, 4, [260, 330, 0], 3, True, jnp.bfloat16, 2, 2, None), dict(prefetch_pages=True)),
-    ((16, 4, [200, 330], 1, True, FP8, 1, 2, None), dict(prefetch_pages=True)),
-    ((32, 4, [70, 200, 300], 2, True, jnp.bfloat16, 2, 2, None), dict(out_buffers=2)),
-    ((16, 4, [200, 330, 10], 2, True, FP8, 1, 4, True), dict(prefetch_pages=True, out_buffers=2)),
-])
-def test_mgpu_prefix_page_prefetch_and_output_tiles_match_dense(case, opts):
-    check_against_dense(*case, **opts)
-
-
-def check_against_dense(r, g, lengths, splits, pingpong, dtype, pps, stages, key_split, **opts):
     hkv, d = 2, 64
     q, k, v, table, lens, mask = verify_case(np.random.default_rng(r * g), lengths, r, hkv, g, d, PAGE,
                                              dtype, q_dtype=jnp.bfloat16)
@@ -80,7 +63,7 @@ def check_against_dense(r, g, lengths, splits, pingpong, dtype, pps, stages, key
     out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
                                              scale=d ** -0.5, num_splits=splits, pingpong=pingpong,
                                              pages_per_step=pps, stages=stages, key_split=key_split,
-                                             interpret=True, **opts)
+                                             interpret=True)
     ref_out, ref_lse = prefix_decode_reference(q, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
                                                whole_pages=True)
     assert rel_err(rows_to_heads(out, r, hkv * g), ref_out) < 1e-2
@@ -116,14 +99,12 @@ def test_mgpu_prefix_refuses_unsupported_shapes():
     with pytest.raises(ValueError, match="multiple of 64, got 32.*page_size must be 64 or 128"):
         check_mgpu_inputs(jnp.zeros((1, 1, 32, 64), bf), pool, pool, 32)
     big = jnp.zeros((256, 1, 128), bf)
-    with pytest.raises(ValueError, match="page_size=64, pages_per_step=2, stages=3, out_buffers=1, head dim 128 need"):
+    with pytest.raises(ValueError, match="page_size=64, pages_per_step=2, stages=3, head dim 128 need"):
         check_mgpu_inputs(jnp.zeros((1, 1, 256, 128), bf), big, big, 64, stages=3, pages_per_step=2)
     with pytest.raises(ValueError, match="pages_per_step must be 1 or 2, got 4"):
         check_mgpu_inputs(jnp.zeros((1, 1, 256, 128), bf), big, big, 64, pages_per_step=4)
-    with pytest.raises(ValueError, match="page_size=128, pages_per_step=1, stages=3, out_buffers=1, head dim 128 need"):
+    with pytest.raises(ValueError, match="page_size=128, pages_per_step=1, stages=3, head dim 128 need"):
         check_mgpu_inputs(jnp.zeros((1, 1, 256, 128), bf), big, big, 128, stages=3)
-    with pytest.raises(ValueError, match="out_buffers must be 1 or 2, got 3"):
-        check_mgpu_inputs(jnp.zeros((1, 1, 256, 128), bf), big, big, 64, out_buffers=3)
 
 
 def test_default_mgpu_num_splits_fills_one_wave():
@@ -193,8 +174,7 @@ def test_default_pages_per_step_makes_128_key_steps_that_fit():
     (64, 3, True, 64, 2, jnp.bfloat16, 2, None), (256, 2, True, 64, 3, FP8, 2, None),
     (64, 2, True, 64, 2, jnp.bfloat16, 2, False), (256, 1, True, 64, 4, FP8, 1, True),
     (64, 2, True, 64, 2, FP8, 2, False)])
-def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages, pool_dtype, pps, key_split,
-                                          opts=None):
+def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages, pool_dtype, pps, key_split):
     """The compiled path (wgmma PV through run_state, not the interpreter's dot) lowers to a Mosaic GPU
     module on the CPU; compiling that module to a cubin needs the GPU machine."""
     import jax
@@ -205,14 +185,8 @@ def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages,
     b, hkv, d = 2, 8, 128
     fn = lambda qr, k, v, t, ln: prefix_decode_mgpu_row_layout(  # noqa: E731
         qr, k, v, t, ln, query_rows=total // 4, group=4, page_size=page, scale=0.1, num_splits=splits,
-        pingpong=pingpong, stages=stages, pages_per_step=pps, key_split=key_split, **(opts or {}))
+        pingpong=pingpong, stages=stages, pages_per_step=pps, key_split=key_split)
     pool = sd((64 * page, hkv, d), pool_dtype)
     text = jax.jit(fn).trace(sd((b, hkv, total, d), jnp.bfloat16), pool, pool, sd((b, 32), jnp.int32),
                              sd((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("total,pool_dtype", [(256, jnp.bfloat16), (64, FP8)])
-def test_mgpu_prefix_with_page_prefetch_and_two_output_tiles_lowers(total, pool_dtype):
-    test_mgpu_prefix_lowers_to_mosaic_gpu(total, 2, True, 64, 2, pool_dtype, 2, None,
-                                          opts=dict(prefetch_pages=True, out_buffers=2))

@@ -200,7 +200,8 @@ def test_window_rejects_bad_launch_options():
 def test_default_row_tiles_follow_the_grid_size():
     from pallas_kernels.attention.tree_window import default_block_rows
     assert default_block_rows(256, 128, 1 * 8) == 16  # B=1: small grid, many small tiles
-    assert default_block_rows(256, 128, 32 * 8) == 16  # B=32: 1024 programs at 64 rows
+    assert default_block_rows(256, 128, 32 * 8) == 64  # B=32: 1024 programs at 64 rows
+    assert default_block_rows(256, 128, 16 * 8) == 16  # B=16: 512
     assert default_block_rows(256, 128, 64 * 8) == 64  # B=64: 2048 programs at 64 rows
     assert default_block_rows(256, 512, 64 * 8) == 32  # MLA latent: accumulator cap
     assert default_block_rows(16, 128, 64 * 8) == 16  # never past the rows there are

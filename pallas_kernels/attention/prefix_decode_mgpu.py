@@ -114,14 +114,13 @@ def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: i
 
 
 def smem_bytes(total_rows: int, width: int, itemsize: int, block: int, stages: int,
-               key_split: bool | None = None, out_buffers: int = 1) -> int:
+               key_split: bool | None = None) -> int:
     """Shared memory of one CTA (`block` keys per step): query tiles, the K and V rings, output
-    staging (`out_buffers` tiles per warpgroup), LSE; with 1-byte (FP8) items also each compute
-    warpgroup's fp16 copy of the step's V."""
+    staging, LSE; with 1-byte (FP8) items also each compute warpgroup's fp16 copy of the step's V."""
     wgs, _, _ = warpgroup_layout(total_rows, key_split, itemsize)
     widened = wgs * block * width * 2 if itemsize == 1 else 0
     return (wgs * ROWS_PER_WG * width * itemsize + 2 * stages * block * width * itemsize + widened
-            + wgs * ROWS_PER_WG * (out_buffers * OUT_CHUNK + 1) * 4 + SMEM_OVERHEAD)
+            + wgs * ROWS_PER_WG * (OUT_CHUNK + 1) * 4 + SMEM_OVERHEAD)
 
 
 def _smem_transforms(minor: int, dtype):
@@ -171,25 +170,23 @@ def online_softmax_update(s, m, l, acc, scale2: float, visible=None):
 
 
 def default_pages_per_step(total_rows: int, width: int, itemsize: int, page_size: int, stages: int,
-                           key_split: bool | None = None, out_buffers: int = 1) -> int:
+                           key_split: bool | None = None) -> int:
     """Pages per key step: as many as make STEP_KEYS keys (at most 2) while shared memory holds them."""
     pps = 2 if 2 * page_size <= STEP_KEYS else 1
-    if pps == 2 and smem_bytes(total_rows, width, itemsize, 2 * page_size, stages, key_split,
-                               out_buffers) > MAX_SMEM_BYTES:
+    if pps == 2 and smem_bytes(total_rows, width, itemsize, 2 * page_size, stages, key_split) > MAX_SMEM_BYTES:
         pps = 1
     return pps
 
 
 def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2,
-                      pages_per_step: int | None = None, key_split: bool | None = None,
-                      out_buffers: int = 1) -> list[str]:
+                      pages_per_step: int | None = None, key_split: bool | None = None) -> list[str]:
     """Every reason this kernel cannot take these inputs (empty: it can). Arrays or ShapeDtypeStructs;
     `pages_per_step` None: `default_pages_per_step`."""
     b, hkv, total, d = qr.shape
     errors = []
     if pages_per_step is None:
         pages_per_step = default_pages_per_step(total, d, jnp.dtype(k_pool.dtype).itemsize, page_size, stages,
-                                                key_split, out_buffers)
+                                                key_split)
     if total % ROWS_PER_WG:
         errors.append(f"prefix_decode_mgpu: padded rows per KV head must be a multiple of {ROWS_PER_WG}, got {total}")
     if page_size not in (64, 128):
@@ -212,33 +209,31 @@ def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2,
                       f"warpgroup owns half of the K/V ring), got {stages}")
     if pages_per_step not in (1, 2):
         errors.append(f"prefix_decode_mgpu: pages_per_step must be 1 or 2, got {pages_per_step}")
-    if out_buffers not in (1, 2):
-        errors.append(f"prefix_decode_mgpu: out_buffers must be 1 or 2, got {out_buffers}")
     if not errors:
-        need = smem_bytes(total, d, pool.itemsize, page_size * pages_per_step, stages, key_split, out_buffers)
+        need = smem_bytes(total, d, pool.itemsize, page_size * pages_per_step, stages, key_split)
         if need > MAX_SMEM_BYTES:
             errors.append(f"prefix_decode_mgpu: page_size={page_size}, pages_per_step={pages_per_step}, "
-                          f"stages={stages}, out_buffers={out_buffers}, head dim {d} need {need} bytes of shared memory, "
+                          f"stages={stages}, head dim {d} need {need} bytes of shared memory, "
                           f"more than {MAX_SMEM_BYTES}")
     return errors
 
 
 def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages_per_step: int | None = None,
-                      key_split: bool | None = None, out_buffers: int = 1):
+                      key_split: bool | None = None):
     """Shapes this kernel takes; raises naming every unsupported value."""
-    errors = mgpu_input_errors(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split, out_buffers)
+    errors = mgpu_input_errors(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
     if errors:
         raise ValueError("; ".join(errors))
 
 
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "num_splits",
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
-                                             "prefetch_pages", "out_buffers", "interpret"))
+                                             "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
                                   pingpong: bool = True, pages_per_step: int | None = None,
                                   key_split: bool | None = None, fence_softmax: bool = False,
-                                  prefetch_pages: bool = False, out_buffers: int = 1, interpret: bool = False):
+                                  interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
@@ -253,12 +248,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     the H200 it made the B=32, P=32k prefix 0.93x (bf16, 2.324 vs 2.155 ms) and 0.90x (FP8, 2.160
     vs 1.936), and elsewhere it moved both ways within the run-to-run noise; benchmarks/RESULTS.md,
     session 9);
-    `prefetch_pages`: the TMA warpgroup reads step i + 1's page ids from the table while step i's
-    copies wait for free buffers, instead of after the wait (a global load on each copy's path);
-    `out_buffers`: fp32 output staging tiles per warpgroup (1 or 2; with 2, writing one piece of
-    the output overlaps the copy-out of the previous one);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
-    check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split, out_buffers)
+    check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
     # K-major operand FP8 needs); V is not, so each step's V page is widened to fp16 in shared memory.
     fp8 = jnp.dtype(k_pool.dtype) == F8
@@ -273,7 +264,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"prefix_decode_mgpu: num_splits must be >= 1, got {num_splits}")
     pps = pages_per_step or default_pages_per_step(total, d, jnp.dtype(k_pool.dtype).itemsize, page_size, stages,
-                                                   key_split, out_buffers)
+                                                   key_split)
     steps = -(-max_pages // pps)  # key steps of a full page table
     splits = num_splits or default_mgpu_num_splits(b, hkv, tiles, steps)
     block = page_size * pps
@@ -417,14 +408,12 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG)])
             # The fp32 output leaves through a small staging tile, piece by piece (a whole [64, D]
             # fp32 tile per warpgroup would cost the K/V ring a stage).
-            # With two staging tiles, a piece is written while the previous one is still read out.
             for j in range(d // OUT_CHUNK):
-                plgpu.wait_smem_to_gmem(out_buffers - 1, wait_read_only=True)  # this tile is free
-                o_tile = o_smem.at[wg, j % out_buffers]
-                o_tile[...] = out[:, j * OUT_CHUNK:(j + 1) * OUT_CHUNK]
+                plgpu.wait_smem_to_gmem(0)  # the previous piece has been read out
+                o_smem.at[wg][...] = out[:, j * OUT_CHUNK:(j + 1) * OUT_CHUNK]
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_tile, out_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG),
-                                                            pl.ds(j * OUT_CHUNK, OUT_CHUNK)])
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG),
+                                                                   pl.ds(j * OUT_CHUNK, OUT_CHUNK)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == wgs)
@@ -433,32 +422,24 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
 
             whole_pages = lax.div(whole, jnp.int32(page_size))
 
-            def page_ids(i):
+            def page_rows(i, j):
                 # A step's later page past the last whole one (the step straddles `whole`) repeats
                 # the step's first page instead: its keys are masked, and finite V rows keep the
                 # zero softmax weights from turning into NaN (the partial page may hold anything).
-                # Clamped into the table: a prefetch past the CTA's last step reads a real entry.
-                ids = []
-                for j in range(pps):
-                    page = i * pps + j
-                    page = jnp.where(page < whole_pages, page, i * pps) if j else page
-                    ids.append(pt_gmem[bi, jnp.minimum(page, max_pages - 1) if prefetch_pages else page])
-                return tuple(ids)
+                page = i * pps + j
+                page = jnp.where(page < whole_pages, page, i * pps) if j else page
+                return pl.ds(pt_gmem[bi, page] * page_size, page_size)
 
-            def fetch(i, ids):
+            @pl.loop(lo, hi)
+            def _fetch(i):
                 slot = slot_of(i)
-                if prefetch_pages:
-                    # The next step's ids load while this step's copies wait for their buffers.
-                    next_ids = page_ids(i + 1)
-                else:
-                    ids = page_ids(i)
 
                 @pl.when(i - lo >= stages)
                 def _():
                     plgpu.barrier_wait(k_free.at[slot])
 
                 for j in range(pps):  # one TMA copy (one arrival on the step's barrier) per page
-                    plgpu.copy_gmem_to_smem(k_gmem.at[pl.ds(ids[j] * page_size, page_size), head],
+                    plgpu.copy_gmem_to_smem(k_gmem.at[page_rows(i, j), head],
                                             k_smem.at[slot, pl.ds(j * page_size, page_size)], k_ready.at[slot])
 
                 @pl.when(i - lo >= stages)
@@ -466,16 +447,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                     plgpu.barrier_wait(v_free.at[slot])
 
                 for j in range(pps):
-                    plgpu.copy_gmem_to_smem(v_gmem.at[pl.ds(ids[j] * page_size, page_size), head],
+                    plgpu.copy_gmem_to_smem(v_gmem.at[page_rows(i, j), head],
                                             v_smem.at[slot, pl.ds(j * page_size, page_size)], v_ready.at[slot])
-                return next_ids if prefetch_pages else ids
-
-            if prefetch_pages:
-                lax.fori_loop(lo, hi, fetch, page_ids(lo))
-            else:
-                @pl.loop(lo, hi)
-                def _fetch(i):
-                    fetch(i, None)
 
             # Observe the last release of every buffer used, so no barrier phase is left unseen
             # when the scope ends (the GPU interpreter checks this).
@@ -491,7 +464,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             (plgpu.SMEM((wgs, ROWS_PER_WG, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
-             plgpu.SMEM((wgs, out_buffers, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=out_tf),
+             plgpu.SMEM((wgs, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=out_tf),
              plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32))
             + ((plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),) if fp8 else ()),
             (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_arrivals=pps, num_barriers=stages),

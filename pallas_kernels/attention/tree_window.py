@@ -56,11 +56,12 @@ _ACC_ELEMENTS = 16384
 DEFAULT_BLOCK_ROWS: int | None = None
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
-# Row-tile rule, from the H200 window sweep (benchmarks/RESULTS.md, "Cascade kernel launch
-# variants", 03:42 UTC): 16-row tiles won at B=1 and B=32 (P=32768, N=64; 61 vs 62 us and 91 vs
-# 94 us against 128 rows), 64-row tiles at B=64, P=4096 (115 vs 155 us). A small grid wants many
-# small tiles; once 64-row tiles give this many programs, 64 rows (fewer K/V re-reads) win.
-_WIDE_TILE_PROGRAMS = 2048
+# Row-tile rule, from the H200 window sweeps (benchmarks/RESULTS.md): 16-row tiles win where the
+# grid is small (B=1, P=32768, N=64: 8 KV heads; B=8, N=16), 64-row tiles once they give this many
+# programs: B=64, P=4096, N=64 (2048 programs; 110 vs 144 us, session 10) and B=32, P=32768, N=64
+# (1024 programs; 60 vs 75 us bf16, 68 vs 91 us FP8, device time, session 10; the 03:42 UTC sweep
+# had compared 16 rows only with 128 there, in host-dispatched time). Fewer K/V re-reads win.
+_WIDE_TILE_PROGRAMS = 1024
 
 
 def default_block_rows(total_rows: int, widest_dim: int, grid_without_rows: int = 1) -> int:
