@@ -15,7 +15,8 @@ cascades.
 2. Timing (Hq=32, Hkv=8, D=128, page 64, random page tables; by default N=64 at B=32/P=32k,
    B=64/P=4k, B=1/P=32k (a key split) and B=8/P=8k/N=16 (64-row heads: one compute warpgroup for
    bf16, the warpgroup key split for FP8); bf16, and FP8 with `--fp8`): the Mosaic GPU prefix with
-   its defaults and with one option flipped at a time (softmax fence, the other warpgroup layout on
+   its defaults and with one option flipped at a time (softmax fence, the earlier grid order with a
+   head's row tiles apart, the other warpgroup layout on
    64-row heads), alone and as cascades with the window kernel, against the Pallas Triton `prefix_decode_row_layout` on the same inputs (`--no-triton`
    skips it).
 """
@@ -155,7 +156,8 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
         return f if interpret else jax.jit(f)
 
     # (options, prefix kernel): the defaults first, then one option flipped at a time.
-    variants = [("", mgpu()), (", softmax fence on", mgpu(fence_softmax=True))]
+    variants = [("", mgpu()), (", softmax fence on", mgpu(fence_softmax=True)),
+                (", row tiles not adjacent", mgpu(tiles_adjacent=False))]
     if total % 128:  # a 64-row head: the other warpgroup layout too
         if key_split:
             variants.append((", no warpgroup key split", mgpu(key_split=False)))
@@ -284,6 +286,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="timing shapes BxPxN,... (default: the four of issue #3)")
     ap.add_argument("--fp8", action="store_true", help="also time FP8 E4M3 pools")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton prefix and cascade rows")
+    ap.add_argument("--forms", type=int, default=None, help="conformance of the first FORMS forms only")
     ap.add_argument("--splits", default="", help="also time the Mosaic prefix/cascade with these key-split "
                     "counts, e.g. 4,8,16")
     a = ap.parse_args(argv)
@@ -300,7 +303,7 @@ def main(argv=None) -> int:
     for dtype, pps, stages, r, ks in ((bf, 1, 2, 64, None), (f8, 1, 2, 64, None), (bf, 2, 2, 64, None),
                                       (f8, 2, 2, 64, None), (f8, 2, 3, 64, None), (bf, 2, 2, 16, None),
                                       (f8, 2, 2, 16, None), (f8, 1, 4, 16, None), (bf, 1, 4, 16, True),
-                                      (f8, 2, 2, 16, False), (bf, 2, 2, 64, True)):
+                                      (f8, 2, 2, 16, False), (bf, 2, 2, 64, True))[:a.forms]:
         if a.skip_conformance:
             break
         try:

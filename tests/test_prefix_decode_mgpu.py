@@ -174,7 +174,8 @@ def test_default_pages_per_step_makes_128_key_steps_that_fit():
     (64, 3, True, 64, 2, jnp.bfloat16, 2, None), (256, 2, True, 64, 3, FP8, 2, None),
     (64, 2, True, 64, 2, jnp.bfloat16, 2, False), (256, 1, True, 64, 4, FP8, 1, True),
     (64, 2, True, 64, 2, FP8, 2, False)])
-def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages, pool_dtype, pps, key_split):
+def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages, pool_dtype, pps, key_split,
+                                          opts=None):
     """The compiled path (wgmma PV through run_state, not the interpreter's dot) lowers to a Mosaic GPU
     module on the CPU; compiling that module to a cubin needs the GPU machine."""
     import jax
@@ -185,8 +186,26 @@ def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages,
     b, hkv, d = 2, 8, 128
     fn = lambda qr, k, v, t, ln: prefix_decode_mgpu_row_layout(  # noqa: E731
         qr, k, v, t, ln, query_rows=total // 4, group=4, page_size=page, scale=0.1, num_splits=splits,
-        pingpong=pingpong, stages=stages, pages_per_step=pps, key_split=key_split)
+        pingpong=pingpong, stages=stages, pages_per_step=pps, key_split=key_split, **(opts or {}))
     pool = sd((64 * page, hkv, d), pool_dtype)
     text = jax.jit(fn).trace(sd((b, hkv, total, d), jnp.bfloat16), pool, pool, sd((b, 32), jnp.int32),
                              sd((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_mgpu_prefix_with_the_earlier_grid_order_lowers():
+    test_mgpu_prefix_lowers_to_mosaic_gpu(256, 2, True, 64, 2, jnp.bfloat16, 2, None, opts=dict(tiles_adjacent=False))
+
+
+def test_grid_order_changes_no_result():
+    """Two row tiles per KV head and three key splits: the earlier grid order gives the same bits."""
+    r, g, hkv, d = 64, 4, 2, 64
+    q, k, v, table, lens, _ = verify_case(np.random.default_rng(5), [260, 130, 20], r, hkv, g, d, PAGE,
+                                          jnp.bfloat16, q_dtype=jnp.bfloat16)
+    qr = heads_to_rows(q, hkv, padded_rows(r * g))
+    kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, num_splits=3, interpret=True)
+    new = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, **kw)
+    old = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, tiles_adjacent=False, **kw)
+    for a, b in zip(new, old):
+        assert np.all(np.isfinite(np.asarray(a)) | np.isneginf(np.asarray(a)))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -228,12 +228,12 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
 
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "num_splits",
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
-                                             "interpret"))
+                                             "tiles_adjacent", "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
                                   pingpong: bool = True, pages_per_step: int | None = None,
                                   key_split: bool | None = None, fence_softmax: bool = False,
-                                  interpret: bool = False):
+                                  tiles_adjacent: bool = True, interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
@@ -248,6 +248,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     the H200 it made the B=32, P=32k prefix 0.93x (bf16, 2.324 vs 2.155 ms) and 0.90x (FP8, 2.160
     vs 1.936), and elsewhere it moved both ways within the run-to-run noise; benchmarks/RESULTS.md,
     session 9);
+    `tiles_adjacent`: launch the row tiles of one (request, KV head, split) next to each other, so
+    they run at the same time and the second read of each K/V page hits L2 (Mosaic GPU launches the
+    grid's last axis fastest; False is the earlier grid (tiles, splits, heads, batch), whose tiles
+    of one head were B * Hkv CTAs apart and read every page from HBM again);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
@@ -476,12 +480,16 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             collective_axes="wg",
         )
 
+    # Mosaic GPU launches the last grid axis fastest: with the tiles last, the CTAs that share a KV
+    # head's pages start together (axes are read by name in the body, so only the order changes).
+    grid = dict(tiles=tiles, splits=splits, heads=hkv, batch=b)
+    order = ("batch", "heads", "splits", "tiles") if tiles_adjacent else ("tiles", "splits", "heads", "batch")
     out, lse = plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct((splits * stride, b, hkv, total, d), jnp.float32),
                   jax.ShapeDtypeStruct((splits * stride, b, hkv, total), jnp.float32)),
-        grid=(tiles, splits, hkv, b),
-        grid_names=("tiles", "splits", "heads", "batch"),
+        grid=tuple(grid[name] for name in order),
+        grid_names=order,
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
