@@ -254,10 +254,20 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
     backend = "interpret" if smoke else None
     fns = {
         "mgpu decode": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, **kw)),
+        # A request's row tiles launched side by side (they read the same latent pages).
+        "mgpu decode, tiles adjacent": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, tiles_adjacent=True,
+                                                                         **kw)),
         "triton decode": jax.jit(lambda *a: mla_decode(*a, backend=backend, **kw)),
     }
+    first = None
     for label, fn in fns.items():
         try:
+            out = fn(q8, pool, table, lens)[0]
+            first = out if first is None else first
+            if label.startswith("mgpu") and not rel_err(out, first) < 1e-3:  # a variant of the checked default
+                log(f"MLA {name}: {label} DIFFERS from the default decode (rel {rel_err(out, first):.2e}); not timed")
+                ok = False
+                continue
             t = median_time(fn, q8, pool, table, lens, samples=1 if smoke else 7)
             log(f"MLA {name} B={b} P={p} N={n}: {label} {t * 1e3:.3f} ms, {flop / t / 1e12:.0f} TFLOP/s "
                 f"({flop / flops_rate / t:.2f} of the FLOP floor's speed)")
