@@ -15,8 +15,9 @@ results appended unless --results is given).
    ragged lengths with P = 0 and P < R, split and unsplit, bf16 and FP8), the window kernel (bf16,
    FP8, MLA latent layout), verify/lanes through the full cascade against one dense fp32 attention,
    and the sliding-window lane variant.
-2. Timings (device time: 20 calls chained inside one jit, each fed the previous call's output, median of 7;
-   the cascade also per call from Python, which below ~0.1 ms measures the host's dispatch;
+2. Timings (device time, `timing.chained_time`: chains of 20 and 60 calls inside one jit, each fed
+   the previous call's output, the difference of their medians per call; the cascade also per call
+   from Python;
    Hq=32, Hkv=8, D=128, page 64, random trees, random page tables)
    for B=32,P=32768,N=64; B=64,P=4096,N=64; B=1,P=32768,N=64; B=8,P=8192,N=16, in bf16 and FP8 KV,
    with baselines from the same run: byte floor (K+V bytes / measured copy bandwidth), FLOP floor
@@ -42,7 +43,7 @@ import numpy as np
 
 from benchmarks.dense import time_dense_attention
 from benchmarks.report import rel_err
-from benchmarks.timing import chained_time, feed_output, feed_scalar, measure_ceilings, median_time
+from benchmarks.timing import chained_time, feed_scalar, measure_ceilings, median_time
 from pallas_kernels.attention.prefix_decode import (heads_to_rows, padded_rows, prefix_decode,
                                                     prefix_decode_row_layout)
 from pallas_kernels.attention.reference import (cascade_dense_reference, dense_tree_visibility,
@@ -59,7 +60,7 @@ FP8 = jnp.float8_e4m3fn
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 FULL_SHAPES = [(32, 32768, 64), (64, 4096, 64), (1, 32768, 64), (8, 8192, 16)]
 QUICK_SHAPES = [(64, 4096, 64), (8, 8192, 16)]
-# Calls chained inside one jit per device-time sample (timing.chained_time).
+# Calls in the shorter chain of a device-time sample (timing.chained_time; the longer has 3x).
 CHAINED = 20
 
 
@@ -275,24 +276,24 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too):
         pre = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, **kw))
     else:
         pre = jax.jit(lambda *a: prefix_decode_row_layout(*a, **kw, **tune))
-    # Device time: CHAINED calls back to back inside one jit (each fed the previous output), as the
-    # kernels run inside a served model's step; the per-call (host-dispatched) cascade time is kept
-    # beside it, since below ~0.1 ms that one measures Python dispatch, not the kernels.
+    # Device time: calls back to back inside one jit (each fed the previous output), as the kernels
+    # run inside a served model's step; the per-call (Python-dispatched) cascade time stays beside it.
+    # The same feed for all three chains (through P), so its cost cancels in the window overhead.
     t_pre = chained_time(pre, (qr, kp, vp, table, lengths), feed_scalar(4), inner=CHAINED)
     po, plse = pre(qr, kp, vp, table, lengths)
     win = jax.jit(lambda *a: tree_window_row_layout(*a, query_rows=n, group=group, window=n, page_size=PAGE,
                                                     scale=D ** -0.5, value_dim=D, interpret=interp,
                                                     prefix_whole_pages=mosaic))
-    t_win = chained_time(win, (qr, kp, vp, table, lengths, mask, po, plse), feed_output(0), inner=CHAINED)
+    t_win = chained_time(win, (qr, kp, vp, table, lengths, mask, po, plse), feed_scalar(4), inner=CHAINED)
     # The whole cascade through its public composition (q transposed in, output out), with the
     # default prefix kernel and, as the in-run baseline, with the Triton one.
     cas = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(page_size=PAGE)))
-    t_cas = chained_time(cas, (q, kp, vp, table, lengths, mask), feed_output(0), inner=CHAINED)
+    t_cas = chained_time(cas, (q, kp, vp, table, lengths, mask), feed_scalar(4), inner=CHAINED)
     t_cas_call = median_time(cas, q, kp, vp, table, lengths, mask)
     if mosaic:
         cas_tr = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
             page_size=PAGE, prefix_kernel="triton")))
-        t_cas_triton = chained_time(cas_tr, (q, kp, vp, table, lengths, mask), feed_output(0), inner=CHAINED)
+        t_cas_triton = chained_time(cas_tr, (q, kp, vp, table, lengths, mask), feed_scalar(4), inner=CHAINED)
     else:
         t_cas_triton = t_cas
     t_cas8 = float("nan")
@@ -300,7 +301,7 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too):
         try:
             cas8 = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
                 page_size=PAGE, fp8_score_dot=True, prefix_kernel="triton")))
-            t_cas8 = chained_time(cas8, (q, kp, vp, table, lengths, mask), feed_output(0), inner=CHAINED)
+            t_cas8 = chained_time(cas8, (q, kp, vp, table, lengths, mask), feed_scalar(4), inner=CHAINED)
         except Exception as exc:
             print(f"  fp8 score dot failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     impl, t_dense = dense_baseline(q, kp, vp, table, lengths, mask, n)
@@ -347,7 +348,8 @@ def table_markdown(rows, ceilings, tune):
     bw, flops = ceilings
     lines = [f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} TFLOP/s; "
              f"prefix kernel launch {tune or 'prefix_decode.default_launch'}", "",
-             f"Device times: {CHAINED} calls chained inside one jit (each fed the previous output), median of 7; "
+             f"Device times: chains of {CHAINED} and {3 * CHAINED} calls inside one jit (each fed the previous output), "
+             "the difference of their medians per call; "
              "'cascade per call' dispatches each call from Python (the earlier sessions' measure).", "",
              "| shape | KV | prefix kernel | prefix ms | window ms | cascade ms | cascade per call ms "
              "| cascade, Triton prefix ms "

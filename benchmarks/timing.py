@@ -15,9 +15,9 @@ import jax.numpy as jnp
 
 
 # Seconds of back-to-back calls before a timing starts. Compiles leave the GPU idle long enough for
-# its clocks to drop (nvidia-smi showed 345 MHz of 1980 at rest on the H200), and a timing of a few
-# milliseconds right after one measured the same window-kernel launch at 0.013 and 0.024 ms in one
-# sweep (benchmarks/RESULTS.md, session 10).
+# its clocks to drop (nvidia-smi showed 345 MHz of 1980 at rest on the H200 at the start of session
+# 10's first call), and a timing of a few milliseconds right after one measured the same
+# window-kernel launch at 0.0127 and 0.0244 ms in one sweep (benchmarks/RESULTS.md, session 10).
 WARM_S = 0.2
 
 
@@ -77,37 +77,46 @@ def time_step(step, carry, *, inner: int, reps: int = 7):
 
 
 def chained_time(fn, args, feed, *, inner: int = 20, reps: int = 7):
-    """Median device seconds per call of `fn(*args)`, with `inner` calls chained inside one jit.
+    """Median device seconds per call of `fn(*args)`, from chains of calls inside one jit.
 
     `feed(args, out) -> args` makes each call's inputs depend on the previous call's output, so XLA
-    can neither merge the identical calls nor reorder them. The calls then run back to back on the
-    device, as a kernel inside a model's jitted step does; `median_time` instead dispatches every
-    call from Python, which for a kernel shorter than the host's dispatch (~0.07 ms per call on the
-    H200 host) measures the dispatch. Inputs are not donated, so nothing is copied.
+    can neither merge the identical calls nor reorder them; the calls then run back to back on the
+    device, as a kernel inside a model's jitted step does. Each timing of a chain also pays one jit
+    dispatch and one sync, so two chains are timed, `inner` and 3 * `inner` calls long, and their
+    difference over 2 * `inner` calls is the answer (session 10 divided one chain's time by its
+    length, which left (dispatch + sync) / 20 in every figure). Inputs are not donated.
     """
-    def many(*a):
-        out = None
-        for _ in range(inner):
-            out = fn(*a)
-            a = feed(a, out)
-        return out
+    def chain(n):
+        def many(*a):
+            out = None
+            for _ in range(n):
+                out = fn(*a)
+                a = feed(a, out)
+            return out
+        return jax.jit(many)
 
-    f = jax.jit(many)
-    jax.block_until_ready(f(*args))
-    _warm(lambda: f(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    def median_of(f):
         jax.block_until_ready(f(*args))
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times)
+        _warm(lambda: f(*args))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    short, long = median_of(chain(inner)), median_of(chain(3 * inner))
+    return (long - short) / (2 * inner)
 
 
 def feed_scalar(index: int):
-    """A `chained_time` feed for outputs of another shape: adds (x != x), 0 for any non-NaN x, the
-    first element of the output's first leaf, to the integer argument `index` (a tiny fused op; XLA
-    cannot prove it zero, so the chain stays)."""
+    """A `chained_time` feed that works for any output: adds (x != x), 0 for any non-NaN x, the
+    first element of the output's first leaf, to the integer argument `index`. The output passes an
+    optimization barrier first, so XLA must still produce all of it (else it could compute only
+    that element of, e.g., a split merge). The feed is one tiny fused op per call; give every chain
+    that is compared with another the same feed, so its cost cancels."""
     def feed(args, out):
+        out = jax.lax.optimization_barrier(out)
         first = jax.tree_util.tree_leaves(out)[0].reshape(-1)[0].astype(jnp.float32)
         args = list(args)
         args[index] = args[index] + (first != first).astype(args[index].dtype)
@@ -144,7 +153,7 @@ def _torch_copy_bandwidth() -> float | None:
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop) / 1e3)
-    bw = 2 * src.numel() * 2 / statistics.median(times)
+    bw = 2 * src.numel() * 2 / min(times)  # the fastest sample, as the XLA figure
     del src, dst
     torch.cuda.empty_cache()
     return bw
@@ -166,8 +175,8 @@ def measure_copy_bandwidth() -> float:
 def measure_matmul_flops(n: int = 8192) -> float:
     """bf16 matmul FLOP/s on random [n, n] operands: the fastest of 10 samples taken cold, before
     any warm-up. The floors are the strictest this way: under sustained load the H200 lowers its
-    clocks at its power cap, and the same matmul after WARM_S seconds ran 676-695 TFLOP/s against
-    718-754 cold (session 10), while the attention kernels, below full tensor-core use, kept their
+    clocks at its power cap: in session 10 the same matmul ran 676-698 TFLOP/s after WARM_S seconds
+    of it and 744-778 cold (the earlier sessions' median of cold samples: 718-754), while the attention kernels, below full tensor-core use, kept their
     times (printed by `measure_ceilings` as the sustained rate, for reference)."""
     a = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.PRNGKey(3), (n, n), jnp.bfloat16)

@@ -198,12 +198,13 @@ def test_mgpu_prefix_with_the_earlier_grid_order_lowers():
 
 
 def test_grid_order_changes_no_result():
-    """Two row tiles per KV head and three key splits: the earlier grid order gives the same bits."""
-    r, g, hkv, d = 64, 4, 2, 64
-    q, k, v, table, lens, _ = verify_case(np.random.default_rng(5), [260, 130, 20], r, hkv, g, d, PAGE,
+    """Grid axes of four different sizes (1 request, 3 KV heads, 4 key splits, 2 row tiles): the
+    earlier grid order gives the same bits, so no axis is read under another's name."""
+    r, g, hkv, d = 64, 4, 3, 64
+    q, k, v, table, lens, _ = verify_case(np.random.default_rng(5), [330], r, hkv, g, d, PAGE,
                                           jnp.bfloat16, q_dtype=jnp.bfloat16)
     qr = heads_to_rows(q, hkv, padded_rows(r * g))
-    kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, num_splits=3, interpret=True)
+    kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, num_splits=4, interpret=True)
     new = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, **kw)
     old = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, tiles_adjacent=False, **kw)
     for a, b in zip(new, old):

@@ -3,7 +3,7 @@
 Status (2026-11-30): compiled and run on the H200, bf16 and FP8 E4M3 pools, one and two pages per
 step; compiled conformance passes (`benchmarks/mgpu_prefix_check.py`). With two 64-token pages per
 step its cascade ran 1.23x (bf16) and 1.80x (FP8) faster than the Triton one at B=32, P=32768
-(benchmarks/RESULTS.md, 06:19 UTC), so `CascadeConfig(prefix_kernel="auto")` takes it wherever
+(benchmarks/RESULTS.md, 06:19 UTC, per call; 1.32x and 1.85x in device time, session 10), so `CascadeConfig(prefix_kernel="auto")` takes it wherever
 `mgpu_input_errors` is empty. Launching a KV head's row tiles side by side (`tiles_adjacent`)
 made its B=32 bf16 prefix 1.09x and B=64 1.13x faster again (device time, session 10). On the CPU its logic (page-table TMA copies, the buffer ring and its
 barriers, masking, the online softmax) runs in Pallas' GPU interpreter against dense fp32 attention
