@@ -39,9 +39,15 @@ FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 # with a request's row tiles launched side by side (`mla_decode_mgpu(tiles_adjacent=True)`, as the
 # GQA prefix gained 1.04-1.13x from in session 10), against the default, checked against its output
 # first; the MLA conformance runs too, and the GQA prefix's full conformance list, of which session
-# 10 ran only the first four forms on the GPU in the new grid order (no GQA timing: `--shapes ""`).
-# Then the MLA cascade, whose window went from 16- to 32-row tiles in session 10 (bench_mla).
-OWED: dict[str, list[str]] = {"mosaic": ["--shapes", "", "--mla"], "mla": ["--skip-moves"]}
+# 10 ran only the first four forms on the GPU in the new grid order.
+# Then the MLA cascade, whose window went from 16- to 32-row tiles in session 10 (bench_mla). And
+# the prefix with each warpgroup's softmax overlapped with its own matmuls (`overlap_softmax`,
+# written in session 10, never compiled on a GPU): its conformance forms, then its timing at B=32
+# and B=64 against the default. A new kernel form can hang the GPU (session 9): run the parts as
+# separate processes under `timeout`, e.g. `mgpu_prefix_check.py --skip-timing` (GQA forms and
+# the overlap forms), then `--skip-conformance --no-triton --shapes 32x32768x64,64x4096x64 --mla`.
+OWED: dict[str, list[str]] = {"mosaic": ["--no-triton", "--shapes", "32x32768x64,64x4096x64", "--mla"],
+                              "mla": ["--skip-moves"]}
 
 
 def main(argv=None) -> int:

@@ -16,7 +16,8 @@ cascades.
    B=64/P=4k, B=1/P=32k (a key split) and B=8/P=8k/N=16 (64-row heads: one compute warpgroup for
    bf16, the warpgroup key split for FP8); bf16, and FP8 with `--fp8`): the Mosaic GPU prefix with
    its defaults and with one option flipped at a time (softmax fence, the earlier grid order with a
-   head's row tiles apart, the other warpgroup layout on
+   head's row tiles apart, each warpgroup's softmax overlapped with its own matmuls (16-bit pools),
+   the other warpgroup layout on
    64-row heads), alone and as cascades with the window kernel, against the Pallas Triton `prefix_decode_row_layout` on the same inputs (`--no-triton`
    skips it).
 """
@@ -158,6 +159,8 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
     # (options, prefix kernel): the defaults first, then one option flipped at a time.
     variants = [("", mgpu()), (", softmax fence on", mgpu(fence_softmax=True)),
                 (", row tiles not adjacent", mgpu(tiles_adjacent=False))]
+    if jnp.dtype(dtype).itemsize == 2 and not key_split:
+        variants.append((", overlapped softmax", mgpu(overlap_softmax=True)))
     if total % 128:  # a 64-row head: the other warpgroup layout too
         if key_split:
             variants.append((", no warpgroup key split", mgpu(key_split=False)))
@@ -333,6 +336,16 @@ def main(argv=None) -> int:
         try:
             ok = conformance(a.interpret, dtype, pps, stages, r, ks) and ok
         except Exception:  # noqa: BLE001 - a first run may find lowering problems
+            traceback.print_exc()
+            ok = False
+    # Each warpgroup's softmax overlapped with its own matmuls (not yet compiled on a GPU as of
+    # session 10): 256-row and 64-row heads, one and two pages per step.
+    for pps, r in ((2, 64), (1, 64), (2, 16)):
+        if a.skip_conformance or (a.forms is not None):
+            break
+        try:
+            ok = conformance(a.interpret, bf, pps, 2, r, None, overlap_softmax=True) and ok
+        except Exception:  # noqa: BLE001
             traceback.print_exc()
             ok = False
     shapes = FULL_SHAPES if a.shapes is None else [tuple(int(v) for v in item.split("x"))

@@ -210,3 +210,42 @@ def test_grid_order_changes_no_result():
     for a, b in zip(new, old):
         assert np.all(np.isfinite(np.asarray(a)) | np.isneginf(np.asarray(a)))
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# FlashAttention-3-style overlap of each warpgroup's softmax with its own matmuls: 256-row heads
+# (two tiles) with splits (one may hold no step), 64-row heads (one warpgroup), P = 0, two pages
+# per step, masked steps. The interpreter runs the same barrier order with P V as a plain dot.
+@pytest.mark.parametrize("r,g,lengths,splits,pps", [
+    (64, 4, [260, 330, 0], 3, 2), (32, 4, [0, 70, 200], 1, 1), (16, 4, [50, 300], 2, 1)])
+def test_overlapped_softmax_matches_dense(r, g, lengths, splits, pps):
+    hkv, d = 2, 64
+    q, k, v, table, lens, _ = verify_case(np.random.default_rng(r + splits), lengths, r, hkv, g, d, PAGE,
+                                          jnp.bfloat16, q_dtype=jnp.bfloat16)
+    qr = heads_to_rows(q, hkv, padded_rows(r * g))
+    out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
+                                             scale=d ** -0.5, num_splits=splits, pages_per_step=pps,
+                                             overlap_softmax=True, interpret=True)
+    ref_out, ref_lse = prefix_decode_reference(q, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
+                                               whole_pages=True)
+    assert rel_err(rows_to_heads(out, r, hkv * g), ref_out) < 1e-2
+    got_lse = np.asarray(rows_to_heads(lse, r, hkv * g))
+    fin = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(got_lse), fin)
+    np.testing.assert_allclose(got_lse[fin], np.asarray(ref_lse)[fin], atol=2e-3)
+
+
+def test_overlapped_softmax_refuses_fp8_and_key_splits():
+    bf = jnp.bfloat16
+    pool = jnp.zeros((64 * 8, 1, 64), bf)
+    args = (jnp.zeros((1, 1, 64, 64), bf), pool, pool, jnp.zeros((1, 8), jnp.int32), jnp.zeros((1,), jnp.int32))
+    kw = dict(query_rows=16, group=4, page_size=PAGE, scale=0.1, overlap_softmax=True, interpret=True)
+    with pytest.raises(ValueError, match="overlap_softmax takes 16-bit pools.*float8_e4m3fn"):
+        prefix_decode_mgpu_row_layout(*args[:1], pool.astype(FP8), pool.astype(FP8), *args[3:], **kw)
+    with pytest.raises(ValueError, match="overlap_softmax takes 16-bit pools.*key_split=True"):
+        prefix_decode_mgpu_row_layout(*args, key_split=True, **kw)
+
+
+@pytest.mark.parametrize("total,pps", [(256, 2), (64, 1)])
+def test_overlapped_softmax_lowers(total, pps):
+    test_mgpu_prefix_lowers_to_mosaic_gpu(total, 2, True, 64, 2, jnp.bfloat16, pps, None,
+                                          opts=dict(overlap_softmax=True))

@@ -157,8 +157,8 @@ def online_softmax_update(s, m, l, acc, scale2: float, visible=None):
     """One base-2 online-softmax step on warpgroup arrays (shared by the Mosaic GPU kernels).
 
     `s [rows, keys]` raw scores (fp32, WGMMA layout), `m`/`l [rows]` running max (scaled) and sum,
-    `acc [rows, D]` the running output, `visible` an optional bool mask (None: every key seen).
-    Returns `(p, alpha, m_new, l_new, acc * alpha)`. A row whose keys are all masked so far keeps
+    `acc [rows, D]` the running output (None: not rescaled here), `visible` an optional bool mask
+    (None: every key seen). Returns `(p, alpha, m_new, l_new, acc * alpha)`. A row whose keys are all masked so far keeps
     m = -inf, which is why the masked path shifts by 0 there instead.
     """
     if visible is not None:
@@ -167,7 +167,8 @@ def online_softmax_update(s, m, l, acc, scale2: float, visible=None):
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if visible is not None else m_new
     alpha = jnp.exp2(m - m_use)
     p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
-    return p, alpha, m_new, l * alpha + p.sum(axis=1), acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    scaled = None if acc is None else acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return p, alpha, m_new, l * alpha + p.sum(axis=1), scaled
 
 
 def default_pages_per_step(total_rows: int, width: int, itemsize: int, page_size: int, stages: int,
@@ -229,12 +230,13 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
 
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "num_splits",
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
-                                             "tiles_adjacent", "interpret"))
+                                             "tiles_adjacent", "overlap_softmax", "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
                                   pingpong: bool = True, pages_per_step: int | None = None,
                                   key_split: bool | None = None, fence_softmax: bool = False,
-                                  tiles_adjacent: bool = True, interpret: bool = False):
+                                  tiles_adjacent: bool = True, overlap_softmax: bool = False,
+                                  interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
@@ -253,8 +255,17 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     they run at the same time and the second read of each K/V page hits L2 (Mosaic GPU launches the
     grid's last axis fastest; False is the earlier grid (tiles, splits, heads, batch), whose tiles
     of one head were B * Hkv CTAs apart and read every page from HBM again);
+    `overlap_softmax`: each compute warpgroup overlaps its own softmax with its tensor-core work
+    instead of taking turns (`pingpong` is then off): step i's scores Q K_i^T and step i - 1's
+    P V are issued together, the softmax of step i runs once the scores are in while P V is still
+    in flight, and the accumulator is rescaled after it lands (FlashAttention-3's intra-warpgroup
+    pipelining). 16-bit pools without a key split only; not yet timed on a GPU, so off;
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
+    if overlap_softmax and (jnp.dtype(k_pool.dtype) == F8 or warpgroup_layout(
+            qr.shape[2], key_split, jnp.dtype(k_pool.dtype).itemsize)[2]):
+        raise ValueError(f"prefix_decode_mgpu: overlap_softmax takes 16-bit pools without a warpgroup key split, "
+                         f"got {jnp.dtype(k_pool.dtype).name} pools, key_split={key_split}")
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
     # K-major operand FP8 needs); V is not, so each step's V page is widened to fp16 in shared memory.
     fp8 = jnp.dtype(k_pool.dtype) == F8
@@ -264,7 +275,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     wgs, rows_per_cta, key_split = warpgroup_layout(total, key_split, jnp.dtype(k_pool.dtype).itemsize)
     # Under a key split each warpgroup takes every other step of the CTA's range and owns a partial.
     stride = 2 if key_split else 1
-    pingpong = pingpong and wgs == 2  # taking turns needs two warpgroups
+    pingpong = pingpong and wgs == 2 and not overlap_softmax  # turns need two warpgroups; overlap replaces them
     tiles = total // rows_per_cta
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"prefix_decode_mgpu: num_splits must be >= 1, got {num_splits}")
@@ -382,6 +393,77 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                     plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
+            def overlapped_steps(acc, m, l, n_open, n_all):
+                # Step 0's scores alone; then each step k >= 1 issues Q K_k^T and step k-1's P V
+                # together, runs step k's softmax once the scores land (P V still in flight), and
+                # rescales the output after P V lands; the last P V closes. Step k = i - first.
+                def scores_now(slot):
+                    def scores(s_ref):
+                        plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                        return s_ref[...]
+                    return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+
+                def softmax(s, m, l, i, masked):
+                    p, alpha, m, l, _ = online_softmax_update(
+                        s, m, l, None, scale2, (col + i * block < row_hi) if masked else None)
+                    return p.astype(pv_dtype), alpha, m, l
+
+                def add_values(acc, p_prev, slot_v):  # acc + P V, waited
+                    plgpu.barrier_wait(v_ready.at[slot_v])
+                    if interpret:
+                        return acc + jnp.dot(p_prev, v_smem.at[slot_v][...], preferred_element_type=jnp.float32)
+
+                    def values(acc_ref):
+                        plgpu.wgmma(acc_ref, p_prev, v_smem.at[slot_v])
+                    return pl.run_state(values)(plgpu.ACC.init(acc))
+
+                def step(k, carry, masked: bool):
+                    acc, m, l, p_prev = carry
+                    i = first + k
+                    slot_k, slot_v = slot_of(i), slot_of(i - 1)
+                    if interpret:
+                        # The interpreter cannot store into an accumulator: the same order of
+                        # barrier waits and releases, with P V as a plain dot.
+                        s = scores_now(slot_k)
+                        plgpu.barrier_arrive(k_free.at[slot_k])
+                        p16, alpha, m, l = softmax(s, m, l, i, masked)
+                        wait_next_keys(i)
+                        acc = add_values(acc, p_prev, slot_v)
+                    else:
+                        def in_flight(o_ref, s_ref):
+                            o_ref[...] = acc
+                            plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot_k].transpose((1, 0)))
+                            plgpu.barrier_wait(v_ready.at[slot_v])
+                            plgpu.wgmma(o_ref, p_prev, v_smem.at[slot_v])
+                            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # scores in, P V in flight
+                            plgpu.barrier_arrive(k_free.at[slot_k])
+                            p16, alpha, m_new, l_new = softmax(s, m, l, i, masked)
+                            wait_next_keys(i)
+                            return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), p16, alpha, m_new, l_new
+
+                        acc, p16, alpha, m, l = pl.run_scoped(
+                            in_flight, plgpu.ACC((ROWS_PER_WG, d), jnp.float32), plgpu.ACC(shape, jnp.float32))
+                    plgpu.barrier_arrive(v_free.at[slot_v])
+                    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, p16
+
+                def run(acc, m, l):
+                    # Step 0 (masked: it may be the CTA's only, partly visible step).
+                    s = scores_now(slot_of(first))
+                    plgpu.barrier_arrive(k_free.at[slot_of(first)])
+                    p16, _, m, l = softmax(s, m, l, first, True)
+                    wait_next_keys(first)
+                    carry = (acc, m, l, p16)
+                    carry = lax.fori_loop(1, jnp.maximum(n_open, 1), functools.partial(step, masked=False), carry)
+                    acc, m, l, p16 = lax.fori_loop(jnp.maximum(n_open, 1), n_all,
+                                                   functools.partial(step, masked=True), carry)
+                    last = slot_of(first + n_all - 1)
+                    acc = add_values(acc, p16, last)
+                    plgpu.barrier_arrive(v_free.at[last])
+                    return acc, m, l
+
+                # No step at all: the running state stays as it is.
+                return lax.cond(n_all > 0, run, lambda *c: c, acc, m, l)
+
             m = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, d), jnp.float32), plgpu.Layout.WGMMA)
@@ -392,8 +474,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             if pingpong:
                 pl.when(wg == 1)(take_turn)  # start half a step behind warpgroup 0
             n_open, n_all = mine(open_end), mine(hi)
-            carry = lax.fori_loop(0, n_open, functools.partial(step, masked=False), (acc, m, l))
-            acc, m, l = lax.fori_loop(n_open, n_all, functools.partial(step, masked=True), carry)
+            if overlap_softmax:
+                acc, m, l = overlapped_steps(acc, m, l, n_open, n_all)
+            else:
+                carry = lax.fori_loop(0, n_open, functools.partial(step, masked=False), (acc, m, l))
+                acc, m, l = lax.fori_loop(n_open, n_all, functools.partial(step, masked=True), carry)
             if pingpong and key_split:
                 # An odd step count leaves warpgroup 1 one step short: it still takes that step's
                 # two turns, or warpgroup 0 would wait on the turn barrier forever.
