@@ -243,6 +243,8 @@ def test_overlapped_softmax_refuses_fp8_and_key_splits():
         prefix_decode_mgpu_row_layout(*args[:1], pool.astype(FP8), pool.astype(FP8), *args[3:], **kw)
     with pytest.raises(ValueError, match="overlap_softmax takes 16-bit pools.*key_split=True"):
         prefix_decode_mgpu_row_layout(*args, key_split=True, **kw)
+    with pytest.raises(ValueError, match="overlap_softmax.*fence_softmax=True"):
+        prefix_decode_mgpu_row_layout(*args, fence_softmax=True, **kw)
 
 
 @pytest.mark.parametrize("total,pps", [(256, 2), (64, 1)])

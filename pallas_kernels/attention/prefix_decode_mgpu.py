@@ -262,10 +262,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     pipelining). 16-bit pools without a key split only; not yet timed on a GPU, so off;
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
-    if overlap_softmax and (jnp.dtype(k_pool.dtype) == F8 or warpgroup_layout(
+    if overlap_softmax and (jnp.dtype(k_pool.dtype) == F8 or fence_softmax or warpgroup_layout(
             qr.shape[2], key_split, jnp.dtype(k_pool.dtype).itemsize)[2]):
-        raise ValueError(f"prefix_decode_mgpu: overlap_softmax takes 16-bit pools without a warpgroup key split, "
-                         f"got {jnp.dtype(k_pool.dtype).name} pools, key_split={key_split}")
+        raise ValueError(f"prefix_decode_mgpu: overlap_softmax takes 16-bit pools without a warpgroup key split or "
+                         f"the softmax fence, got {jnp.dtype(k_pool.dtype).name} pools, key_split={key_split}, "
+                         f"fence_softmax={fence_softmax}")
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
     # K-major operand FP8 needs); V is not, so each step's V page is widened to fp16 in shared memory.
     fp8 = jnp.dtype(k_pool.dtype) == F8
@@ -403,13 +404,12 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                         return s_ref[...]
                     return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
 
-                def softmax(s, m, l, i, masked):
+                def softmax(s, m, l, i, masked):  # P stays fp32 here (see in_flight)
                     p, alpha, m, l, _ = online_softmax_update(
                         s, m, l, None, scale2, (col + i * block < row_hi) if masked else None)
-                    return p.astype(pv_dtype), alpha, m, l
+                    return p, alpha, m, l
 
-                def add_values(acc, p_prev, slot_v):  # acc + P V, waited
-                    plgpu.barrier_wait(v_ready.at[slot_v])
+                def add_values(acc, p_prev, slot_v):  # acc + P V, waited (v_ready already waited)
                     if interpret:
                         return acc + jnp.dot(p_prev, v_smem.at[slot_v][...], preferred_element_type=jnp.float32)
 
@@ -425,8 +425,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                         # The interpreter cannot store into an accumulator: the same order of
                         # barrier waits and releases, with P V as a plain dot.
                         s = scores_now(slot_k)
+                        plgpu.barrier_wait(v_ready.at[slot_v])
                         plgpu.barrier_arrive(k_free.at[slot_k])
-                        p16, alpha, m, l = softmax(s, m, l, i, masked)
+                        p, alpha, m, l = softmax(s, m, l, i, masked)
                         wait_next_keys(i)
                         acc = add_values(acc, p_prev, slot_v)
                     else:
@@ -437,26 +438,32 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                             plgpu.wgmma(o_ref, p_prev, v_smem.at[slot_v])
                             s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # scores in, P V in flight
                             plgpu.barrier_arrive(k_free.at[slot_k])
-                            p16, alpha, m_new, l_new = softmax(s, m, l, i, masked)
+                            p, alpha, m_new, l_new = softmax(s, m, l, i, masked)
                             wait_next_keys(i)
-                            return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), p16, alpha, m_new, l_new
+                            o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+                            # P V read p_prev from registers until the wait: passing it through a
+                            # barrier here keeps those registers from being reused before, and P
+                            # is narrowed only now, so the new P never overwrites them in flight.
+                            o, _ = lax.optimization_barrier((o, p_prev))
+                            return o, p, alpha, m_new, l_new
 
-                        acc, p16, alpha, m, l = pl.run_scoped(
+                        acc, p, alpha, m, l = pl.run_scoped(
                             in_flight, plgpu.ACC((ROWS_PER_WG, d), jnp.float32), plgpu.ACC(shape, jnp.float32))
                     plgpu.barrier_arrive(v_free.at[slot_v])
-                    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, p16
+                    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, p.astype(pv_dtype)
 
                 def run(acc, m, l):
                     # Step 0 (masked: it may be the CTA's only, partly visible step).
                     s = scores_now(slot_of(first))
                     plgpu.barrier_arrive(k_free.at[slot_of(first)])
-                    p16, _, m, l = softmax(s, m, l, first, True)
+                    p, _, m, l = softmax(s, m, l, first, True)
                     wait_next_keys(first)
-                    carry = (acc, m, l, p16)
+                    carry = (acc, m, l, p.astype(pv_dtype))
                     carry = lax.fori_loop(1, jnp.maximum(n_open, 1), functools.partial(step, masked=False), carry)
                     acc, m, l, p16 = lax.fori_loop(jnp.maximum(n_open, 1), n_all,
                                                    functools.partial(step, masked=True), carry)
                     last = slot_of(first + n_all - 1)
+                    plgpu.barrier_wait(v_ready.at[last])
                     acc = add_values(acc, p16, last)
                     plgpu.barrier_arrive(v_free.at[last])
                     return acc, m, l
