@@ -171,20 +171,20 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
     variants += [(f", {ns} splits", mgpu(num_splits=ns)) for ns in splits]
     flop = 4 * b * n * hq * (p + n) * d
     res = {}
-    # (name, function, arguments, chained-time feed: the prefix's partial into P, the cascade's
-    # output (the row layout, q's dtype) into q).
-    pre_feed, cas_feed = feed_scalar(4), feed_scalar(4)  # one feed for both, so its cost cancels
-    runs = [(f"mgpu prefix{opts}", fn, (qr, k, v, table, lens), pre_feed) for opts, fn in variants]
+    # (name, function, arguments); every chained timing feeds the output into P (argument 4) the
+    # same way, so the feed's cost cancels between prefix and cascade.
+    feed = feed_scalar(4)
+    runs = [(f"mgpu prefix{opts}", fn, (qr, k, v, table, lens)) for opts, fn in variants]
     if triton:
-        runs.append(("triton prefix", tr, (qr, k, v, table, lens), pre_feed))
+        runs.append(("triton prefix", tr, (qr, k, v, table, lens)))
     cas_args = (qr, k, v, table, lens, mask)
-    runs += [(f"mgpu cascade{opts}", cascade(fn, True), cas_args, cas_feed) for opts, fn in variants]
+    runs += [(f"mgpu cascade{opts}", cascade(fn, True), cas_args) for opts, fn in variants]
     if triton:
-        runs.append(("triton cascade", cascade(tr, False), cas_args, cas_feed))
+        runs.append(("triton cascade", cascade(tr, False), cas_args))
     # Every Mosaic variant's output against the default's first (the default passed conformance);
     # one that differs is not timed.
     firsts = {}
-    for name, fn, args, feed in runs:
+    for name, fn, args in runs:
         try:
             if name.startswith("mgpu"):
                 kind = name.split(",")[0]  # "mgpu prefix" or "mgpu cascade"
@@ -324,28 +324,21 @@ def main(argv=None) -> int:
     timing_too = not (a.skip_timing or a.interpret)
     ok = True
     bf, f8 = jnp.bfloat16, jnp.float8_e4m3fn
-    # (dtype, pages per step, stages, R, key split): 256-row heads (two row tiles of
+    # (dtype, pages per step, stages, R, key split, options): 256-row heads (two row tiles of
     # warpgroups), then 64-row heads (the default layout per dtype, the key split forced on for bf16
-    # and off for FP8), and the key split forced on 256-row heads.
-    for dtype, pps, stages, r, ks in ((bf, 1, 2, 64, None), (f8, 1, 2, 64, None), (bf, 2, 2, 64, None),
-                                      (f8, 2, 2, 64, None), (f8, 2, 3, 64, None), (bf, 2, 2, 16, None),
-                                      (f8, 2, 2, 16, None), (f8, 1, 4, 16, None), (bf, 1, 4, 16, True),
-                                      (f8, 2, 2, 16, False), (bf, 2, 2, 64, True))[:a.forms]:
+    # and off for FP8), the key split forced on 256-row heads, and each warpgroup's softmax
+    # overlapped with its own matmuls (not yet compiled on a GPU as of session 10).
+    overlap = dict(overlap_softmax=True)
+    for dtype, pps, stages, r, ks, opts in (
+            (bf, 1, 2, 64, None, {}), (f8, 1, 2, 64, None, {}), (bf, 2, 2, 64, None, {}), (f8, 2, 2, 64, None, {}),
+            (f8, 2, 3, 64, None, {}), (bf, 2, 2, 16, None, {}), (f8, 2, 2, 16, None, {}), (f8, 1, 4, 16, None, {}),
+            (bf, 1, 4, 16, True, {}), (f8, 2, 2, 16, False, {}), (bf, 2, 2, 64, True, {}),
+            (bf, 2, 2, 64, None, overlap), (bf, 1, 2, 64, None, overlap), (bf, 2, 2, 16, None, overlap))[:a.forms]:
         if a.skip_conformance:
             break
         try:
-            ok = conformance(a.interpret, dtype, pps, stages, r, ks) and ok
+            ok = conformance(a.interpret, dtype, pps, stages, r, ks, **opts) and ok
         except Exception:  # noqa: BLE001 - a first run may find lowering problems
-            traceback.print_exc()
-            ok = False
-    # Each warpgroup's softmax overlapped with its own matmuls (not yet compiled on a GPU as of
-    # session 10): 256-row and 64-row heads, one and two pages per step.
-    for pps, r in ((2, 64), (1, 64), (2, 16)):
-        if a.skip_conformance or (a.forms is not None):
-            break
-        try:
-            ok = conformance(a.interpret, bf, pps, 2, r, None, overlap_softmax=True) and ok
-        except Exception:  # noqa: BLE001
             traceback.print_exc()
             ok = False
     shapes = FULL_SHAPES if a.shapes is None else [tuple(int(v) for v in item.split("x"))

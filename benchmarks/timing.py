@@ -21,11 +21,13 @@ import jax.numpy as jnp
 WARM_S = 0.2
 
 
-def _warm(call):
-    """Runs `call()` (returns arrays to wait on) until WARM_S seconds have passed."""
+def _warm(call, state=None):
+    """Runs `state = call(state)` (arrays to wait on) until WARM_S seconds have passed; returns the
+    last state (a donated carry must be threaded through)."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < WARM_S:
-        jax.block_until_ready(call())
+        state = jax.block_until_ready(call(state))
+    return state
 
 
 def median_time(fn, *args, samples=15, inner=None, warm=True, best=False):
@@ -41,7 +43,7 @@ def median_time(fn, *args, samples=15, inner=None, warm=True, best=False):
     one = time.perf_counter() - t0
     inner = inner or max(1, min(20, int(0.02 / max(one, 1e-6))))
     if warm:
-        _warm(lambda: fn(*args))
+        _warm(lambda _: fn(*args))
     times = []
     for _ in range(samples):
         t0 = time.perf_counter()
@@ -64,10 +66,7 @@ def time_step(step, carry, *, inner: int, reps: int = 7):
         return c
 
     f = jax.jit(many, donate_argnums=0)
-    carry = jax.block_until_ready(f(carry))
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < WARM_S:  # _warm, threading the donated carry
-        carry = jax.block_until_ready(f(carry))
+    carry = _warm(f, jax.block_until_ready(f(carry)))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -97,7 +96,7 @@ def chained_time(fn, args, feed, *, inner: int = 20, reps: int = 7):
 
     def median_of(f):
         jax.block_until_ready(f(*args))
-        _warm(lambda: f(*args))
+        _warm(lambda _: f(*args))
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -172,24 +171,17 @@ def measure_copy_bandwidth() -> float:
     return bw
 
 
-def measure_matmul_flops(n: int = 8192) -> float:
+def measure_matmul_flops(n: int = 8192, sustained: bool = False) -> float:
     """bf16 matmul FLOP/s on random [n, n] operands: the fastest of 10 samples taken cold, before
-    any warm-up. The floors are the strictest this way: under sustained load the H200 lowers its
+    any warm-up (`sustained`: the median after WARM_S seconds of it, the power-capped clocks). The floors are the strictest this way: under sustained load the H200 lowers its
     clocks at its power cap: in session 10 the same matmul ran 676-698 TFLOP/s after WARM_S seconds
-    of it and 744-778 cold (the earlier sessions' median of cold samples: 718-754), while the attention kernels, below full tensor-core use, kept their
-    times (printed by `measure_ceilings` as the sustained rate, for reference)."""
+    of it and 744-778 cold (the earlier sessions' median of cold samples: 718-754), while the
+    attention kernels, below full tensor-core use, kept their times (`measure_ceilings` prints the
+    sustained rate for reference)."""
     a = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.PRNGKey(3), (n, n), jnp.bfloat16)
     mm = jax.jit(lambda u, v: jnp.dot(u, v, preferred_element_type=jnp.bfloat16))
-    return 2 * n ** 3 / median_time(mm, a, b, samples=10, inner=3, warm=False, best=True)
-
-
-def measure_sustained_matmul_flops(n: int = 8192) -> float:
-    """The same matmul's median rate after WARM_S seconds of it (the power-capped clocks)."""
-    a = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.PRNGKey(3), (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda u, v: jnp.dot(u, v, preferred_element_type=jnp.bfloat16))
-    return 2 * n ** 3 / median_time(mm, a, b, samples=10, inner=3)
+    return 2 * n ** 3 / median_time(mm, a, b, samples=10, inner=3, warm=sustained, best=not sustained)
 
 
 def measure_ceilings() -> tuple[float, float]:
@@ -197,5 +189,5 @@ def measure_ceilings() -> tuple[float, float]:
     the fastest cold samples (the strictest floors); prints the sustained matmul rate too."""
     bw, flops = measure_copy_bandwidth(), measure_matmul_flops()
     print(f"  ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s cold (the floors); "
-          f"sustained matmul {measure_sustained_matmul_flops() / 1e12:.0f} TFLOP/s", flush=True)
+          f"sustained matmul {measure_matmul_flops(sustained=True) / 1e12:.0f} TFLOP/s", flush=True)
     return bw, flops

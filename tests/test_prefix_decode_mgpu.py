@@ -54,7 +54,8 @@ KEY_SPLIT = [
 
 
 @pytest.mark.parametrize("r,g,lengths,splits,pingpong,dtype,pps,stages,key_split", STAGED + KEY_SPLIT)
-def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dtype, pps, stages, key_split):
+def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dtype, pps, stages, key_split,
+                                             opts=None):
     hkv, d = 2, 64
     q, k, v, table, lens, mask = verify_case(np.random.default_rng(r * g), lengths, r, hkv, g, d, PAGE,
                                              dtype, q_dtype=jnp.bfloat16)
@@ -63,7 +64,7 @@ def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dt
     out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
                                              scale=d ** -0.5, num_splits=splits, pingpong=pingpong,
                                              pages_per_step=pps, stages=stages, key_split=key_split,
-                                             interpret=True)
+                                             interpret=True, **(opts or {}))
     ref_out, ref_lse = prefix_decode_reference(q, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
                                                whole_pages=True)
     assert rel_err(rows_to_heads(out, r, hkv * g), ref_out) < 1e-2
@@ -214,24 +215,13 @@ def test_grid_order_changes_no_result():
 
 # FlashAttention-3-style overlap of each warpgroup's softmax with its own matmuls: 256-row heads
 # (two tiles) with splits (one may hold no step), 64-row heads (one warpgroup), P = 0, two pages
-# per step, masked steps. The interpreter runs the same barrier order with P V as a plain dot.
+# per step, masked steps; prefix and whole cascade against dense fp32. The interpreter runs the
+# same barrier order with P V as a plain dot.
 @pytest.mark.parametrize("r,g,lengths,splits,pps", [
     (64, 4, [260, 330, 0], 3, 2), (32, 4, [0, 70, 200], 1, 1), (16, 4, [50, 300], 2, 1)])
 def test_overlapped_softmax_matches_dense(r, g, lengths, splits, pps):
-    hkv, d = 2, 64
-    q, k, v, table, lens, _ = verify_case(np.random.default_rng(r + splits), lengths, r, hkv, g, d, PAGE,
-                                          jnp.bfloat16, q_dtype=jnp.bfloat16)
-    qr = heads_to_rows(q, hkv, padded_rows(r * g))
-    out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
-                                             scale=d ** -0.5, num_splits=splits, pages_per_step=pps,
-                                             overlap_softmax=True, interpret=True)
-    ref_out, ref_lse = prefix_decode_reference(q, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
-                                               whole_pages=True)
-    assert rel_err(rows_to_heads(out, r, hkv * g), ref_out) < 1e-2
-    got_lse = np.asarray(rows_to_heads(lse, r, hkv * g))
-    fin = np.isfinite(np.asarray(ref_lse))
-    np.testing.assert_array_equal(np.isfinite(got_lse), fin)
-    np.testing.assert_allclose(got_lse[fin], np.asarray(ref_lse)[fin], atol=2e-3)
+    test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, True, jnp.bfloat16, pps, 2, None,
+                                             opts=dict(overlap_softmax=True))
 
 
 def test_overlapped_softmax_refuses_fp8_and_key_splits():

@@ -54,8 +54,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.prefix_decode import default_num_splits, merge_splits
-from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, cta_key_blocks, online_softmax_update,
-                                                         whole_page_bound)
+from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, cta_key_blocks, grid_in_order,
+                                                         online_softmax_update, whole_page_bound)
 
 LOG2E = math.log2(math.e)
 F8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -321,12 +321,13 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
             collective_axes="wg",
         )
 
+    grid, grid_names = grid_in_order(dict(batch=b, tiles=tiles, splits=splits), tiles_adjacent)
     out, lse = plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct((splits, b, rows_pad, kv_lora_rank), jnp.float32),
                   jax.ShapeDtypeStruct((splits, b, rows_pad), jnp.float32)),
-        grid=(b, splits, tiles) if tiles_adjacent else (tiles, splits, b),
-        grid_names=("batch", "splits", "tiles") if tiles_adjacent else ("tiles", "splits", "batch"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -137,6 +137,17 @@ def whole_page_bound(length, query_rows: int, group: int, row, whole):
     return jnp.minimum(length - query_rows + 1 + lax.div(row, jnp.int32(group)), whole)
 
 
+def grid_in_order(sizes: dict[str, int], tiles_adjacent: bool) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(grid, grid_names) for `plgpu.kernel` from named axis sizes (keys "tiles", "splits", any
+    others in launch order before them). Mosaic GPU launches the last grid axis fastest: with the
+    tiles last, the CTAs that share pages (a head's or a request's row tiles) start together;
+    otherwise the earlier order, tiles first. Kernel bodies read axes by name, so only the order
+    changes. Shared by the GQA prefix and the MLA latent decode."""
+    others = tuple(name for name in sizes if name not in ("tiles", "splits"))
+    order = others + ("splits", "tiles") if tiles_adjacent else ("tiles", "splits") + others[::-1]
+    return tuple(sizes[name] for name in order), order
+
+
 def cta_key_blocks(length, page_size: int, query_rows: int, group: int, row0, rows_per_cta: int,
                    block: int, split, per_split: int):
     """(whole, lo, hi) for a CTA owning rows [row0, row0 + rows_per_cta) of the R * G real ones:
@@ -573,16 +584,13 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             collective_axes="wg",
         )
 
-    # Mosaic GPU launches the last grid axis fastest: with the tiles last, the CTAs that share a KV
-    # head's pages start together (axes are read by name in the body, so only the order changes).
-    grid = dict(tiles=tiles, splits=splits, heads=hkv, batch=b)
-    order = ("batch", "heads", "splits", "tiles") if tiles_adjacent else ("tiles", "splits", "heads", "batch")
+    grid, grid_names = grid_in_order(dict(batch=b, heads=hkv, tiles=tiles, splits=splits), tiles_adjacent)
     out, lse = plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct((splits * stride, b, hkv, total, d), jnp.float32),
                   jax.ShapeDtypeStruct((splits * stride, b, hkv, total), jnp.float32)),
-        grid=tuple(grid[name] for name in order),
-        grid_names=order,
+        grid=grid,
+        grid_names=grid_names,
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
