@@ -110,15 +110,16 @@ SMOKE_SHAPES = ((2, 200, 32), (1, 300, 16))
 
 
 def timing(shapes=FULL_SHAPES, hq=32, hkv=8, d=128, samples=7, interpret=False, dtypes=(jnp.bfloat16,), splits=(),
-           triton=True):
+           triton=True, overlap=True, lean=False):
     """`--smoke` runs this on tiny shapes in the interpreters (a CPU check of the script itself)."""
     flops_rate = measure_matmul_flops(512 if interpret else 8192)
     for dtype in dtypes:
         for shape in shapes:
-            time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits, triton)
+            time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits, triton, overlap, lean)
 
 
-def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=(), triton=True):
+def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=(), triton=True, overlap=True,
+               lean=False):
     """Mosaic GPU prefix (defaults, then one option flipped at a time) against the Triton prefix,
     alone and as cascades; `splits`: also the Mosaic prefix and cascade with each of these key-split
     counts (the default count is `prefix_decode_mgpu.default_mgpu_num_splits`, one wave of CTAs)."""
@@ -157,9 +158,11 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
         return f if interpret else jax.jit(f)
 
     # (options, prefix kernel): the defaults first, then one option flipped at a time.
-    variants = [("", mgpu()), (", softmax fence on", mgpu(fence_softmax=True)),
-                (", row tiles not adjacent", mgpu(tiles_adjacent=False))]
-    if jnp.dtype(dtype).itemsize == 2 and not key_split:
+    variants = [("", mgpu())]
+    if not lean:
+        variants += [(", softmax fence on", mgpu(fence_softmax=True)),
+                     (", row tiles not adjacent", mgpu(tiles_adjacent=False))]
+    if overlap and jnp.dtype(dtype).itemsize == 2 and not key_split:
         variants.append((", overlapped softmax", mgpu(overlap_softmax=True)))
     if total % 128:  # a 64-row head: the other warpgroup layout too
         if key_split:
@@ -313,7 +316,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="timing shapes BxPxN,... (default: the four of issue #3)")
     ap.add_argument("--fp8", action="store_true", help="also time FP8 E4M3 pools")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton prefix and cascade rows")
-    ap.add_argument("--forms", type=int, default=None, help="conformance of the first FORMS forms only")
+    ap.add_argument("--forms", default=None, help="conformance of these forms only: a count N (the first N) "
+                    "or a comma list of indices into the form list, e.g. 11,12,13")
+    ap.add_argument("--lean", action="store_true", help="time only the defaults, the warpgroup layouts and the "
+                    "key-split counts (no fence, grid-order or overlap variants)")
+    ap.add_argument("--mla-dtypes", default="bf16,fp8", help="with --mla: bf16 and/or fp8 latent caches")
+    ap.add_argument("--no-overlap", action="store_true", help="leave the overlapped-softmax variant out of the timing")
     ap.add_argument("--splits", default="", help="also time the Mosaic prefix/cascade with these key-split "
                     "counts, e.g. 4,8,16")
     a = ap.parse_args(argv)
@@ -329,11 +337,15 @@ def main(argv=None) -> int:
     # and off for FP8), the key split forced on 256-row heads, and each warpgroup's softmax
     # overlapped with its own matmuls (not yet compiled on a GPU as of session 10).
     overlap = dict(overlap_softmax=True)
-    for dtype, pps, stages, r, ks, opts in (
+    forms = (
             (bf, 1, 2, 64, None, {}), (f8, 1, 2, 64, None, {}), (bf, 2, 2, 64, None, {}), (f8, 2, 2, 64, None, {}),
             (f8, 2, 3, 64, None, {}), (bf, 2, 2, 16, None, {}), (f8, 2, 2, 16, None, {}), (f8, 1, 4, 16, None, {}),
             (bf, 1, 4, 16, True, {}), (f8, 2, 2, 16, False, {}), (bf, 2, 2, 64, True, {}),
-            (bf, 2, 2, 64, None, overlap), (bf, 1, 2, 64, None, overlap), (bf, 2, 2, 16, None, overlap))[:a.forms]:
+            (bf, 2, 2, 64, None, overlap), (bf, 1, 2, 64, None, overlap), (bf, 2, 2, 16, None, overlap))
+    if a.forms is not None:
+        picks = [int(v) for v in a.forms.split(",") if v]
+        forms = forms[:picks[0]] if "," not in a.forms else tuple(forms[i] for i in picks)
+    for dtype, pps, stages, r, ks, opts in forms:
         if a.skip_conformance:
             break
         try:
@@ -345,10 +357,12 @@ def main(argv=None) -> int:
                                                     for item in a.shapes.split(",") if item]
     if ok and timing_too and shapes:  # `--shapes ""`: no GQA timing (e.g. --mla alone)
         timing(shapes, dtypes=(jnp.bfloat16, jnp.float8_e4m3fn) if a.fp8 else (jnp.bfloat16,),
-               splits=tuple(int(v) for v in a.splits.split(",") if v), triton=not a.no_triton)
+               splits=tuple(int(v) for v in a.splits.split(",") if v), triton=not a.no_triton,
+               overlap=not (a.no_overlap or a.lean), lean=a.lean)
     if a.mla:
         try:
-            ok = mla_check(a.interpret, timing_too) and ok
+            mla_dtypes = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
+            ok = mla_check(a.interpret, timing_too, dtypes=tuple(mla_dtypes[v] for v in a.mla_dtypes.split(","))) and ok
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             ok = False
