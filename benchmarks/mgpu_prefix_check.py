@@ -272,8 +272,8 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
     backend = "interpret" if smoke else None
     fns = {
         "mgpu decode": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, **kw)),
-        # A request's row tiles launched side by side (they read the same latent pages).
-        "mgpu decode, tiles adjacent": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, tiles_adjacent=True,
+        # A request's row tiles launched apart (the order before session 11; they read the same pages).
+        "mgpu decode, tiles apart": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, tiles_adjacent=False,
                                                                          **kw)),
         "triton decode": jax.jit(lambda *a: mla_decode(*a, backend=backend, **kw)),
     }

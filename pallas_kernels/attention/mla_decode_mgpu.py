@@ -112,16 +112,17 @@ def check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank: int, page_size: int, blo
                                              "num_splits", "share_scores", "tiles_adjacent", "interpret"))
 def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int, page_size: int, scale: float,
                     block_k: int = 64, stages: int = 2, num_splits: int | None = None,
-                    share_scores: bool = False, tiles_adjacent: bool = False, interpret: bool = False):
+                    share_scores: bool = False, tiles_adjacent: bool = True, interpret: bool = False):
     """See the module docstring. `block_k` keys per step (a multiple of 64: the P V contraction).
     At L + Dr = 576 the query tile and two 64-key latent buffers take 216 KiB of the 227 KiB of
     shared memory, so the output leaves in [64, 16] fp32 pieces and `share_scores` does not fit. `share_scores`: warpgroup 0
     alone scores and runs the softmax and hands P and the rescale factors to warpgroup 1 through
     shared memory (no duplicated score matmul; warpgroup 1 waits on warpgroup 0 each step).
     `tiles_adjacent`: launch the row tiles of one (request, split), which read the same latent
-    pages, next to each other (Mosaic GPU runs the grid's last axis fastest; the default grid
-    (tiles, splits, batch) puts them B CTAs apart). The GQA prefix gained 1.04-1.13x from this
-    (session 10); here it is not yet timed, so it is off (`mgpu_prefix_check.py --mla` times both)."""
+    pages, next to each other (Mosaic GPU runs the grid's last axis fastest; the grid in the order
+    (tiles, splits, batch) puts them B CTAs apart, so each latent page is read from HBM once per
+    tile). On the H200 at B=32, P=8192, N=16, 128 heads, side by side took 2.677 vs 2.819 ms (bf16)
+    and 2.667 vs 2.705 ms (FP8) (session 11, benchmarks/RESULTS.md), so it is the default."""
     check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank, page_size, block_k)
     if stages < 2:
         raise ValueError(f"mla_decode_mgpu: stages must be >= 2, got {stages}")
