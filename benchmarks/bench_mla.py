@@ -14,8 +14,9 @@ kernel compiles once:
    reference; the verify cascade against one dense fp32 attention. bf16 and FP8 latent caches, a few
    decode tilings; under FP8 both the native FP8 score dot and the widened one. A variant that fails
    to compile or to conform is reported and not timed.
-2. Timings (medians of warm back-to-back runs, P = 8192 for every request): the verify cascade, the
-   latent decode alone, the same-run baselines (byte floor = latent bytes / measured copy
+2. Timings (device time: calls chained in one jit, after a warm-up; P = 8192 for every request):
+   the verify cascade through its default prefix kernel (the Mosaic GPU latent decode on Hopper) and
+   through the Pallas Triton decode at `--triton-variants` tilings, each with the decode it runs alone, the same-run baselines (byte floor = latent bytes / measured copy
    bandwidth; FLOP floor = 2*B*N*Hq*(P+N)*(2L+Dr) / measured bf16 matmul rate), and a 32-layer
    compaction of the latent pools (32 donated buffers, the path's rows moved in place).
 
@@ -38,11 +39,14 @@ import numpy as np
 
 from benchmarks.dense import time_dense_attention
 from benchmarks.report import log, rel_err
-from benchmarks.timing import measure_ceilings, median_time
+from benchmarks.timing import chained_time, feed_scalar, measure_ceilings, median_time
 from pallas_kernels.attention.mla_decode import MlaDecodeConfig, mla_decode, mla_decode_reference
 from pallas_kernels.attention.reference import dense_tree_visibility
 from pallas_kernels.row_move import move_rows, move_rows_reference
-from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
+from pallas_kernels.attention.mla_decode_mgpu import mla_decode_mgpu
+from pallas_kernels.common import resolve_backend
+from treespec_jax.attention.mla import (MLA_MGPU_BLOCK_K, MlaCascadeConfig, mla_verify_attention,
+                                        quantize_absorbed_query, uses_mosaic_latent_decode)
 from treespec_jax.cache.paged import slot_of
 from treespec_jax.cache.pools import BufferSpec, CacheGroupSpec, LayerKV
 from treespec_jax.cache.routing import CompactionRouter, compact_window_rows
@@ -59,6 +63,9 @@ DECODE_CONFIGS = (
     MlaDecodeConfig(prefetch_page_ids=False),
     MlaDecodeConfig(block_q=64, block_k=64, num_warps=8, num_stages=2),
 )
+
+
+CHAINED = 20  # calls per timed chain (benchmarks.timing.chained_time)
 
 
 def make_latent(key, rng, lengths: np.ndarray, dtype):
@@ -189,7 +196,7 @@ def mla_variants(dtype):
     return out
 
 
-def run_mla(results, ceilings, rng, dtype):
+def run_mla(results, ceilings, rng, dtype, triton_variants=1):
     dname = jnp.dtype(dtype).name
     key = jax.random.PRNGKey(3)
     ragged = np.full((B,), P, np.int32)
@@ -215,18 +222,47 @@ def run_mla(results, ceilings, rng, dtype):
     flop_floor = flop / flops
     floor = max(byte_floor, flop_floor)
     time_dense_mla(results, q, pool, table_t, lengths, mask, dname)
-    for label, dcfg in mla_variants(dtype):
-        name = f"mla[{dname},{label}]"
+    # (prefix kernel, tiling label, decode config): the cascade's default first (the Mosaic GPU
+    # latent decode where it runs), then the Pallas Triton decode at each tiling. Each row's
+    # "decode alone" is the decode that row's cascade runs.
+    kind = resolve_backend(None)
+    default_kernel = "mosaic_gpu" if uses_mosaic_latent_decode(
+        MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE), kind,
+        quantize_absorbed_query(q, dtype), pool) else "triton"
+    rows = [("mosaic_gpu", "default", None)] if default_kernel == "mosaic_gpu" else []
+    rows += [("triton", label, dcfg) for label, dcfg in mla_variants(dtype)[:triton_variants]]
+    for kernel, label, dcfg in rows:
+        name = f"mla[{dname},{kernel},{label}]"
         try:
             t0 = time.perf_counter()
-            dec = jax.jit(lambda *a, c=dcfg: mla_decode(*a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
-                                                        config=c, poison_outputs=True))
+            if kernel == "mosaic_gpu":
+                dec = jax.jit(lambda q, *a: mla_decode_mgpu(quantize_absorbed_query(q, dtype), *a, kv_lora_rank=LORA,
+                                                            page_size=PAGE, scale=SCALE, block_k=MLA_MGPU_BLOCK_K,
+                                                            interpret=kind == "interpret"))
+                ccfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE,
+                                        prefix_kernel="mosaic_gpu")
+            else:
+                dec = jax.jit(lambda *a, c=dcfg: mla_decode(*a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
+                                                            config=c, poison_outputs=True))
+                ccfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, decode=dcfg,
+                                        prefix_kernel="triton")
             out, lse = dec(q, pool_chk, table, lengths_chk)
             e_dec = rel_err(out, ref_dec[0])
             fin = jnp.isfinite(ref_dec[1])
-            lse_ok = bool(jnp.all(jnp.isfinite(lse) == fin)) and float(
-                jnp.max(jnp.abs(jnp.where(fin, lse - ref_dec[1], 0.0)))) < 5e-2
-            ccfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, decode=dcfg)
+            # The Mosaic decode covers whole pages only (the window kernel takes the partial last
+            # page), so its LSE is compared where both are finite and its output rows only there.
+            whole = kernel == "mosaic_gpu"
+            if whole:
+                seen = jnp.isfinite(lse)
+                ref_w = jax.jit(lambda *a: mla_decode_reference(*a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
+                                                                whole_pages=True))(q_eff, pool_chk, table, lengths_chk)
+                e_dec = rel_err(out, ref_w[0])
+                fin = jnp.isfinite(ref_w[1])
+                lse_ok = bool(jnp.all(seen == fin)) and float(
+                    jnp.max(jnp.abs(jnp.where(fin, lse - ref_w[1], 0.0)))) < 5e-2
+            else:
+                lse_ok = bool(jnp.all(jnp.isfinite(lse) == fin)) and float(
+                    jnp.max(jnp.abs(jnp.where(fin, lse - ref_dec[1], 0.0)))) < 5e-2
             cas = jax.jit(lambda *a, c=ccfg: mla_verify_attention(*a, config=c))
             e_cas = rel_err(cas(q, pool_chk, table, lengths_chk, mask), ref_out)
             ok = e_dec < 2e-2 and e_cas < 2e-2 and lse_ok
@@ -236,19 +272,19 @@ def run_mla(results, ceilings, rng, dtype):
                 f"({time.perf_counter() - t0:.1f}s incl. compile)")
             if not ok:
                 continue
-            # Every variant that conforms is timed (same compiled executables, P = 8192 everywhere).
-            t_cas = median_time(cas, q, pool, table_t, lengths, mask)
-            t_dec = median_time(dec, q, pool, table_t, lengths)
+            # Device time: calls chained in one jit, each fed the last one's output through P.
+            t_cas = chained_time(cas, (q, pool, table_t, lengths, mask), feed_scalar(3), inner=CHAINED)
+            t_dec = chained_time(dec, (q, pool, table_t, lengths), feed_scalar(3), inner=CHAINED)
         except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
             traceback.print_exc()
             results["checks"].append((name, f"FAILED {type(exc).__name__}", str(exc)[:100], False))
             log(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
             continue
-        row = dict(dtype=dname, variant=label, cascade_ms=t_cas * 1e3, decode_ms=t_dec * 1e3,
+        row = dict(dtype=dname, kernel=kernel, variant=label, cascade_ms=t_cas * 1e3, decode_ms=t_dec * 1e3,
                    byte_floor_ms=byte_floor * 1e3, flop_floor_ms=flop_floor * 1e3,
                    vs_floor=t_cas / floor, window_overhead=t_cas / t_dec - 1, tflops=flop / t_cas / 1e12)
         results["timings"].append(row)
-        log(f"{dname} {label}: cascade {t_cas * 1e3:.3f} ms, decode alone {t_dec * 1e3:.3f} ms, byte floor "
+        log(f"{dname} {kernel} {label}: cascade {t_cas * 1e3:.3f} ms, decode alone {t_dec * 1e3:.3f} ms, byte floor "
             f"{byte_floor * 1e3:.3f} ms, FLOP floor {flop_floor * 1e3:.3f} ms, {t_cas / floor:.2f}x floor, "
             f"{flop / t_cas / 1e12:.0f} TFLOP/s")
 
@@ -276,11 +312,11 @@ def markdown(results) -> str:
              "| check | result | detail | ok |", "| --- | --- | --- | --- |"]
     for name, a, b, ok in results["checks"]:
         lines.append(f"| {name} | {a} | {b} | {'yes' if ok else 'NO'} |")
-    lines += ["", "| latent | decode tiling | cascade ms | decode alone ms | byte floor ms | FLOP floor ms | "
+    lines += ["", "| latent | prefix kernel | decode tiling | cascade ms | decode alone ms | byte floor ms | FLOP floor ms | "
               "cascade / max(floor) | window overhead | TFLOP/s |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results["timings"]:
-        lines.append(f"| {r['dtype']} | {r['variant']} | {r['cascade_ms']:.3f} | {r['decode_ms']:.3f} | "
+        lines.append(f"| {r['dtype']} | {r['kernel']} | {r['variant']} | {r['cascade_ms']:.3f} | {r['decode_ms']:.3f} | "
                      f"{r['byte_floor_ms']:.3f} | {r['flop_floor_ms']:.3f} | {r['vs_floor']:.2f}x | "
                      f"{100 * r['window_overhead']:.1f}% | {r['tflops']:.0f} |")
     for dname, impl, ms in results.get("dense", []):
@@ -298,6 +334,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--markdown", help="write the results section to this file")
     parser.add_argument("--skip-fp8", action="store_true", help="bf16 latent cache only")
     parser.add_argument("--skip-moves", action="store_true", help="skip the row-move checks and compaction timing")
+    parser.add_argument("--triton-variants", type=int, default=1,
+                        help="how many Triton latent-decode tilings to check and time besides the default cascade")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("bench_mla: needs a GPU (jax.default_backend() is "
@@ -316,7 +354,7 @@ def main(argv=None) -> dict:
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     for dtype in (jnp.bfloat16,) + (() if args.skip_fp8 else (FP8,)):
-        run_mla(results, results["ceilings"], rng, dtype)
+        run_mla(results, results["ceilings"], rng, dtype, triton_variants=args.triton_variants)
     text = markdown(results)
     print(text)
     if args.markdown:
