@@ -333,6 +333,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", help="write the results section to this file")
     parser.add_argument("--skip-fp8", action="store_true", help="bf16 latent cache only")
+    parser.add_argument("--skip-bf16", action="store_true", help="FP8 latent cache only")
     parser.add_argument("--skip-moves", action="store_true", help="skip the row-move checks and compaction timing")
     parser.add_argument("--triton-variants", type=int, default=1,
                         help="how many Triton latent-decode tilings to check and time besides the default cascade")
@@ -353,7 +354,7 @@ def main(argv=None) -> dict:
             time_compaction(results, rng)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-    for dtype in (jnp.bfloat16,) + (() if args.skip_fp8 else (FP8,)):
+    for dtype in (() if args.skip_bf16 else (jnp.bfloat16,)) + (() if args.skip_fp8 else (FP8,)):
         run_mla(results, results["ceilings"], rng, dtype, triton_variants=args.triton_variants)
     text = markdown(results)
     print(text)
