@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.dense import time_dense_attention
-from benchmarks.report import rel_err
+from benchmarks.report import parse_shapes, rel_err
 from benchmarks.timing import chained_time, feed_scalar, measure_ceilings, median_time
 from pallas_kernels.attention.prefix_decode import (heads_to_rows, padded_rows, prefix_decode,
                                                     prefix_decode_row_layout)
@@ -407,7 +407,7 @@ def main(argv=None):
         print(f"copy bandwidth {ceilings[0] / 1e12:.2f} TB/s, bf16 matmul {ceilings[1] / 1e12:.0f} TFLOP/s", flush=True)
         shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
         if args.shapes:
-            shapes = [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",") if item]
+            shapes = parse_shapes(args.shapes)
         rng = np.random.default_rng(1)
         key = jax.random.PRNGKey(1)
         if args.tune and not args.quick:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.report import log, rel_err
+from benchmarks.report import log, parse_shapes, rel_err
 from benchmarks import timing
 from benchmarks.timing import measure_copy_bandwidth
 from pallas_kernels.linear.chunked_common import FP32_DOTS
@@ -697,8 +697,7 @@ def main(argv=None) -> int:
     globals()["FUSED_CHUNKED"] = not a.no_fused_chunked
     globals()["CHUNKED_IEEE"] = a.chunked_ieee
     globals()["LEAN"] = a.lean
-    bxt = lambda text: [tuple(int(v) for v in c.split("x")) for c in text.split(",") if c]
-    configs = None if a.configs is None else bxt(a.configs)
+    configs = None if a.configs is None else parse_shapes(a.configs)
     log(f"jax {jax.__version__} devices {jax.devices()}")
     ok = True
     if not a.skip_conformance:
@@ -723,7 +722,7 @@ def main(argv=None) -> int:
     # stopped by a time limit still leaves what it measured.
     write_markdown(section("", "\n(timing not reached yet)\n"))
     tables = bench(a.quick, a.budget_s, not a.no_fla, configs, parse_launch(a.sweep_recurrent),
-                   parse_launch(a.sweep_chunked), bxt(a.sweep_at),
+                   parse_launch(a.sweep_chunked), parse_shapes(a.sweep_at),
                    progress=lambda t: write_markdown(section(t, "\n(run still in progress)\n")),
                    eagle_trees=not a.no_drafter_trees)
     md = section(tables)

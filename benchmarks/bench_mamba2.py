@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.report import log, rel_err
+from benchmarks.report import log, parse_shapes, rel_err
 from benchmarks import timing
 from benchmarks.timing import measure_copy_bandwidth
 from pallas_kernels.linear.conv_tree import conv_lag_sources, conv_tree_update
@@ -487,30 +487,16 @@ def sweep_tiles(tiles, nb=32, t=16):
 
 
 def parse_configs(text):
-    out = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        if not item:
-            continue
-        try:
-            nb, t = (int(v) for v in item.split("x"))
-        except ValueError:
-            raise ValueError(f"config {item!r} is not BxT (e.g. 32x16)") from None
-        if nb < 1 or not 1 <= t <= 64:
-            raise ValueError(f"config {item!r}: need B >= 1 and 1 <= T <= 64")
-        out.append((nb, t))
+    out = parse_shapes(text, dims=2)
+    bad = [f"{nb}x{t}" for nb, t in out if nb < 1 or not 1 <= t <= 64]
+    if bad:
+        raise ValueError(f"configs {bad}: need B >= 1 and 1 <= T <= 64")
     return out
 
 
 def parse_tiles(text):
-    out = []
-    for item in text.split(","):
-        try:
-            bp, nw = (int(v) for v in item.strip().lower().split("x"))
-        except ValueError:
-            raise ValueError(f"tile {item!r} is not BLOCK_PxWARPS (e.g. 16x4)") from None
-        out.append((bp, nw))
-    return out
+    """BLOCK_PxWARPS items, e.g. 16x4,32x8."""
+    return parse_shapes(text, dims=2)
 
 
 def bench(configs, budget_s, launch, staged=False, unroll_variant=False, on_row=None, drafter=True, commit=True):

@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.report import log, rel_err  # noqa: E402
+from benchmarks.report import log, parse_shapes, rel_err  # noqa: E402
 from benchmarks.timing import chained_time, feed_scalar, measure_matmul_flops, median_time  # noqa: E402
 from pallas_kernels.attention.prefix_decode import (default_num_splits, heads_to_rows, padded_rows,  # noqa: E402
                                                    prefix_decode_row_layout)
@@ -353,8 +353,7 @@ def main(argv=None) -> int:
         except Exception:  # noqa: BLE001 - a first run may find lowering problems
             traceback.print_exc()
             ok = False
-    shapes = FULL_SHAPES if a.shapes is None else [tuple(int(v) for v in item.split("x"))
-                                                    for item in a.shapes.split(",") if item]
+    shapes = FULL_SHAPES if a.shapes is None else parse_shapes(a.shapes)
     if ok and timing_too and shapes:  # `--shapes ""`: no GQA timing (e.g. --mla alone)
         timing(shapes, dtypes=(jnp.bfloat16, jnp.float8_e4m3fn) if a.fp8 else (jnp.bfloat16,),
                splits=tuple(int(v) for v in a.splits.split(",") if v), triton=not a.no_triton,

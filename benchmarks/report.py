@@ -24,3 +24,21 @@ def rel_err(out, ref) -> float:
         return float("inf")
     err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
     return float(err) if np.isfinite(err) else float("inf")
+
+
+def parse_shapes(text: str, dims: int | None = None) -> list[tuple[int, ...]]:
+    """`"32x32768x64,8x8192x16"` -> [(32, 32768, 64), (8, 8192, 16)]: the shape flags of every
+    benchmark script (B x P x N for attention, B x T for the linear scans); `dims`: each item must
+    have exactly that many numbers."""
+    out = []
+    for item in (i.strip().lower() for i in text.split(",")):
+        if not item:
+            continue
+        try:
+            shape = tuple(int(v) for v in item.split("x"))
+        except ValueError:
+            shape = ()
+        if not shape or (dims is not None and len(shape) != dims):
+            raise ValueError(f"{item!r} in {text!r} is not {dims or 'some'} integers joined by 'x' (e.g. 32x16)")
+        out.append(shape)
+    return out

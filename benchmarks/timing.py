@@ -55,24 +55,33 @@ def median_time(fn, *args, samples=15, inner=None, warm=True, best=False):
 
 
 def time_step(step, carry, *, inner: int, reps: int = 7):
-    """Median seconds per `step(carry) -> carry`, run `inner` times inside one jitted call.
+    """Median device seconds per `step(carry) -> carry`, from chains of steps inside one jit.
 
-    The carry is donated, so kernels that update buffers in place are timed without copies.
-    Returns (seconds per step, final carry).
+    The carry is donated, so kernels that update buffers in place are timed without copies. As in
+    `chained_time`, chains of `inner` and 3 * `inner` steps are timed and their difference over
+    2 * `inner` steps is the answer, so one jit dispatch and one sync drop out (before session 11
+    this divided one chain by its length, which kept (dispatch + sync) / `inner` in every figure
+    and pulled tree/chain ratios toward 1). Returns (seconds per step, final carry).
     """
-    def many(c):
-        for _ in range(inner):
-            c = step(c)
-        return c
+    def chain(n):
+        def many(c):
+            for _ in range(n):
+                c = step(c)
+            return c
+        return jax.jit(many, donate_argnums=0)
 
-    f = jax.jit(many, donate_argnums=0)
-    carry = _warm(f, jax.block_until_ready(f(carry)))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        carry = jax.block_until_ready(f(carry))
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times), carry
+    def median_of(f, carry):
+        carry = _warm(f, jax.block_until_ready(f(carry)))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            carry = jax.block_until_ready(f(carry))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), carry
+
+    short, carry = median_of(chain(inner), carry)
+    long, carry = median_of(chain(3 * inner), carry)
+    return (long - short) / (2 * inner), carry
 
 
 def chained_time(fn, args, feed, *, inner: int = 20, reps: int = 7):

@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.bench_cascade import make_paged, random_parents  # noqa: E402
-from benchmarks.report import log, rel_err  # noqa: E402
+from benchmarks.report import log, parse_shapes, rel_err  # noqa: E402
 from benchmarks.timing import chained_time, feed_output  # noqa: E402
 from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, prefix_decode_row_layout  # noqa: E402
 from pallas_kernels.attention.prefix_decode_mgpu import prefix_decode_mgpu_row_layout  # noqa: E402
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp8", help="bf16 and/or fp8")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
     a = ap.parse_args(argv)
-    shapes = FULL_SHAPES if a.shapes is None else [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",") if s]
+    shapes = FULL_SHAPES if a.shapes is None else parse_shapes(a.shapes)
     dims = dict(hq=8, hkv=2, d=32, page=16, chained=2, interpret=True) if a.smoke else \
         dict(hq=32, hkv=8, d=128, page=64, chained=20, interpret=False)
     if a.smoke:
