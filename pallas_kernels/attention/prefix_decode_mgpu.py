@@ -350,6 +350,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             first_hi = jnp.maximum(whole_page_bound(length, query_rows, group, row0, whole), 0)
             open_end = jnp.clip(lax.div(first_hi, jnp.int32(block)), lo, hi)
 
+            def issue_scores(s_ref, slot):
+                # Q K^T of the keys in `slot` into s_ref, asynchronous on the GPU (wgmma).
+                plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+
             def wait_next_keys(i):
                 # This warpgroup's next K wait is taken while step i's P V product runs (the first
                 # step's before the loop), so a late TMA copy hides behind tensor-core work.
@@ -363,7 +367,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                 slot = slot_of(i)
 
                 def scores(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                    issue_scores(acc_ref, slot)
                     if pingpong:
                         take_turn()  # the other warpgroup's matmuls go next
                     return acc_ref[...]
@@ -411,7 +415,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                 # rescales the output after P V lands; the last P V closes. Step k = i - first.
                 def scores_now(slot):
                     def scores(s_ref):
-                        plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                        issue_scores(s_ref, slot)
                         return s_ref[...]
                     return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
 
@@ -444,7 +448,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                     else:
                         def in_flight(o_ref, s_ref):
                             o_ref[...] = acc
-                            plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot_k].transpose((1, 0)))
+                            issue_scores(s_ref, slot_k)
                             plgpu.barrier_wait(v_ready.at[slot_v])
                             plgpu.wgmma(o_ref, p_prev, v_smem.at[slot_v])
                             s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # scores in, P V in flight
