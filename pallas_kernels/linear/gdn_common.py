@@ -97,14 +97,14 @@ def gates(a, b, A_log, dt_bias):
 def l2_normalize(x, axis=-1):
     """x / sqrt(sum(x^2) + eps) along `axis`, in fp32."""
     x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + L2_NORM_EPS)
+    return x * l2_norm_factor(x, axis, keepdims=True)
 
 
-def l2_norm_factor(x):
-    """1 / sqrt(sum(x^2) + eps) over the last axis of a 2-D `[rows, d]` tile, in fp32: `[rows]`, the
-    factor `l2_normalize` multiplies each row by."""
+def l2_norm_factor(x, axis=-1, keepdims=False):
+    """1 / sqrt(sum(x^2) + eps) along `axis`, in fp32: the factor `l2_normalize` multiplies by (a
+    `[rows, d]` tile gives `[rows]`; kernels that fold it into a later product take it alone)."""
     x = x.astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.sum(x * x, axis=-1) + L2_NORM_EPS)
+    return jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=keepdims) + L2_NORM_EPS)
 
 
 def default_scale(head_k_dim: int) -> float:
