@@ -297,8 +297,9 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
         cfg = MlaCascadeConfig(kv_lora_rank=lora, rope_dim=rope, page_size=PAGE, scale=scale, prefix_kernel=kernel,
                                backend=backend)
         try:
-            t = median_time(jax.jit(lambda *a, c=cfg: mla_verify_attention(*a, config=c)), q, pool, table, lens,
-                            mask, samples=1 if smoke else 7)
+            cas = jax.jit(lambda *a, c=cfg: mla_verify_attention(*a, config=c))
+            t = (median_time(cas, q, pool, table, lens, mask, samples=1) if smoke
+                 else chained_time(cas, (q, pool, table, lens, mask), feed_scalar(3), inner=CHAINED))
             log(f"MLA {name} B={b} P={p} N={n}: cascade ({kernel}) {t * 1e3:.3f} ms, "
                 f"{flop / flops_rate / t:.2f} of the FLOP floor's speed")
         except Exception as exc:  # noqa: BLE001

@@ -17,11 +17,12 @@ from treespec_jax.tree.masks import ancestor_mask, pack_mask_rows, unpack_mask_r
 FP8 = jnp.float8_e4m3fn
 
 
-@pytest.mark.parametrize("n,group,page,dtype,tol", [
-    (64, 4, 16, jnp.bfloat16, 1e-2),
-    (16, 8, 64, FP8, 6e-2),  # the prefix half multiplies an FP8-quantised query
+@pytest.mark.parametrize("n,group,page,dtype,tol,covers_tail", [
+    (64, 4, 16, jnp.bfloat16, 1e-2, False),
+    (16, 8, 64, FP8, 6e-2, False),  # the prefix half multiplies an FP8-quantised query
+    (64, 4, 16, jnp.bfloat16, 1e-2, True),  # every row's prefix half runs to P
 ])
-def test_verify_matches_dense_attention(n, group, page, dtype, tol):
+def test_verify_matches_dense_attention(n, group, page, dtype, tol, covers_tail):
     rng = np.random.default_rng(n + group)
     b, hkv, d = 3, 2, 16
     lengths = np.array([0, 70, n // 3], np.int32)  # P = 0, long, P < R
@@ -29,7 +30,8 @@ def test_verify_matches_dense_attention(n, group, page, dtype, tol):
     q = jnp.asarray(rng.standard_normal((b, n, hkv * group, d)), jnp.float32).astype(jnp.bfloat16)
     mask = ancestor_mask(random_parents(rng, b, n))
     lengths = jnp.asarray(lengths)
-    out = verify_attention(q, k, v, table, lengths, mask, config=CascadeConfig(page_size=page, backend="interpret"))
+    out = verify_attention(q, k, v, table, lengths, mask, config=CascadeConfig(
+        page_size=page, backend="interpret", prefix_covers_tail=covers_tail))
     dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
     assert out.dtype == q.dtype
     assert rel_err(out, dense) < tol
@@ -37,15 +39,18 @@ def test_verify_matches_dense_attention(n, group, page, dtype, tol):
     assert rel_err(out, composed) < 1e-2
 
 
-@pytest.mark.parametrize("dtype,tol,splits", [(jnp.bfloat16, 1e-2, None), (FP8, 6e-2, None), (jnp.bfloat16, 1e-2, 2)])
-def test_verify_through_the_mosaic_gpu_prefix_kernel(dtype, tol, splits):
+@pytest.mark.parametrize("dtype,tol,splits,covers_tail", [(jnp.bfloat16, 1e-2, None, False), (FP8, 6e-2, None, False),
+                                                          (jnp.bfloat16, 1e-2, 2, False), (FP8, 6e-2, 2, True)])
+def test_verify_through_the_mosaic_gpu_prefix_kernel(dtype, tol, splits, covers_tail):
     """CascadeConfig(prefix_kernel="mosaic_gpu") (Pallas' GPU interpreter here): the
     prefix half over whole pages plus the window over the partial page equals dense attention,
-    with the kernel's own key split or a forced one (num_splits reaches the Mosaic kernel)."""
+    with the kernel's own key split or a forced one (num_splits reaches the Mosaic kernel), and with
+    every row's prefix half run to the whole-page bound (`prefix_covers_tail`)."""
     d, n, page = 64, 32, 64
     q, k, v, table, lengths, mask = verify_case(np.random.default_rng(5), [100, 7], n, 2, 4, d, page,
                                                 dtype, q_dtype=jnp.bfloat16)
-    cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu", num_splits=splits)
+    cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu", num_splits=splits,
+                        prefix_covers_tail=covers_tail)
     out = verify_attention(q, k, v, table, lengths, mask, config=cfg)
     dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
     assert rel_err(out, dense) < tol
@@ -138,8 +143,8 @@ def lane_masks(rng, batch, k, step):
     return masks
 
 
-@pytest.mark.parametrize("step", [1, 3])
-def test_lanes_match_dense_attention(step):
+@pytest.mark.parametrize("step,covers_tail", [(1, False), (3, False), (3, True)])
+def test_lanes_match_dense_attention(step, covers_tail):
     """K = 4 lanes, S = 5 draft steps: window (S-1)K = 16 at the frontier. Lane slots not yet written
     at this step are poisoned."""
     rng = np.random.default_rng(step)
@@ -154,7 +159,7 @@ def test_lanes_match_dense_attention(step):
     mask = pack_mask_rows(jnp.asarray(bits))
     frontier = jnp.asarray(frontier)
     out = lane_attention(q, k, v, table, frontier, mask, steps=steps,
-                         config=CascadeConfig(page_size=page, backend="interpret"))
+                         config=CascadeConfig(page_size=page, backend="interpret", prefix_covers_tail=covers_tail))
     dense, _ = cascade_dense_reference(q, k, v, table, frontier, mask, window=w, page_size=page, scale=d ** -0.5)
     assert rel_err(out, dense) < 1e-5
 

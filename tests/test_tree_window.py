@@ -207,11 +207,13 @@ def test_default_row_tiles_follow_the_grid_size():
     assert default_block_rows(16, 128, 64 * 8) == 16  # never past the rows there are
 
 
-@pytest.mark.parametrize("r", [5, 24])
-def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r):
+@pytest.mark.parametrize("r,causal", [(5, True), (24, True), (5, False), (24, False)])
+def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r, causal):
     """`prefix_whole_pages=True` (the Mosaic GPU prefix half reads whole pages only): with a prefix
-    partial over keys [0, min(P - R + 1 + r, whole)), the window kernel adds the rest of the prefix
-    and the tree window; the merge equals one dense attention. R < page and R > page both run."""
+    partial over keys [0, min(P - R + 1 + r, whole)) (causal), or [0, whole) for every row
+    (`causal_prefix=False`, the cascade's `prefix_covers_tail`), the window kernel adds the rest of
+    the prefix and the tree window; the merge equals one dense attention. R < page and R > page both
+    run."""
     from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads
     from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference
     from pallas_kernels.attention.tree_window import tree_window_row_layout
@@ -220,20 +222,28 @@ def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r):
     # P = 0, a partial last page, P < R for r = 24.
     q, k, v, table, lens, mask = verify_case(np.random.default_rng(70 + r), [0, 37, 50], r, hkv, g, d, page,
                                              jnp.float32)
-    # Prefix partial over whole pages only.
-    p_out, p_lse = prefix_decode_reference(q, k, v, table, lens, page_size=page, scale=d ** -0.5,
-                                           whole_pages=True)
+    # Prefix partial over whole pages only; without the causal split each row alone as a one-row
+    # decode, whose bound is P.
+    if causal:
+        p_out, p_lse = prefix_decode_reference(q, k, v, table, lens, page_size=page, scale=d ** -0.5,
+                                               whole_pages=True)
+    else:
+        parts = [prefix_decode_reference(q[:, i:i + 1], k, v, table, lens, page_size=page, scale=d ** -0.5,
+                                         whole_pages=True) for i in range(r)]
+        p_out = jnp.concatenate([o for o, _ in parts], axis=1)
+        p_lse = jnp.concatenate([lse for _, lse in parts], axis=1)
     total = padded_rows(r * g)
     out = tree_window_row_layout(
         heads_to_rows(q, hkv, total), k, v, table, lens, mask, heads_to_rows(p_out, hkv, total),
         heads_to_rows(p_lse, hkv, total, fill=-jnp.inf), query_rows=r, group=g, window=w, page_size=page,
-        scale=d ** -0.5, value_dim=d, interpret=True, poison_outputs=True, prefix_whole_pages=True)
+        scale=d ** -0.5, value_dim=d, interpret=True, poison_outputs=True, prefix_whole_pages=True,
+        causal_prefix=causal)
     got = rows_to_heads(out, r, hkv * g)
     ref, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=w, page_size=page, scale=d ** -0.5)
     assert rel_err(got, ref) < 1e-5
     # The reference half with the same flag agrees too.
     from pallas_kernels.attention.reference import tree_window_reference
     ref2 = tree_window_reference(q, k, v, table, lens, mask, p_out, p_lse, window=w, page_size=page,
-                                 scale=d ** -0.5, prefix_whole_pages=True)
+                                 scale=d ** -0.5, prefix_whole_pages=True, causal_prefix=causal)
     assert rel_err(ref2, ref) < 1e-5
 

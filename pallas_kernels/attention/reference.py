@@ -127,19 +127,18 @@ def window_visibility(prefix_lengths, mask, *, rows: int, window: int, causal_pr
     """`[B, R, lead + W] bool` over `window_positions`: the missed prefix tail, then mask bits.
 
     `whole_pages_of=page`: the prefix half covered only whole pages below P, so row r's tail starts
-    at min(P - R + 1 + r, (P // page) * page)."""
+    at min(P - R + 1 + r, (P // page) * page); with `causal_prefix=False` at (P // page) * page
+    (every row's prefix half ran to the same bound, the window half takes the rest below P)."""
     b = prefix_lengths.shape[0]
     lead = window_lead(rows, whole_pages_of)
     pos = window_positions(prefix_lengths, rows, window, lead)  # [B, T]
     p = prefix_lengths[:, None, None]
     r_idx = jnp.arange(rows)[None, :, None]
     posb = pos[:, None, :]
-    start = p - rows + 1 + r_idx
+    start = p - rows + 1 + r_idx if causal_prefix else jnp.broadcast_to(p, (b, rows, 1))
     if whole_pages_of is not None:
         start = jnp.minimum(start, (p // whole_pages_of) * whole_pages_of)
     tail = (posb < p) & (posb >= start) & (posb >= 0)
-    if not causal_prefix:
-        tail = jnp.zeros_like(tail)
     bits = unpack_mask_rows(mask, window)  # [B, R, W]
     win = jnp.concatenate([jnp.zeros((b, rows, lead), bool), bits], axis=-1)
     return tail | win

@@ -8,7 +8,8 @@
 
 Row r of request b (P = prefix_lengths[b] committed keys) attends
 - the prefix tail the causal prefix half did not cover: positions P - R + 1 + r .. P - 1 (none when
-  `causal_prefix=False`, where the prefix half already covered the row's whole prefix);
+  `causal_prefix=False`, where the prefix half already covered the row's whole prefix; with
+  `prefix_whole_pages` the tail starts no later than the last whole page below P either way);
 - window key j (position P + j, j < window <= 64) iff bit j of its packed mask row is set
   (word 0 holds bits 0..31, word 1 bits 32..63, see `treespec_jax.tree.masks`);
 and folds them into the prefix partial (out, lse2) with a base-2 online softmax. A partial with
@@ -106,14 +107,14 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
     if causal_prefix:
         tail_lo = jnp.where(real_row, jnp.maximum(length - query_rows + 1 + r, 0), length)
         lo = jnp.maximum(length - query_rows + 1, 0)
-        if prefix_whole_pages:
-            # The prefix half stopped at the last whole page below P.
-            whole = (length // page_size) * page_size
-            tail_lo = jnp.minimum(tail_lo, whole)
-            lo = jnp.minimum(lo, whole)
     else:
         tail_lo = jnp.full((block_rows,), length, jnp.int32)
         lo = length
+    if prefix_whole_pages:
+        # The prefix half stopped at the last whole page below P.
+        whole = (length // page_size) * page_size
+        tail_lo = jnp.minimum(tail_lo, whole)
+        lo = jnp.minimum(lo, whole)
     hi = length + window
     w0 = w0_ref[...]
     w1 = w1_ref[...]
@@ -288,7 +289,8 @@ def tree_window_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | N
     splits a KV head's rows over more programs), `num_warps` and `num_stages` tune the compiled
     kernel; None takes DEFAULT_BLOCK_ROWS / DEFAULT_NUM_WARPS / DEFAULT_NUM_STAGES.
     `prefix_whole_pages`: the prefix partial covers only whole pages below P (a TMA prefix half), so
-    each row's tail starts at min(P - R + 1 + r, (P // page_size) * page_size).
+    each row's tail starts at min(P - R + 1 + r, (P // page_size) * page_size), or at
+    (P // page_size) * page_size under `causal_prefix=False`.
     """
     if k_pool.ndim == 2:
         k_pool = k_pool[:, None, :]

@@ -61,6 +61,12 @@ class CascadeConfig:
     # window kernel then covers the partial last page), refused where it cannot run. See
     # prefix_decode_mgpu.
     prefix_kernel: str = "auto"
+    # Which half reads the committed keys the causal prefix leaves to the window kernel (row r's
+    # P - R + 1 + r .. P - 1). False: the window kernel (the causal split). True: the prefix
+    # half runs every row to P (its whole-page bound under "mosaic_gpu"), so the window kernel reads
+    # only the window, plus the partial last page under "mosaic_gpu": one page fewer per row tile
+    # of the latency-bound window kernel for up to R - 1 more keys of the prefix kernel. Same result.
+    prefix_covers_tail: bool = False
 
     def __post_init__(self):
         if self.prefix_kernel not in PREFIX_KERNELS:
@@ -109,7 +115,8 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
     mosaic = uses_mosaic_prefix(config, kind, q, k_pool, v_pool)
     return _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, window=window,
                          page_size=config.page_size, scale=scale, num_splits=config.num_splits,
-                         fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret", mosaic=mosaic)
+                         fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret", mosaic=mosaic,
+                         prefix_covers_tail=config.prefix_covers_tail)
 
 
 def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> bool:
@@ -130,27 +137,31 @@ def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> b
 
 
 @functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "num_splits", "fp8_score_dot",
-                                             "interpret", "mosaic"))
+                                             "interpret", "mosaic", "prefix_covers_tail"))
 def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window, page_size, scale,
-                  num_splits, fp8_score_dot, interpret, mosaic=False):
+                  num_splits, fp8_score_dot, interpret, mosaic=False, prefix_covers_tail=False):
     b, r, hq, d = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
     qr = heads_to_rows(q, hkv, padded_rows(r * group))
+    # The prefix kernels bound row r * G + g by P - R + 1 + r; read as one query row of R * G heads,
+    # every row's bound is P (`prefix_covers_tail`), and the window kernel then takes no causal tail.
+    prefix_rows = dict(query_rows=1, group=r * group) if prefix_covers_tail else dict(query_rows=r, group=group)
     # The key-split partials are merged by XLA before the window kernel (`merge_splits`). Merging them
     # in the window kernel instead was no faster on the H200 (session 9, benchmarks/RESULTS.md: B=1
     # bf16 0.126-0.128 vs 0.087-0.089 ms, FP8 0.093-0.100 vs 0.092-0.099), so that was taken out.
     if mosaic:
         prefix_out, prefix_lse2 = prefix_decode_mgpu_row_layout(
-            qr, k_pool, v_pool, page_table, prefix_lengths, query_rows=r, group=group, page_size=page_size,
+            qr, k_pool, v_pool, page_table, prefix_lengths, **prefix_rows, page_size=page_size,
             scale=scale, num_splits=num_splits, interpret=interpret)
     else:
         prefix_out, prefix_lse2 = prefix_decode_row_layout(
-            qr, k_pool, v_pool, page_table, prefix_lengths, query_rows=r, group=group, page_size=page_size,
+            qr, k_pool, v_pool, page_table, prefix_lengths, **prefix_rows, page_size=page_size,
             scale=scale, num_splits=num_splits, interpret=interpret, fp8_score_dot=fp8_score_dot)
     out = tree_window_row_layout(
         qr, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2,
-        query_rows=r, group=group, window=window, page_size=page_size, scale=scale, causal_prefix=True,
+        query_rows=r, group=group, window=window, page_size=page_size, scale=scale,
+        causal_prefix=not prefix_covers_tail,
         value_dim=d, interpret=interpret, prefix_whole_pages=mosaic)
     return rows_to_heads(out, r, hq)
 
