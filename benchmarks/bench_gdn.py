@@ -9,8 +9,9 @@ workspace at exactly the branch points), the chain kernel, the chunked tree form
 commit, at small and Qwen3-Next dims.
 
 Timing (Qwen3-Next dims H=16, HV=32, dk=dv=128, bf16 inputs, fp32 state; B in {1, 32, 64};
-trees of 8, 16, 64 nodes): each kernel runs 10 times inside one jitted function (buffers donated,
-so aliased outputs are updated in place); median over reps. The tree kernels are timed against the
+trees of 8, 16, 64 nodes): each kernel runs in chains of INNER and 3 x INNER calls inside one
+jitted function (buffers donated, so aliased outputs are updated in place); the difference of the
+two chains' medians per call is the figure (`timing.time_step`, device time). The tree kernels are timed against the
 chain verify of the same node count measured in the same run, and against the state read (+ write)
 byte floor at the measured device copy bandwidth.
 flash-linear-attention's fused_recurrent chain (if the fla-core wheel was carried) is the outside
@@ -50,7 +51,7 @@ from treespec_jax.tree.masks import ancestor_mask, chain_parents
 
 QWEN = dict(H=16, HV=32, DK=128, DV=128)
 SMALL = dict(H=2, HV=4, DK=16, DV=16)
-INNER = 10  # kernel calls per timed jit call
+INNER = 10  # kernel calls in the shorter timed chain (timing.time_step also runs 3 x INNER)
 DEFAULT_CONFIGS = [(1, 8), (1, 16), (1, 64), (32, 8), (32, 16), (32, 64), (64, 8), (64, 16), (64, 64)]
 _T0 = time.time()  # this module's start, for its --budget-s
 CHUNKED_IEEE = False  # --chunked-ieee: also time the chunked form with IEEE fp32 products (3.5-7x slower)
@@ -287,7 +288,8 @@ def conformance_case(i, d, bsz, t, dtype, tol, rng, check):
 # ----------------------------------------------------------------------------------------------
 
 def time_step(step, carry):
-    """Median seconds per step; `step(carry) -> carry` runs INNER times per jitted call (donated)."""
+    """Device seconds per step: chains of INNER and 3 x INNER `step(carry) -> carry` calls in one jit
+    (donated), the difference per call (`timing.time_step`)."""
     return timing.time_step(step, carry, inner=INNER, reps=7)
 
 
@@ -686,7 +688,7 @@ def main(argv=None) -> int:
                    help="time the chunked form only as two-pass (the fused kernel loses 2-3x past 16 nodes)")
     p.add_argument("--lean", action="store_true", help="time only what the layer's route chooses between (the "
                    "recurrent kernels and the default two-pass variant), no staged kernels or factor-alone runs")
-    p.add_argument("--inner", type=int, default=INNER, help="kernel calls per timed jit call")
+    p.add_argument("--inner", type=int, default=INNER, help="kernel calls in the shorter timed chain (the longer has 3x)")
     p.add_argument("--markdown", default=None, help="also write the dated section to this file (e.g. $OUT/gdn.md)")
     p.add_argument("--results", default=str(Path(__file__).resolve().parent / "RESULTS.md"),
                    help="append the dated section here (benchmarks/RESULTS.md by default)")

@@ -12,9 +12,10 @@ accepted node), the tree conv with the precomputed lag table and with the earlie
 small and Nemotron-H dims.
 
 Timing (Nemotron-H-like: H=128, headdim 64, dstate 128, ngroups 8, bf16 activations, fp32 state;
-conv dim 2*8*128 + 128*64 = 10240, width 4; random depth-first trees): each kernel runs INNER
-times inside one jitted function, with the request slots rotated through a pool several times the
-L2 so each call reads cold state; median over reps. Per B x T config, all in one run: the chain
+conv dim 2*8*128 + 128*64 = 10240, width 4; random depth-first trees): each kernel runs in chains
+of INNER and 3 x INNER calls inside one jitted function, with the request slots rotated through a
+pool several times the L2 so each call reads cold state; the difference of the two chains'
+medians per call is the figure (`timing.time_step`, device time). Per B x T config, all in one run: the chain
 kernel (parents=None), the default tree kernel ("old": parent-pointer replay), and the tree kernel
 with the precomputed ancestor-list walk, its per-step plan built outside the timed layer (as the
 layer glue shares it; the plan's own cost is timed once as "plan"). Ratios are tree / chain of the
@@ -48,7 +49,7 @@ from treespec_jax.tree.masks import ancestor_mask
 NEMOTRON = dict(H=128, P=64, N=128, G=8)
 SMALL = dict(H=4, P=16, N=16, G=2)
 CONV_W = 4
-INNER = 10  # kernel calls per timed jit call
+INNER = 10  # kernel calls in the shorter timed chain (timing.time_step also runs 3 x INNER)
 _T0 = time.time()  # this module's start, for its --budget-s
 POOL_BYTES = 512 << 20  # rotate slots through at least this much state (H200 L2 is 60 MB)
 TIMING_DIMS = NEMOTRON  # --smoke swaps in SMALL
@@ -279,7 +280,8 @@ def conformance(quick: bool, results: list | None = None, smoke: bool = False) -
 # ----------------------------------------------------------------------------------------------
 
 def time_step(step, carry):
-    """Median seconds per step; `step(carry) -> carry` runs INNER times per jitted call (donated)."""
+    """Device seconds per step: chains of INNER and 3 x INNER `step(carry) -> carry` calls in one jit
+    (donated), the difference per call (`timing.time_step`)."""
     return timing.time_step(step, carry, inner=INNER, reps=5)
 
 

@@ -336,7 +336,7 @@ def main(argv=None) -> int:
     # (dtype, pages per step, stages, R, key split, options): 256-row heads (two row tiles of
     # warpgroups), then 64-row heads (the default layout per dtype, the key split forced on for bf16
     # and off for FP8), the key split forced on 256-row heads, and each warpgroup's softmax
-    # overlapped with its own matmuls (not yet compiled on a GPU as of session 10).
+    # overlapped with its own matmuls (off by default: it conforms but ran 6-9% slower, session 11).
     overlap = dict(overlap_softmax=True)
     forms = (
             (bf, 1, 2, 64, None, {}), (f8, 1, 2, 64, None, {}), (bf, 2, 2, 64, None, {}), (f8, 2, 2, 64, None, {}),
@@ -344,7 +344,14 @@ def main(argv=None) -> int:
             (bf, 1, 4, 16, True, {}), (f8, 2, 2, 16, False, {}), (bf, 2, 2, 64, True, {}),
             (bf, 2, 2, 64, None, overlap), (bf, 1, 2, 64, None, overlap), (bf, 2, 2, 16, None, overlap))
     if a.forms is not None:
-        picks = [int(v) for v in a.forms.split(",") if v]
+        # "N": the first N forms; "i,j,...": those indices ("12," is form 12 alone).
+        try:
+            picks = [int(v) for v in a.forms.split(",") if v.strip()]
+        except ValueError:
+            picks = []
+        bad = [i for i in picks if not 0 <= i < len(forms)] if "," in a.forms else []
+        if not picks or bad:
+            ap.error(f"--forms {a.forms!r}: give a count or indices in [0, {len(forms)})")
         forms = forms[:picks[0]] if "," not in a.forms else tuple(forms[i] for i in picks)
     for dtype, pps, stages, r, ks, opts in forms:
         if a.skip_conformance:

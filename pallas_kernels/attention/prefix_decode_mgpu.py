@@ -270,7 +270,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     instead of taking turns (`pingpong` is then off): step i's scores Q K_i^T and step i - 1's
     P V are issued together, the softmax of step i runs once the scores are in while P V is still
     in flight, and the accumulator is rescaled after it lands (FlashAttention-3's intra-warpgroup
-    pipelining). 16-bit pools without a key split only; not yet timed on a GPU, so off;
+    pipelining). 16-bit pools without a key split only; it conforms on the H200 but ran 6-9% slower
+    than the turn-taking default (session 11, benchmarks/RESULTS.md), so it is off;
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
     if overlap_softmax and (jnp.dtype(k_pool.dtype) == F8 or fence_softmax or warpgroup_layout(

@@ -52,8 +52,9 @@ class MlaCascadeConfig:
     # Tiling of the prefix half's latent decode.
     decode: MlaDecodeConfig = MlaDecodeConfig()
     # Prefix-half kernel. "auto": "mosaic_gpu" wherever it runs compiled (a GPU, 16-bit or FP8
-    # latent cache, page a multiple of 64; on the H200 at DeepSeek-V3 widths its cascade is 1.6x
-    # (bf16) and 4.1x (FP8) faster than with the Triton latent decode, benchmarks/RESULTS.md),
+    # latent cache, page a multiple of 64; on the H200 at DeepSeek-V3 widths its cascade is 1.49x
+    # (bf16, device time) and 4.2x (FP8, per call) faster than with the Triton latent decode,
+    # session 11, benchmarks/RESULTS.md),
     # else "triton". "triton": Pallas Triton, every
     # cache dtype. "mosaic_gpu": wgmma/TMA over whole pages (the window kernel covers the partial
     # last page), refused where it cannot run. See pallas_kernels.attention.mla_decode_mgpu.
