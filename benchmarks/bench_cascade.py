@@ -259,7 +259,9 @@ def tune_prefix(q, kp, vp, table, lengths):
     return best[1] if best else {}
 
 
-def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too):
+def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, covers_tail_too=False, lean=False):
+    """One table row. `covers_tail_too`: also the cascade with `prefix_covers_tail` (checked against
+    the default cascade's output first); `lean`: no per-call, Triton-prefix or dense baselines."""
     bw, flops = ceilings
     kp, vp, table = make_paged(key, rng, b, p + n, HKV, D, PAGE, dtype, poison=False)
     q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(jnp.bfloat16)
@@ -289,29 +291,41 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too):
     # default prefix kernel and, as the in-run baseline, with the Triton one.
     cas = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(page_size=PAGE)))
     t_cas = chained_time(cas, (q, kp, vp, table, lengths, mask), feed_scalar(4), inner=CHAINED)
-    t_cas_call = median_time(cas, q, kp, vp, table, lengths, mask)
-    if mosaic:
+    t_cas_call = float("nan") if lean else median_time(cas, q, kp, vp, table, lengths, mask)
+    t_cas_tail = float("nan")
+    if covers_tail_too:
+        cas_tail = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
+            page_size=PAGE, prefix_covers_tail=True)))
+        args = (q, kp, vp, table, lengths, mask)
+        err = rel_err(cas_tail(*args), cas(*args))
+        if err < 1e-2:  # bf16 outputs of two summation orders
+            t_cas_tail = chained_time(cas_tail, args, feed_scalar(4), inner=CHAINED)
+        else:
+            print(f"  prefix_covers_tail cascade DIFFERS from the default (rel {err:.2e}); not timed", flush=True)
+    if lean:
+        t_cas_triton = float("nan")
+    elif mosaic:
         cas_tr = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
             page_size=PAGE, prefix_kernel="triton")))
         t_cas_triton = chained_time(cas_tr, (q, kp, vp, table, lengths, mask), feed_scalar(4), inner=CHAINED)
     else:
         t_cas_triton = t_cas
     t_cas8 = float("nan")
-    if fp8_dot_too:
+    if fp8_dot_too and not lean:
         try:
             cas8 = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
                 page_size=PAGE, fp8_score_dot=True, prefix_kernel="triton")))
             t_cas8 = chained_time(cas8, (q, kp, vp, table, lengths, mask), feed_scalar(4), inner=CHAINED)
         except Exception as exc:
             print(f"  fp8 score dot failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-    impl, t_dense = dense_baseline(q, kp, vp, table, lengths, mask, n)
+    impl, t_dense = ("-", float("nan")) if lean else dense_baseline(q, kp, vp, table, lengths, mask, n)
     kv_bytes = 2 * b * (p + n) * HKV * D * jnp.dtype(dtype).itemsize
     byte_floor = kv_bytes / bw
     flop_floor = 4 * b * n * HQ * (p + n) * D / flops
     floor = max(byte_floor, flop_floor)
     row = dict(shape=f"B={b},P={p},N={n}", kv=jnp.dtype(dtype).name, prefix_kernel="mosaic_gpu" if mosaic else "triton",
                prefix_ms=t_pre * 1e3, window_ms=t_win * 1e3, cascade_ms=t_cas * 1e3, cascade_call_ms=t_cas_call * 1e3,
-               cascade_triton_ms=t_cas_triton * 1e3, cascade_fp8dot_ms=t_cas8 * 1e3, dense_ms=t_dense * 1e3, dense_impl=impl,
+               cascade_triton_ms=t_cas_triton * 1e3, cascade_fp8dot_ms=t_cas8 * 1e3, cascade_tail_ms=t_cas_tail * 1e3, dense_ms=t_dense * 1e3, dense_impl=impl,
                byte_floor_ms=byte_floor * 1e3, flop_floor_ms=flop_floor * 1e3,
                vs_floor=t_cas / floor, window_overhead=(t_cas - t_pre) / t_pre,
                prefix_tbps=kv_bytes / t_pre / 1e12, dense_speedup=t_dense / t_cas)
@@ -353,13 +367,14 @@ def table_markdown(rows, ceilings, tune):
              "'cascade per call' dispatches each call from Python (the earlier sessions' measure).", "",
              "| shape | KV | prefix kernel | prefix ms | window ms | cascade ms | cascade per call ms "
              "| cascade, Triton prefix ms "
-             "| cascade, Triton fp8-dot prefix ms | byte floor ms | FLOP floor ms "
+             "| cascade, Triton fp8-dot prefix ms | cascade, prefix covers tail ms | byte floor ms | FLOP floor ms "
              "| cascade / max floor | window overhead | prefix TB/s | dense (impl) ms | dense / cascade |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['kv']} | {r['prefix_kernel']} | {r['prefix_ms']:.3f} | {r['window_ms']:.3f} "
                      f"| {r['cascade_ms']:.3f} | {r['cascade_call_ms']:.3f} | {r['cascade_triton_ms']:.3f} "
-                     f"| {r['cascade_fp8dot_ms']:.3f} | {r['byte_floor_ms']:.3f} | {r['flop_floor_ms']:.3f} "
+                     f"| {r['cascade_fp8dot_ms']:.3f} | {r['cascade_tail_ms']:.3f} | {r['byte_floor_ms']:.3f} "
+                     f"| {r['flop_floor_ms']:.3f} "
                      f"| {r['vs_floor']:.2f}x | {100 * r['window_overhead']:.1f}% | {r['prefix_tbps']:.2f} "
                      f"| {r['dense_ms']:.3f} ({r['dense_impl']}) | {r['dense_speedup']:.2f}x |")
     return "\n".join(lines)
@@ -371,6 +386,10 @@ def main(argv=None):
     ap.add_argument("--skip-conformance", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--tune", action="store_true", help="also time a few prefix-kernel configurations")
+    ap.add_argument("--covers-tail", action="store_true",
+                    help="also time the cascade with CascadeConfig(prefix_covers_tail=True)")
+    ap.add_argument("--lean", action="store_true",
+                    help="skip the per-call, Triton-prefix and dense baselines (faster variant runs)")
     ap.add_argument("--markdown", default=None, help="write the conformance summary and table to this file")
     ap.add_argument("--results", default=None,
                     help="append a dated section here (benchmarks/RESULTS.md by default; --smoke appends "
@@ -423,7 +442,8 @@ def main(argv=None):
                 print(f"timing B={b} P={p} N={n} {jnp.dtype(dtype).name}", flush=True)
                 try:
                     rows.append(time_shape(b, p, n, dtype, ceilings, tune, rng, jax.random.fold_in(key, b * p + n),
-                                           fp8_dot_too=dtype == FP8))
+                                           fp8_dot_too=dtype == FP8, covers_tail_too=args.covers_tail,
+                                           lean=args.lean))
                 except Exception as exc:
                     print(f"  timing failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
     mla = {}

@@ -196,7 +196,7 @@ def mla_variants(dtype):
     return out
 
 
-def run_mla(results, ceilings, rng, dtype, triton_variants=1):
+def run_mla(results, ceilings, rng, dtype, triton_variants=1, covers_tail=False):
     dname = jnp.dtype(dtype).name
     key = jax.random.PRNGKey(3)
     ragged = np.full((B,), P, np.int32)
@@ -222,25 +222,30 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1):
     flop_floor = flop / flops
     floor = max(byte_floor, flop_floor)
     time_dense_mla(results, q, pool, table_t, lengths, mask, dname)
-    # (prefix kernel, tiling label, decode config): the cascade's default first (the Mosaic GPU
-    # latent decode where it runs), then the Pallas Triton decode at each tiling. Each row's
-    # "decode alone" is the decode that row's cascade runs.
+    # (prefix kernel, tiling label, decode config, prefix_covers_tail): the cascade's default first
+    # (the Mosaic GPU latent decode where it runs; with `covers_tail` also the decode run to every
+    # row's whole-page bound), then the Pallas Triton decode at each tiling. Each row's "decode
+    # alone" is the decode that row's cascade runs.
     kind = resolve_backend(None)
     default_kernel = "mosaic_gpu" if uses_mosaic_latent_decode(
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE), kind,
         quantize_absorbed_query(q, dtype), pool) else "triton"
-    rows = [("mosaic_gpu", "default", None)] if default_kernel == "mosaic_gpu" else []
-    rows += [("triton", label, dcfg) for label, dcfg in mla_variants(dtype)[:triton_variants]]
-    for kernel, label, dcfg in rows:
+    rows = [("mosaic_gpu", "default", None, False)] if default_kernel == "mosaic_gpu" else []
+    if covers_tail and default_kernel == "mosaic_gpu":
+        rows.append(("mosaic_gpu", "prefix covers tail", None, True))
+    rows += [("triton", label, dcfg, False) for label, dcfg in mla_variants(dtype)[:triton_variants]]
+    for kernel, label, dcfg, covers in rows:
         name = f"mla[{dname},{kernel},{label}]"
+        # The decode's rows: as the cascade passes them (one query row of N * HQ heads when covers).
+        as_dec = (lambda x: x.reshape(x.shape[0], 1, -1, x.shape[-1])) if covers else (lambda x: x)
         try:
             t0 = time.perf_counter()
             if kernel == "mosaic_gpu":
-                dec = jax.jit(lambda q, *a: mla_decode_mgpu(quantize_absorbed_query(q, dtype), *a, kv_lora_rank=LORA,
-                                                            page_size=PAGE, scale=SCALE, block_k=MLA_MGPU_BLOCK_K,
-                                                            interpret=kind == "interpret"))
+                dec = jax.jit(lambda q, *a, f=as_dec: mla_decode_mgpu(
+                    f(quantize_absorbed_query(q, dtype)), *a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
+                    block_k=MLA_MGPU_BLOCK_K, interpret=kind == "interpret"))
                 ccfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE,
-                                        prefix_kernel="mosaic_gpu")
+                                        prefix_kernel="mosaic_gpu", prefix_covers_tail=covers)
             else:
                 dec = jax.jit(lambda *a, c=dcfg: mla_decode(*a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
                                                             config=c))
@@ -252,8 +257,6 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1):
                 lambda *a, c=dcfg: mla_decode(*a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE, config=c,
                                               poison_outputs=True))
             out, lse = check_dec(q, pool_chk, table, lengths_chk)
-            e_dec = rel_err(out, ref_dec[0])
-            fin = jnp.isfinite(ref_dec[1])
             # The Mosaic decode covers whole pages only (the window kernel takes the partial last
             # page), so it is checked against the whole-pages reference: the same rows must have a
             # finite LSE, the LSE must agree where finite, and every output row is compared.
@@ -261,12 +264,15 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1):
             if whole:
                 seen = jnp.isfinite(lse)
                 ref_w = jax.jit(lambda *a: mla_decode_reference(*a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
-                                                                whole_pages=True))(q_eff, pool_chk, table, lengths_chk)
+                                                                whole_pages=True))(as_dec(q_eff), pool_chk, table,
+                                                                                   lengths_chk)
                 e_dec = rel_err(out, ref_w[0])
                 fin = jnp.isfinite(ref_w[1])
                 lse_ok = bool(jnp.all(seen == fin)) and float(
                     jnp.max(jnp.abs(jnp.where(fin, lse - ref_w[1], 0.0)))) < 5e-2
             else:
+                e_dec = rel_err(out, ref_dec[0])
+                fin = jnp.isfinite(ref_dec[1])
                 lse_ok = bool(jnp.all(jnp.isfinite(lse) == fin)) and float(
                     jnp.max(jnp.abs(jnp.where(fin, lse - ref_dec[1], 0.0)))) < 5e-2
             cas = jax.jit(lambda *a, c=ccfg: mla_verify_attention(*a, config=c))
@@ -340,6 +346,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--markdown", help="write the results section to this file")
     parser.add_argument("--skip-fp8", action="store_true", help="bf16 latent cache only")
     parser.add_argument("--skip-bf16", action="store_true", help="FP8 latent cache only")
+    parser.add_argument("--covers-tail", action="store_true",
+                        help="also the Mosaic cascade with MlaCascadeConfig(prefix_covers_tail=True)")
     parser.add_argument("--skip-moves", action="store_true", help="skip the row-move checks and compaction timing")
     parser.add_argument("--triton-variants", type=int, default=1,
                         help="how many Triton latent-decode tilings to check and time besides the default cascade")
@@ -361,7 +369,8 @@ def main(argv=None) -> dict:
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     for dtype in (() if args.skip_bf16 else (jnp.bfloat16,)) + (() if args.skip_fp8 else (FP8,)):
-        run_mla(results, results["ceilings"], rng, dtype, triton_variants=args.triton_variants)
+        run_mla(results, results["ceilings"], rng, dtype, triton_variants=args.triton_variants,
+                covers_tail=args.covers_tail)
     text = markdown(results)
     print(text)
     if args.markdown:

@@ -155,8 +155,8 @@ def dense_mla(q, pool, table, plen, mask, window):
                                    jnp.asarray(plen), mask, window=window, page_size=PAGE, scale=SCALE)[0]
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8])
-def test_mla_cascade_verify_matches_dense(dtype):
+@pytest.mark.parametrize("dtype,covers_tail", [(jnp.bfloat16, False), (FP8, False), (jnp.bfloat16, True)])
+def test_mla_cascade_verify_matches_dense(dtype, covers_tail):
     rng = np.random.default_rng(5 if dtype == jnp.bfloat16 else 6)
     b, n, maxp = 3, 8, 4
     plen = np.array([0, 3, 45], np.int32)  # P = 0, P < N, a window crossing a page
@@ -166,7 +166,8 @@ def test_mla_cascade_verify_matches_dense(dtype):
     q = jnp.asarray(rng.standard_normal((b, n, H, LORA + ROPE))).astype(jnp.bfloat16)
     mask = random_tree_masks(rng, b, n)
     config = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
-                              decode=MlaDecodeConfig(block_q=32, block_k=16, num_splits=2))
+                              decode=MlaDecodeConfig(block_q=32, block_k=16, num_splits=2),
+                              prefix_covers_tail=covers_tail)
     out = mla_verify_attention(q, pool, jnp.asarray(table), jnp.asarray(plen), mask, config=config)
     assert out.shape == (b, n, H, LORA) and out.dtype == jnp.bfloat16
     # Under an FP8 cache both halves score the FP8-quantised query: that is the exact target.

@@ -78,10 +78,12 @@ def test_mgpu_mla_refuses_unsupported_shapes():
                         jnp.zeros((1,), jnp.int32), kv_lora_rank=128, page_size=64, scale=0.1, share_scores=True)
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (FP8, 6e-2)])
-def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol):
+@pytest.mark.parametrize("dtype,tol,covers_tail", [(jnp.bfloat16, 1e-2, False), (FP8, 6e-2, False),
+                                                   (FP8, 6e-2, True)])
+def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol, covers_tail):
     """MlaCascadeConfig(prefix_kernel="mosaic_gpu") end to end (interpreter) equals dense attention,
-    with a bf16 and an FP8 latent cache (whose prefix half scores the FP8-quantised query)."""
+    with a bf16 and an FP8 latent cache (whose prefix half scores the FP8-quantised query), and with
+    the decode run to the whole-page bound for every row (`prefix_covers_tail`)."""
     from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
 
     rng = np.random.default_rng(9)
@@ -95,7 +97,7 @@ def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol):
     mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
     lens = jnp.asarray(lengths)
     cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
-                           prefix_kernel="mosaic_gpu")
+                           prefix_kernel="mosaic_gpu", prefix_covers_tail=covers_tail)
     got = mla_verify_attention(q, pool, table, lens, mask, config=cfg)
     dense, _ = cascade_dense_reference(q, pool[:, None, :], pool[:, None, :LORA], table, lens, mask, window=n,
                                        page_size=PAGE, scale=SCALE)

@@ -59,6 +59,10 @@ class MlaCascadeConfig:
     # cache dtype. "mosaic_gpu": wgmma/TMA over whole pages (the window kernel covers the partial
     # last page), refused where it cannot run. See pallas_kernels.attention.mla_decode_mgpu.
     prefix_kernel: str = "auto"
+    # As CascadeConfig.prefix_covers_tail: the latent decode runs every row to P (its whole-page
+    # bound under "mosaic_gpu"), so the window kernel reads the window (and the partial last page)
+    # but no causal tail of committed rows. Same result; off until timed on the GPU.
+    prefix_covers_tail: bool = False
 
     def __post_init__(self):
         if self.prefix_kernel not in ("auto", "triton", "mosaic_gpu"):
@@ -123,20 +127,28 @@ def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.
     model = jnp.dtype(config.model_dtype)
     q = quantize_absorbed_query(q, latent_pool.dtype)
     mosaic = uses_mosaic_latent_decode(config, resolve_backend(config.backend), q, latent_pool)
+    b, r, hq, c = q.shape
+    # The decodes bound the rows of query row r by P - R + 1 + r; as one query row of R * Hq heads
+    # every row's bound is P (`prefix_covers_tail`). The latent cache has one KV head, so regrouping
+    # the heads changes nothing else.
+    q_dec = q.reshape(b, 1, r * hq, c) if config.prefix_covers_tail else q
     if mosaic:
         prefix_out, prefix_lse2 = mla_decode_mgpu(
-            q, latent_pool, page_table, prefix_lengths, kv_lora_rank=config.kv_lora_rank,
+            q_dec, latent_pool, page_table, prefix_lengths, kv_lora_rank=config.kv_lora_rank,
             page_size=config.page_size, scale=config.scale, block_k=MLA_MGPU_BLOCK_K,
             interpret=resolve_backend(config.backend) == "interpret")
     else:
         prefix_out, prefix_lse2 = mla_decode(
-            q, latent_pool, page_table, prefix_lengths, kv_lora_rank=config.kv_lora_rank,
+            q_dec, latent_pool, page_table, prefix_lengths, kv_lora_rank=config.kv_lora_rank,
             page_size=config.page_size, scale=config.scale, backend=config.backend, config=config.decode)
+    prefix_out = prefix_out.reshape(b, r, hq, -1)
+    prefix_lse2 = prefix_lse2.reshape(b, r, hq)
     # FP8 -> model dtype is exact; the window kernel widens the FP8 latent rows to the same dtype.
     out = tree_window_attention(
         q.astype(model), latent_pool, None, page_table, prefix_lengths, mask, prefix_out, prefix_lse2,
-        window=window, page_size=config.page_size, scale=config.scale, causal_prefix=True,
-        rope_dim=config.rope_dim, value_dim=config.kv_lora_rank, prefix_whole_pages=mosaic,
+        window=window, page_size=config.page_size, scale=config.scale,
+        causal_prefix=not config.prefix_covers_tail, rope_dim=config.rope_dim, value_dim=config.kv_lora_rank,
+        prefix_whole_pages=mosaic,
         backend=config.backend)
     return out.astype(model)
 
