@@ -259,9 +259,11 @@ def tune_prefix(q, kp, vp, table, lengths):
     return best[1] if best else {}
 
 
-def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, covers_tail_too=False, lean=False):
-    """One table row. `covers_tail_too`: also the cascade with `prefix_covers_tail` (checked against
-    the default cascade's output first); `lean`: no per-call, Triton-prefix or dense baselines."""
+def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, covers_tail_too=False, lean=False,
+               checks=None):
+    """One table row. `covers_tail_too`: also the cascade with `prefix_covers_tail`, checked against
+    the default cascade's output first (a row in `checks`, so a mismatch fails the run); `lean`: no
+    per-call, Triton-prefix or dense baselines."""
     bw, flops = ceilings
     kp, vp, table = make_paged(key, rng, b, p + n, HKV, D, PAGE, dtype, poison=False)
     q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(jnp.bfloat16)
@@ -298,10 +300,13 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, covers_tai
             page_size=PAGE, prefix_covers_tail=True)))
         args = (q, kp, vp, table, lengths, mask)
         err = rel_err(cas_tail(*args), cas(*args))
-        if err < 1e-2:  # bf16 outputs of two summation orders
+        name = f"prefix_covers_tail cascade vs default B={b},P={p},N={n} {jnp.dtype(dtype).name}"
+        if checks is not None:
+            checks.add(name, err, 1e-2)  # bf16 outputs of two summation orders
+        if err < 1e-2:
             t_cas_tail = chained_time(cas_tail, args, feed_scalar(4), inner=CHAINED)
         else:
-            print(f"  prefix_covers_tail cascade DIFFERS from the default (rel {err:.2e}); not timed", flush=True)
+            print(f"  {name}: DIFFERS (rel {err:.2e}); not timed", flush=True)
     if lean:
         t_cas_triton = float("nan")
     elif mosaic:
@@ -389,7 +394,7 @@ def main(argv=None):
     ap.add_argument("--covers-tail", action="store_true",
                     help="also time the cascade with CascadeConfig(prefix_covers_tail=True)")
     ap.add_argument("--lean", action="store_true",
-                    help="skip the per-call, Triton-prefix and dense baselines (faster variant runs)")
+                    help="skip the per-call, Triton-prefix and dense baselines and the MLA window timing (faster variant runs)")
     ap.add_argument("--markdown", default=None, help="write the conformance summary and table to this file")
     ap.add_argument("--results", default=None,
                     help="append a dated section here (benchmarks/RESULTS.md by default; --smoke appends "
@@ -443,11 +448,11 @@ def main(argv=None):
                 try:
                     rows.append(time_shape(b, p, n, dtype, ceilings, tune, rng, jax.random.fold_in(key, b * p + n),
                                            fp8_dot_too=dtype == FP8, covers_tail_too=args.covers_tail,
-                                           lean=args.lean))
+                                           lean=args.lean, checks=checks))
                 except Exception as exc:
                     print(f"  timing failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
     mla = {}
-    if not (args.skip_timing or args.quick):
+    if not (args.skip_timing or args.quick or args.lean):
         try:
             mla = time_mla_window()
         except Exception as exc:

@@ -39,15 +39,19 @@ def test_verify_matches_dense_attention(n, group, page, dtype, tol, covers_tail)
     assert rel_err(out, composed) < 1e-2
 
 
-@pytest.mark.parametrize("dtype,tol,splits,covers_tail", [(jnp.bfloat16, 1e-2, None, False), (FP8, 6e-2, None, False),
-                                                          (jnp.bfloat16, 1e-2, 2, False), (FP8, 6e-2, 2, True)])
-def test_verify_through_the_mosaic_gpu_prefix_kernel(dtype, tol, splits, covers_tail):
+@pytest.mark.parametrize("dtype,tol,splits,covers_tail,lengths", [
+    (jnp.bfloat16, 1e-2, None, False, [100, 7]), (FP8, 6e-2, None, False, [100, 7]),
+    (jnp.bfloat16, 1e-2, 2, False, [100, 7]),
+    # P mod page < R - 1 (and a page-aligned P): the flag moves the last whole page's causal tail
+    # from the window kernel to the prefix kernel, so a miswired half double-counts or drops it.
+    (jnp.bfloat16, 1e-2, 2, True, [128, 74]), (jnp.bfloat16, 1e-2, 2, False, [128, 74])])
+def test_verify_through_the_mosaic_gpu_prefix_kernel(dtype, tol, splits, covers_tail, lengths):
     """CascadeConfig(prefix_kernel="mosaic_gpu") (Pallas' GPU interpreter here): the
     prefix half over whole pages plus the window over the partial page equals dense attention,
     with the kernel's own key split or a forced one (num_splits reaches the Mosaic kernel), and with
     every row's prefix half run to the whole-page bound (`prefix_covers_tail`)."""
     d, n, page = 64, 32, 64
-    q, k, v, table, lengths, mask = verify_case(np.random.default_rng(5), [100, 7], n, 2, 4, d, page,
+    q, k, v, table, lengths, mask = verify_case(np.random.default_rng(5), lengths, n, 2, 4, d, page,
                                                 dtype, q_dtype=jnp.bfloat16)
     cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu", num_splits=splits,
                         prefix_covers_tail=covers_tail)
@@ -164,20 +168,23 @@ def test_lanes_match_dense_attention(step, covers_tail):
     assert rel_err(out, dense) < 1e-5
 
 
-def test_lanes_through_the_mosaic_gpu_prefix_kernel():
+@pytest.mark.parametrize("covers_tail,frontiers", [(False, [70, 200]), (True, [64, 129])])
+def test_lanes_through_the_mosaic_gpu_prefix_kernel(covers_tail, frontiers):
     """Draft lanes whose rows fill a 64-row tile (K = 4 lanes x 16 query heads per KV head) through
     the Mosaic GPU prefix (interpreter): the causal prefix over whole pages plus the window kernel
-    over the partial page and the lane window equal dense attention, frontiers mid-page included."""
+    over the partial page and the lane window equal dense attention, frontiers mid-page included;
+    with `prefix_covers_tail` at frontiers where it moves keys (P mod page < K - 1)."""
     rng = np.random.default_rng(21)
     b, kk, steps, hkv, g, d, page = 2, 4, 3, 1, 16, 64, 64
     w = (steps - 1) * kk
-    frontier = np.array([70, 200], np.int32)
-    k, v, table = poisoned_paged_pools(rng, b, 200 + w, hkv, d, page, jnp.bfloat16,
+    frontier = np.array(frontiers, np.int32)
+    k, v, table = poisoned_paged_pools(rng, b, int(frontier.max()) + w, hkv, d, page, jnp.bfloat16,
                                        lambda bb, pos: pos < frontier[bb] + w)
     q = jnp.asarray(rng.standard_normal((b, kk, hkv * g, d)), jnp.bfloat16)
     mask = pack_mask_rows(jnp.asarray(lane_masks(rng, b, kk, steps - 1)[:, :, :w]))
     out = lane_attention(q, k, v, table, jnp.asarray(frontier), mask, steps=steps,
-                         config=CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu"))
+                         config=CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu",
+                                              prefix_covers_tail=covers_tail))
     dense, _ = cascade_dense_reference(q, k, v, table, jnp.asarray(frontier), mask, window=w, page_size=page,
                                        scale=d ** -0.5)
     assert rel_err(out, dense) < 1e-2

@@ -78,9 +78,11 @@ def test_mgpu_mla_refuses_unsupported_shapes():
                         jnp.zeros((1,), jnp.int32), kv_lora_rank=128, page_size=64, scale=0.1, share_scores=True)
 
 
-@pytest.mark.parametrize("dtype,tol,covers_tail", [(jnp.bfloat16, 1e-2, False), (FP8, 6e-2, False),
-                                                   (FP8, 6e-2, True)])
-def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol, covers_tail):
+@pytest.mark.parametrize("dtype,tol,covers_tail,lengths", [
+    (jnp.bfloat16, 1e-2, False, [150, 3]), (FP8, 6e-2, False, [150, 3]),
+    # P mod page < N - 1 (one page-aligned): the flag moves keys between the halves.
+    (jnp.bfloat16, 1e-2, True, [128, 130])])
+def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol, covers_tail, lengths):
     """MlaCascadeConfig(prefix_kernel="mosaic_gpu") end to end (interpreter) equals dense attention,
     with a bf16 and an FP8 latent cache (whose prefix half scores the FP8-quantised query), and with
     the decode run to the whole-page bound for every row (`prefix_covers_tail`)."""
@@ -88,7 +90,7 @@ def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol, covers_tail):
 
     rng = np.random.default_rng(9)
     n, hq = 8, 4
-    lengths = np.array([150, 3], np.int32)
+    lengths = np.array(lengths, np.int32)
     b = len(lengths)
     pool, _, table = poisoned_paged_pools(rng, b, int(lengths.max()) + n, 1, LORA + ROPE, PAGE, dtype,
                                           lambda bb, pos: pos < lengths[bb] + n)

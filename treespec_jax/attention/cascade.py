@@ -64,8 +64,10 @@ class CascadeConfig:
     # Which half reads the committed keys the causal prefix leaves to the window kernel (row r's
     # P - R + 1 + r .. P - 1). False: the window kernel (the causal split). True: the prefix
     # half runs every row to P (its whole-page bound under "mosaic_gpu"), so the window kernel reads
-    # only the window, plus the partial last page under "mosaic_gpu": one page fewer per row tile
-    # of the latency-bound window kernel for up to R - 1 more keys of the prefix kernel. Same result.
+    # only the window, plus the partial last page under "mosaic_gpu": the latency-bound window
+    # kernel skips the causal tail's pages (at most one under "mosaic_gpu", up to R / page under
+    # "triton") for up to R - 1 more keys per row in the prefix kernel. Same result; the
+    # "reference" backend, which defines it, ignores the flag. Off until timed on the GPU.
     prefix_covers_tail: bool = False
 
     def __post_init__(self):
