@@ -282,29 +282,32 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, covers_tai
         pre = jax.jit(lambda *a: prefix_decode_row_layout(*a, **kw, **tune))
     # Device time: calls back to back inside one jit (each fed the previous output), as the kernels
     # run inside a served model's step; the per-call (Python-dispatched) cascade time stays beside it.
-    # The same feed for all three chains (through P), so its cost cancels in the window overhead.
-    t_pre = chained_time(pre, (qr, kp, vp, table, lengths), feed_scalar(4), inner=CHAINED)
+    # The same feed for every chain (through P, argument 4), so its cost cancels in the window overhead.
+    def device_time(fn, args):
+        return chained_time(fn, args, feed_scalar(4), inner=CHAINED)
+
+    t_pre = device_time(pre, (qr, kp, vp, table, lengths))
     po, plse = pre(qr, kp, vp, table, lengths)
     win = jax.jit(lambda *a: tree_window_row_layout(*a, query_rows=n, group=group, window=n, page_size=PAGE,
                                                     scale=D ** -0.5, value_dim=D, interpret=interp,
                                                     prefix_whole_pages=mosaic))
-    t_win = chained_time(win, (qr, kp, vp, table, lengths, mask, po, plse), feed_scalar(4), inner=CHAINED)
+    t_win = device_time(win, (qr, kp, vp, table, lengths, mask, po, plse))
     # The whole cascade through its public composition (q transposed in, output out), with the
     # default prefix kernel and, as the in-run baseline, with the Triton one.
     cas = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(page_size=PAGE)))
-    t_cas = chained_time(cas, (q, kp, vp, table, lengths, mask), feed_scalar(4), inner=CHAINED)
-    t_cas_call = float("nan") if lean else median_time(cas, q, kp, vp, table, lengths, mask)
+    cas_args = (q, kp, vp, table, lengths, mask)
+    t_cas = device_time(cas, cas_args)
+    t_cas_call = float("nan") if lean else median_time(cas, *cas_args)
     t_cas_tail = float("nan")
     if covers_tail_too:
         cas_tail = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
             page_size=PAGE, prefix_covers_tail=True)))
-        args = (q, kp, vp, table, lengths, mask)
-        err = rel_err(cas_tail(*args), cas(*args))
+        err = rel_err(cas_tail(*cas_args), cas(*cas_args))
         name = f"prefix_covers_tail cascade vs default B={b},P={p},N={n} {jnp.dtype(dtype).name}"
         if checks is not None:
             checks.add(name, err, 1e-2)  # bf16 outputs of two summation orders
         if err < 1e-2:
-            t_cas_tail = chained_time(cas_tail, args, feed_scalar(4), inner=CHAINED)
+            t_cas_tail = device_time(cas_tail, cas_args)
         else:
             print(f"  {name}: DIFFERS (rel {err:.2e}); not timed", flush=True)
     if lean:
@@ -312,7 +315,7 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, covers_tai
     elif mosaic:
         cas_tr = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
             page_size=PAGE, prefix_kernel="triton")))
-        t_cas_triton = chained_time(cas_tr, (q, kp, vp, table, lengths, mask), feed_scalar(4), inner=CHAINED)
+        t_cas_triton = device_time(cas_tr, cas_args)
     else:
         t_cas_triton = t_cas
     t_cas8 = float("nan")
@@ -320,7 +323,7 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, covers_tai
         try:
             cas8 = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
                 page_size=PAGE, fp8_score_dot=True, prefix_kernel="triton")))
-            t_cas8 = chained_time(cas8, (q, kp, vp, table, lengths, mask), feed_scalar(4), inner=CHAINED)
+            t_cas8 = device_time(cas8, cas_args)
         except Exception as exc:
             print(f"  fp8 score dot failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     impl, t_dense = ("-", float("nan")) if lean else dense_baseline(q, kp, vp, table, lengths, mask, n)

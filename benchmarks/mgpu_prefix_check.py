@@ -17,9 +17,8 @@ cascades.
    bf16, the warpgroup key split for FP8); bf16, and FP8 with `--fp8`): the Mosaic GPU prefix with
    its defaults and with one option flipped at a time (softmax fence, the earlier grid order with a
    head's row tiles apart, each warpgroup's softmax overlapped with its own matmuls (16-bit pools),
-   the other warpgroup layout on
-   64-row heads), alone and as cascades with the window kernel, against the Pallas Triton `prefix_decode_row_layout` on the same inputs (`--no-triton`
-   skips it).
+   the other warpgroup layout on 64-row heads), alone and as cascades with the window kernel,
+   against the Pallas Triton `prefix_decode_row_layout` on the same inputs (`--no-triton` skips it).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.report import log, parse_shapes, rel_err  # noqa: E402
+from benchmarks.report import log, lse_agrees, parse_shapes, rel_err  # noqa: E402
 from benchmarks.timing import chained_time, feed_scalar, measure_matmul_flops, median_time  # noqa: E402
 from pallas_kernels.attention.prefix_decode import (default_num_splits, heads_to_rows, padded_rows,  # noqa: E402
                                                    prefix_decode_row_layout)
@@ -48,6 +47,15 @@ from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
 PAGE = 64
 # Calls chained inside one jit per device-time sample (timing.chained_time).
 CHAINED = 20
+
+
+def time_call(fn, args, feed_index: int, interpreted: bool, samples: int = 7) -> float:
+    """Seconds per call: device time (calls chained in one jit, each fed through argument
+    `feed_index`), or per call from Python when `interpreted` (--smoke: chaining would put the
+    Mosaic and Triton interpreters in one jit, which deadlocked on a 2-core CPU)."""
+    if interpreted:
+        return median_time(fn, *args, samples=samples)
+    return chained_time(fn, args, feed_scalar(feed_index), inner=CHAINED, reps=samples)
 
 
 def pools(rng, b, lengths, w, hkv, d, dtype):
@@ -86,9 +94,7 @@ def conformance(interpret: bool = False, dtype=jnp.bfloat16, pages_per_step: int
     got = jnp.transpose(out[:, :, : r * g].reshape(b, hkv, r, g, d), (0, 2, 1, 3, 4)).reshape(b, r, hkv * g, d)
     e_out = rel_err(got, ref_out)
     lse_rows = jnp.transpose(lse[:, :, : r * g].reshape(b, hkv, r, g), (0, 2, 1, 3)).reshape(b, r, hkv * g)
-    fin = jnp.isfinite(ref_lse)
-    lse_ok = bool(jnp.all(jnp.isfinite(lse_rows) == fin)) and float(
-        jnp.max(jnp.abs(jnp.where(fin, lse_rows - ref_lse, 0.0)))) < 5e-2
+    lse_ok = lse_agrees(lse_rows, ref_lse)
     mask = ancestor_mask(jnp.asarray(np.stack([np.r_[-1, rng.integers(0, np.arange(1, r))] for _ in range(b)])
                                      .astype(np.int32)))
     win = tree_window_row_layout(qr, k, v, table, lens, mask, out, lse, query_rows=r, group=g, window=r,
@@ -176,7 +182,6 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
     res = {}
     # (name, function, arguments); every chained timing feeds the output into P (argument 4) the
     # same way, so the feed's cost cancels between prefix and cascade.
-    feed = feed_scalar(4)
     runs = [(f"mgpu prefix{opts}", fn, (qr, k, v, table, lens)) for opts, fn in variants]
     if triton:
         runs.append(("triton prefix", tr, (qr, k, v, table, lens)))
@@ -198,9 +203,7 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
                     log(f"{jnp.dtype(dtype).name} B={b} P={p} N={n}: {name} DIFFERS from the default "
                         f"(rel {rel_err(out, firsts[kind]):.2e}); not timed")
                     continue
-            # Interpreted (--smoke), per-call timing: chaining would put both interpreters in one jit.
-            res[name] = (median_time(fn, *args, samples=samples) if interpret
-                         else chained_time(fn, args, feed, inner=CHAINED, reps=samples))
+            res[name] = time_call(fn, args, 4, interpret, samples)
             log(f"{jnp.dtype(dtype).name} B={b} P={p} N={n}: {name} {res[name] * 1e3:.3f} ms, {flop / res[name] / 1e12:.0f} TFLOP/s, "
                 f"{flop / flops_rate / res[name]:.2f} of the FLOP floor's speed")
         except Exception as exc:  # noqa: BLE001
@@ -240,7 +243,6 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
     lens = jnp.asarray(lengths)
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE, scale=scale,
                                             whole_pages=True)
-    fin = jnp.isfinite(ref_lse)
     ok = True
     itemsize = jnp.dtype(dtype).itemsize
     shares = [s for s in ((False, True) if itemsize == 2 else (False,))
@@ -250,8 +252,7 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
         out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE, scale=scale,
                                    share_scores=share, interpret=interpret)
         e_out = rel_err(out, ref_out)
-        lse_ok = bool(jnp.all(jnp.isfinite(lse) == fin)) and float(
-            jnp.max(jnp.abs(jnp.where(fin, lse - ref_lse, 0.0)))) < 5e-2
+        lse_ok = lse_agrees(lse, ref_lse)
         ok = ok and e_out < 2e-2 and lse_ok
         log(f"MLA {name} conformance (share_scores={share}): decode rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}"
             f" -> {'PASS' if e_out < 2e-2 and lse_ok else 'FAIL'}")
@@ -287,8 +288,7 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
                 log(f"MLA {name}: {label} DIFFERS from the default decode or the default failed; not timed")
                 ok = False
                 continue
-            t = (median_time(fn, q8, pool, table, lens, samples=1) if smoke
-                 else chained_time(fn, (q8, pool, table, lens), feed_scalar(3), inner=CHAINED))
+            t = time_call(fn, (q8, pool, table, lens), 3, smoke, samples=1 if smoke else 7)
             log(f"MLA {name} B={b} P={p} N={n}: {label} {t * 1e3:.3f} ms, {flop / t / 1e12:.0f} TFLOP/s "
                 f"({flop / flops_rate / t:.2f} of the FLOP floor's speed)")
         except Exception as exc:  # noqa: BLE001
@@ -298,8 +298,7 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
                                backend=backend)
         try:
             cas = jax.jit(lambda *a, c=cfg: mla_verify_attention(*a, config=c))
-            t = (median_time(cas, q, pool, table, lens, mask, samples=1) if smoke
-                 else chained_time(cas, (q, pool, table, lens, mask), feed_scalar(3), inner=CHAINED))
+            t = time_call(cas, (q, pool, table, lens, mask), 3, smoke, samples=1 if smoke else 7)
             log(f"MLA {name} B={b} P={p} N={n}: cascade ({kernel}) {t * 1e3:.3f} ms, "
                 f"{flop / flops_rate / t:.2f} of the FLOP floor's speed")
         except Exception as exc:  # noqa: BLE001

@@ -1,5 +1,6 @@
-"""What every GPU benchmark module prints and checks with: an elapsed-time log line and the
-relative error of a kernel against its reference."""
+"""What every GPU benchmark module prints and checks with: an elapsed-time log line, the
+relative error of a kernel against its reference, its log-sum-exp against the reference's, and the
+shape flags."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ def rel_err(out, ref) -> float:
         return float("inf")
     err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
     return float(err) if np.isfinite(err) else float("inf")
+
+
+def lse_agrees(lse, ref_lse, tol: float = 5e-2) -> bool:
+    """A kernel's log-sum-exp against its reference: finite in exactly the same rows (a row that saw
+    no key is -inf in both), and within `tol` where finite."""
+    fin = jnp.isfinite(ref_lse)
+    return bool(jnp.all(jnp.isfinite(lse) == fin)) and float(
+        jnp.max(jnp.abs(jnp.where(fin, lse - ref_lse, 0.0)))) < tol
 
 
 def parse_shapes(text: str, dims: int | None = None) -> list[tuple[int, ...]]:

@@ -54,15 +54,30 @@ def median_time(fn, *args, samples=15, inner=None, warm=True, best=False):
     return min(times) if best else statistics.median(times)
 
 
-def time_step(step, carry, *, inner: int, reps: int = 7):
-    """Median device seconds per `step(carry) -> carry`, from chains of steps inside one jit.
+def _median_seconds(call, state, reps: int):
+    """(median seconds of `state = call(state)` over `reps` runs after WARM_S of warm-up, last state)."""
+    state = _warm(call, jax.block_until_ready(call(state)))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(call(state))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), state
 
-    The carry is donated, so kernels that update buffers in place are timed without copies. As in
-    `chained_time`, chains of `inner` and 3 * `inner` steps are timed and their difference over
-    2 * `inner` steps is the answer, so one jit dispatch and one sync drop out (before session 11
-    this divided one chain by its length, which kept (dispatch + sync) / `inner` in every figure
-    and pulled tree/chain ratios toward 1). Returns (seconds per step, final carry).
-    """
+
+def _per_call(chain, inner: int, run):
+    """Device seconds per call from two chains, `inner` and 3 * `inner` calls long (`chain(n)` builds
+    one, `run(f)` times it): their difference over 2 * `inner` calls, so one jit dispatch and one
+    sync drop out (session 10 divided one chain's time by its length, which left
+    (dispatch + sync) / `inner` in every figure and pulled compared ratios toward 1)."""
+    short = run(chain(inner))
+    return (run(chain(3 * inner)) - short) / (2 * inner)
+
+
+def time_step(step, carry, *, inner: int, reps: int = 7):
+    """Median device seconds per `step(carry) -> carry`, from chains of steps inside one jit
+    (`_per_call`). The carry is donated, so kernels that update buffers in place are timed without
+    copies. Returns (seconds per step, final carry)."""
     def chain(n):
         def many(c):
             for _ in range(n):
@@ -70,29 +85,21 @@ def time_step(step, carry, *, inner: int, reps: int = 7):
             return c
         return jax.jit(many, donate_argnums=0)
 
-    def median_of(f, carry):
-        carry = _warm(f, jax.block_until_ready(f(carry)))
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            carry = jax.block_until_ready(f(carry))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times), carry
+    def run(f):
+        nonlocal carry
+        t, carry = _median_seconds(f, carry, reps)
+        return t
 
-    short, carry = median_of(chain(inner), carry)
-    long, carry = median_of(chain(3 * inner), carry)
-    return (long - short) / (2 * inner), carry
+    return _per_call(chain, inner, run), carry
 
 
 def chained_time(fn, args, feed, *, inner: int = 20, reps: int = 7):
-    """Median device seconds per call of `fn(*args)`, from chains of calls inside one jit.
+    """Median device seconds per call of `fn(*args)`, from chains of calls inside one jit
+    (`_per_call`).
 
     `feed(args, out) -> args` makes each call's inputs depend on the previous call's output, so XLA
     can neither merge the identical calls nor reorder them; the calls then run back to back on the
-    device, as a kernel inside a model's jitted step does. Each timing of a chain also pays one jit
-    dispatch and one sync, so two chains are timed, `inner` and 3 * `inner` calls long, and their
-    difference over 2 * `inner` calls is the answer (session 10 divided one chain's time by its
-    length, which left (dispatch + sync) / 20 in every figure). Inputs are not donated.
+    device, as a kernel inside a model's jitted step does. Inputs are not donated.
     """
     def chain(n):
         def many(*a):
@@ -103,18 +110,7 @@ def chained_time(fn, args, feed, *, inner: int = 20, reps: int = 7):
             return out
         return jax.jit(many)
 
-    def median_of(f):
-        jax.block_until_ready(f(*args))
-        _warm(lambda _: f(*args))
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    short, long = median_of(chain(inner)), median_of(chain(3 * inner))
-    return (long - short) / (2 * inner)
+    return _per_call(chain, inner, lambda f: _median_seconds(lambda _: f(*args), None, reps)[0])
 
 
 def feed_scalar(index: int):

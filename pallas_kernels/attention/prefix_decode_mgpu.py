@@ -274,11 +274,6 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     than the turn-taking default (session 11, benchmarks/RESULTS.md), so it is off;
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
-    if overlap_softmax and (jnp.dtype(k_pool.dtype) == F8 or fence_softmax or warpgroup_layout(
-            qr.shape[2], key_split, jnp.dtype(k_pool.dtype).itemsize)[2]):
-        raise ValueError(f"prefix_decode_mgpu: overlap_softmax takes 16-bit pools without a warpgroup key split or "
-                         f"the softmax fence, got {jnp.dtype(k_pool.dtype).name} pools, key_split={key_split}, "
-                         f"fence_softmax={fence_softmax}")
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
     # K-major operand FP8 needs); V is not, so each step's V page is widened to fp16 in shared memory.
     fp8 = jnp.dtype(k_pool.dtype) == F8
@@ -286,6 +281,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     b, hkv, total, d = qr.shape
     max_pages = page_table.shape[1]
     wgs, rows_per_cta, key_split = warpgroup_layout(total, key_split, jnp.dtype(k_pool.dtype).itemsize)
+    if overlap_softmax and (fp8 or fence_softmax or key_split):
+        raise ValueError(f"prefix_decode_mgpu: overlap_softmax takes 16-bit pools without a warpgroup key split or "
+                         f"the softmax fence, got {jnp.dtype(k_pool.dtype).name} pools, key_split={key_split}, "
+                         f"fence_softmax={fence_softmax}")
     # Under a key split each warpgroup takes every other step of the CTA's range and owns a partial.
     stride = 2 if key_split else 1
     pingpong = pingpong and wgs == 2 and not overlap_softmax  # turns need two warpgroups; overlap replaces them
@@ -355,6 +354,21 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                 # Q K^T of the keys in `slot` into s_ref, asynchronous on the GPU (wgmma).
                 plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
 
+            def add_values(acc, p, v_tile, while_in_flight=lambda: None):
+                # acc + P V (V in shared memory), waited; `while_in_flight` runs after the wgmma is
+                # issued and before it is waited on. The GPU interpreter can neither run run_state
+                # nor store into an accumulator, so interpreted runs add P V with a plain dot on
+                # the same shared-memory tile.
+                if interpret:
+                    acc = acc + jnp.dot(p, v_tile[...], preferred_element_type=jnp.float32)
+                    while_in_flight()
+                    return acc
+
+                def values(acc_ref):
+                    plgpu.wgmma(acc_ref, p, v_tile)
+                    while_in_flight()
+                return pl.run_state(values)(plgpu.ACC.init(acc))
+
             def wait_next_keys(i):
                 # This warpgroup's next K wait is taken while step i's P V product runs (the first
                 # step's before the loop), so a late TMA copy hides behind tensor-core work.
@@ -395,17 +409,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                 if pingpong:
                     plgpu.barrier_wait(turn)  # the tensor cores are ours again
 
-                if interpret:
-                    # The GPU interpreter can neither run run_state nor store into an accumulator,
-                    # so interpreted runs add P V with a plain dot on the same shared-memory tile.
-                    acc = acc + jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
-                    wait_next_keys(i)
-                else:
-                    def values(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_tile)
-                        wait_next_keys(i)
-
-                    acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                acc = add_values(acc, p16, v_tile, lambda: wait_next_keys(i))
                 if not fp8:
                     plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
@@ -425,14 +429,6 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                         s, m, l, None, scale2, (col + i * block < row_hi) if masked else None)
                     return p, alpha, m, l
 
-                def add_values(acc, p_prev, slot_v):  # acc + P V, waited (v_ready already waited)
-                    if interpret:
-                        return acc + jnp.dot(p_prev, v_smem.at[slot_v][...], preferred_element_type=jnp.float32)
-
-                    def values(acc_ref):
-                        plgpu.wgmma(acc_ref, p_prev, v_smem.at[slot_v])
-                    return pl.run_state(values)(plgpu.ACC.init(acc))
-
                 def step(k, carry, masked: bool):
                     acc, m, l, p_prev = carry
                     i = first + k
@@ -445,7 +441,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                         plgpu.barrier_arrive(k_free.at[slot_k])
                         p, alpha, m, l = softmax(s, m, l, i, masked)
                         wait_next_keys(i)
-                        acc = add_values(acc, p_prev, slot_v)
+                        acc = add_values(acc, p_prev, v_smem.at[slot_v])  # v_ready already waited
                     else:
                         def in_flight(o_ref, s_ref):
                             o_ref[...] = acc
@@ -480,7 +476,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                                                    functools.partial(step, masked=True), carry)
                     last = slot_of(first + n_all - 1)
                     plgpu.barrier_wait(v_ready.at[last])
-                    acc = add_values(acc, p16, last)
+                    acc = add_values(acc, p16, v_smem.at[last])
                     plgpu.barrier_arrive(v_free.at[last])
                     return acc, m, l
 
