@@ -51,7 +51,7 @@ from pallas_kernels.attention.reference import (cascade_dense_reference, dense_t
 from pallas_kernels.attention.prefix_decode_mgpu import prefix_decode_mgpu_row_layout
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
 from pallas_kernels.common import resolve_backend
-from treespec_jax.attention.cascade import (CascadeConfig, cascade_attention, sliding_lane_attention,
+from treespec_jax.attention.cascade import (CascadeConfig, cascade_attention, covers_tail, sliding_lane_attention,
                                             uses_mosaic_prefix)
 from treespec_jax.cache.paged import slot_of
 from treespec_jax.tree.masks import ancestor_mask
@@ -259,11 +259,11 @@ def tune_prefix(q, kp, vp, table, lengths):
     return best[1] if best else {}
 
 
-def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, covers_tail_too=False, lean=False,
+def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_covers_tail=False, lean=False,
                checks=None):
-    """One table row. `covers_tail_too`: also the cascade with `prefix_covers_tail`, checked against
-    the default cascade's output first (a row in `checks`, so a mismatch fails the run); `lean`: no
-    per-call, Triton-prefix or dense baselines."""
+    """One table row. `flip_covers_tail`: also the cascade with `prefix_covers_tail` opposite to its
+    default here, checked against the default cascade's output first (a row in `checks`, so a
+    mismatch fails the run); `lean`: no per-call, Triton-prefix or dense baselines."""
     bw, flops = ceilings
     kp, vp, table = make_paged(key, rng, b, p + n, HKV, D, PAGE, dtype, poison=False)
     q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(jnp.bfloat16)
@@ -272,9 +272,12 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, covers_tai
     group = HQ // HKV
     qr = heads_to_rows(q, HKV, padded_rows(n * group))
     interp = jax.default_backend() != "gpu"
-    kw = dict(page_size=PAGE, scale=D ** -0.5, query_rows=n, group=group, interpret=interp)
-    # The prefix kernel the default cascade picks here ("auto": Mosaic GPU where it runs).
+    # The prefix kernel the default cascade picks here ("auto": Mosaic GPU where it runs), and which
+    # half it gives the causal tail to (the default prefix_covers_tail follows the kernel).
     mosaic = not tune and uses_mosaic_prefix(CascadeConfig(page_size=PAGE), resolve_backend(None), q, kp, vp)
+    covers = covers_tail(None, mosaic)
+    rows_kw = dict(query_rows=1, group=n * group) if covers else dict(query_rows=n, group=group)
+    kw = dict(page_size=PAGE, scale=D ** -0.5, **rows_kw, interpret=interp)
     # Prefix alone on the row layout (kernel + split merge), as the cascade runs it.
     if mosaic:
         pre = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, **kw))
@@ -290,7 +293,7 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, covers_tai
     po, plse = pre(qr, kp, vp, table, lengths)
     win = jax.jit(lambda *a: tree_window_row_layout(*a, query_rows=n, group=group, window=n, page_size=PAGE,
                                                     scale=D ** -0.5, value_dim=D, interpret=interp,
-                                                    prefix_whole_pages=mosaic))
+                                                    causal_prefix=not covers, prefix_whole_pages=mosaic))
     t_win = device_time(win, (qr, kp, vp, table, lengths, mask, po, plse))
     # The whole cascade through its public composition (q transposed in, output out), with the
     # default prefix kernel and, as the in-run baseline, with the Triton one.
@@ -299,11 +302,11 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, covers_tai
     t_cas = device_time(cas, cas_args)
     t_cas_call = float("nan") if lean else median_time(cas, *cas_args)
     t_cas_tail = float("nan")
-    if covers_tail_too:
+    if flip_covers_tail:
         cas_tail = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
-            page_size=PAGE, prefix_covers_tail=True)))
+            page_size=PAGE, prefix_covers_tail=not covers)))
         err = rel_err(cas_tail(*cas_args), cas(*cas_args))
-        name = f"prefix_covers_tail cascade vs default B={b},P={p},N={n} {jnp.dtype(dtype).name}"
+        name = f"prefix_covers_tail={not covers} cascade vs default B={b},P={p},N={n} {jnp.dtype(dtype).name}"
         if checks is not None:
             checks.add(name, err, 1e-2)  # bf16 outputs of two summation orders
         if err < 1e-2:
@@ -375,7 +378,7 @@ def table_markdown(rows, ceilings, tune):
              "'cascade per call' dispatches each call from Python (the earlier sessions' measure).", "",
              "| shape | KV | prefix kernel | prefix ms | window ms | cascade ms | cascade per call ms "
              "| cascade, Triton prefix ms "
-             "| cascade, Triton fp8-dot prefix ms | cascade, prefix covers tail ms | byte floor ms | FLOP floor ms "
+             "| cascade, Triton fp8-dot prefix ms | cascade, covers tail flipped ms | byte floor ms | FLOP floor ms "
              "| cascade / max floor | window overhead | prefix TB/s | dense (impl) ms | dense / cascade |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -394,8 +397,8 @@ def main(argv=None):
     ap.add_argument("--skip-conformance", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--tune", action="store_true", help="also time a few prefix-kernel configurations")
-    ap.add_argument("--covers-tail", action="store_true",
-                    help="also time the cascade with CascadeConfig(prefix_covers_tail=True)")
+    ap.add_argument("--flip-covers-tail", action="store_true",
+                    help="also time the cascade with CascadeConfig.prefix_covers_tail opposite to its default")
     ap.add_argument("--lean", action="store_true",
                     help="skip the per-call, Triton-prefix and dense baselines and the MLA window timing (faster variant runs)")
     ap.add_argument("--markdown", default=None, help="write the conformance summary and table to this file")
@@ -450,7 +453,7 @@ def main(argv=None):
                 print(f"timing B={b} P={p} N={n} {jnp.dtype(dtype).name}", flush=True)
                 try:
                     rows.append(time_shape(b, p, n, dtype, ceilings, tune, rng, jax.random.fold_in(key, b * p + n),
-                                           fp8_dot_too=dtype == FP8, covers_tail_too=args.covers_tail,
+                                           fp8_dot_too=dtype == FP8, flip_covers_tail=args.flip_covers_tail,
                                            lean=args.lean, checks=checks))
                 except Exception as exc:
                     print(f"  timing failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)

@@ -45,6 +45,7 @@ from pallas_kernels.attention.reference import dense_tree_visibility
 from pallas_kernels.row_move import move_rows, move_rows_reference
 from pallas_kernels.attention.mla_decode_mgpu import mla_decode_mgpu
 from pallas_kernels.common import resolve_backend
+from treespec_jax.attention.cascade import covers_tail
 from treespec_jax.attention.mla import (MLA_MGPU_BLOCK_K, MlaCascadeConfig, mla_verify_attention,
                                         quantize_absorbed_query, uses_mosaic_latent_decode)
 from treespec_jax.cache.paged import slot_of
@@ -196,7 +197,7 @@ def mla_variants(dtype):
     return out
 
 
-def run_mla(results, ceilings, rng, dtype, triton_variants=1, covers_tail=False):
+def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False):
     dname = jnp.dtype(dtype).name
     key = jax.random.PRNGKey(3)
     ragged = np.full((B,), P, np.int32)
@@ -223,16 +224,16 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1, covers_tail=False)
     floor = max(byte_floor, flop_floor)
     time_dense_mla(results, q, pool, table_t, lengths, mask, dname)
     # (prefix kernel, tiling label, decode config, prefix_covers_tail): the cascade's default first
-    # (the Mosaic GPU latent decode where it runs; with `covers_tail` also the decode run to every
-    # row's whole-page bound), then the Pallas Triton decode at each tiling. Each row's "decode
-    # alone" is the decode that row's cascade runs.
+    # (the Mosaic GPU latent decode where it runs, every row decoded to its whole-page bound; with
+    # `causal_split` also the issue's causal split), then the Pallas Triton decode at each tiling.
+    # Each row's "decode alone" is the decode that row's cascade runs.
     kind = resolve_backend(None)
     default_kernel = "mosaic_gpu" if uses_mosaic_latent_decode(
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE), kind,
         quantize_absorbed_query(q, dtype), pool) else "triton"
-    rows = [("mosaic_gpu", "default", None, False)] if default_kernel == "mosaic_gpu" else []
-    if covers_tail and default_kernel == "mosaic_gpu":
-        rows.append(("mosaic_gpu", "prefix covers tail", None, True))
+    rows = [("mosaic_gpu", "default", None, covers_tail(None, True))] if default_kernel == "mosaic_gpu" else []
+    if causal_split and default_kernel == "mosaic_gpu":
+        rows.append(("mosaic_gpu", "causal split", None, False))
     rows += [("triton", label, dcfg, False) for label, dcfg in mla_variants(dtype)[:triton_variants]]
     for kernel, label, dcfg, covers in rows:
         name = f"mla[{dname},{kernel},{label}]"
@@ -335,8 +336,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--markdown", help="write the results section to this file")
     parser.add_argument("--skip-fp8", action="store_true", help="bf16 latent cache only")
     parser.add_argument("--skip-bf16", action="store_true", help="FP8 latent cache only")
-    parser.add_argument("--covers-tail", action="store_true",
-                        help="also the Mosaic cascade with MlaCascadeConfig(prefix_covers_tail=True)")
+    parser.add_argument("--causal-split", action="store_true",
+                        help="also the Mosaic cascade with MlaCascadeConfig(prefix_covers_tail=False)")
     parser.add_argument("--skip-moves", action="store_true", help="skip the row-move checks and compaction timing")
     parser.add_argument("--triton-variants", type=int, default=1,
                         help="how many Triton latent-decode tilings to check and time besides the default cascade")
@@ -359,7 +360,7 @@ def main(argv=None) -> dict:
             traceback.print_exc()
     for dtype in (() if args.skip_bf16 else (jnp.bfloat16,)) + (() if args.skip_fp8 else (FP8,)):
         run_mla(results, results["ceilings"], rng, dtype, triton_variants=args.triton_variants,
-                covers_tail=args.covers_tail)
+                causal_split=args.causal_split)
     text = markdown(results)
     print(text)
     if args.markdown:

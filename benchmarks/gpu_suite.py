@@ -34,16 +34,10 @@ SUITES = {
 # Flags a module gets in the full (not --quick) run beyond its defaults.
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 
-# What is still owed (`--owed`). Session 11 ran session 10's list (benchmarks/RESULTS.md, "Session
-# 11 runs"). Left, in this order:
-# 1. `prefix_covers_tail` (GQA and MLA cascades, written in session 11, CPU-tested only): the
-#    compiled cascade's output against the default's, then its time, at the issue's shapes:
-#    `bench_cascade.py --skip-conformance --covers-tail --lean` (about 25 s a shape) and
-#    `bench_mla.py --skip-moves --covers-tail --triton-variants 0`. Make it the default where faster.
-# 2. The FP8 MLA cascade in device time with the fixed bench_mla (its session-11 process ran out of
-#    time after the FP8 conformance); item 1's bench_mla run covers it.
-OWED: dict[str, list[str]] = {"cascade": ["--skip-conformance", "--covers-tail", "--lean"],
-                              "mla": ["--skip-moves", "--covers-tail", "--triton-variants", "0"]}
+# What is still owed (`--owed`). Session 12 ran session 11's list (`prefix_covers_tail`, GQA and
+# MLA, now the default under the Mosaic prefix; the FP8 MLA cascade in device time;
+# benchmarks/RESULTS.md, "Session 12 runs"). Nothing is owed now.
+OWED: dict[str, list[str]] = {}
 
 
 def main(argv=None) -> int:

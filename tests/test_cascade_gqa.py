@@ -80,6 +80,29 @@ def test_forced_key_split_reaches_the_mosaic_prefix(monkeypatch):
     assert rel_err(out, dense) < 1e-2
 
 
+def test_prefix_covers_tail_defaults_to_the_prefix_kernel(monkeypatch):
+    """prefix_covers_tail=None (the default) is on under the Mosaic prefix (timed faster there) and
+    off under the Triton one; an explicit value wins, and a non-bool is refused by name."""
+    from treespec_jax.attention import cascade as cascade_module
+    seen = []
+    real = cascade_module._cascade_rows
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["mosaic"], kwargs["prefix_covers_tail"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cascade_module, "_cascade_rows", spy)
+    d, n, page = 64, 16, 64
+    q, k, v, table, lengths, mask = verify_case(np.random.default_rng(12), [128, 66], n, 2, 4, d, page, jnp.bfloat16)
+    dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
+    for kernel, covers in [("triton", None), ("mosaic_gpu", None), ("mosaic_gpu", False)]:
+        cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel=kernel, prefix_covers_tail=covers)
+        assert rel_err(verify_attention(q, k, v, table, lengths, mask, config=cfg), dense) < 1e-2
+    assert seen == [(False, False), (True, True), (True, False)]
+    with pytest.raises(ValueError, match="prefix_covers_tail must be None, True or False, got 'yes'"):
+        CascadeConfig(page_size=page, prefix_covers_tail="yes")
+
+
 def test_prefix_kernel_refusals_name_the_value():
     d, n, page = 64, 32, 64
     q, k, v, table, lengths, mask = verify_case(np.random.default_rng(5), [100, 7], n, 2, 4, d, page, jnp.bfloat16)

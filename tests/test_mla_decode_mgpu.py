@@ -180,3 +180,37 @@ def test_mla_decode_with_tiles_apart_lowers():
     text = jax.jit(fn).trace(sd((2, 16, 128, 576), jnp.bfloat16), sd((64 * 64, 576), jnp.bfloat16),
                              sd((2, 32), jnp.int32), sd((2,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_mla_prefix_covers_tail_defaults_to_the_latent_decode(monkeypatch):
+    """MlaCascadeConfig.prefix_covers_tail=None is on under the Mosaic latent decode (the window
+    kernel then runs without the causal tail) and off under the Triton one; an explicit value wins."""
+    from treespec_jax.attention import mla as mla_module
+    from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
+
+    seen = []
+    real = mla_module.tree_window_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["causal_prefix"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mla_module, "tree_window_attention", spy)
+    rng = np.random.default_rng(10)
+    n, hq = 8, 4
+    lengths = np.array([128, 66], np.int32)
+    pool, _, table = poisoned_paged_pools(rng, 2, int(lengths.max()) + n, 1, LORA + ROPE, PAGE, jnp.bfloat16,
+                                          lambda bb, pos: pos < lengths[bb] + n)
+    pool = pool[:, 0]
+    q = jnp.asarray(rng.standard_normal((2, n, hq, LORA + ROPE)), jnp.bfloat16)
+    mask = ancestor_mask(jnp.asarray(random_parents(rng, 2, n)))
+    lens = jnp.asarray(lengths)
+    dense, _ = cascade_dense_reference(q, pool[:, None, :], pool[:, None, :LORA], table, lens, mask, window=n,
+                                       page_size=PAGE, scale=SCALE)
+    for kernel, covers in [("triton", None), ("mosaic_gpu", None), ("mosaic_gpu", False)]:
+        cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
+                               prefix_kernel=kernel, prefix_covers_tail=covers)
+        assert rel_err(mla_verify_attention(q, pool, table, lens, mask, config=cfg), dense) < 1e-2
+    assert seen == [True, False, True]  # causal_prefix = not covers
+    with pytest.raises(ValueError, match="prefix_covers_tail must be None, True or False, got 1"):
+        MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, prefix_covers_tail=1)

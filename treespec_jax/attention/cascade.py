@@ -67,8 +67,10 @@ class CascadeConfig:
     # only the window, plus the partial last page under "mosaic_gpu": the latency-bound window
     # kernel skips the causal tail's pages (at most one under "mosaic_gpu", up to R / page under
     # "triton") for up to R - 1 more keys per row in the prefix kernel. Same result; the
-    # "reference" backend, which defines it, ignores the flag. Off until timed on the GPU.
-    prefix_covers_tail: bool = False
+    # "reference" backend, which defines it, ignores the flag. None: True under the Mosaic prefix,
+    # where the H200 measured it 0.3-23% faster on every shape of the issue (session 12,
+    # benchmarks/RESULTS.md), False under the Triton prefix (not timed with it).
+    prefix_covers_tail: bool | None = None
 
     def __post_init__(self):
         if self.prefix_kernel not in PREFIX_KERNELS:
@@ -79,6 +81,15 @@ class CascadeConfig:
             raise ValueError(f"CascadeConfig.scale must be positive, got {self.scale}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"CascadeConfig.num_splits must be >= 1, got {self.num_splits}")
+        if not (self.prefix_covers_tail is None or isinstance(self.prefix_covers_tail, bool)):
+            raise ValueError(f"CascadeConfig.prefix_covers_tail must be None, True or False, "
+                             f"got {self.prefix_covers_tail!r}")
+
+
+def covers_tail(setting: bool | None, mosaic: bool) -> bool:
+    """`prefix_covers_tail` resolved: an explicit setting wins; None follows the prefix kernel (True
+    under the Mosaic prefix, where it was timed faster, False under the Triton one)."""
+    return mosaic if setting is None else bool(setting)
 
 
 def _scale(config: CascadeConfig, q: jax.Array) -> float:
@@ -118,7 +129,7 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
     return _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, window=window,
                          page_size=config.page_size, scale=scale, num_splits=config.num_splits,
                          fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret", mosaic=mosaic,
-                         prefix_covers_tail=config.prefix_covers_tail)
+                         prefix_covers_tail=covers_tail(config.prefix_covers_tail, mosaic))
 
 
 def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> bool:

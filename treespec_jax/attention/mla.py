@@ -28,6 +28,7 @@ from pallas_kernels.attention.mla_decode import FP8, MlaDecodeConfig, mla_decode
 from pallas_kernels.attention.mla_decode_mgpu import check_mla_mgpu_inputs, mla_decode_mgpu, mla_mgpu_input_errors
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.attention.tree_window import tree_window_attention
+from treespec_jax.attention.cascade import covers_tail
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
 # Keys per step of the Mosaic GPU latent decode (a multiple of 64, the P V contraction's minimum;
@@ -61,8 +62,9 @@ class MlaCascadeConfig:
     prefix_kernel: str = "auto"
     # As CascadeConfig.prefix_covers_tail: the latent decode runs every row to P (its whole-page
     # bound under "mosaic_gpu"), so the window kernel reads the window (and the partial last page)
-    # but no causal tail of committed rows. Same result; off until timed on the GPU.
-    prefix_covers_tail: bool = False
+    # but no causal tail of committed rows. Same result. None: True under the Mosaic latent decode
+    # (1.02x bf16, 1.04x FP8 on the H200, session 12, benchmarks/RESULTS.md), else False.
+    prefix_covers_tail: bool | None = None
 
     def __post_init__(self):
         if self.prefix_kernel not in ("auto", "triton", "mosaic_gpu"):
@@ -80,6 +82,9 @@ class MlaCascadeConfig:
                                                jnp.dtype(jnp.float32)):
             raise ValueError(f"MlaCascadeConfig.model_dtype must be bfloat16, float16 or float32, "
                              f"got {self.model_dtype!r}")
+        if not (self.prefix_covers_tail is None or isinstance(self.prefix_covers_tail, bool)):
+            raise ValueError(f"MlaCascadeConfig.prefix_covers_tail must be None, True or False, "
+                             f"got {self.prefix_covers_tail!r}")
 
 
 def _check(q, latent_pool, config: MlaCascadeConfig):
@@ -131,7 +136,8 @@ def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.
     # The decodes bound the rows of query row r by P - R + 1 + r; as one query row of R * Hq heads
     # every row's bound is P (`prefix_covers_tail`). The latent cache has one KV head, so regrouping
     # the heads changes nothing else.
-    q_dec = q.reshape(b, 1, r * hq, c) if config.prefix_covers_tail else q
+    covers = covers_tail(config.prefix_covers_tail, mosaic)
+    q_dec = q.reshape(b, 1, r * hq, c) if covers else q
     if mosaic:
         prefix_out, prefix_lse2 = mla_decode_mgpu(
             q_dec, latent_pool, page_table, prefix_lengths, kv_lora_rank=config.kv_lora_rank,
@@ -147,7 +153,7 @@ def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.
     out = tree_window_attention(
         q.astype(model), latent_pool, None, page_table, prefix_lengths, mask, prefix_out, prefix_lse2,
         window=window, page_size=config.page_size, scale=config.scale,
-        causal_prefix=not config.prefix_covers_tail, rope_dim=config.rope_dim, value_dim=config.kv_lora_rank,
+        causal_prefix=not covers, rope_dim=config.rope_dim, value_dim=config.kv_lora_rank,
         prefix_whole_pages=mosaic,
         backend=config.backend)
     return out.astype(model)
