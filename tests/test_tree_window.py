@@ -186,6 +186,45 @@ def test_window_row_tiles(block_rows, num_warps):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("rows,group,block_rows,direct", [
+    (8, 4, 16, True),     # 32 rows: two 16-row tiles of four query rows each
+    (16, 2, 32, True),    # one tile spans 16 query rows
+    (16, 1, None, True),  # G = 1: a tile is block query rows of one head
+    (9, 4, 16, False),    # 36 rows: the last tile would reach past row R
+    (8, 3, 16, False),    # G = 3 divides no power-of-two tile
+])
+def test_window_writes_head_layout_itself_where_tiles_allow(rows, group, block_rows, direct):
+    """heads_out: the kernel stores its tiles straight into [B, R, Hq, Dv] (or the row layout is
+    transposed after it); either way every element equals rows_to_heads of the row-layout output,
+    and a NaN-poisoned output buffer proves the direct store writes everything."""
+    from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads
+    from pallas_kernels.attention.tree_window import tree_window_row_layout, writes_head_layout
+
+    rng = np.random.default_rng(rows * group)
+    b, hkv, d, page = 2, 2, 16, 16
+    lengths = np.array([5, 37], np.int32)
+    k, v, table = poisoned_paged_pools(rng, b, 37 + rows, hkv, d, page, jnp.bfloat16,
+                                       lambda bb, pos: pos < lengths[bb] + rows)
+    q = jnp.asarray(rng.standard_normal((b, rows, hkv * group, d)), jnp.bfloat16)
+    mask = ancestor_mask(random_parents(rng, b, rows))
+    lengths = jnp.asarray(lengths)
+    po, plse = prefix_decode(q, k, v, table, lengths, page_size=page, backend="reference")
+    total = padded_rows(rows * group)
+    args = (heads_to_rows(q, hkv, total), k, v, table, lengths, mask,
+            heads_to_rows(po.astype(jnp.float32), hkv, total),
+            heads_to_rows(plse.astype(jnp.float32), hkv, total, fill=-jnp.inf))
+    kw = dict(query_rows=rows, group=group, window=rows, page_size=page, scale=d ** -0.5, value_dim=d,
+              block_rows=block_rows, interpret=True)
+    rows_out = tree_window_row_layout(*args, **kw)
+    heads = tree_window_row_layout(*args, **kw, heads_out=True, poison_outputs=True)
+    block = min(block_rows or 16, total)
+    assert writes_head_layout(rows, group, block) == direct
+    assert heads.shape == (b, rows, hkv * group, d)
+    assert not jnp.isnan(heads.astype(jnp.float32)).any()
+    np.testing.assert_array_equal(np.asarray(heads, np.float32),
+                                  np.asarray(rows_to_heads(rows_out, rows, hkv * group), np.float32))
+
+
 def test_window_rejects_bad_launch_options():
     q, pool, table, lengths, mask, po, plse = tiny_window_inputs()
     kw = dict(window=4, page_size=16)

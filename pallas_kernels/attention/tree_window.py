@@ -173,21 +173,35 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
     end_page = (hi + page_size - 1) // page_size
     m, l, acc = lax.fori_loop(first_page, end_page, body, (m, l, acc))
     seen = l > 0
-    out_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(out_ref.dtype)
+    out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(out_ref.dtype)
+    # Head layout (`heads_out`): the tile's rows r * G + g are query rows r, heads h * G + g, i.e.
+    # [block / G, G * Dv] of the output viewed as [B, R, Hkv, G * Dv].
+    out_ref[...] = out.reshape(out_ref.shape)
+
+
+def writes_head_layout(query_rows: int, group: int, block: int) -> bool:
+    """Whether `block`-row tiles can write the output in head layout directly: each tile must be
+    whole query rows (G divides it, G a power of two so the tile's [block / G, G * Dv] store has
+    power-of-two sides) and the real rows R * G whole tiles (no tile reaches past row R)."""
+    return (group & (group - 1) == 0 and block % group == 0 and (query_rows * group) % block == 0)
 
 
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "window", "page_size", "scale",
                                              "causal_prefix", "rope_dim", "value_dim", "block_rows",
                                              "num_warps", "num_stages", "interpret", "poison_outputs",
-                                             "prefix_whole_pages"))
+                                             "prefix_whole_pages", "heads_out"))
 def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out_rows,
                            prefix_lse2_rows, *, query_rows: int, group: int, window: int, page_size: int,
                            scale: float, causal_prefix: bool = True, rope_dim: int = 0, value_dim: int,
                            block_rows=None, num_warps=None, num_stages=None, interpret: bool = False,
-                           poison_outputs: bool = False, prefix_whole_pages: bool = False):
+                           poison_outputs: bool = False, prefix_whole_pages: bool = False,
+                           heads_out: bool = False):
     """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, Dk]`, `mask [B, R, 2]`,
     `prefix_out_rows [B, Hkv, T, Dv]` f32, `prefix_lse2_rows [B, Hkv, T]` -> `[B, Hkv, T, Dv]` in
-    qr's dtype. Inputs are assumed validated by `tree_window_attention`."""
+    qr's dtype, or with `heads_out` `[B, R, Hq, Dv]` (`rows_to_heads` of it): written so by the
+    kernel where its row tiles allow (`writes_head_layout`), which saves the separate transpose
+    (an XLA copy of the whole output), else transposed after it. Inputs are assumed validated by
+    `tree_window_attention`."""
     b, hkv, total, dk = qr.shape
     r = query_rows
     shared = v_pool is None
@@ -196,7 +210,9 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
     check_launch(block_rows, num_warps, num_stages, "tree_window_attention")
     block_rows = DEFAULT_BLOCK_ROWS if block_rows is None else block_rows
     block = min(block_rows or default_block_rows(total, max(main_dim, dv), b * hkv), total)
-    tiles = total // block
+    direct = heads_out and writes_head_layout(r, group, block)
+    # Written in head layout, only the tiles of real rows run (padding rows have no place there).
+    tiles = r * group // block if direct else total // block
 
     words = jax.lax.bitcast_convert_type(mask.astype(jnp.uint32), jnp.int32)  # [B, R, 2]
     words = heads_to_rows(jnp.broadcast_to(words[:, :, None, :], (b, r, hkv * group, 2)), hkv, total, fill=0)
@@ -226,7 +242,13 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
         _window_kernel, query_rows=r, group=group, block_rows=block, page_size=page_size,
         window=window, scale2=float(scale) * LOG2E, causal_prefix=causal_prefix, main_dim=main_dim,
         rope_dim=rope_dim, shared_kv=shared, prefix_whole_pages=prefix_whole_pages)
-    out_shape = jax.ShapeDtypeStruct((b, hkv, total, dv), qr.dtype)
+    if direct:
+        # The output [B, R, Hq, Dv] viewed as [B, R, Hkv, G * Dv]; tile t holds rows t * block / G on.
+        out_shape = jax.ShapeDtypeStruct((b, r, hkv, group * dv), qr.dtype)
+        out_spec = pl.BlockSpec((None, block // group, None, group * dv), lambda t, h, bb: (bb, t, h, 0))
+    else:
+        out_shape = jax.ShapeDtypeStruct((b, hkv, total, dv), qr.dtype)
+        out_spec = row_spec(dv)
     aliases = {}
     if poison_outputs:
         # The output starts as NaN so a test proves every element is written.
@@ -237,11 +259,11 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
 
         def kernel(*refs):
             return inner(*refs[:-2], refs[-1])
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
         grid=(tiles, hkv, b),
         in_specs=in_specs,
-        out_specs=row_spec(dv),
+        out_specs=out_spec,
         out_shape=out_shape,
         input_output_aliases=aliases,
         interpret=interpret,
@@ -249,6 +271,9 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
                                              num_stages=num_stages or DEFAULT_NUM_STAGES),
         name="tree_window_attention",
     )(*args)
+    if direct:
+        return out.reshape(b, r, hkv * group, dv)
+    return rows_to_heads(out, r, hkv * group) if heads_out else out
 
 
 @functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "causal_prefix", "rope_dim",
@@ -267,8 +292,8 @@ def _tree_window_pallas(q, k_pool, v_pool, page_table, prefix_lengths, mask, pre
         query_rows=r, group=hq // hkv, window=window, page_size=page_size, scale=scale,
         causal_prefix=causal_prefix, rope_dim=rope_dim, value_dim=value_dim, block_rows=block_rows,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, poison_outputs=poison_outputs,
-        prefix_whole_pages=prefix_whole_pages)
-    return rows_to_heads(out, r, hq)
+        prefix_whole_pages=prefix_whole_pages, heads_out=True)
+    return out
 
 
 def tree_window_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | None,
@@ -344,4 +369,4 @@ def tree_window_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | N
         interpret=kind == "interpret", poison_outputs=poison_outputs, prefix_whole_pages=prefix_whole_pages)
 
 
-__all__ = ["tree_window_attention", "tree_window_row_layout"]
+__all__ = ["tree_window_attention", "tree_window_row_layout", "writes_head_layout"]

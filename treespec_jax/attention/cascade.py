@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to_rows, padded_rows,
-                                                    prefix_decode, prefix_decode_row_layout, rows_to_heads)
+                                                    prefix_decode, prefix_decode_row_layout)
 from pallas_kernels.attention.prefix_decode_mgpu import (check_mgpu_inputs, mgpu_input_errors,
                                                          prefix_decode_mgpu_row_layout)
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
@@ -171,12 +171,12 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
         prefix_out, prefix_lse2 = prefix_decode_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, **prefix_rows, page_size=page_size,
             scale=scale, num_splits=num_splits, interpret=interpret, fp8_score_dot=fp8_score_dot)
-    out = tree_window_row_layout(
+    # The window kernel writes [B, R, Hq, D] itself where its row tiles allow (no output transpose).
+    return tree_window_row_layout(
         qr, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2,
         query_rows=r, group=group, window=window, page_size=page_size, scale=scale,
         causal_prefix=not prefix_covers_tail,
-        value_dim=d, interpret=interpret, prefix_whole_pages=mosaic)
-    return rows_to_heads(out, r, hq)
+        value_dim=d, interpret=interpret, prefix_whole_pages=mosaic, heads_out=True)
 
 
 def verify_attention(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, config: CascadeConfig):
