@@ -7,7 +7,8 @@ For each shape, the default path (`CascadeConfig()`: the Mosaic prefix with `pre
 cut into its pieces, each timed alone by `timing.chained_time`: q into the row layout
 (`heads_to_rows`), the prefix kernel with its split merge, the split merge alone on arrays of the
 kernel's output shape, the window kernel, the output back to heads (`rows_to_heads`), and the
-whole public cascade. The prefix is also timed at P/2 and P/4 (same launch), whose straight-line
+whole public cascade; and the window step with and without the kernel writing the head layout
+(`heads_out`). The prefix is also timed at P/2 and P/4 (same launch), whose straight-line
 fit gives the kernel's cost per key step and its fixed cost (launch, pipeline fill, epilogue, wave
 tail). `--stages SxP,...` also times the prefix at other (stages, pages per step). Logs only.
 """
@@ -78,8 +79,17 @@ def breakdown(b, p, n, dtype, stage_forms, rng, key):
     t["window kernel"] = device_ms(win, (qr, kp, vp, table, lengths, mask, po, plse), 4)
     out_rows = win(qr, kp, vp, table, lengths, mask, po, plse)
     t["out to heads"] = device_ms(jax.jit(lambda x: rows_to_heads(x, n, HQ)), (out_rows,), 0)
+    # The cascade's window step both ways: row layout then an XLA transpose, or the kernel writing
+    # [B, R, Hq, D] itself (`heads_out`, the default path where the row tiles allow).
+    win_kw = dict(query_rows=n, group=group, window=n, page_size=PAGE, scale=scale, causal_prefix=False,
+                  value_dim=D, interpret=interp, prefix_whole_pages=True)
+    wargs = (qr, kp, vp, table, lengths, mask, po, plse)
+    t["window + XLA transpose"] = device_ms(
+        jax.jit(lambda *a: rows_to_heads(tree_window_row_layout(*a, **win_kw), n, HQ)), wargs, 4)
+    t["window writing heads"] = device_ms(
+        jax.jit(lambda *a: tree_window_row_layout(*a, **win_kw, heads_out=True)), wargs, 4)
     t["cascade (public)"] = device_ms(cas, (q, kp, vp, table, lengths, mask), 4)
-    pieces = sum(v for k, v in t.items() if not k.startswith(("cascade", "split merge")))
+    pieces = sum(v for k, v in t.items() if not k.startswith(("cascade", "split merge", "window + ", "window writing")))
     log(f"{name}: splits {splits}, partials {parts}, pages/step {pps}; "
         + ", ".join(f"{k} {v:.4f} ms" for k, v in t.items())
         + f"; pieces summed {pieces:.4f} ms")
