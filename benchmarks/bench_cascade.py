@@ -291,20 +291,25 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
 
     t_pre = device_time(pre, (qr, kp, vp, table, lengths))
     po, plse = pre(qr, kp, vp, table, lengths)
+    # The window kernel as the cascade runs it (storing the head layout itself where it can).
     win = jax.jit(lambda *a: tree_window_row_layout(*a, query_rows=n, group=group, window=n, page_size=PAGE,
                                                     scale=D ** -0.5, value_dim=D, interpret=interp,
-                                                    causal_prefix=not covers, prefix_whole_pages=mosaic))
+                                                    causal_prefix=not covers, prefix_whole_pages=mosaic,
+                                                    heads_out=True))
     t_win = device_time(win, (qr, kp, vp, table, lengths, mask, po, plse))
-    # The whole cascade through its public composition (q transposed in, output out), with the
-    # default prefix kernel and, as the in-run baseline, with the Triton one.
-    cas = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(page_size=PAGE)))
+    # The whole cascade through its public composition (q transposed in), with the default prefix
+    # kernel (under --tune the Triton one, so the prefix, window and cascade columns time one path)
+    # and, as the in-run baseline, with the Triton one.
+    kernel = "triton" if tune else "auto"
+    cas = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(page_size=PAGE,
+                                                                                 prefix_kernel=kernel)))
     cas_args = (q, kp, vp, table, lengths, mask)
     t_cas = device_time(cas, cas_args)
     t_cas_call = float("nan") if lean else median_time(cas, *cas_args)
     t_cas_tail = float("nan")
     if flip_covers_tail:
         cas_tail = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
-            page_size=PAGE, prefix_covers_tail=not covers)))
+            page_size=PAGE, prefix_kernel=kernel, prefix_covers_tail=not covers)))
         err = rel_err(cas_tail(*cas_args), cas(*cas_args))
         name = f"prefix_covers_tail={not covers} cascade vs default B={b},P={p},N={n} {jnp.dtype(dtype).name}"
         if checks is not None:

@@ -6,8 +6,8 @@
 For each shape, the default path (`CascadeConfig()`: the Mosaic prefix with `prefix_covers_tail`)
 cut into its pieces, each timed alone by `timing.chained_time`: q into the row layout
 (`heads_to_rows`), the prefix kernel with its split merge, the split merge alone on arrays of the
-kernel's output shape, the window kernel, the output back to heads (`rows_to_heads`), and the
-whole public cascade; and the window step with and without the kernel writing the head layout
+kernel's output shape, the window kernel on the row layout, the output back to heads
+(`rows_to_heads`), and the whole public cascade; and the window step with and without the kernel writing the head layout
 (`heads_out`). The prefix is also timed at P/2 and P/4 (same launch), whose straight-line
 fit gives the kernel's cost per key step and its fixed cost (launch, pipeline fill, epilogue, wave
 tail). `--stages SxP,...` also times the prefix at other (stages, pages per step). Logs only.
@@ -89,7 +89,8 @@ def breakdown(b, p, n, dtype, stage_forms, rng, key):
     t["window writing heads"] = device_ms(
         jax.jit(lambda *a: tree_window_row_layout(*a, **win_kw, heads_out=True)), wargs, 4)
     t["cascade (public)"] = device_ms(cas, (q, kp, vp, table, lengths, mask), 4)
-    pieces = sum(v for k, v in t.items() if not k.startswith(("cascade", "split merge", "window + ", "window writing")))
+    # The default path's pieces: q in, prefix (with its merge), the window writing the head layout.
+    pieces = sum(t[k] for k in ("q to rows", "prefix (kernel + merge)", "window writing heads"))
     log(f"{name}: splits {splits}, partials {parts}, pages/step {pps}; "
         + ", ".join(f"{k} {v:.4f} ms" for k, v in t.items())
         + f"; pieces summed {pieces:.4f} ms")

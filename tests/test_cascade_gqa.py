@@ -95,10 +95,10 @@ def test_prefix_covers_tail_defaults_to_the_prefix_kernel(monkeypatch):
     d, n, page = 64, 16, 64
     q, k, v, table, lengths, mask = verify_case(np.random.default_rng(12), [128, 66], n, 2, 4, d, page, jnp.bfloat16)
     dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
-    for kernel, covers in [("triton", None), ("mosaic_gpu", None), ("mosaic_gpu", False)]:
+    for kernel, covers in [("triton", None), ("mosaic_gpu", None), ("mosaic_gpu", False), ("triton", True)]:
         cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel=kernel, prefix_covers_tail=covers)
         assert rel_err(verify_attention(q, k, v, table, lengths, mask, config=cfg), dense) < 1e-2
-    assert seen == [(False, False), (True, True), (True, False)]
+    assert seen == [(False, False), (True, True), (True, False), (False, True)]
     with pytest.raises(ValueError, match="prefix_covers_tail must be None, True or False, got 'yes'"):
         CascadeConfig(page_size=page, prefix_covers_tail="yes")
 

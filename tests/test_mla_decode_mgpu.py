@@ -207,10 +207,10 @@ def test_mla_prefix_covers_tail_defaults_to_the_latent_decode(monkeypatch):
     lens = jnp.asarray(lengths)
     dense, _ = cascade_dense_reference(q, pool[:, None, :], pool[:, None, :LORA], table, lens, mask, window=n,
                                        page_size=PAGE, scale=SCALE)
-    for kernel, covers in [("triton", None), ("mosaic_gpu", None), ("mosaic_gpu", False)]:
+    for kernel, covers in [("triton", None), ("mosaic_gpu", None), ("mosaic_gpu", False), ("triton", True)]:
         cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
                                prefix_kernel=kernel, prefix_covers_tail=covers)
         assert rel_err(mla_verify_attention(q, pool, table, lens, mask, config=cfg), dense) < 1e-2
-    assert seen == [True, False, True]  # causal_prefix = not covers
+    assert seen == [True, False, True, False]  # causal_prefix = not covers
     with pytest.raises(ValueError, match="prefix_covers_tail must be None, True or False, got 1"):
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, prefix_covers_tail=1)

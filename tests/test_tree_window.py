@@ -190,6 +190,8 @@ def test_window_row_tiles(block_rows, num_warps):
     (8, 4, 16, True),     # 32 rows: two 16-row tiles of four query rows each
     (16, 2, 32, True),    # one tile spans 16 query rows
     (16, 1, None, True),  # G = 1: a tile is block query rows of one head
+    (12, 4, 16, True),    # 48 real rows of a 64-row layout: the padding tile is not run
+    (6, 8, None, True),   # the same with G = 8 and the default tile
     (9, 4, 16, False),    # 36 rows: the last tile would reach past row R
     (8, 3, 16, False),    # G = 3 divides no power-of-two tile
 ])
@@ -198,7 +200,8 @@ def test_window_writes_head_layout_itself_where_tiles_allow(rows, group, block_r
     transposed after it); either way every element equals rows_to_heads of the row-layout output,
     and a NaN-poisoned output buffer proves the direct store writes everything."""
     from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads
-    from pallas_kernels.attention.tree_window import tree_window_row_layout, writes_head_layout
+    from pallas_kernels.attention.tree_window import (tree_window_row_layout, window_block_rows,
+                                                      writes_head_layout)
 
     rng = np.random.default_rng(rows * group)
     b, hkv, d, page = 2, 2, 16, 16
@@ -217,7 +220,7 @@ def test_window_writes_head_layout_itself_where_tiles_allow(rows, group, block_r
               block_rows=block_rows, interpret=True)
     rows_out = tree_window_row_layout(*args, **kw)
     heads = tree_window_row_layout(*args, **kw, heads_out=True, poison_outputs=True)
-    block = min(block_rows or 16, total)
+    block = window_block_rows(total, d, b * hkv, block_rows)  # the kernel's own choice
     assert writes_head_layout(rows, group, block) == direct
     assert heads.shape == (b, rows, hkv * group, d)
     assert not jnp.isnan(heads.astype(jnp.float32)).any()

@@ -31,7 +31,10 @@ FP8 pools: the query stays unquantised; K/V are widened to the query's dtype aft
 One code path for every size: the kernel walks the pages spanned by positions
 [P - R + 1, P + window) one page at a time; the grid is (row_tiles, Hkv, B): the R * G query rows of
 a KV head (padded to a power of two >= 16) are cut into `block_rows` tiles, one program each, so a
-small batch can still fill the GPU by taking smaller tiles.
+small batch can still fill the GPU by taking smaller tiles. Where a tile is whole query rows (G a
+power of two dividing it, R x G whole tiles: `writes_head_layout`; GQA verify and lanes at the
+issue's shapes, not the MLA layout, whose G = Hq exceeds any tile) the kernel stores the output
+straight into `[B, R, Hq, Dv]`; otherwise it writes the row layout and XLA transposes it.
 """
 
 from __future__ import annotations
@@ -179,6 +182,13 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
     out_ref[...] = out.reshape(out_ref.shape)
 
 
+def window_block_rows(total_rows: int, widest_dim: int, grid_without_rows: int, block_rows=None) -> int:
+    """Rows per program the window kernel takes: `block_rows`, else DEFAULT_BLOCK_ROWS, else
+    `default_block_rows`; at most `total_rows`."""
+    block_rows = DEFAULT_BLOCK_ROWS if block_rows is None else block_rows
+    return min(block_rows or default_block_rows(total_rows, widest_dim, grid_without_rows), total_rows)
+
+
 def writes_head_layout(query_rows: int, group: int, block: int) -> bool:
     """Whether `block`-row tiles can write the output in head layout directly: each tile must be
     whole query rows (G divides it, G a power of two so the tile's [block / G, G * Dv] store has
@@ -208,8 +218,7 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
     main_dim = dk - rope_dim
     dv = value_dim
     check_launch(block_rows, num_warps, num_stages, "tree_window_attention")
-    block_rows = DEFAULT_BLOCK_ROWS if block_rows is None else block_rows
-    block = min(block_rows or default_block_rows(total, max(main_dim, dv), b * hkv), total)
+    block = window_block_rows(total, max(main_dim, dv), b * hkv, block_rows)
     direct = heads_out and writes_head_layout(r, group, block)
     # Written in head layout, only the tiles of real rows run (padding rows have no place there).
     tiles = r * group // block if direct else total // block
@@ -369,4 +378,4 @@ def tree_window_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | N
         interpret=kind == "interpret", poison_outputs=poison_outputs, prefix_whole_pages=prefix_whole_pages)
 
 
-__all__ = ["tree_window_attention", "tree_window_row_layout", "writes_head_layout"]
+__all__ = ["tree_window_attention", "tree_window_row_layout", "window_block_rows", "writes_head_layout"]

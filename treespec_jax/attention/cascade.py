@@ -2,8 +2,8 @@
 
 Every query row of a tree sees the request's committed prefix and, inside the last `window` keys,
 only the slots its ancestor mask names. The prefix (where the time goes at long context) runs as a
-causal multi-query paged decode (`pallas_kernels.attention.prefix_decode`) that returns its base-2
-LSE; on a GPU with page 64/128 it is the Mosaic GPU kernel over whole pages
+multi-query paged decode (`pallas_kernels.attention.prefix_decode`) that returns its base-2 LSE,
+causal or, with `prefix_covers_tail` (the default under the Mosaic kernel), every row to P; on a GPU with page 64/128 it is the Mosaic GPU kernel over whole pages
 (`prefix_decode_mgpu`, chosen by `CascadeConfig.prefix_kernel="auto"`). The window kernel
 (`pallas_kernels.attention.tree_window`) attends what the prefix half missed and merges both in one
 kernel. One path for every size.
