@@ -15,6 +15,20 @@ from treespec_jax.tree.masks import ancestor_mask, pack_mask_rows, unpack_mask_r
 FP8 = jnp.float8_e4m3fn
 
 
+def window_case(rng, lengths, rows, hkv, group, d, page, dtype):
+    """A poisoned window problem with a reference prefix partial: every position below P + rows is
+    live. Returns `(q [B, rows, Hkv * group, d], k, v, table, lengths, mask, prefix_out, prefix_lse2)`."""
+    lengths = np.asarray(lengths, np.int32)
+    b = len(lengths)
+    k, v, table = poisoned_paged_pools(rng, b, int(lengths.max()) + rows, hkv, d, page, dtype,
+                                       lambda bb, pos: pos < lengths[bb] + rows)
+    q = jnp.asarray(rng.standard_normal((b, rows, hkv * group, d)), jnp.float32).astype(dtype)
+    mask = ancestor_mask(random_parents(rng, b, rows))
+    lengths = jnp.asarray(lengths)
+    po, plse = prefix_decode(q, k, v, table, lengths, page_size=page, backend="reference")
+    return q, k, v, table, lengths, mask, po, plse
+
+
 @pytest.mark.parametrize("group,page,dtype,rows", [
     (1, 16, jnp.float32, 64),   # 64-node trees: mask bit 63, 9+ pages of tail + window
     (4, 32, jnp.bfloat16, 7),
@@ -169,15 +183,9 @@ def test_window_rejects_bad_inputs():
 def test_window_row_tiles(block_rows, num_warps):
     """block_rows splits a KV head's R * G = 36 rows (padded to 64) over several programs; each tile
     finds its own tail coverage and mask words. Checked against the reference."""
-    rng = np.random.default_rng(block_rows)
-    b, rows, hkv, g, d, page = 2, 9, 2, 4, 16, 16
-    lengths = np.array([3, 41], np.int32)
-    k, v, table = poisoned_paged_pools(rng, b, 41 + rows, hkv, d, page, jnp.float32,
-                              lambda bb, pos: pos < lengths[bb] + rows)
-    q = jnp.asarray(rng.standard_normal((b, rows, hkv * g, d)), jnp.float32)
-    mask = ancestor_mask(random_parents(rng, b, rows))
-    lengths = jnp.asarray(lengths)
-    po, plse = prefix_decode(q, k, v, table, lengths, page_size=page, backend="reference")
+    rows, page = 9, 16
+    q, k, v, table, lengths, mask, po, plse = window_case(np.random.default_rng(block_rows), [3, 41], rows, 2, 4,
+                                                          16, page, jnp.float32)
     out = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=rows, page_size=page,
                                 block_rows=block_rows, num_warps=num_warps, poison_outputs=True,
                                 backend="interpret")
@@ -203,15 +211,9 @@ def test_window_writes_head_layout_itself_where_tiles_allow(rows, group, block_r
     from pallas_kernels.attention.tree_window import (tree_window_row_layout, window_block_rows,
                                                       writes_head_layout)
 
-    rng = np.random.default_rng(rows * group)
     b, hkv, d, page = 2, 2, 16, 16
-    lengths = np.array([5, 37], np.int32)
-    k, v, table = poisoned_paged_pools(rng, b, 37 + rows, hkv, d, page, jnp.bfloat16,
-                                       lambda bb, pos: pos < lengths[bb] + rows)
-    q = jnp.asarray(rng.standard_normal((b, rows, hkv * group, d)), jnp.bfloat16)
-    mask = ancestor_mask(random_parents(rng, b, rows))
-    lengths = jnp.asarray(lengths)
-    po, plse = prefix_decode(q, k, v, table, lengths, page_size=page, backend="reference")
+    q, k, v, table, lengths, mask, po, plse = window_case(np.random.default_rng(rows * group), [5, 37], rows, hkv,
+                                                          group, d, page, jnp.bfloat16)
     total = padded_rows(rows * group)
     args = (heads_to_rows(q, hkv, total), k, v, table, lengths, mask,
             heads_to_rows(po.astype(jnp.float32), hkv, total),
