@@ -260,10 +260,11 @@ def tune_prefix(q, kp, vp, table, lengths):
 
 
 def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_covers_tail=False, lean=False,
-               checks=None):
+               checks=None, partial_bf16=False):
     """One table row. `flip_covers_tail`: also the cascade with `prefix_covers_tail` opposite to its
-    default here, checked against the default cascade's output first (a row in `checks`, so a
-    mismatch fails the run); `lean`: no per-call, Triton-prefix or dense baselines."""
+    default here; `partial_bf16`: also with `prefix_partial_dtype="bfloat16"`; each checked against
+    the default cascade's output first (a row in `checks`, so a mismatch fails the run); `lean`: no
+    per-call, Triton-prefix or dense baselines."""
     bw, flops = ceilings
     kp, vp, table = make_paged(key, rng, b, p + n, HKV, D, PAGE, dtype, poison=False)
     q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(jnp.bfloat16)
@@ -306,18 +307,24 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     cas_args = (q, kp, vp, table, lengths, mask)
     t_cas = device_time(cas, cas_args)
     t_cas_call = float("nan") if lean else median_time(cas, *cas_args)
-    t_cas_tail = float("nan")
-    if flip_covers_tail:
-        cas_tail = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
-            page_size=PAGE, prefix_kernel=kernel, prefix_covers_tail=not covers)))
-        err = rel_err(cas_tail(*cas_args), cas(*cas_args))
-        name = f"prefix_covers_tail={not covers} cascade vs default B={b},P={p},N={n} {jnp.dtype(dtype).name}"
+
+    def alternative(label, **config):
+        # The cascade with `config` changed: checked against the default's output, then timed.
+        alt = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
+            page_size=PAGE, prefix_kernel=kernel, **config)))
+        err = rel_err(alt(*cas_args), cas(*cas_args))
+        name = f"{label} cascade vs default B={b},P={p},N={n} {jnp.dtype(dtype).name}"
         if checks is not None:
-            checks.add(name, err, 1e-2)  # bf16 outputs of two summation orders
+            checks.add(name, err, 1e-2)  # bf16 outputs of two summation orders (or partial dtypes)
         if err < 1e-2:
-            t_cas_tail = device_time(cas_tail, cas_args)
-        else:
-            print(f"  {name}: DIFFERS (rel {err:.2e}); not timed", flush=True)
+            return device_time(alt, cas_args)
+        print(f"  {name}: DIFFERS (rel {err:.2e}); not timed", flush=True)
+        return float("nan")
+
+    t_cas_tail = (alternative(f"prefix_covers_tail={not covers}", prefix_covers_tail=not covers)
+                  if flip_covers_tail else float("nan"))
+    t_cas_bf16 = (alternative("prefix_partial_dtype=bfloat16", prefix_partial_dtype="bfloat16")
+                  if partial_bf16 else float("nan"))
     if lean:
         t_cas_triton = float("nan")
     elif mosaic:
@@ -341,7 +348,8 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     floor = max(byte_floor, flop_floor)
     row = dict(shape=f"B={b},P={p},N={n}", kv=jnp.dtype(dtype).name, prefix_kernel="mosaic_gpu" if mosaic else "triton",
                prefix_ms=t_pre * 1e3, window_ms=t_win * 1e3, cascade_ms=t_cas * 1e3, cascade_call_ms=t_cas_call * 1e3,
-               cascade_triton_ms=t_cas_triton * 1e3, cascade_fp8dot_ms=t_cas8 * 1e3, cascade_tail_ms=t_cas_tail * 1e3, dense_ms=t_dense * 1e3, dense_impl=impl,
+               cascade_triton_ms=t_cas_triton * 1e3, cascade_fp8dot_ms=t_cas8 * 1e3, cascade_tail_ms=t_cas_tail * 1e3,
+               cascade_bf16_partial_ms=t_cas_bf16 * 1e3, dense_ms=t_dense * 1e3, dense_impl=impl,
                byte_floor_ms=byte_floor * 1e3, flop_floor_ms=flop_floor * 1e3,
                vs_floor=t_cas / floor, window_overhead=(t_cas - t_pre) / t_pre,
                prefix_tbps=kv_bytes / t_pre / 1e12, dense_speedup=t_dense / t_cas)
@@ -383,13 +391,15 @@ def table_markdown(rows, ceilings, tune):
              "'cascade per call' dispatches each call from Python (the earlier sessions' measure).", "",
              "| shape | KV | prefix kernel | prefix ms | window ms | cascade ms | cascade per call ms "
              "| cascade, Triton prefix ms "
-             "| cascade, Triton fp8-dot prefix ms | cascade, covers tail flipped ms | byte floor ms | FLOP floor ms "
+             "| cascade, Triton fp8-dot prefix ms | cascade, covers tail flipped ms | cascade, bf16 partial ms "
+             "| byte floor ms | FLOP floor ms "
              "| cascade / max floor | window overhead | prefix TB/s | dense (impl) ms | dense / cascade |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['kv']} | {r['prefix_kernel']} | {r['prefix_ms']:.3f} | {r['window_ms']:.3f} "
                      f"| {r['cascade_ms']:.3f} | {r['cascade_call_ms']:.3f} | {r['cascade_triton_ms']:.3f} "
-                     f"| {r['cascade_fp8dot_ms']:.3f} | {r['cascade_tail_ms']:.3f} | {r['byte_floor_ms']:.3f} "
+                     f"| {r['cascade_fp8dot_ms']:.3f} | {r['cascade_tail_ms']:.3f} "
+                     f"| {r['cascade_bf16_partial_ms']:.3f} | {r['byte_floor_ms']:.3f} "
                      f"| {r['flop_floor_ms']:.3f} "
                      f"| {r['vs_floor']:.2f}x | {100 * r['window_overhead']:.1f}% | {r['prefix_tbps']:.2f} "
                      f"| {r['dense_ms']:.3f} ({r['dense_impl']}) | {r['dense_speedup']:.2f}x |")
@@ -404,6 +414,8 @@ def main(argv=None):
     ap.add_argument("--tune", action="store_true", help="also time a few prefix-kernel configurations")
     ap.add_argument("--flip-covers-tail", action="store_true",
                     help="also time the cascade with CascadeConfig.prefix_covers_tail opposite to its default")
+    ap.add_argument("--partial-bf16", action="store_true",
+                    help="also time the cascade with CascadeConfig(prefix_partial_dtype='bfloat16')")
     ap.add_argument("--lean", action="store_true",
                     help="skip the per-call, Triton-prefix and dense baselines and the MLA window timing (faster variant runs)")
     ap.add_argument("--markdown", default=None, help="write the conformance summary and table to this file")
@@ -459,7 +471,7 @@ def main(argv=None):
                 try:
                     rows.append(time_shape(b, p, n, dtype, ceilings, tune, rng, jax.random.fold_in(key, b * p + n),
                                            fp8_dot_too=dtype == FP8, flip_covers_tail=args.flip_covers_tail,
-                                           lean=args.lean, checks=checks))
+                                           lean=args.lean, checks=checks, partial_bf16=args.partial_bf16))
                 except Exception as exc:
                     print(f"  timing failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
     mla = {}

@@ -103,6 +103,35 @@ def test_prefix_covers_tail_defaults_to_the_prefix_kernel(monkeypatch):
         CascadeConfig(page_size=page, prefix_covers_tail="yes")
 
 
+@pytest.mark.parametrize("kernel,splits", [("triton", None), ("triton", 1), ("mosaic_gpu", 1), ("mosaic_gpu", 2)])
+def test_bf16_prefix_partial_matches_dense(kernel, splits):
+    """CascadeConfig(prefix_partial_dtype="bfloat16") through either prefix kernel (one CTA per
+    key range, or key splits merged in float32) still equals dense attention, and the window
+    kernel is handed the bf16 partial itself when there is no split."""
+    from treespec_jax.attention import cascade as cascade_module
+    d, n, page = 64, 16, 64
+    q, k, v, table, lengths, mask = verify_case(np.random.default_rng(13), [128, 70], n, 2, 4, d, page, jnp.bfloat16)
+    dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
+    seen = []
+    real = cascade_module.tree_window_row_layout
+
+    def spy(*args, **kwargs):
+        seen.append(args[6].dtype)  # the prefix partial
+        return real(*args, **kwargs)
+
+    cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel=kernel, num_splits=splits,
+                        prefix_partial_dtype="bfloat16")
+    import unittest.mock
+    with unittest.mock.patch.object(cascade_module, "tree_window_row_layout", spy):
+        jax.clear_caches()  # trace _cascade_rows again, so the spy sees the call
+        out = verify_attention(q, k, v, table, lengths, mask, config=cfg)
+    assert rel_err(out, dense) < 1e-2
+    if splits == 1:
+        assert seen == [jnp.bfloat16]
+    with pytest.raises(ValueError, match="prefix_partial_dtype must be 'float32' or 'bfloat16', got 'float16'"):
+        CascadeConfig(page_size=page, prefix_partial_dtype="float16")
+
+
 def test_prefix_kernel_refusals_name_the_value():
     d, n, page = 64, 32, 64
     q, k, v, table, lengths, mask = verify_case(np.random.default_rng(5), [100, 7], n, 2, 4, d, page, jnp.bfloat16)

@@ -241,3 +241,37 @@ def test_overlapped_softmax_refuses_fp8_and_key_splits():
 def test_overlapped_softmax_lowers(total, pps):
     test_mgpu_prefix_lowers_to_mosaic_gpu(total, 2, True, 64, 2, jnp.bfloat16, pps, None,
                                           opts=dict(overlap_softmax=True))
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5], CASES[7]])
+def test_bf16_partial_matches_dense(case):
+    """partial_dtype=bfloat16: the prefix and the cascade through it still match dense attention
+    (one CTA, three key splits, the FP8 warpgroup key split, two pages per step)."""
+    test_mgpu_prefix_and_cascade_match_dense(*case, 2, None, opts=dict(partial_dtype=jnp.bfloat16))
+
+
+def test_bf16_partial_is_written_in_bf16_and_rounds_only_the_output():
+    """Without a key split the partial comes back in bf16, equal to the float32 partial rounded to
+    bf16 (up to the last bit: the kernels' f32 sums may differ in order), with the same LSE; with
+    splits the merge runs in float32 and returns float32."""
+    r, g, hkv, d = 32, 4, 2, 64
+    q, k, v, table, lens, _ = verify_case(np.random.default_rng(3), [70, 200], r, hkv, g, d, PAGE, jnp.bfloat16)
+    qr = heads_to_rows(q, hkv, padded_rows(r * g))
+    kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, interpret=True)
+    out32, lse32 = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, num_splits=1, **kw)
+    out16, lse16 = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, num_splits=1, partial_dtype=jnp.bfloat16,
+                                                 **kw)
+    assert out32.dtype == jnp.float32 and out16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out16, np.float32), np.asarray(out32.astype(jnp.bfloat16), np.float32),
+                               rtol=2 ** -7, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(lse16), np.asarray(lse32))
+    merged, _ = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, num_splits=2, partial_dtype=jnp.bfloat16,
+                                              **kw)
+    assert merged.dtype == jnp.float32
+    with pytest.raises(ValueError, match="partial_dtype must be float32 or bfloat16, got float16"):
+        prefix_decode_mgpu_row_layout(qr, k, v, table, lens, partial_dtype=jnp.float16, **kw)
+
+
+@pytest.mark.parametrize("form", [(256, 1, True, 64, 2, jnp.bfloat16, 2, None), (64, 2, True, 64, 2, FP8, 2, None)])
+def test_bf16_partial_lowers(form):
+    test_mgpu_prefix_lowers_to_mosaic_gpu(*form, opts=dict(partial_dtype=jnp.bfloat16))

@@ -302,7 +302,7 @@ def _prefix_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, ls
     m, l, acc = lax.fori_loop(full_end, end_step, masked_step, carry)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
-    out_ref[...] = jnp.where(seen[:, None], acc / l_safe[:, None], 0.0)
+    out_ref[...] = jnp.where(seen[:, None], acc / l_safe[:, None], 0.0).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log2(l_safe), -jnp.inf)
 
 
@@ -320,16 +320,18 @@ def merge_splits(out: jax.Array, lse: jax.Array):
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "num_splits",
                                              "sliding_window", "block_rows", "num_warps", "num_stages",
                                              "pages_per_step", "interpret", "fp8_score_dot",
-                                             "poison_outputs", "prefetch_page_ids"))
+                                             "poison_outputs", "prefetch_page_ids", "partial_dtype"))
 def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                              page_size: int, scale: float, num_splits=None, sliding_window=None,
                              block_rows=None, num_warps=None, num_stages=None, pages_per_step=None,
                              interpret: bool = False, fp8_score_dot: bool = False,
-                             poison_outputs: bool = False, prefetch_page_ids: bool | None = None):
+                             poison_outputs: bool = False, prefetch_page_ids: bool | None = None,
+                             partial_dtype=jnp.float32):
     """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, D]` (row `r * G + g`,
     T = padded_rows(R * G)) -> (out `[B, Hkv, T, D]` f32, lse2 `[B, Hkv, T]` f32). The cascade keeps
     this layout between its two halves, so q is transposed once on the way in and the final output
-    once on the way out. Inputs are assumed validated by the public entry points (pages_per_step
+    at most once on the way out. `partial_dtype` (float32 or bfloat16): the dtype the kernel writes
+    `out` in (key splits are merged in float32 either way). Inputs are assumed validated by the public entry points (pages_per_step
     is checked here too, since the benchmarks call this directly)."""
     b, hkv, total, d = qr.shape
     max_pages = page_table.shape[1]
@@ -354,7 +356,9 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
         dot_dtype=dot_dtype, fp8_score_dot=fp8_score_dot and fp8 and not interpret,
         prefetch_page_ids=launch.prefetch_page_ids if prefetch_page_ids is None else bool(prefetch_page_ids))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    out_shape = (jax.ShapeDtypeStruct((splits, b, hkv, total, d), jnp.float32),
+    if jnp.dtype(partial_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"prefix_decode: partial_dtype must be float32 or bfloat16, got {jnp.dtype(partial_dtype).name}")
+    out_shape = (jax.ShapeDtypeStruct((splits, b, hkv, total, d), partial_dtype),
                  jax.ShapeDtypeStruct((splits, b, hkv, total), jnp.float32))
     in_specs = [any_spec, any_spec,
                 pl.BlockSpec((None, None, block, d), lambda t, s, h, bb: (bb, h, t, 0)),

@@ -25,7 +25,7 @@ kernel.
 Contract (same row layout as `prefix_decode.prefix_decode_row_layout`, one difference):
     qr [B, Hkv, T, D] (row r * G + g; T a multiple of 64), k_pool / v_pool [S, Hkv, D],
     page_table [B, maxp] int32, lengths [B] int32 (P)
-    -> out [B, Hkv, T, D] f32, lse2 [B, Hkv, T] f32 (base 2)
+    -> out [B, Hkv, T, D] f32 (or `partial_dtype`), lse2 [B, Hkv, T] f32 (base 2)
 Row r sees keys [0, min(P - R + 1 + r, whole)) with whole = (P // page_size) * page_size: only
 *whole pages*. TMA cannot mask a load, and the slots of the last, partial page past P may hold
 anything (NaN included), which a zero softmax weight would still turn into NaN. The window kernel
@@ -63,7 +63,9 @@ _POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), F8)
 ROWS_PER_WG = 64
 COMPUTE_WGS = 2
 ROWS_PER_CTA = ROWS_PER_WG * COMPUTE_WGS
-OUT_CHUNK = 32  # output columns per fp32 staging tile
+OUT_CHUNK = 32  # output columns per fp32 staging tile (64 per bf16 one: the same bytes)
+# Dtypes the prefix partial (the kernel's `out`) may be written in; see `partial_dtype`.
+PARTIAL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Dynamic shared memory per block on Hopper, and what Mosaic GPU adds to our buffers (swizzle
 # alignment, barriers; about 3 KB measured by lowering).
 MAX_SMEM_BYTES = 232448
@@ -241,13 +243,13 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
 
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "num_splits",
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
-                                             "tiles_adjacent", "overlap_softmax", "interpret"))
+                                             "tiles_adjacent", "overlap_softmax", "partial_dtype", "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
                                   pingpong: bool = True, pages_per_step: int | None = None,
                                   key_split: bool | None = None, fence_softmax: bool = False,
                                   tiles_adjacent: bool = True, overlap_softmax: bool = False,
-                                  interpret: bool = False):
+                                  partial_dtype=jnp.float32, interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
@@ -272,8 +274,16 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     in flight, and the accumulator is rescaled after it lands (FlashAttention-3's intra-warpgroup
     pipelining). 16-bit pools without a key split only; it conforms on the H200 but ran 6-9% slower
     than the turn-taking default (session 11, benchmarks/RESULTS.md), so it is off;
+    `partial_dtype`: the dtype `out` is written in, float32 or bfloat16 (half the bytes for this
+    kernel to write and the window kernel to read; the normalised partial is rounded once more,
+    to bf16, before the merge; key-split partials are merged in float32 either way);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
+    partial_dtype = jnp.dtype(partial_dtype)
+    if partial_dtype not in PARTIAL_DTYPES:
+        raise ValueError(f"prefix_decode_mgpu: partial_dtype must be float32 or bfloat16, got {partial_dtype.name}")
+    # The staging tile keeps its bytes: 32 fp32 or 64 bf16 output columns per piece.
+    out_chunk = OUT_CHUNK * 4 // partial_dtype.itemsize
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
     # K-major operand FP8 needs); V is not, so each step's V page is widened to fp16 in shared memory.
     fp8 = jnp.dtype(k_pool.dtype) == F8
@@ -302,7 +312,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     scale2 = float(scale) * LOG2E
     in_tf = _smem_transforms(d, dtype)
     pv_tf = _smem_transforms(d, pv_dtype)
-    out_tf = _smem_transforms(OUT_CHUNK, jnp.float32)
+    out_tf = _smem_transforms(out_chunk, partial_dtype)
 
     def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped):
         (q_smem, k_smem, v_smem, o_smem, lse_smem, *wide), (q_ready, k_ready, v_ready), (k_free, v_free), turn = scoped
@@ -515,14 +525,15 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG)])
-            # The fp32 output leaves through a small staging tile, piece by piece (a whole [64, D]
+            # The output leaves through a small staging tile, piece by piece (a whole [64, D]
             # fp32 tile per warpgroup would cost the K/V ring a stage).
-            for j in range(d // OUT_CHUNK):
+            out = out.astype(partial_dtype)
+            for j in range(d // out_chunk):
                 plgpu.wait_smem_to_gmem(0)  # the previous piece has been read out
-                o_smem.at[wg][...] = out[:, j * OUT_CHUNK:(j + 1) * OUT_CHUNK]
+                o_smem.at[wg][...] = out[:, j * out_chunk:(j + 1) * out_chunk]
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG),
-                                                                   pl.ds(j * OUT_CHUNK, OUT_CHUNK)])
+                                                                   pl.ds(j * out_chunk, out_chunk)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == wgs)
@@ -573,7 +584,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
             (plgpu.SMEM((wgs, ROWS_PER_WG, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
-             plgpu.SMEM((wgs, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=out_tf),
+             plgpu.SMEM((wgs, ROWS_PER_WG, out_chunk), partial_dtype, transforms=out_tf),
              plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32))
             + ((plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),) if fp8 else ()),
             (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_arrivals=pps, num_barriers=stages),
@@ -588,7 +599,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     grid, grid_names = grid_in_order(dict(batch=b, heads=hkv, tiles=tiles, splits=splits), tiles_adjacent)
     out, lse = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((splits * stride, b, hkv, total, d), jnp.float32),
+        out_type=(jax.ShapeDtypeStruct((splits * stride, b, hkv, total, d), partial_dtype),
                   jax.ShapeDtypeStruct((splits * stride, b, hkv, total), jnp.float32)),
         grid=grid,
         grid_names=grid_names,

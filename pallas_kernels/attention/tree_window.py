@@ -207,7 +207,7 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
                            poison_outputs: bool = False, prefix_whole_pages: bool = False,
                            heads_out: bool = False):
     """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, Dk]`, `mask [B, R, 2]`,
-    `prefix_out_rows [B, Hkv, T, Dv]` f32, `prefix_lse2_rows [B, Hkv, T]` -> `[B, Hkv, T, Dv]` in
+    `prefix_out_rows [B, Hkv, T, Dv]` f32 or bf16, `prefix_lse2_rows [B, Hkv, T]` -> `[B, Hkv, T, Dv]` in
     qr's dtype, or with `heads_out` `[B, R, Hq, Dv]` (`rows_to_heads` of it): written so by the
     kernel where its row tiles allow (`writes_head_layout`), which saves the separate transpose
     (an XLA copy of the whole output), else transposed after it. Inputs are assumed validated by
@@ -243,8 +243,10 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
     if not shared:
         args.append(v_pool)
         in_specs.append(any_spec)
-    args += [words[..., 0], words[..., 1], prefix_out_rows.astype(jnp.float32),
-             prefix_lse2_rows.astype(jnp.float32)]
+    # A bf16 prefix partial is read as it is and widened in the kernel (no XLA convert).
+    if prefix_out_rows.dtype != jnp.bfloat16:
+        prefix_out_rows = prefix_out_rows.astype(jnp.float32)
+    args += [words[..., 0], words[..., 1], prefix_out_rows, prefix_lse2_rows.astype(jnp.float32)]
     in_specs += [row_spec(None), row_spec(None), row_spec(dv), row_spec(None)]
 
     kernel = functools.partial(

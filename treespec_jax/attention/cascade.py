@@ -71,6 +71,11 @@ class CascadeConfig:
     # where the H200 measured it 0.3-23% faster on every shape of the issue (session 12,
     # benchmarks/RESULTS.md), False under the Triton prefix (not timed with it).
     prefix_covers_tail: bool | None = None
+    # The dtype the prefix kernel writes its partial output in before the window kernel merges it:
+    # "float32", or "bfloat16" (half the bytes written and read between the two kernels; the
+    # normalised partial is rounded to bf16 once before the merge, so the result moves by about
+    # one bf16 ulp; key-split partials are still merged in float32). Not yet timed on the GPU.
+    prefix_partial_dtype: str = "float32"
 
     def __post_init__(self):
         if self.prefix_kernel not in PREFIX_KERNELS:
@@ -81,6 +86,9 @@ class CascadeConfig:
             raise ValueError(f"CascadeConfig.scale must be positive, got {self.scale}")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"CascadeConfig.num_splits must be >= 1, got {self.num_splits}")
+        if self.prefix_partial_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"CascadeConfig.prefix_partial_dtype must be 'float32' or 'bfloat16', "
+                             f"got {self.prefix_partial_dtype!r}")
         if not (self.prefix_covers_tail is None or isinstance(self.prefix_covers_tail, bool)):
             raise ValueError(f"CascadeConfig.prefix_covers_tail must be None, True or False, "
                              f"got {self.prefix_covers_tail!r}")
@@ -129,7 +137,8 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
     return _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, window=window,
                          page_size=config.page_size, scale=scale, num_splits=config.num_splits,
                          fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret", mosaic=mosaic,
-                         prefix_covers_tail=covers_tail(config.prefix_covers_tail, mosaic))
+                         prefix_covers_tail=covers_tail(config.prefix_covers_tail, mosaic),
+                         partial_dtype=config.prefix_partial_dtype)
 
 
 def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> bool:
@@ -150,9 +159,10 @@ def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> b
 
 
 @functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "num_splits", "fp8_score_dot",
-                                             "interpret", "mosaic", "prefix_covers_tail"))
+                                             "interpret", "mosaic", "prefix_covers_tail", "partial_dtype"))
 def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window, page_size, scale,
-                  num_splits, fp8_score_dot, interpret, mosaic=False, prefix_covers_tail=False):
+                  num_splits, fp8_score_dot, interpret, mosaic=False, prefix_covers_tail=False,
+                  partial_dtype="float32"):
     b, r, hq, d = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
@@ -166,11 +176,12 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
     if mosaic:
         prefix_out, prefix_lse2 = prefix_decode_mgpu_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, **prefix_rows, page_size=page_size,
-            scale=scale, num_splits=num_splits, interpret=interpret)
+            scale=scale, num_splits=num_splits, interpret=interpret, partial_dtype=partial_dtype)
     else:
         prefix_out, prefix_lse2 = prefix_decode_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, **prefix_rows, page_size=page_size,
-            scale=scale, num_splits=num_splits, interpret=interpret, fp8_score_dot=fp8_score_dot)
+            scale=scale, num_splits=num_splits, interpret=interpret, fp8_score_dot=fp8_score_dot,
+            partial_dtype=partial_dtype)
     # The window kernel writes [B, R, Hq, D] itself where its row tiles allow (no output transpose).
     return tree_window_row_layout(
         qr, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2,
