@@ -106,8 +106,8 @@ def test_prefix_covers_tail_defaults_to_the_prefix_kernel(monkeypatch):
 @pytest.mark.parametrize("kernel,splits", [("triton", None), ("triton", 1), ("mosaic_gpu", 1), ("mosaic_gpu", 2)])
 def test_bf16_prefix_partial_matches_dense(kernel, splits):
     """CascadeConfig(prefix_partial_dtype="bfloat16") through either prefix kernel (one CTA per
-    key range, or key splits merged in float32) still equals dense attention, and the window
-    kernel is handed the bf16 partial itself when there is no split."""
+    key range, or key splits merged in float32) still equals dense attention, the window kernel
+    is handed the bf16 partial itself when there is no split, and a float32 query is refused."""
     from treespec_jax.attention import cascade as cascade_module
     d, n, page = 64, 16, 64
     q, k, v, table, lengths, mask = verify_case(np.random.default_rng(13), [128, 70], n, 2, 4, d, page, jnp.bfloat16)
@@ -130,6 +130,8 @@ def test_bf16_prefix_partial_matches_dense(kernel, splits):
         assert seen == [jnp.bfloat16]
     with pytest.raises(ValueError, match="prefix_partial_dtype must be 'float32' or 'bfloat16', got 'float16'"):
         CascadeConfig(page_size=page, prefix_partial_dtype="float16")
+    with pytest.raises(ValueError, match="needs a bfloat16 query .* got q float32"):
+        verify_attention(q.astype(jnp.float32), k, v, table, lengths, mask, config=cfg)
 
 
 def test_prefix_kernel_refusals_name_the_value():

@@ -328,7 +328,8 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
                              poison_outputs: bool = False, prefetch_page_ids: bool | None = None,
                              partial_dtype=jnp.float32):
     """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, D]` (row `r * G + g`,
-    T = padded_rows(R * G)) -> (out `[B, Hkv, T, D]` f32, lse2 `[B, Hkv, T]` f32). The cascade keeps
+    T = padded_rows(R * G)) -> (out `[B, Hkv, T, D]` f32 (`partial_dtype` without key splits),
+    lse2 `[B, Hkv, T]` f32). The cascade keeps
     this layout between its two halves, so q is transposed once on the way in and the final output
     at most once on the way out. `partial_dtype` (float32 or bfloat16): the dtype the kernel writes
     `out` in (key splits are merged in float32 either way). Inputs are assumed validated by the public entry points (pages_per_step

@@ -274,9 +274,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     in flight, and the accumulator is rescaled after it lands (FlashAttention-3's intra-warpgroup
     pipelining). 16-bit pools without a key split only; it conforms on the H200 but ran 6-9% slower
     than the turn-taking default (session 11, benchmarks/RESULTS.md), so it is off;
-    `partial_dtype`: the dtype `out` is written in, float32 or bfloat16 (half the bytes for this
-    kernel to write and the window kernel to read; the normalised partial is rounded once more,
-    to bf16, before the merge; key-split partials are merged in float32 either way);
+    `partial_dtype`: the dtype the kernel writes `out` in, float32 or bfloat16 (half the bytes for
+    this kernel to write and, without key splits, for the window kernel to read; the normalised
+    partial is rounded once more, to bf16, before the merge); key-split partials (`num_splits` or
+    the warpgroup key split) are merged by `merge_splits`, which returns float32;
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
     partial_dtype = jnp.dtype(partial_dtype)

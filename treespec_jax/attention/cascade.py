@@ -72,11 +72,15 @@ class CascadeConfig:
     # benchmarks/RESULTS.md), False under the Triton prefix (not timed with it).
     prefix_covers_tail: bool | None = None
     # The dtype the prefix kernel writes its partial output in before the window kernel merges it:
-    # "float32", or "bfloat16" (half the bytes written and read between the two kernels; the
+    # "float32", or "bfloat16" for a bf16 query (refused otherwise): where the prefix has no key
+    # split, half the bytes written and read between the two kernels (split partials are merged
+    # to float32 before the window kernel); the
     # normalised partial is rounded to bf16 once before the merge: on the H200 the output moved by
     # 2.8e-3 relative; key-split partials are still merged in float32). It ran the B=64, P=4096
     # cascade 3.6% (bf16) / 2.2% (FP8) faster, B=32 at P=32768 0.1-0.3% (session 12,
-    # benchmarks/RESULTS.md); opt-in, so the default output is not rounded once more.
+    # benchmarks/RESULTS.md; the Mosaic prefix; the Triton prefix's bf16 partial is tested in the
+    # interpreter only); opt-in, so the default output is not rounded once more. Verify and lanes
+    # (`cascade_attention`) only: the "reference" backend and `sliding_lane_attention` keep float32.
     prefix_partial_dtype: str = "float32"
 
     def __post_init__(self):
@@ -135,6 +139,9 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
     if k_pool.shape[-1] != d or v_pool.shape[-1] != d or d < 16 or d & (d - 1):
         raise ValueError(f"cascade_attention: head dims q {d}, k {k_pool.shape[-1]}, v {v_pool.shape[-1]} "
                          "must match and be a power of two >= 16")
+    if config.prefix_partial_dtype == "bfloat16" and q.dtype != jnp.bfloat16:
+        raise ValueError(f"cascade_attention: prefix_partial_dtype='bfloat16' needs a bfloat16 query "
+                         f"(a bf16 partial would coarsen a {q.dtype} output), got q {q.dtype}")
     mosaic = uses_mosaic_prefix(config, kind, q, k_pool, v_pool)
     return _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, window=window,
                          page_size=config.page_size, scale=scale, num_splits=config.num_splits,
