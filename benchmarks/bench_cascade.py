@@ -173,6 +173,14 @@ def conformance(checks: Checks, seed=0):
             dense, _ = cascade_dense_reference(q, kp, vp, table, lengths, mask, window=r, page_size=page,
                                                scale=D ** -0.5)
             checks.add(f"cascade vs dense {name}", rel_err(casc, dense), bf_tol if dtype != FP8 else 6e-2)
+            # The bf16 prefix partial through each prefix kernel that runs here (Triton always;
+            # Mosaic where "auto" takes it), one key range per CTA so the partial stays bf16.
+            for kernel in ("triton", "auto"):
+                casc16 = cascade_attention(q, kp, vp, table, lengths, mask, window=r, config=CascadeConfig(
+                    page_size=page, fp8_score_dot=score8, prefix_kernel=kernel, num_splits=1,
+                    prefix_partial_dtype="bfloat16"))
+                checks.add(f"cascade bf16 partial ({kernel} prefix) vs dense {name}", rel_err(casc16, dense),
+                           bf_tol if dtype != FP8 else 6e-2)
         except Exception as exc:  # keep going: report every failure in one run
             checks.fail(name, exc)
 
