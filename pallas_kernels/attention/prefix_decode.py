@@ -306,6 +306,18 @@ def _prefix_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, ls
     lse_ref[...] = jnp.where(seen, m + jnp.log2(l_safe), -jnp.inf)
 
 
+# Dtypes a prefix kernel may write its partial output in (`partial_dtype`, both prefix kernels).
+PARTIAL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def check_partial_dtype(partial_dtype, what: str) -> jnp.dtype:
+    """`partial_dtype` as a dtype; raises naming it unless it is in PARTIAL_DTYPES."""
+    partial_dtype = jnp.dtype(partial_dtype)
+    if partial_dtype not in PARTIAL_DTYPES:
+        raise ValueError(f"{what}: partial_dtype must be float32 or bfloat16, got {partial_dtype.name}")
+    return partial_dtype
+
+
 def merge_splits(out: jax.Array, lse: jax.Array):
     """`out [splits, ..., D]`, `lse [splits, ...]` (base 2) -> merged (out, lse); -inf splits drop out."""
     m = jnp.max(lse, axis=0)
@@ -329,11 +341,11 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
                              partial_dtype=jnp.float32):
     """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, D]` (row `r * G + g`,
     T = padded_rows(R * G)) -> (out `[B, Hkv, T, D]` f32 (`partial_dtype` without key splits),
-    lse2 `[B, Hkv, T]` f32). The cascade keeps
-    this layout between its two halves, so q is transposed once on the way in and the final output
-    at most once on the way out. `partial_dtype` (float32 or bfloat16): the dtype the kernel writes
-    `out` in (key splits are merged in float32 either way). Inputs are assumed validated by the public entry points (pages_per_step
-    is checked here too, since the benchmarks call this directly)."""
+    lse2 `[B, Hkv, T]` f32). The cascade keeps this layout between its two halves, so q is
+    transposed once on the way in and the final output at most once on the way out.
+    `partial_dtype` (float32 or bfloat16): the dtype the kernel writes `out` in (key splits are
+    merged in float32 either way). Inputs are assumed validated by the public entry points
+    (pages_per_step is checked here too, since the benchmarks call this directly)."""
     b, hkv, total, d = qr.shape
     max_pages = page_table.shape[1]
     launch = default_launch(b, hkv, total, max_pages)
@@ -357,9 +369,7 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
         dot_dtype=dot_dtype, fp8_score_dot=fp8_score_dot and fp8 and not interpret,
         prefetch_page_ids=launch.prefetch_page_ids if prefetch_page_ids is None else bool(prefetch_page_ids))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    if jnp.dtype(partial_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"prefix_decode: partial_dtype must be float32 or bfloat16, got {jnp.dtype(partial_dtype).name}")
-    out_shape = (jax.ShapeDtypeStruct((splits, b, hkv, total, d), partial_dtype),
+    out_shape = (jax.ShapeDtypeStruct((splits, b, hkv, total, d), check_partial_dtype(partial_dtype, "prefix_decode")),
                  jax.ShapeDtypeStruct((splits, b, hkv, total), jnp.float32))
     in_specs = [any_spec, any_spec,
                 pl.BlockSpec((None, None, block, d), lambda t, s, h, bb: (bb, h, t, 0)),

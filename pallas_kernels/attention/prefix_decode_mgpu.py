@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention.prefix_decode import merge_splits, num_sms
+from pallas_kernels.attention.prefix_decode import check_partial_dtype, merge_splits, num_sms
 from pallas_kernels.attention.reference import quantize_query_for_pool
 
 LOG2E = math.log2(math.e)
@@ -64,8 +64,6 @@ ROWS_PER_WG = 64
 COMPUTE_WGS = 2
 ROWS_PER_CTA = ROWS_PER_WG * COMPUTE_WGS
 OUT_CHUNK = 32  # output columns per fp32 staging tile (64 per bf16 one: the same bytes)
-# Dtypes the prefix partial (the kernel's `out`) may be written in; see `partial_dtype`.
-PARTIAL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Dynamic shared memory per block on Hopper, and what Mosaic GPU adds to our buffers (swizzle
 # alignment, barriers; about 3 KB measured by lowering).
 MAX_SMEM_BYTES = 232448
@@ -280,9 +278,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     the warpgroup key split) are merged by `merge_splits`, which returns float32;
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
-    partial_dtype = jnp.dtype(partial_dtype)
-    if partial_dtype not in PARTIAL_DTYPES:
-        raise ValueError(f"prefix_decode_mgpu: partial_dtype must be float32 or bfloat16, got {partial_dtype.name}")
+    partial_dtype = check_partial_dtype(partial_dtype, "prefix_decode_mgpu")
     # The staging tile keeps its bytes: 32 fp32 or 64 bf16 output columns per piece.
     out_chunk = OUT_CHUNK * 4 // partial_dtype.itemsize
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the

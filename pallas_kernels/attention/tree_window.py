@@ -296,7 +296,7 @@ def _tree_window_pallas(q, k_pool, v_pool, page_table, prefix_lengths, mask, pre
     b, r, hq, dk = q.shape
     hkv = k_pool.shape[1]
     total = padded_rows(r * (hq // hkv))
-    out = tree_window_row_layout(
+    return tree_window_row_layout(
         heads_to_rows(q, hkv, total), k_pool, v_pool, page_table, prefix_lengths, mask,
         heads_to_rows(prefix_out.astype(jnp.float32), hkv, total),
         heads_to_rows(prefix_lse2.astype(jnp.float32), hkv, total, fill=-jnp.inf),
@@ -304,7 +304,6 @@ def _tree_window_pallas(q, k_pool, v_pool, page_table, prefix_lengths, mask, pre
         causal_prefix=causal_prefix, rope_dim=rope_dim, value_dim=value_dim, block_rows=block_rows,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, poison_outputs=poison_outputs,
         prefix_whole_pages=prefix_whole_pages, heads_out=True)
-    return out
 
 
 def tree_window_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | None,

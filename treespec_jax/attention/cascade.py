@@ -3,7 +3,8 @@
 Every query row of a tree sees the request's committed prefix and, inside the last `window` keys,
 only the slots its ancestor mask names. The prefix (where the time goes at long context) runs as a
 multi-query paged decode (`pallas_kernels.attention.prefix_decode`) that returns its base-2 LSE,
-causal or, with `prefix_covers_tail` (the default under the Mosaic kernel), every row to P; on a GPU with page 64/128 it is the Mosaic GPU kernel over whole pages
+causal or, with `prefix_covers_tail` (the default under the Mosaic kernel), every row to P; on a
+GPU with page 64/128 it is the Mosaic GPU kernel over whole pages
 (`prefix_decode_mgpu`, chosen by `CascadeConfig.prefix_kernel="auto"`). The window kernel
 (`pallas_kernels.attention.tree_window`) attends what the prefix half missed and merges both in one
 kernel. One path for every size.
@@ -72,15 +73,14 @@ class CascadeConfig:
     # benchmarks/RESULTS.md), False under the Triton prefix (not timed with it).
     prefix_covers_tail: bool | None = None
     # The dtype the prefix kernel writes its partial output in before the window kernel merges it:
-    # "float32", or "bfloat16" for a bf16 query (refused otherwise): where the prefix has no key
-    # split, half the bytes written and read between the two kernels (split partials are merged
-    # to float32 before the window kernel); the
-    # normalised partial is rounded to bf16 once before the merge: on the H200 the output moved by
-    # 2.8e-3 relative; key-split partials are still merged in float32). It ran the B=64, P=4096
-    # cascade 3.6% (bf16) / 2.2% (FP8) faster, B=32 at P=32768 0.1-0.3% (session 12,
-    # benchmarks/RESULTS.md; the Mosaic prefix; the Triton prefix's bf16 partial is tested in the
-    # interpreter only); opt-in, so the default output is not rounded once more. Verify and lanes
-    # (`cascade_attention`) only: the "reference" backend and `sliding_lane_attention` keep float32.
+    # "float32", or "bfloat16" for a bf16 query (refused otherwise). Without key splits that halves
+    # the bytes written and read between the two kernels (split partials are merged to float32
+    # first) and rounds the normalised partial to bf16 once before the merge: on the H200 the
+    # output moved by 2.8e-3 relative, and the B=64, P=4096 cascade ran 3.6% (bf16) / 2.2% (FP8)
+    # faster, B=32 at P=32768 0.1-0.3% (session 12, benchmarks/RESULTS.md, the Mosaic prefix; the
+    # Triton prefix's bf16 partial is tested in the interpreter only). Opt-in, so the default
+    # output is not rounded once more. Verify and lanes (`cascade_attention`) only: the
+    # "reference" backend and `sliding_lane_attention` keep float32.
     prefix_partial_dtype: str = "float32"
 
     def __post_init__(self):
@@ -95,9 +95,13 @@ class CascadeConfig:
         if self.prefix_partial_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"CascadeConfig.prefix_partial_dtype must be 'float32' or 'bfloat16', "
                              f"got {self.prefix_partial_dtype!r}")
-        if not (self.prefix_covers_tail is None or isinstance(self.prefix_covers_tail, bool)):
-            raise ValueError(f"CascadeConfig.prefix_covers_tail must be None, True or False, "
-                             f"got {self.prefix_covers_tail!r}")
+        check_covers_tail_setting(self.prefix_covers_tail, "CascadeConfig")
+
+
+def check_covers_tail_setting(setting, owner: str):
+    """A `prefix_covers_tail` field must be None, True or False (not merely truthy)."""
+    if not (setting is None or isinstance(setting, bool)):
+        raise ValueError(f"{owner}.prefix_covers_tail must be None, True or False, got {setting!r}")
 
 
 def covers_tail(setting: bool | None, mosaic: bool) -> bool:

@@ -28,7 +28,7 @@ from pallas_kernels.attention.mla_decode import FP8, MlaDecodeConfig, mla_decode
 from pallas_kernels.attention.mla_decode_mgpu import check_mla_mgpu_inputs, mla_decode_mgpu, mla_mgpu_input_errors
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.attention.tree_window import tree_window_attention
-from treespec_jax.attention.cascade import covers_tail
+from treespec_jax.attention.cascade import check_covers_tail_setting, covers_tail
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
 # Keys per step of the Mosaic GPU latent decode (a multiple of 64, the P V contraction's minimum;
@@ -82,9 +82,7 @@ class MlaCascadeConfig:
                                                jnp.dtype(jnp.float32)):
             raise ValueError(f"MlaCascadeConfig.model_dtype must be bfloat16, float16 or float32, "
                              f"got {self.model_dtype!r}")
-        if not (self.prefix_covers_tail is None or isinstance(self.prefix_covers_tail, bool)):
-            raise ValueError(f"MlaCascadeConfig.prefix_covers_tail must be None, True or False, "
-                             f"got {self.prefix_covers_tail!r}")
+        check_covers_tail_setting(self.prefix_covers_tail, "MlaCascadeConfig")
 
 
 def _check(q, latent_pool, config: MlaCascadeConfig):
