@@ -173,6 +173,14 @@ def conformance(checks: Checks, seed=0):
             dense, _ = cascade_dense_reference(q, kp, vp, table, lengths, mask, window=r, page_size=page,
                                                scale=D ** -0.5)
             checks.add(f"cascade vs dense {name}", rel_err(casc, dense), bf_tol if dtype != FP8 else 6e-2)
+            if page == 64 and dtype != FP8:
+                # The window fused into the Mosaic prefix kernel, unsplit (bf16 output written by the
+                # kernel) and over three key splits.
+                for splits in (1, 3):
+                    fused = cascade_attention(q, kp, vp, table, lengths, mask, window=r, config=CascadeConfig(
+                        page_size=page, prefix_kernel="mosaic_gpu", fuse_window=True, num_splits=splits))
+                    checks.add(f"cascade fused window splits={splits} vs dense {name}", rel_err(fused, dense),
+                               bf_tol)
             # The bf16 prefix partial through each prefix kernel that runs here (Triton always;
             # Mosaic where "auto" takes it), one key range per CTA so the partial stays bf16.
             for kernel in ("triton", "auto"):
@@ -202,6 +210,9 @@ def conformance(checks: Checks, seed=0):
         dense, _ = cascade_dense_reference(q, kp, vp, table, frontier, lane_mask, window=w, page_size=PAGE,
                                            scale=D ** -0.5)
         checks.add("lanes K=4 S=5 vs dense", rel_err(out, dense), bf_tol)
+        out = cascade_attention(q, kp, vp, table, frontier, lane_mask, window=w, config=CascadeConfig(
+            page_size=PAGE, prefix_kernel="mosaic_gpu", fuse_window=True))
+        checks.add("lanes K=4 S=5 fused window vs dense", rel_err(out, dense), bf_tol)
         row_tables = jnp.asarray(np.stack([np.stack([np.asarray(table)[bb]] * kk) for bb in range(b)]))
         row_lengths = jnp.asarray(np.minimum(np.asarray(frontier)[:, None], 200) * np.ones((1, kk), np.int32),
                                   jnp.int32)
@@ -268,9 +279,10 @@ def tune_prefix(q, kp, vp, table, lengths):
 
 
 def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_covers_tail=False, lean=False,
-               checks=None, partial_bf16=False):
+               checks=None, partial_bf16=False, fuse_window=False):
     """One table row. `flip_covers_tail`: also the cascade with `prefix_covers_tail` opposite to its
-    default here; `partial_bf16`: also with `prefix_partial_dtype="bfloat16"`; each checked against
+    default here; `partial_bf16`: also with `prefix_partial_dtype="bfloat16"`; `fuse_window`: also
+    with the window fused into the Mosaic prefix (16-bit pools); each checked against
     the default cascade's output first (a row in `checks`, so a mismatch fails the run); `lean`: no
     per-call, Triton-prefix or dense baselines."""
     bw, flops = ceilings
@@ -319,7 +331,7 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     def alternative(label, **config):
         # The cascade with `config` changed: checked against the default's output, then timed.
         alt = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
-            page_size=PAGE, prefix_kernel=kernel, **config)))
+            **{"page_size": PAGE, "prefix_kernel": kernel, **config})))
         err = rel_err(alt(*cas_args), cas(*cas_args))
         name = f"{label} cascade vs default B={b},P={p},N={n} {jnp.dtype(dtype).name}"
         if checks is not None:
@@ -333,6 +345,8 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
                   if flip_covers_tail else float("nan"))
     t_cas_bf16 = (alternative("prefix_partial_dtype=bfloat16", prefix_partial_dtype="bfloat16")
                   if partial_bf16 else float("nan"))
+    t_cas_fused = (alternative("fuse_window=True", fuse_window=True, prefix_kernel="mosaic_gpu")
+                   if fuse_window and mosaic and dtype != FP8 else float("nan"))
     if lean:
         t_cas_triton = float("nan")
     elif mosaic:
@@ -357,7 +371,8 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     row = dict(shape=f"B={b},P={p},N={n}", kv=jnp.dtype(dtype).name, prefix_kernel="mosaic_gpu" if mosaic else "triton",
                prefix_ms=t_pre * 1e3, window_ms=t_win * 1e3, cascade_ms=t_cas * 1e3, cascade_call_ms=t_cas_call * 1e3,
                cascade_triton_ms=t_cas_triton * 1e3, cascade_fp8dot_ms=t_cas8 * 1e3, cascade_tail_ms=t_cas_tail * 1e3,
-               cascade_bf16_partial_ms=t_cas_bf16 * 1e3, dense_ms=t_dense * 1e3, dense_impl=impl,
+               cascade_bf16_partial_ms=t_cas_bf16 * 1e3, cascade_fused_ms=t_cas_fused * 1e3,
+               fused_vs_floor=t_cas_fused / floor, dense_ms=t_dense * 1e3, dense_impl=impl,
                byte_floor_ms=byte_floor * 1e3, flop_floor_ms=flop_floor * 1e3,
                vs_floor=t_cas / floor, window_overhead=(t_cas - t_pre) / t_pre,
                prefix_tbps=kv_bytes / t_pre / 1e12, dense_speedup=t_dense / t_cas)
@@ -400,14 +415,16 @@ def table_markdown(rows, ceilings, tune):
              "| shape | KV | prefix kernel | prefix ms | window ms | cascade ms | cascade per call ms "
              "| cascade, Triton prefix ms "
              "| cascade, Triton fp8-dot prefix ms | cascade, covers tail flipped ms | cascade, bf16 partial ms "
+             "| cascade, fused window ms | fused / max floor "
              "| byte floor ms | FLOP floor ms "
              "| cascade / max floor | window overhead | prefix TB/s | dense (impl) ms | dense / cascade |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['kv']} | {r['prefix_kernel']} | {r['prefix_ms']:.3f} | {r['window_ms']:.3f} "
                      f"| {r['cascade_ms']:.3f} | {r['cascade_call_ms']:.3f} | {r['cascade_triton_ms']:.3f} "
                      f"| {r['cascade_fp8dot_ms']:.3f} | {r['cascade_tail_ms']:.3f} "
-                     f"| {r['cascade_bf16_partial_ms']:.3f} | {r['byte_floor_ms']:.3f} "
+                     f"| {r['cascade_bf16_partial_ms']:.3f} | {r['cascade_fused_ms']:.3f} "
+                     f"| {r['fused_vs_floor']:.2f}x | {r['byte_floor_ms']:.3f} "
                      f"| {r['flop_floor_ms']:.3f} "
                      f"| {r['vs_floor']:.2f}x | {100 * r['window_overhead']:.1f}% | {r['prefix_tbps']:.2f} "
                      f"| {r['dense_ms']:.3f} ({r['dense_impl']}) | {r['dense_speedup']:.2f}x |")
@@ -424,6 +441,8 @@ def main(argv=None):
                     help="also time the cascade with CascadeConfig.prefix_covers_tail opposite to its default")
     ap.add_argument("--partial-bf16", action="store_true",
                     help="also time the cascade with CascadeConfig(prefix_partial_dtype='bfloat16')")
+    ap.add_argument("--fuse-window", action="store_true",
+                    help="also time the cascade with the window fused into the Mosaic prefix (16-bit pools)")
     ap.add_argument("--lean", action="store_true",
                     help="skip the per-call, Triton-prefix and dense baselines and the MLA window timing (faster variant runs)")
     ap.add_argument("--markdown", default=None, help="write the conformance summary and table to this file")
@@ -479,7 +498,8 @@ def main(argv=None):
                 try:
                     rows.append(time_shape(b, p, n, dtype, ceilings, tune, rng, jax.random.fold_in(key, b * p + n),
                                            fp8_dot_too=dtype == FP8, flip_covers_tail=args.flip_covers_tail,
-                                           lean=args.lean, checks=checks, partial_bf16=args.partial_bf16))
+                                           lean=args.lean, checks=checks, partial_bf16=args.partial_bf16,
+                                           fuse_window=args.fuse_window))
                 except Exception as exc:
                     print(f"  timing failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
     mla = {}

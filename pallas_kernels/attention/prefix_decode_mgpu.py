@@ -67,6 +67,8 @@ OUT_CHUNK = 32  # output columns per fp32 staging tile (64 per bf16 one: the sam
 # Dynamic shared memory per block on Hopper, and what Mosaic GPU adds to our buffers (swizzle
 # alignment, barriers; about 3 KB measured by lowering).
 MAX_SMEM_BYTES = 232448
+# The fused window's mask words of one warpgroup's rows (two int32 words per row); counted always.
+FUSED_WINDOW_WORDS = 2 * 64 * 4
 SMEM_OVERHEAD = 4096
 # Keys per step the default aims for: two 64-token pages per step (128-key matmuls) ran the B=32,
 # P=32768 cascade 1.17x faster than one page per step on the H200 (bf16 2.275 vs 2.658 ms, FP8
@@ -117,11 +119,12 @@ def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: i
 def smem_bytes(total_rows: int, width: int, itemsize: int, block: int, stages: int,
                key_split: bool | None = None) -> int:
     """Shared memory of one CTA (`block` keys per step): query tiles, the K and V rings, output
-    staging, LSE; with 1-byte (FP8) items also each compute warpgroup's fp16 copy of the step's V."""
+    staging, LSE, the fused window's mask words; with 1-byte (FP8) items also each compute
+    warpgroup's fp16 copy of the step's V."""
     wgs, _, _ = warpgroup_layout(total_rows, key_split, itemsize)
     widened = wgs * block * width * 2 if itemsize == 1 else 0
     return (wgs * ROWS_PER_WG * width * itemsize + 2 * stages * block * width * itemsize + widened
-            + wgs * ROWS_PER_WG * (OUT_CHUNK + 1) * 4 + SMEM_OVERHEAD)
+            + wgs * ROWS_PER_WG * (OUT_CHUNK + 1) * 4 + FUSED_WINDOW_WORDS * wgs + SMEM_OVERHEAD)
 
 
 def _smem_transforms(minor: int, dtype):
@@ -162,6 +165,49 @@ def cta_key_blocks(length, page_size: int, query_rows: int, group: int, row0, ro
     steps = lax.div(cta_hi + block - 1, jnp.int32(block))
     lo = split * per_split
     return whole, lo, jnp.maximum(jnp.minimum(lo + per_split, steps), lo)
+
+
+def window_visible(key, length, window: int, words):
+    """Whether key position `key` is seen under the fused window: a committed key (< P), or window
+    key j = key - P < window whose bit j is set in `words` (word 0 bits 0..31, word 1 bits 32..63;
+    int32 arrays broadcast to `key`'s shape, or scalars)."""
+    j = key - length
+    jc = jnp.clip(j, 0, 63)
+    word = jnp.where(jc < 32, words[0], words[1])
+    bit = lax.shift_right_logical(word, jc & 31) & 1
+    return (key < length) | ((j >= 0) & (j < window) & (bit == 1))
+
+
+def fused_window_words(mask, group: int, total_rows: int):
+    """`mask [B, R, 2] uint32` (packed ancestor rows) -> (`words [B, 2, total_rows] int32`: row
+    r * G + g gets request row r's words, padding rows none; `union [B, 2] int32`: the OR over the
+    rows, i.e. the window slots some row sees, whose V rows are kept)."""
+    words = lax.bitcast_convert_type(mask, jnp.int32)
+    rows = jnp.repeat(words, group, axis=1)
+    rows = jnp.pad(rows, ((0, 0), (0, total_rows - rows.shape[1]), (0, 0)))
+    union = lax.reduce(words, jnp.int32(0), lax.bitwise_or, (1,))
+    return jnp.swapaxes(rows, 1, 2), union
+
+
+def check_fused_window_inputs(qr, words, union, window: int, overlap_softmax: bool):
+    """The fused window's inputs agree with `window`; raises naming every bad value."""
+    b, _, total, _ = qr.shape
+    errors = []
+    if not 0 <= window <= 64:
+        errors.append(f"prefix_decode_mgpu: window must be in [0, 64], got {window}")
+    if window and (words is None or union is None):
+        errors.append(f"prefix_decode_mgpu: window={window} needs window_words and window_union")
+    if not window and (words is not None or union is not None):
+        errors.append("prefix_decode_mgpu: window_words / window_union given without a window")
+    if window and words is not None and (words.shape != (b, 2, total) or words.dtype != jnp.int32):
+        errors.append(f"prefix_decode_mgpu: window_words must be [B={b}, 2, T={total}] int32, "
+                      f"got {words.shape} {words.dtype}")
+    if window and union is not None and (union.shape != (b, 2) or union.dtype != jnp.int32):
+        errors.append(f"prefix_decode_mgpu: window_union must be [B={b}, 2] int32, got {union.shape} {union.dtype}")
+    if window and overlap_softmax:
+        errors.append("prefix_decode_mgpu: the fused window runs the turn-taking loop, not overlap_softmax")
+    if errors:
+        raise ValueError("; ".join(errors))
 
 
 def online_softmax_update(s, m, l, acc, scale2: float, visible=None):
@@ -241,13 +287,15 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
 
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "num_splits",
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
-                                             "tiles_adjacent", "overlap_softmax", "partial_dtype", "interpret"))
-def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
+                                             "tiles_adjacent", "overlap_softmax", "partial_dtype", "window",
+                                             "interpret"))
+def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, window_words=None, window_union=None,
+                                  *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
                                   pingpong: bool = True, pages_per_step: int | None = None,
                                   key_split: bool | None = None, fence_softmax: bool = False,
                                   tiles_adjacent: bool = True, overlap_softmax: bool = False,
-                                  partial_dtype=jnp.float32, interpret: bool = False):
+                                  partial_dtype=jnp.float32, window: int = 0, interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
@@ -276,11 +324,16 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     this kernel to write and, without key splits, for the window kernel to read; the normalised
     partial is rounded once more, to bf16, before the merge); key-split partials (`num_splits` or
     the warpgroup key split) are merged by `merge_splits`, which returns float32;
+    `window` > 0 fuses the tree window (`window_words [B, 2, T] int32`, `window_union [B, 2] int32`;
+    see `fused_window_words`): every row then sees the committed keys [0, P) and window key j
+    (position P + j, j < window) iff bit j of its own words is set, so the output is the whole
+    cascade's (normalised over prefix and window; key splits still merge by LSE, from float32
+    partials whatever `partial_dtype`) and `query_rows` / `group` bound nothing;
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
+    fused = window > 0
+    check_fused_window_inputs(qr, window_words, window_union, window, overlap_softmax)
     partial_dtype = check_partial_dtype(partial_dtype, "prefix_decode_mgpu")
-    # The staging tile keeps its bytes: 32 fp32 or 64 bf16 output columns per piece.
-    out_chunk = OUT_CHUNK * 4 // partial_dtype.itemsize
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
     # K-major operand FP8 needs); V is not, so each step's V page is widened to fp16 in shared memory.
     fp8 = jnp.dtype(k_pool.dtype) == F8
@@ -304,6 +357,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     splits = num_splits or default_mgpu_num_splits(b, hkv, tiles, steps)
     block = page_size * pps
     steps_per_split = -(-steps // splits)
+    if fused and splits * stride > 1:
+        # Fused, `partial_dtype` is the output's: key-split partials stay float32 until merged.
+        partial_dtype = jnp.dtype(jnp.float32)
+    # The staging tile keeps its bytes: 32 fp32 or 64 bf16 output columns per piece.
+    out_chunk = OUT_CHUNK * 4 // partial_dtype.itemsize
     dtype = qr.dtype
     pv_dtype = jnp.float16 if fp8 else dtype  # P V operands: FP8 V widens exactly to fp16
     scale2 = float(scale) * LOG2E
@@ -311,8 +369,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
     pv_tf = _smem_transforms(d, pv_dtype)
     out_tf = _smem_transforms(out_chunk, partial_dtype)
 
-    def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped):
-        (q_smem, k_smem, v_smem, o_smem, lse_smem, *wide), (q_ready, k_ready, v_ready), (k_free, v_free), turn = scoped
+    def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, out_gmem, lse_gmem, scoped):
+        (q_smem, k_smem, v_smem, o_smem, lse_smem, *extra), (q_ready, k_ready, v_ready), (k_free, v_free), turn = scoped
+        wide = extra[:1] if fp8 else []
+        if fused:
+            words_smem, words_ready = extra[-2:]
         split = lax.axis_index("splits")
         bi = lax.axis_index("batch")
         head = lax.axis_index("heads")
@@ -320,8 +381,18 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
         wg = lax.axis_index("wg")
         length = len_gmem[bi]
         cta_row0 = tile * rows_per_cta
-        whole, lo, hi = cta_key_blocks(length, page_size, query_rows, group, cta_row0, rows_per_cta, block, split,
-                                       steps_per_split)
+        if fused:
+            # Every row reads [0, P + window): committed keys and the window under its mask bits.
+            # Pages from cdiv(P + window, page) on may be unmapped (the memory warpgroup repeats a
+            # step's first page there); V rows no row may see are zeroed before P V.
+            lo = split * steps_per_split
+            steps_needed = lax.div(length + window + block - 1, jnp.int32(block))
+            hi = jnp.maximum(jnp.minimum(lo + steps_per_split, steps_needed), lo)
+            page_limit = lax.div(length + window + page_size - 1, jnp.int32(page_size))
+        else:
+            whole, lo, hi = cta_key_blocks(length, page_size, query_rows, group, cta_row0, rows_per_cta, block,
+                                           split, steps_per_split)
+            page_limit = lax.div(whole, jnp.int32(page_size))
 
         def take_turn():
             plgpu.barrier_arrive(turn)
@@ -348,14 +419,38 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                 return lax.div(jnp.maximum(end - first, 0) + stride - 1, jnp.int32(stride))
 
             plgpu.copy_gmem_to_smem(q_gmem.at[bi, head, pl.ds(row0, ROWS_PER_WG)], q_smem.at[wg], q_ready.at[wg])
-            plgpu.barrier_wait(q_ready.at[wg])
             shape = (ROWS_PER_WG, block)
-            row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
             col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-            row_hi = whole_page_bound(length, query_rows, group, row, whole)  # [rows, block]
-            # Keys below the first row's bound are seen by every row of this warpgroup.
-            first_hi = jnp.maximum(whole_page_bound(length, query_rows, group, row0, whole), 0)
-            open_end = jnp.clip(lax.div(first_hi, jnp.int32(block)), lo, hi)
+            if fused:
+                plgpu.copy_gmem_to_smem(words_gmem.at[bi, :, pl.ds(row0, ROWS_PER_WG)], words_smem.at[wg],
+                                        words_ready.at[wg])
+                plgpu.barrier_wait(words_ready.at[wg])
+                row_words = [lax.broadcast_in_dim(
+                    plgpu.load(words_smem.at[wg, w], layout=plgpu.Layout.WGMMA.reduce(1)), shape, [0])
+                    for w in range(2)]
+                union = (union_gmem[bi, 0], union_gmem[bi, 1])
+                # Steps wholly below P are seen by every row.
+                open_end = jnp.clip(lax.div(length, jnp.int32(block)), lo, hi)
+
+                def visible(i):
+                    return window_visible(col + i * block, length, window, row_words)
+            else:
+                row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+                row_hi = whole_page_bound(length, query_rows, group, row, whole)  # [rows, block]
+                # Keys below the first row's bound are seen by every row of this warpgroup.
+                first_hi = jnp.maximum(whole_page_bound(length, query_rows, group, row0, whole), 0)
+                open_end = jnp.clip(lax.div(first_hi, jnp.int32(block)), lo, hi)
+
+                def visible(i):
+                    return col + i * block < row_hi
+            plgpu.barrier_wait(q_ready.at[wg])
+
+            def clean_values(v, i):
+                # V rows of step i that no row of the request may see (past P + window, or window
+                # slots outside every row's mask) may hold NaN / inf, which a zero softmax weight
+                # would still spread: zero them. Only fused masked steps reach this.
+                key = plgpu.broadcasted_iota(jnp.int32, (block, d), 0, layout=plgpu.Layout.WGMMA) + i * block
+                return jnp.where(window_visible(key, length, window, union), v, jnp.zeros_like(v))
 
             def issue_scores(s_ref, slot):
                 # Q K^T of the keys in `slot` into s_ref, asynchronous on the GPU (wgmma).
@@ -396,23 +491,33 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
 
                 s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                p, _, m_new, l, acc = online_softmax_update(
-                    s, m, l, acc, scale2, (col + i * block < row_hi) if masked else None)
+                p, _, m_new, l, acc = online_softmax_update(s, m, l, acc, scale2, visible(i) if masked else None)
                 p16 = p.astype(pv_dtype)
                 if fence_softmax and not interpret:
                     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                 if pingpong:
                     plgpu.barrier_arrive(turn)  # softmax done
                 plgpu.barrier_wait(v_ready.at[slot])
+                cleans = fused and masked
                 if fp8:
                     # Widen this warpgroup's copy of the V page (CUDA cores, while the other
                     # warpgroup holds the tensor cores); the FP8 buffer is free right after.
                     v_tile = wide[0].at[wg]
-                    v_tile[...] = v_smem.at[slot][...].astype(pv_dtype)
+                    if cleans:
+                        v_tile[...] = clean_values(
+                            plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(pv_dtype), i)
+                    else:
+                        v_tile[...] = v_smem.at[slot][...].astype(pv_dtype)
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(v_free.at[slot])
                 else:
                     v_tile = v_smem.at[slot]
+                    if cleans:
+                        # In place: both warpgroups may clean the same buffer, but each writes
+                        # exactly what the other does (kept rows unchanged, the others zero), so
+                        # whichever order the writes land in, a reader sees clean rows.
+                        v_tile[...] = clean_values(plgpu.load(v_tile, layout=plgpu.Layout.WGMMA), i)
+                        plgpu.commit_smem()
                 if pingpong:
                     plgpu.barrier_wait(turn)  # the tensor cores are ours again
 
@@ -432,8 +537,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                     return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
 
                 def softmax(s, m, l, i, masked):  # P stays fp32 here (see in_flight)
-                    p, alpha, m, l, _ = online_softmax_update(
-                        s, m, l, None, scale2, (col + i * block < row_hi) if masked else None)
+                    p, alpha, m, l, _ = online_softmax_update(s, m, l, None, scale2, visible(i) if masked else None)
                     return p, alpha, m, l
 
                 def step(k, carry, masked: bool):
@@ -537,14 +641,13 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
-            whole_pages = lax.div(whole, jnp.int32(page_size))
-
             def page_rows(i, j):
-                # A step's later page past the last whole one (the step straddles `whole`) repeats
-                # the step's first page instead: its keys are masked, and finite V rows keep the
-                # zero softmax weights from turning into NaN (the partial page may hold anything).
+                # A step's later page past the last one read (the last whole page, or fused the
+                # last mapped one) repeats the step's first page instead: its keys are masked, and
+                # (unfused) finite V rows keep the zero softmax weights from turning into NaN (the
+                # partial page may hold anything).
                 page = i * pps + j
-                page = jnp.where(page < whole_pages, page, i * pps) if j else page
+                page = jnp.where(page < page_limit, page, i * pps) if j else page
                 return pl.ds(pt_gmem[bi, page] * page_size, page_size)
 
             @pl.loop(lo, hi)
@@ -575,15 +678,19 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
-    def entry(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem):
+    def entry(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, *rest):
+        words_gmem, union_gmem = rest[:2] if fused else (None, None)
+        out_gmem, lse_gmem = rest[-2:]
         pl.run_scoped(
-            lambda *scoped: body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped),
+            lambda *scoped: body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, out_gmem,
+                                 lse_gmem, scoped),
             (plgpu.SMEM((wgs, ROWS_PER_WG, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((wgs, ROWS_PER_WG, out_chunk), partial_dtype, transforms=out_tf),
              plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32))
-            + ((plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),) if fp8 else ()),
+            + ((plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),) if fp8 else ())
+            + ((plgpu.SMEM((wgs, 2, ROWS_PER_WG), jnp.int32), plgpu.Barrier(num_barriers=wgs)) if fused else ()),
             (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_arrivals=pps, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pps, num_barriers=stages)),
             # A step's buffers are released by every warpgroup that reads them: both, or under a
@@ -605,10 +712,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, *, qu
         compiler_params=plgpu.CompilerParams(approx_math=True),
         # Pallas' GPU interpreter simulates shared memory, TMA and barriers on the CPU.
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(qr, k_pool, v_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
+    )(qr, k_pool, v_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
+      *((window_words, window_union) if fused else ()))
     if splits * stride > 1:
         return merge_splits(out, lse)
     return out[0], lse[0]
 
 
-__all__ = ["prefix_decode_mgpu_row_layout", "check_mgpu_inputs", "mgpu_input_errors"]
+__all__ = ["prefix_decode_mgpu_row_layout", "check_mgpu_inputs", "mgpu_input_errors", "fused_window_words"]

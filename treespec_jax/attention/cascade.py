@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to_rows, padded_rows,
-                                                    prefix_decode, prefix_decode_row_layout)
-from pallas_kernels.attention.prefix_decode_mgpu import (check_mgpu_inputs, mgpu_input_errors,
+                                                    prefix_decode, prefix_decode_row_layout, rows_to_heads)
+from pallas_kernels.attention.prefix_decode_mgpu import (check_mgpu_inputs, fused_window_words, mgpu_input_errors,
                                                          prefix_decode_mgpu_row_layout)
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
 from pallas_kernels.common import resolve_backend
@@ -40,6 +40,8 @@ from treespec_jax.tree.masks import MAX_TREE_NODES
 
 
 PREFIX_KERNELS = ("auto", "triton", "mosaic_gpu")
+# Whether `CascadeConfig.fuse_window=None` fuses (see `fuses_window`).
+FUSE_WINDOW_BY_DEFAULT = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,12 @@ class CascadeConfig:
     # output is not rounded once more. Verify and lanes (`cascade_attention`) only: the
     # "reference" backend and `sliding_lane_attention` keep float32.
     prefix_partial_dtype: str = "float32"
+    # Fold the tree window into the Mosaic prefix kernel (16-bit pools): every row reads
+    # [0, P + window) there, the window keys under its mask bits, so no window kernel runs and no
+    # partial output makes a round trip through memory. None: on wherever the Mosaic prefix runs
+    # on 16-bit pools with `prefix_covers_tail` (FP8 pools keep the window kernel, whose scores use
+    # the unquantised query); True: required (prefix_kernel="mosaic_gpu"); False: off.
+    fuse_window: bool | None = None
 
     def __post_init__(self):
         if self.prefix_kernel not in PREFIX_KERNELS:
@@ -96,6 +104,21 @@ class CascadeConfig:
             raise ValueError(f"CascadeConfig.prefix_partial_dtype must be 'float32' or 'bfloat16', "
                              f"got {self.prefix_partial_dtype!r}")
         check_covers_tail_setting(self.prefix_covers_tail, "CascadeConfig")
+        errors = []
+        if not (self.fuse_window is None or isinstance(self.fuse_window, bool)):
+            errors.append(f"CascadeConfig.fuse_window must be None, True or False, got {self.fuse_window!r}")
+        elif self.fuse_window:
+            if self.prefix_kernel != "mosaic_gpu":
+                errors.append(f"CascadeConfig.fuse_window=True needs prefix_kernel='mosaic_gpu' (the window is "
+                              f"fused into that kernel), got {self.prefix_kernel!r}")
+            if self.prefix_covers_tail is False:
+                errors.append("CascadeConfig.fuse_window=True reads every row's prefix in the prefix kernel, "
+                              "which contradicts prefix_covers_tail=False")
+            if self.prefix_partial_dtype != "float32":
+                errors.append(f"CascadeConfig.fuse_window=True writes the final output (no partial), so "
+                              f"prefix_partial_dtype={self.prefix_partial_dtype!r} does not apply")
+        if errors:
+            raise ValueError("; ".join(errors))
 
 
 def check_covers_tail_setting(setting, owner: str):
@@ -147,11 +170,25 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
         raise ValueError(f"cascade_attention: prefix_partial_dtype='bfloat16' needs a bfloat16 query "
                          f"(a bf16 partial would coarsen a {q.dtype} output), got q {q.dtype}")
     mosaic = uses_mosaic_prefix(config, kind, q, k_pool, v_pool)
+    tail = covers_tail(config.prefix_covers_tail, mosaic)
     return _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, window=window,
                          page_size=config.page_size, scale=scale, num_splits=config.num_splits,
                          fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret", mosaic=mosaic,
-                         prefix_covers_tail=covers_tail(config.prefix_covers_tail, mosaic),
-                         partial_dtype=config.prefix_partial_dtype)
+                         prefix_covers_tail=tail, partial_dtype=config.prefix_partial_dtype,
+                         fuse_window=fuses_window(config, mosaic, tail, k_pool))
+
+
+def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool, k_pool) -> bool:
+    """Whether the window is folded into the Mosaic prefix kernel: an explicit setting wins (True is
+    refused where it cannot run); None fuses under the Mosaic prefix on 16-bit pools with the prefix
+    covering every row's tail."""
+    sixteen_bit = jnp.dtype(k_pool.dtype).itemsize == 2
+    if config.fuse_window is None:
+        return mosaic and covers_tail_resolved and sixteen_bit and FUSE_WINDOW_BY_DEFAULT
+    if config.fuse_window and not sixteen_bit:
+        raise ValueError(f"cascade_attention: fuse_window=True takes 16-bit pools (under FP8 pools the window's "
+                         f"scores use the unquantised query, so the window kernel runs), got {k_pool.dtype}")
+    return config.fuse_window
 
 
 def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> bool:
@@ -172,14 +209,25 @@ def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> b
 
 
 @functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "num_splits", "fp8_score_dot",
-                                             "interpret", "mosaic", "prefix_covers_tail", "partial_dtype"))
+                                             "interpret", "mosaic", "prefix_covers_tail", "partial_dtype",
+                                             "fuse_window"))
 def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window, page_size, scale,
                   num_splits, fp8_score_dot, interpret, mosaic=False, prefix_covers_tail=False,
-                  partial_dtype="float32"):
+                  partial_dtype="float32", fuse_window=False):
     b, r, hq, d = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
     qr = heads_to_rows(q, hkv, padded_rows(r * group))
+    if fuse_window:
+        # One kernel: every row reads [0, P + window), the window under its own mask bits. Without
+        # key splits it writes the final output in q's dtype (bf16; float32 otherwise).
+        words, union = fused_window_words(mask, group, qr.shape[2])
+        out_dtype = q.dtype if q.dtype == jnp.bfloat16 else jnp.float32
+        out, _ = prefix_decode_mgpu_row_layout(
+            qr, k_pool, v_pool, page_table, prefix_lengths, words, union, query_rows=1, group=qr.shape[2],
+            page_size=page_size, scale=scale, num_splits=num_splits, interpret=interpret,
+            partial_dtype=out_dtype, window=window)
+        return rows_to_heads(out, r, hq).astype(q.dtype)
     # The prefix kernels bound row r * G + g by P - R + 1 + r; read as one query row of R * G heads,
     # every row's bound is P (`prefix_covers_tail`), and the window kernel then takes no causal tail.
     prefix_rows = dict(query_rows=1, group=r * group) if prefix_covers_tail else dict(query_rows=r, group=group)
