@@ -178,18 +178,22 @@ def window_visible(key, length, window: int, words):
     return (key < length) | ((j >= 0) & (j < window) & (bit == 1))
 
 
-def fused_window_words(mask, group: int, total_rows: int):
+def fused_window_words(mask, group: int, total_rows: int, heads_io: bool = False):
     """`mask [B, R, 2] uint32` (packed ancestor rows) -> (`words [B, 2, total_rows] int32`: row
-    r * G + g gets request row r's words, padding rows none; `union [B, 2] int32`: the OR over the
-    rows, i.e. the window slots some row sees, whose V rows are kept)."""
+    r * G + g (with `heads_io`, the rows of `head_io_rows`) gets request row r's words, padding
+    rows none; `union [B, 2] int32`: the OR over the rows, i.e. the window slots some row sees,
+    whose V rows are kept)."""
     words = lax.bitcast_convert_type(mask, jnp.int32)
+    union = lax.reduce(words, jnp.int32(0), lax.bitwise_or, (1,))
+    if heads_io:
+        per_head = jnp.broadcast_to(jnp.swapaxes(words, 1, 2)[..., None], words.shape[:1] + (2, words.shape[1], group))
+        return head_io_rows(per_head, group)[:, :, 0], union
     rows = jnp.repeat(words, group, axis=1)
     rows = jnp.pad(rows, ((0, 0), (0, total_rows - rows.shape[1]), (0, 0)))
-    union = lax.reduce(words, jnp.int32(0), lax.bitwise_or, (1,))
     return jnp.swapaxes(rows, 1, 2), union
 
 
-def check_fused_window_inputs(qr, words, union, window: int, overlap_softmax: bool):
+def check_fused_window_inputs(qr, k_pool, words, union, window: int, overlap_softmax: bool):
     """The fused window's inputs agree with `window`; raises naming every bad value."""
     b, _, total, _ = qr.shape
     errors = []
@@ -204,6 +208,9 @@ def check_fused_window_inputs(qr, words, union, window: int, overlap_softmax: bo
                       f"got {words.shape} {words.dtype}")
     if window and union is not None and (union.shape != (b, 2) or union.dtype != jnp.int32):
         errors.append(f"prefix_decode_mgpu: window_union must be [B={b}, 2] int32, got {union.shape} {union.dtype}")
+    if window and jnp.dtype(k_pool.dtype).itemsize != 2:
+        errors.append(f"prefix_decode_mgpu: the fused window takes 16-bit pools (under FP8 pools the window's "
+                      f"scores use the unquantised query, in the window kernel), got {k_pool.dtype}")
     if window and overlap_softmax:
         errors.append("prefix_decode_mgpu: the fused window runs the turn-taking loop, not overlap_softmax")
     if errors:
@@ -288,14 +295,15 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "num_splits",
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
                                              "tiles_adjacent", "overlap_softmax", "partial_dtype", "window",
-                                             "interpret"))
+                                             "heads_io", "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, window_words=None, window_union=None,
                                   *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
                                   pingpong: bool = True, pages_per_step: int | None = None,
                                   key_split: bool | None = None, fence_softmax: bool = False,
                                   tiles_adjacent: bool = True, overlap_softmax: bool = False,
-                                  partial_dtype=jnp.float32, window: int = 0, interpret: bool = False):
+                                  partial_dtype=jnp.float32, window: int = 0, heads_io: bool = False,
+                                  interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
@@ -329,16 +337,33 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     (position P + j, j < window) iff bit j of its own words is set, so the output is the whole
     cascade's (normalised over prefix and window; key splits still merge by LSE, from float32
     partials whatever `partial_dtype`) and `query_rows` / `group` bound nothing;
+    `heads_io` (fused only, `heads_io_errors` empty): `qr` is the query in head layout
+    `[B, R, Hq, D]` and the result `(out [B, R, Hq, D], lse2 [B, R, Hq])`: each warpgroup reads its
+    64 rows straight from it, G boxes of 64 / G query rows, one per head of the group (rows in the
+    order `head_io_rows`; `window_words` in that order), and writes its output the same way, so no
+    transpose runs on either side;
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
-    check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
     fused = window > 0
-    check_fused_window_inputs(qr, window_words, window_union, window, overlap_softmax)
+    q_in = qr
+    if heads_io:
+        errors = heads_io_errors(qr.shape[1], qr.shape[2] // k_pool.shape[1]) + (
+            [] if fused else ["prefix_decode_mgpu: heads_io needs the fused window"])
+        if errors:
+            raise ValueError("; ".join(errors))
+        # The row-layout shape the kernel works in (rows in `head_io_rows` order).
+        rq, hq_in = qr.shape[1], qr.shape[2]
+        qr = jax.ShapeDtypeStruct((qr.shape[0], k_pool.shape[1], rq * hq_in // k_pool.shape[1], qr.shape[3]),
+                                  qr.dtype)
+    check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
+    check_fused_window_inputs(qr, k_pool, window_words, window_union, window, overlap_softmax)
     partial_dtype = check_partial_dtype(partial_dtype, "prefix_decode_mgpu")
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
     # K-major operand FP8 needs); V is not, so each step's V page is widened to fp16 in shared memory.
     fp8 = jnp.dtype(k_pool.dtype) == F8
-    qr = quantize_query_for_pool(qr, k_pool.dtype)
     b, hkv, total, d = qr.shape
+    q_in = quantize_query_for_pool(q_in, k_pool.dtype)
+    group_io = total // (q_in.shape[1]) if heads_io else 0  # G: heads per KV head
+    rows_io = ROWS_PER_WG // group_io if heads_io else 0  # query rows per box
     max_pages = page_table.shape[1]
     wgs, rows_per_cta, key_split = warpgroup_layout(total, key_split, jnp.dtype(k_pool.dtype).itemsize)
     if overlap_softmax and (fp8 or fence_softmax or key_split):
@@ -362,7 +387,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         partial_dtype = jnp.dtype(jnp.float32)
     # The staging tile keeps its bytes: 32 fp32 or 64 bf16 output columns per piece.
     out_chunk = OUT_CHUNK * 4 // partial_dtype.itemsize
-    dtype = qr.dtype
+    dtype = q_in.dtype
     pv_dtype = jnp.float16 if fp8 else dtype  # P V operands: FP8 V widens exactly to fp16
     scale2 = float(scale) * LOG2E
     in_tf = _smem_transforms(d, dtype)
@@ -418,22 +443,34 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             def mine(end):
                 return lax.div(jnp.maximum(end - first, 0) + stride - 1, jnp.int32(stride))
 
-            plgpu.copy_gmem_to_smem(q_gmem.at[bi, head, pl.ds(row0, ROWS_PER_WG)], q_smem.at[wg], q_ready.at[wg])
+            if heads_io:
+                # G boxes of rows_io query rows, one per head of this KV head's group.
+                # row0 is a multiple of 64: written as (row0 / 64) * rows_io, the box start's known
+                # divisibility lets Mosaic GPU prove the transfer lands on whole smem tile rows.
+                r0 = lax.div(row0, jnp.int32(ROWS_PER_WG)) * rows_io
+                for g in range(group_io):
+                    plgpu.copy_gmem_to_smem(q_gmem.at[bi, pl.ds(r0, rows_io), head * group_io + g],
+                                            q_smem.at[wg, pl.ds(g * rows_io, rows_io)], q_ready.at[wg])
+            else:
+                plgpu.copy_gmem_to_smem(q_gmem.at[bi, head, pl.ds(row0, ROWS_PER_WG)], q_smem.at[wg],
+                                        q_ready.at[wg])
             shape = (ROWS_PER_WG, block)
             col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
             if fused:
                 plgpu.copy_gmem_to_smem(words_gmem.at[bi, :, pl.ds(row0, ROWS_PER_WG)], words_smem.at[wg],
                                         words_ready.at[wg])
                 plgpu.barrier_wait(words_ready.at[wg])
-                row_words = [lax.broadcast_in_dim(
-                    plgpu.load(words_smem.at[wg, w], layout=plgpu.Layout.WGMMA.reduce(1)), shape, [0])
-                    for w in range(2)]
+                # [64] per word, broadcast over the keys only inside a masked step (two [64, block]
+                # arrays live across the key loop would cost the unmasked steps registers).
+                row_words = [plgpu.load(words_smem.at[wg, w], layout=plgpu.Layout.WGMMA.reduce(1))
+                             for w in range(2)]
                 union = (union_gmem[bi, 0], union_gmem[bi, 1])
                 # Steps wholly below P are seen by every row.
                 open_end = jnp.clip(lax.div(length, jnp.int32(block)), lo, hi)
 
                 def visible(i):
-                    return window_visible(col + i * block, length, window, row_words)
+                    words = [lax.broadcast_in_dim(w, shape, [0]) for w in row_words]
+                    return window_visible(col + i * block, length, window, words)
             else:
                 row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
                 row_hi = whole_page_bound(length, query_rows, group, row, whole)  # [rows, block]
@@ -503,11 +540,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                     # Widen this warpgroup's copy of the V page (CUDA cores, while the other
                     # warpgroup holds the tensor cores); the FP8 buffer is free right after.
                     v_tile = wide[0].at[wg]
-                    if cleans:
-                        v_tile[...] = clean_values(
-                            plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(pv_dtype), i)
-                    else:
-                        v_tile[...] = v_smem.at[slot][...].astype(pv_dtype)
+                    v_tile[...] = v_smem.at[slot][...].astype(pv_dtype)
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(v_free.at[slot])
                 else:
@@ -633,8 +666,13 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                 plgpu.wait_smem_to_gmem(0)  # the previous piece has been read out
                 o_smem.at[wg][...] = out[:, j * out_chunk:(j + 1) * out_chunk]
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG),
-                                                                   pl.ds(j * out_chunk, out_chunk)])
+                cols = pl.ds(j * out_chunk, out_chunk)
+                if heads_io:
+                    for g in range(group_io):
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(g * rows_io, rows_io)],
+                                                out_gmem.at[part, bi, pl.ds(r0, rows_io), head * group_io + g, cols])
+                else:
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG), cols])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == wgs)
@@ -691,7 +729,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
              plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32))
             + ((plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),) if fp8 else ())
             + ((plgpu.SMEM((wgs, 2, ROWS_PER_WG), jnp.int32), plgpu.Barrier(num_barriers=wgs)) if fused else ()),
-            (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_arrivals=pps, num_barriers=stages),
+            (plgpu.Barrier(num_arrivals=group_io or 1, num_barriers=wgs),
+             plgpu.Barrier(num_arrivals=pps, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pps, num_barriers=stages)),
             # A step's buffers are released by every warpgroup that reads them: both, or under a
             # key split the one warpgroup that owns the step.
@@ -703,7 +742,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     grid, grid_names = grid_in_order(dict(batch=b, heads=hkv, tiles=tiles, splits=splits), tiles_adjacent)
     out, lse = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((splits * stride, b, hkv, total, d), partial_dtype),
+        out_type=(jax.ShapeDtypeStruct((splits * stride,) + (q_in.shape if heads_io else (b, hkv, total, d)),
+                                       partial_dtype),
                   jax.ShapeDtypeStruct((splits * stride, b, hkv, total), jnp.float32)),
         grid=grid,
         grid_names=grid_names,
@@ -712,11 +752,41 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         compiler_params=plgpu.CompilerParams(approx_math=True),
         # Pallas' GPU interpreter simulates shared memory, TMA and barriers on the CPU.
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(qr, k_pool, v_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
+    )(q_in, k_pool, v_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
       *((window_words, window_union) if fused else ()))
+    if heads_io:
+        lse = head_io_rows(lse, group_io, inverse=True)
     if splits * stride > 1:
         return merge_splits(out, lse)
     return out[0], lse[0]
 
 
-__all__ = ["prefix_decode_mgpu_row_layout", "check_mgpu_inputs", "mgpu_input_errors", "fused_window_words"]
+def heads_io_errors(query_rows: int, group: int) -> list[str]:
+    """Why the fused kernel cannot read q and write its output in head layout (empty: it can): each
+    warpgroup's 64 rows must be whole boxes of 64 / G >= 8 query rows (one shared-memory tile row
+    group), one per head, so G must be a power of two up to 8 and R a multiple of 64 / G."""
+    errors = []
+    if group & (group - 1) or not 1 <= group <= 8:
+        errors.append(f"prefix_decode_mgpu: heads_io needs a GQA group of 1, 2, 4 or 8 heads, got {group}")
+    elif query_rows % (ROWS_PER_WG // group):
+        errors.append(f"prefix_decode_mgpu: heads_io needs R a multiple of 64 / G = {ROWS_PER_WG // group}, "
+                      f"got R={query_rows}")
+    return errors
+
+
+def head_io_rows(x, group: int, inverse: bool = False):
+    """The head-layout kernel's row order: kernel row t = 64 * w + g * (64 / G) + i is query row
+    w * (64 / G) + i of head g of the KV head (warpgroup tile w). `x [..., B, R, Hkv * G]` ->
+    kernel order `[..., B, Hkv, R * G]`; with `inverse` back."""
+    per = ROWS_PER_WG // group
+    nlead = x.ndim - 3
+    lead = tuple(range(nlead))
+    if inverse:
+        *shape, b, hkv, total = x.shape
+        x = x.reshape(*shape, b, hkv, total // ROWS_PER_WG, group, per)
+        x = jnp.transpose(x, lead + tuple(nlead + a for a in (0, 2, 4, 1, 3)))  # [B, W, per, Hkv, G]
+        return x.reshape(*shape, b, total // group, hkv * group)
+    *shape, b, r, hq = x.shape
+    x = x.reshape(*shape, b, r // per, per, hq // group, group)
+    x = jnp.transpose(x, lead + tuple(nlead + a for a in (0, 3, 1, 4, 2)))  # [B, Hkv, W, G, per]
+    return x.reshape(*shape, b, hq // group, r * group)

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to_rows, padded_rows,
                                                     prefix_decode, prefix_decode_row_layout, rows_to_heads)
-from pallas_kernels.attention.prefix_decode_mgpu import (check_mgpu_inputs, fused_window_words, mgpu_input_errors,
-                                                         prefix_decode_mgpu_row_layout)
+from pallas_kernels.attention.prefix_decode_mgpu import (check_mgpu_inputs, fused_window_words, heads_io_errors,
+                                                         mgpu_input_errors, prefix_decode_mgpu_row_layout)
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
 from pallas_kernels.common import resolve_backend
 from treespec_jax.tree.masks import MAX_TREE_NODES
@@ -217,17 +217,20 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
     b, r, hq, d = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
-    qr = heads_to_rows(q, hkv, padded_rows(r * group))
     if fuse_window:
         # One kernel: every row reads [0, P + window), the window under its own mask bits. Without
-        # key splits it writes the final output in q's dtype (bf16; float32 otherwise).
-        words, union = fused_window_words(mask, group, qr.shape[2])
+        # key splits it writes the final output in q's dtype (bf16; float32 otherwise), and where
+        # the group allows it reads q and writes the output in head layout (no transposes).
+        heads_io = not heads_io_errors(r, group)
+        total = r * group if heads_io else padded_rows(r * group)
+        words, union = fused_window_words(mask, group, total, heads_io=heads_io)
         out_dtype = q.dtype if q.dtype == jnp.bfloat16 else jnp.float32
         out, _ = prefix_decode_mgpu_row_layout(
-            qr, k_pool, v_pool, page_table, prefix_lengths, words, union, query_rows=1, group=qr.shape[2],
-            page_size=page_size, scale=scale, num_splits=num_splits, interpret=interpret,
-            partial_dtype=out_dtype, window=window)
-        return rows_to_heads(out, r, hq).astype(q.dtype)
+            q if heads_io else heads_to_rows(q, hkv, total), k_pool, v_pool, page_table, prefix_lengths, words,
+            union, query_rows=1, group=total, page_size=page_size, scale=scale, num_splits=num_splits,
+            interpret=interpret, partial_dtype=out_dtype, window=window, heads_io=heads_io)
+        return (out if heads_io else rows_to_heads(out, r, hq)).astype(q.dtype)
+    qr = heads_to_rows(q, hkv, padded_rows(r * group))
     # The prefix kernels bound row r * G + g by P - R + 1 + r; read as one query row of R * G heads,
     # every row's bound is P (`prefix_covers_tail`), and the window kernel then takes no causal tail.
     prefix_rows = dict(query_rows=1, group=r * group) if prefix_covers_tail else dict(query_rows=r, group=group)
