@@ -41,20 +41,21 @@ def test_verify_matches_dense_attention(n, group, page, dtype, tol, covers_tail)
 
 @pytest.mark.parametrize("dtype,tol,splits,covers_tail,lengths", [
     (jnp.bfloat16, 1e-2, None, False, [100, 7]), (FP8, 6e-2, None, False, [100, 7]),
-    (jnp.bfloat16, 1e-2, 2, False, [100, 7]),
+    (jnp.bfloat16, 1e-2, 2, False, [100, 7]), (FP8, 6e-2, 2, True, [128, 74]),
     # P mod page < R - 1 (and a page-aligned P): the flag moves the last whole page's causal tail
     # from the window kernel to the prefix kernel, so a miswired half double-counts or drops it.
     (jnp.bfloat16, 1e-2, 2, True, [128, 74]), (jnp.bfloat16, 1e-2, 2, False, [128, 74])])
 def test_verify_through_the_mosaic_gpu_prefix_kernel(dtype, tol, splits, covers_tail, lengths):
-    """CascadeConfig(prefix_kernel="mosaic_gpu") (Pallas' GPU interpreter here): the
-    prefix half over whole pages plus the window over the partial page equals dense attention,
+    """CascadeConfig(prefix_kernel="mosaic_gpu", fuse_window=False) (Pallas' GPU interpreter here):
+    the prefix half over whole pages plus the window over the partial page equals dense attention,
     with the kernel's own key split or a forced one (num_splits reaches the Mosaic kernel), and with
-    every row's prefix half run to the whole-page bound (`prefix_covers_tail`)."""
+    every row's prefix half run to the whole-page bound (`prefix_covers_tail`). The fused window
+    has its own tests (test_fused_window.py)."""
     d, n, page = 64, 32, 64
     q, k, v, table, lengths, mask = verify_case(np.random.default_rng(5), lengths, n, 2, 4, d, page,
                                                 dtype, q_dtype=jnp.bfloat16)
     cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu", num_splits=splits,
-                        prefix_covers_tail=covers_tail)
+                        prefix_covers_tail=covers_tail, fuse_window=False)
     out = verify_attention(q, k, v, table, lengths, mask, config=cfg)
     dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
     assert rel_err(out, dense) < tol
@@ -238,7 +239,7 @@ def test_lanes_through_the_mosaic_gpu_prefix_kernel(covers_tail, frontiers):
     mask = pack_mask_rows(jnp.asarray(lane_masks(rng, b, kk, steps - 1)[:, :, :w]))
     out = lane_attention(q, k, v, table, jnp.asarray(frontier), mask, steps=steps,
                          config=CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu",
-                                              prefix_covers_tail=covers_tail))
+                                              prefix_covers_tail=covers_tail, fuse_window=False))
     dense, _ = cascade_dense_reference(q, k, v, table, jnp.asarray(frontier), mask, window=w, page_size=page,
                                        scale=d ** -0.5)
     assert rel_err(out, dense) < 1e-2
@@ -370,8 +371,9 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
 
 @pytest.mark.parametrize("pool_dtype", [jnp.bfloat16, FP8])
 def test_verify_lowers_with_the_auto_prefix_kernel_on_a_gpu(monkeypatch, pool_dtype):
-    """On a (pretend) sm_90 GPU the default cascade lowers to the Mosaic GPU prefix plus the Triton
-    window kernel, for bf16 and FP8 pools; prefix_kernel="triton" lowers both halves to Triton."""
+    """On a (pretend) sm_90 GPU the default cascade lowers to the Mosaic GPU kernel with the window
+    fused in (bf16 pools) or the Mosaic prefix plus the Triton window kernel (FP8 pools);
+    prefix_kernel="triton" lowers both halves to Triton."""
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the Mosaic lowering)
     import jax._src.pallas.triton.pallas_call_registration as reg
 
@@ -385,7 +387,7 @@ def test_verify_lowers_with_the_auto_prefix_kernel_on_a_gpu(monkeypatch, pool_dt
     args = (sds((b, n, hq, d), jnp.bfloat16), sds((b * maxp * page, hkv, d), pool_dtype),
             sds((b * maxp * page, hkv, d), pool_dtype), sds((b, maxp), jnp.int32), sds((b,), jnp.int32),
             sds((b, n, 2), jnp.uint32))
-    for kernel, triton_calls in (("auto", 1), ("triton", 2)):
+    for kernel, triton_calls in (("auto", 0 if pool_dtype == jnp.bfloat16 else 1), ("triton", 2)):
         cfg = CascadeConfig(page_size=page, prefix_kernel=kernel)
         text = jax.jit(lambda *a: verify_attention(*a, config=cfg)).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()

@@ -7,7 +7,9 @@ causal or, with `prefix_covers_tail` (the default under the Mosaic kernel), ever
 GPU with page 64/128 it is the Mosaic GPU kernel over whole pages
 (`prefix_decode_mgpu`, chosen by `CascadeConfig.prefix_kernel="auto"`). The window kernel
 (`pallas_kernels.attention.tree_window`) attends what the prefix half missed and merges both in one
-kernel. One path for every size.
+kernel. One path for every size. Under the Mosaic prefix with 16-bit pools the window is folded
+into that kernel instead (`CascadeConfig.fuse_window`, the default there): one launch reads
+[0, P + window) per row, the window keys under the row's mask bits.
 
 - Verify: R = W = N rows/keys; the window is the verify forward's N freshly written slots.
 - Draft lanes: R = K rows over the lane window of W = (S - 1) * K keys starting at the frontier.
@@ -40,8 +42,11 @@ from treespec_jax.tree.masks import MAX_TREE_NODES
 
 
 PREFIX_KERNELS = ("auto", "triton", "mosaic_gpu")
-# Whether `CascadeConfig.fuse_window=None` fuses (see `fuses_window`).
-FUSE_WINDOW_BY_DEFAULT = False
+# Whether `CascadeConfig.fuse_window=None` fuses (see `fuses_window`): on the H200 the fused
+# cascade was faster than prefix + window kernel on three of the issue's four bf16 shapes in one
+# process and on all four in another (B=32, P=32768: 2.047 vs 2.083 ms; B=64, P=4096: 0.570 vs
+# 0.605; B=1: 0.077 vs 0.079; B=8, N=16: 0.096 vs 0.105; benchmarks/RESULTS.md, session 13).
+FUSE_WINDOW_BY_DEFAULT = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +91,11 @@ class CascadeConfig:
     prefix_partial_dtype: str = "float32"
     # Fold the tree window into the Mosaic prefix kernel (16-bit pools): every row reads
     # [0, P + window) there, the window keys under its mask bits, so no window kernel runs and no
-    # partial output makes a round trip through memory. None: on wherever the Mosaic prefix runs
-    # on 16-bit pools with `prefix_covers_tail` (FP8 pools keep the window kernel, whose scores use
-    # the unquantised query); True: required (prefix_kernel="mosaic_gpu"); False: off.
+    # partial output makes a round trip through memory (and, where the group allows, q and the
+    # output keep the head layout: no transposes). None: on wherever the Mosaic prefix runs on
+    # 16-bit pools, unless `prefix_covers_tail=False` or a bf16 partial was asked for (FP8 pools
+    # keep the window kernel, whose scores use the unquantised query); True: required
+    # (prefix_kernel="mosaic_gpu"); False: off.
     fuse_window: bool | None = None
 
     def __post_init__(self):
@@ -184,7 +191,8 @@ def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool
     covering every row's tail."""
     sixteen_bit = jnp.dtype(k_pool.dtype).itemsize == 2
     if config.fuse_window is None:
-        return mosaic and covers_tail_resolved and sixteen_bit and FUSE_WINDOW_BY_DEFAULT
+        return (mosaic and covers_tail_resolved and sixteen_bit and config.prefix_partial_dtype == "float32"
+                and FUSE_WINDOW_BY_DEFAULT)
     if config.fuse_window and not sixteen_bit:
         raise ValueError(f"cascade_attention: fuse_window=True takes 16-bit pools (under FP8 pools the window's "
                          f"scores use the unquantised query, so the window kernel runs), got {k_pool.dtype}")

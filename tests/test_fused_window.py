@@ -1,0 +1,177 @@
+"""The tree window fused into the Mosaic GPU prefix kernel (`CascadeConfig.fuse_window`), in Pallas'
+GPU interpreter against one dense fp32 attention; its row order, refusals and lowering."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from paged_fixtures import poisoned_paged_pools, rel_err, verify_case
+from test_cascade_gqa import lane_masks
+
+from pallas_kernels.attention.prefix_decode_mgpu import (fused_window_words, head_io_rows, heads_io_errors,
+                                                         prefix_decode_mgpu_row_layout)
+from pallas_kernels.attention.reference import cascade_dense_reference
+from treespec_jax.attention import CascadeConfig, lane_attention, verify_attention
+from treespec_jax.attention import cascade as cascade_module
+from treespec_jax.tree.masks import pack_mask_rows
+
+FP8 = jnp.float8_e4m3fn
+PAGE = 64
+
+
+def spy_on_kernels(monkeypatch):
+    """Record the fused kernel's `heads_io` / `window` and any window-kernel call."""
+    seen = {"prefix": [], "window_kernel": 0}
+    real_prefix = cascade_module.prefix_decode_mgpu_row_layout
+    real_window = cascade_module.tree_window_row_layout
+
+    def prefix(*args, **kwargs):
+        seen["prefix"].append((kwargs.get("window", 0), kwargs.get("heads_io", False)))
+        return real_prefix(*args, **kwargs)
+
+    def window(*args, **kwargs):
+        seen["window_kernel"] += 1
+        return real_window(*args, **kwargs)
+
+    monkeypatch.setattr(cascade_module, "prefix_decode_mgpu_row_layout", prefix)
+    monkeypatch.setattr(cascade_module, "tree_window_row_layout", window)
+    return seen
+
+
+@pytest.mark.parametrize("n,group,lengths,splits,heads_io", [
+    (32, 4, [0, 70, 200], None, True),  # P = 0, mid-page P, two 64-row warpgroups per CTA
+    (64, 4, [5, 129], 3, True),  # 64-node trees, three key splits (float32 partials merged)
+    (8, 8, [63, 64], None, True),  # group 8: boxes of 8 query rows; P + W crosses a page
+    (20, 4, [100, 3], None, False),  # R not a multiple of 64 / G: row layout, padded rows
+])
+def test_fused_window_matches_dense(monkeypatch, n, group, lengths, splits, heads_io):
+    """The default cascade under the Mosaic prefix on bf16 pools runs the fused kernel alone (no
+    window kernel), in head layout where the group allows it, and equals dense attention; every slot
+    past P + N and every spare page holds NaN / inf."""
+    seen = spy_on_kernels(monkeypatch)
+    d = 64
+    q, k, v, table, lens, mask = verify_case(np.random.default_rng(n * group), lengths, n, 2, group, d, PAGE,
+                                             jnp.bfloat16)
+    cfg = CascadeConfig(page_size=PAGE, backend="interpret", prefix_kernel="mosaic_gpu", num_splits=splits)
+    out = verify_attention(q, k, v, table, lens, mask, config=cfg)
+    dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=n, page_size=PAGE, scale=d ** -0.5)
+    assert out.dtype == jnp.bfloat16
+    assert rel_err(out, dense) < 1e-2
+    assert seen == {"prefix": [(n, heads_io)], "window_kernel": 0}
+
+
+def test_fused_lanes_zero_unwritten_lane_slots(monkeypatch):
+    """Draft lanes (K = 4, S = 5, at draft step 2: slots 12..15 of the 16-slot lane window not yet
+    written and poisoned, as are written slots no lane sees): the fused kernel must zero those V
+    rows before P V (a zero weight times NaN is NaN) and still equal dense attention. 16 heads per
+    KV head give 64 rows in boxes of 4 query rows, so the row layout runs."""
+    seen = spy_on_kernels(monkeypatch)
+    rng = np.random.default_rng(31)
+    b, kk, steps, step, hkv, g, d = 2, 4, 5, 2, 1, 16, 64
+    w = (steps - 1) * kk
+    frontier = np.array([70, 129], np.int32)
+    bits = lane_masks(rng, b, kk, step)[:, :, :w]
+    seen_slots = bits.any(axis=1)  # [B, W]
+    k, v, table = poisoned_paged_pools(
+        rng, b, int(frontier.max()) + w, hkv, d, PAGE, jnp.bfloat16,
+        lambda bb, pos: pos < frontier[bb] or (pos < frontier[bb] + w and seen_slots[bb, pos - frontier[bb]]))
+    assert not seen_slots.all()  # some window slot is poisoned, so the test can fail
+    q = jnp.asarray(rng.standard_normal((b, kk, hkv * g, d)), jnp.bfloat16)
+    mask = pack_mask_rows(jnp.asarray(bits))
+    out = lane_attention(q, k, v, table, jnp.asarray(frontier), mask, steps=steps,
+                         config=CascadeConfig(page_size=PAGE, backend="interpret", prefix_kernel="mosaic_gpu"))
+    dense, _ = cascade_dense_reference(q, k, v, table, jnp.asarray(frontier), mask, window=w, page_size=PAGE,
+                                       scale=d ** -0.5)
+    assert rel_err(out, dense) < 1e-2
+    assert seen == {"prefix": [(w, False)], "window_kernel": 0}
+
+
+def test_fused_window_rows_follow_head_io_rows():
+    """Kernel row t = 64 w + g (64 / G) + i is query row w (64 / G) + i of head g; the mask words
+    follow the same order, and the inverse restores the head layout."""
+    group, r, hkv, b = 4, 32, 2, 2
+    per = 64 // group
+    x = np.arange(b * r * hkv * group).reshape(b, r, hkv * group)
+    kernel = np.asarray(head_io_rows(jnp.asarray(x), group))
+    for t in range(r * group):
+        w, rest = divmod(t, 64)
+        g, i = divmod(rest, per)
+        np.testing.assert_array_equal(kernel[:, :, t], x[:, w * per + i, np.arange(hkv) * group + g])
+    np.testing.assert_array_equal(np.asarray(head_io_rows(jnp.asarray(kernel), group, inverse=True)), x)
+    masks = np.random.default_rng(0).integers(0, 2 ** 32, (b, r, 2), dtype=np.uint32)
+    words, union = fused_window_words(jnp.asarray(masks), group, r * group, heads_io=True)
+    words = np.asarray(words).view(np.uint32)
+    for t in range(r * group):
+        w, rest = divmod(t, 64)
+        np.testing.assert_array_equal(words[:, :, t], masks[:, w * per + rest % per, :])
+    np.testing.assert_array_equal(np.asarray(union).view(np.uint32), np.bitwise_or.reduce(masks, axis=1))
+
+
+def test_fused_window_config_refusals():
+    """fuse_window=True is refused where it cannot run, naming every blocker at once; None fuses only
+    under the Mosaic prefix on 16-bit pools with the default tail and partial."""
+    with pytest.raises(ValueError) as err:
+        CascadeConfig(page_size=64, fuse_window=True, prefix_covers_tail=False, prefix_partial_dtype="bfloat16")
+    for part in ("needs prefix_kernel='mosaic_gpu'", "contradicts prefix_covers_tail=False",
+                 "prefix_partial_dtype='bfloat16' does not apply"):
+        assert part in str(err.value)
+    with pytest.raises(ValueError, match="fuse_window must be None, True or False, got 1"):
+        CascadeConfig(page_size=64, fuse_window=1)
+    bf16, fp8 = jnp.zeros((8, 1, 64), jnp.bfloat16), jnp.zeros((8, 1, 64), FP8)
+    fuses = cascade_module.fuses_window
+    assert fuses(CascadeConfig(page_size=64), True, True, bf16)
+    assert not fuses(CascadeConfig(page_size=64), True, True, fp8)  # FP8: the window kernel
+    assert not fuses(CascadeConfig(page_size=64), False, False, bf16)  # the Triton prefix
+    assert not fuses(CascadeConfig(page_size=64, prefix_covers_tail=False), True, False, bf16)
+    assert not fuses(CascadeConfig(page_size=64, prefix_partial_dtype="bfloat16"), True, True, bf16)
+    assert not fuses(CascadeConfig(page_size=64, fuse_window=False), True, True, bf16)
+    with pytest.raises(ValueError, match="fuse_window=True takes 16-bit pools"):
+        fuses(CascadeConfig(page_size=64, prefix_kernel="mosaic_gpu", fuse_window=True), True, True, fp8)
+    assert heads_io_errors(64, 4) == []
+    assert "group of 1, 2, 4 or 8 heads, got 16" in heads_io_errors(64, 16)[0]
+    assert "R a multiple of 64 / G = 16, got R=20" in heads_io_errors(20, 4)[0]
+
+
+def test_fused_kernel_refusals_name_the_value():
+    sd = jax.ShapeDtypeStruct
+    b, hkv, total, d = 2, 2, 64, 64
+    q = jnp.zeros((b, hkv, total, d), jnp.bfloat16)
+    pool = jnp.zeros((4 * PAGE, hkv, d), FP8)
+    table, lens = jnp.zeros((b, 4), jnp.int32), jnp.zeros((b,), jnp.int32)
+    words, union = jnp.zeros((b, 2, total), jnp.int32), jnp.zeros((b, 2), jnp.int32)
+    with pytest.raises(ValueError, match="fused window takes 16-bit pools"):
+        prefix_decode_mgpu_row_layout(q, pool, pool, table, lens, words, union, query_rows=1, group=total,
+                                      page_size=PAGE, scale=0.1, window=8, interpret=True)
+    pool = pool.astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"window_words must be \[B=2, 2, T=64\] int32"):
+        prefix_decode_mgpu_row_layout(q, pool, pool, table, lens, words[:, :, :32], union, query_rows=1,
+                                      group=total, page_size=PAGE, scale=0.1, window=8, interpret=True)
+    with pytest.raises(ValueError, match="window=8 needs window_words and window_union"):
+        prefix_decode_mgpu_row_layout(q, pool, pool, table, lens, query_rows=1, group=total, page_size=PAGE,
+                                      scale=0.1, window=8, interpret=True)
+    with pytest.raises(ValueError, match="heads_io needs the fused window"):
+        prefix_decode_mgpu_row_layout(jnp.zeros((b, 16, 8, d), jnp.bfloat16), pool, pool, table, lens,
+                                      query_rows=1, group=total, page_size=PAGE, scale=0.1, heads_io=True,
+                                      interpret=True)
+    del sd
+
+
+@pytest.mark.parametrize("r,group,splits,heads_io", [(64, 4, 1, True), (16, 4, 2, True), (8, 8, 1, True),
+                                                    (64, 4, 1, False)])
+def test_fused_kernel_lowers_to_mosaic_gpu(r, group, splits, heads_io):
+    """The compiled fused kernel (head-layout boxes or the row layout, with and without key splits)
+    passes Mosaic GPU's layout inference on the CPU; the H200 runs it (bench_cascade)."""
+    import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
+
+    sd = jax.ShapeDtypeStruct
+    b, hkv, d = 2, 8, 128
+    total = r * group
+    q = sd((b, r, hkv * group, d) if heads_io else (b, hkv, total, d), jnp.bfloat16)
+    pool = sd((64 * PAGE, hkv, d), jnp.bfloat16)
+    fn = lambda *a: prefix_decode_mgpu_row_layout(  # noqa: E731
+        *a, query_rows=1, group=total, page_size=PAGE, scale=0.1, num_splits=splits, window=64,
+        partial_dtype=jnp.bfloat16, heads_io=heads_io)
+    text = jax.jit(fn).trace(q, pool, pool, sd((b, 32), jnp.int32), sd((b,), jnp.int32),
+                             sd((b, 2, total), jnp.int32), sd((b, 2), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
