@@ -52,8 +52,7 @@ from pallas_kernels.attention.prefix_decode_mgpu import prefix_decode_mgpu_row_l
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
 from pallas_kernels.common import resolve_backend
 from treespec_jax.attention.cascade import (CascadeConfig, cascade_attention, covers_tail, fuses_window,
-                                             sliding_lane_attention,
-                                            uses_mosaic_prefix)
+                                            sliding_lane_attention, uses_mosaic_prefix)
 from treespec_jax.cache.paged import slot_of
 from treespec_jax.tree.masks import ancestor_mask
 
