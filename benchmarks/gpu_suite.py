@@ -34,12 +34,10 @@ SUITES = {
 # Flags a module gets in the full (not --quick) run beyond its defaults.
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
 
-# What is still owed (`--owed`). Session 12 ran session 11's list (`prefix_covers_tail`, GQA and
-# MLA, now the default under the Mosaic prefix; the FP8 MLA cascade in device time;
-# benchmarks/RESULTS.md, "Session 12 runs"). Owed from session 12: the compiled conformance of the
-# opt-in bf16 prefix partial through the Triton prefix kernel (the Mosaic form passed in call 5),
-# which `bench_cascade.py --skip-timing` now checks beside the rest of its conformance.
-OWED: dict[str, list[str]] = {"cascade": ["--skip-timing"]}
+# What is still owed (`--owed`). Session 13 paid session 12's debt (the bf16 prefix partial through
+# the Triton prefix, compiled) and ran the fused window's conformance and timings in the same calls
+# (benchmarks/RESULTS.md, "Session 13 runs"); nothing is owed.
+OWED: dict[str, list[str]] = {}
 
 
 def main(argv=None) -> int:
