@@ -1,8 +1,11 @@
 import os
 import warnings
 
-# Several host devices let the tensor-parallel tests build a mesh on the CPU.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# Several host devices: the CPU client then runs more computations at once. Pallas' Mosaic GPU
+# interpreter runs each warpgroup of a CTA as its own computation, blocking in barrier callbacks,
+# so with fewer of them than warpgroups a kernel can deadlock: on one core (taskset) a fused-window
+# test that passes in 4 s hung until 8 devices were set (session 13).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # Synchronous CPU dispatch: Pallas' Mosaic GPU interpreter runs the kernel through callbacks that
 # dispatch JAX work of their own, and with asynchronous dispatch the test's next eager op (its
 # dense reference) raced them; once a worker deadlocked there on 2 cores (session 12 CI: callback

@@ -117,12 +117,13 @@ def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: i
 
 
 def smem_bytes(total_rows: int, width: int, itemsize: int, block: int, stages: int,
-               key_split: bool | None = None) -> int:
+               key_split: bool | None = None, fused_fp8: bool = False) -> int:
     """Shared memory of one CTA (`block` keys per step): query tiles, the K and V rings, output
     staging, LSE, the fused window's mask words; with 1-byte (FP8) items also each compute
-    warpgroup's fp16 copy of the step's V."""
+    warpgroup's 16-bit copy of the step's V, and (`fused_fp8`) its unquantised query tile."""
     wgs, _, _ = warpgroup_layout(total_rows, key_split, itemsize)
     widened = wgs * block * width * 2 if itemsize == 1 else 0
+    widened += wgs * ROWS_PER_WG * width * 2 if fused_fp8 else 0
     return (wgs * ROWS_PER_WG * width * itemsize + 2 * stages * block * width * itemsize + widened
             + wgs * ROWS_PER_WG * (OUT_CHUNK + 1) * 4 + FUSED_WINDOW_WORDS * wgs + SMEM_OVERHEAD)
 
@@ -208,9 +209,6 @@ def check_fused_window_inputs(qr, k_pool, words, union, window: int, overlap_sof
                       f"got {words.shape} {words.dtype}")
     if window and union is not None and (union.shape != (b, 2) or union.dtype != jnp.int32):
         errors.append(f"prefix_decode_mgpu: window_union must be [B={b}, 2] int32, got {union.shape} {union.dtype}")
-    if window and jnp.dtype(k_pool.dtype).itemsize != 2:
-        errors.append(f"prefix_decode_mgpu: the fused window takes 16-bit pools (under FP8 pools the window's "
-                      f"scores use the unquantised query, in the window kernel), got {k_pool.dtype}")
     if window and overlap_softmax:
         errors.append("prefix_decode_mgpu: the fused window runs the turn-taking loop, not overlap_softmax")
     if errors:
@@ -361,6 +359,12 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     # K-major operand FP8 needs); V is not, so each step's V page is widened to fp16 in shared memory.
     fp8 = jnp.dtype(k_pool.dtype) == F8
     b, hkv, total, d = qr.shape
+    # Fused under an FP8 pool, window steps score the unquantised query against K widened in shared
+    # memory (as the window kernel does), so the kernel takes the query twice.
+    q_wide = q_in if fused and fp8 else None
+    if q_wide is not None and jnp.dtype(q_wide.dtype).itemsize != 2:
+        raise ValueError(f"prefix_decode_mgpu: the fused window under an FP8 pool needs a bfloat16 or float16 "
+                         f"query (its window scores use it unquantised), got {q_wide.dtype}")
     q_in = quantize_query_for_pool(q_in, k_pool.dtype)
     group_io = total // (q_in.shape[1]) if heads_io else 0  # G: heads per KV head
     rows_io = ROWS_PER_WG // group_io if heads_io else 0  # query rows per box
@@ -385,20 +389,33 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     if fused and splits * stride > 1:
         # Fused, `partial_dtype` is the output's: key-split partials stay float32 until merged.
         partial_dtype = jnp.dtype(jnp.float32)
+    if q_wide is not None and smem_bytes(total, d, 1, block, stages, key_split, fused_fp8=True) > MAX_SMEM_BYTES:
+        raise ValueError(f"prefix_decode_mgpu: the fused window under an FP8 pool with pages_per_step={pps}, "
+                         f"stages={stages}, head dim {d} needs "
+                         f"{smem_bytes(total, d, 1, block, stages, key_split, fused_fp8=True)} bytes of shared "
+                         f"memory, more than {MAX_SMEM_BYTES}")
     # The staging tile keeps its bytes: 32 fp32 or 64 bf16 output columns per piece.
     out_chunk = OUT_CHUNK * 4 // partial_dtype.itemsize
     dtype = q_in.dtype
     pv_dtype = jnp.float16 if fp8 else dtype  # P V operands: FP8 V widens exactly to fp16
+    # Fused FP8 window steps widen K to the query's dtype (exact for E4M3) in a tile that shares
+    # its memory with the widened V (a RefUnion: K's tile is read by the scores before V is written).
+    kw_dtype = q_wide.dtype if q_wide is not None else None
     scale2 = float(scale) * LOG2E
     in_tf = _smem_transforms(d, dtype)
     pv_tf = _smem_transforms(d, pv_dtype)
     out_tf = _smem_transforms(out_chunk, partial_dtype)
 
-    def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, out_gmem, lse_gmem, scoped):
+    def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, qw_gmem, out_gmem, lse_gmem,
+             scoped):
         (q_smem, k_smem, v_smem, o_smem, lse_smem, *extra), (q_ready, k_ready, v_ready), (k_free, v_free), turn = scoped
         wide = extra[:1] if fp8 else []
+        if q_wide is not None:
+            wide, k_wide = [extra[0][0]], extra[0][1]
         if fused:
-            words_smem, words_ready = extra[-2:]
+            words_smem, words_ready = extra[1 if fp8 else 0:][:2]
+        if q_wide is not None:
+            qw_smem, qw_ready = extra[-2:]
         split = lax.axis_index("splits")
         bi = lax.axis_index("batch")
         head = lax.axis_index("heads")
@@ -443,17 +460,23 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             def mine(end):
                 return lax.div(jnp.maximum(end - first, 0) + stride - 1, jnp.int32(stride))
 
-            if heads_io:
-                # G boxes of rows_io query rows, one per head of this KV head's group.
-                # row0 is a multiple of 64: written as (row0 / 64) * rows_io, the box start's known
-                # divisibility lets Mosaic GPU prove the transfer lands on whole smem tile rows.
-                r0 = lax.div(row0, jnp.int32(ROWS_PER_WG)) * rows_io
-                for g in range(group_io):
-                    plgpu.copy_gmem_to_smem(q_gmem.at[bi, pl.ds(r0, rows_io), head * group_io + g],
-                                            q_smem.at[wg, pl.ds(g * rows_io, rows_io)], q_ready.at[wg])
-            else:
-                plgpu.copy_gmem_to_smem(q_gmem.at[bi, head, pl.ds(row0, ROWS_PER_WG)], q_smem.at[wg],
-                                        q_ready.at[wg])
+            # row0 is a multiple of 64: written as (row0 / 64) * rows_io, the box start's known
+            # divisibility lets Mosaic GPU prove a head-layout transfer lands on whole smem tile rows.
+            r0 = lax.div(row0, jnp.int32(ROWS_PER_WG)) * rows_io if heads_io else None
+
+            def load_query(src, dst, ready):
+                # This warpgroup's 64 query rows into `dst`: under heads_io G boxes of rows_io
+                # query rows, one per head of this KV head's group.
+                if heads_io:
+                    for g in range(group_io):
+                        plgpu.copy_gmem_to_smem(src.at[bi, pl.ds(r0, rows_io), head * group_io + g],
+                                                dst.at[pl.ds(g * rows_io, rows_io)], ready)
+                else:
+                    plgpu.copy_gmem_to_smem(src.at[bi, head, pl.ds(row0, ROWS_PER_WG)], dst, ready)
+
+            load_query(q_gmem, q_smem.at[wg], q_ready.at[wg])
+            if q_wide is not None:
+                load_query(qw_gmem, qw_smem.at[wg], qw_ready.at[wg])
             shape = (ROWS_PER_WG, block)
             col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
             if fused:
@@ -481,6 +504,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                 def visible(i):
                     return col + i * block < row_hi
             plgpu.barrier_wait(q_ready.at[wg])
+            if q_wide is not None:
+                plgpu.barrier_wait(qw_ready.at[wg])
 
             def clean_values(v, i):
                 # V rows of step i that no row of the request may see (past P + window, or window
@@ -520,8 +545,19 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                 i = first + k * stride
                 slot = slot_of(i)
 
+                # A fused window step under an FP8 pool scores the unquantised query against this
+                # warpgroup's widened copy of K (the tile V is widened into after the scores land).
+                widens_keys = q_wide is not None and masked
+                if widens_keys:
+                    # No native E4M3 -> bf16 convert on Hopper: through f32 (one step per CTA).
+                    k_wide.at[wg][...] = k_smem.at[slot][...].astype(jnp.float32).astype(kw_dtype)
+                    plgpu.commit_smem()
+
                 def scores(acc_ref):
-                    issue_scores(acc_ref, slot)
+                    if widens_keys:
+                        plgpu.wgmma(acc_ref, qw_smem.at[wg], k_wide.at[wg].transpose((1, 0)))
+                    else:
+                        issue_scores(acc_ref, slot)
                     if pingpong:
                         take_turn()  # the other warpgroup's matmuls go next
                     return acc_ref[...]
@@ -540,7 +576,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                     # Widen this warpgroup's copy of the V page (CUDA cores, while the other
                     # warpgroup holds the tensor cores); the FP8 buffer is free right after.
                     v_tile = wide[0].at[wg]
-                    v_tile[...] = v_smem.at[slot][...].astype(pv_dtype)
+                    if cleans:
+                        v_tile[...] = clean_values(
+                            plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(pv_dtype), i)
+                    else:
+                        v_tile[...] = v_smem.at[slot][...].astype(pv_dtype)
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(v_free.at[slot])
                 else:
@@ -718,17 +758,23 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
     def entry(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, *rest):
         words_gmem, union_gmem = rest[:2] if fused else (None, None)
+        qw_gmem = rest[2] if q_wide is not None else None
         out_gmem, lse_gmem = rest[-2:]
         pl.run_scoped(
-            lambda *scoped: body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, out_gmem,
-                                 lse_gmem, scoped),
+            lambda *scoped: body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, qw_gmem,
+                                 out_gmem, lse_gmem, scoped),
             (plgpu.SMEM((wgs, ROWS_PER_WG, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((wgs, ROWS_PER_WG, out_chunk), partial_dtype, transforms=out_tf),
              plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32))
-            + ((plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),) if fp8 else ())
-            + ((plgpu.SMEM((wgs, 2, ROWS_PER_WG), jnp.int32), plgpu.Barrier(num_barriers=wgs)) if fused else ()),
+            + ((plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),) if fp8 and q_wide is None else ())
+            + ((plgpu.RefUnion(plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),
+                               plgpu.SMEM((wgs, block, d), kw_dtype, transforms=_smem_transforms(d, kw_dtype))),)
+               if q_wide is not None else ())
+            + ((plgpu.SMEM((wgs, 2, ROWS_PER_WG), jnp.int32), plgpu.Barrier(num_barriers=wgs)) if fused else ())
+            + ((plgpu.SMEM((wgs, ROWS_PER_WG, d), kw_dtype, transforms=_smem_transforms(d, kw_dtype)),
+                plgpu.Barrier(num_arrivals=group_io or 1, num_barriers=wgs)) if q_wide is not None else ()),
             (plgpu.Barrier(num_arrivals=group_io or 1, num_barriers=wgs),
              plgpu.Barrier(num_arrivals=pps, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pps, num_barriers=stages)),
@@ -753,7 +799,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         # Pallas' GPU interpreter simulates shared memory, TMA and barriers on the CPU.
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q_in, k_pool, v_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
-      *((window_words, window_union) if fused else ()))
+      *((window_words, window_union) if fused else ()), *((q_wide,) if q_wide is not None else ()))
     if heads_io:
         lse = head_io_rows(lse, group_io, inverse=True)
     if splits * stride > 1:

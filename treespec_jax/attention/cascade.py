@@ -47,6 +47,8 @@ PREFIX_KERNELS = ("auto", "triton", "mosaic_gpu")
 # process and on all four in another (B=32, P=32768: 2.047 vs 2.083 ms; B=64, P=4096: 0.570 vs
 # 0.605; B=1: 0.077 vs 0.079; B=8, N=16: 0.096 vs 0.105; benchmarks/RESULTS.md, session 13).
 FUSE_WINDOW_BY_DEFAULT = True
+# FP8 pools fuse too (window steps widen K and score the unquantised query) when this is set.
+FUSE_FP8_BY_DEFAULT = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,16 +188,13 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
 
 
 def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool, k_pool) -> bool:
-    """Whether the window is folded into the Mosaic prefix kernel: an explicit setting wins (True is
-    refused where it cannot run); None fuses under the Mosaic prefix on 16-bit pools with the prefix
-    covering every row's tail."""
-    sixteen_bit = jnp.dtype(k_pool.dtype).itemsize == 2
+    """Whether the window is folded into the Mosaic prefix kernel: an explicit setting wins; None
+    fuses under the Mosaic prefix with the prefix covering every row's tail and the float32
+    partial, on 16-bit pools and (FUSE_FP8_BY_DEFAULT) FP8 ones."""
     if config.fuse_window is None:
-        return (mosaic and covers_tail_resolved and sixteen_bit and config.prefix_partial_dtype == "float32"
+        pool_ok = jnp.dtype(k_pool.dtype).itemsize == 2 or FUSE_FP8_BY_DEFAULT
+        return (mosaic and covers_tail_resolved and pool_ok and config.prefix_partial_dtype == "float32"
                 and FUSE_WINDOW_BY_DEFAULT)
-    if config.fuse_window and not sixteen_bit:
-        raise ValueError(f"cascade_attention: fuse_window=True takes 16-bit pools (under FP8 pools the window's "
-                         f"scores use the unquantised query, so the window kernel runs), got {k_pool.dtype}")
     return config.fuse_window
 
 
