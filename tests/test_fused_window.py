@@ -60,6 +60,26 @@ def test_fused_window_matches_dense(monkeypatch, n, group, lengths, splits, head
     assert seen == {"prefix": [(n, heads_io)], "window_kernel": 0}
 
 
+@pytest.mark.parametrize("n,lengths,splits,tol", [
+    (32, [0, 60], None, 5e-3),  # every key is in a window step: bf16-level error, the unquantised query
+    (16, [50, 300, 128], 2, 6e-2),  # 64-row heads: the warpgroup key split; FP8 prefix scores
+])
+def test_fused_window_under_fp8_pools(monkeypatch, n, lengths, splits, tol):
+    """FP8 pools, fuse_window=True (opt-in): window steps widen K and score the unquantised query
+    (at P < 128 every step is a window step, and an FP8 query would miss 5e-3 several times over:
+    1.7e-2 was measured with it), other steps the FP8 query, as the window kernel's split does."""
+    seen = spy_on_kernels(monkeypatch)
+    d, group = 64, 4
+    q, k, v, table, lens, mask = verify_case(np.random.default_rng(n + 7), lengths, n, 2, group, d, PAGE, FP8,
+                                             q_dtype=jnp.bfloat16)
+    cfg = CascadeConfig(page_size=PAGE, backend="interpret", prefix_kernel="mosaic_gpu", num_splits=splits,
+                        fuse_window=True)
+    out = verify_attention(q, k, v, table, lens, mask, config=cfg)
+    dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=n, page_size=PAGE, scale=d ** -0.5)
+    assert rel_err(out, dense) < tol
+    assert seen == {"prefix": [(n, True)], "window_kernel": 0}
+
+
 def test_fused_lanes_zero_unwritten_lane_slots(monkeypatch):
     """Draft lanes (K = 4, S = 5, at draft step 2: slots 12..15 of the 16-slot lane window not yet
     written and poisoned, as are written slots no lane sees): the fused kernel must zero those V
@@ -109,7 +129,7 @@ def test_fused_window_rows_follow_head_io_rows():
 
 def test_fused_window_config_refusals():
     """fuse_window=True is refused where it cannot run, naming every blocker at once; None fuses only
-    under the Mosaic prefix on 16-bit pools with the default tail and partial."""
+    under the Mosaic prefix on 16-bit pools with the default tail and partial (FP8 opt-in)."""
     with pytest.raises(ValueError) as err:
         CascadeConfig(page_size=64, fuse_window=True, prefix_covers_tail=False, prefix_partial_dtype="bfloat16")
     for part in ("needs prefix_kernel='mosaic_gpu'", "contradicts prefix_covers_tail=False",
@@ -120,13 +140,12 @@ def test_fused_window_config_refusals():
     bf16, fp8 = jnp.zeros((8, 1, 64), jnp.bfloat16), jnp.zeros((8, 1, 64), FP8)
     fuses = cascade_module.fuses_window
     assert fuses(CascadeConfig(page_size=64), True, True, bf16)
-    assert not fuses(CascadeConfig(page_size=64), True, True, fp8)  # FP8: the window kernel
+    assert not fuses(CascadeConfig(page_size=64), True, True, fp8)  # FP8: the window kernel by default
+    assert fuses(CascadeConfig(page_size=64, prefix_kernel="mosaic_gpu", fuse_window=True), True, True, fp8)
     assert not fuses(CascadeConfig(page_size=64), False, False, bf16)  # the Triton prefix
     assert not fuses(CascadeConfig(page_size=64, prefix_covers_tail=False), True, False, bf16)
     assert not fuses(CascadeConfig(page_size=64, prefix_partial_dtype="bfloat16"), True, True, bf16)
     assert not fuses(CascadeConfig(page_size=64, fuse_window=False), True, True, bf16)
-    with pytest.raises(ValueError, match="fuse_window=True takes 16-bit pools"):
-        fuses(CascadeConfig(page_size=64, prefix_kernel="mosaic_gpu", fuse_window=True), True, True, fp8)
     assert heads_io_errors(64, 4) == []
     assert "group of 1, 2, 4 or 8 heads, got 16" in heads_io_errors(64, 16)[0]
     assert "R a multiple of 64 / G = 16, got R=20" in heads_io_errors(20, 4)[0]
@@ -136,13 +155,9 @@ def test_fused_kernel_refusals_name_the_value():
     sd = jax.ShapeDtypeStruct
     b, hkv, total, d = 2, 2, 64, 64
     q = jnp.zeros((b, hkv, total, d), jnp.bfloat16)
-    pool = jnp.zeros((4 * PAGE, hkv, d), FP8)
+    pool = jnp.zeros((4 * PAGE, hkv, d), jnp.bfloat16)
     table, lens = jnp.zeros((b, 4), jnp.int32), jnp.zeros((b,), jnp.int32)
     words, union = jnp.zeros((b, 2, total), jnp.int32), jnp.zeros((b, 2), jnp.int32)
-    with pytest.raises(ValueError, match="fused window takes 16-bit pools"):
-        prefix_decode_mgpu_row_layout(q, pool, pool, table, lens, words, union, query_rows=1, group=total,
-                                      page_size=PAGE, scale=0.1, window=8, interpret=True)
-    pool = pool.astype(jnp.bfloat16)
     with pytest.raises(ValueError, match=r"window_words must be \[B=2, 2, T=64\] int32"):
         prefix_decode_mgpu_row_layout(q, pool, pool, table, lens, words[:, :, :32], union, query_rows=1,
                                       group=total, page_size=PAGE, scale=0.1, window=8, interpret=True)
@@ -156,9 +171,10 @@ def test_fused_kernel_refusals_name_the_value():
     del sd
 
 
-@pytest.mark.parametrize("r,group,splits,heads_io", [(64, 4, 1, True), (16, 4, 2, True), (8, 8, 1, True),
-                                                    (64, 4, 1, False)])
-def test_fused_kernel_lowers_to_mosaic_gpu(r, group, splits, heads_io):
+@pytest.mark.parametrize("r,group,splits,heads_io,pool_dtype", [
+    (64, 4, 1, True, jnp.bfloat16), (16, 4, 2, True, jnp.bfloat16), (8, 8, 1, True, jnp.bfloat16),
+    (64, 4, 1, False, jnp.bfloat16), (64, 4, 1, True, FP8), (16, 4, 2, True, FP8)])
+def test_fused_kernel_lowers_to_mosaic_gpu(r, group, splits, heads_io, pool_dtype):
     """The compiled fused kernel (head-layout boxes or the row layout, with and without key splits)
     passes Mosaic GPU's layout inference on the CPU; the H200 runs it (bench_cascade)."""
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
@@ -167,7 +183,7 @@ def test_fused_kernel_lowers_to_mosaic_gpu(r, group, splits, heads_io):
     b, hkv, d = 2, 8, 128
     total = r * group
     q = sd((b, r, hkv * group, d) if heads_io else (b, hkv, total, d), jnp.bfloat16)
-    pool = sd((64 * PAGE, hkv, d), jnp.bfloat16)
+    pool = sd((64 * PAGE, hkv, d), pool_dtype)
     fn = lambda *a: prefix_decode_mgpu_row_layout(  # noqa: E731
         *a, query_rows=1, group=total, page_size=PAGE, scale=0.1, num_splits=splits, window=64,
         partial_dtype=jnp.bfloat16, heads_io=heads_io)

@@ -47,7 +47,10 @@ PREFIX_KERNELS = ("auto", "triton", "mosaic_gpu")
 # process and on all four in another (B=32, P=32768: 2.047 vs 2.083 ms; B=64, P=4096: 0.570 vs
 # 0.605; B=1: 0.077 vs 0.079; B=8, N=16: 0.096 vs 0.105; benchmarks/RESULTS.md, session 13).
 FUSE_WINDOW_BY_DEFAULT = True
-# FP8 pools fuse too (window steps widen K and score the unquantised query) when this is set.
+# FP8 pools fuse too (window steps widen K and score the unquantised query) when this is set. Off:
+# on the H200 the fused FP8 cascade was faster at B=1 (0.086 vs 0.096 ms) and B=8, N=16 (0.058 vs
+# 0.072) but slower at B=32, P=32768 (2.148 vs 2.063) and B=64, P=4096 (0.613 vs 0.606), one
+# process (benchmarks/RESULTS.md, session 13, call 4).
 FUSE_FP8_BY_DEFAULT = False
 
 
@@ -95,9 +98,10 @@ class CascadeConfig:
     # [0, P + window) there, the window keys under its mask bits, so no window kernel runs and no
     # partial output makes a round trip through memory (and, where the group allows, q and the
     # output keep the head layout: no transposes). None: on wherever the Mosaic prefix runs on
-    # 16-bit pools, unless `prefix_covers_tail=False` or a bf16 partial was asked for (FP8 pools
-    # keep the window kernel, whose scores use the unquantised query); True: required
-    # (prefix_kernel="mosaic_gpu"); False: off.
+    # 16-bit pools, unless `prefix_covers_tail=False` or a bf16 partial was asked for; FP8 pools
+    # keep the window kernel unless True (fused, their window steps score the unquantised query
+    # against K widened in shared memory; on the H200 that ran B=1 and B=8 10-19% faster but B=32
+    # 4% and B=64 1% slower, session 13); True: required (prefix_kernel="mosaic_gpu"); False: off.
     fuse_window: bool | None = None
 
     def __post_init__(self):
