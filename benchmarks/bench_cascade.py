@@ -285,7 +285,7 @@ def tune_prefix(q, kp, vp, table, lengths):
 
 
 def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_covers_tail=False, lean=False,
-               checks=None, partial_bf16=False, fuse_window=False):
+               checks=None, partial_bf16=False, fuse_window=False, mosaic_small=False):
     """One table row. `flip_covers_tail`: also the cascade with `prefix_covers_tail` opposite to its
     default here; `partial_bf16`: also with `prefix_partial_dtype="bfloat16"`; `fuse_window`: also
     with `fuse_window` flipped from its default (16-bit pools under the Mosaic prefix, where the
@@ -357,6 +357,9 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     t_cas_fused = (alternative(f"fuse_window={not fused_default}", fuse_window=not fused_default,
                                prefix_kernel="mosaic_gpu")
                    if fuse_window and mosaic else float("nan"))
+    # Under 64 rows per KV head "auto" takes the Triton prefix; the Mosaic one pads to 64 rows.
+    t_cas_mosaic_small = (alternative("prefix_kernel=mosaic_gpu (rows padded to 64)", prefix_kernel="mosaic_gpu")
+                          if mosaic_small and not mosaic else float("nan"))
     if lean:
         t_cas_triton = float("nan")
     elif mosaic:
@@ -382,6 +385,7 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
                prefix_ms=t_pre * 1e3, window_ms=t_win * 1e3, cascade_ms=t_cas * 1e3, cascade_call_ms=t_cas_call * 1e3,
                cascade_triton_ms=t_cas_triton * 1e3, cascade_fp8dot_ms=t_cas8 * 1e3, cascade_tail_ms=t_cas_tail * 1e3,
                cascade_bf16_partial_ms=t_cas_bf16 * 1e3, cascade_fused_ms=t_cas_fused * 1e3,
+               cascade_mosaic_padded_ms=t_cas_mosaic_small * 1e3,
                fused_vs_floor=t_cas_fused / floor, dense_ms=t_dense * 1e3, dense_impl=impl,
                byte_floor_ms=byte_floor * 1e3, flop_floor_ms=flop_floor * 1e3,
                vs_floor=t_cas / floor, window_overhead=(t_cas - t_pre) / t_pre,
@@ -453,6 +457,9 @@ def main(argv=None):
                     help="also time the cascade with CascadeConfig(prefix_partial_dtype='bfloat16')")
     ap.add_argument("--fuse-window", action="store_true",
                     help="also time the cascade with CascadeConfig.fuse_window flipped (Mosaic prefix)")
+    ap.add_argument("--mosaic-small", action="store_true",
+                    help="where 'auto' takes the Triton prefix (under 64 rows per KV head), also time the Mosaic "
+                         "prefix with rows padded to 64")
     ap.add_argument("--lean", action="store_true",
                     help="skip the per-call, Triton-prefix and dense baselines and the MLA window timing (faster variant runs)")
     ap.add_argument("--markdown", default=None, help="write the conformance summary and table to this file")
@@ -509,7 +516,7 @@ def main(argv=None):
                     rows.append(time_shape(b, p, n, dtype, ceilings, tune, rng, jax.random.fold_in(key, b * p + n),
                                            fp8_dot_too=dtype == FP8, flip_covers_tail=args.flip_covers_tail,
                                            lean=args.lean, checks=checks, partial_bf16=args.partial_bf16,
-                                           fuse_window=args.fuse_window))
+                                           fuse_window=args.fuse_window, mosaic_small=args.mosaic_small))
                 except Exception as exc:
                     print(f"  timing failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
     mla = {}

@@ -34,8 +34,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to_rows, padded_rows,
                                                     prefix_decode, prefix_decode_row_layout, rows_to_heads)
-from pallas_kernels.attention.prefix_decode_mgpu import (check_mgpu_inputs, fused_window_words, heads_io_errors,
-                                                         mgpu_input_errors, prefix_decode_mgpu_row_layout)
+from pallas_kernels.attention.prefix_decode_mgpu import (ROWS_PER_WG, check_mgpu_inputs, fused_window_words,
+                                                         heads_io_errors, mgpu_input_errors,
+                                                         prefix_decode_mgpu_row_layout)
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
 from pallas_kernels.common import resolve_backend
 from treespec_jax.tree.masks import MAX_TREE_NODES
@@ -202,21 +203,36 @@ def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool
     return config.fuse_window
 
 
+def mosaic_rows(rows: int) -> int:
+    """Rows per KV head on the Mosaic prefix: `padded_rows`, at least one 64-row warpgroup tile
+    (fewer real rows, e.g. K = 4 draft lanes x G = 4, are padded up to it)."""
+    return max(ROWS_PER_WG, padded_rows(rows))
+
+
+# Whether "auto" takes the Mosaic prefix for fewer than 64 real rows per KV head (padded to 64).
+# Off: not timed against the Triton prefix at such sizes (draft lanes); "mosaic_gpu" pads always.
+AUTO_PADS_SMALL_ROWS = False
+
+
 def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> bool:
     """Whether the cascade's prefix half runs the Mosaic GPU kernel (`kind` from resolve_backend).
 
-    "auto" takes it only compiled on a GPU (the CPU interpreter path stays on the Triton kernel) and
-    only where `mgpu_input_errors` finds nothing; an explicit "mosaic_gpu" raises those errors.
+    "auto" takes it only compiled on a GPU (the CPU interpreter path stays on the Triton kernel),
+    only where `mgpu_input_errors` finds nothing and (unless AUTO_PADS_SMALL_ROWS) for 64 rows
+    per KV head or more; an explicit "mosaic_gpu" pads fewer rows to 64 and raises the errors.
     """
     if config.prefix_kernel == "triton" or kind == "reference":
         return False
-    b, _, hq, d = q.shape
+    b, r, hq, d = q.shape
     hkv = k_pool.shape[1]
-    rows = jax.ShapeDtypeStruct((b, hkv, padded_rows(q.shape[1] * (hq // hkv)), d), q.dtype)
+    real = r * (hq // hkv)
+    rows = jax.ShapeDtypeStruct((b, hkv, mosaic_rows(real), d), q.dtype)
     if config.prefix_kernel == "mosaic_gpu":
         check_mgpu_inputs(rows, k_pool, v_pool, config.page_size)
         return True
-    return kind == "compiled" and not mgpu_input_errors(rows, k_pool, v_pool, config.page_size)
+    small = padded_rows(real) < ROWS_PER_WG
+    return (kind == "compiled" and (AUTO_PADS_SMALL_ROWS or not small)
+            and not mgpu_input_errors(rows, k_pool, v_pool, config.page_size))
 
 
 @functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "num_splits", "fp8_score_dot",
@@ -233,7 +249,7 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
         # key splits it writes the final output in q's dtype (bf16; float32 otherwise), and where
         # the group allows it reads q and writes the output in head layout (no transposes).
         heads_io = not heads_io_errors(r, group)
-        total = r * group if heads_io else padded_rows(r * group)
+        total = r * group if heads_io else mosaic_rows(r * group)
         words, union = fused_window_words(mask, group, total, heads_io=heads_io)
         out_dtype = q.dtype if q.dtype == jnp.bfloat16 else jnp.float32
         out, _ = prefix_decode_mgpu_row_layout(
@@ -241,7 +257,7 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
             union, query_rows=1, group=total, page_size=page_size, scale=scale, num_splits=num_splits,
             interpret=interpret, partial_dtype=out_dtype, window=window, heads_io=heads_io)
         return (out if heads_io else rows_to_heads(out, r, hq)).astype(q.dtype)
-    qr = heads_to_rows(q, hkv, padded_rows(r * group))
+    qr = heads_to_rows(q, hkv, mosaic_rows(r * group) if mosaic else padded_rows(r * group))
     # The prefix kernels bound row r * G + g by P - R + 1 + r; read as one query row of R * G heads,
     # every row's bound is P (`prefix_covers_tail`), and the window kernel then takes no causal tail.
     prefix_rows = dict(query_rows=1, group=r * group) if prefix_covers_tail else dict(query_rows=r, group=group)
