@@ -168,6 +168,8 @@ def test_auto_prefix_kernel_takes_mosaic_only_where_it_runs_compiled():
     assert not uses_mosaic_prefix(auto, "compiled", q, f32_pool, f32_pool)
     assert not uses_mosaic_prefix(auto, "compiled", sds((2, 16, 32, 96), bf), sds((4096, 8, 96), bf),
                                   sds((4096, 8, 96), bf))
+    # Fewer than 64 rows per KV head (R=4, G=2) are padded to one 64-row tile.
+    assert uses_mosaic_prefix(auto, "compiled", sds((2, 4, 16, 128), bf), pool, pool)
     forced = CascadeConfig(page_size=32, prefix_kernel="mosaic_gpu")
     assert uses_mosaic_prefix(CascadeConfig(page_size=64, prefix_kernel="mosaic_gpu"), "interpret", q, pool, pool)
     with pytest.raises(ValueError, match=r"page_size must be 64 or 128.*got float32, float32"):

@@ -43,6 +43,7 @@ def spy_on_kernels(monkeypatch):
     (64, 4, [5, 129], 3, True),  # 64-node trees, three key splits (float32 partials merged)
     (8, 8, [63, 64], None, True),  # group 8: boxes of 8 query rows; P + W crosses a page
     (20, 4, [100, 3], None, False),  # R not a multiple of 64 / G: row layout, padded rows
+    (4, 4, [70, 200], None, False),  # 16 real rows padded to one 64-row tile (draft-lane sizes)
 ])
 def test_fused_window_matches_dense(monkeypatch, n, group, lengths, splits, heads_io):
     """The default cascade under the Mosaic prefix on bf16 pools runs the fused kernel alone (no
@@ -78,6 +79,17 @@ def test_fused_window_under_fp8_pools(monkeypatch, n, lengths, splits, tol):
     dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=n, page_size=PAGE, scale=d ** -0.5)
     assert rel_err(out, dense) < tol
     assert seen == {"prefix": [(n, True)], "window_kernel": 0}
+
+
+def test_unfused_mosaic_prefix_pads_small_row_counts():
+    """Under 64 rows per KV head (R=8, G=2) the two-kernel Mosaic cascade pads q to one 64-row tile
+    and the window kernel reads the same padded rows; it equals dense attention."""
+    d = 64
+    q, k, v, table, lens, mask = verify_case(np.random.default_rng(17), [129, 5], 8, 2, 2, d, PAGE, jnp.bfloat16)
+    cfg = CascadeConfig(page_size=PAGE, backend="interpret", prefix_kernel="mosaic_gpu", fuse_window=False)
+    out = verify_attention(q, k, v, table, lens, mask, config=cfg)
+    dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=8, page_size=PAGE, scale=d ** -0.5)
+    assert rel_err(out, dense) < 1e-2
 
 
 def test_fused_lanes_zero_unwritten_lane_slots(monkeypatch):

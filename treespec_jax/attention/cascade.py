@@ -209,9 +209,13 @@ def mosaic_rows(rows: int) -> int:
     return max(ROWS_PER_WG, padded_rows(rows))
 
 
-# Whether "auto" takes the Mosaic prefix for fewer than 64 real rows per KV head (padded to 64).
-# Off: not timed against the Triton prefix at such sizes (draft lanes); "mosaic_gpu" pads always.
-AUTO_PADS_SMALL_ROWS = False
+# Whether "auto" takes the Mosaic prefix for fewer than 64 real rows per KV head (padded to 64, as
+# "mosaic_gpu" always does). On: on the H200 (one process, session 13, benchmarks/RESULTS.md) the
+# padded Mosaic cascade beat the Triton one on 7 of 8 small-row shapes (R = 4 or 8, G = 4): bf16
+# B=32, P=8192 0.281 vs 0.286 ms (N=4), 0.285 vs 0.317 (N=8); B=1, P=32768, N=4 0.042 vs 0.077;
+# B=8, N=8 0.100 vs 0.109; FP8 0.190 vs 0.247, 0.189 vs 0.277, 0.060 vs 0.116 (B=8), and lost
+# FP8 B=1, N=4 (0.065 vs 0.057).
+AUTO_PADS_SMALL_ROWS = True
 
 
 def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> bool:
