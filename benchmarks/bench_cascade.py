@@ -52,7 +52,7 @@ from pallas_kernels.attention.prefix_decode_mgpu import prefix_decode_mgpu_row_l
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
 from pallas_kernels.common import resolve_backend
 from treespec_jax.attention.cascade import (CascadeConfig, cascade_attention, covers_tail, fuses_window,
-                                            sliding_lane_attention, uses_mosaic_prefix)
+                                            mosaic_rows, sliding_lane_attention, uses_mosaic_prefix)
 from treespec_jax.cache.paged import slot_of
 from treespec_jax.tree.masks import ancestor_mask
 
@@ -288,8 +288,9 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
                checks=None, partial_bf16=False, fuse_window=False, mosaic_small=False):
     """One table row. `flip_covers_tail`: also the cascade with `prefix_covers_tail` opposite to its
     default here; `partial_bf16`: also with `prefix_partial_dtype="bfloat16"`; `fuse_window`: also
-    with `fuse_window` flipped from its default (16-bit pools under the Mosaic prefix, where the
-    default fuses); each checked against
+    with `fuse_window` flipped from its default (`cascade.fuses_window`; Mosaic prefix only);
+    `mosaic_small`: at fewer than 64 rows per KV head, also with the other prefix kernel (Triton
+    where the default pads to the Mosaic one, else the padded Mosaic one); each checked against
     the default cascade's output first (a row in `checks`, so a mismatch fails the run); `lean`: no
     per-call, Triton-prefix or dense baselines."""
     bw, flops = ceilings
@@ -298,11 +299,12 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     lengths = jnp.full((b,), p, jnp.int32)
     mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
     group = HQ // HKV
-    qr = heads_to_rows(q, HKV, padded_rows(n * group))
     interp = jax.default_backend() != "gpu"
     # The prefix kernel the default cascade picks here ("auto": Mosaic GPU where it runs), and which
     # half it gives the causal tail to (the default prefix_covers_tail follows the kernel).
     mosaic = not tune and uses_mosaic_prefix(CascadeConfig(page_size=PAGE), resolve_backend(None), q, kp, vp)
+    # The rows as the cascade lays them out (the Mosaic prefix pads to at least one 64-row tile).
+    qr = heads_to_rows(q, HKV, mosaic_rows(n * group) if mosaic else padded_rows(n * group))
     covers = covers_tail(None, mosaic)
     rows_kw = dict(query_rows=1, group=n * group) if covers else dict(query_rows=n, group=group)
     kw = dict(page_size=PAGE, scale=D ** -0.5, **rows_kw, interpret=interp)
@@ -358,8 +360,10 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
                                prefix_kernel="mosaic_gpu")
                    if fuse_window and mosaic else float("nan"))
     # Under 64 rows per KV head "auto" takes the Triton prefix; the Mosaic one pads to 64 rows.
-    t_cas_mosaic_small = (alternative("prefix_kernel=mosaic_gpu (rows padded to 64)", prefix_kernel="mosaic_gpu")
-                          if mosaic_small and not mosaic else float("nan"))
+    # Under 64 rows per KV head the Mosaic prefix pads to 64 rows: time the other kernel beside it.
+    other = "triton" if mosaic else "mosaic_gpu"
+    t_cas_small_other = (alternative(f"prefix_kernel={other} (under 64 rows)", prefix_kernel=other)
+                         if mosaic_small and padded_rows(n * group) < 64 else float("nan"))
     if lean:
         t_cas_triton = float("nan")
     elif mosaic:
@@ -384,9 +388,9 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     row = dict(shape=f"B={b},P={p},N={n}", kv=jnp.dtype(dtype).name, prefix_kernel="mosaic_gpu" if mosaic else "triton",
                prefix_ms=t_pre * 1e3, window_ms=t_win * 1e3, cascade_ms=t_cas * 1e3, cascade_call_ms=t_cas_call * 1e3,
                cascade_triton_ms=t_cas_triton * 1e3, cascade_fp8dot_ms=t_cas8 * 1e3, cascade_tail_ms=t_cas_tail * 1e3,
-               cascade_bf16_partial_ms=t_cas_bf16 * 1e3, cascade_fused_ms=t_cas_fused * 1e3,
-               cascade_mosaic_padded_ms=t_cas_mosaic_small * 1e3,
-               fused_vs_floor=t_cas_fused / floor, dense_ms=t_dense * 1e3, dense_impl=impl,
+               cascade_bf16_partial_ms=t_cas_bf16 * 1e3, cascade_fuse_flipped_ms=t_cas_fused * 1e3,
+               cascade_small_rows_other_kernel_ms=t_cas_small_other * 1e3,
+               fuse_flipped_vs_floor=t_cas_fused / floor, dense_ms=t_dense * 1e3, dense_impl=impl,
                byte_floor_ms=byte_floor * 1e3, flop_floor_ms=flop_floor * 1e3,
                vs_floor=t_cas / floor, window_overhead=(t_cas - t_pre) / t_pre,
                prefix_tbps=kv_bytes / t_pre / 1e12, dense_speedup=t_dense / t_cas)
@@ -437,8 +441,8 @@ def table_markdown(rows, ceilings, tune):
         lines.append(f"| {r['shape']} | {r['kv']} | {r['prefix_kernel']} | {r['prefix_ms']:.3f} | {r['window_ms']:.3f} "
                      f"| {r['cascade_ms']:.3f} | {r['cascade_call_ms']:.3f} | {r['cascade_triton_ms']:.3f} "
                      f"| {r['cascade_fp8dot_ms']:.3f} | {r['cascade_tail_ms']:.3f} "
-                     f"| {r['cascade_bf16_partial_ms']:.3f} | {r['cascade_fused_ms']:.3f} "
-                     f"| {r['fused_vs_floor']:.2f}x | {r['byte_floor_ms']:.3f} "
+                     f"| {r['cascade_bf16_partial_ms']:.3f} | {r['cascade_fuse_flipped_ms']:.3f} "
+                     f"| {r['fuse_flipped_vs_floor']:.2f}x | {r['byte_floor_ms']:.3f} "
                      f"| {r['flop_floor_ms']:.3f} "
                      f"| {r['vs_floor']:.2f}x | {100 * r['window_overhead']:.1f}% | {r['prefix_tbps']:.2f} "
                      f"| {r['dense_ms']:.3f} ({r['dense_impl']}) | {r['dense_speedup']:.2f}x |")
@@ -458,8 +462,8 @@ def main(argv=None):
     ap.add_argument("--fuse-window", action="store_true",
                     help="also time the cascade with CascadeConfig.fuse_window flipped (Mosaic prefix)")
     ap.add_argument("--mosaic-small", action="store_true",
-                    help="where 'auto' takes the Triton prefix (under 64 rows per KV head), also time the Mosaic "
-                         "prefix with rows padded to 64")
+                    help="at fewer than 64 rows per KV head, also time the other prefix kernel (the default "
+                         "pads them to the Mosaic one)")
     ap.add_argument("--lean", action="store_true",
                     help="skip the per-call, Triton-prefix and dense baselines and the MLA window timing (faster variant runs)")
     ap.add_argument("--markdown", default=None, help="write the conformance summary and table to this file")

@@ -194,7 +194,7 @@ def fused_window_words(mask, group: int, total_rows: int, heads_io: bool = False
     return jnp.swapaxes(rows, 1, 2), union
 
 
-def check_fused_window_inputs(qr, k_pool, words, union, window: int, overlap_softmax: bool):
+def check_fused_window_inputs(qr, words, union, window: int, overlap_softmax: bool):
     """The fused window's inputs agree with `window`; raises naming every bad value."""
     b, _, total, _ = qr.shape
     errors = []
@@ -353,7 +353,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         qr = jax.ShapeDtypeStruct((qr.shape[0], k_pool.shape[1], rq * hq_in // k_pool.shape[1], qr.shape[3]),
                                   qr.dtype)
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
-    check_fused_window_inputs(qr, k_pool, window_words, window_union, window, overlap_softmax)
+    check_fused_window_inputs(qr, window_words, window_union, window, overlap_softmax)
     partial_dtype = check_partial_dtype(partial_dtype, "prefix_decode_mgpu")
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
     # K-major operand FP8 needs); V is not, so each step's V page is widened to fp16 in shared memory.
@@ -366,7 +366,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         raise ValueError(f"prefix_decode_mgpu: the fused window under an FP8 pool needs a bfloat16 or float16 "
                          f"query (its window scores use it unquantised), got {q_wide.dtype}")
     q_in = quantize_query_for_pool(q_in, k_pool.dtype)
-    group_io = total // (q_in.shape[1]) if heads_io else 0  # G: heads per KV head
+    group_io = total // q_in.shape[1] if heads_io else 0  # G: heads per KV head
     rows_io = ROWS_PER_WG // group_io if heads_io else 0  # query rows per box
     max_pages = page_table.shape[1]
     wgs, rows_per_cta, key_split = warpgroup_layout(total, key_split, jnp.dtype(k_pool.dtype).itemsize)
@@ -389,11 +389,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     if fused and splits * stride > 1:
         # Fused, `partial_dtype` is the output's: key-split partials stay float32 until merged.
         partial_dtype = jnp.dtype(jnp.float32)
-    if q_wide is not None and smem_bytes(total, d, 1, block, stages, key_split, fused_fp8=True) > MAX_SMEM_BYTES:
+    need = smem_bytes(total, d, 1, block, stages, key_split, fused_fp8=True) if q_wide is not None else 0
+    if need > MAX_SMEM_BYTES:
         raise ValueError(f"prefix_decode_mgpu: the fused window under an FP8 pool with pages_per_step={pps}, "
-                         f"stages={stages}, head dim {d} needs "
-                         f"{smem_bytes(total, d, 1, block, stages, key_split, fused_fp8=True)} bytes of shared "
-                         f"memory, more than {MAX_SMEM_BYTES}")
+                         f"stages={stages}, head dim {d} needs {need} bytes of shared memory, more than "
+                         f"{MAX_SMEM_BYTES}")
     # The staging tile keeps its bytes: 32 fp32 or 64 bf16 output columns per piece.
     out_chunk = OUT_CHUNK * 4 // partial_dtype.itemsize
     dtype = q_in.dtype

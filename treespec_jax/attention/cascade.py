@@ -95,7 +95,7 @@ class CascadeConfig:
     # output is not rounded once more. Verify and lanes (`cascade_attention`) only: the
     # "reference" backend and `sliding_lane_attention` keep float32.
     prefix_partial_dtype: str = "float32"
-    # Fold the tree window into the Mosaic prefix kernel (16-bit pools): every row reads
+    # Fold the tree window into the Mosaic prefix kernel: every row reads
     # [0, P + window) there, the window keys under its mask bits, so no window kernel runs and no
     # partial output makes a round trip through memory (and, where the group allows, q and the
     # output keep the head layout: no transposes). None: on wherever the Mosaic prefix runs on
