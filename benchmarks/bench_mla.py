@@ -43,6 +43,7 @@ from benchmarks.timing import chained_time, feed_scalar, measure_ceilings, media
 from pallas_kernels.attention.mla_decode import MlaDecodeConfig, mla_decode, mla_decode_reference
 from pallas_kernels.attention.reference import dense_tree_visibility
 from pallas_kernels.row_move import move_rows, move_rows_reference
+from pallas_kernels.attention import mla_decode_mgpu as mla_mgpu_module
 from pallas_kernels.attention.mla_decode_mgpu import mla_decode_mgpu
 from pallas_kernels.common import resolve_backend
 from treespec_jax.attention.cascade import covers_tail
@@ -197,7 +198,7 @@ def mla_variants(dtype):
     return out
 
 
-def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False):
+def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False, flip_split_scores=False):
     dname = jnp.dtype(dtype).name
     key = jax.random.PRNGKey(3)
     ragged = np.full((B,), P, np.int32)
@@ -234,6 +235,8 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False
     rows = [("mosaic_gpu", "default", None, covers_tail(None, True))] if default_kernel == "mosaic_gpu" else []
     if causal_split and default_kernel == "mosaic_gpu":
         rows.append(("mosaic_gpu", "causal split", None, False))
+    if flip_split_scores and default_kernel == "mosaic_gpu":
+        rows.append(("mosaic_gpu", "split scores flipped", None, covers_tail(None, True)))
     rows += [("triton", label, dcfg, False) for label, dcfg in mla_variants(dtype)[:triton_variants]]
     for kernel, label, dcfg, covers in rows:
         name = f"mla[{dname},{kernel},{label}]"
@@ -242,11 +245,13 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False
         try:
             t0 = time.perf_counter()
             if kernel == "mosaic_gpu":
-                dec = jax.jit(lambda q, *a, f=as_dec: mla_decode_mgpu(
+                # The "flipped" row runs the latent decode with the score split not the default.
+                split = (not mla_mgpu_module.SPLIT_SCORES_BY_DEFAULT) if "split scores flipped" in label else None
+                dec = jax.jit(lambda q, *a, f=as_dec, s=split: mla_decode_mgpu(
                     f(quantize_absorbed_query(q, dtype)), *a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
-                    block_k=MLA_MGPU_BLOCK_K, interpret=kind == "interpret"))
+                    block_k=MLA_MGPU_BLOCK_K, split_scores=s, interpret=kind == "interpret"))
                 ccfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE,
-                                        prefix_kernel="mosaic_gpu", prefix_covers_tail=covers)
+                                        prefix_kernel="mosaic_gpu", prefix_covers_tail=covers, split_scores=split)
             else:
                 dec = jax.jit(lambda *a, c=dcfg: mla_decode(*a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
                                                             config=c))
@@ -338,6 +343,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--skip-bf16", action="store_true", help="FP8 latent cache only")
     parser.add_argument("--causal-split", action="store_true",
                         help="also the Mosaic cascade with MlaCascadeConfig(prefix_covers_tail=False)")
+    parser.add_argument("--flip-split-scores", action="store_true",
+                        help="also the Mosaic cascade with the latent decode's score split flipped from its default")
     parser.add_argument("--skip-moves", action="store_true", help="skip the row-move checks and compaction timing")
     parser.add_argument("--triton-variants", type=int, default=1,
                         help="how many Triton latent-decode tilings to check and time besides the default cascade")
@@ -360,7 +367,7 @@ def main(argv=None) -> dict:
             traceback.print_exc()
     for dtype in (() if args.skip_bf16 else (jnp.bfloat16,)) + (() if args.skip_fp8 else (FP8,)):
         run_mla(results, results["ceilings"], rng, dtype, triton_variants=args.triton_variants,
-                causal_split=args.causal_split)
+                causal_split=args.causal_split, flip_split_scores=args.flip_split_scores)
     text = markdown(results)
     print(text)
     if args.markdown:

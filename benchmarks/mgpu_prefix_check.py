@@ -223,7 +223,7 @@ def mla_check(interpret: bool = False, timing_too: bool = True, smoke: bool = Fa
 
 def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bool:
     from pallas_kernels.attention.mla_decode import mla_decode, mla_decode_reference, quantize_query
-    from pallas_kernels.attention.mla_decode_mgpu import MAX_SMEM_BYTES, mla_decode_mgpu, smem_bytes
+    from pallas_kernels.attention.mla_decode_mgpu import mla_decode_mgpu
     from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
 
     name = jnp.dtype(dtype).name
@@ -245,16 +245,13 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
                                             whole_pages=True)
     ok = True
     itemsize = jnp.dtype(dtype).itemsize
-    shares = [s for s in ((False, True) if itemsize == 2 else (False,))
-              if smem_bytes(lora + rope, itemsize, 64, 2, s, lora) <= MAX_SMEM_BYTES]
-    log(f"MLA {name}: share_scores variants that fit shared memory at width {lora + rope}: {shares}")
-    for share in shares:
+    for split in (False, True):  # duplicated scores / each warpgroup scores half the keys
         out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE, scale=scale,
-                                   share_scores=share, interpret=interpret)
+                                   split_scores=split, interpret=interpret)
         e_out = rel_err(out, ref_out)
         lse_ok = lse_agrees(lse, ref_lse)
         ok = ok and e_out < 2e-2 and lse_ok
-        log(f"MLA {name} conformance (share_scores={share}): decode rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}"
+        log(f"MLA {name} conformance (split_scores={split}): decode rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}"
             f" -> {'PASS' if e_out < 2e-2 and lse_ok else 'FAIL'}")
     if not ok or not timing_too:
         return ok
@@ -276,6 +273,8 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
         # A request's row tiles launched apart (the order before session 11; they read the same pages).
         "mgpu decode, tiles apart": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, tiles_adjacent=False,
                                                                          **kw)),
+        "mgpu decode, split scores": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, split_scores=True,
+                                                                          **kw)),
         "triton decode": jax.jit(lambda *a: mla_decode(*a, backend=backend, **kw)),
     }
     first = None
@@ -293,16 +292,18 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
                 f"({flop / flops_rate / t:.2f} of the FLOP floor's speed)")
         except Exception as exc:  # noqa: BLE001
             log(f"MLA {name}: {label} FAILED {type(exc).__name__}: {str(exc)[:400]}")
-    for kernel in ("mosaic_gpu", "triton"):
+    for label in ("mosaic_gpu", "mosaic_gpu, split scores", "mosaic_gpu, duplicated scores", "triton"):
+        kernel = label.split(",")[0]
+        split = {"mosaic_gpu, split scores": True, "mosaic_gpu, duplicated scores": False}.get(label)
         cfg = MlaCascadeConfig(kv_lora_rank=lora, rope_dim=rope, page_size=PAGE, scale=scale, prefix_kernel=kernel,
-                               backend=backend)
+                               backend=backend, split_scores=split)
         try:
             cas = jax.jit(lambda *a, c=cfg: mla_verify_attention(*a, config=c))
             t = time_call(cas, (q, pool, table, lens, mask), 3, smoke, samples=1 if smoke else 7)
-            log(f"MLA {name} B={b} P={p} N={n}: cascade ({kernel}) {t * 1e3:.3f} ms, "
+            log(f"MLA {name} B={b} P={p} N={n}: cascade ({label}) {t * 1e3:.3f} ms, "
                 f"{flop / flops_rate / t:.2f} of the FLOP floor's speed")
         except Exception as exc:  # noqa: BLE001
-            log(f"MLA {name}: cascade ({kernel}) FAILED {type(exc).__name__}: {str(exc)[:400]}")
+            log(f"MLA {name}: cascade ({label}) FAILED {type(exc).__name__}: {str(exc)[:400]}")
     return ok
 
 

@@ -23,14 +23,16 @@ LORA, ROPE, PAGE, SCALE = 128, 64, 64, 0.09
 FP8 = jnp.float8_e4m3fn
 
 
-@pytest.mark.parametrize("r,hq,lengths,block_k,splits,share,dtype", [
+@pytest.mark.parametrize("r,hq,lengths,block_k,splits,split_scores,dtype", [
     (4, 8, [0, 70, 200], 64, 1, False, jnp.bfloat16),  # P = 0, partial last pages; 32 rows padded to one tile
     (16, 8, [260, 20], 64, 2, False, jnp.bfloat16),  # two row tiles, the first ending mid-page below the last whole page
-    (16, 8, [260, 0, 90], 64, 2, True, jnp.bfloat16),  # warpgroup 0 hands P and alpha to warpgroup 1
+    # Each warpgroup scores half of every step's keys; maxima and P meet in shared memory.
+    (16, 8, [260, 0, 90], 64, 2, True, jnp.bfloat16),
     # FP8 cache: FP8 query x FP8 rows for the scores, value channels widened to fp16 per warpgroup.
     (16, 8, [260, 20], 64, 2, False, FP8),
+    (16, 8, [260, 0, 90], 64, 2, True, FP8),
 ])
-def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, share, dtype):
+def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, split_scores, dtype):
     rng = np.random.default_rng(r * hq + block_k)
     lengths = np.asarray(lengths, np.int32)
     b = len(lengths)
@@ -41,7 +43,7 @@ def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, s
     q = quantize_query(jnp.asarray(rng.standard_normal((b, r, hq, LORA + ROPE)), jnp.bfloat16), dtype)
     lens = jnp.asarray(lengths)
     out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
-                               block_k=block_k, num_splits=splits, share_scores=share, interpret=True)
+                               block_k=block_k, num_splits=splits, split_scores=split_scores, interpret=True)
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE,
                                             scale=SCALE, whole_pages=True)
     assert out.shape == (b, r, hq, LORA) and lse.shape == (b, r, hq)
@@ -68,14 +70,11 @@ def test_mgpu_mla_refuses_unsupported_shapes():
         check_mla_mgpu_inputs(q, jnp.zeros((64, 192), bf), 96, 64, 64)
     with pytest.raises(ValueError, match="block_k must be a multiple of 64"):
         check_mla_mgpu_inputs(q, jnp.zeros((64, 192), bf), 128, 64, 32)
-    with pytest.raises(ValueError, match="more than 232448"):  # share_scores at DeepSeek widths
+    with pytest.raises(ValueError, match="more than 232448"):  # three 64-key buffers at DeepSeek widths
         mla_decode_mgpu(jnp.zeros((1, 2, 4, 576), bf), jnp.zeros((64 * 64, 576), bf), jnp.zeros((1, 64), jnp.int32),
-                        jnp.zeros((1,), jnp.int32), kv_lora_rank=512, page_size=64, scale=0.1, share_scores=True)
+                        jnp.zeros((1,), jnp.int32), kv_lora_rank=512, page_size=64, scale=0.1, stages=3)
     with pytest.raises(ValueError, match="got bfloat16, float32"):
         check_mla_mgpu_inputs(q, jnp.zeros((64, 192), jnp.float32), 128, 64, 64)
-    with pytest.raises(ValueError, match="share_scores takes 16-bit caches only"):
-        mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), FP8), jnp.zeros((64 * 4, 192), FP8), jnp.zeros((1, 4), jnp.int32),
-                        jnp.zeros((1,), jnp.int32), kv_lora_rank=128, page_size=64, scale=0.1, share_scores=True)
 
 
 @pytest.mark.parametrize("dtype,tol,covers_tail,lengths", [
@@ -135,12 +134,13 @@ def test_auto_latent_decode_takes_mosaic_only_where_it_runs_compiled():
         uses_mosaic_latent_decode(forced, "compiled", f32_q, f32_pool)
 
 
-@pytest.mark.parametrize("lora,rope,share,dtype", [(512, 64, False, jnp.bfloat16), (256, 64, True, jnp.bfloat16),
-                                                   (512, 64, False, FP8)])
-def test_mgpu_mla_decode_lowers_to_mosaic_gpu(lora, rope, share, dtype):
+@pytest.mark.parametrize("lora,rope,split_scores,dtype", [
+    (512, 64, False, jnp.bfloat16), (512, 64, True, jnp.bfloat16), (512, 64, False, FP8), (512, 64, True, FP8)])
+def test_mgpu_mla_decode_lowers_to_mosaic_gpu(lora, rope, split_scores, dtype):
     """The compiled path lowers to a Mosaic GPU module on the CPU, including Mosaic's layout
     inference and its shared-memory check (the cubin is built on the GPU machine): DeepSeek-V3
-    widths (latent 512 + rope 64, 128 heads; bf16 and FP8), and score sharing at a width where it fits."""
+    widths (latent 512 + rope 64, 128 heads; bf16 and FP8), scores duplicated or split between the
+    warpgroups (the split's exchange buffers fit beside the ring only without reduction scratch)."""
     import jax
 
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
@@ -148,7 +148,7 @@ def test_mgpu_mla_decode_lowers_to_mosaic_gpu(lora, rope, share, dtype):
     sd = jax.ShapeDtypeStruct
     c = lora + rope
     fn = lambda q, pool, t, ln: mla_decode_mgpu(q, pool, t, ln, kv_lora_rank=lora, page_size=64, scale=0.07,  # noqa: E731
-                                                share_scores=share, num_splits=2)
+                                                split_scores=split_scores, num_splits=2)
     text = jax.jit(fn).trace(sd((2, 16, 128, c), dtype), sd((64 * 64, c), dtype),
                              sd((2, 32), jnp.int32), sd((2,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -61,23 +61,34 @@ LOG2E = math.log2(math.e)
 F8 = jnp.dtype(jnp.float8_e4m3fn)
 ROWS = 64  # query rows per CTA (one wgmma M tile)
 OUT_CHUNK = 16  # value columns per output copy (the fp32 staging tile is [ROWS, OUT_CHUNK])
-# Dynamic shared memory per block on Hopper (H100/H200), and what Mosaic GPU adds to our buffers
-# (swizzle alignment, barriers): at L + Dr = 576 it reported 2.9 KB over the buffers' sum.
+# Dynamic shared memory per block on Hopper (H100/H200). Mosaic GPU starts every buffer on a
+# 1024-byte boundary; the barriers and its own bookkeeping take a little more.
 MAX_SMEM_BYTES = 232448
-SMEM_OVERHEAD = 4096
+SMEM_ALIGN = 1024
+SMEM_OVERHEAD = 1024
+# Each warpgroup scores half of every step's keys (no duplicated score matmul); off until timed.
+SPLIT_SCORES_BY_DEFAULT = False
 
 
-def smem_bytes(width: int, itemsize: int, block_k: int, stages: int, share_scores: bool,
-               kv_lora_rank: int = 0) -> int:
-    """Shared memory the kernel allocates: query tile, latent ring, output staging, P exchange; with
-    1-byte (FP8) rows also the fp16 value rows both warpgroups widen (`kv_lora_rank` channels)."""
-    total = (ROWS * width * itemsize + stages * block_k * width * itemsize + ROWS * OUT_CHUNK * 4 + ROWS * 4
-             + SMEM_OVERHEAD)
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
+
+
+def smem_bytes(width: int, itemsize: int, block_k: int, stages: int, split_scores: bool,
+               kv_lora_rank: int) -> int:
+    """Shared memory the kernel allocates: query tile, latent ring, with 1-byte (FP8) rows the fp16
+    value rows both warpgroups widen, output staging; under `split_scores` also the P and row-statistic
+    exchange, with the output staged in the ring's memory (a union: disjoint lifetimes)."""
+    half = kv_lora_rank // 2
+    ring = _aligned(stages * block_k * width * itemsize)
     if itemsize == 1:
-        total += block_k * kv_lora_rank * 2
-    if share_scores:
-        total += 2 * ROWS * block_k * itemsize + 2 * ROWS * 4 + ROWS * 4
-    return total
+        ring += 2 * _aligned(block_k * half * 2)
+    lse = _aligned(ROWS * 4)
+    if split_scores:
+        staged = max(ring, _aligned(2 * ROWS * half * 4) + lse)
+        exchange = _aligned(ROWS * block_k * 2) + _aligned(2 * ROWS * 4)
+        return _aligned(ROWS * width * itemsize) + staged + exchange + SMEM_OVERHEAD
+    return _aligned(ROWS * width * itemsize) + ring + _aligned(ROWS * OUT_CHUNK * 4) + lse + SMEM_OVERHEAD
 
 
 def mla_mgpu_input_errors(q, latent_pool, kv_lora_rank: int, page_size: int, block_k: int) -> list[str]:
@@ -108,11 +119,21 @@ def check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank: int, page_size: int, blo
         raise ValueError("; ".join(errors))
 
 
-@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
-                                             "num_splits", "share_scores", "tiles_adjacent", "interpret"))
 def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int, page_size: int, scale: float,
                     block_k: int = 64, stages: int = 2, num_splits: int | None = None,
-                    share_scores: bool = False, tiles_adjacent: bool = True, interpret: bool = False):
+                    split_scores: bool | None = None, tiles_adjacent: bool = True, interpret: bool = False):
+    """See `_mla_decode_mgpu`; `split_scores` None takes SPLIT_SCORES_BY_DEFAULT (read per call)."""
+    return _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, kv_lora_rank=kv_lora_rank, page_size=page_size,
+                            scale=scale, block_k=block_k, stages=stages, num_splits=num_splits,
+                            split_scores=SPLIT_SCORES_BY_DEFAULT if split_scores is None else bool(split_scores),
+                            tiles_adjacent=tiles_adjacent, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
+                                             "num_splits", "split_scores", "tiles_adjacent", "interpret"))
+def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int, page_size: int, scale: float,
+                     block_k: int, stages: int, num_splits: int | None, split_scores: bool, tiles_adjacent: bool,
+                     interpret: bool):
     """See the module docstring. `block_k` keys per step (a multiple of 64: the P V contraction).
     At L + Dr = 576 the query tile and two 64-key latent buffers take 216 KiB of the 227 KiB of
     shared memory, so the output leaves in [64, 16] fp32 pieces and `share_scores` does not fit. `share_scores`: warpgroup 0
@@ -130,12 +151,10 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
     # operand); the value channels are the MN-major operand of P V, which 8-bit wgmma cannot take,
     # so each warpgroup widens its half of the step's value channels to fp16 in shared memory.
     fp8 = jnp.dtype(q.dtype) == F8
-    if fp8 and share_scores:
-        raise ValueError("mla_decode_mgpu: share_scores takes 16-bit caches only, got float8_e4m3fn")
     b, r, hq, c = q.shape
-    need = smem_bytes(c, q.dtype.itemsize, block_k, stages, share_scores, kv_lora_rank)
+    need = smem_bytes(c, q.dtype.itemsize, block_k, stages, split_scores, kv_lora_rank)
     if need > MAX_SMEM_BYTES:
-        raise ValueError(f"mla_decode_mgpu: block_k={block_k}, stages={stages}, share_scores={share_scores} at "
+        raise ValueError(f"mla_decode_mgpu: block_k={block_k}, stages={stages}, split_scores={split_scores} at "
                          f"row width {c} need {need} bytes of shared memory, more than {MAX_SMEM_BYTES}")
     dtype = q.dtype
     pv_dtype = jnp.float16 if fp8 else dtype  # P V operands: FP8 rows widen exactly to fp16
@@ -150,8 +169,13 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
     qf = jnp.pad(q.reshape(b, rows, c), ((0, 0), (0, rows_pad - rows), (0, 0)))
 
     def body(q_gmem, lat_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped):
-        (q_smem, kv_smem, o_smem, lse_smem, p_smem, alpha_smem, l_smem, wide_smem), \
-            (q_ready, kv_ready, kv_free, o_free, p_ready, p_free, l_ready) = scoped
+        (q_smem, kv_smem, wide_smem, *out_bufs), (q_ready, kv_ready, kv_free, *syncs) = scoped
+        if split_scores:
+            (p_smem, stat_smem), (o_smem, lse_smem) = out_bufs
+            stats_ready, p_ready = syncs
+        else:
+            o_smem, lse_smem = out_bufs
+            (o_free,) = syncs
         tile = lax.axis_index("tiles")
         split = lax.axis_index("splits")
         bi = lax.axis_index("batch")
@@ -163,9 +187,12 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
         def compute(w: int):
             plgpu.set_max_registers(232, action="increase")
             plgpu.barrier_wait(q_ready)
-            shape = (ROWS, block_k)
+            # Under split_scores this warpgroup scores keys [w * score_k, (w + 1) * score_k) of each step.
+            score_k = block_k // 2 if split_scores else block_k
+            key_off = w * score_k if split_scores else 0
+            shape = (ROWS, score_k)
             row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
-            col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+            col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + key_off
             row_hi = whole_page_bound(length, r, hq, row, whole)
             first_hi = jnp.maximum(whole_page_bound(length, r, hq, row0, whole), 0)
             open_end = jnp.clip(lax.div(first_hi, jnp.int32(block_k)), lo, hi)
@@ -193,78 +220,109 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
 
                 return pl.run_state(values)(plgpu.ACC.init(acc))
 
+            def scores(slot):
+                def run(acc_ref):
+                    keys = kv_smem.at[slot].at[pl.ds(key_off, score_k)] if split_scores else kv_smem.at[slot]
+                    plgpu.wgmma(acc_ref, q_smem, keys.transpose((1, 0)))
+                    return acc_ref[...]
+
+                return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+            def visible(i):
+                return col + i * block_k < row_hi
+
+            def release(slot, after_values: bool):
+                # FP8: both matmul operands are copied out once the values are widened.
+                if after_values != fp8:
+                    plgpu.barrier_arrive(kv_free.at[slot])
+
             def step(i, carry, masked: bool):
+                """Both warpgroups score the whole step (the duplicated score matmul)."""
                 acc, m, l = carry
                 slot = lax.rem(i - lo, jnp.int32(stages))
                 plgpu.barrier_wait(kv_ready.at[slot])
-
-                def scores(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
-                    return acc_ref[...]
-
-                s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
-                p, alpha, m_new, l, acc = online_softmax_update(
-                    s, m, l, acc, scale2, (col + i * block_k < row_hi) if masked else None)
-                p16 = p.astype(pv_dtype)
-                if share_scores:  # hand P and alpha to warpgroup 1 (two buffers, alternating)
-                    pslot = lax.rem(i - lo, jnp.int32(2))
-
-                    @pl.when(i - lo >= 2)
-                    def _():
-                        plgpu.barrier_wait(p_free.at[pslot])
-
-                    p_smem.at[pslot][...] = p16
-                    alpha_smem.at[pslot][...] = alpha
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(p_ready.at[pslot])
+                p, alpha, m_new, l, acc = online_softmax_update(scores(slot), m, l, acc, scale2,
+                                                                visible(i) if masked else None)
                 v_tile = value_tile(slot)
-                if fp8:
-                    plgpu.barrier_arrive(kv_free.at[slot])  # both matmul operands are copied out
-                acc = add_values(acc, p16, v_tile)
-                if not fp8:
-                    plgpu.barrier_arrive(kv_free.at[slot])
+                release(slot, False)
+                acc = add_values(acc, p.astype(pv_dtype), v_tile)
+                release(slot, True)
                 return acc, m_new, l
 
-            def follow(i, acc):
-                """Warpgroup 1 under share_scores: rescale, then add P V from warpgroup 0's P."""
+            def exchange(mine):
+                """Write this warpgroup's row statistic, wait for the other's, return it. One buffer
+                is enough: a warpgroup writes again only after both have passed the P exchange
+                (or, at the end, the last step), which follows the other's read."""
+                stat_smem.at[w][...] = mine
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(stats_ready)
+                plgpu.barrier_wait(stats_ready)
+                return plgpu.load(stat_smem.at[1 - w], layout=plgpu.Layout.WGMMA.reduce(1))
+
+            def split_step(i, carry, masked: bool):
+                """Each warpgroup scores half the step's keys; the row maxima and the two halves of
+                P meet in shared memory, and each warpgroup adds P V for its value channels. `m` is
+                the same in both warpgroups, `l` sums this warpgroup's keys only."""
+                acc, m, l = carry
                 slot = lax.rem(i - lo, jnp.int32(stages))
-                pslot = lax.rem(i - lo, jnp.int32(2))
                 plgpu.barrier_wait(kv_ready.at[slot])
-                plgpu.barrier_wait(p_ready.at[pslot])
-                alpha = plgpu.load(alpha_smem.at[pslot], layout=plgpu.Layout.WGMMA.reduce(1))
-                acc = add_values(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem.at[pslot], value_tile(slot))
-                plgpu.barrier_arrive(p_free.at[pslot])
-                plgpu.barrier_arrive(kv_free.at[slot])
-                return acc
+                s = scores(slot)
+                if masked:
+                    s = jnp.where(visible(i), s, -jnp.inf)
+                m_mine = jnp.maximum(m, s.max(axis=1) * scale2)
+                m_new = jnp.maximum(m_mine, exchange(m_mine))
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+                alpha = jnp.exp2(m - m_use)
+                p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_use, shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(pv_dtype)
+                # The other warpgroup finished reading its copy of P (into registers) before it
+                # sent this step's maximum.
+                p_smem.at[:, pl.ds(key_off, score_k)][...] = p16
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready)
+                v_tile = value_tile(slot)
+                release(slot, False)
+                plgpu.barrier_wait(p_ready)
+                # P leaves shared memory for registers: a shared-memory A operand would need V's
+                # 128-byte swizzle, which a warpgroup's half of the columns cannot be stored into.
+                p_full = plgpu.load(p_smem, layout=plgpu.Layout.WGMMA)
+                acc = add_values(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_full, v_tile)
+                release(slot, True)
+                return acc, m_new, l
 
             m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
-            if share_scores and w == 1:
-                acc = lax.fori_loop(lo, hi, follow, acc)
-                plgpu.barrier_wait(l_ready)
-                l = plgpu.load(l_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-            else:
-                carry = lax.fori_loop(lo, open_end, functools.partial(step, masked=False), (acc, m, l))
-                acc, m, l = lax.fori_loop(open_end, hi, functools.partial(step, masked=True), carry)
-            if share_scores and w == 0:
-                l_smem[...] = l
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(l_ready)
-
-                @pl.loop(jnp.maximum(hi - 2, lo), hi)  # observe warpgroup 1's last P releases
-                def _(i):
-                    plgpu.barrier_wait(p_free.at[lax.rem(i - lo, jnp.int32(2))])
+            body_step = split_step if split_scores else step
+            carry = lax.fori_loop(lo, open_end, functools.partial(body_step, masked=False), (acc, m, l))
+            acc, m, l = lax.fori_loop(open_end, hi, functools.partial(body_step, masked=True), carry)
+            if split_scores:
+                # Also the point after which neither warpgroup reads the latent ring again, so the
+                # output may be staged in its memory.
+                l = l + exchange(l)
             seen = l > 0
             l_safe = jnp.where(seen, l, 1.0)
             out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
                             acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
+            lse = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
+            if split_scores:
+                # Each half leaves in one copy from its own staging tile (in the ring's memory).
+                o_smem.at[w][...] = out
+                if w == 0:
+                    lse_smem[...] = lse
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[w], out_gmem.at[split, bi, pl.ds(row0, ROWS), cols])
+                if w == 0:
+                    plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[split, bi, pl.ds(row0, ROWS)])
+                plgpu.wait_smem_to_gmem(0)
+                return
             # One small staging tile for both halves, piece by piece: warpgroup 1 starts after
             # warpgroup 0's last copy has left shared memory.
             if w == 1:
                 plgpu.barrier_wait(o_free)
             if w == 0:
-                lse_smem[...] = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
+                lse_smem[...] = lse
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[split, bi, pl.ds(row0, ROWS)])
             for j in range(half // OUT_CHUNK):
@@ -302,23 +360,39 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
                 plgpu.barrier_wait(kv_free.at[lax.rem(i - lo, jnp.int32(stages))])
 
     def entry(q_gmem, lat_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem):
+        ring = plgpu.SMEM((stages, block_k, c), dtype, transforms=_smem_transforms(c, dtype))
+        # Each warpgroup's fp16 copy of its value channels (FP8 caches only).
+        # (Two buffers: a wgmma operand indexed by the static warpgroup number did not lower.)
+        wide = tuple(plgpu.SMEM((block_k, half), pv_dtype, transforms=_smem_transforms(half, pv_dtype))
+                     for _ in range(2)) if fp8 else None
+        lse_stage = plgpu.SMEM((ROWS,), jnp.float32)
+        if split_scores:
+            # The ring (and widened values) and the output staging have disjoint lifetimes.
+            out_stage = plgpu.SMEM((2, ROWS, half), jnp.float32, transforms=_smem_transforms(half, jnp.float32))
+            ring_and_out = plgpu.RefUnion((ring, wide), (out_stage, lse_stage))
+            # Each warpgroup's half of P's columns.
+            # (8, 16) tiles: a warp's P store and load touch eight rows of 16 bytes, 32 bytes apart,
+            # so no bank sees two of them.
+            exchange = (plgpu.SMEM((ROWS, block_k), pv_dtype, transforms=_smem_transforms(16, pv_dtype)),
+                        plgpu.SMEM((2, ROWS), jnp.float32))
+            buffers = (plgpu.SMEM((ROWS, c), dtype, transforms=_smem_transforms(c, dtype)), ring_and_out, exchange)
+            syncs = (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2))
+        else:
+            buffers = (plgpu.SMEM((ROWS, c), dtype, transforms=_smem_transforms(c, dtype)), ring, wide,
+                       plgpu.SMEM((ROWS, OUT_CHUNK), jnp.float32, transforms=_smem_transforms(OUT_CHUNK, jnp.float32)),
+                       lse_stage)
+            syncs = (plgpu.Barrier(),)
+
+        def run(bufs, bars):
+            if split_scores:
+                q_smem, ((kv_smem, wide_smem), stage), exch = bufs
+                bufs = (q_smem, kv_smem, wide_smem, exch, stage)
+            body(q_gmem, lat_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, (bufs, bars))
+
         pl.run_scoped(
-            lambda *scoped: body(q_gmem, lat_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped),
-            (plgpu.SMEM((ROWS, c), dtype, transforms=_smem_transforms(c, dtype)),
-             plgpu.SMEM((stages, block_k, c), dtype, transforms=_smem_transforms(c, dtype)),
-             plgpu.SMEM((ROWS, OUT_CHUNK), jnp.float32, transforms=_smem_transforms(OUT_CHUNK, jnp.float32)),
-             plgpu.SMEM((ROWS,), jnp.float32),
-             # P / alpha / l exchange between the warpgroups (share_scores only).
-             plgpu.SMEM((2, ROWS, block_k), dtype, transforms=_smem_transforms(block_k, dtype)) if share_scores else None,
-             plgpu.SMEM((2, ROWS), jnp.float32) if share_scores else None,
-             plgpu.SMEM((ROWS,), jnp.float32) if share_scores else None,
-             # Each warpgroup's fp16 copy of its value channels (FP8 caches only).
-             # (Two buffers: a wgmma operand indexed by the static warpgroup number did not lower.)
-             tuple(plgpu.SMEM((block_k, half), pv_dtype, transforms=_smem_transforms(half, pv_dtype))
-                   for _ in range(2)) if fp8 else None),
-            (plgpu.Barrier(), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier(),
-             plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier()),
+            lambda bufs, bars: run(bufs, bars), buffers,
+            (plgpu.Barrier(), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+            + syncs,
             collective_axes="wg",
         )
 
@@ -331,7 +405,9 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int
         grid_names=grid_names,
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # The row reductions of WGMMA-layout arrays stay inside a warp: no cross-warp scratch (its
+        # default 2 KiB does not fit beside the split-score buffers at L + Dr = 576).
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(qf, latent_pool, page_table.astype(jnp.int32), prefix_len.astype(jnp.int32))
     if splits > 1:
