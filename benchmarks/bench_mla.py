@@ -198,7 +198,7 @@ def mla_variants(dtype):
     return out
 
 
-def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False, flip_split_scores=False):
+def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False, schedules=()):
     dname = jnp.dtype(dtype).name
     key = jax.random.PRNGKey(3)
     ragged = np.full((B,), P, np.int32)
@@ -235,8 +235,9 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False
     rows = [("mosaic_gpu", "default", None, covers_tail(None, True))] if default_kernel == "mosaic_gpu" else []
     if causal_split and default_kernel == "mosaic_gpu":
         rows.append(("mosaic_gpu", "causal split", None, False))
-    if flip_split_scores and default_kernel == "mosaic_gpu":
-        rows.append(("mosaic_gpu", "split scores flipped", None, covers_tail(None, True)))
+    if default_kernel == "mosaic_gpu":  # other schedules of the latent decode's warpgroups
+        rows += [("mosaic_gpu", f"schedule {s}", None, covers_tail(None, True)) for s in schedules
+                 if s != mla_mgpu_module.default_schedule(dtype)]
     rows += [("triton", label, dcfg, False) for label, dcfg in mla_variants(dtype)[:triton_variants]]
     for kernel, label, dcfg, covers in rows:
         name = f"mla[{dname},{kernel},{label}]"
@@ -245,13 +246,12 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False
         try:
             t0 = time.perf_counter()
             if kernel == "mosaic_gpu":
-                # The "flipped" row runs the latent decode with the score split not the default.
-                split = (not mla_mgpu_module.SPLIT_SCORES_BY_DEFAULT) if "split scores flipped" in label else None
-                dec = jax.jit(lambda q, *a, f=as_dec, s=split: mla_decode_mgpu(
+                sched = label.split()[-1] if label.startswith("schedule ") else None
+                dec = jax.jit(lambda q, *a, f=as_dec, s=sched: mla_decode_mgpu(
                     f(quantize_absorbed_query(q, dtype)), *a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
-                    block_k=MLA_MGPU_BLOCK_K, split_scores=s, interpret=kind == "interpret"))
+                    block_k=MLA_MGPU_BLOCK_K, schedule=s, interpret=kind == "interpret"))
                 ccfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE,
-                                        prefix_kernel="mosaic_gpu", prefix_covers_tail=covers, split_scores=split)
+                                        prefix_kernel="mosaic_gpu", prefix_covers_tail=covers, schedule=sched)
             else:
                 dec = jax.jit(lambda *a, c=dcfg: mla_decode(*a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
                                                             config=c))
@@ -343,8 +343,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--skip-bf16", action="store_true", help="FP8 latent cache only")
     parser.add_argument("--causal-split", action="store_true",
                         help="also the Mosaic cascade with MlaCascadeConfig(prefix_covers_tail=False)")
-    parser.add_argument("--flip-split-scores", action="store_true",
-                        help="also the Mosaic cascade with the latent decode's score split flipped from its default")
+    parser.add_argument("--schedules", default="",
+                        help="also the Mosaic cascade under these latent-decode schedules (comma list of "
+                        f"{mla_mgpu_module.SCHEDULES}; the dtype's default is the default row)")
     parser.add_argument("--skip-moves", action="store_true", help="skip the row-move checks and compaction timing")
     parser.add_argument("--triton-variants", type=int, default=1,
                         help="how many Triton latent-decode tilings to check and time besides the default cascade")
@@ -367,7 +368,8 @@ def main(argv=None) -> dict:
             traceback.print_exc()
     for dtype in (() if args.skip_bf16 else (jnp.bfloat16,)) + (() if args.skip_fp8 else (FP8,)):
         run_mla(results, results["ceilings"], rng, dtype, triton_variants=args.triton_variants,
-                causal_split=args.causal_split, flip_split_scores=args.flip_split_scores)
+                causal_split=args.causal_split,
+                schedules=tuple(v for v in args.schedules.split(",") if v))
     text = markdown(results)
     print(text)
     if args.markdown:

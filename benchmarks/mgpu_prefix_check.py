@@ -223,7 +223,7 @@ def mla_check(interpret: bool = False, timing_too: bool = True, smoke: bool = Fa
 
 def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bool:
     from pallas_kernels.attention.mla_decode import mla_decode, mla_decode_reference, quantize_query
-    from pallas_kernels.attention.mla_decode_mgpu import mla_decode_mgpu
+    from pallas_kernels.attention.mla_decode_mgpu import SCHEDULES, mla_decode_mgpu
     from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
 
     name = jnp.dtype(dtype).name
@@ -245,13 +245,13 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
                                             whole_pages=True)
     ok = True
     itemsize = jnp.dtype(dtype).itemsize
-    for split in (False, True):  # duplicated scores / each warpgroup scores half the keys
+    for schedule in SCHEDULES:  # how the two compute warpgroups share a step's scores
         out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE, scale=scale,
-                                   split_scores=split, interpret=interpret)
+                                   schedule=schedule, interpret=interpret)
         e_out = rel_err(out, ref_out)
         lse_ok = lse_agrees(lse, ref_lse)
         ok = ok and e_out < 2e-2 and lse_ok
-        log(f"MLA {name} conformance (split_scores={split}): decode rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}"
+        log(f"MLA {name} conformance (schedule {schedule}): decode rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}"
             f" -> {'PASS' if e_out < 2e-2 and lse_ok else 'FAIL'}")
     if not ok or not timing_too:
         return ok
@@ -273,8 +273,9 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
         # A request's row tiles launched apart (the order before session 11; they read the same pages).
         "mgpu decode, tiles apart": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, tiles_adjacent=False,
                                                                          **kw)),
-        "mgpu decode, split scores": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, split_scores=True,
-                                                                          **kw)),
+        "mgpu decode, schedule split": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, schedule="split", **kw)),
+        "mgpu decode, schedule turns": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, schedule="turns", **kw)),
+        "mgpu decode, schedule together": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, schedule="together", **kw)),
         "triton decode": jax.jit(lambda *a: mla_decode(*a, backend=backend, **kw)),
     }
     first = None
@@ -292,11 +293,12 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
                 f"({flop / flops_rate / t:.2f} of the FLOP floor's speed)")
         except Exception as exc:  # noqa: BLE001
             log(f"MLA {name}: {label} FAILED {type(exc).__name__}: {str(exc)[:400]}")
-    for label in ("mosaic_gpu", "mosaic_gpu, split scores", "mosaic_gpu, duplicated scores", "triton"):
+    for label in ("mosaic_gpu", "mosaic_gpu, schedule split", "mosaic_gpu, schedule turns",
+                  "mosaic_gpu, schedule together", "triton"):
         kernel = label.split(",")[0]
-        split = {"mosaic_gpu, split scores": True, "mosaic_gpu, duplicated scores": False}.get(label)
+        schedule = label.split()[-1] if "schedule" in label else None
         cfg = MlaCascadeConfig(kv_lora_rank=lora, rope_dim=rope, page_size=PAGE, scale=scale, prefix_kernel=kernel,
-                               backend=backend, split_scores=split)
+                               backend=backend, schedule=schedule)
         try:
             cas = jax.jit(lambda *a, c=cfg: mla_verify_attention(*a, config=c))
             t = time_call(cas, (q, pool, table, lens, mask), 3, smoke, samples=1 if smoke else 7)

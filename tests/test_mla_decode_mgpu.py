@@ -23,16 +23,19 @@ LORA, ROPE, PAGE, SCALE = 128, 64, 64, 0.09
 FP8 = jnp.float8_e4m3fn
 
 
-@pytest.mark.parametrize("r,hq,lengths,block_k,splits,split_scores,dtype", [
-    (4, 8, [0, 70, 200], 64, 1, False, jnp.bfloat16),  # P = 0, partial last pages; 32 rows padded to one tile
-    (16, 8, [260, 20], 64, 2, False, jnp.bfloat16),  # two row tiles, the first ending mid-page below the last whole page
+@pytest.mark.parametrize("r,hq,lengths,block_k,splits,schedule,dtype", [
+    (4, 8, [0, 70, 200], 64, 1, "together", jnp.bfloat16),  # P = 0, partial last pages; 32 rows padded to one tile
+    # Two row tiles, the first ending mid-page below the last whole page; the warpgroups take turns.
+    (16, 8, [260, 20], 64, 2, "turns", jnp.bfloat16),
     # Each warpgroup scores half of every step's keys; maxima and P meet in shared memory.
-    (16, 8, [260, 0, 90], 64, 2, True, jnp.bfloat16),
+    (16, 8, [260, 0, 90], 64, 2, "split", jnp.bfloat16),
+    (4, 8, [0, 70, 200], 64, 1, "split", jnp.bfloat16),
     # FP8 cache: FP8 query x FP8 rows for the scores, value channels widened to fp16 per warpgroup.
-    (16, 8, [260, 20], 64, 2, False, FP8),
-    (16, 8, [260, 0, 90], 64, 2, True, FP8),
+    (16, 8, [260, 20], 64, 2, "turns", FP8),
+    (16, 8, [260, 0, 90], 64, 2, "split", FP8),
+    (16, 8, [260, 20], 64, 1, "together", FP8),
 ])
-def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, split_scores, dtype):
+def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, schedule, dtype):
     rng = np.random.default_rng(r * hq + block_k)
     lengths = np.asarray(lengths, np.int32)
     b = len(lengths)
@@ -43,7 +46,7 @@ def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, s
     q = quantize_query(jnp.asarray(rng.standard_normal((b, r, hq, LORA + ROPE)), jnp.bfloat16), dtype)
     lens = jnp.asarray(lengths)
     out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
-                               block_k=block_k, num_splits=splits, split_scores=split_scores, interpret=True)
+                               block_k=block_k, num_splits=splits, schedule=schedule, interpret=True)
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE,
                                             scale=SCALE, whole_pages=True)
     assert out.shape == (b, r, hq, LORA) and lse.shape == (b, r, hq)
@@ -134,21 +137,21 @@ def test_auto_latent_decode_takes_mosaic_only_where_it_runs_compiled():
         uses_mosaic_latent_decode(forced, "compiled", f32_q, f32_pool)
 
 
-@pytest.mark.parametrize("lora,rope,split_scores,dtype", [
-    (512, 64, False, jnp.bfloat16), (512, 64, True, jnp.bfloat16), (512, 64, False, FP8), (512, 64, True, FP8)])
-def test_mgpu_mla_decode_lowers_to_mosaic_gpu(lora, rope, split_scores, dtype):
+@pytest.mark.parametrize("schedule,dtype", [(s, d) for s in ("split", "turns", "together") for d in (jnp.bfloat16, FP8)])
+def test_mgpu_mla_decode_lowers_to_mosaic_gpu(schedule, dtype):
     """The compiled path lowers to a Mosaic GPU module on the CPU, including Mosaic's layout
     inference and its shared-memory check (the cubin is built on the GPU machine): DeepSeek-V3
-    widths (latent 512 + rope 64, 128 heads; bf16 and FP8), scores duplicated or split between the
-    warpgroups (the split's exchange buffers fit beside the ring only without reduction scratch)."""
+    widths (latent 512 + rope 64, 128 heads; bf16 and FP8) under every schedule (the split's
+    exchange buffers fit beside the ring only without reduction scratch)."""
     import jax
 
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
 
     sd = jax.ShapeDtypeStruct
+    lora, rope = 512, 64
     c = lora + rope
     fn = lambda q, pool, t, ln: mla_decode_mgpu(q, pool, t, ln, kv_lora_rank=lora, page_size=64, scale=0.07,  # noqa: E731
-                                                split_scores=split_scores, num_splits=2)
+                                                schedule=schedule, num_splits=2)
     text = jax.jit(fn).trace(sd((2, 16, 128, c), dtype), sd((64 * 64, c), dtype),
                              sd((2, 32), jnp.int32), sd((2,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -214,3 +217,18 @@ def test_mla_prefix_covers_tail_defaults_to_the_latent_decode(monkeypatch):
     assert seen == [True, False, True, False]  # causal_prefix = not covers
     with pytest.raises(ValueError, match="prefix_covers_tail must be None, True or False, got 1"):
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, prefix_covers_tail=1)
+
+
+def test_mla_schedule_defaults_and_refusals():
+    """None takes the per-dtype default (split for 16-bit caches, turns for FP8); an unknown
+    schedule is refused by the kernel and by MlaCascadeConfig, naming the value."""
+    from pallas_kernels.attention.mla_decode_mgpu import default_schedule
+    from treespec_jax.attention.mla import MlaCascadeConfig
+
+    assert default_schedule(jnp.bfloat16) == "split" and default_schedule(FP8) == "turns"
+    bf = jnp.bfloat16
+    with pytest.raises(ValueError, match="'sideways'"):
+        mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), bf), jnp.zeros((64 * 4, 192), bf), jnp.zeros((1, 4), jnp.int32),
+                        jnp.zeros((1,), jnp.int32), kv_lora_rank=128, page_size=64, scale=0.1, schedule="sideways")
+    with pytest.raises(ValueError, match="schedule must be None or one of"):
+        MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, schedule="sideways")

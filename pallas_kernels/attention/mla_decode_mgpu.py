@@ -16,7 +16,7 @@ kernel for them: 3.00 ms against 12.31 ms through the Triton decode at B=32, P=8
 `quantize_absorbed_query`) and the scores are an FP8 x FP8 wgmma (the latent rows are its K-major
 operand). The value channels are the MN-major operand of P V, which 8-bit wgmma cannot take, so
 each warpgroup widens its half of them to an fp16 tile of its own (exact), releases the FP8 ring
-buffer, and runs P V in fp16. `share_scores` is refused with FP8.
+buffer, and runs P V in fp16.
 
 Why: the Pallas Triton latent decode runs at about 35% of the H200's bf16 rate and its cascade
 (4.5 ms at B=32, P=8192, N=16, 128 heads) is slower than XLA's dense einsum over gathered rows
@@ -33,13 +33,19 @@ channels.
 
 One CTA per (64-row tile, key split, request): the memory warpgroup TMA-copies the query tile once
 and `block_k` latent rows per step (a page slice found through the page table) into a ring of
-`stages` buffers. Both compute warpgroups score the same 64 rows against the whole row (latent +
-rope) and run the same online softmax, and each accumulates half of the L value channels, so an
-accumulator is [64, L / 2] fp32. By default the score matmul is done twice (1.5x the useful
-FLOPs at L = 512, Dr = 64) in exchange for no exchange between warpgroups; `share_scores=True`
-lets warpgroup 0 alone score and hand P and the rescale factors to warpgroup 1 through shared
-memory (double-buffered), so the tensor cores do only the useful work. Which is faster is for
-the GPU check to say.
+`stages` buffers. Each compute warpgroup accumulates half of the L value channels, so an
+accumulator is [64, L / 2] fp32. How they share the scores is the `schedule`:
+- "split" (the 16-bit default): each scores half of the step's keys against the whole row (latent
+  + rope), they swap row maxima through shared memory, each writes its half of P there, and each
+  adds P V (P loaded whole into registers) for its value channels. Only the useful tensor work,
+  at the price of two exchanges per step.
+- "turns" (the FP8 default) and "together": both score every key and run the same online softmax,
+  no exchange, 1.5x the useful tensor work at L = 512, Dr = 64; under "turns" they take turns on
+  the tensor cores (as the GQA prefix kernel's `pingpong`).
+On the H200 the three land within 5-9% of each other at DeepSeek-V3 widths (the defaults are the
+faster per dtype; `DEFAULT_SCHEDULE_16BIT`): removing a third of the tensor work bought 5%, and
+pages every request shares (L2-resident) 2% (`benchmarks/mla_variants.py`), so the step is bound by
+its serial chain (score wgmma, softmax, exchanges, P V) rather than by tensor or memory throughput.
 """
 
 from __future__ import annotations
@@ -66,9 +72,23 @@ OUT_CHUNK = 16  # value columns per output copy (the fp32 staging tile is [ROWS,
 MAX_SMEM_BYTES = 232448
 SMEM_ALIGN = 1024
 SMEM_OVERHEAD = 1024
-# Each warpgroup scores half of every step's keys (no duplicated score matmul); off until timed.
-SPLIT_SCORES_BY_DEFAULT = False
+# How the two compute warpgroups share a step (`schedule`):
+#   "split": each scores half of the step's keys; the row maxima and P meet in shared memory, and
+#            each adds P V for its half of the value channels (no duplicated score matmul);
+#   "turns": both score every key (duplicated) and take turns on the tensor cores, one's softmax
+#            (and FP8 widening) running while the other's matmuls do;
+#   "together": both score every key, no turns.
+# Defaults per cache dtype, from the H200 (B=32, P=8192, N=16, 128 heads, device time, 2026-12-01,
+# benchmarks/RESULTS.md, session 14): bf16 split 2.52 ms / together 2.65 / turns 2.74; FP8 turns
+# 2.51 / together 2.64 / split 2.63.
+SCHEDULES = ("split", "turns", "together")
+DEFAULT_SCHEDULE_16BIT = "split"
+DEFAULT_SCHEDULE_FP8 = "turns"
 
+
+def default_schedule(dtype) -> str:
+    """The `schedule` None stands for under this cache dtype (read per call)."""
+    return DEFAULT_SCHEDULE_FP8 if jnp.dtype(dtype) == F8 else DEFAULT_SCHEDULE_16BIT
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
@@ -121,30 +141,36 @@ def check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank: int, page_size: int, blo
 
 def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int, page_size: int, scale: float,
                     block_k: int = 64, stages: int = 2, num_splits: int | None = None,
-                    split_scores: bool | None = None, tiles_adjacent: bool = True, interpret: bool = False):
-    """See `_mla_decode_mgpu`; `split_scores` None takes SPLIT_SCORES_BY_DEFAULT (read per call)."""
+                    schedule: str | None = None, tiles_adjacent: bool = True, interpret: bool = False):
+    """See `_mla_decode_mgpu`; `schedule` one of SCHEDULES, None: `default_schedule(q.dtype)`."""
+    if schedule is None:
+        schedule = default_schedule(q.dtype)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"mla_decode_mgpu: schedule must be one of {SCHEDULES} or None, got {schedule!r}")
     return _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, kv_lora_rank=kv_lora_rank, page_size=page_size,
                             scale=scale, block_k=block_k, stages=stages, num_splits=num_splits,
-                            split_scores=SPLIT_SCORES_BY_DEFAULT if split_scores is None else bool(split_scores),
-                            tiles_adjacent=tiles_adjacent, interpret=interpret)
+                            schedule=schedule, tiles_adjacent=tiles_adjacent, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
-                                             "num_splits", "split_scores", "tiles_adjacent", "interpret"))
+                                             "num_splits", "schedule", "tiles_adjacent", "interpret"))
 def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int, page_size: int, scale: float,
-                     block_k: int, stages: int, num_splits: int | None, split_scores: bool, tiles_adjacent: bool,
+                     block_k: int, stages: int, num_splits: int | None, schedule: str, tiles_adjacent: bool,
                      interpret: bool):
     """See the module docstring. `block_k` keys per step (a multiple of 64: the P V contraction).
     At L + Dr = 576 the query tile and two 64-key latent buffers take 216 KiB of the 227 KiB of
-    shared memory, so the output leaves in [64, 16] fp32 pieces and `share_scores` does not fit. `share_scores`: warpgroup 0
-    alone scores and runs the softmax and hands P and the rescale factors to warpgroup 1 through
-    shared memory (no duplicated score matmul; warpgroup 1 waits on warpgroup 0 each step).
+    shared memory. Without split scores the output leaves in [64, 16] fp32 pieces; under "split"
+    the P and row-maximum exchange (9 KiB) take that room, and each warpgroup stages its whole half
+    of the output in the latent ring's memory once the ring is done (a RefUnion); that fits only
+    without Mosaic GPU's 2 KiB cross-warp reduction scratch, which WGMMA-layout row reductions do
+    not use (`reduction_scratch_bytes=0`).
     `tiles_adjacent`: launch the row tiles of one (request, split), which read the same latent
     pages, next to each other (Mosaic GPU runs the grid's last axis fastest; the grid in the order
     (tiles, splits, batch) puts them B CTAs apart, so each latent page is read from HBM once per
     tile). On the H200 at B=32, P=8192, N=16, 128 heads, side by side took 2.677 vs 2.819 ms (bf16)
     and 2.667 vs 2.705 ms (FP8) (session 11, benchmarks/RESULTS.md), so it is the default."""
     check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank, page_size, block_k)
+    split_scores, pingpong = schedule == "split", schedule == "turns"
     if stages < 2:
         raise ValueError(f"mla_decode_mgpu: stages must be >= 2, got {stages}")
     # Under an FP8 cache the scores are an FP8 x FP8 wgmma (the latent rows are its K-major
@@ -154,7 +180,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
     b, r, hq, c = q.shape
     need = smem_bytes(c, q.dtype.itemsize, block_k, stages, split_scores, kv_lora_rank)
     if need > MAX_SMEM_BYTES:
-        raise ValueError(f"mla_decode_mgpu: block_k={block_k}, stages={stages}, split_scores={split_scores} at "
+        raise ValueError(f"mla_decode_mgpu: block_k={block_k}, stages={stages}, schedule={schedule!r} at "
                          f"row width {c} need {need} bytes of shared memory, more than {MAX_SMEM_BYTES}")
     dtype = q.dtype
     pv_dtype = jnp.float16 if fp8 else dtype  # P V operands: FP8 rows widen exactly to fp16
@@ -175,7 +201,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
             stats_ready, p_ready = syncs
         else:
             o_smem, lse_smem = out_bufs
-            (o_free,) = syncs
+            o_free, turn = syncs
         tile = lax.axis_index("tiles")
         split = lax.axis_index("splits")
         bi = lax.axis_index("batch")
@@ -220,9 +246,10 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
 
                 return pl.run_state(values)(plgpu.ACC.init(acc))
 
-            def scores(slot):
+            def half_scores(slot):
+                """This warpgroup's keys of the step (split_scores), waited."""
                 def run(acc_ref):
-                    keys = kv_smem.at[slot].at[pl.ds(key_off, score_k)] if split_scores else kv_smem.at[slot]
+                    keys = kv_smem.at[slot].at[pl.ds(key_off, score_k)]
                     plgpu.wgmma(acc_ref, q_smem, keys.transpose((1, 0)))
                     return acc_ref[...]
 
@@ -236,16 +263,34 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
                 if after_values != fp8:
                     plgpu.barrier_arrive(kv_free.at[slot])
 
+            def take_turn():
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
+
             def step(i, carry, masked: bool):
-                """Both warpgroups score the whole step (the duplicated score matmul)."""
+                """Both warpgroups score the whole step (the duplicated score matmul); under
+                "turns" they take turns on the tensor cores, one's softmax (and FP8 widening)
+                running while the other's matmuls do."""
                 acc, m, l = carry
                 slot = lax.rem(i - lo, jnp.int32(stages))
                 plgpu.barrier_wait(kv_ready.at[slot])
-                p, alpha, m_new, l, acc = online_softmax_update(scores(slot), m, l, acc, scale2,
-                                                                visible(i) if masked else None)
+
+                def run(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
+                    if pingpong:
+                        take_turn()  # the other warpgroup's matmuls go next
+                    return acc_ref[...]
+
+                s = pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+                p, alpha, m_new, l, acc = online_softmax_update(s, m, l, acc, scale2, visible(i) if masked else None)
+                p16 = p.astype(pv_dtype)
+                if pingpong:
+                    plgpu.barrier_arrive(turn)  # softmax done
                 v_tile = value_tile(slot)
                 release(slot, False)
-                acc = add_values(acc, p.astype(pv_dtype), v_tile)
+                if pingpong:
+                    plgpu.barrier_wait(turn)  # the tensor cores are ours again
+                acc = add_values(acc, p16, v_tile)
                 release(slot, True)
                 return acc, m_new, l
 
@@ -266,7 +311,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
                 acc, m, l = carry
                 slot = lax.rem(i - lo, jnp.int32(stages))
                 plgpu.barrier_wait(kv_ready.at[slot])
-                s = scores(slot)
+                s = half_scores(slot)
                 if masked:
                     s = jnp.where(visible(i), s, -jnp.inf)
                 m_mine = jnp.maximum(m, s.max(axis=1) * scale2)
@@ -295,8 +340,12 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
             l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
             body_step = split_step if split_scores else step
+            if pingpong and w == 1:
+                take_turn()  # start half a step behind warpgroup 0
             carry = lax.fori_loop(lo, open_end, functools.partial(body_step, masked=False), (acc, m, l))
             acc, m, l = lax.fori_loop(open_end, hi, functools.partial(body_step, masked=True), carry)
+            if pingpong and w == 0:
+                take_turn()
             if split_scores:
                 # Also the point after which neither warpgroup reads the latent ring again, so the
                 # output may be staged in its memory.
@@ -381,7 +430,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
             buffers = (plgpu.SMEM((ROWS, c), dtype, transforms=_smem_transforms(c, dtype)), ring, wide,
                        plgpu.SMEM((ROWS, OUT_CHUNK), jnp.float32, transforms=_smem_transforms(OUT_CHUNK, jnp.float32)),
                        lse_stage)
-            syncs = (plgpu.Barrier(),)
+            syncs = (plgpu.Barrier(), plgpu.Barrier(num_arrivals=2))
 
         def run(bufs, bars):
             if split_scores:

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention.mla_decode import FP8, MlaDecodeConfig, mla_decode, quantize_query
-from pallas_kernels.attention.mla_decode_mgpu import check_mla_mgpu_inputs, mla_decode_mgpu, mla_mgpu_input_errors
+from pallas_kernels.attention.mla_decode_mgpu import (SCHEDULES, check_mla_mgpu_inputs, mla_decode_mgpu,
+                                                       mla_mgpu_input_errors)
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.attention.tree_window import tree_window_attention
 from treespec_jax.attention.cascade import check_covers_tail_setting, covers_tail
@@ -65,14 +66,15 @@ class MlaCascadeConfig:
     # but no causal tail of committed rows. Same result. None: True under the Mosaic latent decode
     # (1.02x bf16, 1.04x FP8 on the H200, session 12, benchmarks/RESULTS.md), else False.
     prefix_covers_tail: bool | None = None
-    # Under the Mosaic latent decode: each of its two compute warpgroups scores half of a step's
-    # keys and they exchange P, instead of both scoring every key (1.5x the useful tensor work at
-    # L = 512, Dr = 64). None: mla_decode_mgpu.SPLIT_SCORES_BY_DEFAULT.
-    split_scores: bool | None = None
+    # How the Mosaic latent decode's two compute warpgroups share a step: "split" (each scores half
+    # of the keys, P exchanged), "turns" or "together" (both score every key, taking turns on the
+    # tensor cores or not). None: mla_decode_mgpu.default_schedule (split for 16-bit caches, turns
+    # for FP8, the faster on the H200).
+    schedule: str | None = None
 
     def __post_init__(self):
-        if self.split_scores not in (None, True, False):
-            raise ValueError(f"MlaCascadeConfig.split_scores must be None, True or False, got {self.split_scores!r}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ValueError(f"MlaCascadeConfig.schedule must be None or one of {SCHEDULES}, got {self.schedule!r}")
         if self.prefix_kernel not in ("auto", "triton", "mosaic_gpu"):
             raise ValueError(f"MlaCascadeConfig.prefix_kernel must be 'auto', 'triton' or 'mosaic_gpu', "
                              f"got {self.prefix_kernel!r}")
@@ -146,7 +148,7 @@ def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.
         prefix_out, prefix_lse2 = mla_decode_mgpu(
             q_dec, latent_pool, page_table, prefix_lengths, kv_lora_rank=config.kv_lora_rank,
             page_size=config.page_size, scale=config.scale, block_k=MLA_MGPU_BLOCK_K,
-            split_scores=config.split_scores, interpret=resolve_backend(config.backend) == "interpret")
+            schedule=config.schedule, interpret=resolve_backend(config.backend) == "interpret")
     else:
         prefix_out, prefix_lse2 = mla_decode(
             q_dec, latent_pool, page_table, prefix_lengths, kv_lora_rank=config.kv_lora_rank,
