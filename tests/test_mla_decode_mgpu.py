@@ -220,12 +220,12 @@ def test_mla_prefix_covers_tail_defaults_to_the_latent_decode(monkeypatch):
 
 
 def test_mla_schedule_defaults_and_refusals():
-    """None takes the per-dtype default (split for 16-bit caches, turns for FP8); an unknown
+    """None takes the per-dtype default (split for 16-bit and FP8 caches, from the H200); an unknown
     schedule is refused by the kernel and by MlaCascadeConfig, naming the value."""
     from pallas_kernels.attention.mla_decode_mgpu import default_schedule
     from treespec_jax.attention.mla import MlaCascadeConfig
 
-    assert default_schedule(jnp.bfloat16) == "split" and default_schedule(FP8) == "turns"
+    assert default_schedule(jnp.bfloat16) == "split" and default_schedule(FP8) == "split"
     bf = jnp.bfloat16
     with pytest.raises(ValueError, match="'sideways'"):
         mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), bf), jnp.zeros((64 * 4, 192), bf), jnp.zeros((1, 4), jnp.int32),

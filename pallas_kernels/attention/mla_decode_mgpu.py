@@ -35,15 +35,15 @@ One CTA per (64-row tile, key split, request): the memory warpgroup TMA-copies t
 and `block_k` latent rows per step (a page slice found through the page table) into a ring of
 `stages` buffers. Each compute warpgroup accumulates half of the L value channels, so an
 accumulator is [64, L / 2] fp32. How they share the scores is the `schedule`:
-- "split" (the 16-bit default): each scores half of the step's keys against the whole row (latent
-  + rope), they swap row maxima through shared memory, each writes its half of P there, and each
-  adds P V (P loaded whole into registers) for its value channels. Only the useful tensor work,
-  at the price of two exchanges per step.
-- "turns" (the FP8 default) and "together": both score every key and run the same online softmax,
+- "split" (the default): each scores half of the step's keys against the whole row (latent + rope),
+  they swap row maxima through shared memory, each writes its half of P there, and each adds P V
+  (P loaded whole into registers) for its value channels, issued together with its scores of the
+  next step. Only the useful tensor work, at the price of two exchanges per step.
+- "turns" and "together": both score every key and run the same online softmax,
   no exchange, 1.5x the useful tensor work at L = 512, Dr = 64; under "turns" they take turns on
   the tensor cores (as the GQA prefix kernel's `pingpong`).
-On the H200 the three land within 5-9% of each other at DeepSeek-V3 widths (the defaults are the
-faster per dtype; `DEFAULT_SCHEDULE_16BIT`): removing a third of the tensor work bought 5%, and
+On the H200 the three land within 5-10% of each other at DeepSeek-V3 widths (`DEFAULT_SCHEDULE_16BIT`
+and `_FP8` are the faster): removing a third of the tensor work bought 4-5%, and
 pages every request shares (L2-resident) 2% (`benchmarks/mla_variants.py`), so the step is bound by
 its serial chain (score wgmma, softmax, exchanges, P V) rather than by tensor or memory throughput.
 """
@@ -74,16 +74,17 @@ SMEM_ALIGN = 1024
 SMEM_OVERHEAD = 1024
 # How the two compute warpgroups share a step (`schedule`):
 #   "split": each scores half of the step's keys; the row maxima and P meet in shared memory, and
-#            each adds P V for its half of the value channels (no duplicated score matmul);
+#            each adds P V for its half of the value channels (no duplicated score matmul); a
+#            step's P V goes out together with the next step's scores;
 #   "turns": both score every key (duplicated) and take turns on the tensor cores, one's softmax
 #            (and FP8 widening) running while the other's matmuls do;
 #   "together": both score every key, no turns.
-# Defaults per cache dtype, from the H200 (B=32, P=8192, N=16, 128 heads, device time, 2026-12-01,
-# benchmarks/RESULTS.md, session 14): bf16 split 2.52 ms / together 2.65 / turns 2.74; FP8 turns
-# 2.51 / together 2.64 / split 2.63.
+# Decode alone on the H200 (B=32, P=8192, N=16, 128 heads, device time, 2026-12-01, session 14,
+# benchmarks/RESULTS.md): bf16 split 2.54 ms / together 2.64 / turns 2.71; FP8 split 2.37 / turns
+# 2.48 / together 2.62 (one process; between processes these move up to 6%).
 SCHEDULES = ("split", "turns", "together")
 DEFAULT_SCHEDULE_16BIT = "split"
-DEFAULT_SCHEDULE_FP8 = "turns"
+DEFAULT_SCHEDULE_FP8 = "split"
 
 
 def default_schedule(dtype) -> str:
@@ -304,14 +305,11 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
                 plgpu.barrier_wait(stats_ready)
                 return plgpu.load(stat_smem.at[1 - w], layout=plgpu.Layout.WGMMA.reduce(1))
 
-            def split_step(i, carry, masked: bool):
-                """Each warpgroup scores half the step's keys; the row maxima and the two halves of
-                P meet in shared memory, and each warpgroup adds P V for its value channels. `m` is
-                the same in both warpgroups, `l` sums this warpgroup's keys only."""
-                acc, m, l = carry
-                slot = lax.rem(i - lo, jnp.int32(stages))
-                plgpu.barrier_wait(kv_ready.at[slot])
-                s = half_scores(slot)
+            def split_softmax(i, s, m, l, masked: bool):
+                """The exchanges of a split step: this warpgroup's scores `s` of step i -> the
+                whole step's P in registers, the rescale factor, the new maximum and this
+                warpgroup's row sums. `m` is the same in both warpgroups, `l` sums this
+                warpgroup's keys only."""
                 if masked:
                     s = jnp.where(visible(i), s, -jnp.inf)
                 m_mine = jnp.maximum(m, s.max(axis=1) * scale2)
@@ -320,30 +318,82 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
                 alpha = jnp.exp2(m - m_use)
                 p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_use, shape, [0]))
                 l = l * alpha + p.sum(axis=1)
-                p16 = p.astype(pv_dtype)
                 # The other warpgroup finished reading its copy of P (into registers) before it
                 # sent this step's maximum.
-                p_smem.at[:, pl.ds(key_off, score_k)][...] = p16
+                p_smem.at[:, pl.ds(key_off, score_k)][...] = p.astype(pv_dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready)
-                v_tile = value_tile(slot)
-                release(slot, False)
+                return alpha, m_new, l
+
+            def whole_p():
                 plgpu.barrier_wait(p_ready)
                 # P leaves shared memory for registers: a shared-memory A operand would need V's
                 # 128-byte swizzle, which a warpgroup's half of the columns cannot be stored into.
-                p_full = plgpu.load(p_smem, layout=plgpu.Layout.WGMMA)
-                acc = add_values(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_full, v_tile)
+                return plgpu.load(p_smem, layout=plgpu.Layout.WGMMA)
+
+            def split_step(i, carry, masked: bool):
+                """Split step i < hi - 1: each warpgroup has scored half the step's keys (`s`, carried
+                in); the row maxima and the two halves of P meet in shared memory, and each
+                warpgroup's P V for its value channels goes out together with its scores of step
+                i + 1 (waited together, so the tensor cores get both back to back)."""
+                acc, m, l, s = carry
+                slot = lax.rem(i - lo, jnp.int32(stages))
+                nxt = lax.rem(i + 1 - lo, jnp.int32(stages))
+                alpha, m_new, l = split_softmax(i, s, m, l, masked)
+                v_tile = value_tile(slot)
+                release(slot, False)
+                p_full = whole_p()
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if interpret:
+                    acc = add_values(acc, p_full, v_tile)
+                    plgpu.barrier_wait(kv_ready.at[nxt])
+                    s = half_scores(nxt)
+                else:
+                    def in_flight(o_ref, s_ref):
+                        o_ref[...] = acc
+                        plgpu.wgmma(o_ref, p_full, v_tile)
+                        plgpu.barrier_wait(kv_ready.at[nxt])
+                        plgpu.wgmma(s_ref, q_smem, kv_smem.at[nxt].at[pl.ds(key_off, score_k)].transpose((1, 0)))
+                        o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+                        s_next = plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
+                        # P V read P from registers until the wait: keep them from reuse before it.
+                        o, _ = lax.optimization_barrier((o, p_full))
+                        return o, s_next
+
+                    acc, s = pl.run_scoped(in_flight, plgpu.ACC((ROWS, half), jnp.float32),
+                                           plgpu.ACC(shape, jnp.float32))
                 release(slot, True)
-                return acc, m_new, l
+                return acc, m_new, l, s
+
+            def split_steps(acc, m, l):
+                def run(acc, m, l):
+                    plgpu.barrier_wait(kv_ready.at[0])  # step lo's slot
+                    carry = (acc, m, l, half_scores(0))
+                    last = hi - 1
+                    mid = jnp.minimum(open_end, last)
+                    carry = lax.fori_loop(lo, mid, functools.partial(split_step, masked=False), carry)
+                    acc, m, l, s = lax.fori_loop(mid, last, functools.partial(split_step, masked=True), carry)
+                    slot = lax.rem(last - lo, jnp.int32(stages))
+                    alpha, m, l = split_softmax(last, s, m, l, True)
+                    v_tile = value_tile(slot)
+                    release(slot, False)
+                    acc = add_values(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), whole_p(), v_tile)
+                    release(slot, True)
+                    return acc, m, l
+
+                # No step at all (both warpgroups agree): the running state stays as it is.
+                return lax.cond(hi > lo, run, lambda *c: c, acc, m, l)
 
             m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
-            body_step = split_step if split_scores else step
             if pingpong and w == 1:
                 take_turn()  # start half a step behind warpgroup 0
-            carry = lax.fori_loop(lo, open_end, functools.partial(body_step, masked=False), (acc, m, l))
-            acc, m, l = lax.fori_loop(open_end, hi, functools.partial(body_step, masked=True), carry)
+            if split_scores:
+                acc, m, l = split_steps(acc, m, l)
+            else:
+                carry = lax.fori_loop(lo, open_end, functools.partial(step, masked=False), (acc, m, l))
+                acc, m, l = lax.fori_loop(open_end, hi, functools.partial(step, masked=True), carry)
             if pingpong and w == 0:
                 take_turn()
             if split_scores:

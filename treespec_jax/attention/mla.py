@@ -68,8 +68,8 @@ class MlaCascadeConfig:
     prefix_covers_tail: bool | None = None
     # How the Mosaic latent decode's two compute warpgroups share a step: "split" (each scores half
     # of the keys, P exchanged), "turns" or "together" (both score every key, taking turns on the
-    # tensor cores or not). None: mla_decode_mgpu.default_schedule (split for 16-bit caches, turns
-    # for FP8, the faster on the H200).
+    # tensor cores or not). None: mla_decode_mgpu.default_schedule (split, the faster on the H200
+    # for bf16 and FP8 caches).
     schedule: str | None = None
 
     def __post_init__(self):
