@@ -198,7 +198,8 @@ def mla_variants(dtype):
     return out
 
 
-def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False, schedules=()):
+def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False, schedules=(),
+            fuse_window=False):
     dname = jnp.dtype(dtype).name
     key = jax.random.PRNGKey(3)
     ragged = np.full((B,), P, np.int32)
@@ -238,6 +239,9 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False
     if default_kernel == "mosaic_gpu":  # other schedules of the latent decode's warpgroups
         rows += [("mosaic_gpu", f"schedule {s}", None, covers_tail(None, True)) for s in schedules
                  if s != mla_mgpu_module.default_schedule(dtype)]
+    if fuse_window and default_kernel == "mosaic_gpu" and dtype != FP8:
+        # The window fused into the latent decode; its "decode alone" is the default's unfused decode.
+        rows.append(("mosaic_gpu", "fused window", None, covers_tail(None, True)))
     rows += [("triton", label, dcfg, False) for label, dcfg in mla_variants(dtype)[:triton_variants]]
     for kernel, label, dcfg, covers in rows:
         name = f"mla[{dname},{kernel},{label}]"
@@ -251,7 +255,8 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False
                     f(quantize_absorbed_query(q, dtype)), *a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
                     block_k=MLA_MGPU_BLOCK_K, schedule=s, interpret=kind == "interpret"))
                 ccfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE,
-                                        prefix_kernel="mosaic_gpu", prefix_covers_tail=covers, schedule=sched)
+                                        prefix_kernel="mosaic_gpu", prefix_covers_tail=covers, schedule=sched,
+                                        fuse_window=label == "fused window")
             else:
                 dec = jax.jit(lambda *a, c=dcfg: mla_decode(*a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
                                                             config=c))
@@ -346,6 +351,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--schedules", default="",
                         help="also the Mosaic cascade under these latent-decode schedules (comma list of "
                         f"{mla_mgpu_module.SCHEDULES}; the dtype's default is the default row)")
+    parser.add_argument("--fuse-window", action="store_true",
+                        help="also the cascade with the tree window fused into the Mosaic latent decode (16-bit)")
     parser.add_argument("--skip-moves", action="store_true", help="skip the row-move checks and compaction timing")
     parser.add_argument("--triton-variants", type=int, default=1,
                         help="how many Triton latent-decode tilings to check and time besides the default cascade")
@@ -369,7 +376,7 @@ def main(argv=None) -> dict:
     for dtype in (() if args.skip_bf16 else (jnp.bfloat16,)) + (() if args.skip_fp8 else (FP8,)):
         run_mla(results, results["ceilings"], rng, dtype, triton_variants=args.triton_variants,
                 causal_split=args.causal_split,
-                schedules=tuple(v for v in args.schedules.split(",") if v))
+                schedules=tuple(v for v in args.schedules.split(",") if v), fuse_window=args.fuse_window)
     text = markdown(results)
     print(text)
     if args.markdown:

@@ -31,7 +31,7 @@ B, P, N, HQ, LORA, ROPE, PAGE = 32, 8192, 16, 128, 512, 64, 64
 def main(argv=None) -> int:
     shared = "--no-shared" not in (sys.argv[1:] if argv is None else argv)
     if jax.default_backend() != "gpu":
-        print("mla_locality: needs a GPU; nothing run", file=sys.stderr)
+        print("mla_variants: needs a GPU; nothing run", file=sys.stderr)
         return 0
     flops = measure_matmul_flops()
     rng = np.random.default_rng(0)

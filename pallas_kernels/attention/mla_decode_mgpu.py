@@ -29,7 +29,9 @@ Contract (as `mla_decode.mla_decode`, whole pages only, like `prefix_decode_mgpu
     -> out [B, R, Hq, L] f32, lse2 [B, R, Hq] f32 (base 2)
 Row r sees keys [0, min(P - R + 1 + r, (P // page_size) * page_size)); the tree window kernel
 (`prefix_whole_pages=True`) covers the rest of the prefix. The value is each key row's first L
-channels.
+channels. With `window` W > 0 and `window_mask [B, R, 2] uint32` (16-bit caches, schedule "split")
+the tree window is fused instead: row r sees [0, P) and window key P + j where bit j of its mask is
+set, and the output is the final attention (the page table must map every position below P + W).
 
 One CTA per (64-row tile, key split, request): the memory warpgroup TMA-copies the query tile once
 and `block_k` latent rows per step (a page slice found through the page table) into a ring of
@@ -60,13 +62,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.prefix_decode import default_num_splits, merge_splits
-from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, cta_key_blocks, grid_in_order,
-                                                         online_softmax_update, whole_page_bound)
+from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, cta_key_blocks, fused_window_words,
+                                                         grid_in_order, online_softmax_update, whole_page_bound,
+                                                         window_visible)
+from treespec_jax.tree.masks import MAX_TREE_NODES
 
 LOG2E = math.log2(math.e)
 F8 = jnp.dtype(jnp.float8_e4m3fn)
 ROWS = 64  # query rows per CTA (one wgmma M tile)
 OUT_CHUNK = 16  # value columns per output copy (the fp32 staging tile is [ROWS, OUT_CHUNK])
+CLEAN_COLS = 64  # value columns per register pass when the fused window zeroes unseen V rows
 # Dynamic shared memory per block on Hopper (H100/H200). Mosaic GPU starts every buffer on a
 # 1024-byte boundary; the barriers and its own bookkeeping take a little more.
 MAX_SMEM_BYTES = 232448
@@ -140,24 +145,48 @@ def check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank: int, page_size: int, blo
         raise ValueError("; ".join(errors))
 
 
-def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int, page_size: int, scale: float,
-                    block_k: int = 64, stages: int = 2, num_splits: int | None = None,
-                    schedule: str | None = None, tiles_adjacent: bool = True, interpret: bool = False):
-    """See `_mla_decode_mgpu`; `schedule` one of SCHEDULES, None: `default_schedule(q.dtype)`."""
+def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *, kv_lora_rank: int, page_size: int,
+                    scale: float, block_k: int = 64, stages: int = 2, num_splits: int | None = None,
+                    schedule: str | None = None, window: int = 0, tiles_adjacent: bool = True,
+                    interpret: bool = False):
+    """See `_mla_decode_mgpu`; `schedule` one of SCHEDULES, None: `default_schedule(q.dtype)`.
+    `window` > 0 with `window_mask [B, R, 2] uint32` (packed ancestor rows) fuses the tree window."""
     if schedule is None:
         schedule = default_schedule(q.dtype)
     if schedule not in SCHEDULES:
         raise ValueError(f"mla_decode_mgpu: schedule must be one of {SCHEDULES} or None, got {schedule!r}")
-    return _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, kv_lora_rank=kv_lora_rank, page_size=page_size,
-                            scale=scale, block_k=block_k, stages=stages, num_splits=num_splits,
-                            schedule=schedule, tiles_adjacent=tiles_adjacent, interpret=interpret)
+    errors = fused_window_errors(q, window_mask, window, schedule)
+    if errors:
+        raise ValueError("; ".join(errors))
+    return _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, kv_lora_rank=kv_lora_rank,
+                            page_size=page_size, scale=scale, block_k=block_k, stages=stages, num_splits=num_splits,
+                            schedule=schedule, window=int(window), tiles_adjacent=tiles_adjacent, interpret=interpret)
+
+
+def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]:
+    """Every reason the fused tree window cannot run on these inputs (empty: it can, or no window)."""
+    if not window and window_mask is None:
+        return []
+    b, r = q.shape[:2]
+    errors = []
+    if not 1 <= window <= MAX_TREE_NODES:
+        errors.append(f"mla_decode_mgpu: window must be in [1, {MAX_TREE_NODES}] with a window_mask, got {window}")
+    if window_mask is None or tuple(window_mask.shape) != (b, r, 2) or window_mask.dtype != jnp.uint32:
+        errors.append(f"mla_decode_mgpu: window={window} needs window_mask [B={b}, R={r}, 2] uint32, got "
+                      f"{None if window_mask is None else (tuple(window_mask.shape), str(window_mask.dtype))}")
+    if jnp.dtype(q.dtype) == F8:
+        errors.append("mla_decode_mgpu: the fused window scores the unquantised query, so it takes 16-bit caches "
+                      "only, got float8_e4m3fn (an FP8 cache keeps the window kernel)")
+    if schedule != "split":
+        errors.append(f"mla_decode_mgpu: the fused window runs under schedule 'split' only, got {schedule!r}")
+    return errors
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
-                                             "num_splits", "schedule", "tiles_adjacent", "interpret"))
-def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: int, page_size: int, scale: float,
-                     block_k: int, stages: int, num_splits: int | None, schedule: str, tiles_adjacent: bool,
-                     interpret: bool):
+                                             "num_splits", "schedule", "window", "tiles_adjacent", "interpret"))
+def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_lora_rank: int, page_size: int,
+                     scale: float, block_k: int, stages: int, num_splits: int | None, schedule: str, window: int,
+                     tiles_adjacent: bool, interpret: bool):
     """See the module docstring. `block_k` keys per step (a multiple of 64: the P V contraction).
     At L + Dr = 576 the query tile and two 64-key latent buffers take 216 KiB of the 227 KiB of
     shared memory. Without split scores the output leaves in [64, 16] fp32 pieces; under "split"
@@ -194,8 +223,14 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
     blocks_per_split = -(-max_blocks // splits)
     scale2 = float(scale) * LOG2E
     qf = jnp.pad(q.reshape(b, rows, c), ((0, 0), (0, rows_pad - rows), (0, 0)))
+    fused = window > 0
+    if fused:
+        # Row r * Hq + h gets request row r's mask words; `union`: the window slots some row sees.
+        words, union = fused_window_words(window_mask, hq, rows_pad)
+    else:
+        words = union = jnp.zeros((b, 2, 1), jnp.int32)  # unread
 
-    def body(q_gmem, lat_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, scoped):
+    def body(q_gmem, lat_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, out_gmem, lse_gmem, scoped):
         (q_smem, kv_smem, wide_smem, *out_bufs), (q_ready, kv_ready, kv_free, *syncs) = scoped
         if split_scores:
             (p_smem, stat_smem), (o_smem, lse_smem) = out_bufs
@@ -209,7 +244,14 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
         wg = lax.axis_index("wg")
         length = len_gmem[bi]
         row0 = tile * ROWS
-        whole, lo, hi = cta_key_blocks(length, page_size, r, hq, row0, ROWS, block_k, split, blocks_per_split)
+        if fused:
+            # Every row reads [0, P + window): the committed keys and the window under its mask
+            # bits. The page table maps every position below P + window, so each step's page does.
+            lo = split * blocks_per_split
+            steps_needed = lax.div(length + window + block_k - 1, jnp.int32(block_k))
+            hi = jnp.maximum(jnp.minimum(lo + blocks_per_split, steps_needed), lo)
+        else:
+            whole, lo, hi = cta_key_blocks(length, page_size, r, hq, row0, ROWS, block_k, split, blocks_per_split)
 
         def compute(w: int):
             plgpu.set_max_registers(232, action="increase")
@@ -218,11 +260,26 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
             score_k = block_k // 2 if split_scores else block_k
             key_off = w * score_k if split_scores else 0
             shape = (ROWS, score_k)
-            row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
             col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + key_off
-            row_hi = whole_page_bound(length, r, hq, row, whole)
-            first_hi = jnp.maximum(whole_page_bound(length, r, hq, row0, whole), 0)
-            open_end = jnp.clip(lax.div(first_hi, jnp.int32(block_k)), lo, hi)
+            if fused:
+                # [64] per word, broadcast over the keys only inside a masked step.
+                row_words = [plgpu.load(words_gmem.at[bi, k, pl.ds(row0, ROWS)], layout=plgpu.Layout.WGMMA.reduce(1),
+                                        optimized=False)
+                             for k in range(2)]
+                union = (union_gmem[bi, 0], union_gmem[bi, 1])
+                open_end = jnp.clip(lax.div(length, jnp.int32(block_k)), lo, hi)  # steps wholly below P
+
+                def visible(i):
+                    step_words = [lax.broadcast_in_dim(v, shape, [0]) for v in row_words]
+                    return window_visible(col + i * block_k, length, window, step_words)
+            else:
+                row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+                row_hi = whole_page_bound(length, r, hq, row, whole)
+                first_hi = jnp.maximum(whole_page_bound(length, r, hq, row0, whole), 0)
+                open_end = jnp.clip(lax.div(first_hi, jnp.int32(block_k)), lo, hi)
+
+                def visible(i):
+                    return col + i * block_k < row_hi
             cols = pl.ds(w * half, half)  # this warpgroup's value channels (static)
 
             def value_tile(slot):
@@ -234,6 +291,20 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
                 wide[...] = kv_smem.at[slot].at[:, cols][...].astype(pv_dtype)
                 plgpu.commit_smem()
                 return wide
+
+            def clean_values(v_tile, i):
+                """Fused window, masked step i: zero this warpgroup's value channels of the rows no
+                row of the request may see (past P + window, or window slots outside every row's
+                mask; they may hold NaN / inf, which a zero softmax weight would still spread). Only
+                this warpgroup reads these channels; the other's scores may read the rows, but
+                those scores are masked whatever they hold."""
+                for j in range(half // CLEAN_COLS):
+                    chunk = v_tile.at[:, pl.ds(j * CLEAN_COLS, CLEAN_COLS)]
+                    v = plgpu.load(chunk, layout=plgpu.Layout.WGMMA)
+                    key = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA) + i * block_k
+                    chunk[...] = jnp.where(window_visible(key, length, window, union), v, jnp.zeros_like(v))
+                plgpu.commit_smem()
+                return v_tile
 
             def add_values(acc, p_operand, v_tile):
                 """acc + P V[:, this warpgroup's half]; P in registers or a shared-memory ref."""
@@ -255,9 +326,6 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
                     return acc_ref[...]
 
                 return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-
-            def visible(i):
-                return col + i * block_k < row_hi
 
             def release(slot, after_values: bool):
                 # FP8: both matmul operands are copied out once the values are widened.
@@ -341,6 +409,8 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
                 nxt = lax.rem(i + 1 - lo, jnp.int32(stages))
                 alpha, m_new, l = split_softmax(i, s, m, l, masked)
                 v_tile = value_tile(slot)
+                if fused and masked:
+                    v_tile = clean_values(v_tile, i)
                 release(slot, False)
                 p_full = whole_p()
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -375,7 +445,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
                     acc, m, l, s = lax.fori_loop(mid, last, functools.partial(split_step, masked=True), carry)
                     slot = lax.rem(last - lo, jnp.int32(stages))
                     alpha, m, l = split_softmax(last, s, m, l, True)
-                    v_tile = value_tile(slot)
+                    v_tile = clean_values(value_tile(slot), last) if fused else value_tile(slot)
                     release(slot, False)
                     acc = add_values(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), whole_p(), v_tile)
                     release(slot, True)
@@ -458,7 +528,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
             def _drain(i):
                 plgpu.barrier_wait(kv_free.at[lax.rem(i - lo, jnp.int32(stages))])
 
-    def entry(q_gmem, lat_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem):
+    def entry(q_gmem, lat_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, out_gmem, lse_gmem):
         ring = plgpu.SMEM((stages, block_k, c), dtype, transforms=_smem_transforms(c, dtype))
         # Each warpgroup's fp16 copy of its value channels (FP8 caches only).
         # (Two buffers: a wgmma operand indexed by the static warpgroup number did not lower.)
@@ -486,7 +556,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
             if split_scores:
                 q_smem, ((kv_smem, wide_smem), stage), exch = bufs
                 bufs = (q_smem, kv_smem, wide_smem, exch, stage)
-            body(q_gmem, lat_gmem, pt_gmem, len_gmem, out_gmem, lse_gmem, (bufs, bars))
+            body(q_gmem, lat_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, out_gmem, lse_gmem, (bufs, bars))
 
         pl.run_scoped(
             lambda bufs, bars: run(bufs, bars), buffers,
@@ -508,7 +578,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, *, kv_lora_rank: in
         # default 2 KiB does not fit beside the split-score buffers at L + Dr = 576).
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(qf, latent_pool, page_table.astype(jnp.int32), prefix_len.astype(jnp.int32))
+    )(qf, latent_pool, page_table.astype(jnp.int32), prefix_len.astype(jnp.int32), words, union)
     if splits > 1:
         out, lse = merge_splits(out, lse)
     else:

@@ -29,7 +29,7 @@ from pallas_kernels.attention.mla_decode_mgpu import (SCHEDULES, check_mla_mgpu_
                                                        mla_mgpu_input_errors)
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.attention.tree_window import tree_window_attention
-from treespec_jax.attention.cascade import check_covers_tail_setting, covers_tail
+from treespec_jax.attention.cascade import covers_tail
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
 # Keys per step of the Mosaic GPU latent decode (a multiple of 64, the P V contraction's minimum;
@@ -71,26 +71,45 @@ class MlaCascadeConfig:
     # tensor cores or not). None: mla_decode_mgpu.default_schedule (split, the faster on the H200
     # for bf16 and FP8 caches).
     schedule: str | None = None
+    # Fuse the tree window into the Mosaic latent decode (16-bit caches, schedule "split"): one
+    # kernel gives every row the keys [0, P + window), window key j under bit j of the row's mask,
+    # and writes the final output (no partial, no window kernel). Off until timed on the GPU.
+    fuse_window: bool = False
 
     def __post_init__(self):
-        if self.schedule is not None and self.schedule not in SCHEDULES:
-            raise ValueError(f"MlaCascadeConfig.schedule must be None or one of {SCHEDULES}, got {self.schedule!r}")
+        """Every bad field at once."""
+        errors = []
         if self.prefix_kernel not in ("auto", "triton", "mosaic_gpu"):
-            raise ValueError(f"MlaCascadeConfig.prefix_kernel must be 'auto', 'triton' or 'mosaic_gpu', "
-                             f"got {self.prefix_kernel!r}")
-        if self.kv_lora_rank < 16 or self.kv_lora_rank & (self.kv_lora_rank - 1):
-            raise ValueError(f"MlaCascadeConfig.kv_lora_rank must be a power of two >= 16, got {self.kv_lora_rank}")
-        if self.rope_dim < 16 or self.rope_dim & (self.rope_dim - 1):
-            raise ValueError(f"MlaCascadeConfig.rope_dim must be a power of two >= 16, got {self.rope_dim}")
-        if self.page_size < 16 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"MlaCascadeConfig.page_size must be a power of two >= 16, got {self.page_size}")
+            errors.append(f"MlaCascadeConfig.prefix_kernel must be 'auto', 'triton' or 'mosaic_gpu', "
+                          f"got {self.prefix_kernel!r}")
+        for name in ("kv_lora_rank", "rope_dim", "page_size"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                errors.append(f"MlaCascadeConfig.{name} must be a power of two >= 16, got {value}")
         if not self.scale > 0:
-            raise ValueError(f"MlaCascadeConfig.scale must be positive, got {self.scale}")
+            errors.append(f"MlaCascadeConfig.scale must be positive, got {self.scale}")
         if jnp.dtype(self.model_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                                                jnp.dtype(jnp.float32)):
-            raise ValueError(f"MlaCascadeConfig.model_dtype must be bfloat16, float16 or float32, "
-                             f"got {self.model_dtype!r}")
-        check_covers_tail_setting(self.prefix_covers_tail, "MlaCascadeConfig")
+            errors.append(f"MlaCascadeConfig.model_dtype must be bfloat16, float16 or float32, "
+                          f"got {self.model_dtype!r}")
+        if not (self.prefix_covers_tail is None or isinstance(self.prefix_covers_tail, bool)):
+            errors.append(f"MlaCascadeConfig.prefix_covers_tail must be None, True or False, "
+                          f"got {self.prefix_covers_tail!r}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            errors.append(f"MlaCascadeConfig.schedule must be None or one of {SCHEDULES}, got {self.schedule!r}")
+        if not isinstance(self.fuse_window, bool):
+            errors.append(f"MlaCascadeConfig.fuse_window must be True or False, got {self.fuse_window!r}")
+        elif self.fuse_window:
+            if self.prefix_kernel == "triton":
+                errors.append("MlaCascadeConfig.fuse_window=True needs the Mosaic latent decode (prefix_kernel "
+                              "'auto' or 'mosaic_gpu'), got prefix_kernel='triton'")
+            if self.schedule not in (None, "split"):
+                errors.append(f"MlaCascadeConfig.fuse_window=True runs under schedule 'split', got {self.schedule!r}")
+            if self.prefix_covers_tail is False:
+                errors.append("MlaCascadeConfig.fuse_window=True reads every row's whole prefix in one kernel, so "
+                              "prefix_covers_tail=False (a causal tail for the window kernel) contradicts it")
+        if errors:
+            raise ValueError("; ".join(errors))
 
 
 def _check(q, latent_pool, config: MlaCascadeConfig):
@@ -142,6 +161,16 @@ def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.
     # The decodes bound the rows of query row r by P - R + 1 + r; as one query row of R * Hq heads
     # every row's bound is P (`prefix_covers_tail`). The latent cache has one KV head, so regrouping
     # the heads changes nothing else.
+    if config.fuse_window:
+        if not mosaic:
+            raise ValueError("MlaCascadeConfig.fuse_window=True needs the Mosaic latent decode, which does not run "
+                             f"here (backend {resolve_backend(config.backend)!r}, cache {latent_pool.dtype}, page "
+                             f"{config.page_size}); see mla_mgpu_input_errors")
+        out, _ = mla_decode_mgpu(
+            q, latent_pool, page_table, prefix_lengths, mask, kv_lora_rank=config.kv_lora_rank,
+            page_size=config.page_size, scale=config.scale, block_k=MLA_MGPU_BLOCK_K, schedule=config.schedule,
+            window=window, interpret=resolve_backend(config.backend) == "interpret")
+        return out.astype(model)
     covers = covers_tail(config.prefix_covers_tail, mosaic)
     q_dec = q.reshape(b, 1, r * hq, c) if covers else q
     if mosaic:

@@ -1,0 +1,125 @@
+"""The tree window fused into the Mosaic MLA latent decode (`MlaCascadeConfig.fuse_window`), in Pallas'
+GPU interpreter against one dense fp32 attention, plus its refusals and its lowering at DeepSeek-V3
+widths. The compiled kernel runs in benchmarks/ (bench_mla.py --fuse-window)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from paged_fixtures import poisoned_paged_pools, rel_err
+from test_cascade_gqa import lane_masks
+from trees import random_parents
+
+from pallas_kernels.attention import mla_decode_mgpu as mla_mgpu_module
+from pallas_kernels.attention.mla_decode_mgpu import mla_decode_mgpu
+from pallas_kernels.attention.reference import cascade_dense_reference
+from treespec_jax.attention import mla as mla_module
+from treespec_jax.attention.mla import MlaCascadeConfig, mla_lane_attention, mla_verify_attention
+from treespec_jax.tree.masks import ancestor_mask, pack_mask_rows
+
+LORA, ROPE, PAGE, SCALE = 128, 64, 64, 0.09
+# The interpreter scores the NaN-poisoned key rows before the mask replaces those scores.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+
+
+def dense(q, pool, table, lengths, mask, window):
+    return cascade_dense_reference(q, pool[:, None, :], pool[:, None, :LORA], table, lengths, mask, window=window,
+                                   page_size=PAGE, scale=SCALE)[0]
+
+
+@pytest.mark.parametrize("n,hq,lengths,splits", [
+    (8, 8, [260, 0, 3], 2),  # P = 0 and P < N; the key axis split in two, merged by LSE
+    (16, 4, [130, 64], 1),  # window straddling a page edge; P a whole page
+    (5, 8, [63, 200], 3),  # 40 rows padded to one tile; a trailing split with no step
+])
+def test_fused_mla_window_matches_dense(n, hq, lengths, splits):
+    """Every row sees [0, P) and its ancestors in the window; slots past P + N hold NaN (poisoned),
+    which the kernel must zero before P V."""
+    rng = np.random.default_rng(n * hq)
+    lengths = np.asarray(lengths, np.int32)
+    b = len(lengths)
+    pool, _, table = poisoned_paged_pools(rng, b, int(lengths.max()) + n, 1, LORA + ROPE, PAGE, jnp.bfloat16,
+                                          lambda bb, pos: pos < lengths[bb] + n)
+    pool = pool[:, 0]
+    q = jnp.asarray(rng.standard_normal((b, n, hq, LORA + ROPE)), jnp.bfloat16)
+    mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
+    lens = jnp.asarray(lengths)
+    out, lse = mla_decode_mgpu(q, pool, table, lens, mask, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
+                               window=n, num_splits=splits, interpret=True)
+    assert out.shape == (b, n, hq, LORA) and lse.shape == (b, n, hq)
+    assert not np.isnan(np.asarray(out)).any()
+    assert rel_err(out, dense(q, pool, table, lens, mask, n)) < 1e-2
+    # The same through the verify cascade, which then runs no window kernel.
+    calls = []
+    real = mla_module.tree_window_attention
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mla_module, "tree_window_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+        cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
+                               prefix_kernel="mosaic_gpu", fuse_window=True)
+        got = mla_verify_attention(q, pool, table, lens, mask, config=cfg)
+    assert not calls
+    assert rel_err(got, dense(q, pool, table, lens, mask, n)) < 1e-2
+
+
+def test_fused_mla_lanes_zero_unseen_slots():
+    """Draft lanes (K = 4, S = 5, at draft step 2): lane-window slots no lane sees (not yet written,
+    or pruned) hold NaN; the fused kernel zeroes their value rows and equals dense attention."""
+    rng = np.random.default_rng(7)
+    b, kk, steps, step, hq = 2, 4, 5, 2, 16
+    w = (steps - 1) * kk
+    frontier = np.array([70, 129], np.int32)
+    bits = lane_masks(rng, b, kk, step)[:, :, :w]
+    seen_slots = bits.any(axis=1)  # [B, W]
+    pool, _, table = poisoned_paged_pools(
+        rng, b, int(frontier.max()) + w, 1, LORA + ROPE, PAGE, jnp.bfloat16,
+        lambda bb, pos: pos < frontier[bb] or (pos < frontier[bb] + w and seen_slots[bb, pos - frontier[bb]]))
+    pool = pool[:, 0]
+    assert not seen_slots.all()  # some window slot is poisoned, so the test can fail
+    q = jnp.asarray(rng.standard_normal((b, kk, hq, LORA + ROPE)), jnp.bfloat16)
+    mask = pack_mask_rows(jnp.asarray(bits))
+    cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
+                           prefix_kernel="mosaic_gpu", fuse_window=True)
+    out = mla_lane_attention(q, pool, table, jnp.asarray(frontier), mask, steps=steps, config=cfg)
+    ref = dense(q, pool, table, jnp.asarray(frontier), mask, w)
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    assert rel_err(out.astype(jnp.float32), ref) < 1e-2
+
+
+def test_fused_mla_window_refusals_list_every_blocker():
+    bf, f8 = jnp.bfloat16, jnp.float8_e4m3fn
+    pool, table, lens = jnp.zeros((64 * 4, 192), bf), jnp.zeros((1, 4), jnp.int32), jnp.zeros((1,), jnp.int32)
+    mask = jnp.zeros((1, 2, 2), jnp.uint32)
+    kw = dict(kv_lora_rank=128, page_size=64, scale=0.1)
+    with pytest.raises(ValueError, match=r"window must be in \[1, 64\].*schedule 'split' only, got 'turns'"):
+        mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), bf), pool, table, lens, mask, window=65, schedule="turns", **kw)
+    with pytest.raises(ValueError, match=r"needs window_mask \[B=1, R=2, 2\] uint32"):
+        mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), bf), pool, table, lens, mask.astype(jnp.int32), window=2, **kw)
+    with pytest.raises(ValueError, match="16-bit caches only, got float8_e4m3fn"):
+        mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), f8), pool.astype(f8), table, lens, mask, window=2, **kw)
+    with pytest.raises(ValueError, match=r"prefix_kernel='triton'.*schedule 'split', got 'together'.*contradicts"):
+        MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, fuse_window=True,
+                         prefix_kernel="triton", schedule="together", prefix_covers_tail=False)
+    with pytest.raises(ValueError, match="fuse_window must be True or False, got 1"):
+        MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, fuse_window=1)
+    # Where the Mosaic latent decode does not run ("auto" in the interpreter), fusing is refused,
+    # not silently dropped.
+    cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
+                           fuse_window=True)
+    q = jnp.zeros((1, 2, 4, LORA + ROPE), bf)
+    with pytest.raises(ValueError, match="needs the Mosaic latent decode, which does not run here"):
+        mla_verify_attention(q, jnp.zeros((64 * 4, LORA + ROPE), bf), table, lens, mask, config=cfg)
+
+
+def test_fused_mla_window_lowers_to_mosaic_gpu():
+    """DeepSeek-V3 widths (latent 512 + rope 64, 128 heads, N = 16): layout inference and the
+    shared-memory check pass with the window fused (the words are read straight from global memory)."""
+    import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
+
+    sd = jax.ShapeDtypeStruct
+    fn = lambda q, pool, t, ln, mk: mla_decode_mgpu(q, pool, t, ln, mk, kv_lora_rank=512, page_size=64,  # noqa: E731
+                                                    scale=0.07, window=16, num_splits=2)
+    text = jax.jit(fn).trace(sd((2, 16, 128, 576), jnp.bfloat16), sd((64 * 64, 576), jnp.bfloat16),
+                             sd((2, 32), jnp.int32), sd((2,), jnp.int32),
+                             sd((2, 16, 2), jnp.uint32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert mla_mgpu_module.default_schedule(jnp.bfloat16) == "split"  # the schedule the fused kernel runs
