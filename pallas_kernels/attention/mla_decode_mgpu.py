@@ -96,6 +96,7 @@ def default_schedule(dtype) -> str:
     """The `schedule` None stands for under this cache dtype (read per call)."""
     return DEFAULT_SCHEDULE_FP8 if jnp.dtype(dtype) == F8 else DEFAULT_SCHEDULE_16BIT
 
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
 
@@ -228,7 +229,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
         # Row r * Hq + h gets request row r's mask words; `union`: the window slots some row sees.
         words, union = fused_window_words(window_mask, hq, rows_pad)
     else:
-        words = union = jnp.zeros((b, 2, 1), jnp.int32)  # unread
+        words, union = jnp.zeros((b, 2, 1), jnp.int32), jnp.zeros((b, 2), jnp.int32)  # unread
 
     def body(q_gmem, lat_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, out_gmem, lse_gmem, scoped):
         (q_smem, kv_smem, wide_smem, *out_bufs), (q_ready, kv_ready, kv_free, *syncs) = scoped
@@ -266,7 +267,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 row_words = [plgpu.load(words_gmem.at[bi, k, pl.ds(row0, ROWS)], layout=plgpu.Layout.WGMMA.reduce(1),
                                         optimized=False)
                              for k in range(2)]
-                union = (union_gmem[bi, 0], union_gmem[bi, 1])
+                seen_slots = (union_gmem[bi, 0], union_gmem[bi, 1])  # the OR of the request's masks
                 open_end = jnp.clip(lax.div(length, jnp.int32(block_k)), lo, hi)  # steps wholly below P
 
                 def visible(i):
@@ -302,7 +303,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                     chunk = v_tile.at[:, pl.ds(j * CLEAN_COLS, CLEAN_COLS)]
                     v = plgpu.load(chunk, layout=plgpu.Layout.WGMMA)
                     key = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA) + i * block_k
-                    chunk[...] = jnp.where(window_visible(key, length, window, union), v, jnp.zeros_like(v))
+                    chunk[...] = jnp.where(window_visible(key, length, window, seen_slots), v, jnp.zeros_like(v))
                 plgpu.commit_smem()
                 return v_tile
 
@@ -374,9 +375,10 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 return plgpu.load(stat_smem.at[1 - w], layout=plgpu.Layout.WGMMA.reduce(1))
 
             def split_softmax(i, s, m, l, masked: bool):
-                """The exchanges of a split step: this warpgroup's scores `s` of step i -> the
-                whole step's P in registers, the rescale factor, the new maximum and this
-                warpgroup's row sums. `m` is the same in both warpgroups, `l` sums this
+                """A split step's softmax: from this warpgroup's scores `s` of step i, swap row
+                maxima, write this warpgroup's columns of P to shared memory and announce them
+                (`whole_p` waits for the other's); returns the rescale factor, the new maximum and
+                this warpgroup's row sums. `m` is the same in both warpgroups, `l` sums this
                 warpgroup's keys only."""
                 if masked:
                     s = jnp.where(visible(i), s, -jnp.inf)
