@@ -3,14 +3,18 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/cascade_breakdown.py [--shapes 64x4096x64,1x32768x64]
         [--fp8] [--stages 2x2,4x1]
 
-For each shape, the default path (`CascadeConfig()`: the Mosaic prefix with `prefix_covers_tail`)
-cut into its pieces, each timed alone by `timing.chained_time`: q into the row layout
+For each shape, the unfused Mosaic path (`CascadeConfig(fuse_window=False)`: the Mosaic prefix with
+`prefix_covers_tail`, then the window kernel) cut into its pieces, each timed alone by
+`timing.chained_time`: q into the row layout
 (`heads_to_rows`), the prefix kernel with its split merge, the split merge alone on arrays of the
 kernel's output shape, the window kernel on the row layout, the output back to heads
 (`rows_to_heads`), and the whole public cascade; and the window step with and without the kernel writing the head layout
 (`heads_out`). The prefix is also timed at P/2 and P/4 (same launch), whose straight-line
 fit gives the kernel's cost per key step and its fixed cost (launch, pipeline fill, epilogue, wave
-tail). `--stages SxP,...` also times the prefix at other (stages, pages per step). Logs only.
+tail). For 16-bit pools the default fuses the window into the prefix kernel (`fuse_window`): the
+public cascade is timed both ways, the fused one at P/2 and P/4 too (its fixed cost), and its split
+merge alone on arrays of the fused kernel's partial shape. `--stages SxP,...` also times the prefix
+at other (stages, pages per step). Logs only.
 """
 
 from __future__ import annotations
@@ -28,13 +32,12 @@ import numpy as np  # noqa: E402
 from benchmarks.bench_cascade import D, FP8, HKV, HQ, PAGE, make_paged, random_parents  # noqa: E402
 from benchmarks.report import log, parse_shapes  # noqa: E402
 from benchmarks.timing import chained_time, feed_scalar  # noqa: E402
-from pallas_kernels.attention.prefix_decode import (heads_to_rows, merge_splits, padded_rows,  # noqa: E402
-                                                    rows_to_heads)
+from pallas_kernels.attention.prefix_decode import heads_to_rows, merge_splits, rows_to_heads  # noqa: E402
 from pallas_kernels.attention.prefix_decode_mgpu import (ROWS_PER_CTA, default_mgpu_num_splits,  # noqa: E402
                                                          default_pages_per_step, prefix_decode_mgpu_row_layout,
                                                          warpgroup_layout)
 from pallas_kernels.attention.tree_window import tree_window_row_layout  # noqa: E402
-from treespec_jax.attention.cascade import CascadeConfig, cascade_attention  # noqa: E402
+from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, mosaic_rows  # noqa: E402
 from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
 
 CHAINED = 20
@@ -52,7 +55,7 @@ def breakdown(b, p, n, dtype, stage_forms, rng, key):
     lengths = jnp.full((b,), p, jnp.int32)
     mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
     group = HQ // HKV
-    total = padded_rows(n * group)
+    total = mosaic_rows(n * group)  # as the cascade lays rows out under the Mosaic prefix
     scale = D ** -0.5
     qr = heads_to_rows(q, HKV, total)
     kw = dict(query_rows=1, group=n * group, page_size=PAGE, scale=scale, interpret=interp)
@@ -61,7 +64,10 @@ def breakdown(b, p, n, dtype, stage_forms, rng, key):
     win = jax.jit(lambda *a: tree_window_row_layout(*a, query_rows=n, group=group, window=n, page_size=PAGE,
                                                     scale=scale, causal_prefix=False, value_dim=D,
                                                     interpret=interp, prefix_whole_pages=True))
-    cas = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(page_size=PAGE)))
+    cas = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(page_size=PAGE, fuse_window=False)))
+    fused = jnp.dtype(dtype).itemsize == 2  # the 16-bit default fuses the window into the prefix kernel
+    cas_fused = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
+        page_size=PAGE, prefix_kernel="mosaic_gpu", fuse_window=True)))
     itemsize = jnp.dtype(dtype).itemsize
     wgs, rows_cta, _ = warpgroup_layout(total, None, itemsize)
     pps = default_pages_per_step(total, D, itemsize, PAGE, 2)
@@ -88,7 +94,13 @@ def breakdown(b, p, n, dtype, stage_forms, rng, key):
         jax.jit(lambda *a: rows_to_heads(tree_window_row_layout(*a, **win_kw), n, HQ)), wargs, 4)
     t["window writing heads"] = device_ms(
         jax.jit(lambda *a: tree_window_row_layout(*a, **win_kw, heads_out=True)), wargs, 4)
-    t["cascade (public)"] = device_ms(cas, (q, kp, vp, table, lengths, mask), 4)
+    t["cascade (public, unfused)"] = device_ms(cas, (q, kp, vp, table, lengths, mask), 4)
+    if fused:
+        t["cascade (public, fused)"] = device_ms(cas_fused, (q, kp, vp, table, lengths, mask), 4)
+        if splits > 1:  # the fused kernel's key-split partials, [S, B, R, Hq, D], merged by XLA
+            so = jax.random.normal(key, (splits, b, n, HQ, D), jnp.float32)
+            sl = jax.random.normal(jax.random.fold_in(key, 1), (splits, b, n, HQ), jnp.float32)
+            t[f"fused split merge alone ({splits} partials)"] = device_ms(jax.jit(merge_splits), (so, sl), 1)
     # The default path's pieces: q in, prefix (with its merge), the window writing the head layout.
     pieces = sum(t[k] for k in ("q to rows", "prefix (kernel + merge)", "window writing heads"))
     log(f"{name}: splits {splits}, partials {parts}, pages/step {pps}; "
@@ -104,6 +116,13 @@ def breakdown(b, p, n, dtype, stage_forms, rng, key):
     log(f"{name}: prefix at P, P/2, P/4: " + ", ".join(f"{y:.4f}" for y in ys)
         + f" ms; fit {fixed:.4f} ms fixed + {1e3 * slope * 1024:.3f} us per 1024 keys "
         f"(fixed share at P: {fixed / ys[0]:.1%})")
+    if fused:
+        ys = [device_ms(cas_fused, (q, kp, vp, table, jnp.full((b,), p // frac, jnp.int32), mask), 4)
+              for frac in (1, 2, 4)]
+        slope, fixed = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+        log(f"{name}: fused cascade at P, P/2, P/4: " + ", ".join(f"{y:.4f}" for y in ys)
+            + f" ms; fit {fixed:.4f} ms fixed + {1e3 * slope * 1024:.3f} us per 1024 keys "
+            f"(fixed share at P: {fixed / ys[0]:.1%})")
     for stages, pages in stage_forms:
         try:
             ms = device_ms(jax.jit(lambda *a, s=stages, pp=pages: prefix_decode_mgpu_row_layout(

@@ -96,18 +96,21 @@ def test_fused_mla_window_refusals_list_every_blocker():
         mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), bf), pool, table, lens, mask.astype(jnp.int32), window=2, **kw)
     with pytest.raises(ValueError, match="16-bit caches only, got float8_e4m3fn"):
         mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), f8), pool.astype(f8), table, lens, mask, window=2, **kw)
-    with pytest.raises(ValueError, match=r"prefix_kernel='triton'.*schedule 'split', got 'together'.*contradicts"):
+    with pytest.raises(ValueError, match=r"got 'triton'.*schedule 'split', got 'together'.*contradicts"):
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, fuse_window=True,
                          prefix_kernel="triton", schedule="together", prefix_covers_tail=False)
     with pytest.raises(ValueError, match="fuse_window must be True or False, got 1"):
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, fuse_window=1)
-    # Where the Mosaic latent decode does not run ("auto" in the interpreter), fusing is refused,
-    # not silently dropped.
-    cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
-                           fuse_window=True)
+    # "auto" may resolve to the Triton decode (as in the interpreter): fusing is refused when the
+    # config is built, not silently dropped later.
+    with pytest.raises(ValueError, match="needs prefix_kernel='mosaic_gpu'.*got 'auto'"):
+        MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, fuse_window=True)
+    # The Mosaic decode's own input checks still name what it cannot take (a 32-token page here).
+    cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=32, scale=SCALE, backend="interpret",
+                           prefix_kernel="mosaic_gpu", fuse_window=True)
     q = jnp.zeros((1, 2, 4, LORA + ROPE), bf)
-    with pytest.raises(ValueError, match="needs the Mosaic latent decode, which does not run here"):
-        mla_verify_attention(q, jnp.zeros((64 * 4, LORA + ROPE), bf), table, lens, mask, config=cfg)
+    with pytest.raises(ValueError, match="block_k must be a multiple of 64 dividing page_size 32"):
+        mla_verify_attention(q, jnp.zeros((32 * 4, LORA + ROPE), bf), table, lens, mask, config=cfg)
 
 
 def test_fused_mla_window_lowers_to_mosaic_gpu():

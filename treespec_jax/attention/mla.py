@@ -71,9 +71,10 @@ class MlaCascadeConfig:
     # tensor cores or not). None: mla_decode_mgpu.default_schedule (split, the faster on the H200
     # for bf16 and FP8 caches).
     schedule: str | None = None
-    # Fuse the tree window into the Mosaic latent decode (16-bit caches, schedule "split"): one
-    # kernel gives every row the keys [0, P + window), window key j under bit j of the row's mask,
-    # and writes the final output (no partial, no window kernel). Off until timed on the GPU.
+    # Fuse the tree window into the Mosaic latent decode (prefix_kernel "mosaic_gpu", 16-bit caches,
+    # schedule "split"): one kernel gives every row the keys [0, P + window), window key j under bit
+    # j of the row's mask, and writes the final output (no partial, no window kernel). Off until
+    # timed on the GPU.
     fuse_window: bool = False
 
     def __post_init__(self):
@@ -100,9 +101,9 @@ class MlaCascadeConfig:
         if not isinstance(self.fuse_window, bool):
             errors.append(f"MlaCascadeConfig.fuse_window must be True or False, got {self.fuse_window!r}")
         elif self.fuse_window:
-            if self.prefix_kernel == "triton":
-                errors.append("MlaCascadeConfig.fuse_window=True needs the Mosaic latent decode (prefix_kernel "
-                              "'auto' or 'mosaic_gpu'), got prefix_kernel='triton'")
+            if self.prefix_kernel != "mosaic_gpu":
+                errors.append(f"MlaCascadeConfig.fuse_window=True needs prefix_kernel='mosaic_gpu' (the window is "
+                              f"fused into that kernel), got {self.prefix_kernel!r}")
             if self.schedule not in (None, "split"):
                 errors.append(f"MlaCascadeConfig.fuse_window=True runs under schedule 'split', got {self.schedule!r}")
             if self.prefix_covers_tail is False:
@@ -161,11 +162,7 @@ def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.
     # The decodes bound the rows of query row r by P - R + 1 + r; as one query row of R * Hq heads
     # every row's bound is P (`prefix_covers_tail`). The latent cache has one KV head, so regrouping
     # the heads changes nothing else.
-    if config.fuse_window:
-        if not mosaic:
-            raise ValueError("MlaCascadeConfig.fuse_window=True needs the Mosaic latent decode, which does not run "
-                             f"here (backend {resolve_backend(config.backend)!r}, cache {latent_pool.dtype}, page "
-                             f"{config.page_size}); see mla_mgpu_input_errors")
+    if config.fuse_window:  # prefix_kernel="mosaic_gpu": its inputs were checked above
         out, _ = mla_decode_mgpu(
             q, latent_pool, page_table, prefix_lengths, mask, kv_lora_rank=config.kv_lora_rank,
             page_size=config.page_size, scale=config.scale, block_k=MLA_MGPU_BLOCK_K, schedule=config.schedule,
