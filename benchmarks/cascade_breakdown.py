@@ -12,8 +12,9 @@ kernel's output shape, the window kernel on the row layout, the output back to h
 (`heads_out`). The prefix is also timed at P/2 and P/4 (same launch), whose straight-line
 fit gives the kernel's cost per key step and its fixed cost (launch, pipeline fill, epilogue, wave
 tail). For 16-bit pools the default fuses the window into the prefix kernel (`fuse_window`): the
-public cascade is timed both ways, the fused one at P/2 and P/4 too (its fixed cost), and its split
-merge alone on arrays of the fused kernel's partial shape. `--stages SxP,...` also times the prefix
+public cascade is timed both ways, the fused one at P/2 and P/4 too (its fixed cost), and, alone,
+the XLA work around the fused kernel: the mask words it reads and its split merge (on arrays of
+the kernel's partial shape). `--stages SxP,...` also times the prefix
 at other (stages, pages per step). Logs only.
 """
 
@@ -34,7 +35,8 @@ from benchmarks.report import log, parse_shapes  # noqa: E402
 from benchmarks.timing import chained_time, feed_scalar  # noqa: E402
 from pallas_kernels.attention.prefix_decode import heads_to_rows, merge_splits, rows_to_heads  # noqa: E402
 from pallas_kernels.attention.prefix_decode_mgpu import (ROWS_PER_CTA, default_mgpu_num_splits,  # noqa: E402
-                                                         default_pages_per_step, prefix_decode_mgpu_row_layout,
+                                                         default_pages_per_step, fused_window_words,
+                                                         heads_io_errors, prefix_decode_mgpu_row_layout,
                                                          warpgroup_layout)
 from pallas_kernels.attention.tree_window import tree_window_row_layout  # noqa: E402
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, mosaic_rows  # noqa: E402
@@ -97,6 +99,11 @@ def breakdown(b, p, n, dtype, stage_forms, rng, key):
     t["cascade (public, unfused)"] = device_ms(cas, (q, kp, vp, table, lengths, mask), 4)
     if fused:
         t["cascade (public, fused)"] = device_ms(cas_fused, (q, kp, vp, table, lengths, mask), 4)
+        # The mask words the fused kernel reads, built by XLA before it (small launches count at B=1).
+        heads_io = not heads_io_errors(n, group)
+        fused_rows = n * group if heads_io else total
+        t["fused words prep alone"] = device_ms(
+            jax.jit(lambda m: fused_window_words(m, group, fused_rows, heads_io=heads_io)), (mask,), 0)
         if splits > 1:  # the fused kernel's key-split partials, [S, B, R, Hq, D], merged by XLA
             so = jax.random.normal(key, (splits, b, n, HQ, D), jnp.float32)
             sl = jax.random.normal(jax.random.fold_in(key, 1), (splits, b, n, HQ), jnp.float32)
