@@ -237,8 +237,14 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False
     if causal_split and default_kernel == "mosaic_gpu":
         rows.append(("mosaic_gpu", "causal split", None, False))
     if default_kernel == "mosaic_gpu":  # other schedules of the latent decode's warpgroups
-        rows += [("mosaic_gpu", f"schedule {s}", None, covers_tail(None, True)) for s in schedules
-                 if s != mla_mgpu_module.default_schedule(dtype)]
+        for sched in schedules:
+            stages = 3 if sched == "lookahead" else 2
+            if mla_mgpu_module.smem_bytes(LORA + ROPE, jnp.dtype(dtype).itemsize, MLA_MGPU_BLOCK_K, stages,
+                                          sched in ("split", "lookahead"), LORA,
+                                          sched == "lookahead") > mla_mgpu_module.MAX_SMEM_BYTES:
+                log(f"{dname}: schedule {sched} does not fit shared memory at these widths; not run")
+            elif sched != mla_mgpu_module.default_schedule(dtype):
+                rows.append(("mosaic_gpu", f"schedule {sched}", None, covers_tail(None, True)))
     if fuse_window and default_kernel == "mosaic_gpu" and dtype != FP8:
         # The window fused into the latent decode; its "decode alone" is the default's unfused decode.
         rows.append(("mosaic_gpu", "fused window", None, covers_tail(None, True)))

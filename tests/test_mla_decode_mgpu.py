@@ -34,6 +34,10 @@ FP8 = jnp.float8_e4m3fn
     (16, 8, [260, 20], 64, 2, "turns", FP8),
     (16, 8, [260, 0, 90], 64, 2, "split", FP8),
     (16, 8, [260, 20], 64, 1, "together", FP8),
+    # One exchange per step, the next step's scores issued before this step's softmax (three stages).
+    (16, 8, [260, 0, 90], 64, 2, "lookahead", FP8),
+    (16, 8, [640, 20], 64, 1, "lookahead", jnp.bfloat16),
+    (4, 8, [0, 70, 200], 64, 1, "lookahead", jnp.bfloat16),
 ])
 def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, schedule, dtype):
     rng = np.random.default_rng(r * hq + block_k)
@@ -137,7 +141,8 @@ def test_auto_latent_decode_takes_mosaic_only_where_it_runs_compiled():
         uses_mosaic_latent_decode(forced, "compiled", f32_q, f32_pool)
 
 
-@pytest.mark.parametrize("schedule,dtype", [(s, d) for s in ("split", "turns", "together") for d in (jnp.bfloat16, FP8)])
+@pytest.mark.parametrize("schedule,dtype", [(s, d) for s in ("split", "turns", "together") for d in (jnp.bfloat16, FP8)]
+                         + [("lookahead", FP8)])
 def test_mgpu_mla_decode_lowers_to_mosaic_gpu(schedule, dtype):
     """The compiled path lowers to a Mosaic GPU module on the CPU, including Mosaic's layout
     inference and its shared-memory check (the cubin is built on the GPU machine): DeepSeek-V3
@@ -232,3 +237,7 @@ def test_mla_schedule_defaults_and_refusals():
                         jnp.zeros((1,), jnp.int32), kv_lora_rank=128, page_size=64, scale=0.1, schedule="sideways")
     with pytest.raises(ValueError, match="schedule must be None or one of"):
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, schedule="sideways")
+    # "lookahead" doubles the exchange buffers and takes three stages: not beside bf16 rows at 576.
+    with pytest.raises(ValueError, match=r"stages=3, schedule='lookahead' at row width 576 need \d+ bytes"):
+        mla_decode_mgpu(jnp.zeros((1, 2, 4, 576), bf), jnp.zeros((64 * 4, 576), bf), jnp.zeros((1, 4), jnp.int32),
+                        jnp.zeros((1,), jnp.int32), kv_lora_rank=512, page_size=64, scale=0.1, schedule="lookahead")

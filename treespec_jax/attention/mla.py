@@ -68,8 +68,9 @@ class MlaCascadeConfig:
     prefix_covers_tail: bool | None = None
     # How the Mosaic latent decode's two compute warpgroups share a step: "split" (each scores half
     # of the keys, P exchanged), "turns" or "together" (both score every key, taking turns on the
-    # tensor cores or not). None: mla_decode_mgpu.default_schedule (split, the faster on the H200
-    # for bf16 and FP8 caches).
+    # tensor cores or not), "lookahead" (split with one exchange per step; experimental, FP8 rows
+    # only at DeepSeek widths). None: mla_decode_mgpu.default_schedule (split, the faster on the
+    # H200 for bf16 and FP8 caches).
     schedule: str | None = None
     # Fuse the tree window into the Mosaic latent decode (prefix_kernel "mosaic_gpu", 16-bit caches,
     # schedule "split"): one kernel gives every row the keys [0, P + window), window key j under bit
