@@ -238,10 +238,8 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False
         rows.append(("mosaic_gpu", "causal split", None, False))
     if default_kernel == "mosaic_gpu":  # other schedules of the latent decode's warpgroups
         for sched in schedules:
-            stages = 3 if sched == "lookahead" else 2
-            if mla_mgpu_module.smem_bytes(LORA + ROPE, jnp.dtype(dtype).itemsize, MLA_MGPU_BLOCK_K, stages,
-                                          sched in ("split", "lookahead"), LORA,
-                                          sched == "lookahead") > mla_mgpu_module.MAX_SMEM_BYTES:
+            if not mla_mgpu_module.schedule_fits(sched, LORA + ROPE, jnp.dtype(dtype).itemsize, LORA,
+                                                 MLA_MGPU_BLOCK_K):
                 log(f"{dname}: schedule {sched} does not fit shared memory at these widths; not run")
             elif sched != mla_mgpu_module.default_schedule(dtype):
                 rows.append(("mosaic_gpu", f"schedule {sched}", None, covers_tail(None, True)))

@@ -223,7 +223,7 @@ def mla_check(interpret: bool = False, timing_too: bool = True, smoke: bool = Fa
 
 def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bool:
     from pallas_kernels.attention.mla_decode import mla_decode, mla_decode_reference, quantize_query
-    from pallas_kernels.attention.mla_decode_mgpu import SCHEDULES, mla_decode_mgpu
+    from pallas_kernels.attention.mla_decode_mgpu import SCHEDULES, mla_decode_mgpu, schedule_fits
     from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
 
     name = jnp.dtype(dtype).name
@@ -246,6 +246,9 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
     ok = True
     itemsize = jnp.dtype(dtype).itemsize
     for schedule in SCHEDULES:  # how the two compute warpgroups share a step's scores
+        if not schedule_fits(schedule, lora + rope, jnp.dtype(dtype).itemsize, lora):
+            log(f"MLA {name}: schedule {schedule} does not fit shared memory at width {lora + rope}; not run")
+            continue
         out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE, scale=scale,
                                    schedule=schedule, interpret=interpret)
         e_out = rel_err(out, ref_out)

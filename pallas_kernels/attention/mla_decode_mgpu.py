@@ -66,9 +66,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.prefix_decode import default_num_splits, merge_splits
-from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, cta_key_blocks, fused_window_words,
-                                                         grid_in_order, online_softmax_update, whole_page_bound,
-                                                         window_visible)
+from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, cta_key_blocks, fused_key_blocks,
+                                                         fused_window_words, grid_in_order, online_softmax_update,
+                                                         whole_page_bound, window_visible)
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
 LOG2E = math.log2(math.e)
@@ -109,12 +109,22 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
 
 
-def smem_bytes(width: int, itemsize: int, block_k: int, stages: int, split_scores: bool,
-               kv_lora_rank: int, lookahead: bool = False) -> int:
+def default_stages(schedule: str) -> int:
+    """Ring buffers `stages=None` stands for: "lookahead" reads the next step's keys a step early."""
+    return 3 if schedule == "lookahead" else 2
+
+
+def schedule_fits(schedule: str, width: int, itemsize: int, kv_lora_rank: int, block_k: int = 64) -> bool:
+    """Whether `schedule` (at its default stages) fits shared memory at this row width and dtype."""
+    return smem_bytes(width, itemsize, block_k, default_stages(schedule), schedule, kv_lora_rank) <= MAX_SMEM_BYTES
+
+
+def smem_bytes(width: int, itemsize: int, block_k: int, stages: int, schedule: str, kv_lora_rank: int) -> int:
     """Shared memory the kernel allocates: query tile, latent ring, with 1-byte (FP8) rows the fp16
-    value rows both warpgroups widen, output staging; under `split_scores` also the P and row-statistic
-    exchange (two of each under `lookahead`), with the output staged in the ring's memory (a union:
-    disjoint lifetimes)."""
+    value rows both warpgroups widen, output staging; under the split schedules also the P and
+    row-statistic exchange (two of each under "lookahead"), with the output staged in the ring's
+    memory (a union: disjoint lifetimes)."""
+    split_scores, lookahead = schedule in ("split", "lookahead"), schedule == "lookahead"
     half = kv_lora_rank // 2
     ring = _aligned(stages * block_k * width * itemsize)
     if itemsize == 1:
@@ -168,7 +178,7 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
     if schedule not in SCHEDULES:
         raise ValueError(f"mla_decode_mgpu: schedule must be one of {SCHEDULES} or None, got {schedule!r}")
     if stages is None:
-        stages = 3 if schedule == "lookahead" else 2
+        stages = default_stages(schedule)
     errors = fused_window_errors(q, window_mask, window, schedule)
     if errors:
         raise ValueError("; ".join(errors))
@@ -223,7 +233,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
     # so each warpgroup widens its half of the step's value channels to fp16 in shared memory.
     fp8 = jnp.dtype(q.dtype) == F8
     b, r, hq, c = q.shape
-    need = smem_bytes(c, q.dtype.itemsize, block_k, stages, split_scores, kv_lora_rank, lookahead)
+    need = smem_bytes(c, q.dtype.itemsize, block_k, stages, schedule, kv_lora_rank)
     if need > MAX_SMEM_BYTES:
         raise ValueError(f"mla_decode_mgpu: block_k={block_k}, stages={stages}, schedule={schedule!r} at "
                          f"row width {c} need {need} bytes of shared memory, more than {MAX_SMEM_BYTES}")
@@ -262,9 +272,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
         if fused:
             # Every row reads [0, P + window): the committed keys and the window under its mask
             # bits. The page table maps every position below P + window, so each step's page does.
-            lo = split * blocks_per_split
-            steps_needed = lax.div(length + window + block_k - 1, jnp.int32(block_k))
-            hi = jnp.maximum(jnp.minimum(lo + blocks_per_split, steps_needed), lo)
+            lo, hi = fused_key_blocks(length, window, block_k, split, blocks_per_split)
         else:
             whole, lo, hi = cta_key_blocks(length, page_size, r, hq, row0, ROWS, block_k, split, blocks_per_split)
 
@@ -321,23 +329,25 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 plgpu.commit_smem()
                 return v_tile
 
-            def add_values(acc, p_operand, v_tile):
-                """acc + P V[:, this warpgroup's half]; P in registers or a shared-memory ref."""
+            def add_values(acc, p, v_tile):
+                """acc + P V[:, this warpgroup's half]; P in registers (the matmul dtype)."""
                 if interpret:
                     # No interpreter rule for run_state: same acc + P V through a plain dot.
-                    pv = p_operand if isinstance(p_operand, jax.Array) else p_operand[...]
-                    return acc + jnp.dot(pv.astype(pv_dtype), v_tile[...], preferred_element_type=jnp.float32)
+                    return acc + jnp.dot(p, v_tile[...], preferred_element_type=jnp.float32)
 
                 def values(acc_ref):
-                    plgpu.wgmma(acc_ref, p_operand, v_tile)
+                    plgpu.wgmma(acc_ref, p, v_tile)
 
                 return pl.run_state(values)(plgpu.ACC.init(acc))
 
+            def own_keys(slot):
+                """This warpgroup's keys of a split step, as the scores' K-major operand."""
+                return kv_smem.at[slot].at[pl.ds(key_off, score_k)].transpose((1, 0))
+
             def half_scores(slot):
-                """This warpgroup's keys of the step (split_scores), waited."""
+                """This warpgroup's scores of a split step, waited."""
                 def run(acc_ref):
-                    keys = kv_smem.at[slot].at[pl.ds(key_off, score_k)]
-                    plgpu.wgmma(acc_ref, q_smem, keys.transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, q_smem, own_keys(slot))
                     return acc_ref[...]
 
                 return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
@@ -439,7 +449,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                         o_ref[...] = acc
                         plgpu.wgmma(o_ref, p_full, v_tile)
                         plgpu.barrier_wait(kv_ready.at[nxt])
-                        plgpu.wgmma(s_ref, q_smem, kv_smem.at[nxt].at[pl.ds(key_off, score_k)].transpose((1, 0)))
+                        plgpu.wgmma(s_ref, q_smem, own_keys(nxt))
                         o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
                         s_next = plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
                         # P V read P from registers until the wait: keep them from reuse before it.
@@ -506,7 +516,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 else:
                     def in_flight(s_ref):
                         plgpu.barrier_wait(kv_ready.at[nxt])
-                        plgpu.wgmma(s_ref, q_smem, kv_smem.at[nxt].at[pl.ds(key_off, score_k)].transpose((1, 0)))
+                        plgpu.wgmma(s_ref, q_smem, own_keys(nxt))
                         p, alpha, l_new = lookahead_softmax(s, m_prev, m, l)
                         return plgpu.wgmma_accumulator_load(s_ref, wait_n=0), p, alpha, l_new
 

@@ -168,6 +168,15 @@ def cta_key_blocks(length, page_size: int, query_rows: int, group: int, row0, ro
     return whole, lo, jnp.maximum(jnp.minimum(lo + per_split, steps), lo)
 
 
+def fused_key_blocks(length, window: int, block: int, split, per_split: int):
+    """(lo, hi): this split's `block`-key steps under a fused window, where every row reads
+    [0, P + window), i.e. cdiv(P + window, block) steps in all (a trailing split may get none).
+    Shared by the GQA prefix and the MLA latent decode."""
+    steps = lax.div(length + window + block - 1, jnp.int32(block))
+    lo = split * per_split
+    return lo, jnp.maximum(jnp.minimum(lo + per_split, steps), lo)
+
+
 def window_visible(key, length, window: int, words):
     """Whether key position `key` is seen under the fused window: a committed key (< P), or window
     key j = key - P < window whose bit j is set in `words` (word 0 bits 0..31, word 1 bits 32..63;
@@ -427,9 +436,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             # Every row reads [0, P + window): committed keys and the window under its mask bits.
             # Pages from cdiv(P + window, page) on may be unmapped (the memory warpgroup repeats a
             # step's first page there); V rows no row may see are zeroed before P V.
-            lo = split * steps_per_split
-            steps_needed = lax.div(length + window + block - 1, jnp.int32(block))
-            hi = jnp.maximum(jnp.minimum(lo + steps_per_split, steps_needed), lo)
+            lo, hi = fused_key_blocks(length, window, block, split, steps_per_split)
             page_limit = lax.div(length + window + page_size - 1, jnp.int32(page_size))
         else:
             whole, lo, hi = cta_key_blocks(length, page_size, query_rows, group, cta_row0, rows_per_cta, block,
