@@ -32,15 +32,11 @@ SUITES = {
     "mosaic": ("benchmarks.mgpu_prefix_check", ["--shapes", "32x32768x64,8x8192x16", "--fp8"], lambda md: []),
 }
 # Flags a module gets in the full (not --quick) run beyond its defaults.
-FULL_ARGS = {"mosaic": ["--fp8", "--mla"]}
+FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"]}
 
-# What is still owed (`--owed`). Session 14 built, after its device time ran out, the tree window
-# fused into the Mosaic MLA latent decode (`MlaCascadeConfig.fuse_window`, off; bf16 row "fused
-# window") and the decode's "lookahead" schedule (FP8 row "schedule lookahead"; it does not fit
-# beside bf16 rows): their compiled conformance (bench_mla checks each cascade against dense fp32 on
-# ragged, NaN-poisoned inputs) and their timing against the defaults are owed.
-OWED: dict[str, list[str]] = {"mla": ["--skip-moves", "--fuse-window", "--schedules", "lookahead",
-                                      "--triton-variants", "0"]}
+# What is still owed (`--owed`): nothing since session 15, which timed session 14's fused MLA
+# window (now the 16-bit default) and its "lookahead" schedule (slower; removed).
+OWED: dict[str, list[str]] = {}
 
 
 def main(argv=None) -> int:

@@ -43,11 +43,9 @@ def main(argv=None) -> int:
     for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
         pool = jax.random.normal(jax.random.PRNGKey(1), (B * per_req * PAGE, LORA + ROPE), jnp.float32).astype(dtype)
         q = jax.random.normal(jax.random.PRNGKey(2), (B, 1, N * HQ, LORA + ROPE), jnp.float32).astype(dtype)
-        forms = [(s, dict(schedule=s)) for s in SCHEDULES if s != "lookahead"]
-        if dtype == jnp.float8_e4m3fn:  # a third 64-key buffer (and lookahead's) fits beside FP8 rows only
-            forms += [("split, 3 stages", dict(schedule="split", stages=3)),
-                      ("lookahead (3 stages)", dict(schedule="lookahead")),
-                      ("lookahead, 2 stages", dict(schedule="lookahead", stages=2))]
+        forms = [(s, dict(schedule=s)) for s in SCHEDULES]
+        if dtype == jnp.float8_e4m3fn:  # a third 64-key buffer fits beside FP8 rows only
+            forms += [("split, 3 stages", dict(schedule="split", stages=3))]
         for label, opts in forms:
             for tname, table in (("random pages", random_table), ("shared pages", shared_table))[:2 if shared else 1]:
                 fn = jax.jit(lambda q, pool, t, ln, o=opts: mla_decode_mgpu(

@@ -34,10 +34,6 @@ FP8 = jnp.float8_e4m3fn
     (16, 8, [260, 20], 64, 2, "turns", FP8),
     (16, 8, [260, 0, 90], 64, 2, "split", FP8),
     (16, 8, [260, 20], 64, 1, "together", FP8),
-    # One exchange per step, the next step's scores issued before this step's softmax (three stages).
-    (16, 8, [260, 0, 90], 64, 2, "lookahead", FP8),
-    (16, 8, [640, 20], 64, 1, "lookahead", jnp.bfloat16),
-    (4, 8, [0, 70, 200], 64, 1, "lookahead", jnp.bfloat16),
 ])
 def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, schedule, dtype):
     rng = np.random.default_rng(r * hq + block_k)
@@ -84,15 +80,18 @@ def test_mgpu_mla_refuses_unsupported_shapes():
         check_mla_mgpu_inputs(q, jnp.zeros((64, 192), jnp.float32), 128, 64, 64)
 
 
-@pytest.mark.parametrize("dtype,tol,covers_tail,lengths", [
-    (jnp.bfloat16, 1e-2, False, [150, 3]), (FP8, 6e-2, False, [150, 3]),
+@pytest.mark.parametrize("dtype,tol,covers_tail,lengths,fuse", [
+    (jnp.bfloat16, 1e-2, False, [150, 3], False), (FP8, 6e-2, False, [150, 3], False),
     # P mod page < N - 1 (one page-aligned): the flag moves keys between the halves.
-    (jnp.bfloat16, 1e-2, True, [128, 130])])
-def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol, covers_tail, lengths):
+    (jnp.bfloat16, 1e-2, True, [128, 130], False),
+    # The 16-bit default with the prefix covering every row's tail: the window fused into the decode.
+    (jnp.bfloat16, 1e-2, None, [128, 130], True), (FP8, 6e-2, None, [150, 3], False)])
+def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol, covers_tail, lengths, fuse):
     """MlaCascadeConfig(prefix_kernel="mosaic_gpu") end to end (interpreter) equals dense attention,
-    with a bf16 and an FP8 latent cache (whose prefix half scores the FP8-quantised query), and with
-    the decode run to the whole-page bound for every row (`prefix_covers_tail`)."""
-    from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
+    with a bf16 and an FP8 latent cache (whose prefix half scores the FP8-quantised query), with
+    the decode run to the whole-page bound for every row (`prefix_covers_tail`), and with the
+    window fused into the decode where the default does that (bf16, covering the tail)."""
+    from treespec_jax.attention.mla import MlaCascadeConfig, fuses_window, mla_verify_attention
 
     rng = np.random.default_rng(9)
     n, hq = 8, 4
@@ -105,7 +104,9 @@ def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol, covers_tail, lengt
     mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
     lens = jnp.asarray(lengths)
     cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
-                           prefix_kernel="mosaic_gpu", prefix_covers_tail=covers_tail)
+                           prefix_kernel="mosaic_gpu", prefix_covers_tail=covers_tail,
+                           fuse_window=None if fuse else False)
+    assert fuses_window(cfg, True, dtype) == fuse
     got = mla_verify_attention(q, pool, table, lens, mask, config=cfg)
     dense, _ = cascade_dense_reference(q, pool[:, None, :], pool[:, None, :LORA], table, lens, mask, window=n,
                                        page_size=PAGE, scale=SCALE)
@@ -141,8 +142,7 @@ def test_auto_latent_decode_takes_mosaic_only_where_it_runs_compiled():
         uses_mosaic_latent_decode(forced, "compiled", f32_q, f32_pool)
 
 
-@pytest.mark.parametrize("schedule,dtype", [(s, d) for s in ("split", "turns", "together") for d in (jnp.bfloat16, FP8)]
-                         + [("lookahead", FP8)])
+@pytest.mark.parametrize("schedule,dtype", [(s, d) for s in ("split", "turns", "together") for d in (jnp.bfloat16, FP8)])
 def test_mgpu_mla_decode_lowers_to_mosaic_gpu(schedule, dtype):
     """The compiled path lowers to a Mosaic GPU module on the CPU, including Mosaic's layout
     inference and its shared-memory check (the cubin is built on the GPU machine): DeepSeek-V3
@@ -192,7 +192,8 @@ def test_mla_decode_with_tiles_apart_lowers():
 
 def test_mla_prefix_covers_tail_defaults_to_the_latent_decode(monkeypatch):
     """MlaCascadeConfig.prefix_covers_tail=None is on under the Mosaic latent decode (the window
-    kernel then runs without the causal tail) and off under the Triton one; an explicit value wins."""
+    kernel then runs without the causal tail) and off under the Triton one; an explicit value wins.
+    (The window kernel is kept: the 16-bit default would fuse the window into the Mosaic decode.)"""
     from treespec_jax.attention import mla as mla_module
     from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
 
@@ -217,7 +218,7 @@ def test_mla_prefix_covers_tail_defaults_to_the_latent_decode(monkeypatch):
                                        page_size=PAGE, scale=SCALE)
     for kernel, covers in [("triton", None), ("mosaic_gpu", None), ("mosaic_gpu", False), ("triton", True)]:
         cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
-                               prefix_kernel=kernel, prefix_covers_tail=covers)
+                               prefix_kernel=kernel, prefix_covers_tail=covers, fuse_window=False)
         assert rel_err(mla_verify_attention(q, pool, table, lens, mask, config=cfg), dense) < 1e-2
     assert seen == [True, False, True, False]  # causal_prefix = not covers
     with pytest.raises(ValueError, match="prefix_covers_tail must be None, True or False, got 1"):
@@ -237,7 +238,3 @@ def test_mla_schedule_defaults_and_refusals():
                         jnp.zeros((1,), jnp.int32), kv_lora_rank=128, page_size=64, scale=0.1, schedule="sideways")
     with pytest.raises(ValueError, match="schedule must be None or one of"):
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, schedule="sideways")
-    # "lookahead" doubles the exchange buffers and takes three stages: not beside bf16 rows at 576.
-    with pytest.raises(ValueError, match=r"stages=3, schedule='lookahead' at row width 576 need \d+ bytes"):
-        mla_decode_mgpu(jnp.zeros((1, 2, 4, 576), bf), jnp.zeros((64 * 4, 576), bf), jnp.zeros((1, 4), jnp.int32),
-                        jnp.zeros((1,), jnp.int32), kv_lora_rank=512, page_size=64, scale=0.1, schedule="lookahead")

@@ -99,7 +99,7 @@ def test_fused_mla_window_refusals_list_every_blocker():
     with pytest.raises(ValueError, match=r"got 'triton'.*schedule 'split', got 'together'.*contradicts"):
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, fuse_window=True,
                          prefix_kernel="triton", schedule="together", prefix_covers_tail=False)
-    with pytest.raises(ValueError, match="fuse_window must be True or False, got 1"):
+    with pytest.raises(ValueError, match="fuse_window must be None, True or False, got 1"):
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, fuse_window=1)
     # "auto" may resolve to the Triton decode (as in the interpreter): fusing is refused when the
     # config is built, not silently dropped later.
@@ -126,3 +126,25 @@ def test_fused_mla_window_lowers_to_mosaic_gpu():
                              sd((2, 16, 2), jnp.uint32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert mla_mgpu_module.default_schedule(jnp.bfloat16) == "split"  # the schedule the fused kernel runs
+
+
+def test_fuse_window_default_resolution():
+    """fuse_window=None fuses exactly where the fused kernel runs: the Mosaic latent decode over a
+    16-bit cache, schedule "split" (given or the default) and the prefix covering every row's tail;
+    an explicit True or False wins."""
+    from treespec_jax.attention.mla import fuses_window
+
+    base = dict(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE)
+    auto = MlaCascadeConfig(**base)
+    assert auto.fuse_window is None
+    assert fuses_window(auto, True, jnp.bfloat16) and fuses_window(auto, True, jnp.float16)
+    assert not fuses_window(auto, False, jnp.bfloat16)  # the Triton decode
+    assert not fuses_window(auto, True, jnp.float8_e4m3fn)  # FP8 keeps the window kernel
+    assert fuses_window(MlaCascadeConfig(**base, schedule="split"), True, jnp.bfloat16)
+    for schedule in ("turns", "together"):
+        assert not fuses_window(MlaCascadeConfig(**base, schedule=schedule), True, jnp.bfloat16)
+    assert not fuses_window(MlaCascadeConfig(**base, prefix_covers_tail=False), True, jnp.bfloat16)
+    assert fuses_window(MlaCascadeConfig(**base, prefix_covers_tail=True), True, jnp.bfloat16)
+    assert not fuses_window(MlaCascadeConfig(**base, fuse_window=False), True, jnp.bfloat16)
+    forced = MlaCascadeConfig(**base, prefix_kernel="mosaic_gpu", fuse_window=True)
+    assert fuses_window(forced, True, jnp.float8_e4m3fn)  # then refused by the kernel, by name

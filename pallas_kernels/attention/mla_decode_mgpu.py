@@ -44,10 +44,6 @@ accumulator is [64, L / 2] fp32. How they share the scores is the `schedule`:
 - "turns" and "together": both score every key and run the same online softmax,
   no exchange, 1.5x the useful tensor work at L = 512, Dr = 64; under "turns" they take turns on
   the tensor cores (as the GQA prefix kernel's `pingpong`).
-- "lookahead" (experimental, not yet timed on the GPU; FP8 rows only at L + Dr = 576): split, with
-  the next step's scores issued before this step's softmax (which runs against the maximum agreed
-  in the previous exchange) and each warpgroup's maximum for the next step sent with its half of P,
-  so one (double-buffered) exchange per step; three ring stages by default.
 On the H200 the three land within 5-10% of each other at DeepSeek-V3 widths (`DEFAULT_SCHEDULE_16BIT`
 and `_FP8` are the faster): removing a third of the tensor work bought 4-5%, and
 pages every request shares (L2-resident) 2% (`benchmarks/mla_variants.py`), so the step is bound by
@@ -91,11 +87,11 @@ SMEM_OVERHEAD = 1024
 # Decode alone on the H200 (B=32, P=8192, N=16, 128 heads, device time, 2026-12-01, session 14,
 # benchmarks/RESULTS.md): bf16 split 2.54 ms / together 2.64 / turns 2.71; FP8 split 2.37 / turns
 # 2.48 / together 2.62 (one process; between processes these move up to 6%).
-#   "lookahead" (experimental, not yet timed): split, with step i + 1's scores issued before step
-#            i's softmax and each warpgroup's maximum for step i + 1 sent with its half of P_i, so a
-#            step has one exchange (double-buffered) and the scores overlap the softmax. Its
-#            buffers fit beside FP8 rows at L + Dr = 576 (with three stages), not beside bf16 ones.
-SCHEDULES = ("split", "turns", "together", "lookahead")
+# A fourth form, "lookahead" (split, with step i + 1's scores issued before step i's softmax and one
+# double-buffered exchange per step, three ring stages; it fit beside FP8 rows only), was built and
+# removed: its FP8 cascade took 3.243 vs 2.580 ms for "split" (1.26x slower, one process, session
+# 15, benchmarks/RESULTS.md), as a third ring stage alone had slowed the split decode by 3-5%.
+SCHEDULES = ("split", "turns", "together")
 DEFAULT_SCHEDULE_16BIT = "split"
 DEFAULT_SCHEDULE_FP8 = "split"
 
@@ -109,22 +105,21 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
 
 
-def default_stages(schedule: str) -> int:
-    """Ring buffers `stages=None` stands for: "lookahead" reads the next step's keys a step early."""
-    return 3 if schedule == "lookahead" else 2
+# Latent ring buffers `stages=None` stands for: a third fits beside FP8 rows at L + Dr = 576 only,
+# and there it made the split decode 3-5% slower (session 14, benchmarks/RESULTS.md).
+DEFAULT_STAGES = 2
 
 
 def schedule_fits(schedule: str, width: int, itemsize: int, kv_lora_rank: int, block_k: int = 64) -> bool:
-    """Whether `schedule` (at its default stages) fits shared memory at this row width and dtype."""
-    return smem_bytes(width, itemsize, block_k, default_stages(schedule), schedule, kv_lora_rank) <= MAX_SMEM_BYTES
+    """Whether `schedule` (at DEFAULT_STAGES) fits shared memory at this row width and dtype."""
+    return smem_bytes(width, itemsize, block_k, DEFAULT_STAGES, schedule, kv_lora_rank) <= MAX_SMEM_BYTES
 
 
 def smem_bytes(width: int, itemsize: int, block_k: int, stages: int, schedule: str, kv_lora_rank: int) -> int:
     """Shared memory the kernel allocates: query tile, latent ring, with 1-byte (FP8) rows the fp16
-    value rows both warpgroups widen, output staging; under the split schedules also the P and
-    row-statistic exchange (two of each under "lookahead"), with the output staged in the ring's
-    memory (a union: disjoint lifetimes)."""
-    split_scores, lookahead = schedule in ("split", "lookahead"), schedule == "lookahead"
+    value rows both warpgroups widen, output staging; under "split" also the P and row-statistic
+    exchange, with the output staged in the ring's memory (a union: disjoint lifetimes)."""
+    split_scores = schedule == "split"
     half = kv_lora_rank // 2
     ring = _aligned(stages * block_k * width * itemsize)
     if itemsize == 1:
@@ -132,8 +127,7 @@ def smem_bytes(width: int, itemsize: int, block_k: int, stages: int, schedule: s
     lse = _aligned(ROWS * 4)
     if split_scores:
         staged = max(ring, _aligned(2 * ROWS * half * 4) + lse)
-        copies = 2 if lookahead else 1  # one exchange per step: two buffers, alternating
-        exchange = _aligned(copies * ROWS * block_k * 2) + _aligned(copies * 2 * ROWS * 4)
+        exchange = _aligned(ROWS * block_k * 2) + _aligned(2 * ROWS * 4)
         return _aligned(ROWS * width * itemsize) + staged + exchange + SMEM_OVERHEAD
     return _aligned(ROWS * width * itemsize) + ring + _aligned(ROWS * OUT_CHUNK * 4) + lse + SMEM_OVERHEAD
 
@@ -171,14 +165,14 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
                     schedule: str | None = None, window: int = 0, tiles_adjacent: bool = True,
                     interpret: bool = False):
     """See `_mla_decode_mgpu`; `schedule` one of SCHEDULES, None: `default_schedule(q.dtype)`;
-    `stages` None: 3 under "lookahead" (its next step's keys are read a step early), else 2.
+    `stages` None: DEFAULT_STAGES.
     `window` > 0 with `window_mask [B, R, 2] uint32` (packed ancestor rows) fuses the tree window."""
     if schedule is None:
         schedule = default_schedule(q.dtype)
     if schedule not in SCHEDULES:
         raise ValueError(f"mla_decode_mgpu: schedule must be one of {SCHEDULES} or None, got {schedule!r}")
     if stages is None:
-        stages = default_stages(schedule)
+        stages = DEFAULT_STAGES
     errors = fused_window_errors(q, window_mask, window, schedule)
     if errors:
         raise ValueError("; ".join(errors))
@@ -224,8 +218,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
     tile). On the H200 at B=32, P=8192, N=16, 128 heads, side by side took 2.677 vs 2.819 ms (bf16)
     and 2.667 vs 2.705 ms (FP8) (session 11, benchmarks/RESULTS.md), so it is the default."""
     check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank, page_size, block_k)
-    split_scores, pingpong = schedule in ("split", "lookahead"), schedule == "turns"
-    lookahead = schedule == "lookahead"
+    split_scores, pingpong = schedule == "split", schedule == "turns"
     if stages < 2:
         raise ValueError(f"mla_decode_mgpu: stages must be >= 2, got {stages}")
     # Under an FP8 cache the scores are an FP8 x FP8 wgmma (the latent rows are its K-major
@@ -480,88 +473,12 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 # No step at all (both warpgroups agree): the running state stays as it is.
                 return lax.cond(hi > lo, run, lambda *c: c, acc, m, l)
 
-            def swap(e, stat, p16=None):
-                """Lookahead exchange number e (buffers e % 2): write this warpgroup's row statistic
-                (and its columns of P), wait for the other's, return (its statistic, the whole P or
-                None). Two buffers: a warpgroup writes buffer e % 2 again at exchange e + 2, after
-                exchange e + 1, which the other enters only once it has read exchange e."""
-                par = lax.rem(e, jnp.int32(2))
-                if p16 is not None:
-                    p_smem.at[par].at[:, pl.ds(key_off, score_k)][...] = p16
-                stat_smem.at[par, w][...] = stat
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(stats_ready)
-                plgpu.barrier_wait(stats_ready)
-                other = plgpu.load(stat_smem.at[par, 1 - w], layout=plgpu.Layout.WGMMA.reduce(1))
-                return other, (plgpu.load(p_smem.at[par], layout=plgpu.Layout.WGMMA) if p16 is not None else None)
-
-            def lookahead_softmax(s, m_prev, m, l):
-                """Step P from this warpgroup's masked scores `s` against the agreed maximum `m`; the
-                accumulator's reference moves from `m_prev` to `m`."""
-                m_use = jnp.where(m == -jnp.inf, 0.0, m)
-                p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_use, shape, [0]))
-                alpha = jnp.exp2(m_prev - m_use)
-                return p, alpha, l * alpha + p.sum(axis=1)
-
-            def lookahead_step(i, carry, mask_next: bool):
-                """Step i < hi - 1: step i + 1's scores go out first and run under step i's softmax;
-                this warpgroup's maximum through step i + 1 travels with its half of P_i."""
-                acc, m_prev, m, l, s = carry
-                slot = lax.rem(i - lo, jnp.int32(stages))
-                nxt = lax.rem(i + 1 - lo, jnp.int32(stages))
-                if interpret:
-                    p, alpha, l = lookahead_softmax(s, m_prev, m, l)
-                    plgpu.barrier_wait(kv_ready.at[nxt])
-                    s_next = half_scores(nxt)
-                else:
-                    def in_flight(s_ref):
-                        plgpu.barrier_wait(kv_ready.at[nxt])
-                        plgpu.wgmma(s_ref, q_smem, own_keys(nxt))
-                        p, alpha, l_new = lookahead_softmax(s, m_prev, m, l)
-                        return plgpu.wgmma_accumulator_load(s_ref, wait_n=0), p, alpha, l_new
-
-                    s_next, p, alpha, l = pl.run_scoped(in_flight, plgpu.ACC(shape, jnp.float32))
-                if mask_next:
-                    s_next = jnp.where(visible(i + 1), s_next, -jnp.inf)
-                m_next_mine = jnp.maximum(m, s_next.max(axis=1) * scale2)
-                v_tile = value_tile(slot)
-                release(slot, False)
-                m_other, p_full = swap(i - lo + 1, m_next_mine, p.astype(pv_dtype))
-                acc = add_values(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_full, v_tile)
-                release(slot, True)
-                return acc, m, jnp.maximum(m_next_mine, m_other), l, s_next
-
-            def lookahead_steps(acc, m, l):
-                def run(acc, m, l):
-                    plgpu.barrier_wait(kv_ready.at[0])  # step lo's slot
-                    s = jnp.where(visible(lo), half_scores(0), -jnp.inf)
-                    m_mine = jnp.maximum(m, s.max(axis=1) * scale2)
-                    m_first = jnp.maximum(m_mine, swap(jnp.int32(0), m_mine)[0])
-                    last = hi - 1
-                    mid = jnp.maximum(jnp.minimum(open_end, hi) - 1, lo)  # steps i with i + 1 unmasked
-                    carry = (acc, m, m_first, l, s)
-                    carry = lax.fori_loop(lo, mid, functools.partial(lookahead_step, mask_next=False), carry)
-                    acc, m_prev, m, l, s = lax.fori_loop(mid, last, functools.partial(lookahead_step, mask_next=True),
-                                                         carry)
-                    slot = lax.rem(last - lo, jnp.int32(stages))
-                    p, alpha, l = lookahead_softmax(s, m_prev, m, l)
-                    v_tile = value_tile(slot)
-                    release(slot, False)
-                    _, p_full = swap(last - lo + 1, m, p.astype(pv_dtype))
-                    acc = add_values(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_full, v_tile)
-                    release(slot, True)
-                    return acc, m, l
-
-                return lax.cond(hi > lo, run, lambda *c: c, acc, m, l)
-
             m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
             if pingpong and w == 1:
                 take_turn()  # start half a step behind warpgroup 0
-            if lookahead:
-                acc, m, l = lookahead_steps(acc, m, l)
-            elif split_scores:
+            if split_scores:
                 acc, m, l = split_steps(acc, m, l)
             else:
                 carry = lax.fori_loop(lo, open_end, functools.partial(step, masked=False), (acc, m, l))
@@ -571,7 +488,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
             if split_scores:
                 # Also the point after which neither warpgroup reads the latent ring again, so the
                 # output may be staged in its memory.
-                l = l + (swap(hi - lo + 1, l)[0] if lookahead else exchange(l))  # after exchange hi - lo
+                l = l + exchange(l)
             seen = l > 0
             l_safe = jnp.where(seen, l, 1.0)
             out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
@@ -644,9 +561,8 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
             # Each warpgroup's half of P's columns.
             # (8, 16) tiles: a warp's P store and load touch eight rows of 16 bytes, 32 bytes apart,
             # so no bank sees two of them.
-            copies = (2,) if lookahead else ()  # lookahead: alternating buffers, one exchange per step
-            exchange = (plgpu.SMEM(copies + (ROWS, block_k), pv_dtype, transforms=_smem_transforms(16, pv_dtype)),
-                        plgpu.SMEM(copies + (2, ROWS), jnp.float32))
+            exchange = (plgpu.SMEM((ROWS, block_k), pv_dtype, transforms=_smem_transforms(16, pv_dtype)),
+                        plgpu.SMEM((2, ROWS), jnp.float32))
             buffers = (plgpu.SMEM((ROWS, c), dtype, transforms=_smem_transforms(c, dtype)), ring_and_out, exchange)
             syncs = (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2))
         else:

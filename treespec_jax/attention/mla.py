@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention.mla_decode import FP8, MlaDecodeConfig, mla_decode, quantize_query
-from pallas_kernels.attention.mla_decode_mgpu import (SCHEDULES, check_mla_mgpu_inputs, mla_decode_mgpu,
-                                                       mla_mgpu_input_errors)
+from pallas_kernels.attention.mla_decode_mgpu import (SCHEDULES, check_mla_mgpu_inputs, default_schedule,
+                                                       mla_decode_mgpu, mla_mgpu_input_errors)
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.attention.tree_window import tree_window_attention
 from treespec_jax.attention.cascade import covers_tail
@@ -68,15 +68,17 @@ class MlaCascadeConfig:
     prefix_covers_tail: bool | None = None
     # How the Mosaic latent decode's two compute warpgroups share a step: "split" (each scores half
     # of the keys, P exchanged), "turns" or "together" (both score every key, taking turns on the
-    # tensor cores or not), "lookahead" (split with one exchange per step; experimental, FP8 rows
-    # only at DeepSeek widths). None: mla_decode_mgpu.default_schedule (split, the faster on the
-    # H200 for bf16 and FP8 caches).
+    # tensor cores or not). None: mla_decode_mgpu.default_schedule (split, the faster on the H200
+    # for bf16 and FP8 caches).
     schedule: str | None = None
     # Fuse the tree window into the Mosaic latent decode (prefix_kernel "mosaic_gpu", 16-bit caches,
     # schedule "split"): one kernel gives every row the keys [0, P + window), window key j under bit
-    # j of the row's mask, and writes the final output (no partial, no window kernel). Off until
-    # timed on the GPU.
-    fuse_window: bool = False
+    # j of the row's mask, and writes the final output (no partial, no window kernel). None: fused
+    # wherever it can run, i.e. the Mosaic latent decode over a 16-bit cache under schedule "split"
+    # with prefix_covers_tail not False (`fuses_window`); on the H200 the fused bf16 cascade took
+    # 2.636 vs 2.684 ms (B=32, P=8192, N=16, 128 heads, one process, session 15, benchmarks/RESULTS.md).
+    # True demands it (prefix_kernel "mosaic_gpu"); False keeps the window kernel.
+    fuse_window: bool | None = None
 
     def __post_init__(self):
         """Every bad field at once."""
@@ -99,8 +101,8 @@ class MlaCascadeConfig:
                           f"got {self.prefix_covers_tail!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             errors.append(f"MlaCascadeConfig.schedule must be None or one of {SCHEDULES}, got {self.schedule!r}")
-        if not isinstance(self.fuse_window, bool):
-            errors.append(f"MlaCascadeConfig.fuse_window must be True or False, got {self.fuse_window!r}")
+        if not (self.fuse_window is None or isinstance(self.fuse_window, bool)):
+            errors.append(f"MlaCascadeConfig.fuse_window must be None, True or False, got {self.fuse_window!r}")
         elif self.fuse_window:
             if self.prefix_kernel != "mosaic_gpu":
                 errors.append(f"MlaCascadeConfig.fuse_window=True needs prefix_kernel='mosaic_gpu' (the window is "
@@ -145,6 +147,17 @@ def uses_mosaic_latent_decode(config: MlaCascadeConfig, kind: str, q, latent_poo
             and not mla_mgpu_input_errors(q, latent_pool, config.kv_lora_rank, config.page_size, MLA_MGPU_BLOCK_K))
 
 
+def fuses_window(config: MlaCascadeConfig, mosaic: bool, latent_dtype) -> bool:
+    """Whether the tree window runs inside the Mosaic latent decode: an explicit setting wins; None
+    fuses under the Mosaic decode (`mosaic`, resolved) over a 16-bit cache, schedule "split" (given
+    or the dtype's default) and a prefix that covers every row's tail (None or True)."""
+    if config.fuse_window is not None:
+        return config.fuse_window
+    schedule = config.schedule or default_schedule(latent_dtype)
+    return (mosaic and jnp.dtype(latent_dtype).itemsize == 2 and schedule == "split"
+            and config.prefix_covers_tail is not False)
+
+
 def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.Array,
                           prefix_lengths: jax.Array, mask: jax.Array, *, window: int,
                           config: MlaCascadeConfig) -> jax.Array:
@@ -163,7 +176,7 @@ def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.
     # The decodes bound the rows of query row r by P - R + 1 + r; as one query row of R * Hq heads
     # every row's bound is P (`prefix_covers_tail`). The latent cache has one KV head, so regrouping
     # the heads changes nothing else.
-    if config.fuse_window:  # prefix_kernel="mosaic_gpu": its inputs were checked above
+    if fuses_window(config, mosaic, latent_pool.dtype):  # the Mosaic decode, its inputs checked above
         out, _ = mla_decode_mgpu(
             q, latent_pool, page_table, prefix_lengths, mask, kv_lora_rank=config.kv_lora_rank,
             page_size=config.page_size, scale=config.scale, block_k=MLA_MGPU_BLOCK_K, schedule=config.schedule,
@@ -218,5 +231,5 @@ def mla_lane_attention(q, latent_pool, page_table, frontier, lane_mask, *, steps
     return mla_cascade_attention(q, latent_pool, page_table, frontier, lane_mask, window=window, config=config)
 
 
-__all__ = ["MlaCascadeConfig", "mla_cascade_attention", "mla_verify_attention", "mla_lane_attention",
+__all__ = ["MlaCascadeConfig", "fuses_window", "mla_cascade_attention", "mla_verify_attention", "mla_lane_attention",
            "quantize_absorbed_query"]

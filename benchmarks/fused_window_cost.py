@@ -1,0 +1,104 @@
+"""What the tree window costs inside the fused Mosaic GQA prefix kernel, on the GPU (device time).
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/fused_window_cost.py [--shapes 64x4096x64,1x32768x64]
+
+A diagnostic (logs only). For each shape (bf16 pools) it times, each alone and chained:
+- the unfused prefix kernel (row layout, every row reads [0, P)) at P and at P + one key step,
+  whose difference is what one plain key step costs;
+- the fused kernel alone (head layout, mask words prepared outside the timing) at P: its excess
+  over the prefix at P is what the window costs, to be compared with one plain step;
+- the same fused kernel with the window's per-key work cut down (visibility decided by position
+  alone, no mask words; its output is wrong, only its time is read), which bounds what decoding
+  the mask words and cleaning V rows cost;
+- the public fused cascade at several key-split counts (the default first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_kernels.attention.prefix_decode_mgpu as pdm  # noqa: E402
+from benchmarks.bench_cascade import D, HKV, HQ, PAGE, make_paged, random_parents  # noqa: E402
+from benchmarks.report import log, parse_shapes  # noqa: E402
+from benchmarks.timing import chained_time, feed_scalar  # noqa: E402
+from pallas_kernels.attention.prefix_decode import heads_to_rows  # noqa: E402
+from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, mosaic_rows  # noqa: E402
+from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
+
+CHAINED = 20
+
+
+def device_ms(fn, args, index):
+    return 1e3 * chained_time(fn, args, feed_scalar(index), inner=CHAINED)
+
+
+def cost(b, p, n, splits, rng, key):
+    interp = jax.default_backend() != "gpu"
+    dtype = jnp.bfloat16
+    kp, vp, table = make_paged(key, rng, b, p + n + 2 * PAGE, HKV, D, PAGE, dtype, poison=False)
+    q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(dtype)
+    lengths = jnp.full((b,), p, jnp.int32)
+    mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
+    group = HQ // HKV
+    total = mosaic_rows(n * group)
+    scale = D ** -0.5
+    qr = heads_to_rows(q, HKV, total)
+    block = PAGE * pdm.default_pages_per_step(total, D, 2, PAGE, 2)
+    name = f"B={b},P={p},N={n}"
+    t = {}
+    pre = jax.jit(lambda *a: pdm.prefix_decode_mgpu_row_layout(
+        *a, query_rows=1, group=n * group, page_size=PAGE, scale=scale, interpret=interp))
+    t["prefix at P"] = device_ms(pre, (qr, kp, vp, table, lengths), 4)
+    t["prefix at P + step"] = device_ms(pre, (qr, kp, vp, table, lengths + block), 4)
+    heads_io = not pdm.heads_io_errors(n, group)
+    words, union = pdm.fused_window_words(mask, group, n * group if heads_io else total, heads_io=heads_io)
+    qin = q if heads_io else qr
+
+    def fused_kernel():
+        return jax.jit(lambda *a: pdm.prefix_decode_mgpu_row_layout(
+            *a, query_rows=1, group=total, page_size=PAGE, scale=scale, interpret=interp,
+            partial_dtype=dtype, window=n, heads_io=heads_io))
+
+    fargs = (qin, kp, vp, table, lengths, words, union)
+    t["fused kernel"] = device_ms(fused_kernel(), fargs, 4)
+    real = pdm.window_visible
+    try:
+        pdm.window_visible = lambda k, length, window, words: k < length + window
+        jax.clear_caches()
+        t["fused kernel, position-only visibility (wrong output)"] = device_ms(fused_kernel(), fargs, 4)
+    finally:
+        pdm.window_visible = real
+        jax.clear_caches()
+    for s in splits:
+        cas = jax.jit(lambda *a, s=s: cascade_attention(*a, window=n, config=CascadeConfig(
+            page_size=PAGE, prefix_kernel="mosaic_gpu", fuse_window=True, num_splits=s)))
+        t[f"fused cascade, splits {s or 'default'}"] = device_ms(cas, (q, kp, vp, table, lengths, mask), 4)
+    step = t["prefix at P + step"] - t["prefix at P"]
+    extra = t["fused kernel"] - t["prefix at P"]
+    log(f"{name}: " + ", ".join(f"{k} {v:.4f} ms" for k, v in t.items())
+        + f"; one plain step {step:.4f} ms, the window in the fused kernel {extra:.4f} ms "
+        f"({extra / step if step > 0 else float('nan'):.2f} plain steps)")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="64x4096x64,1x32768x64")
+    ap.add_argument("--splits", default="0,2,4,16", help="key splits of the fused cascade (0: the default)")
+    a = ap.parse_args(argv)
+    splits = [int(s) or None for s in a.splits.split(",") if s]
+    rng = np.random.default_rng(0)
+    key = jax.random.key(0)
+    for b, p, n in parse_shapes(a.shapes):
+        cost(b, p, n, splits, rng, key)
+
+
+if __name__ == "__main__":
+    main()
