@@ -285,10 +285,11 @@ def tune_prefix(q, kp, vp, table, lengths):
 
 
 def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_covers_tail=False, lean=False,
-               checks=None, partial_bf16=False, fuse_window=False, mosaic_small=False):
+               checks=None, partial_bf16=False, fuse_window=False, mosaic_small=False, persistent=False):
     """One table row. `flip_covers_tail`: also the cascade with `prefix_covers_tail` opposite to its
     default here; `partial_bf16`: also with `prefix_partial_dtype="bfloat16"`; `fuse_window`: also
     with `fuse_window` flipped from its default (`cascade.fuses_window`; Mosaic prefix only);
+    `persistent`: also with the Mosaic prefix launched persistent (`persistent_prefix=True`);
     `mosaic_small`: at fewer than 64 rows per KV head, also with the other prefix kernel (Triton
     where the default pads to the Mosaic one, else the padded Mosaic one); each checked against
     the default cascade's output first (a row in `checks`, so a mismatch fails the run); `lean`: no
@@ -359,6 +360,8 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     t_cas_fused = (alternative(f"fuse_window={not fused_default}", fuse_window=not fused_default,
                                prefix_kernel="mosaic_gpu")
                    if fuse_window and mosaic else float("nan"))
+    t_cas_persistent = (alternative("persistent_prefix=True", persistent_prefix=True, prefix_kernel="mosaic_gpu")
+                        if persistent and mosaic else float("nan"))
     # Under 64 rows per KV head "auto" takes the Triton prefix; the Mosaic one pads to 64 rows.
     # Under 64 rows per KV head the Mosaic prefix pads to 64 rows: time the other kernel beside it.
     other = "triton" if mosaic else "mosaic_gpu"
@@ -390,7 +393,8 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
                cascade_triton_ms=t_cas_triton * 1e3, cascade_fp8dot_ms=t_cas8 * 1e3, cascade_tail_ms=t_cas_tail * 1e3,
                cascade_bf16_partial_ms=t_cas_bf16 * 1e3, cascade_fuse_flipped_ms=t_cas_fused * 1e3,
                cascade_small_rows_other_kernel_ms=t_cas_small_other * 1e3,
-               fuse_flipped_vs_floor=t_cas_fused / floor, dense_ms=t_dense * 1e3, dense_impl=impl,
+               fuse_flipped_vs_floor=t_cas_fused / floor, cascade_persistent_ms=t_cas_persistent * 1e3,
+               persistent_vs_floor=t_cas_persistent / floor, dense_ms=t_dense * 1e3, dense_impl=impl,
                byte_floor_ms=byte_floor * 1e3, flop_floor_ms=flop_floor * 1e3,
                vs_floor=t_cas / floor, window_overhead=(t_cas - t_pre) / t_pre,
                prefix_tbps=kv_bytes / t_pre / 1e12, dense_speedup=t_dense / t_cas)
@@ -434,15 +438,17 @@ def table_markdown(rows, ceilings, tune):
              "| cascade, Triton prefix ms "
              "| cascade, Triton fp8-dot prefix ms | cascade, covers tail flipped ms | cascade, bf16 partial ms "
              "| cascade, fuse_window flipped ms | flipped / max floor "
+             "| cascade, persistent prefix ms | persistent / max floor "
              "| byte floor ms | FLOP floor ms "
              "| cascade / max floor | window overhead | prefix TB/s | dense (impl) ms | dense / cascade |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['kv']} | {r['prefix_kernel']} | {r['prefix_ms']:.3f} | {r['window_ms']:.3f} "
                      f"| {r['cascade_ms']:.3f} | {r['cascade_call_ms']:.3f} | {r['cascade_triton_ms']:.3f} "
                      f"| {r['cascade_fp8dot_ms']:.3f} | {r['cascade_tail_ms']:.3f} "
                      f"| {r['cascade_bf16_partial_ms']:.3f} | {r['cascade_fuse_flipped_ms']:.3f} "
-                     f"| {r['fuse_flipped_vs_floor']:.2f}x | {r['byte_floor_ms']:.3f} "
+                     f"| {r['fuse_flipped_vs_floor']:.2f}x | {r['cascade_persistent_ms']:.3f} "
+                     f"| {r['persistent_vs_floor']:.2f}x | {r['byte_floor_ms']:.3f} "
                      f"| {r['flop_floor_ms']:.3f} "
                      f"| {r['vs_floor']:.2f}x | {100 * r['window_overhead']:.1f}% | {r['prefix_tbps']:.2f} "
                      f"| {r['dense_ms']:.3f} ({r['dense_impl']}) | {r['dense_speedup']:.2f}x |")
@@ -461,6 +467,8 @@ def main(argv=None):
                     help="also time the cascade with CascadeConfig(prefix_partial_dtype='bfloat16')")
     ap.add_argument("--fuse-window", action="store_true",
                     help="also time the cascade with CascadeConfig.fuse_window flipped (Mosaic prefix)")
+    ap.add_argument("--persistent", action="store_true",
+                    help="also time the cascade with the Mosaic prefix launched persistent (persistent_prefix=True)")
     ap.add_argument("--mosaic-small", action="store_true",
                     help="at fewer than 64 rows per KV head, also time the other prefix kernel (the default "
                          "pads them to the Mosaic one)")
@@ -520,7 +528,8 @@ def main(argv=None):
                     rows.append(time_shape(b, p, n, dtype, ceilings, tune, rng, jax.random.fold_in(key, b * p + n),
                                            fp8_dot_too=dtype == FP8, flip_covers_tail=args.flip_covers_tail,
                                            lean=args.lean, checks=checks, partial_bf16=args.partial_bf16,
-                                           fuse_window=args.fuse_window, mosaic_small=args.mosaic_small))
+                                           fuse_window=args.fuse_window, mosaic_small=args.mosaic_small,
+                                           persistent=args.persistent))
                 except Exception as exc:
                     print(f"  timing failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
     mla = {}

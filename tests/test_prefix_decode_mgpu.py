@@ -280,3 +280,61 @@ def test_bf16_partial_is_written_in_bf16_and_rounds_only_the_output():
 @pytest.mark.parametrize("form", [(256, 1, True, 64, 2, jnp.bfloat16, 2, None), (64, 2, True, 64, 2, FP8, 2, None)])
 def test_bf16_partial_lowers(form):
     test_mgpu_prefix_lowers_to_mosaic_gpu(*form, opts=dict(partial_dtype=jnp.bfloat16))
+
+
+# Persistent launches (one CTA per SM looping over work items), with the SM count cut to 3 so each
+# CTA takes several items: 256-row heads in two tiles with three splits (36 items), an FP8 pool,
+# and a warpgroup key split over four stages (FP8, two splits).
+@pytest.mark.parametrize("case", [STAGED[1], STAGED[4], KEY_SPLIT[2]])
+def test_persistent_launch_matches_dense(case, monkeypatch):
+    import pallas_kernels.attention.prefix_decode_mgpu as pdm
+
+    monkeypatch.setattr(pdm, "num_sms", lambda: 3)
+    test_mgpu_prefix_and_cascade_match_dense(*case, opts=dict(persistent=True))
+
+
+def test_persistent_launch_gives_the_gridded_bits(monkeypatch):
+    """The persistent launch computes each work item exactly as the gridded one: the same bits,
+    for the plain prefix (two tiles, four splits, three KV heads: items of every axis) and for the
+    fused window in head layout (5 items over 2 CTAs, one CTA taking 3)."""
+    import pallas_kernels.attention.prefix_decode_mgpu as pdm
+    from treespec_jax.tree.masks import ancestor_mask
+
+    monkeypatch.setattr(pdm, "num_sms", lambda: 2)
+    r, g, hkv, d = 64, 4, 3, 64
+    q, k, v, table, lens, _ = verify_case(np.random.default_rng(6), [330], r, hkv, g, d, PAGE,
+                                          jnp.bfloat16, q_dtype=jnp.bfloat16)
+    qr = heads_to_rows(q, hkv, padded_rows(r * g))
+    kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, num_splits=4, interpret=True)
+    runs = [prefix_decode_mgpu_row_layout(qr, k, v, table, lens, persistent=p, **kw) for p in (False, True)]
+    for a, b in zip(*runs):
+        assert np.all(np.isfinite(np.asarray(a)) | np.isneginf(np.asarray(a)))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    r, hkv = 16, 1
+    lengths = [300, 5, 170, 64, 0]
+    q, k, v, table, lens, _ = verify_case(np.random.default_rng(7), lengths, r, hkv, g, d, PAGE,
+                                          jnp.bfloat16, q_dtype=jnp.bfloat16)
+    from trees import random_parents
+    mask = ancestor_mask(jnp.asarray(random_parents(np.random.default_rng(8), len(lengths), r)))
+    words, union = pdm.fused_window_words(mask, g, r * g, heads_io=True)
+    kw = dict(query_rows=1, group=r * g, page_size=PAGE, scale=d ** -0.5, num_splits=1, interpret=True,
+              window=r, heads_io=True, partial_dtype=jnp.bfloat16)
+    runs = [prefix_decode_mgpu_row_layout(q, k, v, table, lens, words, union, persistent=p, **kw)
+            for p in (False, True)]
+    for a, b in zip(*runs):
+        assert not np.isnan(np.asarray(a, np.float32)).any()
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_persistent_default_and_lowering():
+    """None launches persistent CTAs only where PERSISTENT_BY_DEFAULT says so and the items
+    outnumber the SMs; an explicit setting wins. The persistent loop lowers at D = 128 (bf16 fused
+    in head layout, FP8 with a key split)."""
+    import pallas_kernels.attention.prefix_decode_mgpu as pdm
+
+    sms = pdm.num_sms()
+    assert pdm.runs_persistent(sms + 1, None) == pdm.PERSISTENT_BY_DEFAULT
+    assert not pdm.runs_persistent(sms, None)
+    assert pdm.runs_persistent(1, True) and not pdm.runs_persistent(10 * sms, False)
+    test_mgpu_prefix_lowers_to_mosaic_gpu(256, 1, True, 64, 2, jnp.bfloat16, 2, None, opts=dict(persistent=True))
+    test_mgpu_prefix_lowers_to_mosaic_gpu(64, 2, True, 64, 4, FP8, 1, True, opts=dict(persistent=True))

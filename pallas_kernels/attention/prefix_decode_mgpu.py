@@ -94,6 +94,18 @@ def default_mgpu_num_splits(batch: int, kv_heads: int, tiles: int, steps: int, s
     return max(1, min(sms // programs, steps // MIN_STEPS_PER_SPLIT))
 
 
+# Whether `persistent=None` launches persistent CTAs where the work items outnumber the SMs.
+PERSISTENT_BY_DEFAULT = False
+
+
+def runs_persistent(items: int, persistent: bool | None) -> bool:
+    """Whether the prefix kernel's launch is persistent for `items` work items (see
+    `prefix_decode_mgpu_row_layout`); an explicit setting wins."""
+    if persistent is None:
+        return PERSISTENT_BY_DEFAULT and items > num_sms()
+    return bool(persistent)
+
+
 def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: int = 2) -> tuple[int, int, bool]:
     """(compute warpgroups, query rows per CTA, key split) for `total_rows` padded rows per KV head
     of a pool with `itemsize`-byte elements.
@@ -302,7 +314,7 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "num_splits",
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
                                              "tiles_adjacent", "overlap_softmax", "partial_dtype", "window",
-                                             "heads_io", "interpret"))
+                                             "heads_io", "persistent", "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, window_words=None, window_union=None,
                                   *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
@@ -310,7 +322,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                                   key_split: bool | None = None, fence_softmax: bool = False,
                                   tiles_adjacent: bool = True, overlap_softmax: bool = False,
                                   partial_dtype=jnp.float32, window: int = 0, heads_io: bool = False,
-                                  interpret: bool = False):
+                                  persistent: bool | None = None, interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
@@ -349,6 +361,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     64 rows straight from it, G boxes of 64 / G query rows, one per head of the group (rows in the
     order `head_io_rows`; `window_words` in that order), and writes its output the same way, so no
     transpose runs on either side;
+    `persistent`: launch at most one CTA per SM, each looping over work items (split, request, KV
+    head, row tile) in the gridded launch's order, so an item's epilogue overlaps the memory
+    warpgroup's fetch of the next item's first pages and its output copies the next item's work
+    (None: `runs_persistent`);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     fused = window > 0
     q_in = qr
@@ -415,6 +431,12 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     pv_tf = _smem_transforms(d, pv_dtype)
     out_tf = _smem_transforms(out_chunk, partial_dtype)
 
+    sizes, order = grid_in_order(dict(batch=b, heads=hkv, tiles=tiles, splits=splits), tiles_adjacent)
+    items = math.prod(sizes)
+    persistent = runs_persistent(items, persistent)
+    ctas = min(items, num_sms())
+    grid, grid_names = ((ctas,), ("ctas",)) if persistent else (sizes, order)
+
     def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, qw_gmem, out_gmem, lse_gmem,
              scoped):
         (q_smem, k_smem, v_smem, o_smem, lse_smem, *extra), (q_ready, k_ready, v_ready), (k_free, v_free), turn = scoped
@@ -425,343 +447,369 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             words_smem, words_ready = extra[1 if fp8 else 0:][:2]
         if q_wide is not None:
             qw_smem, qw_ready = extra[-2:]
-        split = lax.axis_index("splits")
-        bi = lax.axis_index("batch")
-        head = lax.axis_index("heads")
-        tile = lax.axis_index("tiles")
         wg = lax.axis_index("wg")
-        length = len_gmem[bi]
-        cta_row0 = tile * rows_per_cta
-        if fused:
-            # Every row reads [0, P + window): committed keys and the window under its mask bits.
-            # Pages from cdiv(P + window, page) on may be unmapped (the memory warpgroup repeats a
-            # step's first page there); V rows no row may see are zeroed before P V.
-            lo, hi = fused_key_blocks(length, window, block, split, steps_per_split)
-            page_limit = lax.div(length + window + page_size - 1, jnp.int32(page_size))
-        else:
-            whole, lo, hi = cta_key_blocks(length, page_size, query_rows, group, cta_row0, rows_per_cta, block,
-                                           split, steps_per_split)
-            page_limit = lax.div(whole, jnp.int32(page_size))
 
-        def take_turn():
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
-
-        def slot_of(i):
-            if not key_split:
-                return lax.rem(i - lo, jnp.int32(stages))
-            # Each warpgroup owns half of the ring: a barrier's phase is tracked by each thread that
-            # waits on it, so a buffer waited on by both warpgroups in turn would desynchronise their
-            # phases (reads of stale pages, then a hang; the GPU interpreter does not show this).
-            rel = i - lo
-            half = stages // 2
-            return lax.rem(rel, jnp.int32(2)) * half + lax.rem(lax.div(rel, jnp.int32(2)), jnp.int32(half))
-
-        @pl.when(wg < wgs)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-            row0 = cta_row0 if key_split else cta_row0 + wg * ROWS_PER_WG
-            # This warpgroup's steps: i = first + k * stride for k in [0, mine(hi)).
-            first = lo + wg if key_split else lo
-
-            def mine(end):
-                return lax.div(jnp.maximum(end - first, 0) + stride - 1, jnp.int32(stride))
-
-            # row0 is a multiple of 64: written as (row0 / 64) * rows_io, the box start's known
-            # divisibility lets Mosaic GPU prove a head-layout transfer lands on whole smem tile rows.
-            r0 = lax.div(row0, jnp.int32(ROWS_PER_WG)) * rows_io if heads_io else None
-
-            def load_query(src, dst, ready):
-                # This warpgroup's 64 query rows into `dst`: under heads_io G boxes of rows_io
-                # query rows, one per head of this KV head's group.
-                if heads_io:
-                    for g in range(group_io):
-                        plgpu.copy_gmem_to_smem(src.at[bi, pl.ds(r0, rows_io), head * group_io + g],
-                                                dst.at[pl.ds(g * rows_io, rows_io)], ready)
-                else:
-                    plgpu.copy_gmem_to_smem(src.at[bi, head, pl.ds(row0, ROWS_PER_WG)], dst, ready)
-
-            load_query(q_gmem, q_smem.at[wg], q_ready.at[wg])
-            if q_wide is not None:
-                load_query(qw_gmem, qw_smem.at[wg], qw_ready.at[wg])
-            shape = (ROWS_PER_WG, block)
-            col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+        def work_item(split, bi, head, tile, set_registers: bool):
+            """One (split, request, KV head, row tile): the whole CTA program of the gridded launch."""
+            length = len_gmem[bi]
+            cta_row0 = tile * rows_per_cta
             if fused:
-                plgpu.copy_gmem_to_smem(words_gmem.at[bi, :, pl.ds(row0, ROWS_PER_WG)], words_smem.at[wg],
-                                        words_ready.at[wg])
-                plgpu.barrier_wait(words_ready.at[wg])
-                # [64] per word, broadcast over the keys only inside a masked step (two [64, block]
-                # arrays live across the key loop would cost the unmasked steps registers).
-                row_words = [plgpu.load(words_smem.at[wg, w], layout=plgpu.Layout.WGMMA.reduce(1))
-                             for w in range(2)]
-                union = (union_gmem[bi, 0], union_gmem[bi, 1])
-                # Steps wholly below P are seen by every row.
-                open_end = jnp.clip(lax.div(length, jnp.int32(block)), lo, hi)
-
-                def visible(i):
-                    words = [lax.broadcast_in_dim(w, shape, [0]) for w in row_words]
-                    return window_visible(col + i * block, length, window, words)
+                # Every row reads [0, P + window): committed keys and the window under its mask bits.
+                # Pages from cdiv(P + window, page) on may be unmapped (the memory warpgroup repeats a
+                # step's first page there); V rows no row may see are zeroed before P V.
+                lo, hi = fused_key_blocks(length, window, block, split, steps_per_split)
+                page_limit = lax.div(length + window + page_size - 1, jnp.int32(page_size))
             else:
-                row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
-                row_hi = whole_page_bound(length, query_rows, group, row, whole)  # [rows, block]
-                # Keys below the first row's bound are seen by every row of this warpgroup.
-                first_hi = jnp.maximum(whole_page_bound(length, query_rows, group, row0, whole), 0)
-                open_end = jnp.clip(lax.div(first_hi, jnp.int32(block)), lo, hi)
+                whole, lo, hi = cta_key_blocks(length, page_size, query_rows, group, cta_row0, rows_per_cta, block,
+                                               split, steps_per_split)
+                page_limit = lax.div(whole, jnp.int32(page_size))
 
-                def visible(i):
-                    return col + i * block < row_hi
-            plgpu.barrier_wait(q_ready.at[wg])
-            if q_wide is not None:
-                plgpu.barrier_wait(qw_ready.at[wg])
+            def take_turn():
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
 
-            def clean_values(v, i):
-                # V rows of step i that no row of the request may see (past P + window, or window
-                # slots outside every row's mask) may hold NaN / inf, which a zero softmax weight
-                # would still spread: zero them. Only fused masked steps reach this.
-                key = plgpu.broadcasted_iota(jnp.int32, (block, d), 0, layout=plgpu.Layout.WGMMA) + i * block
-                return jnp.where(window_visible(key, length, window, union), v, jnp.zeros_like(v))
+            def slot_of(i):
+                if not key_split:
+                    return lax.rem(i - lo, jnp.int32(stages))
+                # Each warpgroup owns half of the ring: a barrier's phase is tracked by each thread that
+                # waits on it, so a buffer waited on by both warpgroups in turn would desynchronise their
+                # phases (reads of stale pages, then a hang; the GPU interpreter does not show this).
+                rel = i - lo
+                half = stages // 2
+                return lax.rem(rel, jnp.int32(2)) * half + lax.rem(lax.div(rel, jnp.int32(2)), jnp.int32(half))
 
-            def issue_scores(s_ref, slot):
-                # Q K^T of the keys in `slot` into s_ref, asynchronous on the GPU (wgmma).
-                plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+            @pl.when(wg < wgs)
+            def _compute():
+                if set_registers:
+                    plgpu.set_max_registers(232, action="increase")
+                row0 = cta_row0 if key_split else cta_row0 + wg * ROWS_PER_WG
+                # This warpgroup's steps: i = first + k * stride for k in [0, mine(hi)).
+                first = lo + wg if key_split else lo
 
-            def add_values(acc, p, v_tile, while_in_flight=lambda: None):
-                # acc + P V (V in shared memory), waited; `while_in_flight` runs after the wgmma is
-                # issued and before it is waited on. The GPU interpreter can neither run run_state
-                # nor store into an accumulator, so interpreted runs add P V with a plain dot on
-                # the same shared-memory tile.
-                if interpret:
-                    acc = acc + jnp.dot(p, v_tile[...], preferred_element_type=jnp.float32)
-                    while_in_flight()
-                    return acc
+                def mine(end):
+                    return lax.div(jnp.maximum(end - first, 0) + stride - 1, jnp.int32(stride))
 
-                def values(acc_ref):
-                    plgpu.wgmma(acc_ref, p, v_tile)
-                    while_in_flight()
-                return pl.run_state(values)(plgpu.ACC.init(acc))
+                # row0 is a multiple of 64: written as (row0 / 64) * rows_io, the box start's known
+                # divisibility lets Mosaic GPU prove a head-layout transfer lands on whole smem tile rows.
+                r0 = lax.div(row0, jnp.int32(ROWS_PER_WG)) * rows_io if heads_io else None
 
-            def wait_next_keys(i):
-                # This warpgroup's next K wait is taken while step i's P V product runs (the first
-                # step's before the loop), so a late TMA copy hides behind tensor-core work.
-                @pl.when(i + stride < hi)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[slot_of(i + stride)])
-
-            def step(k, carry, masked: bool):
-                acc, m, l = carry
-                i = first + k * stride
-                slot = slot_of(i)
-
-                # A fused window step under an FP8 pool scores the unquantised query against this
-                # warpgroup's widened copy of K (the tile V is widened into after the scores land).
-                widens_keys = q_wide is not None and masked
-                if widens_keys:
-                    # No native E4M3 -> bf16 convert on Hopper: through f32 (one step per CTA).
-                    k_wide.at[wg][...] = k_smem.at[slot][...].astype(jnp.float32).astype(kw_dtype)
-                    plgpu.commit_smem()
-
-                def scores(acc_ref):
-                    if widens_keys:
-                        plgpu.wgmma(acc_ref, qw_smem.at[wg], k_wide.at[wg].transpose((1, 0)))
+                def load_query(src, dst, ready):
+                    # This warpgroup's 64 query rows into `dst`: under heads_io G boxes of rows_io
+                    # query rows, one per head of this KV head's group.
+                    if heads_io:
+                        for g in range(group_io):
+                            plgpu.copy_gmem_to_smem(src.at[bi, pl.ds(r0, rows_io), head * group_io + g],
+                                                    dst.at[pl.ds(g * rows_io, rows_io)], ready)
                     else:
-                        issue_scores(acc_ref, slot)
-                    if pingpong:
-                        take_turn()  # the other warpgroup's matmuls go next
-                    return acc_ref[...]
+                        plgpu.copy_gmem_to_smem(src.at[bi, head, pl.ds(row0, ROWS_PER_WG)], dst, ready)
 
-                s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
-                p, _, m_new, l, acc = online_softmax_update(s, m, l, acc, scale2, visible(i) if masked else None)
-                p16 = p.astype(pv_dtype)
-                if fence_softmax and not interpret:
-                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                if pingpong:
-                    plgpu.barrier_arrive(turn)  # softmax done
-                plgpu.barrier_wait(v_ready.at[slot])
-                cleans = fused and masked
-                if fp8:
-                    # Widen this warpgroup's copy of the V page (CUDA cores, while the other
-                    # warpgroup holds the tensor cores); the FP8 buffer is free right after.
-                    v_tile = wide[0].at[wg]
-                    if cleans:
-                        v_tile[...] = clean_values(
-                            plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(pv_dtype), i)
-                    else:
-                        v_tile[...] = v_smem.at[slot][...].astype(pv_dtype)
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(v_free.at[slot])
+                load_query(q_gmem, q_smem.at[wg], q_ready.at[wg])
+                if q_wide is not None:
+                    load_query(qw_gmem, qw_smem.at[wg], qw_ready.at[wg])
+                shape = (ROWS_PER_WG, block)
+                col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                if fused:
+                    plgpu.copy_gmem_to_smem(words_gmem.at[bi, :, pl.ds(row0, ROWS_PER_WG)], words_smem.at[wg],
+                                            words_ready.at[wg])
+                    plgpu.barrier_wait(words_ready.at[wg])
+                    # [64] per word, broadcast over the keys only inside a masked step (two [64, block]
+                    # arrays live across the key loop would cost the unmasked steps registers).
+                    row_words = [plgpu.load(words_smem.at[wg, w], layout=plgpu.Layout.WGMMA.reduce(1))
+                                 for w in range(2)]
+                    union = (union_gmem[bi, 0], union_gmem[bi, 1])
+                    # Steps wholly below P are seen by every row.
+                    open_end = jnp.clip(lax.div(length, jnp.int32(block)), lo, hi)
+
+                    def visible(i):
+                        words = [lax.broadcast_in_dim(w, shape, [0]) for w in row_words]
+                        return window_visible(col + i * block, length, window, words)
                 else:
-                    v_tile = v_smem.at[slot]
-                    if cleans:
-                        # In place: both warpgroups may clean the same buffer, but each writes
-                        # exactly what the other does (kept rows unchanged, the others zero), so
-                        # whichever order the writes land in, a reader sees clean rows.
-                        v_tile[...] = clean_values(plgpu.load(v_tile, layout=plgpu.Layout.WGMMA), i)
-                        plgpu.commit_smem()
-                if pingpong:
-                    plgpu.barrier_wait(turn)  # the tensor cores are ours again
+                    row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+                    row_hi = whole_page_bound(length, query_rows, group, row, whole)  # [rows, block]
+                    # Keys below the first row's bound are seen by every row of this warpgroup.
+                    first_hi = jnp.maximum(whole_page_bound(length, query_rows, group, row0, whole), 0)
+                    open_end = jnp.clip(lax.div(first_hi, jnp.int32(block)), lo, hi)
 
-                acc = add_values(acc, p16, v_tile, lambda: wait_next_keys(i))
-                if not fp8:
-                    plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l
+                    def visible(i):
+                        return col + i * block < row_hi
+                plgpu.barrier_wait(q_ready.at[wg])
+                if q_wide is not None:
+                    plgpu.barrier_wait(qw_ready.at[wg])
 
-            def overlapped_steps(acc, m, l, n_open, n_all):
-                # Step 0's scores alone; then each step k >= 1 issues Q K_k^T and step k-1's P V
-                # together, runs step k's softmax once the scores land (P V still in flight), and
-                # rescales the output after P V lands; the last P V closes. Step k = i - first.
-                def scores_now(slot):
-                    def scores(s_ref):
-                        issue_scores(s_ref, slot)
-                        return s_ref[...]
-                    return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+                def clean_values(v, i):
+                    # V rows of step i that no row of the request may see (past P + window, or window
+                    # slots outside every row's mask) may hold NaN / inf, which a zero softmax weight
+                    # would still spread: zero them. Only fused masked steps reach this.
+                    key = plgpu.broadcasted_iota(jnp.int32, (block, d), 0, layout=plgpu.Layout.WGMMA) + i * block
+                    return jnp.where(window_visible(key, length, window, union), v, jnp.zeros_like(v))
 
-                def softmax(s, m, l, i, masked):  # P stays fp32 here (see in_flight)
-                    p, alpha, m, l, _ = online_softmax_update(s, m, l, None, scale2, visible(i) if masked else None)
-                    return p, alpha, m, l
+                def issue_scores(s_ref, slot):
+                    # Q K^T of the keys in `slot` into s_ref, asynchronous on the GPU (wgmma).
+                    plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+
+                def add_values(acc, p, v_tile, while_in_flight=lambda: None):
+                    # acc + P V (V in shared memory), waited; `while_in_flight` runs after the wgmma is
+                    # issued and before it is waited on. The GPU interpreter can neither run run_state
+                    # nor store into an accumulator, so interpreted runs add P V with a plain dot on
+                    # the same shared-memory tile.
+                    if interpret:
+                        acc = acc + jnp.dot(p, v_tile[...], preferred_element_type=jnp.float32)
+                        while_in_flight()
+                        return acc
+
+                    def values(acc_ref):
+                        plgpu.wgmma(acc_ref, p, v_tile)
+                        while_in_flight()
+                    return pl.run_state(values)(plgpu.ACC.init(acc))
+
+                def wait_next_keys(i):
+                    # This warpgroup's next K wait is taken while step i's P V product runs (the first
+                    # step's before the loop), so a late TMA copy hides behind tensor-core work.
+                    @pl.when(i + stride < hi)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[slot_of(i + stride)])
 
                 def step(k, carry, masked: bool):
-                    acc, m, l, p_prev = carry
-                    i = first + k
-                    slot_k, slot_v = slot_of(i), slot_of(i - 1)
-                    if interpret:
-                        # The interpreter cannot store into an accumulator: the same order of
-                        # barrier waits and releases, with P V as a plain dot.
-                        s = scores_now(slot_k)
-                        plgpu.barrier_wait(v_ready.at[slot_v])
-                        plgpu.barrier_arrive(k_free.at[slot_k])
-                        p, alpha, m, l = softmax(s, m, l, i, masked)
-                        wait_next_keys(i)
-                        acc = add_values(acc, p_prev, v_smem.at[slot_v])  # v_ready already waited
+                    acc, m, l = carry
+                    i = first + k * stride
+                    slot = slot_of(i)
+
+                    # A fused window step under an FP8 pool scores the unquantised query against this
+                    # warpgroup's widened copy of K (the tile V is widened into after the scores land).
+                    widens_keys = q_wide is not None and masked
+                    if widens_keys:
+                        # No native E4M3 -> bf16 convert on Hopper: through f32 (one step per CTA).
+                        k_wide.at[wg][...] = k_smem.at[slot][...].astype(jnp.float32).astype(kw_dtype)
+                        plgpu.commit_smem()
+
+                    def scores(acc_ref):
+                        if widens_keys:
+                            plgpu.wgmma(acc_ref, qw_smem.at[wg], k_wide.at[wg].transpose((1, 0)))
+                        else:
+                            issue_scores(acc_ref, slot)
+                        if pingpong:
+                            take_turn()  # the other warpgroup's matmuls go next
+                        return acc_ref[...]
+
+                    s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    p, _, m_new, l, acc = online_softmax_update(s, m, l, acc, scale2, visible(i) if masked else None)
+                    p16 = p.astype(pv_dtype)
+                    if fence_softmax and not interpret:
+                        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                    if pingpong:
+                        plgpu.barrier_arrive(turn)  # softmax done
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    cleans = fused and masked
+                    if fp8:
+                        # Widen this warpgroup's copy of the V page (CUDA cores, while the other
+                        # warpgroup holds the tensor cores); the FP8 buffer is free right after.
+                        v_tile = wide[0].at[wg]
+                        if cleans:
+                            v_tile[...] = clean_values(
+                                plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(pv_dtype), i)
+                        else:
+                            v_tile[...] = v_smem.at[slot][...].astype(pv_dtype)
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(v_free.at[slot])
                     else:
-                        def in_flight(o_ref, s_ref):
-                            o_ref[...] = acc
-                            issue_scores(s_ref, slot_k)
+                        v_tile = v_smem.at[slot]
+                        if cleans:
+                            # In place: both warpgroups may clean the same buffer, but each writes
+                            # exactly what the other does (kept rows unchanged, the others zero), so
+                            # whichever order the writes land in, a reader sees clean rows.
+                            v_tile[...] = clean_values(plgpu.load(v_tile, layout=plgpu.Layout.WGMMA), i)
+                            plgpu.commit_smem()
+                    if pingpong:
+                        plgpu.barrier_wait(turn)  # the tensor cores are ours again
+
+                    acc = add_values(acc, p16, v_tile, lambda: wait_next_keys(i))
+                    if not fp8:
+                        plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_new, l
+
+                def overlapped_steps(acc, m, l, n_open, n_all):
+                    # Step 0's scores alone; then each step k >= 1 issues Q K_k^T and step k-1's P V
+                    # together, runs step k's softmax once the scores land (P V still in flight), and
+                    # rescales the output after P V lands; the last P V closes. Step k = i - first.
+                    def scores_now(slot):
+                        def scores(s_ref):
+                            issue_scores(s_ref, slot)
+                            return s_ref[...]
+                        return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+
+                    def softmax(s, m, l, i, masked):  # P stays fp32 here (see in_flight)
+                        p, alpha, m, l, _ = online_softmax_update(s, m, l, None, scale2, visible(i) if masked else None)
+                        return p, alpha, m, l
+
+                    def step(k, carry, masked: bool):
+                        acc, m, l, p_prev = carry
+                        i = first + k
+                        slot_k, slot_v = slot_of(i), slot_of(i - 1)
+                        if interpret:
+                            # The interpreter cannot store into an accumulator: the same order of
+                            # barrier waits and releases, with P V as a plain dot.
+                            s = scores_now(slot_k)
                             plgpu.barrier_wait(v_ready.at[slot_v])
-                            plgpu.wgmma(o_ref, p_prev, v_smem.at[slot_v])
-                            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # scores in, P V in flight
                             plgpu.barrier_arrive(k_free.at[slot_k])
-                            p, alpha, m_new, l_new = softmax(s, m, l, i, masked)
+                            p, alpha, m, l = softmax(s, m, l, i, masked)
                             wait_next_keys(i)
-                            o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
-                            # P V read p_prev from registers until the wait: passing it through a
-                            # barrier here keeps those registers from being reused before, and P
-                            # is narrowed only now, so the new P never overwrites them in flight.
-                            o, _ = lax.optimization_barrier((o, p_prev))
-                            return o, p, alpha, m_new, l_new
+                            acc = add_values(acc, p_prev, v_smem.at[slot_v])  # v_ready already waited
+                        else:
+                            def in_flight(o_ref, s_ref):
+                                o_ref[...] = acc
+                                issue_scores(s_ref, slot_k)
+                                plgpu.barrier_wait(v_ready.at[slot_v])
+                                plgpu.wgmma(o_ref, p_prev, v_smem.at[slot_v])
+                                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # scores in, P V in flight
+                                plgpu.barrier_arrive(k_free.at[slot_k])
+                                p, alpha, m_new, l_new = softmax(s, m, l, i, masked)
+                                wait_next_keys(i)
+                                o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+                                # P V read p_prev from registers until the wait: passing it through a
+                                # barrier here keeps those registers from being reused before, and P
+                                # is narrowed only now, so the new P never overwrites them in flight.
+                                o, _ = lax.optimization_barrier((o, p_prev))
+                                return o, p, alpha, m_new, l_new
 
-                        acc, p, alpha, m, l = pl.run_scoped(
-                            in_flight, plgpu.ACC((ROWS_PER_WG, d), jnp.float32), plgpu.ACC(shape, jnp.float32))
-                    plgpu.barrier_arrive(v_free.at[slot_v])
-                    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, p.astype(pv_dtype)
+                            acc, p, alpha, m, l = pl.run_scoped(
+                                in_flight, plgpu.ACC((ROWS_PER_WG, d), jnp.float32), plgpu.ACC(shape, jnp.float32))
+                        plgpu.barrier_arrive(v_free.at[slot_v])
+                        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, p.astype(pv_dtype)
 
-                def run(acc, m, l):
-                    # Step 0 (masked: it may be the CTA's only, partly visible step).
-                    s = scores_now(slot_of(first))
-                    plgpu.barrier_arrive(k_free.at[slot_of(first)])
-                    p, _, m, l = softmax(s, m, l, first, True)
-                    wait_next_keys(first)
-                    carry = (acc, m, l, p.astype(pv_dtype))
-                    carry = lax.fori_loop(1, jnp.maximum(n_open, 1), functools.partial(step, masked=False), carry)
-                    acc, m, l, p16 = lax.fori_loop(jnp.maximum(n_open, 1), n_all,
-                                                   functools.partial(step, masked=True), carry)
-                    last = slot_of(first + n_all - 1)
-                    plgpu.barrier_wait(v_ready.at[last])
-                    acc = add_values(acc, p16, v_smem.at[last])
-                    plgpu.barrier_arrive(v_free.at[last])
-                    return acc, m, l
+                    def run(acc, m, l):
+                        # Step 0 (masked: it may be the CTA's only, partly visible step).
+                        s = scores_now(slot_of(first))
+                        plgpu.barrier_arrive(k_free.at[slot_of(first)])
+                        p, _, m, l = softmax(s, m, l, first, True)
+                        wait_next_keys(first)
+                        carry = (acc, m, l, p.astype(pv_dtype))
+                        carry = lax.fori_loop(1, jnp.maximum(n_open, 1), functools.partial(step, masked=False), carry)
+                        acc, m, l, p16 = lax.fori_loop(jnp.maximum(n_open, 1), n_all,
+                                                       functools.partial(step, masked=True), carry)
+                        last = slot_of(first + n_all - 1)
+                        plgpu.barrier_wait(v_ready.at[last])
+                        acc = add_values(acc, p16, v_smem.at[last])
+                        plgpu.barrier_arrive(v_free.at[last])
+                        return acc, m, l
 
-                # No step at all: the running state stays as it is.
-                return lax.cond(n_all > 0, run, lambda *c: c, acc, m, l)
+                    # No step at all: the running state stays as it is.
+                    return lax.cond(n_all > 0, run, lambda *c: c, acc, m, l)
 
-            m = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            l = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, d), jnp.float32), plgpu.Layout.WGMMA)
-            @pl.when(first < hi)
-            def _():
-                plgpu.barrier_wait(k_ready.at[slot_of(first)])  # this warpgroup's first keys
-
-            if pingpong:
-                pl.when(wg == 1)(take_turn)  # start half a step behind warpgroup 0
-            n_open, n_all = mine(open_end), mine(hi)
-            if overlap_softmax:
-                acc, m, l = overlapped_steps(acc, m, l, n_open, n_all)
-            else:
-                carry = lax.fori_loop(0, n_open, functools.partial(step, masked=False), (acc, m, l))
-                acc, m, l = lax.fori_loop(n_open, n_all, functools.partial(step, masked=True), carry)
-            if pingpong and key_split:
-                # An odd step count leaves warpgroup 1 one step short: it still takes that step's
-                # two turns, or warpgroup 0 would wait on the turn barrier forever.
-                @pl.when(n_all < lax.div(hi - lo + 1, jnp.int32(2)))
+                m = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                l = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, d), jnp.float32), plgpu.Layout.WGMMA)
+                @pl.when(first < hi)
                 def _():
-                    take_turn()
-                    take_turn()
-            if pingpong:
-                pl.when(wg == 0)(take_turn)
-            seen = l > 0
-            l_safe = jnp.where(seen, l, 1.0)
-            out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
-                            acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
-            part = split * stride + (wg if key_split else 0)  # this warpgroup's partial
-            lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG)])
-            # The output leaves through a small staging tile, piece by piece (a whole [64, D]
-            # fp32 tile per warpgroup would cost the K/V ring a stage).
-            out = out.astype(partial_dtype)
-            for j in range(d // out_chunk):
-                plgpu.wait_smem_to_gmem(0)  # the previous piece has been read out
-                o_smem.at[wg][...] = out[:, j * out_chunk:(j + 1) * out_chunk]
-                plgpu.commit_smem()
-                cols = pl.ds(j * out_chunk, out_chunk)
-                if heads_io:
-                    for g in range(group_io):
-                        plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(g * rows_io, rows_io)],
-                                                out_gmem.at[part, bi, pl.ds(r0, rows_io), head * group_io + g, cols])
+                    plgpu.barrier_wait(k_ready.at[slot_of(first)])  # this warpgroup's first keys
+
+                if pingpong:
+                    pl.when(wg == 1)(take_turn)  # start half a step behind warpgroup 0
+                n_open, n_all = mine(open_end), mine(hi)
+                if overlap_softmax:
+                    acc, m, l = overlapped_steps(acc, m, l, n_open, n_all)
                 else:
-                    plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG), cols])
-            plgpu.wait_smem_to_gmem(0)
+                    carry = lax.fori_loop(0, n_open, functools.partial(step, masked=False), (acc, m, l))
+                    acc, m, l = lax.fori_loop(n_open, n_all, functools.partial(step, masked=True), carry)
+                if pingpong and key_split:
+                    # An odd step count leaves warpgroup 1 one step short: it still takes that step's
+                    # two turns, or warpgroup 0 would wait on the turn barrier forever.
+                    @pl.when(n_all < lax.div(hi - lo + 1, jnp.int32(2)))
+                    def _():
+                        take_turn()
+                        take_turn()
+                if pingpong:
+                    pl.when(wg == 0)(take_turn)
+                seen = l > 0
+                l_safe = jnp.where(seen, l, 1.0)
+                out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
+                                acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
+                part = split * stride + (wg if key_split else 0)  # this warpgroup's partial
+                if persistent:
+                    plgpu.wait_smem_to_gmem(0)  # the previous item's last copies have read the staging
+                lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG)])
+                # The output leaves through a small staging tile, piece by piece (a whole [64, D]
+                # fp32 tile per warpgroup would cost the K/V ring a stage).
+                out = out.astype(partial_dtype)
+                for j in range(d // out_chunk):
+                    plgpu.wait_smem_to_gmem(0)  # the previous piece has been read out
+                    o_smem.at[wg][...] = out[:, j * out_chunk:(j + 1) * out_chunk]
+                    plgpu.commit_smem()
+                    cols = pl.ds(j * out_chunk, out_chunk)
+                    if heads_io:
+                        for g in range(group_io):
+                            plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(g * rows_io, rows_io)],
+                                                    out_gmem.at[part, bi, pl.ds(r0, rows_io), head * group_io + g, cols])
+                    else:
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG), cols])
+                if not persistent:  # persistent: the next item's epilogue (or the kernel's end) waits
+                    plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == wgs)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            @pl.when(wg == wgs)
+            def _memory():
+                if set_registers:
+                    plgpu.set_max_registers(40, action="decrease")
 
-            def page_rows(i, j):
-                # A step's later page past the last one read (the last whole page, or fused the
-                # last mapped one) repeats the step's first page instead: its keys are masked, and
-                # (unfused) finite V rows keep the zero softmax weights from turning into NaN (the
-                # partial page may hold anything).
-                page = i * pps + j
-                page = jnp.where(page < page_limit, page, i * pps) if j else page
-                return pl.ds(pt_gmem[bi, page] * page_size, page_size)
+                def page_rows(i, j):
+                    # A step's later page past the last one read (the last whole page, or fused the
+                    # last mapped one) repeats the step's first page instead: its keys are masked, and
+                    # (unfused) finite V rows keep the zero softmax weights from turning into NaN (the
+                    # partial page may hold anything).
+                    page = i * pps + j
+                    page = jnp.where(page < page_limit, page, i * pps) if j else page
+                    return pl.ds(pt_gmem[bi, page] * page_size, page_size)
 
-            @pl.loop(lo, hi)
-            def _fetch(i):
-                slot = slot_of(i)
+                @pl.loop(lo, hi)
+                def _fetch(i):
+                    slot = slot_of(i)
 
-                @pl.when(i - lo >= stages)
-                def _():
+                    @pl.when(i - lo >= stages)
+                    def _():
+                        plgpu.barrier_wait(k_free.at[slot])
+
+                    for j in range(pps):  # one TMA copy (one arrival on the step's barrier) per page
+                        plgpu.copy_gmem_to_smem(k_gmem.at[page_rows(i, j), head],
+                                                k_smem.at[slot, pl.ds(j * page_size, page_size)], k_ready.at[slot])
+
+                    @pl.when(i - lo >= stages)
+                    def _():
+                        plgpu.barrier_wait(v_free.at[slot])
+
+                    for j in range(pps):
+                        plgpu.copy_gmem_to_smem(v_gmem.at[page_rows(i, j), head],
+                                                v_smem.at[slot, pl.ds(j * page_size, page_size)], v_ready.at[slot])
+
+                # Observe the last release of every buffer used, so no barrier phase is left unseen
+                # when the scope ends (the GPU interpreter checks this).
+                @pl.loop(jnp.maximum(hi - stages, lo), hi)
+                def _drain(i):
+                    slot = slot_of(i)
                     plgpu.barrier_wait(k_free.at[slot])
-
-                for j in range(pps):  # one TMA copy (one arrival on the step's barrier) per page
-                    plgpu.copy_gmem_to_smem(k_gmem.at[page_rows(i, j), head],
-                                            k_smem.at[slot, pl.ds(j * page_size, page_size)], k_ready.at[slot])
-
-                @pl.when(i - lo >= stages)
-                def _():
                     plgpu.barrier_wait(v_free.at[slot])
 
-                for j in range(pps):
-                    plgpu.copy_gmem_to_smem(v_gmem.at[page_rows(i, j), head],
-                                            v_smem.at[slot, pl.ds(j * page_size, page_size)], v_ready.at[slot])
+        if not persistent:
+            work_item(lax.axis_index("splits"), lax.axis_index("batch"), lax.axis_index("heads"),
+                      lax.axis_index("tiles"), set_registers=True)
+            return
+        # Persistent: CTA c takes work items c, c + ctas, ... in the gridded launch order, so while one
+        # item's epilogue runs the memory warpgroup already fetches the next item's first pages. Each
+        # item balances every barrier's arrivals and waits (the memory warpgroup drains its ring),
+        # so the ring restarts clean at slot 0.
+        pl.when(wg < wgs)(lambda: plgpu.set_max_registers(232, action="increase"))
+        pl.when(wg == wgs)(lambda: plgpu.set_max_registers(40, action="decrease"))
 
-            # Observe the last release of every buffer used, so no barrier phase is left unseen
-            # when the scope ends (the GPU interpreter checks this).
-            @pl.loop(jnp.maximum(hi - stages, lo), hi)
-            def _drain(i):
-                slot = slot_of(i)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
+        @pl.loop(lax.axis_index("ctas"), items, step=ctas)
+        def _(t):
+            axis = {}
+            for name, size in zip(order[::-1], sizes[::-1]):  # the last axis runs fastest
+                axis[name] = lax.rem(t, jnp.int32(size))
+                t = lax.div(t, jnp.int32(size))
+            work_item(axis["splits"], axis["batch"], axis["heads"], axis["tiles"], set_registers=False)
+
+        pl.when(wg < wgs)(lambda: plgpu.wait_smem_to_gmem(0))
+
 
     def entry(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, *rest):
         words_gmem, union_gmem = rest[:2] if fused else (None, None)
@@ -792,7 +840,6 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             collective_axes="wg",
         )
 
-    grid, grid_names = grid_in_order(dict(batch=b, heads=hkv, tiles=tiles, splits=splits), tiles_adjacent)
     out, lse = plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct((splits * stride,) + (q_in.shape if heads_io else (b, hkv, total, d)),

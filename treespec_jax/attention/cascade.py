@@ -104,6 +104,11 @@ class CascadeConfig:
     # against K widened in shared memory; on the H200 that ran B=1 and B=8 10-19% faster but B=32
     # 4% and B=64 1% slower, session 13); True: required (prefix_kernel="mosaic_gpu"); False: off.
     fuse_window: bool | None = None
+    # Launch the Mosaic prefix kernel persistent: one CTA per SM looping over the work items
+    # (split, request, KV head, row tile), so an item's epilogue overlaps the next item's first
+    # page fetches. None: `prefix_decode_mgpu.runs_persistent` (PERSISTENT_BY_DEFAULT, where the
+    # items outnumber the SMs); True needs prefix_kernel="mosaic_gpu"; False: one CTA per item.
+    persistent_prefix: bool | None = None
 
     def __post_init__(self):
         if self.prefix_kernel not in PREFIX_KERNELS:
@@ -131,6 +136,11 @@ class CascadeConfig:
             if self.prefix_partial_dtype != "float32":
                 errors.append(f"CascadeConfig.fuse_window=True writes the final output (no partial), so "
                               f"prefix_partial_dtype={self.prefix_partial_dtype!r} does not apply")
+        if not (self.persistent_prefix is None or isinstance(self.persistent_prefix, bool)):
+            errors.append(f"CascadeConfig.persistent_prefix must be None, True or False, got {self.persistent_prefix!r}")
+        elif self.persistent_prefix and self.prefix_kernel != "mosaic_gpu":
+            errors.append(f"CascadeConfig.persistent_prefix=True is a launch of the Mosaic prefix kernel, so it needs "
+                          f"prefix_kernel='mosaic_gpu', got {self.prefix_kernel!r}")
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -189,7 +199,7 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
                          page_size=config.page_size, scale=scale, num_splits=config.num_splits,
                          fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret", mosaic=mosaic,
                          prefix_covers_tail=tail, partial_dtype=config.prefix_partial_dtype,
-                         fuse_window=fuses_window(config, mosaic, tail, k_pool))
+                         fuse_window=fuses_window(config, mosaic, tail, k_pool), persistent=config.persistent_prefix)
 
 
 def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool, k_pool) -> bool:
@@ -241,10 +251,10 @@ def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> b
 
 @functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "num_splits", "fp8_score_dot",
                                              "interpret", "mosaic", "prefix_covers_tail", "partial_dtype",
-                                             "fuse_window"))
+                                             "fuse_window", "persistent"))
 def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window, page_size, scale,
                   num_splits, fp8_score_dot, interpret, mosaic=False, prefix_covers_tail=False,
-                  partial_dtype="float32", fuse_window=False):
+                  partial_dtype="float32", fuse_window=False, persistent=None):
     b, r, hq, d = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
@@ -259,7 +269,7 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
         out, _ = prefix_decode_mgpu_row_layout(
             q if heads_io else heads_to_rows(q, hkv, total), k_pool, v_pool, page_table, prefix_lengths, words,
             union, query_rows=1, group=total, page_size=page_size, scale=scale, num_splits=num_splits,
-            interpret=interpret, partial_dtype=out_dtype, window=window, heads_io=heads_io)
+            interpret=interpret, partial_dtype=out_dtype, window=window, heads_io=heads_io, persistent=persistent)
         return (out if heads_io else rows_to_heads(out, r, hq)).astype(q.dtype)
     qr = heads_to_rows(q, hkv, mosaic_rows(r * group) if mosaic else padded_rows(r * group))
     # The prefix kernels bound row r * G + g by P - R + 1 + r; read as one query row of R * G heads,
@@ -271,7 +281,8 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
     if mosaic:
         prefix_out, prefix_lse2 = prefix_decode_mgpu_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, **prefix_rows, page_size=page_size,
-            scale=scale, num_splits=num_splits, interpret=interpret, partial_dtype=partial_dtype)
+            scale=scale, num_splits=num_splits, interpret=interpret, partial_dtype=partial_dtype,
+            persistent=persistent)
     else:
         prefix_out, prefix_lse2 = prefix_decode_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, **prefix_rows, page_size=page_size,
