@@ -327,14 +327,44 @@ def test_persistent_launch_gives_the_gridded_bits(monkeypatch):
 
 
 def test_persistent_default_and_lowering():
-    """None launches persistent CTAs only where PERSISTENT_BY_DEFAULT says so and the items
-    outnumber the SMs; an explicit setting wins. The persistent loop lowers at D = 128 (bf16 fused
-    in head layout, FP8 with a key split)."""
+    """None launches persistent CTAs over 16-bit pools where the items outnumber the SMs (the
+    H200's measurements), never over FP8 ones; an explicit setting wins. The persistent loop lowers
+    at D = 128 (bf16 fused in head layout, FP8 with a key split)."""
     import pallas_kernels.attention.prefix_decode_mgpu as pdm
 
     sms = pdm.num_sms()
-    assert pdm.runs_persistent(sms + 1, None) == pdm.PERSISTENT_BY_DEFAULT
-    assert not pdm.runs_persistent(sms, None)
-    assert pdm.runs_persistent(1, True) and not pdm.runs_persistent(10 * sms, False)
+    assert pdm.PERSISTENT_16BIT_BY_DEFAULT
+    assert pdm.runs_persistent(sms + 1, None, 2) and not pdm.runs_persistent(sms, None, 2)
+    assert not pdm.runs_persistent(10 * sms, None, 1)
+    assert pdm.runs_persistent(1, True, 1) and not pdm.runs_persistent(10 * sms, False, 2)
     test_mgpu_prefix_lowers_to_mosaic_gpu(256, 1, True, 64, 2, jnp.bfloat16, 2, None, opts=dict(persistent=True))
     test_mgpu_prefix_lowers_to_mosaic_gpu(64, 2, True, 64, 4, FP8, 1, True, opts=dict(persistent=True))
+
+
+def test_cascade_config_persistent_prefix(monkeypatch):
+    """CascadeConfig.persistent_prefix reaches the Mosaic prefix (the fused verify cascade gives the
+    same bits either way, 2 SMs for 6 items) and True is refused, naming the value, where it could
+    not apply."""
+    import pallas_kernels.attention.prefix_decode_mgpu as pdm
+    from treespec_jax.attention.cascade import CascadeConfig, verify_attention
+    from treespec_jax.tree.masks import ancestor_mask
+    from trees import random_parents
+
+    monkeypatch.setattr(pdm, "num_sms", lambda: 2)
+    seen = []
+    real = pdm.runs_persistent
+    monkeypatch.setattr(pdm, "runs_persistent", lambda *a: seen.append(a[1]) or real(*a))
+    r, g, hkv, d = 16, 4, 2, 64
+    lengths = [300, 70, 0]
+    q, k, v, table, lens, _ = verify_case(np.random.default_rng(11), lengths, r, hkv, g, d, PAGE,
+                                          jnp.bfloat16, q_dtype=jnp.bfloat16)
+    mask = ancestor_mask(jnp.asarray(random_parents(np.random.default_rng(12), len(lengths), r)))
+    outs = [verify_attention(q, k, v, table, lens, mask, config=CascadeConfig(
+        page_size=PAGE, backend="interpret", prefix_kernel="mosaic_gpu", persistent_prefix=p)) for p in (False, True)]
+    assert seen == [False, True]
+    assert not np.isnan(np.asarray(outs[1], np.float32)).any()
+    np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
+    with pytest.raises(ValueError, match="persistent_prefix=True .* needs prefix_kernel='mosaic_gpu', got 'auto'"):
+        CascadeConfig(page_size=PAGE, persistent_prefix=True)
+    with pytest.raises(ValueError, match="persistent_prefix must be None, True or False, got 1"):
+        CascadeConfig(page_size=PAGE, persistent_prefix=1)

@@ -94,15 +94,20 @@ def default_mgpu_num_splits(batch: int, kv_heads: int, tiles: int, steps: int, s
     return max(1, min(sms // programs, steps // MIN_STEPS_PER_SPLIT))
 
 
-# Whether `persistent=None` launches persistent CTAs where the work items outnumber the SMs.
-PERSISTENT_BY_DEFAULT = False
+# Whether `persistent=None` launches persistent CTAs over 16-bit pools where the work items
+# outnumber the SMs. On the H200 (bf16 cascade, device time, session 15, benchmarks/RESULTS.md)
+# B=64, P=4096, N=64 (1,024 items) took 0.573 / 0.576 / 0.577 ms persistent against 0.598 / 0.578 /
+# 0.596 gridded in three processes, and B=32, P=32768 (512 items) 2.172 / 2.142 / 2.143 against
+# 2.164 / 2.147 / 2.141. FP8 pools stay gridded: persistent, their B=32 and B=64 cascades ran
+# 6.4% and 2.8% slower (one process).
+PERSISTENT_16BIT_BY_DEFAULT = True
 
 
-def runs_persistent(items: int, persistent: bool | None) -> bool:
-    """Whether the prefix kernel's launch is persistent for `items` work items (see
-    `prefix_decode_mgpu_row_layout`); an explicit setting wins."""
+def runs_persistent(items: int, persistent: bool | None, itemsize: int) -> bool:
+    """Whether the prefix kernel's launch over `itemsize`-byte pools is persistent for `items`
+    work items (see `prefix_decode_mgpu_row_layout`); an explicit setting wins."""
     if persistent is None:
-        return PERSISTENT_BY_DEFAULT and items > num_sms()
+        return PERSISTENT_16BIT_BY_DEFAULT and itemsize == 2 and items > num_sms()
     return bool(persistent)
 
 
@@ -433,7 +438,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
     sizes, order = grid_in_order(dict(batch=b, heads=hkv, tiles=tiles, splits=splits), tiles_adjacent)
     items = math.prod(sizes)
-    persistent = runs_persistent(items, persistent)
+    persistent = runs_persistent(items, persistent, jnp.dtype(k_pool.dtype).itemsize)
     ctas = min(items, num_sms())
     grid, grid_names = ((ctas,), ("ctas",)) if persistent else (sizes, order)
 
@@ -449,8 +454,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             qw_smem, qw_ready = extra[-2:]
         wg = lax.axis_index("wg")
 
-        def work_item(split, bi, head, tile, set_registers: bool):
-            """One (split, request, KV head, row tile): the whole CTA program of the gridded launch."""
+        def work_item(split, bi, head, tile, role: str):
+            """One (split, request, KV head, row tile): the whole CTA program of the gridded launch
+            (`role` "cta": every warpgroup, setting its registers), or under a persistent launch
+            one side of it, "compute" or "memory", run by warpgroups already on that side."""
             length = len_gmem[bi]
             cta_row0 = tile * rows_per_cta
             if fused:
@@ -478,9 +485,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                 half = stages // 2
                 return lax.rem(rel, jnp.int32(2)) * half + lax.rem(lax.div(rel, jnp.int32(2)), jnp.int32(half))
 
-            @pl.when(wg < wgs)
             def _compute():
-                if set_registers:
+                if role == "cta":
                     plgpu.set_max_registers(232, action="increase")
                 row0 = cta_row0 if key_split else cta_row0 + wg * ROWS_PER_WG
                 # This warpgroup's steps: i = first + k * stride for k in [0, mine(hi)).
@@ -747,9 +753,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                 if not persistent:  # persistent: the next item's epilogue (or the kernel's end) waits
                     plgpu.wait_smem_to_gmem(0)
 
-            @pl.when(wg == wgs)
             def _memory():
-                if set_registers:
+                if role == "cta":
                     plgpu.set_max_registers(40, action="decrease")
 
                 def page_rows(i, j):
@@ -789,27 +794,41 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                     plgpu.barrier_wait(k_free.at[slot])
                     plgpu.barrier_wait(v_free.at[slot])
 
+            if role == "cta":
+                pl.when(wg < wgs)(_compute)
+                pl.when(wg == wgs)(_memory)
+            else:
+                (_compute if role == "compute" else _memory)()
+
         if not persistent:
             work_item(lax.axis_index("splits"), lax.axis_index("batch"), lax.axis_index("heads"),
-                      lax.axis_index("tiles"), set_registers=True)
+                      lax.axis_index("tiles"), role="cta")
             return
         # Persistent: CTA c takes work items c, c + ctas, ... in the gridded launch order, so while one
         # item's epilogue runs the memory warpgroup already fetches the next item's first pages. Each
         # item balances every barrier's arrivals and waits (the memory warpgroup drains its ring),
-        # so the ring restarts clean at slot 0.
-        pl.when(wg < wgs)(lambda: plgpu.set_max_registers(232, action="increase"))
-        pl.when(wg == wgs)(lambda: plgpu.set_max_registers(40, action="decrease"))
+        # so the ring restarts clean at slot 0. Each side loops inside its own register budget
+        # (set once, in the same branch as the loop, where the register allocator sees it).
 
-        @pl.loop(lax.axis_index("ctas"), items, step=ctas)
-        def _(t):
-            axis = {}
-            for name, size in zip(order[::-1], sizes[::-1]):  # the last axis runs fastest
-                axis[name] = lax.rem(t, jnp.int32(size))
-                t = lax.div(t, jnp.int32(size))
-            work_item(axis["splits"], axis["batch"], axis["heads"], axis["tiles"], set_registers=False)
+        def items_of_this_cta(role: str):
+            @pl.loop(lax.axis_index("ctas"), items, step=ctas)
+            def _(t):
+                axis = {}
+                for name, size in zip(order[::-1], sizes[::-1]):  # the last axis runs fastest
+                    axis[name] = lax.rem(t, jnp.int32(size))
+                    t = lax.div(t, jnp.int32(size))
+                work_item(axis["splits"], axis["batch"], axis["heads"], axis["tiles"], role=role)
 
-        pl.when(wg < wgs)(lambda: plgpu.wait_smem_to_gmem(0))
+        @pl.when(wg < wgs)
+        def _compute_items():
+            plgpu.set_max_registers(232, action="increase")
+            items_of_this_cta("compute")
+            plgpu.wait_smem_to_gmem(0)
 
+        @pl.when(wg == wgs)
+        def _memory_items():
+            plgpu.set_max_registers(40, action="decrease")
+            items_of_this_cta("memory")
 
     def entry(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, *rest):
         words_gmem, union_gmem = rest[:2] if fused else (None, None)
