@@ -356,7 +356,7 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     t_cas_bf16 = (alternative("prefix_partial_dtype=bfloat16", prefix_partial_dtype="bfloat16")
                   if partial_bf16 else float("nan"))
     # The fused window flipped from its default (cascade.fuses_window).
-    fused_default = fuses_window(CascadeConfig(page_size=PAGE), mosaic, covers, kp)
+    fused_default = fuses_window(CascadeConfig(page_size=PAGE), mosaic, covers, kp, q)
     t_cas_fused = (alternative(f"fuse_window={not fused_default}", fuse_window=not fused_default,
                                prefix_kernel="mosaic_gpu")
                    if fuse_window and mosaic else float("nan"))

@@ -141,7 +141,8 @@ def test_fused_window_rows_follow_head_io_rows():
 
 def test_fused_window_config_refusals():
     """fuse_window=True is refused where it cannot run, naming every blocker at once; None fuses only
-    under the Mosaic prefix on 16-bit pools with the default tail and partial (FP8 opt-in)."""
+    under the Mosaic prefix with the default tail and partial, on 16-bit pools and on FP8 ones
+    whose prefix programs do not fill the SMs."""
     with pytest.raises(ValueError) as err:
         CascadeConfig(page_size=64, fuse_window=True, prefix_covers_tail=False, prefix_partial_dtype="bfloat16")
     for part in ("needs prefix_kernel='mosaic_gpu'", "contradicts prefix_covers_tail=False",
@@ -149,15 +150,25 @@ def test_fused_window_config_refusals():
         assert part in str(err.value)
     with pytest.raises(ValueError, match="fuse_window must be None, True or False, got 1"):
         CascadeConfig(page_size=64, fuse_window=1)
-    bf16, fp8 = jnp.zeros((8, 1, 64), jnp.bfloat16), jnp.zeros((8, 1, 64), FP8)
+    sd = jax.ShapeDtypeStruct
+    bf16, fp8 = sd((8, 8, 128), jnp.bfloat16), sd((8, 8, 128), FP8)
     fuses = cascade_module.fuses_window
-    assert fuses(CascadeConfig(page_size=64), True, True, bf16)
-    assert not fuses(CascadeConfig(page_size=64), True, True, fp8)  # FP8: the window kernel by default
-    assert fuses(CascadeConfig(page_size=64, prefix_kernel="mosaic_gpu", fuse_window=True), True, True, fp8)
-    assert not fuses(CascadeConfig(page_size=64), False, False, bf16)  # the Triton prefix
-    assert not fuses(CascadeConfig(page_size=64, prefix_covers_tail=False), True, False, bf16)
-    assert not fuses(CascadeConfig(page_size=64, prefix_partial_dtype="bfloat16"), True, True, bf16)
-    assert not fuses(CascadeConfig(page_size=64, fuse_window=False), True, True, bf16)
+    sms = cascade_module.num_sms()
+    # A query [B, N=64, Hq=32, D=128]: 2 row tiles per KV head, so B * 8 * 2 programs before splits.
+    one_wave, full = sd((1, 64, 32, 128), jnp.bfloat16), sd((sms, 64, 32, 128), jnp.bfloat16)
+    assert cascade_module.prefix_programs(one_wave.shape, 8, 1) == 16
+    cfg = CascadeConfig(page_size=64)
+    assert fuses(cfg, True, True, bf16, full) and fuses(cfg, True, True, bf16, one_wave)
+    # FP8 pools fuse by default only where the prefix programs leave SMs idle (keys split), given a
+    # 16-bit query; else the window kernel.
+    assert fuses(cfg, True, True, fp8, one_wave) == cascade_module.FUSE_FP8_UNDER_ONE_WAVE
+    assert not fuses(cfg, True, True, fp8, full)
+    assert not fuses(cfg, True, True, fp8, sd((1, 64, 32, 128), jnp.float32))
+    assert fuses(CascadeConfig(page_size=64, prefix_kernel="mosaic_gpu", fuse_window=True), True, True, fp8, full)
+    assert not fuses(cfg, False, False, bf16, full)  # the Triton prefix
+    assert not fuses(CascadeConfig(page_size=64, prefix_covers_tail=False), True, False, bf16, full)
+    assert not fuses(CascadeConfig(page_size=64, prefix_partial_dtype="bfloat16"), True, True, bf16, full)
+    assert not fuses(CascadeConfig(page_size=64, fuse_window=False), True, True, bf16, full)
     assert heads_io_errors(64, 4) == []
     assert "group of 1, 2, 4 or 8 heads, got 16" in heads_io_errors(64, 16)[0]
     assert "R a multiple of 64 / G = 16, got R=20" in heads_io_errors(20, 4)[0]

@@ -268,6 +268,13 @@ def default_pages_per_step(total_rows: int, width: int, itemsize: int, page_size
     return pps
 
 
+def fused_fp8_fits(total_rows: int, width: int, page_size: int, stages: int = 2) -> bool:
+    """Whether the fused window over an FP8 pool (its unquantised query tiles and widened K beside
+    the ring) fits shared memory at the default pages per step."""
+    pps = default_pages_per_step(total_rows, width, 1, page_size, stages)
+    return smem_bytes(total_rows, width, 1, pps * page_size, stages, fused_fp8=True) <= MAX_SMEM_BYTES
+
+
 def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2,
                       pages_per_step: int | None = None, key_split: bool | None = None) -> list[str]:
     """Every reason this kernel cannot take these inputs (empty: it can). Arrays or ShapeDtypeStructs;

@@ -32,10 +32,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to_rows, padded_rows,
+from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to_rows, num_sms, padded_rows,
                                                     prefix_decode, prefix_decode_row_layout, rows_to_heads)
 from pallas_kernels.attention.prefix_decode_mgpu import (ROWS_PER_WG, check_mgpu_inputs, fused_window_words,
-                                                         heads_io_errors, mgpu_input_errors,
+                                                         fused_fp8_fits, heads_io_errors, mgpu_input_errors,
+                                                         warpgroup_layout,
                                                          prefix_decode_mgpu_row_layout)
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
 from pallas_kernels.common import resolve_backend
@@ -48,11 +49,15 @@ PREFIX_KERNELS = ("auto", "triton", "mosaic_gpu")
 # process and on all four in another (B=32, P=32768: 2.047 vs 2.083 ms; B=64, P=4096: 0.570 vs
 # 0.605; B=1: 0.077 vs 0.079; B=8, N=16: 0.096 vs 0.105; benchmarks/RESULTS.md, session 13).
 FUSE_WINDOW_BY_DEFAULT = True
-# FP8 pools fuse too (window steps widen K and score the unquantised query) when this is set. Off:
-# on the H200 the fused FP8 cascade was faster at B=1 (0.086 vs 0.096 ms) and B=8, N=16 (0.058 vs
-# 0.072) but slower at B=32, P=32768 (2.148 vs 2.063) and B=64, P=4096 (0.613 vs 0.606), one
-# process (benchmarks/RESULTS.md, session 13, call 4).
+# FP8 pools fuse too (window steps widen K and score the unquantised query) when this is set, or,
+# with FUSE_FP8_UNDER_ONE_WAVE, where the prefix kernel's (request, KV head, row tile) programs do
+# not fill the SMs (so its keys are split): on the H200 the fused FP8 cascade was faster at B=1
+# (0.086 vs 0.096 ms) and B=8, N=16 (0.058 vs 0.072), both under one wave, but slower at B=32,
+# P=32768 (2.148 vs 2.063) and B=64, P=4096 (0.613 vs 0.606), one process (benchmarks/RESULTS.md,
+# session 13, call 4); in two more processes (session 15, call 6) B=1 fused 0.089 / 0.088 vs 0.095 /
+# 0.090, B=8 0.075 / 0.067 vs 0.071 / 0.070.
 FUSE_FP8_BY_DEFAULT = False
+FUSE_FP8_UNDER_ONE_WAVE = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,18 +206,42 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
                          page_size=config.page_size, scale=scale, num_splits=config.num_splits,
                          fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret", mosaic=mosaic,
                          prefix_covers_tail=tail, partial_dtype=config.prefix_partial_dtype,
-                         fuse_window=fuses_window(config, mosaic, tail, k_pool), persistent=config.persistent_prefix)
+                         fuse_window=fuses_window(config, mosaic, tail, k_pool, q),
+                         persistent=config.persistent_prefix)
 
 
-def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool, k_pool) -> bool:
+def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool, k_pool, q) -> bool:
     """Whether the window is folded into the Mosaic prefix kernel: an explicit setting wins; None
     fuses under the Mosaic prefix with the prefix covering every row's tail and the float32
-    partial, on 16-bit pools and (FUSE_FP8_BY_DEFAULT) FP8 ones."""
+    partial, on 16-bit pools, and on FP8 ones (given a 16-bit query, where the fused FP8 buffers
+    fit) under FUSE_FP8_BY_DEFAULT or, with FUSE_FP8_UNDER_ONE_WAVE, where the prefix programs do
+    not fill the SMs. `q [B, R, Hq, D]` (array or ShapeDtypeStruct)."""
     if config.fuse_window is None:
-        pool_ok = jnp.dtype(k_pool.dtype).itemsize == 2 or FUSE_FP8_BY_DEFAULT
+        itemsize = jnp.dtype(k_pool.dtype).itemsize
+        pool_ok = itemsize == 2
+        if itemsize == 1 and jnp.dtype(q.dtype).itemsize == 2:
+            _, r, hq, d = q.shape
+            fits = fused_fp8_fits(fused_rows(r, hq // k_pool.shape[1]), d, config.page_size)
+            pool_ok = fits and (FUSE_FP8_BY_DEFAULT or (
+                FUSE_FP8_UNDER_ONE_WAVE and prefix_programs(q.shape, k_pool.shape[1], itemsize) < num_sms()))
         return (mosaic and covers_tail_resolved and pool_ok and config.prefix_partial_dtype == "float32"
                 and FUSE_WINDOW_BY_DEFAULT)
     return config.fuse_window
+
+
+def fused_rows(r: int, group: int) -> int:
+    """Rows per KV head of the fused kernel: R * G in head layout (`heads_io`), else the padded
+    row layout's."""
+    return r * group if not heads_io_errors(r, group) else mosaic_rows(r * group)
+
+
+def prefix_programs(q_shape, kv_heads: int, itemsize: int) -> int:
+    """(request, KV head, row tile) programs of the fused Mosaic prefix kernel for a query
+    `[B, R, Hq, D]` (before key splits)."""
+    b, r, hq = q_shape[:3]
+    total = fused_rows(r, hq // kv_heads)
+    _, rows_per_cta, _ = warpgroup_layout(total, None, itemsize)
+    return b * kv_heads * (total // rows_per_cta)
 
 
 def mosaic_rows(rows: int) -> int:
@@ -265,7 +294,7 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
         # key splits it writes the final output in q's dtype (bf16; float32 otherwise), and where
         # the group allows it reads q and writes the output in head layout (no transposes).
         heads_io = not heads_io_errors(r, group)
-        total = r * group if heads_io else mosaic_rows(r * group)
+        total = fused_rows(r, group)
         words, union = fused_window_words(mask, group, total, heads_io=heads_io)
         out_dtype = q.dtype if q.dtype == jnp.bfloat16 else jnp.float32
         out, _ = prefix_decode_mgpu_row_layout(
