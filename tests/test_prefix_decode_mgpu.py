@@ -285,12 +285,14 @@ def test_bf16_partial_lowers(form):
 # Persistent launches (one CTA per SM looping over work items), with the SM count cut to 3 so each
 # CTA takes several items: 256-row heads in two tiles with three splits (36 items), an FP8 pool,
 # and a warpgroup key split over four stages (FP8, two splits).
-@pytest.mark.parametrize("case", [STAGED[1], STAGED[4], KEY_SPLIT[2]])
-def test_persistent_launch_matches_dense(case, monkeypatch):
+# The last case overlaps each warpgroup's softmax with its matmuls (`overlap_softmax`).
+@pytest.mark.parametrize("case,opts", [(STAGED[1], {}), (STAGED[4], {}), (KEY_SPLIT[2], {}),
+                                       (STAGED[6], dict(overlap_softmax=True))])
+def test_persistent_launch_matches_dense(case, opts, monkeypatch):
     import pallas_kernels.attention.prefix_decode_mgpu as pdm
 
     monkeypatch.setattr(pdm, "num_sms", lambda: 3)
-    test_mgpu_prefix_and_cascade_match_dense(*case, opts=dict(persistent=True))
+    test_mgpu_prefix_and_cascade_match_dense(*case, opts=dict(persistent=True, **opts))
 
 
 def test_persistent_launch_gives_the_gridded_bits(monkeypatch):

@@ -105,9 +105,10 @@ class CascadeConfig:
     # partial output makes a round trip through memory (and, where the group allows, q and the
     # output keep the head layout: no transposes). None: on wherever the Mosaic prefix runs on
     # 16-bit pools, unless `prefix_covers_tail=False` or a bf16 partial was asked for; FP8 pools
-    # keep the window kernel unless True (fused, their window steps score the unquantised query
-    # against K widened in shared memory; on the H200 that ran B=1 and B=8 10-19% faster but B=32
-    # 4% and B=64 1% slower, session 13); True: required (prefix_kernel="mosaic_gpu"); False: off.
+    # fuse only where the prefix kernel's programs leave SMs idle (fused, their window steps score
+    # the unquantised query against K widened in shared memory; on the H200 that ran B=1 and B=8
+    # faster but B=32 4% and B=64 1% slower; `fuses_window`, FUSE_FP8_UNDER_ONE_WAVE); True:
+    # required (prefix_kernel="mosaic_gpu"); False: off.
     fuse_window: bool | None = None
     # Launch the Mosaic prefix kernel persistent: one CTA per SM looping over the work items
     # (split, request, KV head, row tile), so an item's epilogue overlaps the next item's first
