@@ -11,6 +11,11 @@ A diagnostic (logs only). For each shape (bf16 pools) it times, each alone and c
   alone, no mask words; its output is wrong, only its time is read), which bounds what decoding
   the mask words and cleaning V rows cost;
 - the public fused cascade at several key-split counts (the default first).
+
+With `--launches` it instead compares the fused kernel's launches at each shape (bf16): gridded,
+persistent, and persistent with `prefetch_query`, each checked bit for bit against the gridded
+one, then timed in `--rounds` interleaved rounds (A, B, C, A, B, C, ...; the median per launch),
+so drift within the process hits every launch alike.
 """
 
 from __future__ import annotations
@@ -88,16 +93,54 @@ def cost(b, p, n, splits, rng, key):
         f"({extra / step if step > 0 else float('nan'):.2f} plain steps)")
 
 
+LAUNCHES = {"gridded": dict(persistent=False), "persistent": dict(persistent=True),
+            "persistent + prefetch_query": dict(persistent=True, prefetch_query=True)}
+
+
+def launches(b, p, n, rounds, rng, key):
+    """The fused kernel (bf16, head layout, words prepared outside) under each of LAUNCHES."""
+    interp = jax.default_backend() != "gpu"
+    dtype = jnp.bfloat16
+    kp, vp, table = make_paged(key, rng, b, p + n, HKV, D, PAGE, dtype, poison=False)
+    q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(dtype)
+    lengths = jnp.full((b,), p, jnp.int32)
+    mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
+    group = HQ // HKV
+    if pdm.heads_io_errors(n, group):
+        log(f"B={b},P={p},N={n}: no head-layout fused kernel here; skipped")
+        return
+    words, union = pdm.fused_window_words(mask, group, n * group, heads_io=True)
+    args = (q, kp, vp, table, lengths, words, union)
+    fns = {name: jax.jit(lambda *a, o=opts: pdm.prefix_decode_mgpu_row_layout(
+        *a, query_rows=1, group=n * group, page_size=PAGE, scale=D ** -0.5, interpret=interp,
+        partial_dtype=dtype, window=n, heads_io=True, **o)) for name, opts in LAUNCHES.items()}
+    base = [np.asarray(x, np.float32) for x in fns["gridded"](*args)]
+    for name, fn in fns.items():
+        same = all(np.array_equal(x, np.asarray(y, np.float32)) for x, y in zip(base, fn(*args)))
+        log(f"B={b},P={p},N={n}: {name} {'gives the gridded bits' if same else 'DIFFERS from the gridded launch'}")
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(device_ms(fn, args, 4))
+    log(f"B={b},P={p},N={n} fused kernel, {rounds} interleaved rounds: " + "; ".join(
+        f"{name} {np.median(t):.4f} ms (" + ", ".join(f"{x:.4f}" for x in t) + ")" for name, t in times.items()))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="64x4096x64,1x32768x64")
     ap.add_argument("--splits", default="0,2,4,16", help="key splits of the fused cascade (0: the default)")
+    ap.add_argument("--launches", action="store_true", help="compare the fused kernel's launches instead")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of --launches")
     a = ap.parse_args(argv)
     splits = [int(s) or None for s in a.splits.split(",") if s]
     rng = np.random.default_rng(0)
     key = jax.random.key(0)
     for b, p, n in parse_shapes(a.shapes):
-        cost(b, p, n, splits, rng, key)
+        if a.launches:
+            launches(b, p, n, a.rounds, rng, key)
+        else:
+            cost(b, p, n, splits, rng, key)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_suite.py --quick --out $OUT 2>&1 | tee $OUT/suite.log
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_suite.py --owed --out $OUT   # what is still owed
 
-Runs each benchmark module's `main(argv)` in turn (cascade, mla, gdn, mamba2, mosaic); a failure in one
+Runs each benchmark module's `main(argv)` in turn (cascade, mla, gdn, mamba2, mosaic, launches); a failure in one
 is reported and the others still run. On the device machine the working tree is a copy, so with
 `--out DIR` every module that writes a dated markdown section writes it to DIR/<module>.md instead
 of appending to that copy's benchmarks/RESULTS.md (bring the files back and append them here).
@@ -30,13 +30,20 @@ SUITES = {
     # The Mosaic GPU kernels alone (bf16/FP8, 1/2 pages per step, MLA) against the Triton ones; it
     # logs, it writes no markdown section.
     "mosaic": ("benchmarks.mgpu_prefix_check", ["--shapes", "32x32768x64,8x8192x16", "--fp8"], lambda md: []),
+    # The fused GQA kernel's launches (gridded, persistent, persistent + prefetch_query), bit-checked
+    # and timed in interleaved rounds; it logs, it writes no markdown section.
+    "launches": ("benchmarks.fused_window_cost", ["--launches", "--shapes", "64x4096x64"], lambda md: []),
 }
 # Flags a module gets in the full (not --quick) run beyond its defaults.
-FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"]}
+FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
+             "launches": ["--launches", "--shapes", "64x4096x64,32x32768x64"]}
 
-# What is still owed (`--owed`): nothing since session 15, which timed session 14's fused MLA
-# window (now the 16-bit default) and its "lookahead" schedule (slower; removed).
-OWED: dict[str, list[str]] = {}
+# What is still owed (`--owed`): session 15 built, after its device time ran out, the persistent
+# prefix launch's `prefetch_query` (each compute warpgroup loads the next item's query tile and mask
+# words while the current item runs; off): its compiled bits and its time against the persistent
+# default at B=64 and B=32 (bf16, fused kernel, interleaved rounds). If it wins, make it the
+# persistent default (WORKSPACE, RESULTS, tests).
+OWED: dict[str, list[str]] = {"launches": ["--launches", "--shapes", "64x4096x64,32x32768x64", "--rounds", "3"]}
 
 
 def main(argv=None) -> int:

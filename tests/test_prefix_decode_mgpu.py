@@ -285,9 +285,12 @@ def test_bf16_partial_lowers(form):
 # Persistent launches (one CTA per SM looping over work items), with the SM count cut to 3 so each
 # CTA takes several items: 256-row heads in two tiles with three splits (36 items), an FP8 pool,
 # and a warpgroup key split over four stages (FP8, two splits).
-# The last case overlaps each warpgroup's softmax with its matmuls (`overlap_softmax`).
+# The fourth case overlaps each warpgroup's softmax with its matmuls (`overlap_softmax`); the last
+# two load each next item's query tile during the current item (`prefetch_query`).
 @pytest.mark.parametrize("case,opts", [(STAGED[1], {}), (STAGED[4], {}), (KEY_SPLIT[2], {}),
-                                       (STAGED[6], dict(overlap_softmax=True))])
+                                       (STAGED[6], dict(overlap_softmax=True)),
+                                       (STAGED[1], dict(prefetch_query=True)),
+                                       (KEY_SPLIT[2], dict(prefetch_query=True))])
 def test_persistent_launch_matches_dense(case, opts, monkeypatch):
     import pallas_kernels.attention.prefix_decode_mgpu as pdm
 
@@ -298,7 +301,8 @@ def test_persistent_launch_matches_dense(case, opts, monkeypatch):
 def test_persistent_launch_gives_the_gridded_bits(monkeypatch):
     """The persistent launch computes each work item exactly as the gridded one: the same bits,
     for the plain prefix (two tiles, four splits, three KV heads: items of every axis) and for the
-    fused window in head layout (5 items over 2 CTAs, one CTA taking 3)."""
+    fused window in head layout (5 items over 2 CTAs, one CTA taking 3), also with each next
+    item's query tile and mask words loaded during the current item (`prefetch_query`)."""
     import pallas_kernels.attention.prefix_decode_mgpu as pdm
     from treespec_jax.tree.masks import ancestor_mask
 
@@ -308,10 +312,12 @@ def test_persistent_launch_gives_the_gridded_bits(monkeypatch):
                                           jnp.bfloat16, q_dtype=jnp.bfloat16)
     qr = heads_to_rows(q, hkv, padded_rows(r * g))
     kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, num_splits=4, interpret=True)
-    runs = [prefix_decode_mgpu_row_layout(qr, k, v, table, lens, persistent=p, **kw) for p in (False, True)]
-    for a, b in zip(*runs):
-        assert np.all(np.isfinite(np.asarray(a)) | np.isneginf(np.asarray(a)))
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    launches = [dict(persistent=False), dict(persistent=True), dict(persistent=True, prefetch_query=True)]
+    runs = [prefix_decode_mgpu_row_layout(qr, k, v, table, lens, **launch, **kw) for launch in launches]
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert np.all(np.isfinite(np.asarray(a)) | np.isneginf(np.asarray(a)))
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     r, hkv = 16, 1
     lengths = [300, 5, 170, 64, 0]
     q, k, v, table, lens, _ = verify_case(np.random.default_rng(7), lengths, r, hkv, g, d, PAGE,
@@ -321,11 +327,14 @@ def test_persistent_launch_gives_the_gridded_bits(monkeypatch):
     words, union = pdm.fused_window_words(mask, g, r * g, heads_io=True)
     kw = dict(query_rows=1, group=r * g, page_size=PAGE, scale=d ** -0.5, num_splits=1, interpret=True,
               window=r, heads_io=True, partial_dtype=jnp.bfloat16)
-    runs = [prefix_decode_mgpu_row_layout(q, k, v, table, lens, words, union, persistent=p, **kw)
-            for p in (False, True)]
-    for a, b in zip(*runs):
-        assert not np.isnan(np.asarray(a, np.float32)).any()
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    runs = [prefix_decode_mgpu_row_layout(q, k, v, table, lens, words, union, **launch, **kw) for launch in launches]
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert not np.isnan(np.asarray(a, np.float32)).any()
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match="prefetch_query needs the persistent launch"):
+        prefix_decode_mgpu_row_layout(q, k, v, table, lens, words, union, persistent=False, prefetch_query=True,
+                                      **kw)
 
 
 def test_persistent_default_and_lowering():
@@ -340,6 +349,8 @@ def test_persistent_default_and_lowering():
     assert not pdm.runs_persistent(10 * sms, None, 1)
     assert pdm.runs_persistent(1, True, 1) and not pdm.runs_persistent(10 * sms, False, 2)
     test_mgpu_prefix_lowers_to_mosaic_gpu(256, 1, True, 64, 2, jnp.bfloat16, 2, None, opts=dict(persistent=True))
+    test_mgpu_prefix_lowers_to_mosaic_gpu(256, 1, True, 64, 2, jnp.bfloat16, 2, None,
+                                          opts=dict(persistent=True, prefetch_query=True))
     test_mgpu_prefix_lowers_to_mosaic_gpu(64, 2, True, 64, 4, FP8, 1, True, opts=dict(persistent=True))
 
 

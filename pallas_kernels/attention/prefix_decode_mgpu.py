@@ -326,7 +326,7 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "num_splits",
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
                                              "tiles_adjacent", "overlap_softmax", "partial_dtype", "window",
-                                             "heads_io", "persistent", "interpret"))
+                                             "heads_io", "persistent", "prefetch_query", "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, window_words=None, window_union=None,
                                   *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
@@ -334,7 +334,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                                   key_split: bool | None = None, fence_softmax: bool = False,
                                   tiles_adjacent: bool = True, overlap_softmax: bool = False,
                                   partial_dtype=jnp.float32, window: int = 0, heads_io: bool = False,
-                                  persistent: bool | None = None, interpret: bool = False):
+                                  persistent: bool | None = None, prefetch_query: bool = False,
+                                  interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
@@ -377,6 +378,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     head, row tile) in the gridded launch's order, so an item's epilogue overlaps the memory
     warpgroup's fetch of the next item's first pages and its output copies the next item's work
     (None: `runs_persistent`);
+    `prefetch_query` (persistent only; experimental, off): each compute warpgroup keeps two query
+    tiles (and fused, two sets of mask words) and loads the next item's while this one runs, so
+    no item waits for its query; it costs one more query tile of shared memory;
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     fused = window > 0
     q_in = qr
@@ -448,6 +452,17 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     persistent = runs_persistent(items, persistent, jnp.dtype(k_pool.dtype).itemsize)
     ctas = min(items, num_sms())
     grid, grid_names = ((ctas,), ("ctas",)) if persistent else (sizes, order)
+    if prefetch_query and not persistent:
+        raise ValueError("prefix_decode_mgpu: prefetch_query needs the persistent launch (persistent=True, or "
+                         f"None with more work items than SMs), got persistent={persistent} for {items} items")
+    qbufs = 2 if prefetch_query else 1
+    if prefetch_query:
+        need = (smem_bytes(total, d, jnp.dtype(k_pool.dtype).itemsize, block, stages, key_split,
+                           fused_fp8=q_wide is not None) + wgs * ROWS_PER_WG * d * dtype.itemsize)
+        if need > MAX_SMEM_BYTES:
+            raise ValueError(f"prefix_decode_mgpu: prefetch_query's second query tile needs {need} bytes of shared "
+                             f"memory (pages_per_step={pps}, stages={stages}, head dim {d}), more than "
+                             f"{MAX_SMEM_BYTES}")
 
     def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, qw_gmem, out_gmem, lse_gmem,
              scoped):
@@ -461,10 +476,12 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             qw_smem, qw_ready = extra[-2:]
         wg = lax.axis_index("wg")
 
-        def work_item(split, bi, head, tile, role: str):
+        def work_item(split, bi, head, tile, role: str, nxt=None):
             """One (split, request, KV head, row tile): the whole CTA program of the gridded launch
             (`role` "cta": every warpgroup, setting its registers), or under a persistent launch
-            one side of it, "compute" or "memory", run by warpgroups already on that side."""
+            one side of it, "compute" or "memory", run by warpgroups already on that side. `nxt`
+            (`prefetch_query`): (this CTA's item count so far, whether a next item exists, its
+            (request, KV head, row tile)), whose query tile is loaded while this item runs."""
             length = len_gmem[bi]
             cta_row0 = tile * rows_per_cta
             if fused:
@@ -502,32 +519,50 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                 def mine(end):
                     return lax.div(jnp.maximum(end - first, 0) + stride - 1, jnp.int32(stride))
 
-                # row0 is a multiple of 64: written as (row0 / 64) * rows_io, the box start's known
-                # divisibility lets Mosaic GPU prove a head-layout transfer lands on whole smem tile rows.
+                # This item's first query row of the warpgroup's boxes in head layout (its output's).
                 r0 = lax.div(row0, jnp.int32(ROWS_PER_WG)) * rows_io if heads_io else None
 
-                def load_query(src, dst, ready):
+                def load_query(src, dst, ready, bi_x, head_x, row0_x):
                     # This warpgroup's 64 query rows into `dst`: under heads_io G boxes of rows_io
-                    # query rows, one per head of this KV head's group.
+                    # query rows, one per head of this KV head's group. row0 is a multiple of 64:
+                    # written as (row0 / 64) * rows_io, the box start's known divisibility lets
+                    # Mosaic GPU prove a head-layout transfer lands on whole smem tile rows.
                     if heads_io:
+                        r0 = lax.div(row0_x, jnp.int32(ROWS_PER_WG)) * rows_io
                         for g in range(group_io):
-                            plgpu.copy_gmem_to_smem(src.at[bi, pl.ds(r0, rows_io), head * group_io + g],
+                            plgpu.copy_gmem_to_smem(src.at[bi_x, pl.ds(r0, rows_io), head_x * group_io + g],
                                                     dst.at[pl.ds(g * rows_io, rows_io)], ready)
                     else:
-                        plgpu.copy_gmem_to_smem(src.at[bi, head, pl.ds(row0, ROWS_PER_WG)], dst, ready)
+                        plgpu.copy_gmem_to_smem(src.at[bi_x, head_x, pl.ds(row0_x, ROWS_PER_WG)], dst, ready)
 
-                load_query(q_gmem, q_smem.at[wg], q_ready.at[wg])
+                def issue_loads(bi_x, head_x, tile_x, buf):
+                    # An item's query tile (and fused, its rows' mask words) into buffer `buf`.
+                    row0_x = tile_x * rows_per_cta + (0 if key_split else wg * ROWS_PER_WG)
+                    load_query(q_gmem, q_smem.at[buf], q_ready.at[buf], bi_x, head_x, row0_x)
+                    if fused:
+                        plgpu.copy_gmem_to_smem(words_gmem.at[bi_x, :, pl.ds(row0_x, ROWS_PER_WG)],
+                                                words_smem.at[buf], words_ready.at[buf])
+
+                if nxt is None:
+                    qb = wg
+                    issue_loads(bi, head, tile, qb)
+                else:
+                    # Prefetching: this item's loads were issued during the previous item (or now,
+                    # for a CTA's first); the next item's go into the other buffer at once.
+                    k, has_next, (bi_n, head_n, tile_n) = nxt
+                    qb = lax.rem(k, jnp.int32(2)) * wgs + wg
+                    pl.when(k == 0)(lambda: issue_loads(bi, head, tile, qb))
+                    pl.when(has_next)(lambda: issue_loads(bi_n, head_n, tile_n,
+                                                          lax.rem(k + 1, jnp.int32(2)) * wgs + wg))
                 if q_wide is not None:
-                    load_query(qw_gmem, qw_smem.at[wg], qw_ready.at[wg])
+                    load_query(qw_gmem, qw_smem.at[wg], qw_ready.at[wg], bi, head, row0)
                 shape = (ROWS_PER_WG, block)
                 col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
                 if fused:
-                    plgpu.copy_gmem_to_smem(words_gmem.at[bi, :, pl.ds(row0, ROWS_PER_WG)], words_smem.at[wg],
-                                            words_ready.at[wg])
-                    plgpu.barrier_wait(words_ready.at[wg])
+                    plgpu.barrier_wait(words_ready.at[qb])
                     # [64] per word, broadcast over the keys only inside a masked step (two [64, block]
                     # arrays live across the key loop would cost the unmasked steps registers).
-                    row_words = [plgpu.load(words_smem.at[wg, w], layout=plgpu.Layout.WGMMA.reduce(1))
+                    row_words = [plgpu.load(words_smem.at[qb, w], layout=plgpu.Layout.WGMMA.reduce(1))
                                  for w in range(2)]
                     union = (union_gmem[bi, 0], union_gmem[bi, 1])
                     # Steps wholly below P are seen by every row.
@@ -545,7 +580,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
                     def visible(i):
                         return col + i * block < row_hi
-                plgpu.barrier_wait(q_ready.at[wg])
+                plgpu.barrier_wait(q_ready.at[qb])
                 if q_wide is not None:
                     plgpu.barrier_wait(qw_ready.at[wg])
 
@@ -558,7 +593,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
                 def issue_scores(s_ref, slot):
                     # Q K^T of the keys in `slot` into s_ref, asynchronous on the GPU (wgmma).
-                    plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(s_ref, q_smem.at[qb], k_smem.at[slot].transpose((1, 0)))
 
                 def add_values(acc, p, v_tile, while_in_flight=lambda: None):
                     # acc + P V (V in shared memory), waited; `while_in_flight` runs after the wgmma is
@@ -817,14 +852,25 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         # so the ring restarts clean at slot 0. Each side loops inside its own register budget
         # (set once, in the same branch as the loop, where the register allocator sees it).
 
+        def item_axes(t):
+            axis = {}
+            for name, size in zip(order[::-1], sizes[::-1]):  # the last axis runs fastest
+                axis[name] = lax.rem(t, jnp.int32(size))
+                t = lax.div(t, jnp.int32(size))
+            return axis
+
         def items_of_this_cta(role: str):
-            @pl.loop(lax.axis_index("ctas"), items, step=ctas)
+            cta = lax.axis_index("ctas")
+
+            @pl.loop(cta, items, step=ctas)
             def _(t):
-                axis = {}
-                for name, size in zip(order[::-1], sizes[::-1]):  # the last axis runs fastest
-                    axis[name] = lax.rem(t, jnp.int32(size))
-                    t = lax.div(t, jnp.int32(size))
-                work_item(axis["splits"], axis["batch"], axis["heads"], axis["tiles"], role=role)
+                axis = item_axes(t)
+                nxt = None
+                if prefetch_query and role == "compute":
+                    following = item_axes(jnp.minimum(t + ctas, items - 1))
+                    nxt = (lax.div(t - cta, jnp.int32(ctas)), t + ctas < items,
+                           (following["batch"], following["heads"], following["tiles"]))
+                work_item(axis["splits"], axis["batch"], axis["heads"], axis["tiles"], role=role, nxt=nxt)
 
         @pl.when(wg < wgs)
         def _compute_items():
@@ -844,7 +890,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         pl.run_scoped(
             lambda *scoped: body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, qw_gmem,
                                  out_gmem, lse_gmem, scoped),
-            (plgpu.SMEM((wgs, ROWS_PER_WG, d), dtype, transforms=in_tf),
+            (plgpu.SMEM((qbufs * wgs, ROWS_PER_WG, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((wgs, ROWS_PER_WG, out_chunk), partial_dtype, transforms=out_tf),
@@ -853,10 +899,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             + ((plgpu.RefUnion(plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),
                                plgpu.SMEM((wgs, block, d), kw_dtype, transforms=_smem_transforms(d, kw_dtype))),)
                if q_wide is not None else ())
-            + ((plgpu.SMEM((wgs, 2, ROWS_PER_WG), jnp.int32), plgpu.Barrier(num_barriers=wgs)) if fused else ())
+            + ((plgpu.SMEM((qbufs * wgs, 2, ROWS_PER_WG), jnp.int32), plgpu.Barrier(num_barriers=qbufs * wgs))
+               if fused else ())
             + ((plgpu.SMEM((wgs, ROWS_PER_WG, d), kw_dtype, transforms=_smem_transforms(d, kw_dtype)),
                 plgpu.Barrier(num_arrivals=group_io or 1, num_barriers=wgs)) if q_wide is not None else ()),
-            (plgpu.Barrier(num_arrivals=group_io or 1, num_barriers=wgs),
+            (plgpu.Barrier(num_arrivals=group_io or 1, num_barriers=qbufs * wgs),
              plgpu.Barrier(num_arrivals=pps, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pps, num_barriers=stages)),
             # A step's buffers are released by every warpgroup that reads them: both, or under a
