@@ -35,7 +35,7 @@ from benchmarks.bench_cascade import D, HKV, HQ, PAGE, make_paged, random_parent
 from benchmarks.report import log, parse_shapes  # noqa: E402
 from benchmarks.timing import chained_time, feed_scalar  # noqa: E402
 from pallas_kernels.attention.prefix_decode import heads_to_rows  # noqa: E402
-from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, mosaic_rows  # noqa: E402
+from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, fused_rows, mosaic_rows  # noqa: E402
 from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
 
 CHAINED = 20
@@ -45,13 +45,26 @@ def device_ms(fn, args, index):
     return 1e3 * chained_time(fn, args, feed_scalar(index), inner=CHAINED)
 
 
+def verify_inputs(b, p, n, rng, key, spare_tokens=0):
+    """bf16 pools mapping P + N (+ `spare_tokens`) tokens per request, q `[B, N, Hq, D]`, every
+    prefix length P and a random tree's ancestor mask."""
+    kp, vp, table = make_paged(key, rng, b, p + n + spare_tokens, HKV, D, PAGE, jnp.bfloat16, poison=False)
+    q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(jnp.bfloat16)
+    return q, kp, vp, table, jnp.full((b,), p, jnp.int32), ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
+
+
+def fused_kernel(n, **launch):
+    """The fused kernel as the cascade runs it for N tree rows (rows per KV head `fused_rows`), bf16
+    output; its arguments (q in head or row layout, pools, table, lengths, words, union)."""
+    return jax.jit(lambda *a: pdm.prefix_decode_mgpu_row_layout(
+        *a, query_rows=1, group=fused_rows(n, HQ // HKV), page_size=PAGE, scale=D ** -0.5,
+        interpret=jax.default_backend() != "gpu", partial_dtype=jnp.bfloat16, window=n,
+        heads_io=not pdm.heads_io_errors(n, HQ // HKV), **launch))
+
+
 def cost(b, p, n, splits, rng, key):
     interp = jax.default_backend() != "gpu"
-    dtype = jnp.bfloat16
-    kp, vp, table = make_paged(key, rng, b, p + n + 2 * PAGE, HKV, D, PAGE, dtype, poison=False)
-    q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(dtype)
-    lengths = jnp.full((b,), p, jnp.int32)
-    mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
+    q, kp, vp, table, lengths, mask = verify_inputs(b, p, n, rng, key, spare_tokens=2 * PAGE)
     group = HQ // HKV
     total = mosaic_rows(n * group)
     scale = D ** -0.5
@@ -64,21 +77,14 @@ def cost(b, p, n, splits, rng, key):
     t["prefix at P"] = device_ms(pre, (qr, kp, vp, table, lengths), 4)
     t["prefix at P + step"] = device_ms(pre, (qr, kp, vp, table, lengths + block), 4)
     heads_io = not pdm.heads_io_errors(n, group)
-    words, union = pdm.fused_window_words(mask, group, n * group if heads_io else total, heads_io=heads_io)
-    qin = q if heads_io else qr
-
-    def fused_kernel():
-        return jax.jit(lambda *a: pdm.prefix_decode_mgpu_row_layout(
-            *a, query_rows=1, group=total, page_size=PAGE, scale=scale, interpret=interp,
-            partial_dtype=dtype, window=n, heads_io=heads_io))
-
-    fargs = (qin, kp, vp, table, lengths, words, union)
-    t["fused kernel"] = device_ms(fused_kernel(), fargs, 4)
+    words, union = pdm.fused_window_words(mask, group, fused_rows(n, group), heads_io=heads_io)
+    fargs = (q if heads_io else heads_to_rows(q, HKV, fused_rows(n, group)), kp, vp, table, lengths, words, union)
+    t["fused kernel"] = device_ms(fused_kernel(n), fargs, 4)
     real = pdm.window_visible
     try:
         pdm.window_visible = lambda k, length, window, words: k < length + window
         jax.clear_caches()
-        t["fused kernel, position-only visibility (wrong output)"] = device_ms(fused_kernel(), fargs, 4)
+        t["fused kernel, position-only visibility (wrong output)"] = device_ms(fused_kernel(n), fargs, 4)
     finally:
         pdm.window_visible = real
         jax.clear_caches()
@@ -99,21 +105,14 @@ LAUNCHES = {"gridded": dict(persistent=False), "persistent": dict(persistent=Tru
 
 def launches(b, p, n, rounds, rng, key):
     """The fused kernel (bf16, head layout, words prepared outside) under each of LAUNCHES."""
-    interp = jax.default_backend() != "gpu"
-    dtype = jnp.bfloat16
-    kp, vp, table = make_paged(key, rng, b, p + n, HKV, D, PAGE, dtype, poison=False)
-    q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(dtype)
-    lengths = jnp.full((b,), p, jnp.int32)
-    mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
+    q, kp, vp, table, lengths, mask = verify_inputs(b, p, n, rng, key)
     group = HQ // HKV
     if pdm.heads_io_errors(n, group):
         log(f"B={b},P={p},N={n}: no head-layout fused kernel here; skipped")
         return
     words, union = pdm.fused_window_words(mask, group, n * group, heads_io=True)
     args = (q, kp, vp, table, lengths, words, union)
-    fns = {name: jax.jit(lambda *a, o=opts: pdm.prefix_decode_mgpu_row_layout(
-        *a, query_rows=1, group=n * group, page_size=PAGE, scale=D ** -0.5, interpret=interp,
-        partial_dtype=dtype, window=n, heads_io=True, **o)) for name, opts in LAUNCHES.items()}
+    fns = {name: fused_kernel(n, **opts) for name, opts in LAUNCHES.items()}
     base = [np.asarray(x, np.float32) for x in fns["gridded"](*args)]
     for name, fn in fns.items():
         same = all(np.array_equal(x, np.asarray(y, np.float32)) for x, y in zip(base, fn(*args)))

@@ -134,15 +134,17 @@ def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: i
 
 
 def smem_bytes(total_rows: int, width: int, itemsize: int, block: int, stages: int,
-               key_split: bool | None = None, fused_fp8: bool = False) -> int:
-    """Shared memory of one CTA (`block` keys per step): query tiles, the K and V rings, output
-    staging, LSE, the fused window's mask words; with 1-byte (FP8) items also each compute
-    warpgroup's 16-bit copy of the step's V, and (`fused_fp8`) its unquantised query tile."""
+               key_split: bool | None = None, fused_fp8: bool = False, query_tiles: int = 1) -> int:
+    """Shared memory of one CTA (`block` keys per step): query tiles (`query_tiles` per compute
+    warpgroup, with as many sets of the fused window's mask words: two under `prefetch_query`), the
+    K and V rings, output staging, LSE; with 1-byte (FP8) items also each compute warpgroup's 16-bit
+    copy of the step's V, and (`fused_fp8`) its unquantised query tile."""
     wgs, _, _ = warpgroup_layout(total_rows, key_split, itemsize)
     widened = wgs * block * width * 2 if itemsize == 1 else 0
     widened += wgs * ROWS_PER_WG * width * 2 if fused_fp8 else 0
-    return (wgs * ROWS_PER_WG * width * itemsize + 2 * stages * block * width * itemsize + widened
-            + wgs * ROWS_PER_WG * (OUT_CHUNK + 1) * 4 + FUSED_WINDOW_WORDS * wgs + SMEM_OVERHEAD)
+    return (query_tiles * wgs * (ROWS_PER_WG * width * itemsize + FUSED_WINDOW_WORDS)
+            + 2 * stages * block * width * itemsize + widened
+            + wgs * ROWS_PER_WG * (OUT_CHUNK + 1) * 4 + SMEM_OVERHEAD)
 
 
 def _smem_transforms(minor: int, dtype):
@@ -430,11 +432,6 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     if fused and splits * stride > 1:
         # Fused, `partial_dtype` is the output's: key-split partials stay float32 until merged.
         partial_dtype = jnp.dtype(jnp.float32)
-    need = smem_bytes(total, d, 1, block, stages, key_split, fused_fp8=True) if q_wide is not None else 0
-    if need > MAX_SMEM_BYTES:
-        raise ValueError(f"prefix_decode_mgpu: the fused window under an FP8 pool with pages_per_step={pps}, "
-                         f"stages={stages}, head dim {d} needs {need} bytes of shared memory, more than "
-                         f"{MAX_SMEM_BYTES}")
     # The staging tile keeps its bytes: 32 fp32 or 64 bf16 output columns per piece.
     out_chunk = OUT_CHUNK * 4 // partial_dtype.itemsize
     dtype = q_in.dtype
@@ -456,13 +453,15 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         raise ValueError("prefix_decode_mgpu: prefetch_query needs the persistent launch (persistent=True, or "
                          f"None with more work items than SMs), got persistent={persistent} for {items} items")
     qbufs = 2 if prefetch_query else 1
-    if prefetch_query:
-        need = (smem_bytes(total, d, jnp.dtype(k_pool.dtype).itemsize, block, stages, key_split,
-                           fused_fp8=q_wide is not None) + wgs * ROWS_PER_WG * d * dtype.itemsize)
-        if need > MAX_SMEM_BYTES:
-            raise ValueError(f"prefix_decode_mgpu: prefetch_query's second query tile needs {need} bytes of shared "
-                             f"memory (pages_per_step={pps}, stages={stages}, head dim {d}), more than "
-                             f"{MAX_SMEM_BYTES}")
+    # The buffers the kernel's input checks do not size: the fused FP8 window's, prefetch's.
+    extras = ((["the fused window under an FP8 pool"] if q_wide is not None else [])
+              + (["prefetch_query's second query tile"] if prefetch_query else []))
+    need = smem_bytes(total, d, jnp.dtype(k_pool.dtype).itemsize, block, stages, key_split,
+                      fused_fp8=q_wide is not None, query_tiles=qbufs)
+    if extras and need > MAX_SMEM_BYTES:
+        raise ValueError(f"prefix_decode_mgpu: {' with '.join(extras)} with pages_per_step={pps}, "
+                         f"stages={stages}, head dim {d} needs {need} bytes of shared memory, more than "
+                         f"{MAX_SMEM_BYTES}")
 
     def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, qw_gmem, out_gmem, lse_gmem,
              scoped):

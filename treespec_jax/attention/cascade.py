@@ -130,33 +130,38 @@ class CascadeConfig:
         if self.prefix_partial_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"CascadeConfig.prefix_partial_dtype must be 'float32' or 'bfloat16', "
                              f"got {self.prefix_partial_dtype!r}")
-        check_covers_tail_setting(self.prefix_covers_tail, "CascadeConfig")
-        errors = []
-        if not (self.fuse_window is None or isinstance(self.fuse_window, bool)):
-            errors.append(f"CascadeConfig.fuse_window must be None, True or False, got {self.fuse_window!r}")
-        elif self.fuse_window:
-            if self.prefix_kernel != "mosaic_gpu":
-                errors.append(f"CascadeConfig.fuse_window=True needs prefix_kernel='mosaic_gpu' (the window is "
-                              f"fused into that kernel), got {self.prefix_kernel!r}")
+        errors = optional_flag_errors(self, "prefix_covers_tail")
+        errors += optional_flag_errors(self, "fuse_window") or mosaic_only_errors(
+            self, "fuse_window", "the window is fused into that kernel")
+        if self.fuse_window is True:
             if self.prefix_covers_tail is False:
                 errors.append("CascadeConfig.fuse_window=True reads every row's prefix in the prefix kernel, "
                               "which contradicts prefix_covers_tail=False")
             if self.prefix_partial_dtype != "float32":
                 errors.append(f"CascadeConfig.fuse_window=True writes the final output (no partial), so "
                               f"prefix_partial_dtype={self.prefix_partial_dtype!r} does not apply")
-        if not (self.persistent_prefix is None or isinstance(self.persistent_prefix, bool)):
-            errors.append(f"CascadeConfig.persistent_prefix must be None, True or False, got {self.persistent_prefix!r}")
-        elif self.persistent_prefix and self.prefix_kernel != "mosaic_gpu":
-            errors.append(f"CascadeConfig.persistent_prefix=True is a launch of the Mosaic prefix kernel, so it needs "
-                          f"prefix_kernel='mosaic_gpu', got {self.prefix_kernel!r}")
+        errors += optional_flag_errors(self, "persistent_prefix") or mosaic_only_errors(
+            self, "persistent_prefix", "a launch of the Mosaic prefix kernel")
         if errors:
             raise ValueError("; ".join(errors))
 
 
-def check_covers_tail_setting(setting, owner: str):
-    """A `prefix_covers_tail` field must be None, True or False (not merely truthy)."""
-    if not (setting is None or isinstance(setting, bool)):
-        raise ValueError(f"{owner}.prefix_covers_tail must be None, True or False, got {setting!r}")
+def optional_flag_errors(config, name: str) -> list[str]:
+    """Why field `name` of a config dataclass is not None, True or False (not merely truthy)."""
+    value = getattr(config, name)
+    if value is None or isinstance(value, bool):
+        return []
+    return [f"{type(config).__name__}.{name} must be None, True or False, got {value!r}"]
+
+
+def mosaic_only_errors(config, name: str, why: str) -> list[str]:
+    """Why field `name` set to True cannot apply: it is a property of the Mosaic prefix kernel (`why`),
+    so it needs `prefix_kernel="mosaic_gpu"`; "auto" could resolve to the Triton kernel and
+    silently drop it, so that is refused when the config is built."""
+    if getattr(config, name) is True and config.prefix_kernel != "mosaic_gpu":
+        return [f"{type(config).__name__}.{name}=True ({why}) needs prefix_kernel='mosaic_gpu', "
+                f"got {config.prefix_kernel!r}"]
+    return []
 
 
 def covers_tail(setting: bool | None, mosaic: bool) -> bool:

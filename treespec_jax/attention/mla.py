@@ -29,7 +29,7 @@ from pallas_kernels.attention.mla_decode_mgpu import (SCHEDULES, check_mla_mgpu_
                                                        mla_decode_mgpu, mla_mgpu_input_errors)
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.attention.tree_window import tree_window_attention
-from treespec_jax.attention.cascade import covers_tail
+from treespec_jax.attention.cascade import covers_tail, mosaic_only_errors, optional_flag_errors
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
 # Keys per step of the Mosaic GPU latent decode (a multiple of 64, the P V contraction's minimum;
@@ -96,17 +96,12 @@ class MlaCascadeConfig:
                                                jnp.dtype(jnp.float32)):
             errors.append(f"MlaCascadeConfig.model_dtype must be bfloat16, float16 or float32, "
                           f"got {self.model_dtype!r}")
-        if not (self.prefix_covers_tail is None or isinstance(self.prefix_covers_tail, bool)):
-            errors.append(f"MlaCascadeConfig.prefix_covers_tail must be None, True or False, "
-                          f"got {self.prefix_covers_tail!r}")
+        errors += optional_flag_errors(self, "prefix_covers_tail")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             errors.append(f"MlaCascadeConfig.schedule must be None or one of {SCHEDULES}, got {self.schedule!r}")
-        if not (self.fuse_window is None or isinstance(self.fuse_window, bool)):
-            errors.append(f"MlaCascadeConfig.fuse_window must be None, True or False, got {self.fuse_window!r}")
-        elif self.fuse_window:
-            if self.prefix_kernel != "mosaic_gpu":
-                errors.append(f"MlaCascadeConfig.fuse_window=True needs prefix_kernel='mosaic_gpu' (the window is "
-                              f"fused into that kernel), got {self.prefix_kernel!r}")
+        errors += optional_flag_errors(self, "fuse_window") or mosaic_only_errors(
+            self, "fuse_window", "the window is fused into that kernel")
+        if self.fuse_window is True:
             if self.schedule not in (None, "split"):
                 errors.append(f"MlaCascadeConfig.fuse_window=True runs under schedule 'split', got {self.schedule!r}")
             if self.prefix_covers_tail is False:
