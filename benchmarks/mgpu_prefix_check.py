@@ -276,9 +276,8 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
         # A request's row tiles launched apart (the order before session 11; they read the same pages).
         "mgpu decode, tiles apart": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, tiles_adjacent=False,
                                                                          **kw)),
-        "mgpu decode, schedule split": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, schedule="split", **kw)),
-        "mgpu decode, schedule turns": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, schedule="turns", **kw)),
-        "mgpu decode, schedule together": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, schedule="together", **kw)),
+        **{f"mgpu decode, schedule {s}": jax.jit(lambda *a, s=s: mla_decode_mgpu(*a, interpret=smoke, schedule=s, **kw))
+           for s in SCHEDULES},
         "triton decode": jax.jit(lambda *a: mla_decode(*a, backend=backend, **kw)),
     }
     first = None
@@ -296,10 +295,9 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
                 f"({flop / flops_rate / t:.2f} of the FLOP floor's speed)")
         except Exception as exc:  # noqa: BLE001
             log(f"MLA {name}: {label} FAILED {type(exc).__name__}: {str(exc)[:400]}")
-    for label in ("mosaic_gpu", "mosaic_gpu, schedule split", "mosaic_gpu, schedule turns",
-                  "mosaic_gpu, schedule together", "triton"):
-        kernel = label.split(",")[0]
-        schedule = label.split()[-1] if "schedule" in label else None
+    forms = [("mosaic_gpu", None)] + [("mosaic_gpu", s) for s in SCHEDULES] + [("triton", None)]
+    for kernel, schedule in forms:
+        label = kernel if schedule is None else f"{kernel}, schedule {schedule}"
         cfg = MlaCascadeConfig(kv_lora_rank=lora, rope_dim=rope, page_size=PAGE, scale=scale, prefix_kernel=kernel,
                                backend=backend, schedule=schedule)
         try:
