@@ -33,6 +33,8 @@ SUITES = {
     # The fused GQA kernel's launches (gridded, persistent, persistent + prefetch_query), bit-checked
     # and timed in interleaved rounds; it logs, it writes no markdown section.
     "launches": ("benchmarks.fused_window_cost", ["--launches", "--shapes", "64x4096x64"], lambda md: []),
+    # Per-kernel device times of the default cascade at the small shapes (profiler trace); logs only.
+    "profile": ("benchmarks.kernel_profile", ["--dtypes", "bf16"], lambda md: []),
 }
 # Flags a module gets in the full (not --quick) run beyond its defaults.
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
