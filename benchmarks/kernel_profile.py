@@ -18,7 +18,9 @@ import argparse
 import glob
 import os
 import sys
+import statistics
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -30,7 +32,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.bench_cascade import D, FP8, HKV, HQ, PAGE, make_paged, random_parents  # noqa: E402
 from benchmarks.report import log, parse_shapes  # noqa: E402
-from benchmarks.timing import _warm, feed_scalar  # noqa: E402
+from benchmarks.timing import _warm, chained_time, feed_scalar  # noqa: E402
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention  # noqa: E402
 from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
 
@@ -55,8 +57,8 @@ def device_events(trace_dir: str) -> list[tuple[str, float, float]]:
     return events
 
 
-def profile_chain(fn, args, inner: int, runs: int):
-    """Per-call kernel table of `runs` runs of a chain of `inner` calls of `fn` (jitted together)."""
+def profile_chain(fn, args, inner: int, runs: int, sustain_s: float = 0.0):
+    """(per-call [(us, count, kernel)], span us per call, host wall clock us per call) of `runs` runs of a chain of `inner` calls of `fn` (jitted together)."""
     feed = feed_scalar(4)
 
     def many(*a):
@@ -68,10 +70,16 @@ def profile_chain(fn, args, inner: int, runs: int):
 
     chain = jax.jit(many)
     _warm(lambda _: chain(*args), jax.block_until_ready(chain(*args)))
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < sustain_s:  # load the GPU longer: do its clocks fall?
+        jax.block_until_ready(chain(*args))
     d = tempfile.mkdtemp(prefix="kprof")
+    walls = []
     with jax.profiler.trace(d):
         for _ in range(runs):
+            t0 = time.perf_counter()
             jax.block_until_ready(chain(*args))
+            walls.append(time.perf_counter() - t0)
     events = device_events(d)
     if not events:
         raise RuntimeError("the trace holds no device kernels (is CUPTI available?)")
@@ -86,7 +94,7 @@ def profile_chain(fn, args, inner: int, runs: int):
     bounds = [0, *sorted(gaps), len(starts)]
     span = sum(max(s + d for _, s, d in starts[a:b]) - starts[a][1] for a, b in zip(bounds, bounds[1:]))
     rows = sorted(((v[1] / calls / 1e3, v[0] / calls, k) for k, v in per.items()), reverse=True)
-    return rows, span / calls / 1e3
+    return rows, span / calls / 1e3, 1e6 * statistics.median(walls) / inner
 
 
 def main(argv=None):
@@ -96,6 +104,9 @@ def main(argv=None):
     ap.add_argument("--splits", default="0", help="key-split counts (0: the default)")
     ap.add_argument("--inner", type=int, default=20, help="cascades per jitted chain")
     ap.add_argument("--runs", type=int, default=3, help="chains traced")
+    ap.add_argument("--compare", action="store_true",
+                    help="also chained_time before and after, and traces of chains of inner and 3 * inner")
+    ap.add_argument("--sustain-s", type=float, default=0.0, help="seconds of the chain run before each trace")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     key = jax.random.PRNGKey(0)
@@ -109,12 +120,21 @@ def main(argv=None):
             for s in (int(x) for x in a.splits.split(",")):
                 fn = jax.jit(lambda *x, s=s: cascade_attention(*x, window=n, config=CascadeConfig(
                     page_size=PAGE, num_splits=s or None)))
-                rows, span = profile_chain(fn, args, a.inner, a.runs)
-                total = sum(r[0] for r in rows)
-                log(f"B={b},P={p},N={n} {dt} splits {s or 'default'}: span {span * 1e3:.1f} us per call, "
-                    f"kernels {total * 1e3:.1f} us ({total / span:.0%} busy)")
-                for ms, count, name in rows:
-                    log(f"    {ms * 1e3:8.2f} us  x{count:g}  {name[:110]}")
+                label = f"B={b},P={p},N={n} {dt} splits {s or 'default'}"
+                if a.compare:
+                    # The timer the tables use, then the traced chains, then the timer again: the
+                    # two methods in one process, so clock drift shows as a change in either.
+                    before = 1e6 * chained_time(fn, args, feed_scalar(4), inner=a.inner)
+                for inner in ((a.inner, 3 * a.inner) if a.compare else (a.inner,)):
+                    rows, span, wall = profile_chain(fn, args, inner, a.runs, a.sustain_s)
+                    total = sum(r[0] for r in rows)
+                    log(f"{label}, chain of {inner}: span {span:.1f} us per call, kernels {total:.1f} us "
+                        f"({total / span:.0%} busy); host wall clock {wall:.1f} us per call")
+                    for us, count, name in rows:
+                        log(f"    {us:8.2f} us  x{count:g}  {name[:110]}")
+                if a.compare:
+                    after = 1e6 * chained_time(fn, args, feed_scalar(4), inner=a.inner)
+                    log(f"{label}: chained_time {before:.1f} us before the traces, {after:.1f} us after")
     return 0
 
 
