@@ -43,7 +43,7 @@ import numpy as np
 
 from benchmarks.dense import time_dense_attention
 from benchmarks.report import parse_shapes, rel_err
-from benchmarks.timing import chained_time, feed_scalar, measure_ceilings, median_time
+from benchmarks.timing import chained_time, feed_scalar, measure_ceilings, median_time, traced_time
 from pallas_kernels.attention.prefix_decode import (heads_to_rows, padded_rows, prefix_decode,
                                                     prefix_decode_row_layout)
 from pallas_kernels.attention.reference import (cascade_dense_reference, dense_tree_visibility,
@@ -318,7 +318,7 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     # run inside a served model's step; the per-call (Python-dispatched) cascade time stays beside it.
     # The same feed for every chain (through P, argument 4), so its cost cancels in the window overhead.
     def device_time(fn, args):
-        return chained_time(fn, args, feed_scalar(4), inner=CHAINED)
+        return traced_time(fn, args, feed_scalar(4), inner=3 * CHAINED)
 
     t_pre = device_time(pre, (qr, kp, vp, table, lengths))
     po, plse = pre(qr, kp, vp, table, lengths)
@@ -336,6 +336,9 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
                                                                                  prefix_kernel=kernel)))
     cas_args = (q, kp, vp, table, lengths, mask)
     t_cas = device_time(cas, cas_args)
+    # The earlier sessions' timer beside it: host wall clock of two chains (it also carries XLA's
+    # per-call host work, timing.traced_time).
+    t_cas_chained = chained_time(cas, cas_args, feed_scalar(4), inner=CHAINED)
     t_cas_call = float("nan") if lean else median_time(cas, *cas_args)
 
     def alternative(label, **config):
@@ -390,6 +393,7 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     floor = max(byte_floor, flop_floor)
     row = dict(shape=f"B={b},P={p},N={n}", kv=jnp.dtype(dtype).name, prefix_kernel="mosaic_gpu" if mosaic else "triton",
                prefix_ms=t_pre * 1e3, window_ms=t_win * 1e3, cascade_ms=t_cas * 1e3, cascade_call_ms=t_cas_call * 1e3,
+               cascade_chained_ms=t_cas_chained * 1e3, chained_vs_floor=t_cas_chained / floor,
                cascade_triton_ms=t_cas_triton * 1e3, cascade_fp8dot_ms=t_cas8 * 1e3, cascade_tail_ms=t_cas_tail * 1e3,
                cascade_bf16_partial_ms=t_cas_bf16 * 1e3, cascade_fuse_flipped_ms=t_cas_fused * 1e3,
                cascade_small_rows_other_kernel_ms=t_cas_small_other * 1e3,
@@ -421,8 +425,8 @@ def time_mla_window(b=32, p=8192, n=16, hq=128, lat=512, rope=64):
                 q, lp, None, table, lengths, mask, po, plse, window=n, page_size=PAGE, scale=192 ** -0.5,
                 rope_dim=rope, block_rows=rows))
             name = jnp.dtype(dtype).name + ("" if rows is None else f" ({rows}-row tiles)")
-            out[name] = chained_time(f, (q, lp, table, lengths, mask, po, plse), feed_scalar(3),
-                                     inner=CHAINED) * 1e3
+            out[name] = traced_time(f, (q, lp, table, lengths, mask, po, plse), feed_scalar(3),
+                                    inner=3 * CHAINED) * 1e3
             print(f"  MLA window B={b} N={n} Hq={hq} latent={lat} rope={rope} {name}: {out[name]:.3f} ms", flush=True)
     return out
 
@@ -431,20 +435,24 @@ def table_markdown(rows, ceilings, tune):
     bw, flops = ceilings
     lines = [f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} TFLOP/s; "
              f"prefix kernel launch {tune or 'prefix_decode.default_launch'}", "",
-             f"Device times: chains of {CHAINED} and {3 * CHAINED} calls inside one jit (each fed the previous output), "
-             "the difference of their medians per call; "
-             "'cascade per call' dispatches each call from Python (the earlier sessions' measure).", "",
-             "| shape | KV | prefix kernel | prefix ms | window ms | cascade ms | cascade per call ms "
+             f"Device times (`timing.traced_time`): chains of {3 * CHAINED} calls inside one jit (each fed the previous "
+             "output) traced with the profiler, the span from the first kernel's start to the last one's end per call, "
+             "median of 3 chains; 'host-clock chains' is the timer of sessions 10-15 (host wall clock of chains of "
+             f"{CHAINED} and {3 * CHAINED}, the difference per call), which also carries XLA's per-call host work; "
+             "'cascade per call' dispatches each call from Python.", "",
+             "| shape | KV | prefix kernel | prefix ms | window ms | cascade ms | host-clock chains ms | chains / max floor "
+             "| cascade per call ms "
              "| cascade, Triton prefix ms "
              "| cascade, Triton fp8-dot prefix ms | cascade, covers tail flipped ms | cascade, bf16 partial ms "
              "| cascade, fuse_window flipped ms | flipped / max floor "
              "| cascade, persistent prefix ms | persistent / max floor "
              "| byte floor ms | FLOP floor ms "
              "| cascade / max floor | window overhead | prefix TB/s | dense (impl) ms | dense / cascade |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['kv']} | {r['prefix_kernel']} | {r['prefix_ms']:.3f} | {r['window_ms']:.3f} "
-                     f"| {r['cascade_ms']:.3f} | {r['cascade_call_ms']:.3f} | {r['cascade_triton_ms']:.3f} "
+                     f"| {r['cascade_ms']:.3f} | {r['cascade_chained_ms']:.3f} | {r['chained_vs_floor']:.2f}x "
+                     f"| {r['cascade_call_ms']:.3f} | {r['cascade_triton_ms']:.3f} "
                      f"| {r['cascade_fp8dot_ms']:.3f} | {r['cascade_tail_ms']:.3f} "
                      f"| {r['cascade_bf16_partial_ms']:.3f} | {r['cascade_fuse_flipped_ms']:.3f} "
                      f"| {r['fuse_flipped_vs_floor']:.2f}x | {r['cascade_persistent_ms']:.3f} "

@@ -5,7 +5,7 @@
 
 For each shape, the unfused Mosaic path (`CascadeConfig(fuse_window=False)`: the Mosaic prefix with
 `prefix_covers_tail`, then the window kernel) cut into its pieces, each timed alone by
-`timing.chained_time`: q into the row layout
+`timing.traced_time`: q into the row layout
 (`heads_to_rows`), the prefix kernel with its split merge, the split merge alone on arrays of the
 kernel's output shape, the window kernel on the row layout, the output back to heads
 (`rows_to_heads`), and the whole public cascade; and the window step with and without the kernel writing the head layout
@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.bench_cascade import D, FP8, HKV, HQ, PAGE, make_paged, random_parents  # noqa: E402
 from benchmarks.report import log, parse_shapes  # noqa: E402
-from benchmarks.timing import chained_time, feed_scalar  # noqa: E402
+from benchmarks.timing import feed_scalar, traced_time  # noqa: E402
 from pallas_kernels.attention.prefix_decode import heads_to_rows, merge_splits, rows_to_heads  # noqa: E402
 from pallas_kernels.attention.prefix_decode_mgpu import (ROWS_PER_CTA, default_mgpu_num_splits,  # noqa: E402
                                                          default_pages_per_step, fused_window_words,
@@ -47,7 +47,7 @@ CHAINED = 20
 
 def device_ms(fn, args, index):
     """Chained device milliseconds per call, each call fed the previous output through argument `index`."""
-    return 1e3 * chained_time(fn, args, feed_scalar(index), inner=CHAINED)
+    return 1e3 * traced_time(fn, args, feed_scalar(index), inner=3 * CHAINED)
 
 
 def breakdown(b, p, n, dtype, stage_forms, rng, key):

@@ -3,24 +3,20 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/kernel_profile.py [--shapes 1x32768x64,8x8192x16]
         [--dtypes bf16,fp8] [--splits 0,4]
 
-A diagnostic for the small shapes, whose cascade is a few tens of microseconds: `chained_time`
-gives the whole call, this says where it goes. For each shape, KV dtype and key-split count (0: the
-default) it runs a chain of `--inner` cascades inside one jit (each fed the previous output, as
-`chained_time` does) under `jax.profiler.trace`, reads the trace back with `jax.profiler.ProfileData`
-and prints, per call: every device kernel's mean time and count, their sum, and the span from the
-first kernel's start to the last one's end divided by the calls (sum < span: the device idled
-between kernels).
+A diagnostic for the small shapes, whose cascade is a few tens of microseconds: the tables' timer
+(`timing.traced_time`) gives the whole call, this says where it goes. For each shape, KV dtype and
+key-split count (0: the default) it traces chains of `--inner` cascades inside one jit (each fed the
+previous output; `timing.traced_chain`) and prints, per call: every device kernel's mean time and
+launches, their sum, and the span from the first kernel's start to the last one's end (sum < span:
+the device idled between kernels). `--compare` adds the host wall-clock timer `chained_time` before
+and after, and a trace of chains a third as long.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import os
 import sys
 import statistics
-import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -32,69 +28,21 @@ import numpy as np  # noqa: E402
 
 from benchmarks.bench_cascade import D, FP8, HKV, HQ, PAGE, make_paged, random_parents  # noqa: E402
 from benchmarks.report import log, parse_shapes  # noqa: E402
-from benchmarks.timing import _warm, chained_time, feed_scalar  # noqa: E402
+from benchmarks.timing import chained_time, feed_scalar, span_per_call, traced_chain  # noqa: E402
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention  # noqa: E402
 from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
 
 
-def device_events(trace_dir: str) -> list[tuple[str, float, float]]:
-    """(name, start_ns, duration_ns) of every event on the trace's device planes' stream lines."""
-    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    if not paths:
-        raise RuntimeError(f"no .xplane.pb under {trace_dir}")
-    events, seen = [], []
-    for plane in jax.profiler.ProfileData.from_file(paths[0]).planes:
-        if not plane.name.startswith("/device:"):
-            continue
-        for line in plane.lines:
-            seen.append(f"{plane.name}/{line.name}")
-            # Stream lines hold the kernels; XLA's op / module lines repeat them as annotations.
-            if "stream" not in line.name.lower() or "xla" in line.name.lower():
-                continue
-            events.extend((e.name, e.start_ns, e.duration_ns) for e in line.events)
-    if not events:
-        log(f"no stream events; device lines seen: {seen}")
-    return events
-
-
-def profile_chain(fn, args, inner: int, runs: int, sustain_s: float = 0.0):
-    """(per-call [(us, count, kernel)], span us per call, host wall clock us per call) of `runs` runs of a chain of `inner` calls of `fn` (jitted together)."""
-    feed = feed_scalar(4)
-
-    def many(*a):
-        out = None
-        for _ in range(inner):
-            out = fn(*a)
-            a = feed(a, out)
-        return out
-
-    chain = jax.jit(many)
-    _warm(lambda _: chain(*args), jax.block_until_ready(chain(*args)))
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < sustain_s:  # load the GPU longer: do its clocks fall?
-        jax.block_until_ready(chain(*args))
-    d = tempfile.mkdtemp(prefix="kprof")
-    walls = []
-    with jax.profiler.trace(d):
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            jax.block_until_ready(chain(*args))
-            walls.append(time.perf_counter() - t0)
-    events = device_events(d)
-    if not events:
-        raise RuntimeError("the trace holds no device kernels (is CUPTI available?)")
-    calls = inner * runs
+def kernel_table(traces, inner: int):
+    """([(us per call, launches per call, kernel)] slowest first, span us per call) of traced chains."""
+    calls = inner * len(traces)
     per = defaultdict(lambda: [0, 0.0])
-    for name, _, dur in events:
-        per[name][0] += 1
-        per[name][1] += dur
-    starts = sorted(events, key=lambda e: e[1])
-    # Span per call within each run: runs are separated by host syncs, so split at the largest gaps.
-    gaps = sorted(range(1, len(starts)), key=lambda i: starts[i][1] - (starts[i - 1][1] + starts[i - 1][2]))[-(runs - 1):] if runs > 1 else []
-    bounds = [0, *sorted(gaps), len(starts)]
-    span = sum(max(s + d for _, s, d in starts[a:b]) - starts[a][1] for a, b in zip(bounds, bounds[1:]))
+    for events in traces:
+        for name, _, dur in events:
+            per[name][0] += 1
+            per[name][1] += dur
     rows = sorted(((v[1] / calls / 1e3, v[0] / calls, k) for k, v in per.items()), reverse=True)
-    return rows, span / calls / 1e3, 1e6 * statistics.median(walls) / inner
+    return rows, 1e6 * statistics.median(span_per_call(ev, inner) for ev in traces)
 
 
 def main(argv=None):
@@ -102,11 +50,10 @@ def main(argv=None):
     ap.add_argument("--shapes", default="1x32768x64,8x8192x16")
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--splits", default="0", help="key-split counts (0: the default)")
-    ap.add_argument("--inner", type=int, default=20, help="cascades per jitted chain")
+    ap.add_argument("--inner", type=int, default=60, help="cascades per jitted chain")
     ap.add_argument("--runs", type=int, default=3, help="chains traced")
     ap.add_argument("--compare", action="store_true",
-                    help="also chained_time before and after, and traces of chains of inner and 3 * inner")
-    ap.add_argument("--sustain-s", type=float, default=0.0, help="seconds of the chain run before each trace")
+                    help="also chained_time (chains of inner / 3 and inner) before and after, and traces of chains of inner / 3")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     key = jax.random.PRNGKey(0)
@@ -124,16 +71,19 @@ def main(argv=None):
                 if a.compare:
                     # The timer the tables use, then the traced chains, then the timer again: the
                     # two methods in one process, so clock drift shows as a change in either.
-                    before = 1e6 * chained_time(fn, args, feed_scalar(4), inner=a.inner)
-                for inner in ((a.inner, 3 * a.inner) if a.compare else (a.inner,)):
-                    rows, span, wall = profile_chain(fn, args, inner, a.runs, a.sustain_s)
+                    before = 1e6 * chained_time(fn, args, feed_scalar(4), inner=a.inner // 3)
+                for inner in ((a.inner, a.inner // 3) if a.compare else (a.inner,)):
+                    traces = traced_chain(fn, args, feed_scalar(4), inner=inner, runs=a.runs)
+                    if traces is None:
+                        raise RuntimeError("the trace holds no device kernels (a GPU with CUPTI is needed)")
+                    rows, span = kernel_table(traces, inner)
                     total = sum(r[0] for r in rows)
                     log(f"{label}, chain of {inner}: span {span:.1f} us per call, kernels {total:.1f} us "
-                        f"({total / span:.0%} busy); host wall clock {wall:.1f} us per call")
+                        f"({total / span:.0%} busy)")
                     for us, count, name in rows:
                         log(f"    {us:8.2f} us  x{count:g}  {name[:110]}")
                 if a.compare:
-                    after = 1e6 * chained_time(fn, args, feed_scalar(4), inner=a.inner)
+                    after = 1e6 * chained_time(fn, args, feed_scalar(4), inner=a.inner // 3)
                     log(f"{label}: chained_time {before:.1f} us before the traces, {after:.1f} us after")
     return 0
 

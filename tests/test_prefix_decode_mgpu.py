@@ -285,12 +285,13 @@ def test_bf16_partial_lowers(form):
 # Persistent launches (one CTA per SM looping over work items), with the SM count cut to 3 so each
 # CTA takes several items: 256-row heads in two tiles with three splits (36 items), an FP8 pool,
 # and a warpgroup key split over four stages (FP8, two splits).
-# The fourth case overlaps each warpgroup's softmax with its matmuls (`overlap_softmax`); the last
-# two load each next item's query tile during the current item (`prefetch_query`).
+# The fourth case overlaps each warpgroup's softmax with its matmuls (`overlap_softmax`); the first
+# three load each next item's query tile during the current item (`prefetch_query`, the default where
+# it fits), the last two do not.
 @pytest.mark.parametrize("case,opts", [(STAGED[1], {}), (STAGED[4], {}), (KEY_SPLIT[2], {}),
                                        (STAGED[6], dict(overlap_softmax=True)),
-                                       (STAGED[1], dict(prefetch_query=True)),
-                                       (KEY_SPLIT[2], dict(prefetch_query=True))])
+                                       (STAGED[1], dict(prefetch_query=False)),
+                                       (KEY_SPLIT[2], dict(prefetch_query=False))])
 def test_persistent_launch_matches_dense(case, opts, monkeypatch):
     import pallas_kernels.attention.prefix_decode_mgpu as pdm
 
@@ -312,7 +313,7 @@ def test_persistent_launch_gives_the_gridded_bits(monkeypatch):
                                           jnp.bfloat16, q_dtype=jnp.bfloat16)
     qr = heads_to_rows(q, hkv, padded_rows(r * g))
     kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, num_splits=4, interpret=True)
-    launches = [dict(persistent=False), dict(persistent=True), dict(persistent=True, prefetch_query=True)]
+    launches = [dict(persistent=False), dict(persistent=True, prefetch_query=False), dict(persistent=True)]
     runs = [prefix_decode_mgpu_row_layout(qr, k, v, table, lens, **launch, **kw) for launch in launches]
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
@@ -348,9 +349,15 @@ def test_persistent_default_and_lowering():
     assert pdm.runs_persistent(sms + 1, None, 2) and not pdm.runs_persistent(sms, None, 2)
     assert not pdm.runs_persistent(10 * sms, None, 1)
     assert pdm.runs_persistent(1, True, 1) and not pdm.runs_persistent(10 * sms, False, 2)
+    # The query prefetch: on under the persistent launch where its second tile fits.
+    assert pdm.PREFETCH_QUERY_BY_DEFAULT
+    assert pdm.runs_prefetch_query(None, True, pdm.MAX_SMEM_BYTES)
+    assert not pdm.runs_prefetch_query(None, True, pdm.MAX_SMEM_BYTES + 1)
+    assert not pdm.runs_prefetch_query(None, False, 0)
+    assert pdm.runs_prefetch_query(True, False, 0) and not pdm.runs_prefetch_query(False, True, 0)
     test_mgpu_prefix_lowers_to_mosaic_gpu(256, 1, True, 64, 2, jnp.bfloat16, 2, None, opts=dict(persistent=True))
     test_mgpu_prefix_lowers_to_mosaic_gpu(256, 1, True, 64, 2, jnp.bfloat16, 2, None,
-                                          opts=dict(persistent=True, prefetch_query=True))
+                                          opts=dict(persistent=True, prefetch_query=False))
     test_mgpu_prefix_lowers_to_mosaic_gpu(64, 2, True, 64, 4, FP8, 1, True, opts=dict(persistent=True))
 
 

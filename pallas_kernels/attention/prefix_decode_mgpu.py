@@ -102,6 +102,13 @@ def default_mgpu_num_splits(batch: int, kv_heads: int, tiles: int, steps: int, s
 # 6.4% and 2.8% slower (one process).
 PERSISTENT_16BIT_BY_DEFAULT = True
 
+# Whether `prefetch_query=None` loads each persistent CTA's next query tile (and mask words) during
+# the current item, where the second tile fits shared memory. On the H200 (fused bf16 kernel, three
+# interleaved rounds in one process, session 16, benchmarks/RESULTS.md; bit-identical outputs) B=64,
+# P=4096, N=64 took 0.5670 ms against 0.5769 without it (1.7%), B=32, P=32768 2.1353 against 2.1571
+# (1.0%).
+PREFETCH_QUERY_BY_DEFAULT = True
+
 
 def runs_persistent(items: int, persistent: bool | None, itemsize: int) -> bool:
     """Whether the prefix kernel's launch over `itemsize`-byte pools is persistent for `items`
@@ -109,6 +116,15 @@ def runs_persistent(items: int, persistent: bool | None, itemsize: int) -> bool:
     if persistent is None:
         return PERSISTENT_16BIT_BY_DEFAULT and itemsize == 2 and items > num_sms()
     return bool(persistent)
+
+
+def runs_prefetch_query(prefetch_query: bool | None, persistent: bool, smem_with_two_tiles: int) -> bool:
+    """Whether the prefix kernel loads each next item's query tile during the current one (see
+    `prefix_decode_mgpu_row_layout`): None turns it on under the persistent launch where the kernel's
+    shared memory with two query tiles fits; an explicit setting wins (and is checked there)."""
+    if prefetch_query is None:
+        return PREFETCH_QUERY_BY_DEFAULT and persistent and smem_with_two_tiles <= MAX_SMEM_BYTES
+    return bool(prefetch_query)
 
 
 def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: int = 2) -> tuple[int, int, bool]:
@@ -336,7 +352,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                                   key_split: bool | None = None, fence_softmax: bool = False,
                                   tiles_adjacent: bool = True, overlap_softmax: bool = False,
                                   partial_dtype=jnp.float32, window: int = 0, heads_io: bool = False,
-                                  persistent: bool | None = None, prefetch_query: bool = False,
+                                  persistent: bool | None = None, prefetch_query: bool | None = None,
                                   interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
@@ -380,9 +396,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     head, row tile) in the gridded launch's order, so an item's epilogue overlaps the memory
     warpgroup's fetch of the next item's first pages and its output copies the next item's work
     (None: `runs_persistent`);
-    `prefetch_query` (persistent only; experimental, off): each compute warpgroup keeps two query
-    tiles (and fused, two sets of mask words) and loads the next item's while this one runs, so
-    no item waits for its query; it costs one more query tile of shared memory;
+    `prefetch_query` (persistent only): each compute warpgroup keeps two query tiles (and fused,
+    two sets of mask words) and loads the next item's while this one runs, so no item waits for
+    its query; it costs one more query tile of shared memory (None: on under the persistent launch
+    where that tile fits, `PREFETCH_QUERY_BY_DEFAULT`);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     fused = window > 0
     q_in = qr
@@ -449,6 +466,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     persistent = runs_persistent(items, persistent, jnp.dtype(k_pool.dtype).itemsize)
     ctas = min(items, num_sms())
     grid, grid_names = ((ctas,), ("ctas",)) if persistent else (sizes, order)
+    prefetch_query = runs_prefetch_query(prefetch_query, persistent, smem_bytes(
+        total, d, jnp.dtype(k_pool.dtype).itemsize, block, stages, key_split, fused_fp8=q_wide is not None,
+        query_tiles=2))
     if prefetch_query and not persistent:
         raise ValueError("prefix_decode_mgpu: prefetch_query needs the persistent launch (persistent=True, or "
                          f"None with more work items than SMs), got persistent={persistent} for {items} items")
