@@ -15,9 +15,11 @@ results appended unless --results is given).
    ragged lengths with P = 0 and P < R, split and unsplit, bf16 and FP8), the window kernel (bf16,
    FP8, MLA latent layout), verify/lanes through the full cascade against one dense fp32 attention,
    and the sliding-window lane variant.
-2. Timings (device time, `timing.chained_time`: chains of 20 and 60 calls inside one jit, each fed
-   the previous call's output, the difference of their medians per call; the cascade also per call
-   from Python;
+2. Timings (device time, `timing.traced_time`: chains of 60 calls inside one jit, each fed the
+   previous call's output, traced with the profiler after an idle second, the span from the first
+   kernel's start to the last one's end per call, as the matmul ceiling is measured; with
+   `--host-clock` the cascade also by the host-clock chains of `timing.chained_time`; per call from
+   Python unless `--lean`;
    Hq=32, Hkv=8, D=128, page 64, random trees, random page tables)
    for B=32,P=32768,N=64; B=64,P=4096,N=64; B=1,P=32768,N=64; B=8,P=8192,N=16, in bf16 and FP8 KV,
    with baselines from the same run: byte floor (K+V bytes / measured copy bandwidth), FLOP floor
@@ -285,7 +287,8 @@ def tune_prefix(q, kp, vp, table, lengths):
 
 
 def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_covers_tail=False, lean=False,
-               checks=None, partial_bf16=False, fuse_window=False, mosaic_small=False, persistent=False):
+               checks=None, partial_bf16=False, fuse_window=False, mosaic_small=False, persistent=False,
+               host_clock=False):
     """One table row. `flip_covers_tail`: also the cascade with `prefix_covers_tail` opposite to its
     default here; `partial_bf16`: also with `prefix_partial_dtype="bfloat16"`; `fuse_window`: also
     with `fuse_window` flipped from its default (`cascade.fuses_window`; Mosaic prefix only);
@@ -293,7 +296,8 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     `mosaic_small`: at fewer than 64 rows per KV head, also with the other prefix kernel (Triton
     where the default pads to the Mosaic one, else the padded Mosaic one); each checked against
     the default cascade's output first (a row in `checks`, so a mismatch fails the run); `lean`: no
-    per-call, Triton-prefix or dense baselines."""
+    per-call, Triton-prefix or dense baselines; `host_clock`: also the host-clock chains of sessions
+    10-15 (`timing.chained_time`)."""
     bw, flops = ceilings
     kp, vp, table = make_paged(key, rng, b, p + n, HKV, D, PAGE, dtype, poison=False)
     q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(jnp.bfloat16)
@@ -338,7 +342,7 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     t_cas = device_time(cas, cas_args)
     # The earlier sessions' timer beside it: host wall clock of two chains (it also carries XLA's
     # per-call host work, timing.traced_time).
-    t_cas_chained = chained_time(cas, cas_args, feed_scalar(4), inner=CHAINED)
+    t_cas_chained = chained_time(cas, cas_args, feed_scalar(4), inner=CHAINED) if host_clock else float("nan")
     t_cas_call = float("nan") if lean else median_time(cas, *cas_args)
 
     def alternative(label, **config):
@@ -436,8 +440,9 @@ def table_markdown(rows, ceilings, tune):
     lines = [f"measured copy bandwidth {bw / 1e12:.2f} TB/s (read+write), bf16 matmul {flops / 1e12:.0f} TFLOP/s; "
              f"prefix kernel launch {tune or 'prefix_decode.default_launch'}", "",
              f"Device times (`timing.traced_time`): chains of {3 * CHAINED} calls inside one jit (each fed the previous "
-             "output) traced with the profiler, the span from the first kernel's start to the last one's end per call, "
-             "median of 3 chains; 'host-clock chains' is the timer of sessions 10-15 (host wall clock of chains of "
+             "output) traced with the profiler, each after an idle second, the span from the first kernel's start to the "
+             "last one's end per call, median of 3 chains (the matmul ceiling is traced the same way); 'host-clock "
+             "chains' (`--host-clock`) is the timer of sessions 10-15 (host wall clock of chains of "
              f"{CHAINED} and {3 * CHAINED}, the difference per call), which also carries XLA's per-call host work; "
              "'cascade per call' dispatches each call from Python.", "",
              "| shape | KV | prefix kernel | prefix ms | window ms | cascade ms | host-clock chains ms | chains / max floor "
@@ -480,6 +485,8 @@ def main(argv=None):
     ap.add_argument("--mosaic-small", action="store_true",
                     help="at fewer than 64 rows per KV head, also time the other prefix kernel (the default "
                          "pads them to the Mosaic one)")
+    ap.add_argument("--host-clock", action="store_true",
+                    help="also time the cascade by the host-clock chains of sessions 10-15 (timing.chained_time)")
     ap.add_argument("--lean", action="store_true",
                     help="skip the per-call, Triton-prefix and dense baselines and the MLA window timing (faster variant runs)")
     ap.add_argument("--markdown", default=None, help="write the conformance summary and table to this file")
@@ -537,7 +544,7 @@ def main(argv=None):
                                            fp8_dot_too=dtype == FP8, flip_covers_tail=args.flip_covers_tail,
                                            lean=args.lean, checks=checks, partial_bf16=args.partial_bf16,
                                            fuse_window=args.fuse_window, mosaic_small=args.mosaic_small,
-                                           persistent=args.persistent))
+                                           persistent=args.persistent, host_clock=args.host_clock))
                 except Exception as exc:
                     print(f"  timing failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
     mla = {}

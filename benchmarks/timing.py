@@ -2,7 +2,8 @@
 
 Speed is reported as ratios against baselines measured in the same run, so every module takes its
 floors from `measure_ceilings()` here: the copy bandwidth (bytes read + written per second) and the
-bf16 matmul rate, both measured on random data.
+bf16 matmul rate, both measured on random data. Kernels are timed by `traced_time` (profiler kernel
+spans after an idle pause) and the matmul ceiling the same way, so a ratio compares one power state.
 """
 
 from __future__ import annotations
@@ -132,10 +133,21 @@ def device_events(trace_dir: str) -> list[tuple[str, float, float]]:
     return events
 
 
-def traced_chain(fn, args, feed, *, inner: int = 60, runs: int = 3):
+# Seconds the device idles before each traced run (`traced_chain`). The H200 lowers its clocks at
+# its power cap under sustained load and raises them after an idle moment, and every kernel and the
+# matmul ceiling move with them (session 16, benchmarks/power_state.py: the bf16 matmul ran 819-820
+# TFLOP/s traced after 1 s idle, 694-741 after 2 s of load; the B=64 cascade 0.476-0.488 and
+# 0.529-0.534 ms). Timing every kernel and the ceiling after the same idle pause makes a ratio
+# compare like with like, in the state that repeats best (the three boost matmuls agreed to 0.1%).
+IDLE_S = 1.0
+
+
+def traced_chain(fn, args, feed, *, inner: int = 60, runs: int = 3, warm_s: float = 0.0,
+                 idle_s: float = IDLE_S):
     """Kernel events of `runs` traced runs of a chain of `inner` calls of `fn` in one jit (fed as in
-    `chained_time`), after WARM_S seconds of the same chain: a list of `runs` event lists, or None
-    where the backend records no device kernels (the CPU)."""
+    `chained_time`): the chain is compiled and run once, then each traced run follows `idle_s`
+    seconds of idle device, one untraced run and `warm_s` seconds more of the chain. A list of `runs`
+    event lists, or None where the backend records no device kernels (the CPU)."""
     def many(*a):
         out = None
         for _ in range(inner):
@@ -144,9 +156,14 @@ def traced_chain(fn, args, feed, *, inner: int = 60, runs: int = 3):
         return out
 
     chain = jax.jit(many)
-    _warm(lambda _: chain(*args), jax.block_until_ready(chain(*args)))
+    jax.block_until_ready(chain(*args))
     traces = []
     for _ in range(runs):
+        time.sleep(idle_s)
+        jax.block_until_ready(chain(*args))
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < warm_s:
+            jax.block_until_ready(chain(*args))
         d = tempfile.mkdtemp(prefix="treespec_trace")
         with jax.profiler.trace(d):
             jax.block_until_ready(chain(*args))
@@ -160,18 +177,33 @@ def span_per_call(events, inner: int) -> float:
     return (max(s + d for _, s, d in events) - start) / inner / 1e9
 
 
-def traced_time(fn, args, feed, *, inner: int = 60, runs: int = 3):
+def traced_time(fn, args, feed, *, inner: int = 60, runs: int = 3, warm_s: float = 0.0,
+                idle_s: float = IDLE_S):
     """Device seconds per call of `fn(*args)`: the median over `runs` traced chains of `inner` calls
-    (`traced_chain`) of the span from the chain's first kernel start to its last kernel end, per call.
-    Idle gaps between kernels count; what the host does before the first kernel does not. That host
-    work grows with the chain (XLA prepares every call's launches), so `chained_time`, a host
-    wall-clock difference, carries it per call: on the H200 (session 16) 17-30 us per call above the
-    traced span at B=1 and B=64, 5-30% of the small cascades. Falls back to `chained_time` where no
+    (`traced_chain`, each after `idle_s` of idle device) of the span from the chain's first kernel
+    start to its last kernel end, per call. Idle gaps between kernels count; what the host does
+    before the first kernel does not. That host work grows with the chain (XLA prepares every
+    call's launches), so `chained_time`, a host wall-clock difference, carries it per call, and it
+    runs the device under sustained load: on the H200 (session 16) it read the B=64 bf16 cascade at
+    0.569 ms against 0.480 traced (B=1: 0.079 against 0.065). Falls back to `chained_time` where no
     kernels are recorded (the CPU)."""
-    traces = traced_chain(fn, args, feed, inner=inner, runs=runs)
+    traces = traced_chain(fn, args, feed, inner=inner, runs=runs, warm_s=warm_s, idle_s=idle_s)
     if traces is None:
         return chained_time(fn, args, feed, inner=max(1, inner // 3))
     return statistics.median(span_per_call(ev, inner) for ev in traces)
+
+
+def traced_matmul_flops(n: int = 8192, chain: int = 10, warm_s: float = 0.0, idle_s: float = IDLE_S) -> float | None:
+    """bf16 FLOP/s of chained [n, n] x [n, n] matmuls (each multiplies the last product), traced as
+    `traced_time` times the kernels (after `idle_s` idle, `warm_s` of load), so a floor taken from it
+    and a kernel time compare in the same power state; None where no kernels are recorded (CPU)."""
+    a = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.bfloat16)
+    b = (jax.random.normal(jax.random.PRNGKey(3), (n, n), jnp.float32) / n ** 0.5).astype(jnp.bfloat16)
+    mm = lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.bfloat16)  # noqa: E731
+    traces = traced_chain(mm, (a, b), lambda args, out: (out, args[1]), inner=chain, warm_s=warm_s, idle_s=idle_s)
+    if traces is None:
+        return None
+    return 2 * n ** 3 / statistics.median(span_per_call(ev, chain) for ev in traces)
 
 
 def feed_scalar(index: int):
@@ -250,10 +282,25 @@ def measure_matmul_flops(n: int = 8192, sustained: bool = False) -> float:
     return 2 * n ** 3 / median_time(mm, a, b, samples=10, inner=3, warm=sustained, best=not sustained)
 
 
+def traced_copy_bandwidth(chain: int = 5) -> float | None:
+    """Bytes per second, read + write, of chained 2 GiB bf16 scalings (`x * 2`, each of the last
+    result), traced like `traced_matmul_flops`; None where no kernels are recorded (CPU)."""
+    x = jax.random.normal(jax.random.PRNGKey(1), (1 << 30,), jnp.float32).astype(jnp.bfloat16)
+    traces = traced_chain(lambda a: a * jnp.bfloat16(2), (x,), lambda args, out: (out,), inner=chain)
+    nbytes = x.nbytes
+    del x
+    return None if traces is None else 2 * nbytes / statistics.median(span_per_call(ev, chain) for ev in traces)
+
+
 def measure_ceilings() -> tuple[float, float]:
-    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s), measured here, both
-    the fastest cold samples (the strictest floors); prints the sustained matmul rate too."""
-    bw, flops = measure_copy_bandwidth(), measure_matmul_flops()
-    print(f"  ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s cold (the floors); "
-          f"sustained matmul {measure_matmul_flops(sustained=True) / 1e12:.0f} TFLOP/s", flush=True)
-    return bw, flops
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s): the faster of the
+    copy's fastest cold sample and the traced copy (`traced_copy_bandwidth`), and the traced matmul (`traced_matmul_flops`, the state `traced_time` times
+    kernels in; the per-call cold sample of sessions 1-15 where nothing is traced). Prints the
+    per-call cold and the sustained rates for reference."""
+    bw = max(measure_copy_bandwidth(), traced_copy_bandwidth() or 0.0)
+    cold = measure_matmul_flops()
+    traced = traced_matmul_flops()
+    print(f"  ceilings: copy {bw / 1e12:.2f} TB/s; bf16 matmul traced after idle "
+          f"{(traced or float('nan')) / 1e12:.0f} TFLOP/s (the floors), per-call cold {cold / 1e12:.0f}, "
+          f"per-call sustained {measure_matmul_flops(sustained=True) / 1e12:.0f}", flush=True)
+    return bw, traced or cold

@@ -1,0 +1,81 @@
+"""The default GQA cascade against its floors with the GPU in two power states (GPU; logs only).
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/power_state.py [--shapes 64x4096x64,1x32768x64]
+        [--dtypes bf16,fp8] [--rounds 2]
+
+The H200 runs at its boost clocks after an idle moment and lowers them at its power cap under
+sustained load, and the kernels' times and the matmul ceiling both move with it (session 16: the
+B=64 bf16 cascade read 0.48 ms traced after idle gaps and 0.56-0.59 ms under sustained load). A
+ratio to a floor means something only when both sides were measured in the same state, so for each
+state this measures, traced (`timing.traced_chain`, kernel spans only), both the cascade and the
+bf16 matmul the FLOP floor comes from:
+
+- "boost": each traced run starts after IDLE_S seconds of idle device (the state every benchmark
+  times kernels and the matmul ceiling in since session 16, `timing.traced_time`);
+- "sustained": each traced run follows SUSTAIN_S seconds of the same chain run back to back.
+
+Rounds alternate the states (boost, sustained, boost, ...), so drift hits both alike. The byte floor
+uses the copy bandwidth measured cold (`timing.measure_copy_bandwidth`); at every issue shape but
+B=8 bf16 the FLOP floor is the larger one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.bench_cascade import D, FP8, HKV, HQ, PAGE, make_paged, random_parents  # noqa: E402
+from benchmarks.report import log, parse_shapes  # noqa: E402
+from benchmarks.timing import (IDLE_S, feed_scalar, measure_copy_bandwidth, traced_matmul_flops,  # noqa: E402
+                               traced_time)
+from treespec_jax.attention.cascade import CascadeConfig, cascade_attention  # noqa: E402
+from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
+
+SUSTAIN_S = 2.0
+# (idle seconds, seconds of load) before each traced run, per state.
+STATES = {"boost": dict(idle_s=IDLE_S, warm_s=0.0), "sustained": dict(idle_s=0.0, warm_s=SUSTAIN_S)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="64x4096x64,1x32768x64")
+    ap.add_argument("--dtypes", default="bf16")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--inner", type=int, default=60)
+    a = ap.parse_args(argv)
+    bw = measure_copy_bandwidth()
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s (cold)")
+    rng = np.random.default_rng(0)
+    key = jax.random.PRNGKey(0)
+    cases = []
+    for b, p, n in parse_shapes(a.shapes, 3):
+        for dt in a.dtypes.split(","):
+            dtype = {"bf16": jnp.bfloat16, "fp8": FP8}[dt]
+            kp, vp, table = make_paged(key, rng, b, p + n, HKV, D, PAGE, dtype, poison=False)
+            q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(jnp.bfloat16)
+            args = (q, kp, vp, table, jnp.full((b,), p, jnp.int32),
+                    ancestor_mask(jnp.asarray(random_parents(rng, b, n))))
+            fn = jax.jit(lambda *x, n=n: cascade_attention(*x, window=n, config=CascadeConfig(page_size=PAGE)))
+            byte_floor = 2 * b * (p + n) * HKV * D * jnp.dtype(dtype).itemsize / bw
+            cases.append((f"B={b},P={p},N={n} {dt}", fn, args, byte_floor, 4 * b * n * HQ * (p + n) * D))
+    for r in range(a.rounds):
+        for state in ("boost", "sustained"):
+            flops = traced_matmul_flops(**STATES[state])
+            log(f"round {r} {state}: bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+            for label, fn, args, byte_floor, flop in cases:
+                t = traced_time(fn, args, feed_scalar(4), inner=a.inner, **STATES[state])
+                floor = max(byte_floor, flop / flops)
+                log(f"round {r} {state}: {label} cascade {t * 1e3:.4f} ms, floors byte {byte_floor * 1e3:.4f} / "
+                    f"FLOP {flop / flops * 1e3:.4f} ms, {t / floor:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
