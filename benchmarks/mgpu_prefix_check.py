@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.report import log, lse_agrees, parse_shapes, rel_err  # noqa: E402
-from benchmarks.timing import chained_time, feed_scalar, measure_matmul_flops, median_time  # noqa: E402
+from benchmarks.timing import feed_scalar, median_time, traced_matmul_flops, traced_time  # noqa: E402
 from pallas_kernels.attention.prefix_decode import (default_num_splits, heads_to_rows, padded_rows,  # noqa: E402
                                                    prefix_decode_row_layout)
 from pallas_kernels.attention.prefix_decode_mgpu import (default_mgpu_num_splits,  # noqa: E402
@@ -45,17 +45,18 @@ from pallas_kernels.attention.tree_window import tree_window_row_layout  # noqa:
 from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
 
 PAGE = 64
-# Calls chained inside one jit per device-time sample (timing.chained_time).
-CHAINED = 20
+# Calls chained inside one jit per device-time sample (timing.traced_time).
+CHAINED = 60
 
 
 def time_call(fn, args, feed_index: int, interpreted: bool, samples: int = 7) -> float:
-    """Seconds per call: device time (calls chained in one jit, each fed through argument
-    `feed_index`), or per call from Python when `interpreted` (--smoke: chaining would put the
+    """Seconds per call: device time (`timing.traced_time`: calls chained in one jit, each fed
+    through argument `feed_index`, traced after an idle second; sessions 9-15 used the host-clock
+    `chained_time`), or per call from Python when `interpreted` (--smoke: chaining would put the
     Mosaic and Triton interpreters in one jit, which deadlocked on a 2-core CPU)."""
     if interpreted:
         return median_time(fn, *args, samples=samples)
-    return chained_time(fn, args, feed_scalar(feed_index), inner=CHAINED, reps=samples)
+    return traced_time(fn, args, feed_scalar(feed_index), inner=CHAINED)
 
 
 def pools(rng, b, lengths, w, hkv, d, dtype):
@@ -116,19 +117,22 @@ SMOKE_SHAPES = ((2, 200, 32), (1, 300, 16))
 
 
 def timing(shapes=FULL_SHAPES, hq=32, hkv=8, d=128, samples=7, interpret=False, dtypes=(jnp.bfloat16,), splits=(),
-           triton=True, overlap=True, lean=False):
+           triton=True, overlap=True, lean=False, widen=False):
     """`--smoke` runs this on tiny shapes in the interpreters (a CPU check of the script itself)."""
-    flops_rate = measure_matmul_flops(512 if interpret else 8192)
+    flops_rate = (None if interpret else traced_matmul_flops()) or 1e12  # interpreted: a placeholder rate
     for dtype in dtypes:
         for shape in shapes:
-            time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits, triton, overlap, lean)
+            time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits, triton, overlap, lean,
+                       widen)
 
 
 def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=(), triton=True, overlap=True,
-               lean=False):
+               lean=False, widen=False):
     """Mosaic GPU prefix (defaults, then one option flipped at a time) against the Triton prefix,
     alone and as cascades; `splits`: also the Mosaic prefix and cascade with each of these key-split
-    counts (the default count is `prefix_decode_mgpu.default_mgpu_num_splits`, one wave of CTAs)."""
+    counts (the default count is `prefix_decode_mgpu.default_mgpu_num_splits`, one wave of CTAs);
+    `widen` (FP8): also each FP8 V page widened once by the memory warpgroup (`memory_widens_values`),
+    gridded and persistent, beside the persistent launch without it."""
     g = hq // hkv
     b, p, n = shape
     total = padded_rows(n * g)
@@ -178,6 +182,10 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
         variants.append((", warpgroup key split, 1 page/step, 4 stages",
                          mgpu(key_split=True, stages=4, pages_per_step=1)))
     variants += [(f", {ns} splits", mgpu(num_splits=ns)) for ns in splits]
+    if widen and jnp.dtype(dtype).itemsize == 1:
+        variants += [(", V widened by the memory warpgroup", mgpu(memory_widens_values=True)),
+                     (", persistent", mgpu(persistent=True)),
+                     (", persistent, V widened by the memory warpgroup", mgpu(persistent=True, memory_widens_values=True))]
     flop = 4 * b * n * hq * (p + n) * d
     res = {}
     # (name, function, arguments); every chained timing feeds the output into P (argument 4) the
@@ -258,7 +266,7 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
             f" -> {'PASS' if e_out < 2e-2 and lse_ok else 'FAIL'}")
     if not ok or not timing_too:
         return ok
-    flops_rate = measure_matmul_flops(512 if smoke else 8192)
+    flops_rate = (None if smoke else traced_matmul_flops()) or 1e12  # smoke: a placeholder rate
     b, n, hq, p = (2, 8, 8, 300) if smoke else (32, 16, 128, 8192)
     per_req = (p + n) // PAGE + 1
     table = jnp.asarray(np.random.default_rng(2).permutation(b * per_req).reshape(b, per_req), jnp.int32)
@@ -319,6 +327,9 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-conformance", action="store_true")
     ap.add_argument("--shapes", default=None, help="timing shapes BxPxN,... (default: the four of issue #3)")
     ap.add_argument("--fp8", action="store_true", help="also time FP8 E4M3 pools")
+    ap.add_argument("--fp8-only", action="store_true", help="time FP8 E4M3 pools only")
+    ap.add_argument("--widen", action="store_true",
+                    help="FP8: also time V widened by the memory warpgroup (memory_widens_values), gridded and persistent")
     ap.add_argument("--no-triton", action="store_true", help="skip the Triton prefix and cascade rows")
     ap.add_argument("--forms", default=None, help="conformance of these forms only: a count N (the first N) "
                     "or a comma list of indices into the form list, e.g. 11,12,13")
@@ -331,7 +342,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.smoke:
         timing(SMOKE_SHAPES, hq=8, hkv=2, d=64, samples=1, interpret=True, dtypes=(jnp.bfloat16, jnp.float8_e4m3fn),
-               splits=(2,))
+               splits=(2,), widen=True)
         return 0 if mla_check(interpret=True, timing_too=True, smoke=True) else 1
     timing_too = not (a.skip_timing or a.interpret)
     ok = True
@@ -341,11 +352,13 @@ def main(argv=None) -> int:
     # and off for FP8), the key split forced on 256-row heads, and each warpgroup's softmax
     # overlapped with its own matmuls (off by default: it conforms but ran 6-9% slower, session 11).
     overlap = dict(overlap_softmax=True)
+    widen = dict(memory_widens_values=True)  # each FP8 V page widened once, by the memory warpgroup
     forms = (
             (bf, 1, 2, 64, None, {}), (f8, 1, 2, 64, None, {}), (bf, 2, 2, 64, None, {}), (f8, 2, 2, 64, None, {}),
             (f8, 2, 3, 64, None, {}), (bf, 2, 2, 16, None, {}), (f8, 2, 2, 16, None, {}), (f8, 1, 4, 16, None, {}),
             (bf, 1, 4, 16, True, {}), (f8, 2, 2, 16, False, {}), (bf, 2, 2, 64, True, {}),
-            (bf, 2, 2, 64, None, overlap), (bf, 1, 2, 64, None, overlap), (bf, 2, 2, 16, None, overlap))
+            (bf, 2, 2, 64, None, overlap), (bf, 1, 2, 64, None, overlap), (bf, 2, 2, 16, None, overlap),
+            (f8, 2, 2, 64, None, widen), (f8, 1, 4, 16, None, widen), (f8, 2, 3, 64, None, widen))
     if a.forms is not None:
         # "N": the first N forms; "i,j,...": those indices ("12," is form 12 alone).
         try:
@@ -366,9 +379,10 @@ def main(argv=None) -> int:
             ok = False
     shapes = FULL_SHAPES if a.shapes is None else parse_shapes(a.shapes)
     if ok and timing_too and shapes:  # `--shapes ""`: no GQA timing (e.g. --mla alone)
-        timing(shapes, dtypes=(jnp.bfloat16, jnp.float8_e4m3fn) if a.fp8 else (jnp.bfloat16,),
-               splits=tuple(int(v) for v in a.splits.split(",") if v), triton=not a.no_triton,
-               overlap=not (a.no_overlap or a.lean), lean=a.lean)
+        dtypes = ((jnp.float8_e4m3fn,) if a.fp8_only else
+                  (jnp.bfloat16, jnp.float8_e4m3fn) if a.fp8 else (jnp.bfloat16,))
+        timing(shapes, dtypes=dtypes, splits=tuple(int(v) for v in a.splits.split(",") if v), triton=not a.no_triton,
+               overlap=not (a.no_overlap or a.lean), lean=a.lean, widen=a.widen)
     if a.mla:
         try:
             mla_dtypes = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}

@@ -388,3 +388,54 @@ def test_cascade_config_persistent_prefix(monkeypatch):
         CascadeConfig(page_size=PAGE, persistent_prefix=True)
     with pytest.raises(ValueError, match="persistent_prefix must be None, True or False, got 1"):
         CascadeConfig(page_size=PAGE, persistent_prefix=1)
+
+
+# `memory_widens_values`: the memory warpgroup widens each FP8 V page once into a 16-bit ring:
+# 128-row heads (both warpgroups read each widened page), a key split over four stages (each
+# warpgroup owns half of the ring), three stages of two pages per step, and a persistent launch.
+@pytest.mark.parametrize("case,persistent", [((32, 4, [0, 70, 200], 1, True, FP8, 1, 2, None), False),
+                                             ((16, 4, [200, 330, 10], 2, True, FP8, 1, 4, True), False),
+                                             ((32, 4, [70, 200, 300], 2, True, FP8, 2, 3, None), False),
+                                             ((64, 4, [260, 130], 3, True, FP8, 1, 2, None), True)])
+def test_memory_widened_values_give_the_same_bits(case, persistent, monkeypatch):
+    """The same P V operands as each compute warpgroup widening its own copy, so the same bits;
+    and against dense fp32 (the shared test)."""
+    import pallas_kernels.attention.prefix_decode_mgpu as pdm
+
+    monkeypatch.setattr(pdm, "num_sms", lambda: 2)  # the persistent case: CTAs loop over items
+    r, g, lengths, splits, pingpong, dtype, pps, stages, key_split = case
+    hkv, d = 2, 64
+    q, k, v, table, lens, _ = verify_case(np.random.default_rng(r + g), lengths, r, hkv, g, d, PAGE, dtype,
+                                          q_dtype=jnp.bfloat16)
+    qr = heads_to_rows(q, hkv, padded_rows(r * g))
+    kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, num_splits=splits, pingpong=pingpong,
+              pages_per_step=pps, stages=stages, key_split=key_split, persistent=persistent, interpret=True)
+    own = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, **kw)
+    shared = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, memory_widens_values=True, **kw)
+    for a, b in zip(own, shared):
+        assert np.all(np.isfinite(np.asarray(a)) | np.isneginf(np.asarray(a)))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if not persistent:
+        test_mgpu_prefix_and_cascade_match_dense(*case, opts=dict(memory_widens_values=True))
+
+
+def test_memory_widened_values_refusals_and_lowering():
+    """Refused, naming the values, for 16-bit pools and the fused FP8 window (whose steps clean V
+    per request); lowers at D = 128 with 128-row heads and with a key split."""
+    q, k, v, table, lens, mask = verify_case(np.random.default_rng(3), [130], 16, 1, 4, 64, PAGE, jnp.bfloat16,
+                                             q_dtype=jnp.bfloat16)
+    qr = heads_to_rows(q, 1, padded_rows(64))
+    kw = dict(query_rows=16, group=4, page_size=PAGE, scale=0.125, interpret=True, memory_widens_values=True)
+    with pytest.raises(ValueError, match="memory_widens_values takes an FP8 pool.*bfloat16 pools, window=0"):
+        prefix_decode_mgpu_row_layout(qr, k, v, table, lens, **kw)
+    import pallas_kernels.attention.prefix_decode_mgpu as pdm
+    from treespec_jax.tree.masks import ancestor_mask
+    from trees import random_parents
+
+    words, union = pdm.fused_window_words(ancestor_mask(jnp.asarray(random_parents(np.random.default_rng(4), 1, 16))),
+                                          4, 64, heads_io=True)
+    with pytest.raises(ValueError, match="memory_widens_values takes an FP8 pool.*float8_e4m3fn pools, window=16"):
+        prefix_decode_mgpu_row_layout(q, k.astype(FP8), v.astype(FP8), table, lens, words, union,
+                                      **{**kw, "query_rows": 1, "group": 64}, window=16, heads_io=True)
+    test_mgpu_prefix_lowers_to_mosaic_gpu(256, 1, True, 64, 2, FP8, 2, None, opts=dict(memory_widens_values=True))
+    test_mgpu_prefix_lowers_to_mosaic_gpu(64, 2, True, 64, 4, FP8, 1, True, opts=dict(memory_widens_values=True))

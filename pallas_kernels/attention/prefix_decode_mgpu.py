@@ -16,6 +16,8 @@ kernel does) and the scores are an FP8 x FP8 wgmma (K is the K-major operand 8-b
 requires). V is the MN-major operand of P V, which 8-bit wgmma cannot take, so each compute
 warpgroup widens the step's V page to fp16 in its own shared-memory tile (exact) while the other
 warpgroup holds the tensor cores, releases the FP8 buffer at once, and runs P V in fp16.
+(`memory_widens_values`, experimental: the memory warpgroup widens each page once instead, into a
+16-bit ring the compute warpgroups read.)
 
 Why: JAX's own dense Mosaic GPU flash attention ran the prefix half's work 1.22x (B=32, P=32768)
 and 1.39x (B=64, P=4096) faster than our Pallas Triton prefix kernel (benchmarks/RESULTS.md,
@@ -109,6 +111,11 @@ PERSISTENT_16BIT_BY_DEFAULT = True
 # (1.0%).
 PREFETCH_QUERY_BY_DEFAULT = True
 
+# Rows of V the memory warpgroup widens per piece under `memory_widens_values`: one WGMMA-layout
+# tile (the smallest a warpgroup loads from the swizzled ring; 64 x 128 FP8 values are 64 per thread
+# of the warpgroup, which may not all fit its 40 registers at once: the GPU timing will tell).
+WIDEN_ROWS = 64
+
 
 def runs_persistent(items: int, persistent: bool | None, itemsize: int) -> bool:
     """Whether the prefix kernel's launch over `itemsize`-byte pools is persistent for `items`
@@ -150,13 +157,15 @@ def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: i
 
 
 def smem_bytes(total_rows: int, width: int, itemsize: int, block: int, stages: int,
-               key_split: bool | None = None, fused_fp8: bool = False, query_tiles: int = 1) -> int:
+               key_split: bool | None = None, fused_fp8: bool = False, query_tiles: int = 1,
+               memory_widens_values: bool = False) -> int:
     """Shared memory of one CTA (`block` keys per step): query tiles (`query_tiles` per compute
     warpgroup, with as many sets of the fused window's mask words: two under `prefetch_query`), the
     K and V rings, output staging, LSE; with 1-byte (FP8) items also each compute warpgroup's 16-bit
-    copy of the step's V, and (`fused_fp8`) its unquantised query tile."""
+    copy of the step's V (`memory_widens_values`: one 16-bit V ring of `stages` steps instead), and
+    (`fused_fp8`) its unquantised query tile."""
     wgs, _, _ = warpgroup_layout(total_rows, key_split, itemsize)
-    widened = wgs * block * width * 2 if itemsize == 1 else 0
+    widened = (stages if memory_widens_values else wgs) * block * width * 2 if itemsize == 1 else 0
     widened += wgs * ROWS_PER_WG * width * 2 if fused_fp8 else 0
     return (query_tiles * wgs * (ROWS_PER_WG * width * itemsize + FUSED_WINDOW_WORDS)
             + 2 * stages * block * width * itemsize + widened
@@ -344,7 +353,8 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "stages", "num_splits",
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
                                              "tiles_adjacent", "overlap_softmax", "partial_dtype", "window",
-                                             "heads_io", "persistent", "prefetch_query", "interpret"))
+                                             "heads_io", "persistent", "prefetch_query", "memory_widens_values",
+                                             "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, window_words=None, window_union=None,
                                   *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
@@ -353,7 +363,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                                   tiles_adjacent: bool = True, overlap_softmax: bool = False,
                                   partial_dtype=jnp.float32, window: int = 0, heads_io: bool = False,
                                   persistent: bool | None = None, prefetch_query: bool | None = None,
-                                  interpret: bool = False):
+                                  memory_widens_values: bool = False, interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
@@ -400,6 +410,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     two sets of mask words) and loads the next item's while this one runs, so no item waits for
     its query; it costs one more query tile of shared memory (None: on under the persistent launch
     where that tile fits, `PREFETCH_QUERY_BY_DEFAULT`);
+    `memory_widens_values` (FP8 pools, not the fused window; experimental, off): the memory
+    warpgroup widens each step's V page to fp16 once, into a 16-bit ring of `stages` steps the
+    compute warpgroups read, instead of each compute warpgroup widening its own copy on the critical
+    path of its turn;
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     fused = window > 0
     q_in = qr
@@ -473,11 +487,15 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         raise ValueError("prefix_decode_mgpu: prefetch_query needs the persistent launch (persistent=True, or "
                          f"None with more work items than SMs), got persistent={persistent} for {items} items")
     qbufs = 2 if prefetch_query else 1
+    if memory_widens_values and (not fp8 or q_wide is not None):
+        raise ValueError(f"prefix_decode_mgpu: memory_widens_values takes an FP8 pool without the fused window, got "
+                         f"{jnp.dtype(k_pool.dtype).name} pools, window={window}")
     # The buffers the kernel's input checks do not size: the fused FP8 window's, prefetch's.
     extras = ((["the fused window under an FP8 pool"] if q_wide is not None else [])
-              + (["prefetch_query's second query tile"] if prefetch_query else []))
+              + (["prefetch_query's second query tile"] if prefetch_query else [])
+              + (["memory_widens_values' 16-bit V ring"] if memory_widens_values else []))
     need = smem_bytes(total, d, jnp.dtype(k_pool.dtype).itemsize, block, stages, key_split,
-                      fused_fp8=q_wide is not None, query_tiles=qbufs)
+                      fused_fp8=q_wide is not None, query_tiles=qbufs, memory_widens_values=memory_widens_values)
     if extras and need > MAX_SMEM_BYTES:
         raise ValueError(f"prefix_decode_mgpu: {' with '.join(extras)} with pages_per_step={pps}, "
                          f"stages={stages}, head dim {d} needs {need} bytes of shared memory, more than "
@@ -485,7 +503,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
     def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, qw_gmem, out_gmem, lse_gmem,
              scoped):
-        (q_smem, k_smem, v_smem, o_smem, lse_smem, *extra), (q_ready, k_ready, v_ready), (k_free, v_free), turn = scoped
+        (q_smem, k_smem, v_smem, o_smem, lse_smem, *extra), (q_ready, k_ready, v_ready), (k_free, v_free), turn, \
+            *wide_ring = scoped
+        vw_ready, vw_free = wide_ring if memory_widens_values else (None, None)
         wide = extra[:1] if fp8 else []
         if q_wide is not None:
             wide, k_wide = [extra[0][0]], extra[0][1]
@@ -666,9 +686,13 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                     if pingpong:
                         plgpu.barrier_arrive(turn)  # softmax done
-                    plgpu.barrier_wait(v_ready.at[slot])
                     cleans = fused and masked
-                    if fp8:
+                    if memory_widens_values:
+                        # The memory warpgroup widened this step's V page into the 16-bit ring.
+                        plgpu.barrier_wait(vw_ready.at[slot])
+                        v_tile = wide[0].at[slot]
+                    elif fp8:
+                        plgpu.barrier_wait(v_ready.at[slot])
                         # Widen this warpgroup's copy of the V page (CUDA cores, while the other
                         # warpgroup holds the tensor cores); the FP8 buffer is free right after.
                         v_tile = wide[0].at[wg]
@@ -680,6 +704,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(v_free.at[slot])
                     else:
+                        plgpu.barrier_wait(v_ready.at[slot])
                         v_tile = v_smem.at[slot]
                         if cleans:
                             # In place: both warpgroups may clean the same buffer, but each writes
@@ -691,7 +716,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                         plgpu.barrier_wait(turn)  # the tensor cores are ours again
 
                     acc = add_values(acc, p16, v_tile, lambda: wait_next_keys(i))
-                    if not fp8:
+                    if memory_widens_values:
+                        plgpu.barrier_arrive(vw_free.at[slot])
+                    elif not fp8:
                         plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l
 
@@ -827,6 +854,25 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                     page = jnp.where(page < page_limit, page, i * pps) if j else page
                     return pl.ds(pt_gmem[bi, page] * page_size, page_size)
 
+                def widen_values(i):
+                    # Step i's FP8 V page into the 16-bit ring (slot i's last readers, step i - stages's
+                    # P V, have released it), WIDEN_ROWS rows at a time; then the FP8 buffer is
+                    # released (to this warpgroup's own next copy into it).
+                    slot = slot_of(i)
+                    plgpu.barrier_wait(v_ready.at[slot])
+
+                    @pl.when(i - lo >= stages)
+                    def _():
+                        plgpu.barrier_wait(vw_free.at[slot])
+
+                    for r in range(0, block, WIDEN_ROWS):
+                        rows = pl.ds(r, WIDEN_ROWS)
+                        wide[0].at[slot, rows][...] = plgpu.load(v_smem.at[slot, rows],
+                                                                 layout=plgpu.Layout.WGMMA).astype(pv_dtype)
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(vw_ready.at[slot])
+                    plgpu.barrier_arrive(v_free.at[slot])
+
                 @pl.loop(lo, hi)
                 def _fetch(i):
                     slot = slot_of(i)
@@ -847,6 +893,12 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                         plgpu.copy_gmem_to_smem(v_gmem.at[page_rows(i, j), head],
                                                 v_smem.at[slot, pl.ds(j * page_size, page_size)], v_ready.at[slot])
 
+                    if memory_widens_values:  # the previous step's V, while this step's pages fly
+                        pl.when(i > lo)(lambda: widen_values(i - 1))
+
+                if memory_widens_values:
+                    pl.when(hi > lo)(lambda: widen_values(hi - 1))
+
                 # Observe the last release of every buffer used, so no barrier phase is left unseen
                 # when the scope ends (the GPU interpreter checks this).
                 @pl.loop(jnp.maximum(hi - stages, lo), hi)
@@ -854,6 +906,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                     slot = slot_of(i)
                     plgpu.barrier_wait(k_free.at[slot])
                     plgpu.barrier_wait(v_free.at[slot])
+                    if memory_widens_values:
+                        plgpu.barrier_wait(vw_free.at[slot])
 
             if role == "cta":
                 pl.when(wg < wgs)(_compute)
@@ -902,6 +956,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             plgpu.set_max_registers(40, action="decrease")
             items_of_this_cta("memory")
 
+    readers = 1 if key_split else wgs  # compute warpgroups that read each step's K and V
+
     def entry(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, *rest):
         words_gmem, union_gmem = rest[:2] if fused else (None, None)
         qw_gmem = rest[2] if q_wide is not None else None
@@ -914,7 +970,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((wgs, ROWS_PER_WG, out_chunk), partial_dtype, transforms=out_tf),
              plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32))
-            + ((plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),) if fp8 and q_wide is None else ())
+            + ((plgpu.SMEM((stages if memory_widens_values else wgs, block, d), pv_dtype, transforms=pv_tf),)
+               if fp8 and q_wide is None else ())
             + ((plgpu.RefUnion(plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),
                                plgpu.SMEM((wgs, block, d), kw_dtype, transforms=_smem_transforms(d, kw_dtype))),)
                if q_wide is not None else ())
@@ -926,9 +983,14 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
              plgpu.Barrier(num_arrivals=pps, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pps, num_barriers=stages)),
             # A step's buffers are released by every warpgroup that reads them: both, or under a
-            # key split the one warpgroup that owns the step.
-            (plgpu.Barrier(num_arrivals=1 if key_split else wgs, num_barriers=stages),) * 2,
+            # key split the one warpgroup that owns the step (the FP8 V page by the memory warpgroup
+            # when it widens it).
+            (plgpu.Barrier(num_arrivals=readers, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=1 if memory_widens_values else readers, num_barriers=stages)),
             plgpu.Barrier(num_arrivals=wgs),
+            # memory_widens_values: the 16-bit V ring's (ready, free) barriers.
+            *((plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+               plgpu.Barrier(num_arrivals=readers, num_barriers=stages)) if memory_widens_values else ()),
             collective_axes="wg",
         )
 
