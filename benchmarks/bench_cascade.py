@@ -77,6 +77,15 @@ def random_parents(rng: np.random.Generator, batch: int, n: int) -> np.ndarray:
     return par
 
 
+def cascade_inputs(key, rng, b: int, p: int, n: int, dtype, spare_tokens: int = 0):
+    """The timing inputs of one shape: pools of `dtype` mapping P + N (+ `spare_tokens`) tokens per
+    request (random page table, no poison), q `[B, N, Hq, D]` bf16, every prefix length P and a
+    random tree's ancestor mask: (q, k_pool, v_pool, page_table, lengths, mask)."""
+    kp, vp, table = make_paged(key, rng, b, p + n + spare_tokens, HKV, D, PAGE, dtype, poison=False)
+    q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(jnp.bfloat16)
+    return q, kp, vp, table, jnp.full((b,), p, jnp.int32), ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
+
+
 def make_paged(key, rng, batch, max_len, hkv, d, page, dtype, poison=True, width=None):
     """Random pools with a random page table; every slot no request owns is NaN-poisoned."""
     pages_per_req = -(-max_len // page)

@@ -31,12 +31,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels.attention.prefix_decode_mgpu as pdm  # noqa: E402
-from benchmarks.bench_cascade import D, HKV, HQ, PAGE, make_paged, random_parents  # noqa: E402
+from benchmarks.bench_cascade import D, HKV, HQ, PAGE, cascade_inputs  # noqa: E402
 from benchmarks.report import log, parse_shapes  # noqa: E402
 from benchmarks.timing import feed_scalar, traced_time  # noqa: E402
 from pallas_kernels.attention.prefix_decode import heads_to_rows  # noqa: E402
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, fused_rows, mosaic_rows  # noqa: E402
-from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
 
 CHAINED = 20
 
@@ -46,11 +45,8 @@ def device_ms(fn, args, index):
 
 
 def verify_inputs(b, p, n, rng, key, spare_tokens=0):
-    """bf16 pools mapping P + N (+ `spare_tokens`) tokens per request, q `[B, N, Hq, D]`, every
-    prefix length P and a random tree's ancestor mask."""
-    kp, vp, table = make_paged(key, rng, b, p + n + spare_tokens, HKV, D, PAGE, jnp.bfloat16, poison=False)
-    q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(jnp.bfloat16)
-    return q, kp, vp, table, jnp.full((b,), p, jnp.int32), ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
+    """bf16 inputs of one shape (`bench_cascade.cascade_inputs`)."""
+    return cascade_inputs(key, rng, b, p, n, jnp.bfloat16, spare_tokens)
 
 
 def fused_kernel(n, **launch):

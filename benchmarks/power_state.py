@@ -31,12 +31,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.bench_cascade import D, FP8, HKV, HQ, PAGE, make_paged, random_parents  # noqa: E402
+from benchmarks.bench_cascade import D, FP8, HKV, HQ, PAGE, cascade_inputs  # noqa: E402
 from benchmarks.report import log, parse_shapes  # noqa: E402
 from benchmarks.timing import (IDLE_S, feed_scalar, measure_copy_bandwidth, traced_matmul_flops,  # noqa: E402
                                traced_time)
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention  # noqa: E402
-from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
 
 SUSTAIN_S = 2.0
 # (idle seconds, seconds of load) before each traced run, per state.
@@ -58,10 +57,7 @@ def main(argv=None):
     for b, p, n in parse_shapes(a.shapes, 3):
         for dt in a.dtypes.split(","):
             dtype = {"bf16": jnp.bfloat16, "fp8": FP8}[dt]
-            kp, vp, table = make_paged(key, rng, b, p + n, HKV, D, PAGE, dtype, poison=False)
-            q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(jnp.bfloat16)
-            args = (q, kp, vp, table, jnp.full((b,), p, jnp.int32),
-                    ancestor_mask(jnp.asarray(random_parents(rng, b, n))))
+            args = cascade_inputs(key, rng, b, p, n, dtype)
             fn = jax.jit(lambda *x, n=n: cascade_attention(*x, window=n, config=CascadeConfig(page_size=PAGE)))
             byte_floor = 2 * b * (p + n) * HKV * D * jnp.dtype(dtype).itemsize / bw
             cases.append((f"B={b},P={p},N={n} {dt}", fn, args, byte_floor, 4 * b * n * HQ * (p + n) * D))

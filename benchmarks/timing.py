@@ -97,6 +97,18 @@ def time_step(step, carry, *, inner: int, reps: int = 7):
     return _per_call(chain, inner, run), carry
 
 
+def jitted_chain(fn, feed, n: int):
+    """One jitted function running `n` calls of `fn` back to back, each call's arguments made from
+    the previous call's output by `feed(args, out) -> args`; it returns the last output."""
+    def many(*a):
+        out = None
+        for _ in range(n):
+            out = fn(*a)
+            a = feed(a, out)
+        return out
+    return jax.jit(many)
+
+
 def chained_time(fn, args, feed, *, inner: int = 20, reps: int = 7):
     """Median device seconds per call of `fn(*args)`, from chains of calls inside one jit
     (`_per_call`).
@@ -105,16 +117,7 @@ def chained_time(fn, args, feed, *, inner: int = 20, reps: int = 7):
     can neither merge the identical calls nor reorder them; the calls then run back to back on the
     device, as a kernel inside a model's jitted step does. Inputs are not donated.
     """
-    def chain(n):
-        def many(*a):
-            out = None
-            for _ in range(n):
-                out = fn(*a)
-                a = feed(a, out)
-            return out
-        return jax.jit(many)
-
-    return _per_call(chain, inner, lambda f: _median_seconds(lambda _: f(*args), None, reps)[0])
+    return _per_call(lambda n: jitted_chain(fn, feed, n), inner, lambda f: _median_seconds(lambda _: f(*args), None, reps)[0])
 
 
 def device_events(trace_dir: str) -> list[tuple[str, float, float]]:
@@ -148,14 +151,9 @@ def traced_chain(fn, args, feed, *, inner: int = 60, runs: int = 3, warm_s: floa
     `chained_time`): the chain is compiled and run once, then each traced run follows `idle_s`
     seconds of idle device, one untraced run and `warm_s` seconds more of the chain. A list of `runs`
     event lists, or None where the backend records no device kernels (the CPU)."""
-    def many(*a):
-        out = None
-        for _ in range(inner):
-            out = fn(*a)
-            a = feed(a, out)
-        return out
-
-    chain = jax.jit(many)
+    if jax.default_backend() == "cpu":  # no device kernels to trace
+        return None
+    chain = jitted_chain(fn, feed, inner)
     jax.block_until_ready(chain(*args))
     traces = []
     for _ in range(runs):
