@@ -150,7 +150,7 @@ def traced_chain(fn, args, feed, *, inner: int = 60, runs: int = 3, warm_s: floa
     """Kernel events of `runs` traced runs of a chain of `inner` calls of `fn` in one jit (fed as in
     `chained_time`): the chain is compiled and run once, then each traced run follows `idle_s`
     seconds of idle device, one untraced run and `warm_s` seconds more of the chain. A list of `runs`
-    event lists, or None where the backend records no device kernels (the CPU)."""
+    event lists; None on the CPU, which has no device kernels (elsewhere an empty trace raises)."""
     if jax.default_backend() == "cpu":  # no device kernels to trace
         return None
     chain = jitted_chain(fn, feed, inner)
@@ -166,7 +166,9 @@ def traced_chain(fn, args, feed, *, inner: int = 60, runs: int = 3, warm_s: floa
         with jax.profiler.trace(d):
             jax.block_until_ready(chain(*args))
         traces.append(device_events(d))
-    return traces if all(traces) else None
+    if not all(traces):  # a GPU without CUPTI tracing must not fall back to another timer silently
+        raise RuntimeError(f"traced_chain: the profiler recorded no device kernels on {jax.default_backend()}")
+    return traces
 
 
 def span_per_call(events, inner: int) -> float:
