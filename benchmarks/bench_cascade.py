@@ -77,6 +77,20 @@ def random_parents(rng: np.random.Generator, batch: int, n: int) -> np.ndarray:
     return par
 
 
+# KV dtype names of the scripts' --dtypes flags.
+KV_DTYPES = {"bf16": jnp.bfloat16, "fp8": FP8}
+
+
+def kv_bytes(b: int, p: int, n: int, dtype) -> int:
+    """K and V bytes a verify of N rows over P committed keys reads (the byte floor's numerator)."""
+    return 2 * b * (p + n) * HKV * D * jnp.dtype(dtype).itemsize
+
+
+def verify_flops(b: int, p: int, n: int) -> int:
+    """Q K^T and P V FLOPs of that verify over every key (the FLOP floor's numerator)."""
+    return 4 * b * n * HQ * (p + n) * D
+
+
 def cascade_inputs(key, rng, b: int, p: int, n: int, dtype, spare_tokens: int = 0):
     """The timing inputs of one shape: pools of `dtype` mapping P + N (+ `spare_tokens`) tokens per
     request (random page table, no poison), q `[B, N, Hq, D]` bf16, every prefix length P and a
@@ -400,9 +414,9 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
         except Exception as exc:
             print(f"  fp8 score dot failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     impl, t_dense = ("-", float("nan")) if lean else dense_baseline(q, kp, vp, table, lengths, mask, n)
-    kv_bytes = 2 * b * (p + n) * HKV * D * jnp.dtype(dtype).itemsize
-    byte_floor = kv_bytes / bw
-    flop_floor = 4 * b * n * HQ * (p + n) * D / flops
+    kv_read = kv_bytes(b, p, n, dtype)
+    byte_floor = kv_read / bw
+    flop_floor = verify_flops(b, p, n) / flops
     floor = max(byte_floor, flop_floor)
     row = dict(shape=f"B={b},P={p},N={n}", kv=jnp.dtype(dtype).name, prefix_kernel="mosaic_gpu" if mosaic else "triton",
                prefix_ms=t_pre * 1e3, window_ms=t_win * 1e3, cascade_ms=t_cas * 1e3, cascade_call_ms=t_cas_call * 1e3,
@@ -414,7 +428,7 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
                persistent_vs_floor=t_cas_persistent / floor, dense_ms=t_dense * 1e3, dense_impl=impl,
                byte_floor_ms=byte_floor * 1e3, flop_floor_ms=flop_floor * 1e3,
                vs_floor=t_cas / floor, window_overhead=(t_cas - t_pre) / t_pre,
-               prefix_tbps=kv_bytes / t_pre / 1e12, dense_speedup=t_dense / t_cas)
+               prefix_tbps=kv_read / t_pre / 1e12, dense_speedup=t_dense / t_cas)
     print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     del kp, vp
     return row
@@ -544,8 +558,7 @@ def main(argv=None):
             best = tune_prefix(q, kp, vp, table, jnp.full((b,), p, jnp.int32))
             print(f"  best prefix configuration: {best} (timings below use the kernel defaults)", flush=True)
             del kp, vp
-        dtypes = {"bf16": jnp.bfloat16, "fp8": FP8}
-        for dtype in [dtypes[name] for name in args.dtypes.split(",")]:
+        for dtype in [KV_DTYPES[name] for name in args.dtypes.split(",")]:
             for (b, p, n) in shapes:
                 print(f"timing B={b} P={p} N={n} {jnp.dtype(dtype).name}", flush=True)
                 try:

@@ -32,22 +32,15 @@ import numpy as np  # noqa: E402
 
 from benchmarks.bench_cascade import D, FP8, HKV, HQ, PAGE, make_paged, random_parents  # noqa: E402
 from benchmarks.report import log, parse_shapes  # noqa: E402
-from benchmarks.timing import feed_scalar, traced_time  # noqa: E402
+from benchmarks.timing import traced_ms  # noqa: E402
 from pallas_kernels.attention.prefix_decode import heads_to_rows, merge_splits, rows_to_heads  # noqa: E402
 from pallas_kernels.attention.prefix_decode_mgpu import (ROWS_PER_CTA, default_mgpu_num_splits,  # noqa: E402
                                                          default_pages_per_step, fused_window_words,
                                                          heads_io_errors, prefix_decode_mgpu_row_layout,
                                                          warpgroup_layout)
 from pallas_kernels.attention.tree_window import tree_window_row_layout  # noqa: E402
-from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, mosaic_rows  # noqa: E402
+from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, fused_rows, mosaic_rows  # noqa: E402
 from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
-
-CHAINED = 20
-
-
-def device_ms(fn, args, index):
-    """Chained device milliseconds per call, each call fed the previous output through argument `index`."""
-    return 1e3 * traced_time(fn, args, feed_scalar(index), inner=3 * CHAINED)
 
 
 def breakdown(b, p, n, dtype, stage_forms, rng, key):
@@ -78,36 +71,35 @@ def breakdown(b, p, n, dtype, stage_forms, rng, key):
     parts = splits * (2 if rows_cta < ROWS_PER_CTA and wgs == 2 else 1)
     name = f"B={b},P={p},N={n} {jnp.dtype(dtype).name}"
     t = {}
-    t["q to rows"] = device_ms(jax.jit(lambda x: heads_to_rows(x, HKV, total)), (q,), 0)
-    t["prefix (kernel + merge)"] = device_ms(pre, (qr, kp, vp, table, lengths), 4)
+    t["q to rows"] = traced_ms(jax.jit(lambda x: heads_to_rows(x, HKV, total)), (q,), 0)
+    t["prefix (kernel + merge)"] = traced_ms(pre, (qr, kp, vp, table, lengths), 4)
     if parts > 1:
         so = jax.random.normal(key, (parts, b, HKV, total, D), jnp.float32)
         sl = jax.random.normal(jax.random.fold_in(key, 1), (parts, b, HKV, total), jnp.float32)
-        t[f"split merge alone ({parts} partials)"] = device_ms(jax.jit(merge_splits), (so, sl), 1)
-    t["window kernel"] = device_ms(win, (qr, kp, vp, table, lengths, mask, po, plse), 4)
+        t[f"split merge alone ({parts} partials)"] = traced_ms(jax.jit(merge_splits), (so, sl), 1)
+    t["window kernel"] = traced_ms(win, (qr, kp, vp, table, lengths, mask, po, plse), 4)
     out_rows = win(qr, kp, vp, table, lengths, mask, po, plse)
-    t["out to heads"] = device_ms(jax.jit(lambda x: rows_to_heads(x, n, HQ)), (out_rows,), 0)
+    t["out to heads"] = traced_ms(jax.jit(lambda x: rows_to_heads(x, n, HQ)), (out_rows,), 0)
     # The cascade's window step both ways: row layout then an XLA transpose, or the kernel writing
     # [B, R, Hq, D] itself (`heads_out`, the default path where the row tiles allow).
     win_kw = dict(query_rows=n, group=group, window=n, page_size=PAGE, scale=scale, causal_prefix=False,
                   value_dim=D, interpret=interp, prefix_whole_pages=True)
     wargs = (qr, kp, vp, table, lengths, mask, po, plse)
-    t["window + XLA transpose"] = device_ms(
+    t["window + XLA transpose"] = traced_ms(
         jax.jit(lambda *a: rows_to_heads(tree_window_row_layout(*a, **win_kw), n, HQ)), wargs, 4)
-    t["window writing heads"] = device_ms(
+    t["window writing heads"] = traced_ms(
         jax.jit(lambda *a: tree_window_row_layout(*a, **win_kw, heads_out=True)), wargs, 4)
-    t["cascade (public, unfused)"] = device_ms(cas, (q, kp, vp, table, lengths, mask), 4)
+    t["cascade (public, unfused)"] = traced_ms(cas, (q, kp, vp, table, lengths, mask), 4)
     if fused:
-        t["cascade (public, fused)"] = device_ms(cas_fused, (q, kp, vp, table, lengths, mask), 4)
+        t["cascade (public, fused)"] = traced_ms(cas_fused, (q, kp, vp, table, lengths, mask), 4)
         # The mask words the fused kernel reads, built by XLA before it (small launches count at B=1).
         heads_io = not heads_io_errors(n, group)
-        fused_rows = n * group if heads_io else total
-        t["fused words prep alone"] = device_ms(
-            jax.jit(lambda m: fused_window_words(m, group, fused_rows, heads_io=heads_io)), (mask,), 0)
+        t["fused words prep alone"] = traced_ms(
+            jax.jit(lambda m: fused_window_words(m, group, fused_rows(n, group), heads_io=heads_io)), (mask,), 0)
         if splits > 1:  # the fused kernel's key-split partials, [S, B, R, Hq, D], merged by XLA
             so = jax.random.normal(key, (splits, b, n, HQ, D), jnp.float32)
             sl = jax.random.normal(jax.random.fold_in(key, 1), (splits, b, n, HQ), jnp.float32)
-            t[f"fused split merge alone ({splits} partials)"] = device_ms(jax.jit(merge_splits), (so, sl), 1)
+            t[f"fused split merge alone ({splits} partials)"] = traced_ms(jax.jit(merge_splits), (so, sl), 1)
     # The default path's pieces: q in, prefix (with its merge), the window writing the head layout.
     pieces = sum(t[k] for k in ("q to rows", "prefix (kernel + merge)", "window writing heads"))
     log(f"{name}: splits {splits}, partials {parts}, pages/step {pps}; "
@@ -118,13 +110,13 @@ def breakdown(b, p, n, dtype, stage_forms, rng, key):
     for frac in (1, 2, 4):
         lens = jnp.full((b,), p // frac, jnp.int32)
         xs.append(p // frac)
-        ys.append(device_ms(pre, (qr, kp, vp, table, lens), 4))
+        ys.append(traced_ms(pre, (qr, kp, vp, table, lens), 4))
     slope, fixed = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
     log(f"{name}: prefix at P, P/2, P/4: " + ", ".join(f"{y:.4f}" for y in ys)
         + f" ms; fit {fixed:.4f} ms fixed + {1e3 * slope * 1024:.3f} us per 1024 keys "
         f"(fixed share at P: {fixed / ys[0]:.1%})")
     if fused:
-        ys = [device_ms(cas_fused, (q, kp, vp, table, jnp.full((b,), p // frac, jnp.int32), mask), 4)
+        ys = [traced_ms(cas_fused, (q, kp, vp, table, jnp.full((b,), p // frac, jnp.int32), mask), 4)
               for frac in (1, 2, 4)]
         slope, fixed = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
         log(f"{name}: fused cascade at P, P/2, P/4: " + ", ".join(f"{y:.4f}" for y in ys)
@@ -132,7 +124,7 @@ def breakdown(b, p, n, dtype, stage_forms, rng, key):
             f"(fixed share at P: {fixed / ys[0]:.1%})")
     for stages, pages in stage_forms:
         try:
-            ms = device_ms(jax.jit(lambda *a, s=stages, pp=pages: prefix_decode_mgpu_row_layout(
+            ms = traced_ms(jax.jit(lambda *a, s=stages, pp=pages: prefix_decode_mgpu_row_layout(
                 *a, **kw, stages=s, pages_per_step=pp)), (qr, kp, vp, table, lengths), 4)
             log(f"{name}: prefix with stages={stages}, pages_per_step={pages}: {ms:.4f} ms")
         except Exception as e:  # noqa: BLE001 - a form that does not fit is reported, the rest still run

@@ -33,15 +33,9 @@ import numpy as np  # noqa: E402
 import pallas_kernels.attention.prefix_decode_mgpu as pdm  # noqa: E402
 from benchmarks.bench_cascade import D, HKV, HQ, PAGE, cascade_inputs  # noqa: E402
 from benchmarks.report import log, parse_shapes  # noqa: E402
-from benchmarks.timing import feed_scalar, traced_time  # noqa: E402
+from benchmarks.timing import traced_ms  # noqa: E402
 from pallas_kernels.attention.prefix_decode import heads_to_rows  # noqa: E402
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, fused_rows, mosaic_rows  # noqa: E402
-
-CHAINED = 20
-
-
-def device_ms(fn, args, index):
-    return 1e3 * traced_time(fn, args, feed_scalar(index), inner=3 * CHAINED)
 
 
 def verify_inputs(b, p, n, rng, key, spare_tokens=0):
@@ -70,24 +64,24 @@ def cost(b, p, n, splits, rng, key):
     t = {}
     pre = jax.jit(lambda *a: pdm.prefix_decode_mgpu_row_layout(
         *a, query_rows=1, group=n * group, page_size=PAGE, scale=scale, interpret=interp))
-    t["prefix at P"] = device_ms(pre, (qr, kp, vp, table, lengths), 4)
-    t["prefix at P + step"] = device_ms(pre, (qr, kp, vp, table, lengths + block), 4)
+    t["prefix at P"] = traced_ms(pre, (qr, kp, vp, table, lengths), 4)
+    t["prefix at P + step"] = traced_ms(pre, (qr, kp, vp, table, lengths + block), 4)
     heads_io = not pdm.heads_io_errors(n, group)
     words, union = pdm.fused_window_words(mask, group, fused_rows(n, group), heads_io=heads_io)
     fargs = (q if heads_io else heads_to_rows(q, HKV, fused_rows(n, group)), kp, vp, table, lengths, words, union)
-    t["fused kernel"] = device_ms(fused_kernel(n), fargs, 4)
+    t["fused kernel"] = traced_ms(fused_kernel(n), fargs, 4)
     real = pdm.window_visible
     try:
         pdm.window_visible = lambda k, length, window, words: k < length + window
         jax.clear_caches()
-        t["fused kernel, position-only visibility (wrong output)"] = device_ms(fused_kernel(n), fargs, 4)
+        t["fused kernel, position-only visibility (wrong output)"] = traced_ms(fused_kernel(n), fargs, 4)
     finally:
         pdm.window_visible = real
         jax.clear_caches()
     for s in splits:
         cas = jax.jit(lambda *a, s=s: cascade_attention(*a, window=n, config=CascadeConfig(
             page_size=PAGE, prefix_kernel="mosaic_gpu", fuse_window=True, num_splits=s)))
-        t[f"fused cascade, splits {s or 'default'}"] = device_ms(cas, (q, kp, vp, table, lengths, mask), 4)
+        t[f"fused cascade, splits {s or 'default'}"] = traced_ms(cas, (q, kp, vp, table, lengths, mask), 4)
     step = t["prefix at P + step"] - t["prefix at P"]
     extra = t["fused kernel"] - t["prefix at P"]
     log(f"{name}: " + ", ".join(f"{k} {v:.4f} ms" for k, v in t.items())
@@ -116,7 +110,7 @@ def launches(b, p, n, rounds, rng, key):
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(device_ms(fn, args, 4))
+            times[name].append(traced_ms(fn, args, 4))
     log(f"B={b},P={p},N={n} fused kernel, {rounds} interleaved rounds: " + "; ".join(
         f"{name} {np.median(t):.4f} ms (" + ", ".join(f"{x:.4f}" for x in t) + ")" for name, t in times.items()))
 

@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import statistics
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.bench_cascade import D, FP8, HKV, HQ, PAGE, cascade_inputs  # noqa: E402
+from benchmarks.bench_cascade import KV_DTYPES, PAGE, cascade_inputs  # noqa: E402
 from benchmarks.report import log, parse_shapes  # noqa: E402
-from benchmarks.timing import chained_time, feed_scalar, span_per_call, traced_chain  # noqa: E402
+from benchmarks.timing import chained_time, feed_scalar, median_span, traced_chain  # noqa: E402
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention  # noqa: E402
 
 
@@ -41,7 +39,7 @@ def kernel_table(traces, inner: int):
             per[name][0] += 1
             per[name][1] += dur
     rows = sorted(((v[1] / calls / 1e3, v[0] / calls, k) for k, v in per.items()), reverse=True)
-    return rows, 1e6 * statistics.median(span_per_call(ev, inner) for ev in traces)
+    return rows, 1e6 * median_span(traces, inner)
 
 
 def main(argv=None):
@@ -58,8 +56,7 @@ def main(argv=None):
     key = jax.random.PRNGKey(0)
     for b, p, n in parse_shapes(a.shapes, 3):
         for dt in a.dtypes.split(","):
-            dtype = {"bf16": jnp.bfloat16, "fp8": FP8}[dt]
-            args = cascade_inputs(key, rng, b, p, n, dtype)
+            args = cascade_inputs(key, rng, b, p, n, KV_DTYPES[dt])
             for s in (int(x) for x in a.splits.split(",")):
                 fn = jax.jit(lambda *x, s=s: cascade_attention(*x, window=n, config=CascadeConfig(
                     page_size=PAGE, num_splits=s or None)))

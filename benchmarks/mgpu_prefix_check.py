@@ -254,7 +254,7 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
     ok = True
     itemsize = jnp.dtype(dtype).itemsize
     for schedule in SCHEDULES:  # how the two compute warpgroups share a step's scores
-        if not schedule_fits(schedule, lora + rope, jnp.dtype(dtype).itemsize, lora):
+        if not schedule_fits(schedule, lora + rope, itemsize, lora):
             log(f"MLA {name}: schedule {schedule} does not fit shared memory at width {lora + rope}; not run")
             continue
         out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE, scale=scale,

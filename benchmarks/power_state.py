@@ -5,7 +5,7 @@
 
 The H200 runs at its boost clocks after an idle moment and lowers them at its power cap under
 sustained load, and the kernels' times and the matmul ceiling both move with it (session 16: the
-B=64 bf16 cascade read 0.48 ms traced after idle gaps and 0.56-0.59 ms under sustained load). A
+B=64 bf16 cascade read 0.48 ms traced after idle gaps and 0.53-0.56 ms traced under sustained load). A
 ratio to a floor means something only when both sides were measured in the same state, so for each
 state this measures, traced (`timing.traced_chain`, kernel spans only), both the cascade and the
 bf16 matmul the FLOP floor comes from:
@@ -28,10 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.bench_cascade import D, FP8, HKV, HQ, PAGE, cascade_inputs  # noqa: E402
+from benchmarks.bench_cascade import KV_DTYPES, PAGE, cascade_inputs, kv_bytes, verify_flops  # noqa: E402
 from benchmarks.report import log, parse_shapes  # noqa: E402
 from benchmarks.timing import (IDLE_S, feed_scalar, measure_ceilings, traced_matmul_flops,  # noqa: E402
                                traced_time)
@@ -56,11 +55,10 @@ def main(argv=None):
     cases = []
     for b, p, n in parse_shapes(a.shapes, 3):
         for dt in a.dtypes.split(","):
-            dtype = {"bf16": jnp.bfloat16, "fp8": FP8}[dt]
-            args = cascade_inputs(key, rng, b, p, n, dtype)
+            args = cascade_inputs(key, rng, b, p, n, KV_DTYPES[dt])
             fn = jax.jit(lambda *x, n=n: cascade_attention(*x, window=n, config=CascadeConfig(page_size=PAGE)))
-            byte_floor = 2 * b * (p + n) * HKV * D * jnp.dtype(dtype).itemsize / bw
-            cases.append((f"B={b},P={p},N={n} {dt}", fn, args, byte_floor, 4 * b * n * HQ * (p + n) * D))
+            cases.append((f"B={b},P={p},N={n} {dt}", fn, args, kv_bytes(b, p, n, KV_DTYPES[dt]) / bw,
+                          verify_flops(b, p, n)))
     for r in range(a.rounds):
         for state in ("boost", "sustained"):
             flops = traced_matmul_flops(**STATES[state])

@@ -177,6 +177,11 @@ def span_per_call(events, inner: int) -> float:
     return (max(s + d for _, s, d in events) - start) / inner / 1e9
 
 
+def median_span(traces, inner: int) -> float:
+    """The median over traced chains (`traced_chain`) of `span_per_call`."""
+    return statistics.median(span_per_call(ev, inner) for ev in traces)
+
+
 def traced_time(fn, args, feed, *, inner: int = 60, runs: int = 3, warm_s: float = 0.0,
                 idle_s: float = IDLE_S):
     """Device seconds per call of `fn(*args)`: the median over `runs` traced chains of `inner` calls
@@ -190,7 +195,13 @@ def traced_time(fn, args, feed, *, inner: int = 60, runs: int = 3, warm_s: float
     traces = traced_chain(fn, args, feed, inner=inner, runs=runs, warm_s=warm_s, idle_s=idle_s)
     if traces is None:
         return chained_time(fn, args, feed, inner=max(1, inner // 3))
-    return statistics.median(span_per_call(ev, inner) for ev in traces)
+    return median_span(traces, inner)
+
+
+def traced_ms(fn, args, feed_index: int, inner: int = 60) -> float:
+    """`traced_time` in milliseconds, each call fed the previous output through argument
+    `feed_index` (`feed_scalar`)."""
+    return 1e3 * traced_time(fn, args, feed_scalar(feed_index), inner=inner)
 
 
 def traced_matmul_flops(n: int = 8192, chain: int = 10, warm_s: float = 0.0, idle_s: float = IDLE_S) -> float | None:
@@ -203,7 +214,7 @@ def traced_matmul_flops(n: int = 8192, chain: int = 10, warm_s: float = 0.0, idl
     traces = traced_chain(mm, (a, b), lambda args, out: (out, args[1]), inner=chain, warm_s=warm_s, idle_s=idle_s)
     if traces is None:
         return None
-    return 2 * n ** 3 / statistics.median(span_per_call(ev, chain) for ev in traces)
+    return 2 * n ** 3 / median_span(traces, chain)
 
 
 def feed_scalar(index: int):
@@ -295,7 +306,7 @@ def traced_copy_bandwidth(chain: int = 5) -> float | None:
     del x
     if traces is None or any(len(ev) < chain for ev in traces):
         return None
-    return 2 * nbytes / statistics.median(span_per_call(ev, chain) for ev in traces)
+    return 2 * nbytes / median_span(traces, chain)
 
 
 def measure_ceilings() -> tuple[float, float]:

@@ -482,7 +482,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     grid, grid_names = ((ctas,), ("ctas",)) if persistent else (sizes, order)
     prefetch_query = runs_prefetch_query(prefetch_query, persistent, smem_bytes(
         total, d, jnp.dtype(k_pool.dtype).itemsize, block, stages, key_split, fused_fp8=q_wide is not None,
-        query_tiles=2))
+        query_tiles=2, memory_widens_values=memory_widens_values))
     if prefetch_query and not persistent:
         raise ValueError("prefix_decode_mgpu: prefetch_query needs the persistent launch (persistent=True, or "
                          f"None with more work items than SMs), got persistent={persistent} for {items} items")
