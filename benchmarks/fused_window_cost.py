@@ -16,6 +16,13 @@ With `--launches` it instead compares the fused kernel's launches at each shape 
 persistent without `prefetch_query`, and persistent with it (the default since session 16), each checked bit for bit against the gridded
 one, then timed in `--rounds` interleaved rounds (A, B, C, A, B, C, ...; the median per launch),
 so drift within the process hits every launch alike.
+
+With `--fp8-widen` it compares FP8 verify cascades in interleaved rounds: the public unfused
+cascade (its prefix now widening V in the memory warpgroup, `memory_widens_values`), and the fused
+kernel with each compute warpgroup widening its own V (the fused FP8 form so far) against the
+memory warpgroup widening V into its ring (one page per step, two and three stages; gridded and
+persistent). Every output is checked against a dense fp32 reference first; one that fails is not
+timed. The fused kernel's time leaves out its mask words (a few XLA element-wise ops).
 """
 
 from __future__ import annotations
@@ -32,20 +39,21 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels.attention.prefix_decode_mgpu as pdm  # noqa: E402
 from benchmarks.bench_cascade import D, HKV, HQ, PAGE, cascade_inputs  # noqa: E402
-from benchmarks.report import log, parse_shapes  # noqa: E402
+from benchmarks.report import log, parse_shapes, rel_err  # noqa: E402
 from benchmarks.timing import traced_ms  # noqa: E402
-from pallas_kernels.attention.prefix_decode import heads_to_rows  # noqa: E402
+from pallas_kernels.attention.prefix_decode import heads_to_rows, rows_to_heads  # noqa: E402
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, fused_rows, mosaic_rows  # noqa: E402
 
 
-def verify_inputs(b, p, n, rng, key, spare_tokens=0):
-    """bf16 inputs of one shape (`bench_cascade.cascade_inputs`)."""
-    return cascade_inputs(key, rng, b, p, n, jnp.bfloat16, spare_tokens)
+def verify_inputs(b, p, n, rng, key, spare_tokens=0, dtype=jnp.bfloat16):
+    """Inputs of one shape over `dtype` pools (`bench_cascade.cascade_inputs`)."""
+    return cascade_inputs(key, rng, b, p, n, dtype, spare_tokens)
 
 
 def fused_kernel(n, **launch):
     """The fused kernel as the cascade runs it for N tree rows (rows per KV head `fused_rows`), bf16
-    output; its arguments (q in head or row layout, pools, table, lengths, words, union)."""
+    output (float32 partials merged where it splits keys); its arguments (q in head or row layout,
+    pools, table, lengths, words, union)."""
     return jax.jit(lambda *a: pdm.prefix_decode_mgpu_row_layout(
         *a, query_rows=1, group=fused_rows(n, HQ // HKV), page_size=PAGE, scale=D ** -0.5,
         interpret=jax.default_backend() != "gpu", partial_dtype=jnp.bfloat16, window=n,
@@ -115,22 +123,77 @@ def launches(b, p, n, rounds, rng, key):
         f"{name} {np.median(t):.4f} ms (" + ", ".join(f"{x:.4f}" for x in t) + ")" for name, t in times.items()))
 
 
+FP8_FUSED = {"fused, own widening": dict(memory_widens_values=False),
+             "fused, widened ring, 2 stages": dict(memory_widens_values=True, stages=2),
+             "fused, widened ring, 3 stages": dict(memory_widens_values=True, stages=3),
+             "fused, widened ring, 2 stages, gridded": dict(memory_widens_values=True, stages=2, persistent=False),
+             "fused, widened ring, 2 stages, persistent": dict(memory_widens_values=True, stages=2, persistent=True)}
+
+
+def fp8_widen(b, p, n, rounds, rng, key):
+    """FP8 pools: the public unfused cascade against the fused kernel under FP8_FUSED."""
+    from pallas_kernels.attention.reference import cascade_dense_reference
+
+    q, kp, vp, table, lengths, mask = verify_inputs(b, p, n, rng, key, dtype=jnp.float8_e4m3fn)
+    group = HQ // HKV
+    heads_io = not pdm.heads_io_errors(n, group)
+    words, union = pdm.fused_window_words(mask, group, fused_rows(n, group), heads_io=heads_io)
+    fargs = (q if heads_io else heads_to_rows(q, HKV, fused_rows(n, group)), kp, vp, table, lengths, words, union)
+    cargs = (q, kp, vp, table, lengths, mask)
+    unfused = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
+        page_size=PAGE, prefix_kernel="mosaic_gpu", fuse_window=False)))
+    runs = {"cascade, unfused (default)": (unfused, cargs)}
+    for name, opts in FP8_FUSED.items():
+        if "persistent" in opts and b * HKV * max(fused_rows(n, group) // 128, 1) <= pdm.num_sms():
+            continue  # no more items than SMs: the default launch is gridded, and persistent would match it
+        runs[name] = (fused_kernel(n, **opts), fargs)
+    dense, _ = cascade_dense_reference(q, kp, vp, table, lengths, mask, window=n, page_size=PAGE, scale=D ** -0.5)
+    name0 = f"FP8 B={b},P={p},N={n}"
+    ok = {}
+    for name, (fn, args) in list(runs.items()):
+        try:
+            out = fn(*args)
+        except ValueError as exc:  # a form this shape cannot take (e.g. 3 stages under a key split)
+            log(f"{name0}: {name}: refused: {str(exc).splitlines()[0][:300]}")
+            ok[name] = None
+            continue
+        out = out[0] if isinstance(out, tuple) else out
+        if not heads_io and name != "cascade, unfused (default)":
+            out = rows_to_heads(out, n, HQ)
+        err = rel_err(out, dense)
+        ok[name] = err < 6e-2  # FP8-quantised query on steps wholly below P (as in the tests)
+        log(f"{name0}: {name}: rel {err:.2e} against dense fp32 -> {'ok' if ok[name] else 'FAILED, not timed'}")
+    times = {name: [] for name in runs if ok[name]}
+    for _ in range(rounds):
+        for name in times:
+            fn, args = runs[name]
+            times[name].append(traced_ms(fn, args, 4))
+    log(f"{name0}, {rounds} interleaved rounds: " + "; ".join(
+        f"{name} {np.median(t):.4f} ms (" + ", ".join(f"{x:.4f}" for x in t) + ")" for name, t in times.items()))
+    return all(v is not False for v in ok.values())
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="64x4096x64,1x32768x64")
     ap.add_argument("--splits", default="0,2,4,16", help="key splits of the fused cascade (0: the default)")
     ap.add_argument("--launches", action="store_true", help="compare the fused kernel's launches instead")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of --launches")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of --launches and --fp8-widen")
+    ap.add_argument("--fp8-widen", action="store_true", help="compare the FP8 cascade's forms instead")
     a = ap.parse_args(argv)
     splits = [int(s) or None for s in a.splits.split(",") if s]
     rng = np.random.default_rng(0)
     key = jax.random.key(0)
+    ok = True
     for b, p, n in parse_shapes(a.shapes):
-        if a.launches:
+        if a.fp8_widen:
+            ok = fp8_widen(b, p, n, a.rounds, rng, key) and ok
+        elif a.launches:
             launches(b, p, n, a.rounds, rng, key)
         else:
             cost(b, p, n, splits, rng, key)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

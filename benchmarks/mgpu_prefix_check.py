@@ -358,7 +358,7 @@ def main(argv=None) -> int:
             (f8, 2, 3, 64, None, {}), (bf, 2, 2, 16, None, {}), (f8, 2, 2, 16, None, {}), (f8, 1, 4, 16, None, {}),
             (bf, 1, 4, 16, True, {}), (f8, 2, 2, 16, False, {}), (bf, 2, 2, 64, True, {}),
             (bf, 2, 2, 64, None, overlap), (bf, 1, 2, 64, None, overlap), (bf, 2, 2, 16, None, overlap),
-            (f8, 2, 2, 64, None, widen), (f8, 1, 4, 16, None, widen), (f8, 2, 3, 64, None, widen))
+            (f8, 2, 2, 64, None, widen), (f8, 1, 4, 16, None, widen), (f8, 1, 3, 64, None, widen))
     if a.forms is not None:
         # "N": the first N forms; "i,j,...": those indices ("12," is form 12 alone).
         try:

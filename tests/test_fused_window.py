@@ -142,7 +142,10 @@ def test_fused_window_rows_follow_head_io_rows():
 def test_fused_window_config_refusals():
     """fuse_window=True is refused where it cannot run, naming every blocker at once; None fuses only
     under the Mosaic prefix with the default tail and partial, on 16-bit pools and on FP8 ones
-    whose prefix programs do not fill the SMs."""
+    whose prefix programs do not fill the SMs and whose unfused prefix would not widen V in the
+    memory warpgroup."""
+    import pallas_kernels.attention.prefix_decode_mgpu as pdm
+
     with pytest.raises(ValueError) as err:
         CascadeConfig(page_size=64, fuse_window=True, prefix_covers_tail=False, prefix_partial_dtype="bfloat16")
     for part in ("needs prefix_kernel='mosaic_gpu'", "contradicts prefix_covers_tail=False",
@@ -159,9 +162,15 @@ def test_fused_window_config_refusals():
     assert cascade_module.prefix_programs(one_wave.shape, 8, 1) == 16
     cfg = CascadeConfig(page_size=64)
     assert fuses(cfg, True, True, bf16, full) and fuses(cfg, True, True, bf16, one_wave)
-    # FP8 pools fuse by default only where the prefix programs leave SMs idle (keys split), given a
-    # 16-bit query; else the window kernel.
-    assert fuses(cfg, True, True, fp8, one_wave) == cascade_module.FUSE_FP8_UNDER_ONE_WAVE
+    # FP8 pools fuse by default only where the prefix programs leave SMs idle (keys split) and the
+    # unfused prefix would keep each warpgroup's own widened V (64-row heads: N=16, G=4), given a
+    # 16-bit query; else the window kernel (N=64: the memory warpgroup widens V unfused).
+    lanes = sd((1, 16, 32, 128), jnp.bfloat16)
+    assert fuses(cfg, True, True, fp8, lanes) == cascade_module.FUSE_FP8_UNDER_ONE_WAVE
+    assert cascade_module.widens_values_by_default(256, 128, 64) == pdm.MEMORY_WIDENS_BY_DEFAULT
+    assert not cascade_module.widens_values_by_default(64, 128, 64)
+    assert fuses(cfg, True, True, fp8, one_wave) == (cascade_module.FUSE_FP8_UNDER_ONE_WAVE
+                                                     and not pdm.MEMORY_WIDENS_BY_DEFAULT)
     assert not fuses(cfg, True, True, fp8, full)
     assert not fuses(cfg, True, True, fp8, sd((1, 64, 32, 128), jnp.float32))
     assert fuses(CascadeConfig(page_size=64, prefix_kernel="mosaic_gpu", fuse_window=True), True, True, fp8, full)
@@ -197,7 +206,7 @@ def test_fused_kernel_refusals_name_the_value():
 @pytest.mark.parametrize("r,group,splits,heads_io,pool_dtype", [
     (64, 4, 1, True, jnp.bfloat16), (16, 4, 2, True, jnp.bfloat16), (8, 8, 1, True, jnp.bfloat16),
     (64, 4, 1, False, jnp.bfloat16), (64, 4, 1, True, FP8), (16, 4, 2, True, FP8)])
-def test_fused_kernel_lowers_to_mosaic_gpu(r, group, splits, heads_io, pool_dtype):
+def test_fused_kernel_lowers_to_mosaic_gpu(r, group, splits, heads_io, pool_dtype, opts=None):
     """The compiled fused kernel (head-layout boxes or the row layout, with and without key splits)
     passes Mosaic GPU's layout inference on the CPU; the H200 runs it (bench_cascade)."""
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
@@ -209,7 +218,7 @@ def test_fused_kernel_lowers_to_mosaic_gpu(r, group, splits, heads_io, pool_dtyp
     pool = sd((64 * PAGE, hkv, d), pool_dtype)
     fn = lambda *a: prefix_decode_mgpu_row_layout(  # noqa: E731
         *a, query_rows=1, group=total, page_size=PAGE, scale=0.1, num_splits=splits, window=64,
-        partial_dtype=jnp.bfloat16, heads_io=heads_io)
+        partial_dtype=jnp.bfloat16, heads_io=heads_io, **(opts or {}))
     text = jax.jit(fn).trace(q, pool, pool, sd((b, 32), jnp.int32), sd((b,), jnp.int32),
                              sd((b, 2, total), jnp.int32), sd((b, 2), jnp.int32)).lower(
         lowering_platforms=("cuda",)).as_text()

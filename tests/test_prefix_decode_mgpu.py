@@ -410,7 +410,7 @@ def test_memory_widened_values_give_the_same_bits(case, persistent, monkeypatch)
     qr = heads_to_rows(q, hkv, padded_rows(r * g))
     kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, num_splits=splits, pingpong=pingpong,
               pages_per_step=pps, stages=stages, key_split=key_split, persistent=persistent, interpret=True)
-    own = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, **kw)
+    own = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, memory_widens_values=False, **kw)
     shared = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, memory_widens_values=True, **kw)
     for a, b in zip(own, shared):
         assert np.all(np.isfinite(np.asarray(a)) | np.isneginf(np.asarray(a)))
@@ -420,22 +420,81 @@ def test_memory_widened_values_give_the_same_bits(case, persistent, monkeypatch)
 
 
 def test_memory_widened_values_refusals_and_lowering():
-    """Refused, naming the values, for 16-bit pools and the fused FP8 window (whose steps clean V
-    per request); lowers at D = 128 with 128-row heads and with a key split."""
+    """Refused, naming the value, for 16-bit pools; lowers at D = 128 with 128-row heads and with a
+    key split."""
     q, k, v, table, lens, mask = verify_case(np.random.default_rng(3), [130], 16, 1, 4, 64, PAGE, jnp.bfloat16,
                                              q_dtype=jnp.bfloat16)
     qr = heads_to_rows(q, 1, padded_rows(64))
     kw = dict(query_rows=16, group=4, page_size=PAGE, scale=0.125, interpret=True, memory_widens_values=True)
-    with pytest.raises(ValueError, match="memory_widens_values takes an FP8 pool.*bfloat16 pools, window=0"):
+    with pytest.raises(ValueError, match="memory_widens_values takes an FP8 pool, got bfloat16 pools"):
         prefix_decode_mgpu_row_layout(qr, k, v, table, lens, **kw)
-    import pallas_kernels.attention.prefix_decode_mgpu as pdm
-    from treespec_jax.tree.masks import ancestor_mask
-    from trees import random_parents
-
-    words, union = pdm.fused_window_words(ancestor_mask(jnp.asarray(random_parents(np.random.default_rng(4), 1, 16))),
-                                          4, 64, heads_io=True)
-    with pytest.raises(ValueError, match="memory_widens_values takes an FP8 pool.*float8_e4m3fn pools, window=16"):
-        prefix_decode_mgpu_row_layout(q, k.astype(FP8), v.astype(FP8), table, lens, words, union,
-                                      **{**kw, "query_rows": 1, "group": 64}, window=16, heads_io=True)
     test_mgpu_prefix_lowers_to_mosaic_gpu(256, 1, True, 64, 2, FP8, 2, None, opts=dict(memory_widens_values=True))
     test_mgpu_prefix_lowers_to_mosaic_gpu(64, 2, True, 64, 4, FP8, 1, True, opts=dict(memory_widens_values=True))
+
+
+def test_memory_widens_default(monkeypatch):
+    """None widens FP8 V in the memory warpgroup over FP8 pools without a warpgroup key split where
+    the ring fits (the fused window: under MEMORY_WIDENS_FUSED_BY_DEFAULT), never over 16-bit pools;
+    an explicit setting wins. The kernel's default path takes it (and then, with the items
+    outnumbering the SMs, the persistent launch)."""
+    import pallas_kernels.attention.prefix_decode_mgpu as pdm
+
+    assert pdm.MEMORY_WIDENS_BY_DEFAULT
+    assert pdm.runs_memory_widens(None, 1, False, False, True)
+    assert not pdm.runs_memory_widens(None, 1, True, False, True)  # the key split keeps its own copies
+    assert not pdm.runs_memory_widens(None, 1, False, False, False)  # the ring does not fit
+    assert not pdm.runs_memory_widens(None, 2, False, False, True)
+    assert pdm.runs_memory_widens(None, 1, False, True, True) == pdm.MEMORY_WIDENS_FUSED_BY_DEFAULT
+    assert pdm.runs_memory_widens(True, 1, True, True, False) and not pdm.runs_memory_widens(False, 1, False, False, True)
+    sms = pdm.num_sms()
+    assert pdm.PERSISTENT_FP8_WIDENED_BY_DEFAULT
+    assert pdm.runs_persistent(sms + 1, None, 1, True) and not pdm.runs_persistent(sms + 1, None, 1, False)
+    assert not pdm.runs_persistent(sms, None, 1, True)
+    seen = []
+    real = pdm.runs_persistent
+    monkeypatch.setattr(pdm, "runs_persistent", lambda *a: seen.append(a[3]) or real(*a))
+    for r, fp8_widens in ((32, True), (16, False)):  # 128-row heads; 64-row heads (the key split)
+        q, k, v, table, lens, _ = verify_case(np.random.default_rng(r), [70, 200], r, 1, 4, 64, PAGE, FP8,
+                                              q_dtype=jnp.bfloat16)
+        qr = heads_to_rows(q, 1, padded_rows(r * 4))
+        prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=4, page_size=PAGE, scale=0.125,
+                                      interpret=True)
+        assert seen.pop() is fp8_widens
+
+
+# Fused window steps over FP8 pools clean their rows of the widened V ring in place (NaN / inf in
+# every slot no row sees): the same bits as each warpgroup's own widened copy, at one and two pages
+# per step, a three-split key axis and a persistent launch.
+@pytest.mark.parametrize("n,lengths,splits,pps,persistent", [(32, [0, 70, 200], 1, 1, False),
+                                                             (16, [50, 300, 128], 3, 2, False),
+                                                             (32, [130, 20], 2, 1, True)])
+def test_memory_widened_values_under_the_fused_fp8_window(n, lengths, splits, pps, persistent, monkeypatch):
+    import pallas_kernels.attention.prefix_decode_mgpu as pdm
+
+    monkeypatch.setattr(pdm, "num_sms", lambda: 2)
+    g, hkv, d = 4, 2, 64
+    q, k, v, table, lens, mask = verify_case(np.random.default_rng(n + pps), lengths, n, hkv, g, d, PAGE, FP8,
+                                             q_dtype=jnp.bfloat16)
+    words, union = pdm.fused_window_words(mask, g, n * g, heads_io=True)
+    kw = dict(query_rows=1, group=n * g, page_size=PAGE, scale=d ** -0.5, num_splits=splits, window=n,
+              heads_io=True, pages_per_step=pps, persistent=persistent, interpret=True)
+    own = prefix_decode_mgpu_row_layout(q, k, v, table, lens, words, union, memory_widens_values=False, **kw)
+    shared = prefix_decode_mgpu_row_layout(q, k, v, table, lens, words, union, memory_widens_values=True, **kw)
+    assert np.isfinite(np.asarray(shared[0], np.float32)).all()
+    for a, b in zip(own, shared):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=n, page_size=PAGE, scale=d ** -0.5)
+    assert rel_err(shared[0], dense) < 6e-2
+
+
+def test_memory_widened_fused_fp8_window_lowers():
+    """At D = 128 the fused FP8 window with the V ring and widened K beside it fits at one page per
+    step (the default there) and lowers, gridded and persistent."""
+    import pallas_kernels.attention.prefix_decode_mgpu as pdm
+
+    assert pdm.default_pages_per_step(256, 128, 1, PAGE, 2, fused_fp8=True, memory_widens_values=True) == 1
+    assert pdm.default_pages_per_step(256, 128, 1, PAGE, 2, fused_fp8=True) == 2
+    from test_fused_window import test_fused_kernel_lowers_to_mosaic_gpu
+    for persistent in (False, True):
+        test_fused_kernel_lowers_to_mosaic_gpu(64, 4, 1, True, FP8, opts=dict(memory_widens_values=True,
+                                                                             persistent=persistent))

@@ -100,9 +100,12 @@ def default_mgpu_num_splits(batch: int, kv_heads: int, tiles: int, steps: int, s
 # outnumber the SMs. On the H200 (bf16 cascade, device time, session 15, benchmarks/RESULTS.md)
 # B=64, P=4096, N=64 (1,024 items) took 0.573 / 0.576 / 0.577 ms persistent against 0.598 / 0.578 /
 # 0.596 gridded in three processes, and B=32, P=32768 (512 items) 2.172 / 2.142 / 2.143 against
-# 2.164 / 2.147 / 2.141. FP8 pools stay gridded: persistent, their B=32 and B=64 cascades ran
-# 6.4% and 2.8% slower (one process).
+# 2.164 / 2.147 / 2.141. FP8 pools whose compute warpgroups widen V stay gridded: persistent, their
+# B=32 and B=64 cascades ran 6.4% and 2.8% slower (one process). With `memory_widens_values` the
+# persistent FP8 prefix won (session 17, one process): 1.740 against 1.782 ms at B=32, 0.429
+# against 0.451 at B=64.
 PERSISTENT_16BIT_BY_DEFAULT = True
+PERSISTENT_FP8_WIDENED_BY_DEFAULT = True
 
 # Whether `prefetch_query=None` loads each persistent CTA's next query tile (and mask words) during
 # the current item, where the second tile fits shared memory. On the H200 (fused bf16 kernel, three
@@ -113,15 +116,28 @@ PREFETCH_QUERY_BY_DEFAULT = True
 
 # Rows of V the memory warpgroup widens per piece under `memory_widens_values`: one WGMMA-layout
 # tile (the smallest a warpgroup loads from the swizzled ring; 64 x 128 FP8 values are 64 per thread
-# of the warpgroup, which may not all fit its 40 registers at once: the GPU timing will tell).
+# of the warpgroup).
 WIDEN_ROWS = 64
 
+# Whether `memory_widens_values=None` has the memory warpgroup widen each FP8 V page once (see
+# `runs_memory_widens`), over FP8 pools without a warpgroup key split, where its ring fits at the
+# default pages per step. On the H200 (session 17, device time, one process, benchmarks/RESULTS.md)
+# the unfused FP8 prefix took 1.782 ms against 1.965 at B=32, P=32768, N=64 (1.740 persistent), 0.451
+# against 0.504 at B=64, P=4096 (0.429 persistent), 0.064 against 0.071 at B=1, P=32768; under the
+# key split (B=8, N=16) it lost (0.057 against 0.049), so it stays off there.
+MEMORY_WIDENS_BY_DEFAULT = True
+# The same for the fused window over FP8 pools, whose widened K then needs its own tile (two pages
+# per step no longer fit; one page per step is the default there).
+MEMORY_WIDENS_FUSED_BY_DEFAULT = False
 
-def runs_persistent(items: int, persistent: bool | None, itemsize: int) -> bool:
+
+def runs_persistent(items: int, persistent: bool | None, itemsize: int, memory_widens: bool = False) -> bool:
     """Whether the prefix kernel's launch over `itemsize`-byte pools is persistent for `items`
-    work items (see `prefix_decode_mgpu_row_layout`); an explicit setting wins."""
+    work items (see `prefix_decode_mgpu_row_layout`; `memory_widens`: FP8 V widened by the memory
+    warpgroup); an explicit setting wins."""
     if persistent is None:
-        return PERSISTENT_16BIT_BY_DEFAULT and itemsize == 2 and items > num_sms()
+        on = PERSISTENT_16BIT_BY_DEFAULT if itemsize == 2 else memory_widens and PERSISTENT_FP8_WIDENED_BY_DEFAULT
+        return on and items > num_sms()
     return bool(persistent)
 
 
@@ -132,6 +148,16 @@ def runs_prefetch_query(prefetch_query: bool | None, persistent: bool, smem_with
     if prefetch_query is None:
         return PREFETCH_QUERY_BY_DEFAULT and persistent and smem_with_two_tiles <= MAX_SMEM_BYTES
     return bool(prefetch_query)
+
+
+def runs_memory_widens(memory_widens: bool | None, itemsize: int, key_split: bool, fused: bool, fits: bool) -> bool:
+    """Whether the memory warpgroup widens each FP8 V page once (`memory_widens_values`): None
+    turns it on over FP8 pools without a warpgroup key split where its ring `fits` (fused window:
+    under MEMORY_WIDENS_FUSED_BY_DEFAULT); an explicit setting wins (and is checked there)."""
+    if memory_widens is None:
+        on = MEMORY_WIDENS_FUSED_BY_DEFAULT if fused else MEMORY_WIDENS_BY_DEFAULT
+        return on and itemsize == 1 and not key_split and fits
+    return bool(memory_widens)
 
 
 def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: int = 2) -> tuple[int, int, bool]:
@@ -163,10 +189,12 @@ def smem_bytes(total_rows: int, width: int, itemsize: int, block: int, stages: i
     warpgroup, with as many sets of the fused window's mask words: two under `prefetch_query`), the
     K and V rings, output staging, LSE; with 1-byte (FP8) items also each compute warpgroup's 16-bit
     copy of the step's V (`memory_widens_values`: one 16-bit V ring of `stages` steps instead), and
-    (`fused_fp8`) its unquantised query tile."""
+    (`fused_fp8`) its unquantised query tile (and, beside the V ring, its own tile of widened K,
+    which otherwise shares its copy of V's memory)."""
     wgs, _, _ = warpgroup_layout(total_rows, key_split, itemsize)
     widened = (stages if memory_widens_values else wgs) * block * width * 2 if itemsize == 1 else 0
     widened += wgs * ROWS_PER_WG * width * 2 if fused_fp8 else 0
+    widened += wgs * block * width * 2 if fused_fp8 and memory_widens_values else 0
     return (query_tiles * wgs * (ROWS_PER_WG * width * itemsize + FUSED_WINDOW_WORDS)
             + 2 * stages * block * width * itemsize + widened
             + wgs * ROWS_PER_WG * (OUT_CHUNK + 1) * 4 + SMEM_OVERHEAD)
@@ -287,12 +315,28 @@ def online_softmax_update(s, m, l, acc, scale2: float, visible=None):
 
 
 def default_pages_per_step(total_rows: int, width: int, itemsize: int, page_size: int, stages: int,
-                           key_split: bool | None = None) -> int:
-    """Pages per key step: as many as make STEP_KEYS keys (at most 2) while shared memory holds them."""
+                           key_split: bool | None = None, fused_fp8: bool = False,
+                           memory_widens_values: bool = False) -> int:
+    """Pages per key step: as many as make STEP_KEYS keys (at most 2) while shared memory holds them
+    (with the fused FP8 window's and `memory_widens_values`' buffers where those are on)."""
     pps = 2 if 2 * page_size <= STEP_KEYS else 1
-    if pps == 2 and smem_bytes(total_rows, width, itemsize, 2 * page_size, stages, key_split) > MAX_SMEM_BYTES:
+    if pps == 2 and smem_bytes(total_rows, width, itemsize, 2 * page_size, stages, key_split, fused_fp8=fused_fp8,
+                               memory_widens_values=memory_widens_values) > MAX_SMEM_BYTES:
         pps = 1
     return pps
+
+
+def widens_values_by_default(total_rows: int, width: int, page_size: int, stages: int = 2,
+                             fused: bool = False) -> bool:
+    """Whether the kernel over an FP8 pool, `memory_widens_values=None`, has the memory warpgroup
+    widen V (`runs_memory_widens`; `fused`: with the fused window, which then takes one page per
+    step where two no longer fit), for `total_rows` padded rows per KV head at the default
+    warpgroup layout and pages per step."""
+    _, _, key_split = warpgroup_layout(total_rows, None, 1)
+    pps = default_pages_per_step(total_rows, width, 1, page_size, stages, key_split, fused, memory_widens_values=fused)
+    fits = smem_bytes(total_rows, width, 1, pps * page_size, stages, key_split, fused_fp8=fused,
+                      memory_widens_values=True) <= MAX_SMEM_BYTES
+    return runs_memory_widens(None, 1, key_split, fused, fits)
 
 
 def fused_fp8_fits(total_rows: int, width: int, page_size: int, stages: int = 2) -> bool:
@@ -363,7 +407,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                                   tiles_adjacent: bool = True, overlap_softmax: bool = False,
                                   partial_dtype=jnp.float32, window: int = 0, heads_io: bool = False,
                                   persistent: bool | None = None, prefetch_query: bool | None = None,
-                                  memory_widens_values: bool = False, interpret: bool = False):
+                                  memory_widens_values: bool | None = None, interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
@@ -410,10 +454,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     two sets of mask words) and loads the next item's while this one runs, so no item waits for
     its query; it costs one more query tile of shared memory (None: on under the persistent launch
     where that tile fits, `PREFETCH_QUERY_BY_DEFAULT`);
-    `memory_widens_values` (FP8 pools, not the fused window; experimental, off): the memory
-    warpgroup widens each step's V page to fp16 once, into a 16-bit ring of `stages` steps the
-    compute warpgroups read, instead of each compute warpgroup widening its own copy on the critical
-    path of its turn;
+    `memory_widens_values` (FP8 pools): the memory warpgroup widens each step's V page to fp16 once,
+    into a 16-bit ring of `stages` steps the compute warpgroups read, instead of each compute
+    warpgroup widening its own copy on the critical path of its turn (fused, window steps clean
+    their rows of it in place; None: `runs_memory_widens`);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     fused = window > 0
     q_in = qr
@@ -454,8 +498,19 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     tiles = total // rows_per_cta
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"prefix_decode_mgpu: num_splits must be >= 1, got {num_splits}")
-    pps = pages_per_step or default_pages_per_step(total, d, jnp.dtype(k_pool.dtype).itemsize, page_size, stages,
-                                                   key_split)
+    itemsize = jnp.dtype(k_pool.dtype).itemsize
+    fused_fp8 = q_wide is not None
+    if memory_widens_values is None:
+        # On where the ring fits at the pages per step the kernel would take without it (the
+        # fused window: with it, one page per step where two no longer fit).
+        if pages_per_step is None and itemsize == 1:
+            memory_widens_values = widens_values_by_default(total, d, page_size, stages, fused_fp8)
+        else:
+            memory_widens_values = runs_memory_widens(None, itemsize, key_split, fused, smem_bytes(
+                total, d, itemsize, (pages_per_step or 1) * page_size, stages, key_split, fused_fp8=fused_fp8,
+                memory_widens_values=True) <= MAX_SMEM_BYTES)
+    pps = pages_per_step or default_pages_per_step(total, d, itemsize, page_size, stages, key_split, fused_fp8,
+                                                   memory_widens_values and itemsize == 1)
     steps = -(-max_pages // pps)  # key steps of a full page table
     splits = num_splits or default_mgpu_num_splits(b, hkv, tiles, steps)
     block = page_size * pps
@@ -477,7 +532,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
     sizes, order = grid_in_order(dict(batch=b, heads=hkv, tiles=tiles, splits=splits), tiles_adjacent)
     items = math.prod(sizes)
-    persistent = runs_persistent(items, persistent, jnp.dtype(k_pool.dtype).itemsize)
+    persistent = runs_persistent(items, persistent, itemsize, memory_widens_values)
     ctas = min(items, num_sms())
     grid, grid_names = ((ctas,), ("ctas",)) if persistent else (sizes, order)
     prefetch_query = runs_prefetch_query(prefetch_query, persistent, smem_bytes(
@@ -487,9 +542,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         raise ValueError("prefix_decode_mgpu: prefetch_query needs the persistent launch (persistent=True, or "
                          f"None with more work items than SMs), got persistent={persistent} for {items} items")
     qbufs = 2 if prefetch_query else 1
-    if memory_widens_values and (not fp8 or q_wide is not None):
-        raise ValueError(f"prefix_decode_mgpu: memory_widens_values takes an FP8 pool without the fused window, got "
-                         f"{jnp.dtype(k_pool.dtype).name} pools, window={window}")
+    if memory_widens_values and not fp8:
+        raise ValueError(f"prefix_decode_mgpu: memory_widens_values takes an FP8 pool, got "
+                         f"{jnp.dtype(k_pool.dtype).name} pools")
     # The buffers the kernel's input checks do not size: the fused FP8 window's, prefetch's.
     extras = ((["the fused window under an FP8 pool"] if q_wide is not None else [])
               + (["prefetch_query's second query tile"] if prefetch_query else [])
@@ -507,7 +562,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             *wide_ring = scoped
         vw_ready, vw_free = wide_ring if memory_widens_values else (None, None)
         wide = extra[:1] if fp8 else []
-        if q_wide is not None:
+        if q_wide is not None:  # (widened V, widened K): one RefUnion, or the V ring and K's own tile
             wide, k_wide = [extra[0][0]], extra[0][1]
         if fused:
             words_smem, words_ready = extra[1 if fp8 else 0:][:2]
@@ -691,6 +746,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                         # The memory warpgroup widened this step's V page into the 16-bit ring.
                         plgpu.barrier_wait(vw_ready.at[slot])
                         v_tile = wide[0].at[slot]
+                        if cleans:  # in place, as 16-bit pools do (both warpgroups write the same)
+                            v_tile[...] = clean_values(plgpu.load(v_tile, layout=plgpu.Layout.WGMMA), i)
+                            plgpu.commit_smem()
                     elif fp8:
                         plgpu.barrier_wait(v_ready.at[slot])
                         # Widen this warpgroup's copy of the V page (CUDA cores, while the other
@@ -972,9 +1030,12 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
              plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32))
             + ((plgpu.SMEM((stages if memory_widens_values else wgs, block, d), pv_dtype, transforms=pv_tf),)
                if fp8 and q_wide is None else ())
+            + (((plgpu.SMEM((stages, block, d), pv_dtype, transforms=pv_tf),
+                 plgpu.SMEM((wgs, block, d), kw_dtype, transforms=_smem_transforms(d, kw_dtype))),)
+               if q_wide is not None and memory_widens_values else ())
             + ((plgpu.RefUnion(plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),
                                plgpu.SMEM((wgs, block, d), kw_dtype, transforms=_smem_transforms(d, kw_dtype))),)
-               if q_wide is not None else ())
+               if q_wide is not None and not memory_widens_values else ())
             + ((plgpu.SMEM((qbufs * wgs, 2, ROWS_PER_WG), jnp.int32), plgpu.Barrier(num_barriers=qbufs * wgs))
                if fused else ())
             + ((plgpu.SMEM((wgs, ROWS_PER_WG, d), kw_dtype, transforms=_smem_transforms(d, kw_dtype)),

@@ -36,7 +36,7 @@ from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to
                                                     prefix_decode, prefix_decode_row_layout, rows_to_heads)
 from pallas_kernels.attention.prefix_decode_mgpu import (ROWS_PER_WG, check_mgpu_inputs, fused_window_words,
                                                          fused_fp8_fits, heads_io_errors, mgpu_input_errors,
-                                                         warpgroup_layout,
+                                                         warpgroup_layout, widens_values_by_default,
                                                          prefix_decode_mgpu_row_layout)
 from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
 from pallas_kernels.common import resolve_backend
@@ -55,7 +55,10 @@ FUSE_WINDOW_BY_DEFAULT = True
 # (0.086 vs 0.096 ms) and B=8, N=16 (0.058 vs 0.072), both under one wave, but slower at B=32,
 # P=32768 (2.148 vs 2.063) and B=64, P=4096 (0.613 vs 0.606), one process (benchmarks/RESULTS.md,
 # session 13, call 4); in two more processes (session 15, call 6) B=1 fused 0.089 / 0.088 vs 0.095 /
-# 0.090, B=8 0.075 / 0.067 vs 0.071 / 0.070.
+# 0.090, B=8 0.075 / 0.067 vs 0.071 / 0.070. Since the unfused prefix's memory warpgroup widens V
+# (`memory_widens_values`, session 17) the unfused cascade wins at B=1 too (0.0696 vs 0.0746 ms,
+# two interleaved rounds), so FP8 fuses under one wave only where that prefix would not widen V in
+# the memory warpgroup (64-row heads, whose key split keeps each warpgroup's own copy: B=8, N=16).
 FUSE_FP8_BY_DEFAULT = False
 FUSE_FP8_UNDER_ONE_WAVE = True
 
@@ -105,17 +108,19 @@ class CascadeConfig:
     # partial output makes a round trip through memory (and, where the group allows, q and the
     # output keep the head layout: no transposes). None: on wherever the Mosaic prefix runs on
     # 16-bit pools, unless `prefix_covers_tail=False` or a bf16 partial was asked for; FP8 pools
-    # fuse only where the prefix kernel's programs leave SMs idle (fused, their window steps score
-    # the unquantised query against K widened in shared memory; on the H200 that ran B=1 and B=8
-    # faster but B=32 4% and B=64 1% slower; `fuses_window`, FUSE_FP8_UNDER_ONE_WAVE); True:
+    # fuse only where the prefix kernel's programs leave SMs idle and the unfused prefix would not
+    # widen V in its memory warpgroup (fused, their window steps score the unquantised query
+    # against K widened in shared memory; on the H200 that ran B=8 faster, but B=1 7% and B=64 14%
+    # slower than the unfused cascade (session 17), B=32 4% (session 13); `fuses_window`); True:
     # required (prefix_kernel="mosaic_gpu"); False: off.
     fuse_window: bool | None = None
     # Launch the Mosaic prefix kernel persistent: one CTA per SM looping over the work items
     # (split, request, KV head, row tile), so an item's epilogue overlaps the next item's first
-    # page fetches. None: `prefix_decode_mgpu.runs_persistent` (16-bit pools where the items
-    # outnumber the SMs: on the H200 the bf16 B=64, P=4096 cascade ran 0.3-3.5% faster, B=32 at
-    # P=32768 the same, and FP8 ones 3-6% slower); True needs prefix_kernel="mosaic_gpu"; False: one
-    # CTA per item.
+    # page fetches. None: `prefix_decode_mgpu.runs_persistent` (where the items outnumber the SMs,
+    # on 16-bit pools and on FP8 ones whose V the memory warpgroup widens: on the H200 the bf16
+    # B=64, P=4096 cascade ran 0.3-3.5% faster, B=32 at P=32768 the same, the widened FP8 prefix
+    # 2.4-5% faster, and FP8 ones whose compute warpgroups widen V 3-6% slower); True needs
+    # prefix_kernel="mosaic_gpu"; False: one CTA per item.
     persistent_prefix: bool | None = None
 
     def __post_init__(self):
@@ -221,15 +226,18 @@ def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool
     fuses under the Mosaic prefix with the prefix covering every row's tail and the float32
     partial, on 16-bit pools, and on FP8 ones (given a 16-bit query, where the fused FP8 buffers
     fit) under FUSE_FP8_BY_DEFAULT or, with FUSE_FP8_UNDER_ONE_WAVE, where the prefix programs do
-    not fill the SMs. `q [B, R, Hq, D]` (array or ShapeDtypeStruct)."""
+    not fill the SMs and the unfused prefix would not widen V in its memory warpgroup
+    (`widens_values_by_default`). `q [B, R, Hq, D]` (array or ShapeDtypeStruct)."""
     if config.fuse_window is None:
         itemsize = jnp.dtype(k_pool.dtype).itemsize
         pool_ok = itemsize == 2
         if itemsize == 1 and jnp.dtype(q.dtype).itemsize == 2:
             _, r, hq, d = q.shape
             fits = fused_fp8_fits(fused_rows(r, hq // k_pool.shape[1]), d, config.page_size)
+            unfused_widens = widens_values_by_default(mosaic_rows(r * (hq // k_pool.shape[1])), d, config.page_size)
             pool_ok = fits and (FUSE_FP8_BY_DEFAULT or (
-                FUSE_FP8_UNDER_ONE_WAVE and prefix_programs(q.shape, k_pool.shape[1], itemsize) < num_sms()))
+                FUSE_FP8_UNDER_ONE_WAVE and not unfused_widens
+                and prefix_programs(q.shape, k_pool.shape[1], itemsize) < num_sms()))
         return (mosaic and covers_tail_resolved and pool_ok and config.prefix_partial_dtype == "float32"
                 and FUSE_WINDOW_BY_DEFAULT)
     return config.fuse_window
