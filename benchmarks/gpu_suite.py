@@ -42,17 +42,9 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
              "launches": ["--launches", "--shapes", "64x4096x64,32x32768x64"]}
 
-# What is still owed (`--owed`): session 16 built, after its device time ran out,
-# `memory_widens_values` (the memory warpgroup widens each FP8 V page once into a 16-bit ring,
-# instead of each compute warpgroup widening its own copy during its turn): its compiled
-# conformance (forms 14-16) and its prefix times against the FP8 default, gridded and persistent,
-# at B=32 and B=64 (where FP8 keeps the window kernel) and B=1 and B=8 (where the default fuses
-# the window, which this form does not take: its prefix plus window kernel may still win). If it
-# wins, make it the FP8 default (WORKSPACE, RESULTS, tests). And the traced copy bandwidth, not
-# run on the GPU since its fix (power_state prints it with the other ceilings).
-OWED: dict[str, list[str]] = {"mosaic": ["--forms", "16,", "--fp8-only", "--widen", "--lean", "--no-triton",
-                                         "--shapes", "32x32768x64,64x4096x64,1x32768x64,8x8192x16"],
-                              "power": ["--shapes", "64x4096x64", "--rounds", "1"]}
+# What is still owed (`--owed`): nothing (session 17 timed `memory_widens_values`, now the FP8
+# default, and the traced copy bandwidth).
+OWED: dict[str, list[str]] = {}
 
 
 def main(argv=None) -> int:

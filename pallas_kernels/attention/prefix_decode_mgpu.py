@@ -13,11 +13,11 @@ compiled path also lowers on the CPU (layout inference and the shared-memory che
 
 FP8 E4M3 pools (unscaled): the query is cast to FP8 (`quantize_query_for_pool`, as the Triton
 kernel does) and the scores are an FP8 x FP8 wgmma (K is the K-major operand 8-bit wgmma
-requires). V is the MN-major operand of P V, which 8-bit wgmma cannot take, so each compute
-warpgroup widens the step's V page to fp16 in its own shared-memory tile (exact) while the other
-warpgroup holds the tensor cores, releases the FP8 buffer at once, and runs P V in fp16.
-(`memory_widens_values`, experimental: the memory warpgroup widens each page once instead, into a
-16-bit ring the compute warpgroups read.)
+requires). V is the MN-major operand of P V, which 8-bit wgmma cannot take, so it is widened to
+fp16 in shared memory (exact) and P V runs in fp16: by default (`memory_widens_values`) the memory
+warpgroup widens each page once into a 16-bit ring the compute warpgroups read; under a warpgroup
+key split (where that lost) each compute warpgroup widens the step's page into its own tile while
+the other holds the tensor cores.
 
 Why: JAX's own dense Mosaic GPU flash attention ran the prefix half's work 1.22x (B=32, P=32768)
 and 1.39x (B=64, P=4096) faster than our Pallas Triton prefix kernel (benchmarks/RESULTS.md,
