@@ -130,8 +130,23 @@ FP8_FUSED = {"fused, own widening": dict(memory_widens_values=False),
              "fused, widened ring, 2 stages, persistent": dict(memory_widens_values=True, stages=2, persistent=True)}
 
 
-def fp8_widen(b, p, n, rounds, rng, key):
-    """FP8 pools: the public unfused cascade against the fused kernel under FP8_FUSED."""
+def parse_forms(text: str) -> dict[str, dict]:
+    """`--fused "stages=6,pages_per_step=1;stages=8,pages_per_step=1"` -> {label: kernel options}
+    (integers, or true / false)."""
+    forms = {}
+    for group in filter(None, (g.strip() for g in text.split(";"))):
+        opts = {}
+        for item in group.split(","):
+            name, _, value = item.partition("=")
+            low = value.strip().lower()
+            opts[name.strip()] = {"true": True, "false": False}[low] if low in ("true", "false") else int(value)
+        forms["fused kernel, " + group] = opts
+    return forms
+
+
+def fp8_widen(b, p, n, rounds, rng, key, forms=None):
+    """FP8 pools: the public (default) cascade against the fused kernel under `forms` (FP8_FUSED
+    by default)."""
     from pallas_kernels.attention.reference import cascade_dense_reference
 
     q, kp, vp, table, lengths, mask = verify_inputs(b, p, n, rng, key, dtype=jnp.float8_e4m3fn)
@@ -142,8 +157,12 @@ def fp8_widen(b, p, n, rounds, rng, key):
     cargs = (q, kp, vp, table, lengths, mask)
     unfused = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
         page_size=PAGE, prefix_kernel="mosaic_gpu", fuse_window=False)))
+    public = jax.jit(lambda *a: cascade_attention(*a, window=n, config=CascadeConfig(
+        page_size=PAGE, prefix_kernel="mosaic_gpu")))
     runs = {"cascade, unfused (default)": (unfused, cargs)}
-    for name, opts in FP8_FUSED.items():
+    if forms:
+        runs["cascade (public default)"] = (public, cargs)
+    for name, opts in (forms or FP8_FUSED).items():
         if "persistent" in opts and b * HKV * max(fused_rows(n, group) // 128, 1) <= pdm.num_sms():
             continue  # no more items than SMs: the default launch is gridded, and persistent would match it
         runs[name] = (fused_kernel(n, **opts), fargs)
@@ -158,7 +177,7 @@ def fp8_widen(b, p, n, rounds, rng, key):
             ok[name] = None
             continue
         out = out[0] if isinstance(out, tuple) else out
-        if not heads_io and name != "cascade, unfused (default)":
+        if not heads_io and not name.startswith("cascade"):
             out = rows_to_heads(out, n, HQ)
         err = rel_err(out, dense)
         ok[name] = err < 6e-2  # FP8-quantised query on steps wholly below P (as in the tests)
@@ -180,6 +199,8 @@ def main(argv=None):
     ap.add_argument("--launches", action="store_true", help="compare the fused kernel's launches instead")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of --launches and --fp8-widen")
     ap.add_argument("--fp8-widen", action="store_true", help="compare the FP8 cascade's forms instead")
+    ap.add_argument("--fused", default=None, help="with --fp8-widen: the fused kernel's forms to time instead of "
+                    "FP8_FUSED, e.g. 'stages=6,pages_per_step=1;stages=8,pages_per_step=1'")
     a = ap.parse_args(argv)
     splits = [int(s) or None for s in a.splits.split(",") if s]
     rng = np.random.default_rng(0)
@@ -187,7 +208,7 @@ def main(argv=None):
     ok = True
     for b, p, n in parse_shapes(a.shapes):
         if a.fp8_widen:
-            ok = fp8_widen(b, p, n, a.rounds, rng, key) and ok
+            ok = fp8_widen(b, p, n, a.rounds, rng, key, parse_forms(a.fused) if a.fused else None) and ok
         elif a.launches:
             launches(b, p, n, a.rounds, rng, key)
         else:

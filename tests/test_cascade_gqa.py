@@ -371,11 +371,13 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
         lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("pool_dtype,b,auto_triton_calls", [(jnp.bfloat16, 2, 0), (FP8, 2, 0), (FP8, 16, 1)])
-def test_verify_lowers_with_the_auto_prefix_kernel_on_a_gpu(monkeypatch, pool_dtype, b, auto_triton_calls):
+@pytest.mark.parametrize("pool_dtype,b,n,auto_triton_calls", [(jnp.bfloat16, 2, 64, 0), (FP8, 2, 16, 0), (FP8, 2, 64, 1),
+                                                            (FP8, 16, 64, 1)])
+def test_verify_lowers_with_the_auto_prefix_kernel_on_a_gpu(monkeypatch, pool_dtype, b, n, auto_triton_calls):
     """On a (pretend) sm_90 GPU the default cascade lowers to the Mosaic GPU kernel with the window
-    fused in (bf16 pools, and FP8 ones whose 2 * 8 * 2 = 32 prefix programs leave SMs idle) or the
-    Mosaic prefix plus the Triton window kernel (FP8 pools at B=16: 256 programs, on 132 SMs);
+    fused in (bf16 pools, and FP8 ones with 64-row heads, N=16, whose 2 * 8 = 16 prefix programs
+    leave SMs idle) or the Mosaic prefix plus the Triton window kernel (FP8 pools at N=64, whose
+    unfused prefix widens V in its memory warpgroup; and at B=16: 256 programs, on 132 SMs);
     prefix_kernel="triton" lowers both halves to Triton."""
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the Mosaic lowering)
     import jax._src.pallas.triton.pallas_call_registration as reg
@@ -386,7 +388,7 @@ def test_verify_lowers_with_the_auto_prefix_kernel_on_a_gpu(monkeypatch, pool_dt
         gpu_version=None, arch_name="sm_90", compute_capability=90))
     monkeypatch.setattr(common, "on_gpu", lambda: True)
     sds = jax.ShapeDtypeStruct
-    n, hq, hkv, d, page, maxp = 64, 32, 8, 128, 64, 16
+    hq, hkv, d, page, maxp = 32, 8, 128, 64, 16
     args = (sds((b, n, hq, d), jnp.bfloat16), sds((b * maxp * page, hkv, d), pool_dtype),
             sds((b * maxp * page, hkv, d), pool_dtype), sds((b, maxp), jnp.int32), sds((b,), jnp.int32),
             sds((b, n, 2), jnp.uint32))
