@@ -1,0 +1,84 @@
+"""Registers and spills of the Mosaic GPU attention kernels as ptxas reports them (GPU only).
+
+    MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$OUT/mosaic_dump PYTHONPATH=. \\
+        python3 benchmarks/ptxas_report.py --dump $OUT/mosaic_dump
+
+A diagnostic (logs only). Mosaic GPU hands each kernel to ptxas; with the two variables above set
+(read by jaxlib when it compiles) ptxas' verbose resource lines are written under the dump folder.
+This runs the default GQA verify cascade once per form below (small P: only compilation matters)
+and then prints every line that reports registers, spill stores / loads or stack frames, per
+dumped file. A warpgroup-specialised kernel reports one register count for the whole kernel (the
+per-warpgroup budgets are `setmaxnreg` at run time), so spills are the figure to read: a compute
+or memory warpgroup that outgrows its budget shows up as spill stores and loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.bench_cascade import PAGE, cascade_inputs  # noqa: E402
+from benchmarks.report import log  # noqa: E402
+from treespec_jax.attention.cascade import CascadeConfig, verify_attention  # noqa: E402
+
+# (label, B, P, N, KV dtype): the default forms the issue's shapes take, at a small P.
+FORMS = (("bf16 fused, 128-row heads (B=1 / B=32 / B=64 form)", 1, 2048, 64, jnp.bfloat16),
+         ("bf16 fused, persistent (B=64 form)", 160, 256, 64, jnp.bfloat16),
+         ("FP8 unfused, V widened by the memory warpgroup (B=1 form)", 1, 2048, 64, jnp.float8_e4m3fn),
+         ("FP8 unfused, widened, persistent (B=32 / B=64 form)", 160, 256, 64, jnp.float8_e4m3fn),
+         ("FP8 fused, 64-row heads, key split (B=8 form)", 8, 2048, 16, jnp.float8_e4m3fn))
+
+RESOURCE = re.compile(r"registers|spill|stack frame|bytes smem", re.IGNORECASE)
+
+
+def compile_forms():
+    rng = np.random.default_rng(0)
+    key = jax.random.key(0)
+    cfg = CascadeConfig(page_size=PAGE, prefix_kernel="mosaic_gpu")
+    for label, b, p, n, dtype in FORMS:
+        q, kp, vp, table, lengths, mask = cascade_inputs(key, rng, b, p, n, dtype)
+        out = jax.block_until_ready(jax.jit(lambda *a: verify_attention(*a, config=cfg))(
+            q, kp, vp, table, lengths, mask))
+        finite = bool(np.isfinite(np.asarray(out, np.float32)).all())
+        log(f"compiled and ran: {label} (B={b}, P={p}, N={n}); output finite: {finite}")
+
+
+def report(folder: Path) -> int:
+    files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+    found = 0
+    for path in files:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        lines = [line.strip() for line in text.splitlines() if RESOURCE.search(line)]
+        if lines:
+            found += 1
+            print(f"== {path.relative_to(folder)}")
+            for line in lines[:40]:
+                print("   " + line)
+    log(f"{len(files)} dumped files, {found} with resource lines")
+    return found
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dump", required=True, help="the folder MOSAIC_GPU_DUMP_TO names")
+    a = ap.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("ptxas_report: needs a GPU (Mosaic GPU compiles only there)")
+        return 1
+    compile_forms()
+    return 0 if report(Path(a.dump)) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
