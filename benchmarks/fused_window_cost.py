@@ -131,15 +131,16 @@ FP8_FUSED = {"fused, own widening": dict(memory_widens_values=False),
 
 
 def parse_forms(text: str) -> dict[str, dict]:
-    """`--fused "stages=6,pages_per_step=1;stages=8,pages_per_step=1"` -> {label: kernel options}
-    (integers, or true / false)."""
+    """`--fused "stages=6,pages_per_step=1;registers=224:56"` -> {label: kernel options} (integers,
+    true / false, or a:b tuples)."""
     forms = {}
     for group in filter(None, (g.strip() for g in text.split(";"))):
         opts = {}
         for item in group.split(","):
             name, _, value = item.partition("=")
             low = value.strip().lower()
-            opts[name.strip()] = {"true": True, "false": False}[low] if low in ("true", "false") else int(value)
+            opts[name.strip()] = ({"true": True, "false": False}[low] if low in ("true", "false") else
+                                  tuple(int(v) for v in value.split(":")) if ":" in value else int(value))
         forms["fused kernel, " + group] = opts
     return forms
 

@@ -498,3 +498,43 @@ def test_memory_widened_fused_fp8_window_lowers():
     for persistent in (False, True):
         test_fused_kernel_lowers_to_mosaic_gpu(64, 4, 1, True, FP8, opts=dict(memory_widens_values=True,
                                                                              persistent=persistent))
+
+
+@pytest.mark.parametrize("memory_widens,fused", [(False, False), (True, False), (False, True)])
+def test_widen_rows_give_the_same_bits(memory_widens, fused):
+    """V widened in 64-row pieces or in one 128-row piece (two pages per step), by the compute
+    warpgroups (fused: cleaning each piece's invisible rows) or by the memory warpgroup: the same
+    bits."""
+    import pallas_kernels.attention.prefix_decode_mgpu as pdm
+
+    n, g, hkv, d = 32, 4, 2, 64
+    q, k, v, table, lens, mask = verify_case(np.random.default_rng(5), [70, 300], n, hkv, g, d, PAGE, FP8,
+                                             q_dtype=jnp.bfloat16)
+    if fused:
+        words, union = pdm.fused_window_words(mask, g, n * g, heads_io=True)
+        args = (q, k, v, table, lens, words, union)
+        kw = dict(query_rows=1, group=n * g, window=n, heads_io=True)
+    else:
+        args = (heads_to_rows(q, hkv, padded_rows(n * g)), k, v, table, lens)
+        kw = dict(query_rows=n, group=g)
+    kw.update(page_size=PAGE, scale=d ** -0.5, pages_per_step=2, memory_widens_values=memory_widens, interpret=True)
+    pieces = prefix_decode_mgpu_row_layout(*args, widen_rows=64, **kw)
+    whole = prefix_decode_mgpu_row_layout(*args, widen_rows=128, **kw)
+    assert np.isfinite(np.asarray(pieces[0], np.float32)).all()
+    for a, b in zip(pieces, whole):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_widen_rows_and_registers_refusals_and_lowering():
+    """Bad tuning values are refused together, naming them; other register budgets lower."""
+    q, k, v, table, lens, _ = verify_case(np.random.default_rng(6), [130], 32, 1, 4, 64, PAGE, FP8,
+                                          q_dtype=jnp.bfloat16)
+    qr = heads_to_rows(q, 1, padded_rows(128))
+    with pytest.raises(ValueError) as err:
+        prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=32, group=4, page_size=PAGE, scale=0.1,
+                                      pages_per_step=2, widen_rows=96, registers=(240, 40), interpret=True)
+    assert "widen_rows must be a multiple of 64 dividing the step's 128 keys, got 96" in str(err.value)
+    assert "registers (compute, memory) must be multiples of 8 in [24, 256] with 2 * compute + memory <= 504, " \
+           "got (240, 40)" in str(err.value)
+    test_mgpu_prefix_lowers_to_mosaic_gpu(256, 1, True, 64, 2, FP8, 2, None,
+                                          opts=dict(registers=(224, 56), widen_rows=128))

@@ -118,6 +118,11 @@ PREFETCH_QUERY_BY_DEFAULT = True
 # tile (the smallest a warpgroup loads from the swizzled ring; 64 x 128 FP8 values are 64 per thread
 # of the warpgroup).
 WIDEN_ROWS = 64
+# Register budgets per thread (`setmaxnreg`) of a compute warpgroup and of the memory warpgroup: the
+# CTA is launched with 168 per thread (ptxas, `benchmarks/ptxas_report.py`), and two compute
+# warpgroups plus the memory one must fit in that (2 * 232 + 40 = 3 * 168).
+REGISTERS = (232, 40)
+LAUNCH_REGISTERS = 168
 
 # Whether `memory_widens_values=None` has the memory warpgroup widen each FP8 V page once (see
 # `runs_memory_widens`), over FP8 pools without a warpgroup key split, where its ring fits at the
@@ -398,7 +403,7 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
                                              "tiles_adjacent", "overlap_softmax", "partial_dtype", "window",
                                              "heads_io", "persistent", "prefetch_query", "memory_widens_values",
-                                             "interpret"))
+                                             "widen_rows", "registers", "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, window_words=None, window_union=None,
                                   *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
@@ -407,7 +412,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                                   tiles_adjacent: bool = True, overlap_softmax: bool = False,
                                   partial_dtype=jnp.float32, window: int = 0, heads_io: bool = False,
                                   persistent: bool | None = None, prefetch_query: bool | None = None,
-                                  memory_widens_values: bool | None = None, interpret: bool = False):
+                                  memory_widens_values: bool | None = None, widen_rows: int | None = None,
+                                  registers: tuple[int, int] | None = None, interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
@@ -458,6 +464,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     into a 16-bit ring of `stages` steps the compute warpgroups read, instead of each compute
     warpgroup widening its own copy on the critical path of its turn (fused, window steps clean
     their rows of it in place; None: `runs_memory_widens`);
+    `widen_rows` (FP8): rows of V widened per piece, by whichever warpgroup widens (a multiple of 64
+    dividing the step's keys; None: WIDEN_ROWS), which bounds the registers a piece holds;
+    `registers`: (compute, memory) warpgroup register budgets (None: REGISTERS);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     fused = window > 0
     q_in = qr
@@ -545,6 +554,18 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     if memory_widens_values and not fp8:
         raise ValueError(f"prefix_decode_mgpu: memory_widens_values takes an FP8 pool, got "
                          f"{jnp.dtype(k_pool.dtype).name} pools")
+    widen_rows = widen_rows or WIDEN_ROWS
+    regs_compute, regs_memory = registers or REGISTERS
+    tuning_errors = []
+    if widen_rows % ROWS_PER_WG or block % widen_rows:
+        tuning_errors.append(f"widen_rows must be a multiple of {ROWS_PER_WG} dividing the step's {block} keys, "
+                             f"got {widen_rows}")
+    if any(r % 8 or not 24 <= r <= 256 for r in (regs_compute, regs_memory)) or (
+            wgs * regs_compute + regs_memory > (wgs + 1) * LAUNCH_REGISTERS):
+        tuning_errors.append(f"registers (compute, memory) must be multiples of 8 in [24, 256] with {wgs} * compute "
+                             f"+ memory <= {(wgs + 1) * LAUNCH_REGISTERS}, got {(regs_compute, regs_memory)}")
+    if tuning_errors:
+        raise ValueError("prefix_decode_mgpu: " + "; ".join(tuning_errors))
     # The buffers the kernel's input checks do not size: the fused FP8 window's, prefetch's.
     extras = ((["the fused window under an FP8 pool"] if q_wide is not None else [])
               + (["prefetch_query's second query tile"] if prefetch_query else [])
@@ -605,7 +626,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
             def _compute():
                 if role == "cta":
-                    plgpu.set_max_registers(232, action="increase")
+                    plgpu.set_max_registers(regs_compute, action="increase")
                 row0 = cta_row0 if key_split else cta_row0 + wg * ROWS_PER_WG
                 # This warpgroup's steps: i = first + k * stride for k in [0, mine(hi)).
                 first = lo + wg if key_split else lo
@@ -678,11 +699,12 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                 if q_wide is not None:
                     plgpu.barrier_wait(qw_ready.at[wg])
 
-                def clean_values(v, i):
-                    # V rows of step i that no row of the request may see (past P + window, or window
-                    # slots outside every row's mask) may hold NaN / inf, which a zero softmax weight
-                    # would still spread: zero them. Only fused masked steps reach this.
-                    key = plgpu.broadcasted_iota(jnp.int32, (block, d), 0, layout=plgpu.Layout.WGMMA) + i * block
+                def clean_values(v, i, r0=0):
+                    # V rows of step i (from its row r0) that no row of the request may see (past P +
+                    # window, or window slots outside every row's mask) may hold NaN / inf, which a zero
+                    # softmax weight would still spread: zero them. Only fused masked steps reach this.
+                    key = (plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
+                           + i * block + r0)
                     return jnp.where(window_visible(key, length, window, union), v, jnp.zeros_like(v))
 
                 def issue_scores(s_ref, slot):
@@ -753,12 +775,12 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                         plgpu.barrier_wait(v_ready.at[slot])
                         # Widen this warpgroup's copy of the V page (CUDA cores, while the other
                         # warpgroup holds the tensor cores); the FP8 buffer is free right after.
+                        # In pieces of widen_rows rows (fewer registers live beside the output).
                         v_tile = wide[0].at[wg]
-                        if cleans:
-                            v_tile[...] = clean_values(
-                                plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(pv_dtype), i)
-                        else:
-                            v_tile[...] = v_smem.at[slot][...].astype(pv_dtype)
+                        for r in range(0, block, widen_rows):
+                            rows = pl.ds(r, widen_rows)
+                            piece = plgpu.load(v_smem.at[slot, rows], layout=plgpu.Layout.WGMMA).astype(pv_dtype)
+                            v_tile.at[rows][...] = clean_values(piece, i, r) if cleans else piece
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(v_free.at[slot])
                     else:
@@ -901,7 +923,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
             def _memory():
                 if role == "cta":
-                    plgpu.set_max_registers(40, action="decrease")
+                    plgpu.set_max_registers(regs_memory, action="decrease")
 
                 def page_rows(i, j):
                     # A step's later page past the last one read (the last whole page, or fused the
@@ -923,8 +945,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                     def _():
                         plgpu.barrier_wait(vw_free.at[slot])
 
-                    for r in range(0, block, WIDEN_ROWS):
-                        rows = pl.ds(r, WIDEN_ROWS)
+                    for r in range(0, block, widen_rows):
+                        rows = pl.ds(r, widen_rows)
                         wide[0].at[slot, rows][...] = plgpu.load(v_smem.at[slot, rows],
                                                                  layout=plgpu.Layout.WGMMA).astype(pv_dtype)
                     plgpu.commit_smem()
@@ -1005,13 +1027,13 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
         @pl.when(wg < wgs)
         def _compute_items():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(regs_compute, action="increase")
             items_of_this_cta("compute")
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == wgs)
         def _memory_items():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(regs_memory, action="decrease")
             items_of_this_cta("memory")
 
     readers = 1 if key_split else wgs  # compute warpgroups that read each step's K and V
