@@ -42,9 +42,13 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
              "launches": ["--launches", "--shapes", "64x4096x64,32x32768x64"]}
 
-# What is still owed (`--owed`): nothing (session 17 timed `memory_widens_values`, now the FP8
-# default, and the traced copy bandwidth).
-OWED: dict[str, list[str]] = {}
+# What is still owed (`--owed`): session 17 found the fused FP8 form with V widened by the memory
+# warpgroup 7% faster at B=1 with register budgets (224, 56) instead of (232, 40) (ptxas reports
+# spills in every FP8 form), and ran out of device time before timing the unfused FP8 prefix, the
+# default at B=1, B=32 and B=64, that way (`registers`). If it wins at every shape, make (224, 56)
+# the budgets where the memory warpgroup widens V (WORKSPACE, RESULTS, tests).
+OWED: dict[str, list[str]] = {"mosaic": ["--skip-conformance", "--fp8-only", "--widen", "--lean", "--no-triton",
+                                         "--shapes", "32x32768x64,64x4096x64,1x32768x64"]}
 
 
 def main(argv=None) -> int:
