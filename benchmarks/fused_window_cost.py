@@ -116,11 +116,17 @@ def launches(b, p, n, rounds, rng, key):
     for name, fn in fns.items():
         same = all(np.array_equal(x, np.asarray(y, np.float32)) for x, y in zip(base, fn(*args)))
         log(f"B={b},P={p},N={n}: {name} {'gives the gridded bits' if same else 'DIFFERS from the gridded launch'}")
-    times = {name: [] for name in fns}
+    interleaved({name: (fn, args) for name, fn in fns.items()}, rounds, f"B={b},P={p},N={n} fused kernel")
+
+
+def interleaved(runs: dict, rounds: int, label: str):
+    """Times each `name: (fn, args)` of `runs` in `rounds` interleaved rounds (A, B, A, B, ...; each
+    fed through argument 4) and logs the median and every round per name."""
+    times = {name: [] for name in runs}
     for _ in range(rounds):
-        for name, fn in fns.items():
+        for name, (fn, args) in runs.items():
             times[name].append(traced_ms(fn, args, 4))
-    log(f"B={b},P={p},N={n} fused kernel, {rounds} interleaved rounds: " + "; ".join(
+    log(f"{label}, {rounds} interleaved rounds: " + "; ".join(
         f"{name} {np.median(t):.4f} ms (" + ", ".join(f"{x:.4f}" for x in t) + ")" for name, t in times.items()))
 
 
@@ -194,13 +200,7 @@ def fp8_widen(b, p, n, rounds, rng, key, forms=None):
         err = rel_err(out, dense)
         ok[name] = err < 6e-2  # FP8-quantised query on steps wholly below P (as in the tests)
         log(f"{name0}: {name}: rel {err:.2e} against {ref_name} -> {'ok' if ok[name] else 'FAILED, not timed'}")
-    times = {name: [] for name in runs if ok[name]}
-    for _ in range(rounds):
-        for name in times:
-            fn, args = runs[name]
-            times[name].append(traced_ms(fn, args, 4))
-    log(f"{name0}, {rounds} interleaved rounds: " + "; ".join(
-        f"{name} {np.median(t):.4f} ms (" + ", ".join(f"{x:.4f}" for x in t) + ")" for name, t in times.items()))
+    interleaved({name: run for name, run in runs.items() if ok[name]}, rounds, name0)
     return all(v is not False for v in ok.values())
 
 

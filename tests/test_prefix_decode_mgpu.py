@@ -453,12 +453,13 @@ def test_memory_widens_default(monkeypatch):
     seen = []
     real = pdm.runs_persistent
     monkeypatch.setattr(pdm, "runs_persistent", lambda *a: seen.append(a[3]) or real(*a))
-    for r, fp8_widens in ((32, True), (16, False)):  # 128-row heads; 64-row heads (the key split)
+    # 128-row heads; 64-row heads (the key split); 64-row heads with the key split turned off.
+    for r, key_split, fp8_widens in ((32, None, True), (16, None, False), (16, False, True)):
         q, k, v, table, lens, _ = verify_case(np.random.default_rng(r), [70, 200], r, 1, 4, 64, PAGE, FP8,
                                               q_dtype=jnp.bfloat16)
         qr = heads_to_rows(q, 1, padded_rows(r * 4))
         prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=4, page_size=PAGE, scale=0.125,
-                                      interpret=True)
+                                      key_split=key_split, interpret=True)
         assert seen.pop() is fp8_widens
 
 

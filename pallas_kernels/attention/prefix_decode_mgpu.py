@@ -126,7 +126,7 @@ LAUNCH_REGISTERS = 168
 
 # Whether `memory_widens_values=None` has the memory warpgroup widen each FP8 V page once (see
 # `runs_memory_widens`), over FP8 pools without a warpgroup key split, where its ring fits at the
-# default pages per step. On the H200 (session 17, device time, one process, benchmarks/RESULTS.md)
+# given (or default) pages per step. On the H200 (session 17, device time, one process, benchmarks/RESULTS.md)
 # the unfused FP8 prefix took 1.782 ms against 1.965 at B=32, P=32768, N=64 (1.740 persistent), 0.451
 # against 0.504 at B=64, P=4096 (0.429 persistent), 0.064 against 0.071 at B=1, P=32768; under the
 # key split (B=8, N=16) it lost (0.057 against 0.049), so it stays off there.
@@ -332,13 +332,15 @@ def default_pages_per_step(total_rows: int, width: int, itemsize: int, page_size
 
 
 def widens_values_by_default(total_rows: int, width: int, page_size: int, stages: int = 2,
-                             fused: bool = False) -> bool:
+                             fused: bool = False, pages_per_step: int | None = None,
+                             key_split: bool | None = None) -> bool:
     """Whether the kernel over an FP8 pool, `memory_widens_values=None`, has the memory warpgroup
     widen V (`runs_memory_widens`; `fused`: with the fused window, which then takes one page per
-    step where two no longer fit), for `total_rows` padded rows per KV head at the default
-    warpgroup layout and pages per step."""
-    _, _, key_split = warpgroup_layout(total_rows, None, 1)
-    pps = default_pages_per_step(total_rows, width, 1, page_size, stages, key_split, fused, memory_widens_values=fused)
+    step where two no longer fit), for `total_rows` padded rows per KV head at the given (None:
+    default) pages per step and warpgroup key split."""
+    _, _, key_split = warpgroup_layout(total_rows, key_split, 1)
+    pps = pages_per_step or default_pages_per_step(total_rows, width, 1, page_size, stages, key_split, fused,
+                                                   memory_widens_values=fused)
     fits = smem_bytes(total_rows, width, 1, pps * page_size, stages, key_split, fused_fp8=fused,
                       memory_widens_values=True) <= MAX_SMEM_BYTES
     return runs_memory_widens(None, 1, key_split, fused, fits)
@@ -485,10 +487,12 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     # Under an FP8 pool the scores multiply the FP8 query natively (wgmma e4m3 x e4m3; K is the
     # K-major operand FP8 needs); V is not, so each step's V page is widened to fp16 in shared memory.
     fp8 = jnp.dtype(k_pool.dtype) == F8
+    itemsize = jnp.dtype(k_pool.dtype).itemsize
     b, hkv, total, d = qr.shape
     # Fused under an FP8 pool, window steps score the unquantised query against K widened in shared
     # memory (as the window kernel does), so the kernel takes the query twice.
     q_wide = q_in if fused and fp8 else None
+    fused_fp8 = q_wide is not None
     if q_wide is not None and jnp.dtype(q_wide.dtype).itemsize != 2:
         raise ValueError(f"prefix_decode_mgpu: the fused window under an FP8 pool needs a bfloat16 or float16 "
                          f"query (its window scores use it unquantised), got {q_wide.dtype}")
@@ -496,7 +500,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     group_io = total // q_in.shape[1] if heads_io else 0  # G: heads per KV head
     rows_io = ROWS_PER_WG // group_io if heads_io else 0  # query rows per box
     max_pages = page_table.shape[1]
-    wgs, rows_per_cta, key_split = warpgroup_layout(total, key_split, jnp.dtype(k_pool.dtype).itemsize)
+    wgs, rows_per_cta, key_split = warpgroup_layout(total, key_split, itemsize)
     if overlap_softmax and (fp8 or fence_softmax or key_split):
         raise ValueError(f"prefix_decode_mgpu: overlap_softmax takes 16-bit pools without a warpgroup key split or "
                          f"the softmax fence, got {jnp.dtype(k_pool.dtype).name} pools, key_split={key_split}, "
@@ -507,19 +511,13 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     tiles = total // rows_per_cta
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"prefix_decode_mgpu: num_splits must be >= 1, got {num_splits}")
-    itemsize = jnp.dtype(k_pool.dtype).itemsize
-    fused_fp8 = q_wide is not None
     if memory_widens_values is None:
         # On where the ring fits at the pages per step the kernel would take without it (the
         # fused window: with it, one page per step where two no longer fit).
-        if pages_per_step is None and itemsize == 1:
-            memory_widens_values = widens_values_by_default(total, d, page_size, stages, fused_fp8)
-        else:
-            memory_widens_values = runs_memory_widens(None, itemsize, key_split, fused, smem_bytes(
-                total, d, itemsize, (pages_per_step or 1) * page_size, stages, key_split, fused_fp8=fused_fp8,
-                memory_widens_values=True) <= MAX_SMEM_BYTES)
+        memory_widens_values = fp8 and widens_values_by_default(total, d, page_size, stages, fused_fp8, pages_per_step,
+                                                                key_split)
     pps = pages_per_step or default_pages_per_step(total, d, itemsize, page_size, stages, key_split, fused_fp8,
-                                                   memory_widens_values and itemsize == 1)
+                                                   memory_widens_values)
     steps = -(-max_pages // pps)  # key steps of a full page table
     splits = num_splits or default_mgpu_num_splits(b, hkv, tiles, steps)
     block = page_size * pps
@@ -545,8 +543,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     ctas = min(items, num_sms())
     grid, grid_names = ((ctas,), ("ctas",)) if persistent else (sizes, order)
     prefetch_query = runs_prefetch_query(prefetch_query, persistent, smem_bytes(
-        total, d, jnp.dtype(k_pool.dtype).itemsize, block, stages, key_split, fused_fp8=q_wide is not None,
-        query_tiles=2, memory_widens_values=memory_widens_values))
+        total, d, itemsize, block, stages, key_split, fused_fp8=fused_fp8, query_tiles=2,
+        memory_widens_values=memory_widens_values))
     if prefetch_query and not persistent:
         raise ValueError("prefix_decode_mgpu: prefetch_query needs the persistent launch (persistent=True, or "
                          f"None with more work items than SMs), got persistent={persistent} for {items} items")
@@ -567,11 +565,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     if tuning_errors:
         raise ValueError("prefix_decode_mgpu: " + "; ".join(tuning_errors))
     # The buffers the kernel's input checks do not size: the fused FP8 window's, prefetch's.
-    extras = ((["the fused window under an FP8 pool"] if q_wide is not None else [])
+    extras = ((["the fused window under an FP8 pool"] if fused_fp8 else [])
               + (["prefetch_query's second query tile"] if prefetch_query else [])
               + (["memory_widens_values' 16-bit V ring"] if memory_widens_values else []))
-    need = smem_bytes(total, d, jnp.dtype(k_pool.dtype).itemsize, block, stages, key_split,
-                      fused_fp8=q_wide is not None, query_tiles=qbufs, memory_widens_values=memory_widens_values)
+    need = smem_bytes(total, d, itemsize, block, stages, key_split, fused_fp8=fused_fp8, query_tiles=qbufs,
+                      memory_widens_values=memory_widens_values)
     if extras and need > MAX_SMEM_BYTES:
         raise ValueError(f"prefix_decode_mgpu: {' with '.join(extras)} with pages_per_step={pps}, "
                          f"stages={stages}, head dim {d} needs {need} bytes of shared memory, more than "
@@ -590,6 +588,14 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         if q_wide is not None:
             qw_smem, qw_ready = extra[-2:]
         wg = lax.axis_index("wg")
+
+        def widen_page(dst, slot, clean=None):
+            # The FP8 V page in ring `slot` into the 16-bit tile `dst`, widen_rows rows at a time
+            # (only a piece's registers live at once); `clean(piece, first_row)` zeroes unseen rows.
+            for r in range(0, block, widen_rows):
+                rows = pl.ds(r, widen_rows)
+                piece = plgpu.load(v_smem.at[slot, rows], layout=plgpu.Layout.WGMMA).astype(pv_dtype)
+                dst.at[rows][...] = piece if clean is None else clean(piece, r)
 
         def work_item(split, bi, head, tile, role: str, nxt=None):
             """One (split, request, KV head, row tile): the whole CTA program of the gridded launch
@@ -775,12 +781,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                         plgpu.barrier_wait(v_ready.at[slot])
                         # Widen this warpgroup's copy of the V page (CUDA cores, while the other
                         # warpgroup holds the tensor cores); the FP8 buffer is free right after.
-                        # In pieces of widen_rows rows (fewer registers live beside the output).
                         v_tile = wide[0].at[wg]
-                        for r in range(0, block, widen_rows):
-                            rows = pl.ds(r, widen_rows)
-                            piece = plgpu.load(v_smem.at[slot, rows], layout=plgpu.Layout.WGMMA).astype(pv_dtype)
-                            v_tile.at[rows][...] = clean_values(piece, i, r) if cleans else piece
+                        widen_page(v_tile, slot, (lambda piece, r: clean_values(piece, i, r)) if cleans else None)
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(v_free.at[slot])
                     else:
@@ -936,8 +938,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
                 def widen_values(i):
                     # Step i's FP8 V page into the 16-bit ring (slot i's last readers, step i - stages's
-                    # P V, have released it), WIDEN_ROWS rows at a time; then the FP8 buffer is
-                    # released (to this warpgroup's own next copy into it).
+                    # P V, have released it); then the FP8 buffer is released (to this warpgroup's own
+                    # next copy into it).
                     slot = slot_of(i)
                     plgpu.barrier_wait(v_ready.at[slot])
 
@@ -945,10 +947,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                     def _():
                         plgpu.barrier_wait(vw_free.at[slot])
 
-                    for r in range(0, block, widen_rows):
-                        rows = pl.ds(r, widen_rows)
-                        wide[0].at[slot, rows][...] = plgpu.load(v_smem.at[slot, rows],
-                                                                 layout=plgpu.Layout.WGMMA).astype(pv_dtype)
+                    widen_page(wide[0].at[slot], slot)
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(vw_ready.at[slot])
                     plgpu.barrier_arrive(v_free.at[slot])
@@ -1038,6 +1037,16 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
     readers = 1 if key_split else wgs  # compute warpgroups that read each step's K and V
 
+    # FP8: widened V (the memory warpgroup's ring, or each compute warpgroup's tile); fused, with
+    # widened K beside it, or sharing its memory (K's tile is read before V is written).
+    wide_smem = ()
+    if fp8:
+        wide_smem = plgpu.SMEM((stages if memory_widens_values else wgs, block, d), pv_dtype, transforms=pv_tf)
+        if fused_fp8:
+            k_tile = plgpu.SMEM((wgs, block, d), kw_dtype, transforms=_smem_transforms(d, kw_dtype))
+            wide_smem = (wide_smem, k_tile) if memory_widens_values else plgpu.RefUnion(wide_smem, k_tile)
+        wide_smem = (wide_smem,)
+
     def entry(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, *rest):
         words_gmem, union_gmem = rest[:2] if fused else (None, None)
         qw_gmem = rest[2] if q_wide is not None else None
@@ -1050,14 +1059,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((wgs, ROWS_PER_WG, out_chunk), partial_dtype, transforms=out_tf),
              plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32))
-            + ((plgpu.SMEM((stages if memory_widens_values else wgs, block, d), pv_dtype, transforms=pv_tf),)
-               if fp8 and q_wide is None else ())
-            + (((plgpu.SMEM((stages, block, d), pv_dtype, transforms=pv_tf),
-                 plgpu.SMEM((wgs, block, d), kw_dtype, transforms=_smem_transforms(d, kw_dtype))),)
-               if q_wide is not None and memory_widens_values else ())
-            + ((plgpu.RefUnion(plgpu.SMEM((wgs, block, d), pv_dtype, transforms=pv_tf),
-                               plgpu.SMEM((wgs, block, d), kw_dtype, transforms=_smem_transforms(d, kw_dtype))),)
-               if q_wide is not None and not memory_widens_values else ())
+            + wide_smem
             + ((plgpu.SMEM((qbufs * wgs, 2, ROWS_PER_WG), jnp.int32), plgpu.Barrier(num_barriers=qbufs * wgs))
                if fused else ())
             + ((plgpu.SMEM((wgs, ROWS_PER_WG, d), kw_dtype, transforms=_smem_transforms(d, kw_dtype)),

@@ -233,8 +233,9 @@ def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool
         pool_ok = itemsize == 2
         if itemsize == 1 and jnp.dtype(q.dtype).itemsize == 2:
             _, r, hq, d = q.shape
-            fits = fused_fp8_fits(fused_rows(r, hq // k_pool.shape[1]), d, config.page_size)
-            unfused_widens = widens_values_by_default(mosaic_rows(r * (hq // k_pool.shape[1])), d, config.page_size)
+            group = hq // k_pool.shape[1]
+            fits = fused_fp8_fits(fused_rows(r, group), d, config.page_size)
+            unfused_widens = widens_values_by_default(mosaic_rows(r * group), d, config.page_size)
             pool_ok = fits and (FUSE_FP8_BY_DEFAULT or (
                 FUSE_FP8_UNDER_ONE_WAVE and not unfused_widens
                 and prefix_programs(q.shape, k_pool.shape[1], itemsize) < num_sms()))
