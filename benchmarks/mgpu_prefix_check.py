@@ -117,22 +117,23 @@ SMOKE_SHAPES = ((2, 200, 32), (1, 300, 16))
 
 
 def timing(shapes=FULL_SHAPES, hq=32, hkv=8, d=128, samples=7, interpret=False, dtypes=(jnp.bfloat16,), splits=(),
-           triton=True, overlap=True, lean=False, widen=False):
+           triton=True, overlap=True, lean=False, widen=False, registers=()):
     """`--smoke` runs this on tiny shapes in the interpreters (a CPU check of the script itself)."""
     flops_rate = (None if interpret else traced_matmul_flops()) or 1e12  # interpreted: a placeholder rate
     for dtype in dtypes:
         for shape in shapes:
             time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits, triton, overlap, lean,
-                       widen)
+                       widen, registers)
 
 
 def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=(), triton=True, overlap=True,
-               lean=False, widen=False):
+               lean=False, widen=False, registers=()):
     """Mosaic GPU prefix (defaults, then one option flipped at a time) against the Triton prefix,
     alone and as cascades; `splits`: also the Mosaic prefix and cascade with each of these key-split
     counts (the default count is `prefix_decode_mgpu.default_mgpu_num_splits`, one wave of CTAs);
     `widen` (FP8): also V widened by the compute warpgroups, the gridded launch, and the memory
-    warpgroup's register budget at 56 (compute 224), against the default.
+    warpgroup's register budget at 56 (compute 224), against the default; `registers`: also the
+    Mosaic prefix and cascade under each of these (compute, memory) register budgets.
     """
     g = hq // hkv
     b, p, n = shape
@@ -192,6 +193,7 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
                      (", gridded", mgpu(persistent=False)),
                      (", registers 224/56", mgpu(registers=(224, 56))),
                      (", gridded, registers 224/56", mgpu(persistent=False, registers=(224, 56)))]
+    variants += [(f", registers {c}/{m}", mgpu(registers=(c, m))) for c, m in registers]
     flop = 4 * b * n * hq * (p + n) * d
     res = {}
     # (name, function, arguments); every chained timing feeds the output into P (argument 4) the
@@ -225,17 +227,18 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
 
 
 def mla_check(interpret: bool = False, timing_too: bool = True, smoke: bool = False,
-              dtypes=(jnp.bfloat16, jnp.float8_e4m3fn)) -> bool:
+              dtypes=(jnp.bfloat16, jnp.float8_e4m3fn), registers=()) -> bool:
     """The Mosaic GPU MLA latent decode: conformance (small), then DeepSeek-V3 shapes (B=32,
     P=8192, N=16, 128 heads, latent 512 + rope 64) against the Triton latent decode and both
-    cascades; for each latent cache dtype (an FP8 cache takes the FP8-quantised query)."""
+    cascades; for each latent cache dtype (an FP8 cache takes the FP8-quantised query). `registers`:
+    also the decode under each of these (compute, memory) register budgets."""
     ok = True
     for dtype in dtypes:
-        ok = mla_check_dtype(dtype, interpret, timing_too, smoke) and ok
+        ok = mla_check_dtype(dtype, interpret, timing_too, smoke, registers) and ok
     return ok
 
 
-def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bool:
+def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, registers=()) -> bool:
     from pallas_kernels.attention.mla_decode import mla_decode, mla_decode_reference, quantize_query
     from pallas_kernels.attention.mla_decode_mgpu import SCHEDULES, mla_decode_mgpu, schedule_fits
     from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
@@ -292,6 +295,9 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool) -> bo
                                                                          **kw)),
         **{f"mgpu decode, schedule {s}": jax.jit(lambda *a, s=s: mla_decode_mgpu(*a, interpret=smoke, schedule=s, **kw))
            for s in SCHEDULES},
+        **{f"mgpu decode, registers {c}/{m}": jax.jit(lambda *a, rg=(c, m): mla_decode_mgpu(*a, interpret=smoke,
+                                                                                             registers=rg, **kw))
+           for c, m in registers},
         "triton decode": jax.jit(lambda *a: mla_decode(*a, backend=backend, **kw)),
     }
     first = None
@@ -346,11 +352,19 @@ def main(argv=None) -> int:
     ap.add_argument("--no-overlap", action="store_true", help="leave the overlapped-softmax variant out of the timing")
     ap.add_argument("--splits", default="", help="also time the Mosaic prefix/cascade with these key-split "
                     "counts, e.g. 4,8,16")
+    ap.add_argument("--registers", default="", help="also time the Mosaic prefix/cascade (and with --mla the "
+                    "MLA decode) under these (compute, memory) register budgets, e.g. '224,56;240,24'")
     a = ap.parse_args(argv)
+    try:
+        registers = tuple(tuple(int(v) for v in pair.split(",")) for pair in a.registers.split(";") if pair.strip())
+    except ValueError:
+        registers = ((),)
+    if any(len(pair) != 2 for pair in registers):
+        ap.error(f"--registers {a.registers!r}: give compute,memory pairs separated by ';', e.g. '224,56;240,24'")
     if a.smoke:
         timing(SMOKE_SHAPES, hq=8, hkv=2, d=64, samples=1, interpret=True, dtypes=(jnp.bfloat16, jnp.float8_e4m3fn),
-               splits=(2,), widen=True)
-        return 0 if mla_check(interpret=True, timing_too=True, smoke=True) else 1
+               splits=(2,), widen=True, registers=registers)
+        return 0 if mla_check(interpret=True, timing_too=True, smoke=True, registers=registers) else 1
     timing_too = not (a.skip_timing or a.interpret)
     ok = True
     bf, f8 = jnp.bfloat16, jnp.float8_e4m3fn
@@ -389,11 +403,12 @@ def main(argv=None) -> int:
         dtypes = ((jnp.float8_e4m3fn,) if a.fp8_only else
                   (jnp.bfloat16, jnp.float8_e4m3fn) if a.fp8 else (jnp.bfloat16,))
         timing(shapes, dtypes=dtypes, splits=tuple(int(v) for v in a.splits.split(",") if v), triton=not a.no_triton,
-               overlap=not (a.no_overlap or a.lean), lean=a.lean, widen=a.widen)
+               overlap=not (a.no_overlap or a.lean), lean=a.lean, widen=a.widen, registers=registers)
     if a.mla:
         try:
             mla_dtypes = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
-            ok = mla_check(a.interpret, timing_too, dtypes=tuple(mla_dtypes[v] for v in a.mla_dtypes.split(","))) and ok
+            ok = mla_check(a.interpret, timing_too, dtypes=tuple(mla_dtypes[v] for v in a.mla_dtypes.split(",")),
+                           registers=registers) and ok
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             ok = False

@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 from benchmarks.bench_cascade import PAGE, cascade_inputs  # noqa: E402
 from benchmarks.report import log  # noqa: E402
 from treespec_jax.attention.cascade import CascadeConfig, verify_attention  # noqa: E402
+from treespec_jax.tree.masks import ancestor_mask  # noqa: E402
 
 # (label, B, P, N, KV dtype): the default forms the shapes take, at a small P.
 FORMS = (("bf16 fused, 128-row heads (B=1 / B=32 / B=64 form)", 1, 2048, 64, jnp.bfloat16),
@@ -35,6 +36,11 @@ FORMS = (("bf16 fused, 128-row heads (B=1 / B=32 / B=64 form)", 1, 2048, 64, jnp
          ("FP8 unfused, V widened by the memory warpgroup (B=1 form)", 1, 2048, 64, jnp.float8_e4m3fn),
          ("FP8 unfused, widened, persistent (B=32 / B=64 form)", 160, 256, 64, jnp.float8_e4m3fn),
          ("FP8 fused, 64-row heads, key split (B=8 form)", 8, 2048, 16, jnp.float8_e4m3fn))
+
+# (label, latent cache dtype, fused window): the MLA latent decode's default forms (DeepSeek-V3
+# widths: latent 512 + rope 64, 128 heads; a small batch and prefix, as only compilation matters).
+MLA_FORMS = (("MLA bf16 decode, tree window fused (the bf16 cascade's form)", jnp.bfloat16, True),
+             ("MLA FP8 decode (the FP8 cascade's prefix half)", jnp.float8_e4m3fn, False))
 
 RESOURCE = re.compile(r"registers|spill|stack frame|bytes smem", re.IGNORECASE)
 
@@ -47,6 +53,22 @@ def compile_forms():
         q, kp, vp, table, lengths, mask = cascade_inputs(key, rng, b, p, n, dtype)
         out = jax.block_until_ready(jax.jit(lambda *a: verify_attention(*a, config=cfg))(
             q, kp, vp, table, lengths, mask))
+        finite = bool(np.isfinite(np.asarray(out, np.float32)).all())
+        log(f"compiled and ran: {label} (B={b}, P={p}, N={n}); output finite: {finite}")
+    from pallas_kernels.attention.mla_decode import quantize_query
+    from pallas_kernels.attention.mla_decode_mgpu import mla_decode_mgpu
+    b, p, n, hq, lora, rope = 2, 1024, 16, 128, 512, 64
+    per_req = (p + n) // PAGE + 1
+    table = jnp.asarray(rng.permutation(b * per_req).reshape(b, per_req), jnp.int32)
+    lens = jnp.full((b,), p, jnp.int32)
+    parents = np.stack([np.r_[-1, rng.integers(0, np.arange(1, n))] for _ in range(b)]).astype(np.int32)
+    mask = ancestor_mask(jnp.asarray(parents))  # [B, N, 2] uint32
+    for label, dtype, fused in MLA_FORMS:
+        pool = jax.random.normal(key, (b * per_req * PAGE, lora + rope), jnp.bfloat16).astype(dtype)
+        q = quantize_query(jax.random.normal(key, (b, n, hq, lora + rope), jnp.bfloat16), dtype)
+        extra = dict(window=n) if fused else {}
+        out, _ = jax.block_until_ready(mla_decode_mgpu(q, pool, table, lens, mask if fused else None,
+                                                       kv_lora_rank=lora, page_size=PAGE, scale=0.07, **extra))
         finite = bool(np.isfinite(np.asarray(out, np.float32)).all())
         log(f"compiled and ran: {label} (B={b}, P={p}, N={n}); output finite: {finite}")
 

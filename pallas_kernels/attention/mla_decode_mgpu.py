@@ -62,8 +62,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.prefix_decode import default_num_splits, merge_splits
-from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, cta_key_blocks, fused_key_blocks,
-                                                         fused_window_words, grid_in_order, online_softmax_update,
+from pallas_kernels.attention.prefix_decode_mgpu import (REGISTERS, _smem_transforms, cta_key_blocks,
+                                                         fused_key_blocks, fused_window_words, grid_in_order,
+                                                         online_softmax_update, register_budget_errors,
                                                          whole_page_bound, window_visible)
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
@@ -163,9 +164,10 @@ def check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank: int, page_size: int, blo
 def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *, kv_lora_rank: int, page_size: int,
                     scale: float, block_k: int = 64, stages: int | None = None, num_splits: int | None = None,
                     schedule: str | None = None, window: int = 0, tiles_adjacent: bool = True,
-                    interpret: bool = False):
+                    registers: tuple[int, int] | None = None, interpret: bool = False):
     """See `_mla_decode_mgpu`; `schedule` one of SCHEDULES, None: `default_schedule(q.dtype)`;
-    `stages` None: DEFAULT_STAGES.
+    `stages` None: DEFAULT_STAGES; `registers` the (compute, memory) warpgroups' `setmaxnreg`
+    budgets, None: the GQA prefix kernel's REGISTERS.
     `window` > 0 with `window_mask [B, R, 2] uint32` (packed ancestor rows) fuses the tree window."""
     if schedule is None:
         schedule = default_schedule(q.dtype)
@@ -173,12 +175,15 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
         raise ValueError(f"mla_decode_mgpu: schedule must be one of {SCHEDULES} or None, got {schedule!r}")
     if stages is None:
         stages = DEFAULT_STAGES
+    registers = tuple(registers or REGISTERS)
     errors = fused_window_errors(q, window_mask, window, schedule)
+    errors += [f"mla_decode_mgpu: {e}" for e in register_budget_errors(registers, 2)]
     if errors:
         raise ValueError("; ".join(errors))
     return _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, kv_lora_rank=kv_lora_rank,
                             page_size=page_size, scale=scale, block_k=block_k, stages=stages, num_splits=num_splits,
-                            schedule=schedule, window=int(window), tiles_adjacent=tiles_adjacent, interpret=interpret)
+                            schedule=schedule, window=int(window), tiles_adjacent=tiles_adjacent,
+                            registers=registers, interpret=interpret)
 
 
 def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]:
@@ -201,10 +206,11 @@ def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
-                                             "num_splits", "schedule", "window", "tiles_adjacent", "interpret"))
+                                             "num_splits", "schedule", "window", "tiles_adjacent", "registers",
+                                             "interpret"))
 def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_lora_rank: int, page_size: int,
                      scale: float, block_k: int, stages: int, num_splits: int | None, schedule: str, window: int,
-                     tiles_adjacent: bool, interpret: bool):
+                     tiles_adjacent: bool, registers: tuple[int, int], interpret: bool):
     """See the module docstring. `block_k` keys per step (a multiple of 64: the P V contraction).
     At L + Dr = 576 the query tile and two 64-key latent buffers take 216 KiB of the 227 KiB of
     shared memory. Without split scores the output leaves in [64, 16] fp32 pieces; under "split"
@@ -270,7 +276,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
             whole, lo, hi = cta_key_blocks(length, page_size, r, hq, row0, ROWS, block_k, split, blocks_per_split)
 
         def compute(w: int):
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(registers[0], action="increase")
             plgpu.barrier_wait(q_ready)
             # Under split_scores this warpgroup scores keys [w * score_k, (w + 1) * score_k) of each step.
             score_k = block_k // 2 if split_scores else block_k
@@ -528,7 +534,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(registers[1], action="decrease")
             plgpu.copy_gmem_to_smem(q_gmem.at[bi, pl.ds(row0, ROWS)], q_smem, q_ready)
 
             @pl.loop(lo, hi)

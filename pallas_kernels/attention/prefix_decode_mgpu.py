@@ -124,6 +124,17 @@ WIDEN_ROWS = 64
 REGISTERS = (232, 40)
 LAUNCH_REGISTERS = 168
 
+
+def register_budget_errors(registers: tuple[int, int], compute_warpgroups: int) -> list[str]:
+    """Why (compute, memory) `setmaxnreg` budgets cannot run beside `compute_warpgroups` compute
+    warpgroups and one memory warpgroup in a CTA launched at LAUNCH_REGISTERS (empty: they can)."""
+    compute, memory = registers
+    limit = (compute_warpgroups + 1) * LAUNCH_REGISTERS
+    if any(r % 8 or not 24 <= r <= 256 for r in registers) or compute_warpgroups * compute + memory > limit:
+        return [f"registers (compute, memory) must be multiples of 8 in [24, 256] with {compute_warpgroups} * "
+                f"compute + memory <= {limit}, got {tuple(registers)}"]
+    return []
+
 # Whether `memory_widens_values=None` has the memory warpgroup widen each FP8 V page once (see
 # `runs_memory_widens`), over FP8 pools without a warpgroup key split, where its ring fits at the
 # given (or default) pages per step. On the H200 (session 17, device time, one process, benchmarks/RESULTS.md)
@@ -558,10 +569,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     if widen_rows % ROWS_PER_WG or block % widen_rows:
         tuning_errors.append(f"widen_rows must be a multiple of {ROWS_PER_WG} dividing the step's {block} keys, "
                              f"got {widen_rows}")
-    if any(r % 8 or not 24 <= r <= 256 for r in (regs_compute, regs_memory)) or (
-            wgs * regs_compute + regs_memory > (wgs + 1) * LAUNCH_REGISTERS):
-        tuning_errors.append(f"registers (compute, memory) must be multiples of 8 in [24, 256] with {wgs} * compute "
-                             f"+ memory <= {(wgs + 1) * LAUNCH_REGISTERS}, got {(regs_compute, regs_memory)}")
+    tuning_errors += register_budget_errors((regs_compute, regs_memory), wgs)
     if tuning_errors:
         raise ValueError("prefix_decode_mgpu: " + "; ".join(tuning_errors))
     # The buffers the kernel's input checks do not size: the fused FP8 window's, prefetch's.
