@@ -194,6 +194,33 @@ def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages,
     assert "mosaic_gpu" in text
 
 
+def lowered_register_budgets(pool_dtype, **opts) -> tuple[set[int], set[int]]:
+    """The (compute, memory) `setmaxnreg` budgets in the lowered kernel of 256-row heads."""
+    import re
+
+    import jax
+
+    import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
+
+    sd = jax.ShapeDtypeStruct
+    fn = lambda qr, k, v, t, ln: prefix_decode_mgpu_row_layout(  # noqa: E731
+        qr, k, v, t, ln, query_rows=64, group=4, page_size=PAGE, scale=0.1, num_splits=1, **opts)
+    pool = sd((64 * PAGE, 8, 128), pool_dtype)
+    text = jax.jit(fn).trace(sd((2, 8, 256, 128), jnp.bfloat16), pool, pool, sd((2, 32), jnp.int32),
+                             sd((2,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    budgets = lambda way: {int(v) for v in re.findall(rf"setmaxnreg\.{way}\.sync\.aligned\.u32 (\d+)", text)}  # noqa: E731
+    return budgets("inc"), budgets("dec")
+
+
+def test_register_budgets_default_by_widening():
+    """registers=None: (224, 56) where the memory warpgroup widens FP8 V, (232, 40) elsewhere; an
+    explicit pair wins."""
+    assert lowered_register_budgets(FP8) == ({224}, {56})
+    assert lowered_register_budgets(FP8, memory_widens_values=False) == ({232}, {40})
+    assert lowered_register_budgets(jnp.bfloat16) == ({232}, {40})
+    assert lowered_register_budgets(FP8, registers=(216, 72)) == ({216}, {72})
+
+
 def test_mgpu_prefix_with_the_earlier_grid_order_lowers():
     test_mgpu_prefix_lowers_to_mosaic_gpu(256, 2, True, 64, 2, jnp.bfloat16, 2, None, opts=dict(tiles_adjacent=False))
 

@@ -123,6 +123,18 @@ WIDEN_ROWS = 64
 # warpgroups plus the memory one must fit in that (2 * 232 + 40 = 3 * 168).
 REGISTERS = (232, 40)
 LAUNCH_REGISTERS = 168
+# The budgets where the memory warpgroup widens FP8 V (`memory_widens_values`): its widening is
+# register-starved at 40 (ptxas spills). On the H200 (session 19, device time, one process,
+# benchmarks/RESULTS.md) the unfused FP8 prefix took 1.703 against 1.756 ms at B=32, P=32768, N=64,
+# 0.425 against 0.426 at B=64, P=4096, and 0.061 against 0.064 at B=1, P=32768 (persistent where
+# the items outnumber the SMs; gridded it won the same way), and session 17 ran the fused widened
+# form 7% faster at B=1 so.
+REGISTERS_MEMORY_WIDENS = (224, 56)
+
+
+def default_registers(memory_widens_values: bool) -> tuple[int, int]:
+    """The (compute, memory) budgets `registers=None` stands for."""
+    return REGISTERS_MEMORY_WIDENS if memory_widens_values else REGISTERS
 
 
 def register_budget_errors(registers: tuple[int, int], compute_warpgroups: int) -> list[str]:
@@ -479,7 +491,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     their rows of it in place; None: `runs_memory_widens`);
     `widen_rows` (FP8): rows of V widened per piece, by whichever warpgroup widens (a multiple of 64
     dividing the step's keys; None: WIDEN_ROWS), which bounds the registers a piece holds;
-    `registers`: (compute, memory) warpgroup register budgets (None: REGISTERS);
+    `registers`: (compute, memory) warpgroup register budgets (None: `default_registers`, REGISTERS_MEMORY_WIDENS
+    where the memory warpgroup widens V, else REGISTERS);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     fused = window > 0
     q_in = qr
@@ -564,7 +577,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         raise ValueError(f"prefix_decode_mgpu: memory_widens_values takes an FP8 pool, got "
                          f"{jnp.dtype(k_pool.dtype).name} pools")
     widen_rows = widen_rows or WIDEN_ROWS
-    regs_compute, regs_memory = registers or REGISTERS
+    regs_compute, regs_memory = registers or default_registers(memory_widens_values)
     tuning_errors = []
     if widen_rows % ROWS_PER_WG or block % widen_rows:
         tuning_errors.append(f"widen_rows must be a multiple of {ROWS_PER_WG} dividing the step's {block} keys, "
