@@ -30,12 +30,17 @@ FP8 = jnp.float8_e4m3fn
     # Each warpgroup scores half of every step's keys; maxima and P meet in shared memory.
     (16, 8, [260, 0, 90], 64, 2, "split", jnp.bfloat16),
     (4, 8, [0, 70, 200], 64, 1, "split", jnp.bfloat16),
+    # The warpgroups score alternate steps whole and hand P over: odd and even step counts per
+    # split, a split with no step, P = 0, a range ending on a partly visible step.
+    (16, 8, [260, 0, 90], 64, 2, "seesaw", jnp.bfloat16),
+    (4, 8, [0, 70, 200, 400], 64, 1, "seesaw", jnp.bfloat16),
     # FP8 cache: FP8 query x FP8 rows for the scores, value channels widened to fp16 per warpgroup.
     (16, 8, [260, 20], 64, 2, "turns", FP8),
+    (16, 8, [330, 20], 64, 1, "seesaw", FP8),
     (16, 8, [260, 0, 90], 64, 2, "split", FP8),
     (16, 8, [260, 20], 64, 1, "together", FP8),
 ])
-def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, schedule, dtype):
+def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, schedule, dtype, opts=None):
     rng = np.random.default_rng(r * hq + block_k)
     lengths = np.asarray(lengths, np.int32)
     b = len(lengths)
@@ -46,7 +51,7 @@ def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, s
     q = quantize_query(jnp.asarray(rng.standard_normal((b, r, hq, LORA + ROPE)), jnp.bfloat16), dtype)
     lens = jnp.asarray(lengths)
     out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
-                               block_k=block_k, num_splits=splits, schedule=schedule, interpret=True)
+                               block_k=block_k, num_splits=splits, schedule=schedule, interpret=True, **(opts or {}))
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE,
                                             scale=SCALE, whole_pages=True)
     assert out.shape == (b, r, hq, LORA) and lse.shape == (b, r, hq)
@@ -62,6 +67,19 @@ def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, s
     dense, _ = cascade_dense_reference(q.astype(jnp.bfloat16), pool[:, None, :], pool[:, None, :LORA], table, lens,
                                        mask, window=r, page_size=PAGE, scale=SCALE)
     assert rel_err(got, dense) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8])
+def test_seesaw_scores_behind_values(dtype):
+    """Seesaw's warpgroup 1 scoring its step behind P V of warpgroup 0's: the same references
+    (odd and even step counts, P = 0); refused under any other schedule, naming it."""
+    test_mgpu_mla_decode_and_cascade_match_references(4, 8, [0, 70, 200, 400], 64, 1, "seesaw", dtype,
+                                                      opts=dict(scores_behind_values=True))
+    bf = jnp.bfloat16
+    with pytest.raises(ValueError, match="scores_behind_values orders the seesaw schedule's steps, got schedule 'split'"):
+        mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), bf), jnp.zeros((64 * 4, 192), bf), jnp.zeros((1, 4), jnp.int32),
+                        jnp.zeros((1,), jnp.int32), kv_lora_rank=128, page_size=64, scale=0.1, schedule="split",
+                        scores_behind_values=True)
 
 
 def test_mgpu_mla_refuses_unsupported_shapes():
@@ -142,7 +160,8 @@ def test_auto_latent_decode_takes_mosaic_only_where_it_runs_compiled():
         uses_mosaic_latent_decode(forced, "compiled", f32_q, f32_pool)
 
 
-@pytest.mark.parametrize("schedule,dtype", [(s, d) for s in ("split", "turns", "together") for d in (jnp.bfloat16, FP8)])
+@pytest.mark.parametrize("schedule,dtype", [(s, d) for s in ("split", "seesaw", "turns", "together")
+                                            for d in (jnp.bfloat16, FP8)])
 def test_mgpu_mla_decode_lowers_to_mosaic_gpu(schedule, dtype):
     """The compiled path lowers to a Mosaic GPU module on the CPU, including Mosaic's layout
     inference and its shared-memory check (the cubin is built on the GPU machine): DeepSeek-V3
@@ -226,12 +245,12 @@ def test_mla_prefix_covers_tail_defaults_to_the_latent_decode(monkeypatch):
 
 
 def test_mla_schedule_defaults_and_refusals():
-    """None takes the per-dtype default (split for 16-bit and FP8 caches, from the H200); an unknown
+    """None takes the per-dtype default (seesaw for 16-bit and FP8 caches, from the H200); an unknown
     schedule is refused by the kernel and by MlaCascadeConfig, naming the value."""
     from pallas_kernels.attention.mla_decode_mgpu import default_schedule
     from treespec_jax.attention.mla import MlaCascadeConfig
 
-    assert default_schedule(jnp.bfloat16) == "split" and default_schedule(FP8) == "split"
+    assert default_schedule(jnp.bfloat16) == "seesaw" and default_schedule(FP8) == "seesaw"
     bf = jnp.bfloat16
     with pytest.raises(ValueError, match="'sideways'"):
         mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), bf), jnp.zeros((64 * 4, 192), bf), jnp.zeros((1, 4), jnp.int32),

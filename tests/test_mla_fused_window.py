@@ -27,12 +27,14 @@ def dense(q, pool, table, lengths, mask, window):
                                    page_size=PAGE, scale=SCALE)[0]
 
 
-@pytest.mark.parametrize("n,hq,lengths,splits", [
-    (8, 8, [260, 0, 3], 2),  # P = 0 and P < N; the key axis split in two, merged by LSE
-    (16, 4, [130, 64], 1),  # window straddling a page edge; P a whole page
-    (5, 8, [63, 200], 3),  # 40 rows padded to one tile; a trailing split with no step
+@pytest.mark.parametrize("n,hq,lengths,splits,schedule", [
+    (8, 8, [260, 0, 3], 2, "split"),  # P = 0 and P < N; the key axis split in two, merged by LSE
+    (16, 4, [130, 64], 1, "split"),  # window straddling a page edge; P a whole page
+    (5, 8, [63, 200], 3, "split"),  # 40 rows padded to one tile; a trailing split with no step
+    # Alternate steps scored whole by each warpgroup: odd and even step counts, window steps masked.
+    (16, 4, [130, 300], 1, "seesaw"),
 ])
-def test_fused_mla_window_matches_dense(n, hq, lengths, splits):
+def test_fused_mla_window_matches_dense(n, hq, lengths, splits, schedule):
     """Every row sees [0, P) and its ancestors in the window; slots past P + N hold NaN (poisoned),
     which the kernel must zero before P V."""
     rng = np.random.default_rng(n * hq)
@@ -45,7 +47,7 @@ def test_fused_mla_window_matches_dense(n, hq, lengths, splits):
     mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
     lens = jnp.asarray(lengths)
     out, lse = mla_decode_mgpu(q, pool, table, lens, mask, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
-                               window=n, num_splits=splits, interpret=True)
+                               window=n, num_splits=splits, schedule=schedule, interpret=True)
     assert out.shape == (b, n, hq, LORA) and lse.shape == (b, n, hq)
     assert not np.isnan(np.asarray(out)).any()
     assert rel_err(out, dense(q, pool, table, lens, mask, n)) < 1e-2
@@ -55,7 +57,7 @@ def test_fused_mla_window_matches_dense(n, hq, lengths, splits):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mla_module, "tree_window_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
         cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
-                               prefix_kernel="mosaic_gpu", fuse_window=True)
+                               prefix_kernel="mosaic_gpu", fuse_window=True, schedule=schedule)
         got = mla_verify_attention(q, pool, table, lens, mask, config=cfg)
     assert not calls
     assert rel_err(got, dense(q, pool, table, lens, mask, n)) < 1e-2
@@ -90,13 +92,13 @@ def test_fused_mla_window_refusals_list_every_blocker():
     pool, table, lens = jnp.zeros((64 * 4, 192), bf), jnp.zeros((1, 4), jnp.int32), jnp.zeros((1,), jnp.int32)
     mask = jnp.zeros((1, 2, 2), jnp.uint32)
     kw = dict(kv_lora_rank=128, page_size=64, scale=0.1)
-    with pytest.raises(ValueError, match=r"window must be in \[1, 64\].*schedule 'split' only, got 'turns'"):
+    with pytest.raises(ValueError, match=r"window must be in \[1, 64\].*schedules \('split', 'seesaw'\) only, got 'turns'"):
         mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), bf), pool, table, lens, mask, window=65, schedule="turns", **kw)
     with pytest.raises(ValueError, match=r"needs window_mask \[B=1, R=2, 2\] uint32"):
         mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), bf), pool, table, lens, mask.astype(jnp.int32), window=2, **kw)
     with pytest.raises(ValueError, match="16-bit caches only, got float8_e4m3fn"):
         mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), f8), pool.astype(f8), table, lens, mask, window=2, **kw)
-    with pytest.raises(ValueError, match=r"got 'triton'.*schedule 'split', got 'together'.*contradicts"):
+    with pytest.raises(ValueError, match=r"got 'triton'.*schedules \('split', 'seesaw'\), got 'together'.*contradicts"):
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, fuse_window=True,
                          prefix_kernel="triton", schedule="together", prefix_covers_tail=False)
     with pytest.raises(ValueError, match="fuse_window must be None, True or False, got 1"):
@@ -125,12 +127,12 @@ def test_fused_mla_window_lowers_to_mosaic_gpu():
                              sd((2, 32), jnp.int32), sd((2,), jnp.int32),
                              sd((2, 16, 2), jnp.uint32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    assert mla_mgpu_module.default_schedule(jnp.bfloat16) == "split"  # the schedule the fused kernel runs
+    assert mla_mgpu_module.default_schedule(jnp.bfloat16) == "seesaw"  # the schedule the lowered kernel runs
 
 
 def test_fuse_window_default_resolution():
     """fuse_window=None fuses exactly where the fused kernel runs: the Mosaic latent decode over a
-    16-bit cache, schedule "split" (given or the default) and the prefix covering every row's tail;
+    16-bit cache, schedule "seesaw" or "split" (given or the default) and the prefix covering every row's tail;
     an explicit True or False wins."""
     from treespec_jax.attention.mla import fuses_window
 
@@ -141,6 +143,7 @@ def test_fuse_window_default_resolution():
     assert not fuses_window(auto, False, jnp.bfloat16)  # the Triton decode
     assert not fuses_window(auto, True, jnp.float8_e4m3fn)  # FP8 keeps the window kernel
     assert fuses_window(MlaCascadeConfig(**base, schedule="split"), True, jnp.bfloat16)
+    assert fuses_window(MlaCascadeConfig(**base, schedule="seesaw"), True, jnp.bfloat16)
     for schedule in ("turns", "together"):
         assert not fuses_window(MlaCascadeConfig(**base, schedule=schedule), True, jnp.bfloat16)
     assert not fuses_window(MlaCascadeConfig(**base, prefix_covers_tail=False), True, jnp.bfloat16)

@@ -37,7 +37,13 @@ One CTA per (64-row tile, key split, request): the memory warpgroup TMA-copies t
 and `block_k` latent rows per step (a page slice found through the page table) into a ring of
 `stages` buffers. Each compute warpgroup accumulates half of the L value channels, so an
 accumulator is [64, L / 2] fp32. How they share the scores is the `schedule`:
-- "split" (the default): each scores half of the step's keys against the whole row (latent + rope),
+- "seesaw" (the default since session 19): the warpgroups score alternate steps whole; the scorer
+  hands its P and the row maxima after the step to the other through shared memory (one P buffer,
+  one barrier per direction), and each adds P V of every step for its value channels. Warpgroup 1
+  scores step i0 + 1 while warpgroup 0 runs the softmax of i0, and runs its own softmax while its
+  P V of i0 is in flight, so one warpgroup's softmax overlaps the other's matmuls. 4-7% faster
+  than "split" on the H200 at DeepSeek-V3 widths (bf16 and FP8).
+- "split": each scores half of the step's keys against the whole row (latent + rope),
   they swap row maxima through shared memory, each writes its half of P there, and each adds P V
   (P loaded whole into registers) for its value channels, issued together with its scores of the
   next step. Only the useful tensor work, at the price of two exchanges per step.
@@ -84,7 +90,11 @@ SMEM_OVERHEAD = 1024
 #            step's P V goes out together with the next step's scores;
 #   "turns": both score every key (duplicated) and take turns on the tensor cores, one's softmax
 #            (and FP8 widening) running while the other's matmuls do;
-#   "together": both score every key, no turns.
+#   "together": both score every key, no turns;
+#   "seesaw": the warpgroups score alternate steps whole (64 keys, one wgmma N of 64 instead of two
+#            of 32) and hand each step's P and row maxima to the other in turn, each adding P V of
+#            every step for its value channels; one warpgroup's softmax runs while the other's
+#            matmuls do, as FlashMLA's schedule on Hopper.
 # Decode alone on the H200 (B=32, P=8192, N=16, 128 heads, device time, 2026-12-01, session 14,
 # benchmarks/RESULTS.md): bf16 split 2.54 ms / together 2.64 / turns 2.71; FP8 split 2.37 / turns
 # 2.48 / together 2.62 (one process; between processes these move up to 6%).
@@ -92,9 +102,18 @@ SMEM_OVERHEAD = 1024
 # double-buffered exchange per step, three ring stages; it fit beside FP8 rows only), was built and
 # removed: its FP8 cascade took 3.243 vs 2.580 ms for "split" (1.26x slower, one process, session
 # 15, benchmarks/RESULTS.md), as a third ring stage alone had slowed the split decode by 3-5%.
-SCHEDULES = ("split", "turns", "together")
-DEFAULT_SCHEDULE_16BIT = "split"
-DEFAULT_SCHEDULE_FP8 = "split"
+SCHEDULES = ("split", "seesaw", "turns", "together")
+# Schedules whose warpgroups hand P and the row maxima to each other through shared memory (the
+# exchange buffers, and the output staged in the ring's memory once the key loop is done).
+EXCHANGES = ("split", "seesaw")
+# Session 19 (B=32, P=8192, N=16, 128 heads, device time, one process): "seesaw" took the bf16
+# decode to 2.350 from 2.522 ms under "split" (the fused cascade 2.495 from 2.603) and the FP8
+# decode to 2.233 from 2.375 (cascade 2.450 from 2.590), both conforming as "split" does.
+DEFAULT_SCHEDULE_16BIT = "seesaw"
+# Whether seesaw's warpgroup 1 scores its step behind its P V of warpgroup 0's step by default
+# (`scores_behind_values`); not yet timed on the GPU.
+SCORES_BEHIND_VALUES_BY_DEFAULT = False
+DEFAULT_SCHEDULE_FP8 = "seesaw"
 
 
 def default_schedule(dtype) -> str:
@@ -118,17 +137,16 @@ def schedule_fits(schedule: str, width: int, itemsize: int, kv_lora_rank: int, b
 
 def smem_bytes(width: int, itemsize: int, block_k: int, stages: int, schedule: str, kv_lora_rank: int) -> int:
     """Shared memory the kernel allocates: query tile, latent ring, with 1-byte (FP8) rows the fp16
-    value rows both warpgroups widen, output staging; under "split" also the P and row-statistic
+    value rows both warpgroups widen, output staging; under "split" and "seesaw" also the P and row-statistic
     exchange, with the output staged in the ring's memory (a union: disjoint lifetimes)."""
-    split_scores = schedule == "split"
     half = kv_lora_rank // 2
     ring = _aligned(stages * block_k * width * itemsize)
     if itemsize == 1:
         ring += 2 * _aligned(block_k * half * 2)
     lse = _aligned(ROWS * 4)
-    if split_scores:
+    if schedule in EXCHANGES:
         staged = max(ring, _aligned(2 * ROWS * half * 4) + lse)
-        exchange = _aligned(ROWS * block_k * 2) + _aligned(2 * ROWS * 4)
+        exchange = _aligned(ROWS * block_k * 2) + _aligned((4 if schedule == "seesaw" else 2) * ROWS * 4)
         return _aligned(ROWS * width * itemsize) + staged + exchange + SMEM_OVERHEAD
     return _aligned(ROWS * width * itemsize) + ring + _aligned(ROWS * OUT_CHUNK * 4) + lse + SMEM_OVERHEAD
 
@@ -164,11 +182,16 @@ def check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank: int, page_size: int, blo
 def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *, kv_lora_rank: int, page_size: int,
                     scale: float, block_k: int = 64, stages: int | None = None, num_splits: int | None = None,
                     schedule: str | None = None, window: int = 0, tiles_adjacent: bool = True,
-                    registers: tuple[int, int] | None = None, interpret: bool = False):
+                    registers: tuple[int, int] | None = None, scores_behind_values: bool | None = None,
+                    interpret: bool = False):
     """See `_mla_decode_mgpu`; `schedule` one of SCHEDULES, None: `default_schedule(q.dtype)`;
     `stages` None: DEFAULT_STAGES; `registers` the (compute, memory) warpgroups' `setmaxnreg`
     budgets, None: the GQA prefix kernel's REGISTERS.
-    `window` > 0 with `window_mask [B, R, 2] uint32` (packed ancestor rows) fuses the tree window."""
+    `window` > 0 with `window_mask [B, R, 2] uint32` (packed ancestor rows) fuses the tree window.
+    `scores_behind_values` (schedule "seesaw"): warpgroup 1 scores its step of a pair only after it
+    has issued P V of warpgroup 0's step, instead of first; that step's ring slot is the one both
+    warpgroups released last in the previous pair, so its copy gets P V's time to land (None:
+    SCORES_BEHIND_VALUES_BY_DEFAULT)."""
     if schedule is None:
         schedule = default_schedule(q.dtype)
     if schedule not in SCHEDULES:
@@ -176,14 +199,20 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
     if stages is None:
         stages = DEFAULT_STAGES
     registers = tuple(registers or REGISTERS)
+    if scores_behind_values is None:
+        scores_behind_values = SCORES_BEHIND_VALUES_BY_DEFAULT and schedule == "seesaw"
     errors = fused_window_errors(q, window_mask, window, schedule)
+    if scores_behind_values and schedule != "seesaw":
+        errors.append(f"mla_decode_mgpu: scores_behind_values orders the seesaw schedule's steps, got schedule "
+                      f"{schedule!r}")
     errors += [f"mla_decode_mgpu: {e}" for e in register_budget_errors(registers, 2)]
     if errors:
         raise ValueError("; ".join(errors))
     return _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, kv_lora_rank=kv_lora_rank,
                             page_size=page_size, scale=scale, block_k=block_k, stages=stages, num_splits=num_splits,
                             schedule=schedule, window=int(window), tiles_adjacent=tiles_adjacent,
-                            registers=registers, interpret=interpret)
+                            registers=registers, scores_behind_values=bool(scores_behind_values),
+                            interpret=interpret)
 
 
 def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]:
@@ -200,17 +229,17 @@ def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]
     if jnp.dtype(q.dtype) == F8:
         errors.append("mla_decode_mgpu: the fused window scores the unquantised query, so it takes 16-bit caches "
                       "only, got float8_e4m3fn (an FP8 cache keeps the window kernel)")
-    if schedule != "split":
-        errors.append(f"mla_decode_mgpu: the fused window runs under schedule 'split' only, got {schedule!r}")
+    if schedule not in EXCHANGES:
+        errors.append(f"mla_decode_mgpu: the fused window runs under schedules {EXCHANGES} only, got {schedule!r}")
     return errors
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
                                              "num_splits", "schedule", "window", "tiles_adjacent", "registers",
-                                             "interpret"))
+                                             "scores_behind_values", "interpret"))
 def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_lora_rank: int, page_size: int,
                      scale: float, block_k: int, stages: int, num_splits: int | None, schedule: str, window: int,
-                     tiles_adjacent: bool, registers: tuple[int, int], interpret: bool):
+                     tiles_adjacent: bool, registers: tuple[int, int], scores_behind_values: bool, interpret: bool):
     """See the module docstring. `block_k` keys per step (a multiple of 64: the P V contraction).
     At L + Dr = 576 the query tile and two 64-key latent buffers take 216 KiB of the 227 KiB of
     shared memory. Without split scores the output leaves in [64, 16] fp32 pieces; under "split"
@@ -224,7 +253,8 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
     tile). On the H200 at B=32, P=8192, N=16, 128 heads, side by side took 2.677 vs 2.819 ms (bf16)
     and 2.667 vs 2.705 ms (FP8) (session 11, benchmarks/RESULTS.md), so it is the default."""
     check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank, page_size, block_k)
-    split_scores, pingpong = schedule == "split", schedule == "turns"
+    split_scores, pingpong, seesaw = schedule == "split", schedule == "turns", schedule == "seesaw"
+    exchanges = schedule in EXCHANGES
     if stages < 2:
         raise ValueError(f"mla_decode_mgpu: stages must be >= 2, got {stages}")
     # Under an FP8 cache the scores are an FP8 x FP8 wgmma (the latent rows are its K-major
@@ -256,9 +286,9 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
 
     def body(q_gmem, lat_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, out_gmem, lse_gmem, scoped):
         (q_smem, kv_smem, wide_smem, *out_bufs), (q_ready, kv_ready, kv_free, *syncs) = scoped
-        if split_scores:
+        if exchanges:
             (p_smem, stat_smem), (o_smem, lse_smem) = out_bufs
-            stats_ready, p_ready = syncs
+            stats_ready, p_ready = syncs  # seesaw: p_ready [2], one per direction
         else:
             o_smem, lse_smem = out_bufs
             o_free, turn = syncs
@@ -387,15 +417,17 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 release(slot, True)
                 return acc, m_new, l
 
-            def exchange(mine):
+            def exchange(mine, base: int = 0):
                 """Write this warpgroup's row statistic, wait for the other's, return it. One buffer
                 is enough: a warpgroup writes again only after both have passed the P exchange
-                (or, at the end, the last step), which follows the other's read."""
-                stat_smem.at[w][...] = mine
+                (or, at the end, the last step), which follows the other's read. Under "seesaw"
+                the final row sums take rows `base` = 2, 3: the last step's maximum in rows 0, 1
+                may still be unread."""
+                stat_smem.at[base + w][...] = mine
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(stats_ready)
                 plgpu.barrier_wait(stats_ready)
-                return plgpu.load(stat_smem.at[1 - w], layout=plgpu.Layout.WGMMA.reduce(1))
+                return plgpu.load(stat_smem.at[base + 1 - w], layout=plgpu.Layout.WGMMA.reduce(1))
 
             def split_softmax(i, s, m, l, masked: bool):
                 """A split step's softmax: from this warpgroup's scores `s` of step i, swap row
@@ -479,6 +511,132 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 # No step at all (both warpgroups agree): the running state stays as it is.
                 return lax.cond(hi > lo, run, lambda *c: c, acc, m, l)
 
+            def whole_scores(slot):
+                """Scores of a whole step (under "seesaw" this warpgroup's own), waited."""
+                plgpu.barrier_wait(kv_ready.at[slot])
+
+                def run(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+            def hand_over(p16, m_new):
+                """Seesaw: this warpgroup's step, P and the row maxima after it, to the other. One P
+                buffer serves both directions: each warpgroup writes only after it has read the
+                other's last (in registers), which the other wrote after reading the one before."""
+                p_smem[...] = p16
+                stat_smem.at[w][...] = m_new
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready.at[w])
+
+            def take_over():
+                """Seesaw: the other warpgroup's step, (P, row maxima after it)."""
+                plgpu.barrier_wait(p_ready.at[1 - w])
+                return (plgpu.load(p_smem, layout=plgpu.Layout.WGMMA),
+                        plgpu.load(stat_smem.at[1 - w], layout=plgpu.Layout.WGMMA.reduce(1)))
+
+            def rescale_factor(m, m_new):
+                """exp2(m - m_new) as the scorer's softmax takes it (0, not NaN, while a row has seen
+                no key)."""
+                return jnp.exp2(m - jnp.where(m_new == -jnp.inf, 0.0, m_new))
+
+            def scale_rows(x, alpha):
+                return x * lax.broadcast_in_dim(alpha, x.shape, [0])
+
+            def values_during(acc, p, v_tile, during):
+                """(acc + P V[:, this warpgroup's half], during()): `during` runs while P V is in flight."""
+                if interpret:
+                    got = during()
+                    return acc + jnp.dot(p, v_tile[...], preferred_element_type=jnp.float32), got
+
+                def run(o_ref):
+                    o_ref[...] = acc
+                    plgpu.wgmma(o_ref, p, v_tile)
+                    got = during()
+                    o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+                    # P V read P from registers until the wait: keep them from reuse before it.
+                    o, _ = lax.optimization_barrier((o, p))
+                    return o, got
+
+                return pl.run_scoped(run, plgpu.ACC((ROWS, half), jnp.float32))
+
+            def step_values(slot, i, masked: bool):
+                """This warpgroup's value channels of step i, ready for P V (FP8: widened, the ring
+                slot then released by this warpgroup; fused and masked: unseen rows zeroed)."""
+                v_tile = value_tile(slot)
+                if fused and masked:
+                    v_tile = clean_values(v_tile, i)
+                release(slot, False)
+                return v_tile
+
+            def seesaw_pair(j, carry, masked: bool, second: bool):
+                """Steps i0 = lo + 2j (scored by warpgroup 0) and i0 + 1 (by warpgroup 1; absent when
+                not `second`, the range's odd last step). Warpgroup 0 scores i0 and hands P over,
+                then adds P V of i0 while it waits for warpgroup 1's P of i0 + 1; warpgroup 1 has
+                scored i0 + 1 meanwhile, adds P V of i0 as soon as P arrives, and runs its own
+                softmax while that is in flight. Both then add P V of i0 + 1. `m` is the same in
+                both warpgroups after every step; `l` sums this warpgroup's own steps only."""
+                acc, m, l = carry
+                i0 = lo + 2 * j
+                slot0 = lax.rem(2 * j, jnp.int32(stages))
+                slot1 = lax.rem(2 * j + 1, jnp.int32(stages))
+                if w == 0:
+                    p, alpha, m0, l, _ = online_softmax_update(whole_scores(slot0), m, l, None, scale2,
+                                                               visible(i0) if masked else None)
+                    p = p.astype(pv_dtype)
+                    hand_over(p, m0)
+                    acc, got = values_during(scale_rows(acc, alpha), p, step_values(slot0, i0, masked),
+                                             take_over if second else tuple)
+                    release(slot0, True)
+                    if not second:
+                        return acc, m0, l
+                    p1, m1 = got
+                    alpha = rescale_factor(m0, m1)
+                    acc, _ = values_during(scale_rows(acc, alpha), p1, step_values(slot1, i0 + 1, masked), tuple)
+                    release(slot1, True)
+                    return acc, m1, l * alpha
+                s = whole_scores(slot1) if second and not scores_behind_values else None
+                p0, m0 = take_over()
+                alpha = rescale_factor(m, m0)
+                acc, l = scale_rows(acc, alpha), l * alpha
+                v0 = step_values(slot0, i0, masked)
+                if not second:
+                    acc, _ = values_during(acc, p0, v0, tuple)
+                    release(slot0, True)
+                    return acc, m0, l
+
+                def own_softmax():
+                    # `scores_behind_values`: scored now, behind P V of i0 (its ring slot, released
+                    # last in the previous pair, had that long to arrive).
+                    scores = whole_scores(slot1) if scores_behind_values else s
+                    p, alpha, m1, l1, _ = online_softmax_update(scores, m0, l, None, scale2,
+                                                                visible(i0 + 1) if masked else None)
+                    p = p.astype(pv_dtype)
+                    hand_over(p, m1)
+                    return p, alpha, m1, l1
+
+                acc, (p1, alpha, m1, l) = values_during(acc, p0, v0, own_softmax)
+                release(slot0, True)
+                acc, _ = values_during(scale_rows(acc, alpha), p1, step_values(slot1, i0 + 1, masked), tuple)
+                release(slot1, True)
+                return acc, m1, l
+
+            def seesaw_steps(acc, m, l):
+                def run(acc, m, l):
+                    n = hi - lo
+                    pairs = lax.div(n, jnp.int32(2))
+                    open_pairs = jnp.clip(lax.div(open_end - lo, jnp.int32(2)), 0, pairs)
+                    carry = lax.fori_loop(0, open_pairs, functools.partial(seesaw_pair, masked=False, second=True),
+                                          (acc, m, l))
+                    carry = lax.fori_loop(open_pairs, pairs, functools.partial(seesaw_pair, masked=True, second=True),
+                                          carry)
+                    return lax.cond(lax.rem(n, jnp.int32(2)) == 1,
+                                    lambda c: seesaw_pair(pairs, c, masked=True, second=False), lambda c: c, carry)
+
+                # No step at all (both warpgroups agree): the running state stays as it is.
+                return lax.cond(hi > lo, run, lambda *c: c, acc, m, l)
+
             m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), plgpu.Layout.WGMMA)
@@ -486,21 +644,23 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 take_turn()  # start half a step behind warpgroup 0
             if split_scores:
                 acc, m, l = split_steps(acc, m, l)
+            elif seesaw:
+                acc, m, l = seesaw_steps(acc, m, l)
             else:
                 carry = lax.fori_loop(lo, open_end, functools.partial(step, masked=False), (acc, m, l))
                 acc, m, l = lax.fori_loop(open_end, hi, functools.partial(step, masked=True), carry)
             if pingpong and w == 0:
                 take_turn()
-            if split_scores:
+            if exchanges:
                 # Also the point after which neither warpgroup reads the latent ring again, so the
                 # output may be staged in its memory.
-                l = l + exchange(l)
+                l = l + exchange(l, 2 if seesaw else 0)
             seen = l > 0
             l_safe = jnp.where(seen, l, 1.0)
             out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
                             acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
             lse = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
-            if split_scores:
+            if exchanges:
                 # Each half leaves in one copy from its own staging tile (in the ring's memory).
                 o_smem.at[w][...] = out
                 if w == 0:
@@ -560,17 +720,20 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
         wide = tuple(plgpu.SMEM((block_k, half), pv_dtype, transforms=_smem_transforms(half, pv_dtype))
                      for _ in range(2)) if fp8 else None
         lse_stage = plgpu.SMEM((ROWS,), jnp.float32)
-        if split_scores:
+        if exchanges:
             # The ring (and widened values) and the output staging have disjoint lifetimes.
             out_stage = plgpu.SMEM((2, ROWS, half), jnp.float32, transforms=_smem_transforms(half, jnp.float32))
             ring_and_out = plgpu.RefUnion((ring, wide), (out_stage, lse_stage))
             # Each warpgroup's half of P's columns.
             # (8, 16) tiles: a warp's P store and load touch eight rows of 16 bytes, 32 bytes apart,
             # so no bank sees two of them.
+            # Seesaw: rows 0, 1 carry each warpgroup's step maxima, rows 2, 3 the final row sums.
             exchange = (plgpu.SMEM((ROWS, block_k), pv_dtype, transforms=_smem_transforms(16, pv_dtype)),
-                        plgpu.SMEM((2, ROWS), jnp.float32))
+                        plgpu.SMEM((4 if seesaw else 2, ROWS), jnp.float32))
             buffers = (plgpu.SMEM((ROWS, c), dtype, transforms=_smem_transforms(c, dtype)), ring_and_out, exchange)
-            syncs = (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2))
+            # Seesaw: one P hand-over barrier per direction, each arrived by one warpgroup.
+            syncs = (plgpu.Barrier(num_arrivals=2),
+                     plgpu.Barrier(num_arrivals=1, num_barriers=2) if seesaw else plgpu.Barrier(num_arrivals=2))
         else:
             buffers = (plgpu.SMEM((ROWS, c), dtype, transforms=_smem_transforms(c, dtype)), ring, wide,
                        plgpu.SMEM((ROWS, OUT_CHUNK), jnp.float32, transforms=_smem_transforms(OUT_CHUNK, jnp.float32)),
@@ -578,7 +741,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
             syncs = (plgpu.Barrier(), plgpu.Barrier(num_arrivals=2))
 
         def run(bufs, bars):
-            if split_scores:
+            if exchanges:
                 q_smem, ((kv_smem, wide_smem), stage), exch = bufs
                 bufs = (q_smem, kv_smem, wide_smem, exch, stage)
             body(q_gmem, lat_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, out_gmem, lse_gmem, (bufs, bars))

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention.mla_decode import FP8, MlaDecodeConfig, mla_decode, quantize_query
-from pallas_kernels.attention.mla_decode_mgpu import (SCHEDULES, check_mla_mgpu_inputs, default_schedule,
+from pallas_kernels.attention.mla_decode_mgpu import (EXCHANGES, SCHEDULES, check_mla_mgpu_inputs, default_schedule,
                                                        mla_decode_mgpu, mla_mgpu_input_errors)
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.attention.tree_window import tree_window_attention
@@ -66,15 +66,16 @@ class MlaCascadeConfig:
     # but no causal tail of committed rows. Same result. None: True under the Mosaic latent decode
     # (1.02x bf16, 1.04x FP8 on the H200, session 12, benchmarks/RESULTS.md), else False.
     prefix_covers_tail: bool | None = None
-    # How the Mosaic latent decode's two compute warpgroups share a step: "split" (each scores half
-    # of the keys, P exchanged), "turns" or "together" (both score every key, taking turns on the
-    # tensor cores or not). None: mla_decode_mgpu.default_schedule (split, the faster on the H200
-    # for bf16 and FP8 caches).
+    # How the Mosaic latent decode's two compute warpgroups share a step: "seesaw" (they score
+    # alternate steps whole and hand each step's P to the other), "split" (each scores half of the
+    # keys, P exchanged), "turns" or "together" (both score every key, taking turns on the tensor
+    # cores or not). None: mla_decode_mgpu.default_schedule (seesaw, the fastest on the H200 for
+    # bf16 and FP8 caches since session 19).
     schedule: str | None = None
     # Fuse the tree window into the Mosaic latent decode (prefix_kernel "mosaic_gpu", 16-bit caches,
-    # schedule "split"): one kernel gives every row the keys [0, P + window), window key j under bit
+    # schedule "seesaw" or "split"): one kernel gives every row the keys [0, P + window), window key j under bit
     # j of the row's mask, and writes the final output (no partial, no window kernel). None: fused
-    # wherever it can run, i.e. the Mosaic latent decode over a 16-bit cache under schedule "split"
+    # wherever it can run, i.e. the Mosaic latent decode over a 16-bit cache under those schedules
     # with prefix_covers_tail not False (`fuses_window`); on the H200 the fused bf16 cascade took
     # 2.636 vs 2.684 ms (B=32, P=8192, N=16, 128 heads, one process, session 15, benchmarks/RESULTS.md).
     # True demands it (prefix_kernel "mosaic_gpu"); False keeps the window kernel.
@@ -102,8 +103,9 @@ class MlaCascadeConfig:
         errors += optional_flag_errors(self, "fuse_window") or mosaic_only_errors(
             self, "fuse_window", "the window is fused into that kernel")
         if self.fuse_window is True:
-            if self.schedule not in (None, "split"):
-                errors.append(f"MlaCascadeConfig.fuse_window=True runs under schedule 'split', got {self.schedule!r}")
+            if self.schedule not in (None, *EXCHANGES):
+                errors.append(f"MlaCascadeConfig.fuse_window=True runs under schedules {EXCHANGES}, "
+                              f"got {self.schedule!r}")
             if self.prefix_covers_tail is False:
                 errors.append("MlaCascadeConfig.fuse_window=True reads every row's whole prefix in one kernel, so "
                               "prefix_covers_tail=False (a causal tail for the window kernel) contradicts it")
@@ -144,12 +146,12 @@ def uses_mosaic_latent_decode(config: MlaCascadeConfig, kind: str, q, latent_poo
 
 def fuses_window(config: MlaCascadeConfig, mosaic: bool, latent_dtype) -> bool:
     """Whether the tree window runs inside the Mosaic latent decode: an explicit setting wins; None
-    fuses under the Mosaic decode (`mosaic`, resolved) over a 16-bit cache, schedule "split" (given
+    fuses under the Mosaic decode (`mosaic`, resolved) over a 16-bit cache, schedule "split" or "seesaw" (given
     or the dtype's default) and a prefix that covers every row's tail (None or True)."""
     if config.fuse_window is not None:
         return config.fuse_window
     schedule = config.schedule or default_schedule(latent_dtype)
-    return (mosaic and jnp.dtype(latent_dtype).itemsize == 2 and schedule == "split"
+    return (mosaic and jnp.dtype(latent_dtype).itemsize == 2 and schedule in EXCHANGES
             and config.prefix_covers_tail is not False)
 
 
