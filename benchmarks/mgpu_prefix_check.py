@@ -227,20 +227,23 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
 
 
 def mla_check(interpret: bool = False, timing_too: bool = True, smoke: bool = False,
-              dtypes=(jnp.bfloat16, jnp.float8_e4m3fn), registers=()) -> bool:
+              dtypes=(jnp.bfloat16, jnp.float8_e4m3fn), registers=(), lean: bool = False) -> bool:
     """The Mosaic GPU MLA latent decode: conformance (small), then DeepSeek-V3 shapes (B=32,
     P=8192, N=16, 128 heads, latent 512 + rope 64) against the Triton latent decode and both
     cascades; for each latent cache dtype (an FP8 cache takes the FP8-quantised query). `registers`:
-    also the decode under each of these (compute, memory) register budgets."""
+    also the decode under each of these (compute, memory) register budgets. `lean`: conformance of
+    the default schedule only; of the other schedules' decodes only "split" timed; the cascade: the
+    default only; with 16-bit caches also the fused decode (the 16-bit cascade's kernel) under the
+    default and each `registers` budget, in interleaved rounds."""
     ok = True
     for dtype in dtypes:
-        ok = mla_check_dtype(dtype, interpret, timing_too, smoke, registers) and ok
+        ok = mla_check_dtype(dtype, interpret, timing_too, smoke, registers, lean) and ok
     return ok
 
 
-def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, registers=()) -> bool:
+def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, registers=(), lean: bool = False) -> bool:
     from pallas_kernels.attention.mla_decode import mla_decode, mla_decode_reference, quantize_query
-    from pallas_kernels.attention.mla_decode_mgpu import SCHEDULES, mla_decode_mgpu, schedule_fits
+    from pallas_kernels.attention.mla_decode_mgpu import SCHEDULES, default_schedule, mla_decode_mgpu, schedule_fits
     from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
 
     name = jnp.dtype(dtype).name
@@ -262,17 +265,21 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, regis
                                             whole_pages=True)
     ok = True
     itemsize = jnp.dtype(dtype).itemsize
-    for schedule in SCHEDULES:  # how the two compute warpgroups share a step's scores
+    # (schedule, options): how the two compute warpgroups share a step's scores.
+    forms = [(default_schedule(dtype), {})]
+    if not lean:
+        forms += [(s, {}) for s in SCHEDULES if s != default_schedule(dtype)]
+    for schedule, opts in forms:
         if not schedule_fits(schedule, lora + rope, itemsize, lora):
             log(f"MLA {name}: schedule {schedule} does not fit shared memory at width {lora + rope}; not run")
             continue
         out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE, scale=scale,
-                                   schedule=schedule, interpret=interpret)
+                                   schedule=schedule, interpret=interpret, **opts)
         e_out = rel_err(out, ref_out)
         lse_ok = lse_agrees(lse, ref_lse)
         ok = ok and e_out < 2e-2 and lse_ok
-        log(f"MLA {name} conformance (schedule {schedule}): decode rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}"
-            f" -> {'PASS' if e_out < 2e-2 and lse_ok else 'FAIL'}")
+        log(f"MLA {name} conformance (schedule {schedule}{', ' + str(opts) if opts else ''}): decode rel "
+            f"{e_out:.2e}, lse {'ok' if lse_ok else 'BAD'} -> {'PASS' if e_out < 2e-2 and lse_ok else 'FAIL'}")
     if not ok or not timing_too:
         return ok
     flops_rate = (None if smoke else traced_matmul_flops()) or 1e12  # smoke: a placeholder rate
@@ -291,14 +298,14 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, regis
     fns = {
         "mgpu decode": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, **kw)),
         # A request's row tiles launched apart (the order before session 11; they read the same pages).
-        "mgpu decode, tiles apart": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, tiles_adjacent=False,
-                                                                         **kw)),
+        **({} if lean else {"mgpu decode, tiles apart": jax.jit(lambda *a: mla_decode_mgpu(
+            *a, interpret=smoke, tiles_adjacent=False, **kw))}),
         **{f"mgpu decode, schedule {s}": jax.jit(lambda *a, s=s: mla_decode_mgpu(*a, interpret=smoke, schedule=s, **kw))
-           for s in SCHEDULES},
+           for s in (("split",) if lean else SCHEDULES)},
         **{f"mgpu decode, registers {c}/{m}": jax.jit(lambda *a, rg=(c, m): mla_decode_mgpu(*a, interpret=smoke,
                                                                                              registers=rg, **kw))
            for c, m in registers},
-        "triton decode": jax.jit(lambda *a: mla_decode(*a, backend=backend, **kw)),
+        **({} if lean else {"triton decode": jax.jit(lambda *a: mla_decode(*a, backend=backend, **kw))}),
     }
     first = None
     for label, fn in fns.items():
@@ -315,7 +322,7 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, regis
                 f"({flop / flops_rate / t:.2f} of the FLOP floor's speed)")
         except Exception as exc:  # noqa: BLE001
             log(f"MLA {name}: {label} FAILED {type(exc).__name__}: {str(exc)[:400]}")
-    forms = [("mosaic_gpu", None)] + [("mosaic_gpu", s) for s in SCHEDULES] + [("triton", None)]
+    forms = [("mosaic_gpu", None)] + ([] if lean else [("mosaic_gpu", s) for s in SCHEDULES] + [("triton", None)])
     for kernel, schedule in forms:
         label = kernel if schedule is None else f"{kernel}, schedule {schedule}"
         cfg = MlaCascadeConfig(kv_lora_rank=lora, rope_dim=rope, page_size=PAGE, scale=scale, prefix_kernel=kernel,
@@ -327,6 +334,34 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, regis
                 f"{flop / flops_rate / t:.2f} of the FLOP floor's speed")
         except Exception as exc:  # noqa: BLE001
             log(f"MLA {name}: cascade ({label}) FAILED {type(exc).__name__}: {str(exc)[:400]}")
+    if jnp.dtype(dtype).itemsize == 2 and registers:
+        ok = fused_registers(q, pool, table, lens, mask, n, registers, kw, smoke, name, flop, flops_rate) and ok
+    return ok
+
+
+def fused_registers(q, pool, table, lens, mask, n, registers, kw, smoke, name, flop, flops_rate) -> bool:
+    """The 16-bit MLA cascade's kernel (the latent decode with the tree window fused) under its
+    default register budgets and each of `registers`, bit-compared with the default, then timed in
+    two interleaved rounds (a budget moves it by about the spread between rounds)."""
+    from pallas_kernels.attention.mla_decode_mgpu import mla_decode_mgpu
+
+    forms = {"default": {}, **{f"registers {c}/{m}": dict(registers=(c, m)) for c, m in registers}}
+    fns = {label: jax.jit(lambda *a, o=o: mla_decode_mgpu(*a, window=n, interpret=smoke, **o, **kw))
+           for label, o in forms.items()}
+    ok, first = True, None
+    for label, fn in list(fns.items()):
+        out = np.asarray(fn(q, pool, table, lens, mask)[0], np.float32)
+        if first is None:
+            first = out
+        elif not np.array_equal(out, first):
+            log(f"MLA {name}: fused decode, {label} DIFFERS from the default budgets' bits; not timed")
+            ok = False
+            del fns[label]
+    for rnd in range(2):
+        for label, fn in fns.items():
+            t = time_call(fn, (q, pool, table, lens, mask), 3, smoke, samples=1 if smoke else 7)
+            log(f"MLA {name} fused decode (the cascade's kernel), {label}, round {rnd + 1}: {t * 1e3:.3f} ms, "
+                f"{flop / flops_rate / t:.2f} of the FLOP floor's speed")
     return ok
 
 
@@ -349,6 +384,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lean", action="store_true", help="time only the defaults, the warpgroup layouts and the "
                     "key-split counts (no fence, grid-order or overlap variants)")
     ap.add_argument("--mla-dtypes", default="bf16,fp8", help="with --mla: bf16 and/or fp8 latent caches")
+    ap.add_argument("--mla-lean", action="store_true", help="with --mla: conformance of the default schedule only; "
+                    "time it, split, --registers, the default cascade and (16-bit) the fused decode under --registers")
     ap.add_argument("--no-overlap", action="store_true", help="leave the overlapped-softmax variant out of the timing")
     ap.add_argument("--splits", default="", help="also time the Mosaic prefix/cascade with these key-split "
                     "counts, e.g. 4,8,16")
@@ -408,7 +445,7 @@ def main(argv=None) -> int:
         try:
             mla_dtypes = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
             ok = mla_check(a.interpret, timing_too, dtypes=tuple(mla_dtypes[v] for v in a.mla_dtypes.split(",")),
-                           registers=registers) and ok
+                           registers=registers, lean=a.mla_lean) and ok
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             ok = False

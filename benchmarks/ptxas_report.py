@@ -45,11 +45,11 @@ MLA_FORMS = (("MLA bf16 decode, tree window fused (the bf16 cascade's form)", jn
 RESOURCE = re.compile(r"registers|spill|stack frame|bytes smem", re.IGNORECASE)
 
 
-def compile_forms():
+def compile_forms(mla_only: bool = False):
     rng = np.random.default_rng(0)
     key = jax.random.key(0)
     cfg = CascadeConfig(page_size=PAGE, prefix_kernel="mosaic_gpu")
-    for label, b, p, n, dtype in FORMS:
+    for label, b, p, n, dtype in () if mla_only else FORMS:
         q, kp, vp, table, lengths, mask = cascade_inputs(key, rng, b, p, n, dtype)
         out = jax.block_until_ready(jax.jit(lambda *a: verify_attention(*a, config=cfg))(
             q, kp, vp, table, lengths, mask))
@@ -94,11 +94,12 @@ def report(folder: Path) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dump", required=True, help="the folder MOSAIC_GPU_DUMP_TO names")
+    ap.add_argument("--mla-only", action="store_true", help="only the MLA latent decode's forms")
     a = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("ptxas_report: needs a GPU (Mosaic GPU compiles only there)")
         return 1
-    compile_forms()
+    compile_forms(a.mla_only)
     return 0 if report(Path(a.dump)) else 1
 
 

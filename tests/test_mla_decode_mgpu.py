@@ -40,7 +40,7 @@ FP8 = jnp.float8_e4m3fn
     (16, 8, [260, 0, 90], 64, 2, "split", FP8),
     (16, 8, [260, 20], 64, 1, "together", FP8),
 ])
-def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, schedule, dtype, opts=None):
+def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, schedule, dtype):
     rng = np.random.default_rng(r * hq + block_k)
     lengths = np.asarray(lengths, np.int32)
     b = len(lengths)
@@ -51,7 +51,7 @@ def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, s
     q = quantize_query(jnp.asarray(rng.standard_normal((b, r, hq, LORA + ROPE)), jnp.bfloat16), dtype)
     lens = jnp.asarray(lengths)
     out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
-                               block_k=block_k, num_splits=splits, schedule=schedule, interpret=True, **(opts or {}))
+                               block_k=block_k, num_splits=splits, schedule=schedule, interpret=True)
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE,
                                             scale=SCALE, whole_pages=True)
     assert out.shape == (b, r, hq, LORA) and lse.shape == (b, r, hq)
@@ -67,19 +67,6 @@ def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, s
     dense, _ = cascade_dense_reference(q.astype(jnp.bfloat16), pool[:, None, :], pool[:, None, :LORA], table, lens,
                                        mask, window=r, page_size=PAGE, scale=SCALE)
     assert rel_err(got, dense) < 1e-2
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8])
-def test_seesaw_scores_behind_values(dtype):
-    """Seesaw's warpgroup 1 scoring its step behind P V of warpgroup 0's: the same references
-    (odd and even step counts, P = 0); refused under any other schedule, naming it."""
-    test_mgpu_mla_decode_and_cascade_match_references(4, 8, [0, 70, 200, 400], 64, 1, "seesaw", dtype,
-                                                      opts=dict(scores_behind_values=True))
-    bf = jnp.bfloat16
-    with pytest.raises(ValueError, match="scores_behind_values orders the seesaw schedule's steps, got schedule 'split'"):
-        mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), bf), jnp.zeros((64 * 4, 192), bf), jnp.zeros((1, 4), jnp.int32),
-                        jnp.zeros((1,), jnp.int32), kv_lora_rank=128, page_size=64, scale=0.1, schedule="split",
-                        scores_behind_values=True)
 
 
 def test_mgpu_mla_refuses_unsupported_shapes():

@@ -110,10 +110,12 @@ EXCHANGES = ("split", "seesaw")
 # decode to 2.350 from 2.522 ms under "split" (the fused cascade 2.495 from 2.603) and the FP8
 # decode to 2.233 from 2.375 (cascade 2.450 from 2.590), both conforming as "split" does.
 DEFAULT_SCHEDULE_16BIT = "seesaw"
-# Whether seesaw's warpgroup 1 scores its step behind its P V of warpgroup 0's step by default
-# (`scores_behind_values`); not yet timed on the GPU.
-SCORES_BEHIND_VALUES_BY_DEFAULT = False
 DEFAULT_SCHEDULE_FP8 = "seesaw"
+# Two other step orders of "seesaw" were built, conformed on the H200 and removed (session 19, bf16
+# decode alone, one process): warpgroup 1 scoring its step behind its P V of warpgroup 0's step
+# (so that step's ring slot, released last in the pair before, gets P V's time to land) took
+# 2.823 ms, warpgroup 0 issuing the next pair's scores behind its last P V 2.739, both 2.761,
+# against 2.370 for the order kept.
 
 
 def default_schedule(dtype) -> str:
@@ -182,16 +184,11 @@ def check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank: int, page_size: int, blo
 def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *, kv_lora_rank: int, page_size: int,
                     scale: float, block_k: int = 64, stages: int | None = None, num_splits: int | None = None,
                     schedule: str | None = None, window: int = 0, tiles_adjacent: bool = True,
-                    registers: tuple[int, int] | None = None, scores_behind_values: bool | None = None,
-                    interpret: bool = False):
+                    registers: tuple[int, int] | None = None, interpret: bool = False):
     """See `_mla_decode_mgpu`; `schedule` one of SCHEDULES, None: `default_schedule(q.dtype)`;
     `stages` None: DEFAULT_STAGES; `registers` the (compute, memory) warpgroups' `setmaxnreg`
     budgets, None: the GQA prefix kernel's REGISTERS.
-    `window` > 0 with `window_mask [B, R, 2] uint32` (packed ancestor rows) fuses the tree window.
-    `scores_behind_values` (schedule "seesaw"): warpgroup 1 scores its step of a pair only after it
-    has issued P V of warpgroup 0's step, instead of first; that step's ring slot is the one both
-    warpgroups released last in the previous pair, so its copy gets P V's time to land (None:
-    SCORES_BEHIND_VALUES_BY_DEFAULT)."""
+    `window` > 0 with `window_mask [B, R, 2] uint32` (packed ancestor rows) fuses the tree window."""
     if schedule is None:
         schedule = default_schedule(q.dtype)
     if schedule not in SCHEDULES:
@@ -199,20 +196,14 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
     if stages is None:
         stages = DEFAULT_STAGES
     registers = tuple(registers or REGISTERS)
-    if scores_behind_values is None:
-        scores_behind_values = SCORES_BEHIND_VALUES_BY_DEFAULT and schedule == "seesaw"
     errors = fused_window_errors(q, window_mask, window, schedule)
-    if scores_behind_values and schedule != "seesaw":
-        errors.append(f"mla_decode_mgpu: scores_behind_values orders the seesaw schedule's steps, got schedule "
-                      f"{schedule!r}")
     errors += [f"mla_decode_mgpu: {e}" for e in register_budget_errors(registers, 2)]
     if errors:
         raise ValueError("; ".join(errors))
     return _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, kv_lora_rank=kv_lora_rank,
                             page_size=page_size, scale=scale, block_k=block_k, stages=stages, num_splits=num_splits,
                             schedule=schedule, window=int(window), tiles_adjacent=tiles_adjacent,
-                            registers=registers, scores_behind_values=bool(scores_behind_values),
-                            interpret=interpret)
+                            registers=registers, interpret=interpret)
 
 
 def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]:
@@ -236,10 +227,10 @@ def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
                                              "num_splits", "schedule", "window", "tiles_adjacent", "registers",
-                                             "scores_behind_values", "interpret"))
+                                             "interpret"))
 def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_lora_rank: int, page_size: int,
                      scale: float, block_k: int, stages: int, num_splits: int | None, schedule: str, window: int,
-                     tiles_adjacent: bool, registers: tuple[int, int], scores_behind_values: bool, interpret: bool):
+                     tiles_adjacent: bool, registers: tuple[int, int], interpret: bool):
     """See the module docstring. `block_k` keys per step (a multiple of 64: the P V contraction).
     At L + Dr = 576 the query tile and two 64-key latent buffers take 216 KiB of the 227 KiB of
     shared memory. Without split scores the output leaves in [64, 16] fp32 pieces; under "split"
@@ -312,7 +303,15 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
             score_k = block_k // 2 if split_scores else block_k
             key_off = w * score_k if split_scores else 0
             shape = (ROWS, score_k)
-            col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + key_off
+
+            # The masks' index arrays are built inside each masked step, not once before the key
+            # loops: held across them, a [64, 64] int32 array costs 32 registers per thread for the
+            # whole loop, beside a 128-register accumulator. With the column and row-bound arrays
+            # built up front, ptxas spilled 1.45-1.6 KB per thread (session 19); what this form
+            # spills is owed (`benchmarks/gpu_suite.py --owed`).
+            def key_index(i):
+                return plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (key_off + i * block_k)
+
             if fused:
                 # [64] per word, broadcast over the keys only inside a masked step.
                 row_words = [plgpu.load(words_gmem.at[bi, k, pl.ds(row0, ROWS)], layout=plgpu.Layout.WGMMA.reduce(1),
@@ -323,15 +322,14 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
 
                 def visible(i):
                     step_words = [lax.broadcast_in_dim(v, shape, [0]) for v in row_words]
-                    return window_visible(col + i * block_k, length, window, step_words)
+                    return window_visible(key_index(i), length, window, step_words)
             else:
-                row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
-                row_hi = whole_page_bound(length, r, hq, row, whole)
                 first_hi = jnp.maximum(whole_page_bound(length, r, hq, row0, whole), 0)
                 open_end = jnp.clip(lax.div(first_hi, jnp.int32(block_k)), lo, hi)
 
                 def visible(i):
-                    return col + i * block_k < row_hi
+                    row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+                    return key_index(i) < whole_page_bound(length, r, hq, row, whole)
             cols = pl.ds(w * half, half)  # this warpgroup's value channels (static)
 
             def value_tile(slot):
@@ -596,7 +594,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                     acc, _ = values_during(scale_rows(acc, alpha), p1, step_values(slot1, i0 + 1, masked), tuple)
                     release(slot1, True)
                     return acc, m1, l * alpha
-                s = whole_scores(slot1) if second and not scores_behind_values else None
+                s = whole_scores(slot1) if second else None
                 p0, m0 = take_over()
                 alpha = rescale_factor(m, m0)
                 acc, l = scale_rows(acc, alpha), l * alpha
@@ -607,10 +605,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                     return acc, m0, l
 
                 def own_softmax():
-                    # `scores_behind_values`: scored now, behind P V of i0 (its ring slot, released
-                    # last in the previous pair, had that long to arrive).
-                    scores = whole_scores(slot1) if scores_behind_values else s
-                    p, alpha, m1, l1, _ = online_softmax_update(scores, m0, l, None, scale2,
+                    p, alpha, m1, l1, _ = online_softmax_update(s, m0, l, None, scale2,
                                                                 visible(i0 + 1) if masked else None)
                     p = p.astype(pv_dtype)
                     hand_over(p, m1)
