@@ -243,8 +243,7 @@ def mla_check(interpret: bool = False, timing_too: bool = True, smoke: bool = Fa
 
 def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, registers=(), lean: bool = False) -> bool:
     from pallas_kernels.attention.mla_decode import mla_decode, mla_decode_reference, quantize_query
-    from pallas_kernels.attention.mla_decode_mgpu import (SCHEDULES, STAGGER_SCORES_BY_DEFAULT, default_schedule,
-                                                          mla_decode_mgpu, schedule_fits)
+    from pallas_kernels.attention.mla_decode_mgpu import SCHEDULES, default_schedule, mla_decode_mgpu, schedule_fits
     from treespec_jax.attention.mla import MlaCascadeConfig, mla_verify_attention
 
     name = jnp.dtype(dtype).name
@@ -304,10 +303,6 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, regis
         **{f"mgpu decode, registers {c}/{m}": jax.jit(lambda *a, rg=(c, m): mla_decode_mgpu(*a, interpret=smoke,
                                                                                              registers=rg, **kw))
            for c, m in registers},
-        # The seesaw warpgroups' scores staggered or not, whichever is not the default.
-        **({f"mgpu decode, stagger_scores {not STAGGER_SCORES_BY_DEFAULT}": jax.jit(
-            lambda *a: mla_decode_mgpu(*a, interpret=smoke, stagger_scores=not STAGGER_SCORES_BY_DEFAULT, **kw))}
-           if default_schedule(dtype) == "seesaw" else {}),
         **({} if lean else {"triton decode": jax.jit(lambda *a: mla_decode(*a, backend=backend, **kw))}),
     }
     first = None
@@ -337,7 +332,7 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, regis
                 f"{flop / flops_rate / t:.2f} of the FLOP floor's speed")
         except Exception as exc:  # noqa: BLE001
             log(f"MLA {name}: cascade ({label}) FAILED {type(exc).__name__}: {str(exc)[:400]}")
-    if registers or lean:
+    if registers:
         # 16-bit: the cascade's kernel (the decode with the window fused); FP8: the decode alone.
         fused = jnp.dtype(dtype).itemsize == 2
         args = (q, pool, table, lens, mask) if fused else (q8, pool, table, lens)
@@ -347,13 +342,11 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, regis
 
 def interleaved_forms(args, window, registers, kw, smoke, name, flop, flops_rate) -> bool:
     """The MLA latent decode (with `window` > 0 the tree window fused: the 16-bit cascade's kernel)
-    under its defaults, each of the `registers` budgets and the seesaw scores staggered or not
-    (whichever is not the default), bit-compared with the default, then timed in two interleaved
-    rounds (such an option moves it by about the spread between rounds)."""
-    from pallas_kernels.attention.mla_decode_mgpu import STAGGER_SCORES_BY_DEFAULT, mla_decode_mgpu
+    under its default register budgets and each of `registers`, bit-compared with the default, then
+    timed in two interleaved rounds (a budget moves it by about the spread between rounds)."""
+    from pallas_kernels.attention.mla_decode_mgpu import mla_decode_mgpu
 
-    forms = {"default": {}, **{f"registers {c}/{m}": dict(registers=(c, m)) for c, m in registers},
-             f"stagger_scores {not STAGGER_SCORES_BY_DEFAULT}": dict(stagger_scores=not STAGGER_SCORES_BY_DEFAULT)}
+    forms = {"default": {}, **{f"registers {c}/{m}": dict(registers=(c, m)) for c, m in registers}}
     fns = {label: jax.jit(lambda *a, o=o: mla_decode_mgpu(*a, window=window, interpret=smoke, **o, **kw))
            for label, o in forms.items()}
     what = "fused decode (the cascade's kernel)" if window else "decode"

@@ -34,12 +34,9 @@ FP8 = jnp.float8_e4m3fn
     # split, a split with no step, P = 0, a range ending on a partly visible step.
     (16, 8, [260, 0, 90], 64, 2, "seesaw", jnp.bfloat16),
     (4, 8, [0, 70, 200, 400], 64, 1, "seesaw", jnp.bfloat16),
-    # Warpgroup 1 scoring each pair's second step only once warpgroup 0's scores are done.
-    (16, 8, [260, 0, 90], 64, 2, "seesaw+stagger", jnp.bfloat16),
     # FP8 cache: FP8 query x FP8 rows for the scores, value channels widened to fp16 per warpgroup.
     (16, 8, [260, 20], 64, 2, "turns", FP8),
     (16, 8, [330, 20], 64, 1, "seesaw", FP8),
-    (16, 8, [330, 20], 64, 1, "seesaw+stagger", FP8),
     (16, 8, [260, 0, 90], 64, 2, "split", FP8),
     (16, 8, [260, 20], 64, 1, "together", FP8),
 ])
@@ -53,10 +50,8 @@ def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, s
     # The absorbed query the decode multiplies: quantised to FP8 under an FP8 cache (as the cascade does).
     q = quantize_query(jnp.asarray(rng.standard_normal((b, r, hq, LORA + ROPE)), jnp.bfloat16), dtype)
     lens = jnp.asarray(lengths)
-    schedule, _, stagger = schedule.partition("+")
     out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
-                               block_k=block_k, num_splits=splits, schedule=schedule,
-                               stagger_scores=bool(stagger), interpret=True)
+                               block_k=block_k, num_splits=splits, schedule=schedule, interpret=True)
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE,
                                             scale=SCALE, whole_pages=True)
     assert out.shape == (b, r, hq, LORA) and lse.shape == (b, r, hq)
@@ -86,10 +81,6 @@ def test_mgpu_mla_refuses_unsupported_shapes():
     with pytest.raises(ValueError, match="more than 232448"):  # three 64-key buffers at DeepSeek widths
         mla_decode_mgpu(jnp.zeros((1, 2, 4, 576), bf), jnp.zeros((64 * 64, 576), bf), jnp.zeros((1, 64), jnp.int32),
                         jnp.zeros((1,), jnp.int32), kv_lora_rank=512, page_size=64, scale=0.1, stages=3)
-    with pytest.raises(ValueError, match="stagger_scores=True .* got 'split'"):
-        mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), bf), jnp.zeros((64 * 4, 192), bf), jnp.zeros((1, 4), jnp.int32),
-                        jnp.zeros((1,), jnp.int32), kv_lora_rank=128, page_size=64, scale=0.1, schedule="split",
-                        stagger_scores=True)
     with pytest.raises(ValueError, match="got bfloat16, float32"):
         check_mla_mgpu_inputs(q, jnp.zeros((64, 192), jnp.float32), 128, 64, 64)
 
@@ -175,6 +166,35 @@ def test_mgpu_mla_decode_lowers_to_mosaic_gpu(schedule, dtype):
     text = jax.jit(fn).trace(sd((2, 16, 128, c), dtype), sd((64 * 64, c), dtype),
                              sd((2, 32), jnp.int32), sd((2,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_mla_register_budgets_default():
+    """registers=None lowers to MLA_REGISTERS (240, 24) in both default forms (bf16 with the window
+    fused, FP8); an explicit pair wins; a pair that does not fit the launch is refused by value."""
+    import re
+
+    import jax
+
+    import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
+
+    sd = jax.ShapeDtypeStruct
+    c = 512 + 64
+
+    def budgets(dtype, window=0, **opts):
+        fn = lambda q, pool, t, ln, *m: mla_decode_mgpu(  # noqa: E731
+            q, pool, t, ln, *m, kv_lora_rank=512, page_size=64, scale=0.07, num_splits=1, window=window, **opts)
+        args = [sd((2, 16, 128, c), dtype), sd((64 * 64, c), dtype), sd((2, 32), jnp.int32), sd((2,), jnp.int32)]
+        if window:
+            args.append(sd((2, 16, 2), jnp.uint32))
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        found = lambda way: {int(v) for v in re.findall(rf"setmaxnreg\.{way}\.sync\.aligned\.u32 (\d+)", text)}  # noqa: E731
+        return found("inc"), found("dec")
+
+    assert budgets(jnp.bfloat16, window=16) == ({240}, {24})
+    assert budgets(FP8) == ({240}, {24})
+    assert budgets(jnp.bfloat16, registers=(232, 40)) == ({232}, {40})
+    with pytest.raises(ValueError, match=r"registers .* got \(248, 24\)"):
+        budgets(jnp.bfloat16, registers=(248, 24))
 
 
 def test_mla_grid_order_changes_no_result():

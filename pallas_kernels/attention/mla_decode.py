@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.attention.prefix_decode import merge_splits
 from pallas_kernels.common import next_pow2, resolve_backend
 
 LOG2E = math.log2(math.e)
@@ -274,20 +275,6 @@ def _num_splits(config: MlaDecodeConfig, programs: int, max_blocks: int) -> int:
     return max(1, min(want, max_blocks))
 
 
-def merge_splits(out_s: jax.Array, lse_s: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """LSE merge over axis 1: `out_s [B, X, ...rows, D]`, `lse_s [B, X, ...rows]` -> merged."""
-    m = jnp.max(lse_s, axis=1)
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    w = jnp.exp2(lse_s - m_safe[:, None])  # 0 for empty splits
-    l = jnp.sum(w, axis=1)
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
-    # Empty splits wrote out = 0, so 0-weight terms stay finite.
-    out = jnp.sum(w[..., None] * out_s, axis=1) / l_safe[..., None]
-    lse = jnp.where(seen, m_safe + jnp.log2(l_safe), -jnp.inf)
-    return jnp.where(seen[..., None], out, 0.0), lse
-
-
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "interpret", "config",
                                              "poison_outputs"))
 def _mla_decode_pallas(q, latent_pool, page_table, prefix_len, *, kv_lora_rank, page_size, scale, interpret,
@@ -356,7 +343,7 @@ def _mla_decode_pallas(q, latent_pool, page_table, prefix_len, *, kv_lora_rank, 
     if splits == 1:
         out, lse = out_s[:, 0], lse_s[:, 0]
     else:
-        out, lse = merge_splits(out_s, lse_s)
+        out, lse = merge_splits(out_s, lse_s, axis=1)
     out = out[:, :rows, :lora].reshape(b, r, hq, lora)
     return out, lse[:, :rows].reshape(b, r, hq)
 

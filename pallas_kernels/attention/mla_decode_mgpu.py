@@ -68,7 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.prefix_decode import default_num_splits, merge_splits
-from pallas_kernels.attention.prefix_decode_mgpu import (REGISTERS, _smem_transforms, cta_key_blocks,
+from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, cta_key_blocks,
                                                          fused_key_blocks, fused_window_words, grid_in_order,
                                                          online_softmax_update, register_budget_errors,
                                                          whole_page_bound, window_visible)
@@ -116,12 +116,19 @@ DEFAULT_SCHEDULE_FP8 = "seesaw"
 # (so that step's ring slot, released last in the pair before, gets P V's time to land) took
 # 2.823 ms, warpgroup 0 issuing the next pair's scores behind its last P V 2.739, both 2.761,
 # against 2.370 for the order kept.
-# Under "seesaw" both warpgroups issued their scores of a pair at once, so both finished together
-# and the tensor cores idled through warpgroup 0's softmax (warpgroup 1 then only waits for its P).
-# `stagger_scores` has warpgroup 1 issue its scores once warpgroup 0's are done (one barrier per
-# pair, no value held longer), so they run under that softmax. Built in session 20; off until the
-# H200 times it (`benchmarks/gpu_suite.py --owed`).
-STAGGER_SCORES_BY_DEFAULT = False
+# A third, warpgroup 1 issuing its scores of a pair only once warpgroup 0's were done (one more
+# barrier per pair, so they would run under warpgroup 0's softmax instead of beside its scores),
+# conformed and lost too (session 20: bf16 decode 2.407 vs 2.356 ms, fused 2.456 vs 2.424): both
+# warpgroups' score matmuls in flight at once keep the tensor cores busier than that overlap does.
+
+
+# The (compute, memory) warpgroups' `setmaxnreg` budgets `registers=None` stands for. The seesaw
+# compute warpgroups spill under the GQA kernel's (232, 40) (ptxas: 1,576 / 1,444 bytes of spill
+# stores per thread in the fused bf16 / FP8 decode, session 20), and the memory warpgroup only
+# issues copies, so it gives 16 registers to each. On the H200 (B=32, P=8192, N=16, 128 heads,
+# device time, benchmarks/RESULTS.md) (240, 24) ran the bf16 decode 2.287 vs 2.356 ms (session 19:
+# 2.314 vs 2.370), the fused bf16 decode 2.326 vs 2.424 and the FP8 decode 2.131 vs 2.252 (session 20).
+MLA_REGISTERS = (240, 24)
 
 
 def default_schedule(dtype) -> str:
@@ -190,14 +197,10 @@ def check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank: int, page_size: int, blo
 def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *, kv_lora_rank: int, page_size: int,
                     scale: float, block_k: int = 64, stages: int | None = None, num_splits: int | None = None,
                     schedule: str | None = None, window: int = 0, tiles_adjacent: bool = True,
-                    registers: tuple[int, int] | None = None, stagger_scores: bool | None = None,
-                    interpret: bool = False):
+                    registers: tuple[int, int] | None = None, interpret: bool = False):
     """See `_mla_decode_mgpu`; `schedule` one of SCHEDULES, None: `default_schedule(q.dtype)`;
     `stages` None: DEFAULT_STAGES; `registers` the (compute, memory) warpgroups' `setmaxnreg`
-    budgets, None: the GQA prefix kernel's REGISTERS. `stagger_scores` ("seesaw" only; None:
-    STAGGER_SCORES_BY_DEFAULT under "seesaw"): warpgroup 1 issues its step's scores only once
-    warpgroup 0's scores of the pair are done, so they run while warpgroup 0's softmax does instead
-    of beside warpgroup 0's scores (which leaves the tensor cores idle during that softmax).
+    budgets, None: MLA_REGISTERS.
     `window` > 0 with `window_mask [B, R, 2] uint32` (packed ancestor rows) fuses the tree window."""
     if schedule is None:
         schedule = default_schedule(q.dtype)
@@ -205,20 +208,15 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
         raise ValueError(f"mla_decode_mgpu: schedule must be one of {SCHEDULES} or None, got {schedule!r}")
     if stages is None:
         stages = DEFAULT_STAGES
-    registers = tuple(registers or REGISTERS)
-    if stagger_scores is None:
-        stagger_scores = schedule == "seesaw" and STAGGER_SCORES_BY_DEFAULT
+    registers = tuple(registers or MLA_REGISTERS)
     errors = fused_window_errors(q, window_mask, window, schedule)
-    if stagger_scores and schedule != "seesaw":
-        errors.append(f"mla_decode_mgpu: stagger_scores=True staggers the seesaw warpgroups' scores, so it needs "
-                      f"schedule='seesaw', got {schedule!r}")
     errors += [f"mla_decode_mgpu: {e}" for e in register_budget_errors(registers, 2)]
     if errors:
         raise ValueError("; ".join(errors))
     return _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, kv_lora_rank=kv_lora_rank,
                             page_size=page_size, scale=scale, block_k=block_k, stages=stages, num_splits=num_splits,
                             schedule=schedule, window=int(window), tiles_adjacent=tiles_adjacent,
-                            registers=registers, stagger_scores=bool(stagger_scores), interpret=interpret)
+                            registers=registers, interpret=interpret)
 
 
 def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]:
@@ -242,10 +240,10 @@ def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
                                              "num_splits", "schedule", "window", "tiles_adjacent", "registers",
-                                             "stagger_scores", "interpret"))
+                                             "interpret"))
 def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_lora_rank: int, page_size: int,
                      scale: float, block_k: int, stages: int, num_splits: int | None, schedule: str, window: int,
-                     tiles_adjacent: bool, registers: tuple[int, int], stagger_scores: bool, interpret: bool):
+                     tiles_adjacent: bool, registers: tuple[int, int], interpret: bool):
     """See the module docstring. `block_k` keys per step (a multiple of 64: the P V contraction).
     At L + Dr = 576 the query tile and two 64-key latent buffers take 216 KiB of the 227 KiB of
     shared memory. Without split scores the output leaves in [64, 16] fp32 pieces; under "split"
@@ -294,9 +292,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
         (q_smem, kv_smem, wide_smem, *out_bufs), (q_ready, kv_ready, kv_free, *syncs) = scoped
         if exchanges:
             (p_smem, stat_smem), (o_smem, lse_smem) = out_bufs
-            # seesaw: p_ready [2], one per direction; `scored` (stagger_scores): warpgroup 0's
-            # scores of the pair are done.
-            stats_ready, p_ready, *scored = syncs
+            stats_ready, p_ready = syncs  # seesaw: p_ready [2], one per direction
         else:
             o_smem, lse_smem = out_bufs
             o_free, turn = syncs
@@ -597,10 +593,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 slot0 = lax.rem(2 * j, jnp.int32(stages))
                 slot1 = lax.rem(2 * j + 1, jnp.int32(stages))
                 if w == 0:
-                    s = whole_scores(slot0)
-                    if stagger_scores and second:
-                        plgpu.barrier_arrive(scored[0])  # warpgroup 1 may score i0 + 1 now
-                    p, alpha, m0, l, _ = online_softmax_update(s, m, l, None, scale2,
+                    p, alpha, m0, l, _ = online_softmax_update(whole_scores(slot0), m, l, None, scale2,
                                                                visible(i0) if masked else None)
                     p = p.astype(pv_dtype)
                     hand_over(p, m0)
@@ -614,10 +607,6 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                     acc, _ = values_during(scale_rows(acc, alpha), p1, step_values(slot1, i0 + 1, masked), tuple)
                     release(slot1, True)
                     return acc, m1, l * alpha
-                if stagger_scores and second:
-                    # At most one phase behind: warpgroup 0 arrives for the next pair only after
-                    # taking this pair's second P, which follows this wait.
-                    plgpu.barrier_wait(scored[0])
                 s = whole_scores(slot1) if second else None
                 p0, m0 = take_over()
                 alpha = rescale_factor(m, m0)
@@ -753,8 +742,6 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
             # Seesaw: one P hand-over barrier per direction, each arrived by one warpgroup.
             syncs = (plgpu.Barrier(num_arrivals=2),
                      plgpu.Barrier(num_arrivals=1, num_barriers=2) if seesaw else plgpu.Barrier(num_arrivals=2))
-            if stagger_scores:
-                syncs += (plgpu.Barrier(num_arrivals=1),)
         else:
             buffers = (plgpu.SMEM((ROWS, c), dtype, transforms=_smem_transforms(c, dtype)), ring, wide,
                        plgpu.SMEM((ROWS, OUT_CHUNK), jnp.float32, transforms=_smem_transforms(OUT_CHUNK, jnp.float32)),
