@@ -42,19 +42,15 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
              "launches": ["--launches", "--shapes", "64x4096x64,32x32768x64"]}
 
-# What is still owed (`--owed`): session 19 made "seesaw" the MLA latent decode's default and found
-# it spilling 1.45-1.6 KB per thread under the (232, 40) budgets (`ptxas_report.py --mla-only`);
-# (240, 24) ran the bf16 decode alone 2.4% faster once (2.314 vs 2.370 ms), inside the spread
-# between rounds, and the device time ran out before the fused bf16 decode (the cascade's kernel,
-# timed here in two interleaved rounds) and the FP8 decode were timed so. If (240, 24) wins in
-# both rounds and both dtypes, make it the MLA decode's default budgets (WORKSPACE, RESULTS, tests).
-# After the run the masks' index arrays were moved into the masked steps (untimed, not compiled on
-# the GPU): also run `MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/d python3
-# benchmarks/ptxas_report.py --dump /tmp/d --mla-only | grep -iE 'spill|registers'` and compare the
-# spills with session 19's 1,452 (bf16 fused) and 1,596 (FP8) bytes, and the decode times with its
-# 2.370 / 2.248 ms (bf16 / FP8 decode alone) and 2.479 ms (bf16 cascade).
-OWED: dict[str, list[str]] = {"mosaic": ["--skip-conformance", "--shapes", "", "--mla", "--mla-lean",
-                                         "--registers", "240,24"]}
+# What is still owed (`--owed`): session 20 rewrote `merge_splits` as elementwise chains (XLA then
+# launched five kernels for it at B=1 bf16, 7.9 us per call against 4.2) and restored reductions,
+# in one function for both split layouts, without timing that form on the GPU: profile the B=1
+# bf16 cascade (the split merge should be two XLA kernels, about 4.2 us, and the span about 65 us).
+# Also read the MLA decode's spills under its new (240, 24) budgets: `MOSAIC_GPU_DUMP_PTXAS=1
+# MOSAIC_GPU_DUMP_TO=/tmp/d python3 benchmarks/ptxas_report.py --dump /tmp/d --mla-only 2>&1 | grep -aoE
+# '[0-9]+ bytes spill[^\\]{0,60}|Used [0-9]+ registers'` (the dump echoes binary lines: extract, do not
+# grep whole lines), against session 20's 1,576 (bf16 fused) / 1,444 (FP8) bytes under (232, 40).
+OWED: dict[str, list[str]] = {"profile": ["--shapes", "1x32768x64", "--dtypes", "bf16"]}
 
 
 def main(argv=None) -> int:
