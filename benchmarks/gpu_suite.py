@@ -42,15 +42,21 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
              "launches": ["--launches", "--shapes", "64x4096x64,32x32768x64"]}
 
-# What is still owed (`--owed`): session 20 rewrote `merge_splits` as elementwise chains (XLA then
-# launched five kernels for it at B=1 bf16, 7.9 us per call against 4.2) and restored reductions,
-# in one function for both split layouts, without timing that form on the GPU: profile the B=1
-# bf16 cascade (the split merge should be two XLA kernels, about 4.2 us, and the span about 65 us).
-# Also read the MLA decode's spills under its new (240, 24) budgets: `MOSAIC_GPU_DUMP_PTXAS=1
-# MOSAIC_GPU_DUMP_TO=/tmp/d python3 benchmarks/ptxas_report.py --dump /tmp/d --mla-only 2>&1 | grep -aoE
-# '[0-9]+ bytes spill[^\\]{0,60}|Used [0-9]+ registers'` (the dump echoes binary lines: extract, do not
-# grep whole lines), against session 20's 1,576 (bf16 fused) / 1,444 (FP8) bytes under (232, 40).
-OWED: dict[str, list[str]] = {"profile": ["--shapes", "1x32768x64", "--dtypes", "bf16"]}
+# What is still owed (`--owed`): session 20 built `p_in_ring` for the MLA latent decode (seesaw
+# hands P over in the step's rope columns and both warpgroups' P V read it from shared memory: no P
+# in registers while P V is in flight, where the seesaw kernels spill), interpreter-tested and
+# lowered on the CPU, never compiled on the GPU. `mosaic` below checks the fused bf16 decode with it
+# against the default and times both in interleaved rounds (B=32, P=8192, N=16, 128 heads); if it
+# wins, set P_IN_RING_BY_DEFAULT (WORKSPACE, RESULTS, tests). Also read the spills with and without
+# it: `MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/d python3 benchmarks/ptxas_report.py --dump
+# /tmp/d --mla-only` (session 20 under (232, 40): 1,576 bytes of spill stores bf16 fused, 1,444 FP8;
+# not read under (240, 24)). And `profile`: session 20 rewrote `merge_splits` as elementwise chains
+# (XLA then launched five kernels at B=1 bf16, 7.9 us per call against 4.2) and restored reductions
+# in one function for both split layouts, untimed in that form: the split merge should be two XLA
+# kernels (about 4.2 us) and the span about 65 us.
+OWED: dict[str, list[str]] = {"mosaic": ["--skip-conformance", "--shapes", "", "--mla", "--mla-lean",
+                                         "--mla-dtypes", "bf16"],
+                              "profile": ["--shapes", "1x32768x64", "--dtypes", "bf16"]}
 
 
 def main(argv=None) -> int:

@@ -34,6 +34,8 @@ FP8 = jnp.float8_e4m3fn
     # split, a split with no step, P = 0, a range ending on a partly visible step.
     (16, 8, [260, 0, 90], 64, 2, "seesaw", jnp.bfloat16),
     (4, 8, [0, 70, 200, 400], 64, 1, "seesaw", jnp.bfloat16),
+    # P handed over in each step's rope columns, read from there by both warpgroups' P V.
+    (16, 8, [260, 0, 90], 64, 2, "seesaw+p_in_ring", jnp.bfloat16),
     # FP8 cache: FP8 query x FP8 rows for the scores, value channels widened to fp16 per warpgroup.
     (16, 8, [260, 20], 64, 2, "turns", FP8),
     (16, 8, [330, 20], 64, 1, "seesaw", FP8),
@@ -50,8 +52,10 @@ def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, s
     # The absorbed query the decode multiplies: quantised to FP8 under an FP8 cache (as the cascade does).
     q = quantize_query(jnp.asarray(rng.standard_normal((b, r, hq, LORA + ROPE)), jnp.bfloat16), dtype)
     lens = jnp.asarray(lengths)
+    schedule, _, option = schedule.partition("+")
     out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
-                               block_k=block_k, num_splits=splits, schedule=schedule, interpret=True)
+                               block_k=block_k, num_splits=splits, schedule=schedule, interpret=True,
+                               **({option: True} if option else {}))
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE,
                                             scale=SCALE, whole_pages=True)
     assert out.shape == (b, r, hq, LORA) and lse.shape == (b, r, hq)
@@ -148,7 +152,7 @@ def test_auto_latent_decode_takes_mosaic_only_where_it_runs_compiled():
 
 
 @pytest.mark.parametrize("schedule,dtype", [(s, d) for s in ("split", "seesaw", "turns", "together")
-                                            for d in (jnp.bfloat16, FP8)])
+                                            for d in (jnp.bfloat16, FP8)] + [("seesaw+p_in_ring", jnp.bfloat16)])
 def test_mgpu_mla_decode_lowers_to_mosaic_gpu(schedule, dtype):
     """The compiled path lowers to a Mosaic GPU module on the CPU, including Mosaic's layout
     inference and its shared-memory check (the cubin is built on the GPU machine): DeepSeek-V3
@@ -161,11 +165,29 @@ def test_mgpu_mla_decode_lowers_to_mosaic_gpu(schedule, dtype):
     sd = jax.ShapeDtypeStruct
     lora, rope = 512, 64
     c = lora + rope
+    schedule, _, option = schedule.partition("+")
     fn = lambda q, pool, t, ln: mla_decode_mgpu(q, pool, t, ln, kv_lora_rank=lora, page_size=64, scale=0.07,  # noqa: E731
-                                                schedule=schedule, num_splits=2)
+                                                schedule=schedule, num_splits=2, **({option: True} if option else {}))
     text = jax.jit(fn).trace(sd((2, 16, 128, c), dtype), sd((64 * 64, c), dtype),
                              sd((2, 32), jnp.int32), sd((2,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_p_in_ring_refusals_list_every_blocker():
+    """p_in_ring needs "seesaw", a 16-bit cache and rope channels >= block_k; every blocker is named
+    at once, and None resolves to off wherever one applies."""
+    from pallas_kernels.attention.mla_decode_mgpu import p_in_ring_errors
+
+    q16 = jnp.zeros((1, 2, 4, 160), jnp.bfloat16)  # 128 latent + 32 rope channels
+    errors = p_in_ring_errors(q16, 128, 64, "split")
+    assert len(errors) == 2 and "'split'" in errors[0] and "rope channels (32) >= block_k (64)" in errors[1]
+    assert "float8_e4m3fn" in p_in_ring_errors(jnp.zeros((1, 2, 4, 192), FP8), 128, 64, "seesaw")[0]
+    assert not p_in_ring_errors(jnp.zeros((1, 2, 4, 192), jnp.bfloat16), 128, 64, "seesaw")
+    args = (jnp.zeros((64 * 4, 160), jnp.bfloat16), jnp.zeros((1, 4), jnp.int32), jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match="got 'split'.*rope channels"):
+        mla_decode_mgpu(q16, *args, kv_lora_rank=128, page_size=64, scale=0.1, schedule="split", p_in_ring=True)
+    with pytest.raises(ValueError, match="p_in_ring must be None, True or False, got 'yes'"):
+        mla_decode_mgpu(q16, *args, kv_lora_rank=128, page_size=64, scale=0.1, p_in_ring="yes")
 
 
 def test_mla_register_budgets_default():

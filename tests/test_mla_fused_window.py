@@ -33,6 +33,7 @@ def dense(q, pool, table, lengths, mask, window):
     (5, 8, [63, 200], 3, "split"),  # 40 rows padded to one tile; a trailing split with no step
     # Alternate steps scored whole by each warpgroup: odd and even step counts, window steps masked.
     (16, 4, [130, 300], 1, "seesaw"),
+    (16, 4, [130, 300], 1, "seesaw+p_in_ring"),  # P handed over in each step's rope columns
 ])
 def test_fused_mla_window_matches_dense(n, hq, lengths, splits, schedule):
     """Every row sees [0, P) and its ancestors in the window; slots past P + N hold NaN (poisoned),
@@ -46,11 +47,15 @@ def test_fused_mla_window_matches_dense(n, hq, lengths, splits, schedule):
     q = jnp.asarray(rng.standard_normal((b, n, hq, LORA + ROPE)), jnp.bfloat16)
     mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
     lens = jnp.asarray(lengths)
+    schedule, _, option = schedule.partition("+")
     out, lse = mla_decode_mgpu(q, pool, table, lens, mask, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
-                               window=n, num_splits=splits, schedule=schedule, interpret=True)
+                               window=n, num_splits=splits, schedule=schedule, interpret=True,
+                               **({option: True} if option else {}))
     assert out.shape == (b, n, hq, LORA) and lse.shape == (b, n, hq)
     assert not np.isnan(np.asarray(out)).any()
     assert rel_err(out, dense(q, pool, table, lens, mask, n)) < 1e-2
+    if option:
+        return  # a kernel option the cascade's config does not name: the kernel alone
     # The same through the verify cascade, which then runs no window kernel.
     calls = []
     real = mla_module.tree_window_attention

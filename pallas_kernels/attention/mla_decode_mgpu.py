@@ -122,6 +122,14 @@ DEFAULT_SCHEDULE_FP8 = "seesaw"
 # warpgroups' score matmuls in flight at once keep the tensor cores busier than that overlap does.
 
 
+# Whether "seesaw" hands P over in the rope columns of the step's own ring slot (`p_in_ring`). Once
+# a step's scores are in, nothing reads its rope channels again, and at Dr = block_k = 64 they are
+# one [64, 64] tile with the 128-byte swizzle a wgmma operand needs, so the scorer writes P there and
+# both warpgroups take it from shared memory as P V's A operand: no P in registers while P V is in
+# flight (the seesaw kernels spill), no P buffer (8 KiB), no load of the other's P. 16-bit caches
+# only (FP8 rope columns hold half of a 16-bit P). Built in session 20, interpreter-tested and
+# lowered on the CPU; off until the H200 times it (`benchmarks/gpu_suite.py --owed`).
+P_IN_RING_BY_DEFAULT = False
 # The (compute, memory) warpgroups' `setmaxnreg` budgets `registers=None` stands for. The seesaw
 # compute warpgroups spill under the GQA kernel's (232, 40) (ptxas: 1,576 / 1,444 bytes of spill
 # stores per thread in the fused bf16 / FP8 decode, session 20), and the memory warpgroup only
@@ -150,10 +158,12 @@ def schedule_fits(schedule: str, width: int, itemsize: int, kv_lora_rank: int, b
     return smem_bytes(width, itemsize, block_k, DEFAULT_STAGES, schedule, kv_lora_rank) <= MAX_SMEM_BYTES
 
 
-def smem_bytes(width: int, itemsize: int, block_k: int, stages: int, schedule: str, kv_lora_rank: int) -> int:
+def smem_bytes(width: int, itemsize: int, block_k: int, stages: int, schedule: str, kv_lora_rank: int,
+               p_in_ring: bool = False) -> int:
     """Shared memory the kernel allocates: query tile, latent ring, with 1-byte (FP8) rows the fp16
     value rows both warpgroups widen, output staging; under "split" and "seesaw" also the P and row-statistic
-    exchange, with the output staged in the ring's memory (a union: disjoint lifetimes)."""
+    exchange (no P buffer under `p_in_ring`), with the output staged in the ring's memory (a union:
+    disjoint lifetimes)."""
     half = kv_lora_rank // 2
     ring = _aligned(stages * block_k * width * itemsize)
     if itemsize == 1:
@@ -161,7 +171,7 @@ def smem_bytes(width: int, itemsize: int, block_k: int, stages: int, schedule: s
     lse = _aligned(ROWS * 4)
     if schedule in EXCHANGES:
         staged = max(ring, _aligned(2 * ROWS * half * 4) + lse)
-        exchange = _aligned(ROWS * block_k * 2) + _aligned((4 if schedule == "seesaw" else 2) * ROWS * 4)
+        exchange = (0 if p_in_ring else _aligned(ROWS * block_k * 2)) + _aligned((4 if schedule == "seesaw" else 2) * ROWS * 4)
         return _aligned(ROWS * width * itemsize) + staged + exchange + SMEM_OVERHEAD
     return _aligned(ROWS * width * itemsize) + ring + _aligned(ROWS * OUT_CHUNK * 4) + lse + SMEM_OVERHEAD
 
@@ -197,10 +207,13 @@ def check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank: int, page_size: int, blo
 def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *, kv_lora_rank: int, page_size: int,
                     scale: float, block_k: int = 64, stages: int | None = None, num_splits: int | None = None,
                     schedule: str | None = None, window: int = 0, tiles_adjacent: bool = True,
-                    registers: tuple[int, int] | None = None, interpret: bool = False):
+                    registers: tuple[int, int] | None = None, p_in_ring: bool | None = None,
+                    interpret: bool = False):
     """See `_mla_decode_mgpu`; `schedule` one of SCHEDULES, None: `default_schedule(q.dtype)`;
     `stages` None: DEFAULT_STAGES; `registers` the (compute, memory) warpgroups' `setmaxnreg`
-    budgets, None: MLA_REGISTERS.
+    budgets, None: MLA_REGISTERS. `p_in_ring` ("seesaw", 16-bit caches, rope channels >= block_k):
+    P handed over in the step's rope columns and read from there by P V; None:
+    P_IN_RING_BY_DEFAULT where it applies.
     `window` > 0 with `window_mask [B, R, 2] uint32` (packed ancestor rows) fuses the tree window."""
     if schedule is None:
         schedule = default_schedule(q.dtype)
@@ -209,14 +222,35 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
     if stages is None:
         stages = DEFAULT_STAGES
     registers = tuple(registers or MLA_REGISTERS)
+    ring_errors = p_in_ring_errors(q, kv_lora_rank, block_k, schedule)
+    if p_in_ring is None:
+        p_in_ring = P_IN_RING_BY_DEFAULT and not ring_errors
     errors = fused_window_errors(q, window_mask, window, schedule)
+    if p_in_ring is not False and p_in_ring is not True:
+        errors.append(f"mla_decode_mgpu: p_in_ring must be None, True or False, got {p_in_ring!r}")
+    elif p_in_ring:
+        errors += ring_errors
     errors += [f"mla_decode_mgpu: {e}" for e in register_budget_errors(registers, 2)]
     if errors:
         raise ValueError("; ".join(errors))
     return _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, kv_lora_rank=kv_lora_rank,
                             page_size=page_size, scale=scale, block_k=block_k, stages=stages, num_splits=num_splits,
                             schedule=schedule, window=int(window), tiles_adjacent=tiles_adjacent,
-                            registers=registers, interpret=interpret)
+                            registers=registers, p_in_ring=p_in_ring, interpret=interpret)
+
+
+def p_in_ring_errors(q, kv_lora_rank: int, block_k: int, schedule: str) -> list[str]:
+    """Every reason P cannot be handed over in the ring slot's rope columns (empty: it can)."""
+    errors = []
+    if schedule != "seesaw":
+        errors.append(f"mla_decode_mgpu: p_in_ring hands P over under schedule 'seesaw' only, got {schedule!r}")
+    if jnp.dtype(q.dtype).itemsize != 2:
+        errors.append(f"mla_decode_mgpu: p_in_ring needs a 16-bit cache (FP8 rope columns hold half of a 16-bit P), "
+                      f"got {q.dtype}")
+    if q.shape[-1] - kv_lora_rank < block_k:
+        errors.append(f"mla_decode_mgpu: p_in_ring needs rope channels ({q.shape[-1] - kv_lora_rank}) >= block_k "
+                      f"({block_k}): P's [64, block_k] tile lives there")
+    return errors
 
 
 def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]:
@@ -240,10 +274,10 @@ def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
                                              "num_splits", "schedule", "window", "tiles_adjacent", "registers",
-                                             "interpret"))
+                                             "p_in_ring", "interpret"))
 def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_lora_rank: int, page_size: int,
                      scale: float, block_k: int, stages: int, num_splits: int | None, schedule: str, window: int,
-                     tiles_adjacent: bool, registers: tuple[int, int], interpret: bool):
+                     tiles_adjacent: bool, registers: tuple[int, int], p_in_ring: bool, interpret: bool):
     """See the module docstring. `block_k` keys per step (a multiple of 64: the P V contraction).
     At L + Dr = 576 the query tile and two 64-key latent buffers take 216 KiB of the 227 KiB of
     shared memory. Without split scores the output leaves in [64, 16] fp32 pieces; under "split"
@@ -266,7 +300,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
     # so each warpgroup widens its half of the step's value channels to fp16 in shared memory.
     fp8 = jnp.dtype(q.dtype) == F8
     b, r, hq, c = q.shape
-    need = smem_bytes(c, q.dtype.itemsize, block_k, stages, schedule, kv_lora_rank)
+    need = smem_bytes(c, q.dtype.itemsize, block_k, stages, schedule, kv_lora_rank, p_in_ring)
     if need > MAX_SMEM_BYTES:
         raise ValueError(f"mla_decode_mgpu: block_k={block_k}, stages={stages}, schedule={schedule!r} at "
                          f"row width {c} need {need} bytes of shared memory, more than {MAX_SMEM_BYTES}")
@@ -532,19 +566,26 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
 
                 return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
-            def hand_over(p16, m_new):
+            def ring_p(slot):
+                """`p_in_ring`: P of the step in `slot`, in that slot's rope columns ([64, block_k])."""
+                return kv_smem.at[slot].at[:, pl.ds(kv_lora_rank, block_k)]
+
+            def hand_over(p16, m_new, slot):
                 """Seesaw: this warpgroup's step, P and the row maxima after it, to the other. One P
                 buffer serves both directions: each warpgroup writes only after it has read the
-                other's last (in registers), which the other wrote after reading the one before."""
-                p_smem[...] = p16
+                other's last (in registers), which the other wrote after reading the one before.
+                Under `p_in_ring` P goes to the step's own rope columns (read by no one once the
+                step's scores are in; the slot is refilled only after both P V of the step)."""
+                (ring_p(slot) if p_in_ring else p_smem)[...] = p16
                 stat_smem.at[w][...] = m_new
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_ready.at[w])
 
             def take_over():
-                """Seesaw: the other warpgroup's step, (P, row maxima after it)."""
+                """Seesaw: the other warpgroup's step, (P, row maxima after it); under `p_in_ring`
+                P is the caller's `ring_p` and only the maxima come back (P first, None)."""
                 plgpu.barrier_wait(p_ready.at[1 - w])
-                return (plgpu.load(p_smem, layout=plgpu.Layout.WGMMA),
+                return (None if p_in_ring else plgpu.load(p_smem, layout=plgpu.Layout.WGMMA),
                         plgpu.load(stat_smem.at[1 - w], layout=plgpu.Layout.WGMMA.reduce(1)))
 
             def rescale_factor(m, m_new):
@@ -556,18 +597,20 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 return x * lax.broadcast_in_dim(alpha, x.shape, [0])
 
             def values_during(acc, p, v_tile, during):
-                """(acc + P V[:, this warpgroup's half], during()): `during` runs while P V is in flight."""
+                """(acc + P V[:, this warpgroup's half], during()): `during` runs while P V is in flight.
+                `p` in registers, or under `p_in_ring` the shared-memory tile it was handed over in."""
                 if interpret:
                     got = during()
-                    return acc + jnp.dot(p, v_tile[...], preferred_element_type=jnp.float32), got
+                    return acc + jnp.dot(p[...] if p_in_ring else p, v_tile[...], preferred_element_type=jnp.float32), got
 
                 def run(o_ref):
                     o_ref[...] = acc
                     plgpu.wgmma(o_ref, p, v_tile)
                     got = during()
                     o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
-                    # P V read P from registers until the wait: keep them from reuse before it.
-                    o, _ = lax.optimization_barrier((o, p))
+                    if not p_in_ring:
+                        # P V read P from registers until the wait: keep them from reuse before it.
+                        o, _ = lax.optimization_barrier((o, p))
                     return o, got
 
                 return pl.run_scoped(run, plgpu.ACC((ROWS, half), jnp.float32))
@@ -596,19 +639,21 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                     p, alpha, m0, l, _ = online_softmax_update(whole_scores(slot0), m, l, None, scale2,
                                                                visible(i0) if masked else None)
                     p = p.astype(pv_dtype)
-                    hand_over(p, m0)
-                    acc, got = values_during(scale_rows(acc, alpha), p, step_values(slot0, i0, masked),
-                                             take_over if second else tuple)
+                    hand_over(p, m0, slot0)
+                    acc, got = values_during(scale_rows(acc, alpha), ring_p(slot0) if p_in_ring else p,
+                                             step_values(slot0, i0, masked), take_over if second else tuple)
                     release(slot0, True)
                     if not second:
                         return acc, m0, l
                     p1, m1 = got
+                    p1 = ring_p(slot1) if p_in_ring else p1
                     alpha = rescale_factor(m0, m1)
                     acc, _ = values_during(scale_rows(acc, alpha), p1, step_values(slot1, i0 + 1, masked), tuple)
                     release(slot1, True)
                     return acc, m1, l * alpha
                 s = whole_scores(slot1) if second else None
                 p0, m0 = take_over()
+                p0 = ring_p(slot0) if p_in_ring else p0
                 alpha = rescale_factor(m, m0)
                 acc, l = scale_rows(acc, alpha), l * alpha
                 v0 = step_values(slot0, i0, masked)
@@ -621,10 +666,11 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                     p, alpha, m1, l1, _ = online_softmax_update(s, m0, l, None, scale2,
                                                                 visible(i0 + 1) if masked else None)
                     p = p.astype(pv_dtype)
-                    hand_over(p, m1)
-                    return p, alpha, m1, l1
+                    hand_over(p, m1, slot1)
+                    return (None if p_in_ring else p), alpha, m1, l1
 
                 acc, (p1, alpha, m1, l) = values_during(acc, p0, v0, own_softmax)
+                p1 = ring_p(slot1) if p_in_ring else p1
                 release(slot0, True)
                 acc, _ = values_during(scale_rows(acc, alpha), p1, step_values(slot1, i0 + 1, masked), tuple)
                 release(slot1, True)
@@ -736,7 +782,8 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
             # (8, 16) tiles: a warp's P store and load touch eight rows of 16 bytes, 32 bytes apart,
             # so no bank sees two of them.
             # Seesaw: rows 0, 1 carry each warpgroup's step maxima, rows 2, 3 the final row sums.
-            exchange = (plgpu.SMEM((ROWS, block_k), pv_dtype, transforms=_smem_transforms(16, pv_dtype)),
+            exchange = (None if p_in_ring else plgpu.SMEM((ROWS, block_k), pv_dtype,
+                                                          transforms=_smem_transforms(16, pv_dtype)),
                         plgpu.SMEM((4 if seesaw else 2, ROWS), jnp.float32))
             buffers = (plgpu.SMEM((ROWS, c), dtype, transforms=_smem_transforms(c, dtype)), ring_and_out, exchange)
             # Seesaw: one P hand-over barrier per direction, each arrived by one warpgroup.
