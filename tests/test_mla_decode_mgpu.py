@@ -173,6 +173,27 @@ def test_mgpu_mla_decode_lowers_to_mosaic_gpu(schedule, dtype):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("schedule,splits", [("seesaw", 1), ("turns", 1), ("seesaw", 2)])
+def test_out_dtype_is_the_float32_output_rounded_once(schedule, splits):
+    """out_dtype=bf16: the kernel writes the float32 output rounded to bf16 itself (no split: the
+    exchange schedules' whole staging tile, the others' 16-column pieces), the same bits as casting
+    the float32 output; with splits the float32 partials are merged, then cast."""
+    rng = np.random.default_rng(11)
+    lengths = np.asarray([200, 70], np.int32)
+    pool, _, table = poisoned_paged_pools(rng, 2, 200 + 4, 1, LORA + ROPE, PAGE, jnp.bfloat16,
+                                          lambda bb, pos: pos < lengths[bb] + 4)
+    q = jnp.asarray(rng.standard_normal((2, 4, 8, LORA + ROPE)), jnp.bfloat16)
+    kw = dict(kv_lora_rank=LORA, page_size=PAGE, scale=SCALE, num_splits=splits, schedule=schedule, interpret=True)
+    wide, lse_wide = mla_decode_mgpu(q, pool[:, 0], table, jnp.asarray(lengths), **kw)
+    narrow, lse = mla_decode_mgpu(q, pool[:, 0], table, jnp.asarray(lengths), out_dtype=jnp.bfloat16, **kw)
+    assert wide.dtype == jnp.float32 and narrow.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
+    assert rel_err(wide, jnp.zeros_like(wide) + 1) > 0  # finite (rel_err asserts it)
+    np.testing.assert_array_equal(np.asarray(narrow, np.float32), np.asarray(wide.astype(jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_wide))
+    with pytest.raises(ValueError, match="out_dtype must be one of .* got int32"):
+        mla_decode_mgpu(q, pool[:, 0], table, jnp.asarray(lengths), out_dtype=jnp.int32, **kw)
+
+
 def test_p_in_ring_refusals_list_every_blocker():
     """p_in_ring needs "seesaw", a 16-bit cache and rope channels >= block_k; every blocker is named
     at once, and None resolves to off wherever one applies."""

@@ -120,19 +120,24 @@ def test_fused_mla_window_refusals_list_every_blocker():
         mla_verify_attention(q, jnp.zeros((32 * 4, LORA + ROPE), bf), table, lens, mask, config=cfg)
 
 
-def test_fused_mla_window_lowers_to_mosaic_gpu():
+@pytest.mark.parametrize("splits,out_dtype", [(2, jnp.float32), (1, jnp.bfloat16)])
+def test_fused_mla_window_lowers_to_mosaic_gpu(splits, out_dtype):
     """DeepSeek-V3 widths (latent 512 + rope 64, 128 heads, N = 16): layout inference and the
-    shared-memory check pass with the window fused (the words are read straight from global memory)."""
+    shared-memory check pass with the window fused (the words are read straight from global memory),
+    with float32 split partials and with the bf16 output the cascade asks for without splits."""
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
 
     sd = jax.ShapeDtypeStruct
     fn = lambda q, pool, t, ln, mk: mla_decode_mgpu(q, pool, t, ln, mk, kv_lora_rank=512, page_size=64,  # noqa: E731
-                                                    scale=0.07, window=16, num_splits=2)
+                                                    scale=0.07, window=16, num_splits=splits, out_dtype=out_dtype)
     text = jax.jit(fn).trace(sd((2, 16, 128, 576), jnp.bfloat16), sd((64 * 64, 576), jnp.bfloat16),
                              sd((2, 32), jnp.int32), sd((2,), jnp.int32),
                              sd((2, 16, 2), jnp.uint32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert mla_mgpu_module.default_schedule(jnp.bfloat16) == "seesaw"  # the schedule the lowered kernel runs
+    out_aval = jax.eval_shape(fn, sd((2, 16, 128, 576), jnp.bfloat16), sd((64 * 64, 576), jnp.bfloat16),
+                              sd((2, 32), jnp.int32), sd((2,), jnp.int32), sd((2, 16, 2), jnp.uint32))[0]
+    assert out_aval.dtype == out_dtype
 
 
 def test_fuse_window_default_resolution():

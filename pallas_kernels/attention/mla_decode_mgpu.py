@@ -77,7 +77,12 @@ from treespec_jax.tree.masks import MAX_TREE_NODES
 LOG2E = math.log2(math.e)
 F8 = jnp.dtype(jnp.float8_e4m3fn)
 ROWS = 64  # query rows per CTA (one wgmma M tile)
-OUT_CHUNK = 16  # value columns per output copy (the fp32 staging tile is [ROWS, OUT_CHUNK])
+OUT_CHUNK = 16  # value columns per output copy (the staging tile is [ROWS, OUT_CHUNK])
+# Output dtypes the kernel writes (`out_dtype`): float32, or the 16-bit model dtype where its output
+# is final (the fused window without key splits). The fused bf16 cascade cast a float32 output in a
+# separate XLA pass over [B, R, Hq, L] (B=32, N=16, 128 heads: 134 MB read, 67 MB written, about
+# 50 us of its 2.37-2.48 ms on the H200, session 20: the cascade against the fused decode alone).
+OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 CLEAN_COLS = 64  # value columns per register pass when the fused window zeroes unseen V rows
 # Dynamic shared memory per block on Hopper (H100/H200). Mosaic GPU starts every buffer on a
 # 1024-byte boundary; the barriers and its own bookkeeping take a little more.
@@ -208,12 +213,13 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
                     scale: float, block_k: int = 64, stages: int | None = None, num_splits: int | None = None,
                     schedule: str | None = None, window: int = 0, tiles_adjacent: bool = True,
                     registers: tuple[int, int] | None = None, p_in_ring: bool | None = None,
-                    interpret: bool = False):
+                    out_dtype=jnp.float32, interpret: bool = False):
     """See `_mla_decode_mgpu`; `schedule` one of SCHEDULES, None: `default_schedule(q.dtype)`;
     `stages` None: DEFAULT_STAGES; `registers` the (compute, memory) warpgroups' `setmaxnreg`
     budgets, None: MLA_REGISTERS. `p_in_ring` ("seesaw", 16-bit caches, rope channels >= block_k):
     P handed over in the step's rope columns and read from there by P V; None:
-    P_IN_RING_BY_DEFAULT where it applies.
+    P_IN_RING_BY_DEFAULT where it applies. `out_dtype` (OUT_DTYPES): the returned output's dtype; the
+    kernel writes it itself without key splits (their partials stay float32 until the merge).
     `window` > 0 with `window_mask [B, R, 2] uint32` (packed ancestor rows) fuses the tree window."""
     if schedule is None:
         schedule = default_schedule(q.dtype)
@@ -230,13 +236,21 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
         errors.append(f"mla_decode_mgpu: p_in_ring must be None, True or False, got {p_in_ring!r}")
     elif p_in_ring:
         errors += ring_errors
+    try:
+        out_ok = jnp.dtype(out_dtype) in OUT_DTYPES
+        got = jnp.dtype(out_dtype).name
+    except TypeError:
+        out_ok, got = False, repr(out_dtype)
+    if not out_ok:
+        errors.append(f"mla_decode_mgpu: out_dtype must be one of {[d.name for d in OUT_DTYPES]}, got {got}")
     errors += [f"mla_decode_mgpu: {e}" for e in register_budget_errors(registers, 2)]
     if errors:
         raise ValueError("; ".join(errors))
     return _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, kv_lora_rank=kv_lora_rank,
                             page_size=page_size, scale=scale, block_k=block_k, stages=stages, num_splits=num_splits,
                             schedule=schedule, window=int(window), tiles_adjacent=tiles_adjacent,
-                            registers=registers, p_in_ring=p_in_ring, interpret=interpret)
+                            registers=registers, p_in_ring=p_in_ring, out_dtype=jnp.dtype(out_dtype).name,
+                            interpret=interpret)
 
 
 def p_in_ring_errors(q, kv_lora_rank: int, block_k: int, schedule: str) -> list[str]:
@@ -274,10 +288,11 @@ def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
                                              "num_splits", "schedule", "window", "tiles_adjacent", "registers",
-                                             "p_in_ring", "interpret"))
+                                             "p_in_ring", "out_dtype", "interpret"))
 def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_lora_rank: int, page_size: int,
                      scale: float, block_k: int, stages: int, num_splits: int | None, schedule: str, window: int,
-                     tiles_adjacent: bool, registers: tuple[int, int], p_in_ring: bool, interpret: bool):
+                     tiles_adjacent: bool, registers: tuple[int, int], p_in_ring: bool, out_dtype: str,
+                     interpret: bool):
     """See the module docstring. `block_k` keys per step (a multiple of 64: the P V contraction).
     At L + Dr = 576 the query tile and two 64-key latent buffers take 216 KiB of the 227 KiB of
     shared memory. Without split scores the output leaves in [64, 16] fp32 pieces; under "split"
@@ -312,6 +327,8 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
     tiles = rows_pad // ROWS
     max_blocks = page_table.shape[1] * (page_size // block_k)
     splits = num_splits or default_num_splits(b, 1, tiles, max_blocks)
+    # The dtype the kernel writes: the asked one where its output is final, else float32 partials.
+    write_dtype = jnp.dtype(out_dtype) if splits == 1 else jnp.dtype(jnp.float32)
     blocks_per_split = -(-max_blocks // splits)
     scale2 = float(scale) * LOG2E
     qf = jnp.pad(q.reshape(b, rows, c), ((0, 0), (0, rows_pad - rows), (0, 0)))
@@ -716,7 +733,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
             lse = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
             if exchanges:
                 # Each half leaves in one copy from its own staging tile (in the ring's memory).
-                o_smem.at[w][...] = out
+                o_smem.at[w][...] = out.astype(write_dtype)
                 if w == 0:
                     lse_smem[...] = lse
                 plgpu.commit_smem()
@@ -735,7 +752,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[split, bi, pl.ds(row0, ROWS)])
             for j in range(half // OUT_CHUNK):
                 plgpu.wait_smem_to_gmem(0)  # the previous piece has been read out
-                o_smem[...] = out[:, j * OUT_CHUNK:(j + 1) * OUT_CHUNK]
+                o_smem[...] = out[:, j * OUT_CHUNK:(j + 1) * OUT_CHUNK].astype(write_dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(
                     o_smem, out_gmem.at[split, bi, pl.ds(row0, ROWS), pl.ds(w * half + j * OUT_CHUNK, OUT_CHUNK)])
@@ -776,7 +793,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
         lse_stage = plgpu.SMEM((ROWS,), jnp.float32)
         if exchanges:
             # The ring (and widened values) and the output staging have disjoint lifetimes.
-            out_stage = plgpu.SMEM((2, ROWS, half), jnp.float32, transforms=_smem_transforms(half, jnp.float32))
+            out_stage = plgpu.SMEM((2, ROWS, half), write_dtype, transforms=_smem_transforms(half, write_dtype))
             ring_and_out = plgpu.RefUnion((ring, wide), (out_stage, lse_stage))
             # Each warpgroup's half of P's columns.
             # (8, 16) tiles: a warp's P store and load touch eight rows of 16 bytes, 32 bytes apart,
@@ -791,7 +808,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                      plgpu.Barrier(num_arrivals=1, num_barriers=2) if seesaw else plgpu.Barrier(num_arrivals=2))
         else:
             buffers = (plgpu.SMEM((ROWS, c), dtype, transforms=_smem_transforms(c, dtype)), ring, wide,
-                       plgpu.SMEM((ROWS, OUT_CHUNK), jnp.float32, transforms=_smem_transforms(OUT_CHUNK, jnp.float32)),
+                       plgpu.SMEM((ROWS, OUT_CHUNK), write_dtype, transforms=_smem_transforms(OUT_CHUNK, write_dtype)),
                        lse_stage)
             syncs = (plgpu.Barrier(), plgpu.Barrier(num_arrivals=2))
 
@@ -811,7 +828,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
     grid, grid_names = grid_in_order(dict(batch=b, tiles=tiles, splits=splits), tiles_adjacent)
     out, lse = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((splits, b, rows_pad, kv_lora_rank), jnp.float32),
+        out_type=(jax.ShapeDtypeStruct((splits, b, rows_pad, kv_lora_rank), write_dtype),
                   jax.ShapeDtypeStruct((splits, b, rows_pad), jnp.float32)),
         grid=grid,
         grid_names=grid_names,
@@ -824,6 +841,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
     )(qf, latent_pool, page_table.astype(jnp.int32), prefix_len.astype(jnp.int32), words, union)
     if splits > 1:
         out, lse = merge_splits(out, lse)
+        out = out.astype(out_dtype)
     else:
         out, lse = out[0], lse[0]
     return (out[:, :rows].reshape(b, r, hq, kv_lora_rank), lse[:, :rows].reshape(b, r, hq))

@@ -177,8 +177,8 @@ def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.
         out, _ = mla_decode_mgpu(
             q, latent_pool, page_table, prefix_lengths, mask, kv_lora_rank=config.kv_lora_rank,
             page_size=config.page_size, scale=config.scale, block_k=MLA_MGPU_BLOCK_K, schedule=config.schedule,
-            window=window, interpret=resolve_backend(config.backend) == "interpret")
-        return out.astype(model)
+            window=window, out_dtype=model, interpret=resolve_backend(config.backend) == "interpret")
+        return out
     covers = covers_tail(config.prefix_covers_tail, mosaic)
     q_dec = q.reshape(b, 1, r * hq, c) if covers else q
     if mosaic:
