@@ -244,9 +244,10 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False
                 log(f"{dname}: schedule {sched} does not fit shared memory at these widths; not run")
             elif sched != mla_mgpu_module.default_schedule(dtype):
                 rows.append(("mosaic_gpu", f"schedule {sched}", None, covers_tail(None, True)))
-    if fuse_window and default_kernel == "mosaic_gpu" and dtype != FP8:
-        # The 16-bit default fuses the window into the latent decode; this row keeps the window kernel.
-        rows.append(("mosaic_gpu", "window kernel", None, covers_tail(None, True)))
+    if fuse_window and default_kernel == "mosaic_gpu":
+        # The dtype's default flipped: 16-bit caches fuse the window into the latent decode (this row
+        # keeps the window kernel), FP8 ones keep the window kernel (this row fuses it).
+        rows.append(("mosaic_gpu", "window fused" if dtype == FP8 else "window kernel", None, covers_tail(None, True)))
     rows += [("triton", label, dcfg, False) for label, dcfg in mla_variants(dtype)[:triton_variants]]
     for kernel, label, dcfg, covers in rows:
         name = f"mla[{dname},{kernel},{label}]"
@@ -261,7 +262,7 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False
                     block_k=MLA_MGPU_BLOCK_K, schedule=s, interpret=kind == "interpret"))
                 ccfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE,
                                         prefix_kernel="mosaic_gpu", prefix_covers_tail=covers, schedule=sched,
-                                        fuse_window=False if label == "window kernel" else None)
+                                        fuse_window={"window kernel": False, "window fused": True}.get(label))
             else:
                 dec = jax.jit(lambda *a, c=dcfg: mla_decode(*a, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
                                                             config=c))
@@ -358,8 +359,8 @@ def main(argv=None) -> dict:
                         help="also the Mosaic cascade under these latent-decode schedules (comma list of "
                         f"{mla_mgpu_module.SCHEDULES}; the dtype's default is the default row)")
     parser.add_argument("--fuse-window", action="store_true",
-                        help="16-bit caches: also the Mosaic cascade with the window kernel (the default "
-                        "fuses the tree window into the latent decode)")
+                        help="also the Mosaic cascade with the window fused or not, whichever is not the "
+                        "dtype's default (16-bit: fused; FP8: the window kernel)")
     parser.add_argument("--skip-moves", action="store_true", help="skip the row-move checks and compaction timing")
     parser.add_argument("--triton-variants", type=int, default=1,
                         help="how many Triton latent-decode tilings to check and time besides the default cascade")

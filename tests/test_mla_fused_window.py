@@ -101,8 +101,9 @@ def test_fused_mla_window_refusals_list_every_blocker():
         mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), bf), pool, table, lens, mask, window=65, schedule="turns", **kw)
     with pytest.raises(ValueError, match=r"needs window_mask \[B=1, R=2, 2\] uint32"):
         mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), bf), pool, table, lens, mask.astype(jnp.int32), window=2, **kw)
-    with pytest.raises(ValueError, match="16-bit caches only, got float8_e4m3fn"):
-        mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), f8), pool.astype(f8), table, lens, mask, window=2, **kw)
+    with pytest.raises(ValueError, match=r"needs window_mask \[B=1, R=2, 2\] uint32.*got 'together'"):
+        mla_decode_mgpu(jnp.zeros((1, 2, 4, 192), f8), pool.astype(f8), table, lens, None, window=2,
+                        schedule="together", **kw)
     with pytest.raises(ValueError, match=r"got 'triton'.*schedules \('split', 'seesaw'\), got 'together'.*contradicts"):
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, fuse_window=True,
                          prefix_kernel="triton", schedule="together", prefix_covers_tail=False)
@@ -120,24 +121,51 @@ def test_fused_mla_window_refusals_list_every_blocker():
         mla_verify_attention(q, jnp.zeros((32 * 4, LORA + ROPE), bf), table, lens, mask, config=cfg)
 
 
-@pytest.mark.parametrize("splits,out_dtype", [(2, jnp.float32), (1, jnp.bfloat16)])
-def test_fused_mla_window_lowers_to_mosaic_gpu(splits, out_dtype):
+def test_fused_mla_window_over_an_fp8_cache_matches_dense():
+    """fuse_window=True over an FP8 latent cache: the window keys are scored as the prefix's, FP8
+    query x FP8 rows, their value rows widened (unseen ones, NaN-poisoned, zeroed); no window kernel
+    runs, and the output equals dense attention with the FP8-quantised query within FP8 tolerance."""
+    from pallas_kernels.attention.mla_decode import quantize_query
+
+    rng = np.random.default_rng(21)
+    n, hq = 16, 4
+    lengths = np.asarray([130, 300], np.int32)
+    pool, _, table = poisoned_paged_pools(rng, 2, int(lengths.max()) + n, 1, LORA + ROPE, PAGE,
+                                          jnp.float8_e4m3fn, lambda bb, pos: pos < lengths[bb] + n)
+    pool = pool[:, 0]
+    q = jnp.asarray(rng.standard_normal((2, n, hq, LORA + ROPE)), jnp.bfloat16)
+    mask = ancestor_mask(jnp.asarray(random_parents(rng, 2, n)))
+    lens = jnp.asarray(lengths)
+    calls = []
+    real = mla_module.tree_window_attention
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mla_module, "tree_window_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+        cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
+                               prefix_kernel="mosaic_gpu", fuse_window=True)
+        got = mla_verify_attention(q, pool, table, lens, mask, config=cfg)
+    assert not calls and got.dtype == jnp.bfloat16
+    q8 = quantize_query(q, jnp.float8_e4m3fn).astype(jnp.bfloat16)  # the query both halves score with
+    assert rel_err(got, dense(q8, pool.astype(jnp.bfloat16), table, lens, mask, n)) < 1e-2
+
+
+@pytest.mark.parametrize("splits,out_dtype,dtype", [(2, jnp.float32, jnp.bfloat16), (1, jnp.bfloat16, jnp.bfloat16),
+                                                    (1, jnp.bfloat16, jnp.float8_e4m3fn)])
+def test_fused_mla_window_lowers_to_mosaic_gpu(splits, out_dtype, dtype):
     """DeepSeek-V3 widths (latent 512 + rope 64, 128 heads, N = 16): layout inference and the
     shared-memory check pass with the window fused (the words are read straight from global memory),
-    with float32 split partials and with the bf16 output the cascade asks for without splits."""
+    with float32 split partials, with the bf16 output the cascade asks for without splits, and over
+    an FP8 cache (FP8 query)."""
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
 
     sd = jax.ShapeDtypeStruct
     fn = lambda q, pool, t, ln, mk: mla_decode_mgpu(q, pool, t, ln, mk, kv_lora_rank=512, page_size=64,  # noqa: E731
                                                     scale=0.07, window=16, num_splits=splits, out_dtype=out_dtype)
-    text = jax.jit(fn).trace(sd((2, 16, 128, 576), jnp.bfloat16), sd((64 * 64, 576), jnp.bfloat16),
-                             sd((2, 32), jnp.int32), sd((2,), jnp.int32),
-                             sd((2, 16, 2), jnp.uint32)).lower(lowering_platforms=("cuda",)).as_text()
+    args = (sd((2, 16, 128, 576), dtype), sd((64 * 64, 576), dtype), sd((2, 32), jnp.int32), sd((2,), jnp.int32),
+            sd((2, 16, 2), jnp.uint32))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    assert mla_mgpu_module.default_schedule(jnp.bfloat16) == "seesaw"  # the schedule the lowered kernel runs
-    out_aval = jax.eval_shape(fn, sd((2, 16, 128, 576), jnp.bfloat16), sd((64 * 64, 576), jnp.bfloat16),
-                              sd((2, 32), jnp.int32), sd((2,), jnp.int32), sd((2, 16, 2), jnp.uint32))[0]
-    assert out_aval.dtype == out_dtype
+    assert mla_mgpu_module.default_schedule(dtype) == "seesaw"  # the schedule the lowered kernel runs
+    assert jax.eval_shape(fn, *args)[0].dtype == out_dtype
 
 
 def test_fuse_window_default_resolution():
@@ -160,4 +188,4 @@ def test_fuse_window_default_resolution():
     assert fuses_window(MlaCascadeConfig(**base, prefix_covers_tail=True), True, jnp.bfloat16)
     assert not fuses_window(MlaCascadeConfig(**base, fuse_window=False), True, jnp.bfloat16)
     forced = MlaCascadeConfig(**base, prefix_kernel="mosaic_gpu", fuse_window=True)
-    assert fuses_window(forced, True, jnp.float8_e4m3fn)  # then refused by the kernel, by name
+    assert fuses_window(forced, True, jnp.float8_e4m3fn)  # FP8 fuses on request

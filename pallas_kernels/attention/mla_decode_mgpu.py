@@ -29,7 +29,8 @@ Contract (as `mla_decode.mla_decode`, whole pages only, like `prefix_decode_mgpu
     -> out [B, R, Hq, L] f32, lse2 [B, R, Hq] f32 (base 2)
 Row r sees keys [0, min(P - R + 1 + r, (P // page_size) * page_size)); the tree window kernel
 (`prefix_whole_pages=True`) covers the rest of the prefix. The value is each key row's first L
-channels. With `window` W > 0 and `window_mask [B, R, 2] uint32` (16-bit caches, schedule "split")
+channels. With `window` W > 0 and `window_mask [B, R, 2] uint32` (schedules "split" and "seesaw";
+under an FP8 cache the window keys are scored as the prefix's are, FP8 query x FP8 rows)
 the tree window is fused instead: row r sees [0, P) and window key P + j where bit j of its mask is
 set, and the output is the final attention (the page table must map every position below P + W).
 
@@ -278,9 +279,6 @@ def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]
     if window_mask is None or tuple(window_mask.shape) != (b, r, 2) or window_mask.dtype != jnp.uint32:
         errors.append(f"mla_decode_mgpu: window={window} needs window_mask [B={b}, R={r}, 2] uint32, got "
                       f"{None if window_mask is None else (tuple(window_mask.shape), str(window_mask.dtype))}")
-    if jnp.dtype(q.dtype) == F8:
-        errors.append("mla_decode_mgpu: the fused window scores the unquantised query, so it takes 16-bit caches "
-                      "only, got float8_e4m3fn (an FP8 cache keeps the window kernel)")
     if schedule not in EXCHANGES:
         errors.append(f"mla_decode_mgpu: the fused window runs under schedules {EXCHANGES} only, got {schedule!r}")
     return errors

@@ -72,13 +72,17 @@ class MlaCascadeConfig:
     # cores or not). None: mla_decode_mgpu.default_schedule (seesaw, the fastest on the H200 for
     # bf16 and FP8 caches since session 19).
     schedule: str | None = None
-    # Fuse the tree window into the Mosaic latent decode (prefix_kernel "mosaic_gpu", 16-bit caches,
-    # schedule "seesaw" or "split"): one kernel gives every row the keys [0, P + window), window key j under bit
-    # j of the row's mask, and writes the final output (no partial, no window kernel). None: fused
-    # wherever it can run, i.e. the Mosaic latent decode over a 16-bit cache under those schedules
-    # with prefix_covers_tail not False (`fuses_window`); on the H200 the fused bf16 cascade took
-    # 2.636 vs 2.684 ms (B=32, P=8192, N=16, 128 heads, one process, session 15, benchmarks/RESULTS.md).
-    # True demands it (prefix_kernel "mosaic_gpu"); False keeps the window kernel.
+    # Fuse the tree window into the Mosaic latent decode (prefix_kernel "mosaic_gpu", schedule
+    # "seesaw" or "split"): one kernel gives every row the keys [0, P + window), window key j under bit
+    # j of the row's mask, and writes the final output in the model dtype (no partial, no window
+    # kernel). None: fused over a 16-bit cache under those schedules with prefix_covers_tail not False
+    # (`fuses_window`); on the H200 the fused bf16 cascade took 2.636 vs 2.684 ms (B=32, P=8192, N=16,
+    # 128 heads, one process, session 15, benchmarks/RESULTS.md). True demands it (prefix_kernel
+    # "mosaic_gpu"), over an FP8 cache too: its window keys are then scored as its prefix's are, the
+    # FP8 query by the FP8 rows on the tensor cores (the window kernel widens both, exactly, and
+    # accumulates in float32; the values are the same, the accumulation is the FP8 wgmma's). FP8 stays
+    # unfused by default until the H200 times it (session 20: the FP8 cascade took 2.300 ms against
+    # its decode's 2.132, where the fused bf16 cascade adds about 3%). False keeps the window kernel.
     fuse_window: bool | None = None
 
     def __post_init__(self):
