@@ -112,8 +112,8 @@ def test_merge_splits_equals_unsplit(axis):
     w = np.exp2(lse)
     expect = (w[..., None] * out).sum(0) / np.maximum(w.sum(0), 1e-30)[..., None]
     if axis:  # the same partials with a leading axis of 2 in front of the splits
-        merged, mlse = merge_splits(jnp.asarray(np.stack([out, out[:, ::-1]])), jnp.asarray(np.stack([lse, lse[:, ::-1]])),
-                                    axis=1)
+        merged, mlse = merge_splits(jnp.asarray(np.stack([out, out[:, ::-1]])),
+                                    jnp.asarray(np.stack([lse, lse[:, ::-1]])), axis=1)
         np.testing.assert_allclose(np.asarray(merged[1, 1:]), expect[:4][::-1], rtol=1e-5)
         merged, mlse = merged[0], mlse[0]
     else:

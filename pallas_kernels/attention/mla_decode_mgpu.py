@@ -177,7 +177,8 @@ def smem_bytes(width: int, itemsize: int, block_k: int, stages: int, schedule: s
     lse = _aligned(ROWS * 4)
     if schedule in EXCHANGES:
         staged = max(ring, _aligned(2 * ROWS * half * 4) + lse)
-        exchange = (0 if p_in_ring else _aligned(ROWS * block_k * 2)) + _aligned((4 if schedule == "seesaw" else 2) * ROWS * 4)
+        p_buffer = 0 if p_in_ring else _aligned(ROWS * block_k * 2)
+        exchange = p_buffer + _aligned((4 if schedule == "seesaw" else 2) * ROWS * 4)
         return _aligned(ROWS * width * itemsize) + staged + exchange + SMEM_OVERHEAD
     return _aligned(ROWS * width * itemsize) + ring + _aligned(ROWS * OUT_CHUNK * 4) + lse + SMEM_OVERHEAD
 
@@ -616,7 +617,8 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 `p` in registers, or under `p_in_ring` the shared-memory tile it was handed over in."""
                 if interpret:
                     got = during()
-                    return acc + jnp.dot(p[...] if p_in_ring else p, v_tile[...], preferred_element_type=jnp.float32), got
+                    p = p[...] if p_in_ring else p
+                    return acc + jnp.dot(p, v_tile[...], preferred_element_type=jnp.float32), got
 
                 def run(o_ref):
                     o_ref[...] = acc
