@@ -187,7 +187,7 @@ def test_out_dtype_is_the_float32_output_rounded_once(schedule, splits):
     wide, lse_wide = mla_decode_mgpu(q, pool[:, 0], table, jnp.asarray(lengths), **kw)
     narrow, lse = mla_decode_mgpu(q, pool[:, 0], table, jnp.asarray(lengths), out_dtype=jnp.bfloat16, **kw)
     assert wide.dtype == jnp.float32 and narrow.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
-    assert rel_err(wide, jnp.zeros_like(wide) + 1) > 0  # finite (rel_err asserts it)
+    assert np.isfinite(np.asarray(wide)).all()
     np.testing.assert_array_equal(np.asarray(narrow, np.float32), np.asarray(wide.astype(jnp.bfloat16), np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_wide))
     with pytest.raises(ValueError, match="out_dtype must be one of .* got int32"):
@@ -214,9 +214,8 @@ def test_p_in_ring_refusals_list_every_blocker():
 def test_mla_register_budgets_default():
     """registers=None lowers to MLA_REGISTERS (240, 24) in both default forms (bf16 with the window
     fused, FP8); an explicit pair wins; a pair that does not fit the launch is refused by value."""
-    import re
-
     import jax
+    from test_prefix_decode_mgpu import setmaxnreg_budgets
 
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
 
@@ -229,9 +228,7 @@ def test_mla_register_budgets_default():
         args = [sd((2, 16, 128, c), dtype), sd((64 * 64, c), dtype), sd((2, 32), jnp.int32), sd((2,), jnp.int32)]
         if window:
             args.append(sd((2, 16, 2), jnp.uint32))
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        found = lambda way: {int(v) for v in re.findall(rf"setmaxnreg\.{way}\.sync\.aligned\.u32 (\d+)", text)}  # noqa: E731
-        return found("inc"), found("dec")
+        return setmaxnreg_budgets(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
 
     assert budgets(jnp.bfloat16, window=16) == ({240}, {24})
     assert budgets(FP8) == ({240}, {24})

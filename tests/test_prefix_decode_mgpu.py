@@ -194,10 +194,16 @@ def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages,
     assert "mosaic_gpu" in text
 
 
-def lowered_register_budgets(pool_dtype, **opts) -> tuple[set[int], set[int]]:
-    """The (compute, memory) `setmaxnreg` budgets in the lowered kernel of 256-row heads."""
+def setmaxnreg_budgets(text: str) -> tuple[set[int], set[int]]:
+    """The (increased, decreased) `setmaxnreg` budgets in a lowered Mosaic GPU module's text."""
     import re
 
+    budgets = lambda way: {int(v) for v in re.findall(rf"setmaxnreg\.{way}\.sync\.aligned\.u32 (\d+)", text)}  # noqa: E731
+    return budgets("inc"), budgets("dec")
+
+
+def lowered_register_budgets(pool_dtype, **opts) -> tuple[set[int], set[int]]:
+    """The (compute, memory) `setmaxnreg` budgets in the lowered kernel of 256-row heads."""
     import jax
 
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
@@ -208,8 +214,7 @@ def lowered_register_budgets(pool_dtype, **opts) -> tuple[set[int], set[int]]:
     pool = sd((64 * PAGE, 8, 128), pool_dtype)
     text = jax.jit(fn).trace(sd((2, 8, 256, 128), jnp.bfloat16), pool, pool, sd((2, 32), jnp.int32),
                              sd((2,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-    budgets = lambda way: {int(v) for v in re.findall(rf"setmaxnreg\.{way}\.sync\.aligned\.u32 (\d+)", text)}  # noqa: E731
-    return budgets("inc"), budgets("dec")
+    return setmaxnreg_budgets(text)
 
 
 def test_register_budgets_default_by_widening():

@@ -586,6 +586,11 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 """`p_in_ring`: P of the step in `slot`, in that slot's rope columns ([64, block_k])."""
                 return kv_smem.at[slot].at[:, pl.ds(kv_lora_rank, block_k)]
 
+            def p_operand(p, slot):
+                """P V's A operand for the step in `slot`: `p` in registers, or under `p_in_ring`
+                the slot's rope columns it was handed over in."""
+                return ring_p(slot) if p_in_ring else p
+
             def hand_over(p16, m_new, slot):
                 """Seesaw: this warpgroup's step, P and the row maxima after it, to the other. One P
                 buffer serves both directions: each warpgroup writes only after it has read the
@@ -599,7 +604,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
 
             def take_over():
                 """Seesaw: the other warpgroup's step, (P, row maxima after it); under `p_in_ring`
-                P is the caller's `ring_p` and only the maxima come back (P first, None)."""
+                P stays in the ring (None here; `p_operand` names it)."""
                 plgpu.barrier_wait(p_ready.at[1 - w])
                 return (None if p_in_ring else plgpu.load(p_smem, layout=plgpu.Layout.WGMMA),
                         plgpu.load(stat_smem.at[1 - w], layout=plgpu.Layout.WGMMA.reduce(1)))
@@ -657,20 +662,20 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                                                                visible(i0) if masked else None)
                     p = p.astype(pv_dtype)
                     hand_over(p, m0, slot0)
-                    acc, got = values_during(scale_rows(acc, alpha), ring_p(slot0) if p_in_ring else p,
+                    acc, got = values_during(scale_rows(acc, alpha), p_operand(p, slot0),
                                              step_values(slot0, i0, masked), take_over if second else tuple)
                     release(slot0, True)
                     if not second:
                         return acc, m0, l
                     p1, m1 = got
-                    p1 = ring_p(slot1) if p_in_ring else p1
                     alpha = rescale_factor(m0, m1)
-                    acc, _ = values_during(scale_rows(acc, alpha), p1, step_values(slot1, i0 + 1, masked), tuple)
+                    acc, _ = values_during(scale_rows(acc, alpha), p_operand(p1, slot1),
+                                           step_values(slot1, i0 + 1, masked), tuple)
                     release(slot1, True)
                     return acc, m1, l * alpha
                 s = whole_scores(slot1) if second else None
                 p0, m0 = take_over()
-                p0 = ring_p(slot0) if p_in_ring else p0
+                p0 = p_operand(p0, slot0)
                 alpha = rescale_factor(m, m0)
                 acc, l = scale_rows(acc, alpha), l * alpha
                 v0 = step_values(slot0, i0, masked)
@@ -687,9 +692,9 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                     return (None if p_in_ring else p), alpha, m1, l1
 
                 acc, (p1, alpha, m1, l) = values_during(acc, p0, v0, own_softmax)
-                p1 = ring_p(slot1) if p_in_ring else p1
                 release(slot0, True)
-                acc, _ = values_during(scale_rows(acc, alpha), p1, step_values(slot1, i0 + 1, masked), tuple)
+                acc, _ = values_during(scale_rows(acc, alpha), p_operand(p1, slot1),
+                                       step_values(slot1, i0 + 1, masked), tuple)
                 release(slot1, True)
                 return acc, m1, l
 
