@@ -245,9 +245,9 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False
             elif sched != mla_mgpu_module.default_schedule(dtype):
                 rows.append(("mosaic_gpu", f"schedule {sched}", None, covers_tail(None, True)))
     if fuse_window and default_kernel == "mosaic_gpu":
-        # The dtype's default flipped: 16-bit caches fuse the window into the latent decode (this row
-        # keeps the window kernel), FP8 ones keep the window kernel (this row fuses it).
-        rows.append(("mosaic_gpu", "window fused" if dtype == FP8 else "window kernel", None, covers_tail(None, True)))
+        # The default flipped: every cache dtype fuses the window into the latent decode (since
+        # session 21 FP8 too); this row keeps the window kernel.
+        rows.append(("mosaic_gpu", "window kernel", None, covers_tail(None, True)))
     rows += [("triton", label, dcfg, False) for label, dcfg in mla_variants(dtype)[:triton_variants]]
     for kernel, label, dcfg, covers in rows:
         name = f"mla[{dname},{kernel},{label}]"
@@ -359,8 +359,8 @@ def main(argv=None) -> dict:
                         help="also the Mosaic cascade under these latent-decode schedules (comma list of "
                         f"{mla_mgpu_module.SCHEDULES}; the dtype's default is the default row)")
     parser.add_argument("--fuse-window", action="store_true",
-                        help="also the Mosaic cascade with the window fused or not, whichever is not the "
-                        "dtype's default (16-bit: fused; FP8: the window kernel)")
+                        help="also the Mosaic cascade with the window kernel (the default fuses the window "
+                        "into the latent decode)")
     parser.add_argument("--skip-moves", action="store_true", help="skip the row-move checks and compaction timing")
     parser.add_argument("--triton-variants", type=int, default=1,
                         help="how many Triton latent-decode tilings to check and time besides the default cascade")

@@ -33,7 +33,8 @@ import numpy as np  # noqa: E402
 from benchmarks.bench_cascade import D, FP8, HKV, HQ, PAGE, make_paged, random_parents  # noqa: E402
 from benchmarks.report import log, parse_shapes  # noqa: E402
 from benchmarks.timing import traced_ms  # noqa: E402
-from pallas_kernels.attention.prefix_decode import heads_to_rows, merge_splits, rows_to_heads  # noqa: E402
+from pallas_kernels.attention.prefix_decode import heads_to_rows, rows_to_heads  # noqa: E402
+from pallas_kernels.attention.split_merge import merge_splits  # noqa: E402
 from pallas_kernels.attention.prefix_decode_mgpu import (ROWS_PER_CTA, default_mgpu_num_splits,  # noqa: E402
                                                          default_pages_per_step, fused_window_words,
                                                          heads_io_errors, prefix_decode_mgpu_row_layout,

@@ -42,32 +42,17 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
              "launches": ["--launches", "--shapes", "64x4096x64,32x32768x64"]}
 
-# What is still owed (`--owed`), first: session 20 made the fused 16-bit MLA decode write the
-# cascade's output in the model dtype itself (`out_dtype`; the cascade had cast a float32 output in
-# a separate XLA pass, about 50 us of 2.37-2.48 ms), the default path, checked in the interpreter
-# (bits equal to the cast float32 output) and lowered on the CPU, never compiled on the GPU: `mla`
-# below checks the default bf16 cascade on ragged NaN-poisoned inputs and times it (session 20:
-# 2.367 ms, 1.64x). If it fails, pass out_dtype=float32 in `treespec_jax/attention/mla.py` again.
-# The same run (`--fuse-window`) checks and times the FP8 cascade with the window fused, which
-# session 20 opened to FP8 caches (window keys scored as the prefix's, by the FP8 wgmma; on request
-# only): session 20's FP8 cascade took 2.300 ms against its decode's 2.132, the fused bf16 one about
-# 3% over its decode. If the fused FP8 cascade conforms and wins, make it FP8's default
-# (`mla.fuses_window`; WORKSPACE, RESULTS, tests).
-# Then `mosaic`: `p_in_ring` (seesaw hands P over in the step's rope columns and both warpgroups'
-# P V read it from shared memory: no P in registers while P V is in flight, where the seesaw kernels
-# spill), built the same way, never compiled on the GPU: checked against the default fused bf16
-# decode and timed with it in interleaved rounds (B=32, P=8192, N=16, 128 heads); if it wins, set
-# P_IN_RING_BY_DEFAULT (WORKSPACE, RESULTS, tests). Read the spills with and without it:
-# `MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/d python3 benchmarks/ptxas_report.py --dump
-# /tmp/d --mla-only` (session 20 under (232, 40): 1,576 bytes of spill stores bf16 fused, 1,444
-# FP8; not read under (240, 24)). And `profile`: session 20 rewrote `merge_splits` as elementwise
-# chains (XLA then launched five kernels at B=1 bf16, 7.9 us per call against 4.2) and restored
-# reductions in one function for both split layouts, untimed in that form: the split merge should
-# be two XLA kernels (about 4.2 us) and the span about 65 us.
-OWED: dict[str, list[str]] = {"mla": ["--skip-moves", "--triton-variants", "0", "--fuse-window"],
-                              "mosaic": ["--skip-conformance", "--shapes", "", "--mla", "--mla-lean",
-                                         "--mla-dtypes", "bf16"],
-                              "profile": ["--shapes", "1x32768x64", "--dtypes", "bf16"]}
+# What is still owed (`--owed`): session 21 made the key-split merge one Pallas kernel
+# (`split_merge.merge_splits`, the default wherever a decode splits its keys: B=1 and B=8 GQA
+# cascades, split MLA decodes). XLA ran the merge as two kernels (B=1, P=32768 bf16: 2.55 + 1.73 us
+# of a 65.0 us span, session 21 call 1). Interpreter-tested and lowered for sm_90 on the CPU, never
+# compiled on the GPU. `profile` runs the small shapes with both merges, checks the outputs against
+# each other and lists each kernel's time; `cascade` times the small shapes against their floors
+# (session 20: FP8 B=1 1.57x, B=8 1.68x; bf16 B=1 about 1.51-1.56x). If the kernel fails or loses,
+# set `split_merge.MERGE_KERNEL = False` (WORKSPACE, RESULTS).
+OWED: dict[str, list[str]] = {"profile": ["--shapes", "1x32768x64,8x8192x16", "--dtypes", "bf16,fp8",
+                                          "--merges", "kernel,xla", "--runs", "2"],
+                              "cascade": ["--skip-conformance", "--lean", "--shapes", "1x32768x64,8x8192x16"]}
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,7 @@
 """Per-kernel device times of the default GQA cascade, from a profiler trace (GPU; logs only).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/kernel_profile.py [--shapes 1x32768x64,8x8192x16]
-        [--dtypes bf16,fp8] [--splits 0,4]
+        [--dtypes bf16,fp8] [--splits 0,4] [--merges kernel,xla]
 
 A diagnostic for the small shapes, whose cascade is a few tens of microseconds: the tables' timer
 (`timing.traced_time`) gives the whole call, this says where it goes. For each shape, KV dtype and
@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 from benchmarks.bench_cascade import KV_DTYPES, PAGE, cascade_inputs  # noqa: E402
 from benchmarks.report import log, parse_shapes  # noqa: E402
 from benchmarks.timing import chained_time, feed_scalar, median_span, traced_chain  # noqa: E402
+from pallas_kernels.attention import split_merge  # noqa: E402
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention  # noqa: E402
 
 
@@ -49,18 +50,35 @@ def main(argv=None):
     ap.add_argument("--splits", default="0", help="key-split counts (0: the default)")
     ap.add_argument("--inner", type=int, default=60, help="cascades per jitted chain")
     ap.add_argument("--runs", type=int, default=3, help="chains traced")
+    ap.add_argument("--merges", default="kernel",
+                    help="comma list of how key splits merge: kernel (the Pallas merge), xla (the reference); "
+                    "with both, each shape also checks the two outputs against each other")
     ap.add_argument("--compare", action="store_true",
                     help="also chained_time (chains of inner / 3 and inner) before and after, and traces of chains of inner / 3")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     key = jax.random.PRNGKey(0)
+    first_merge, failed, outs = a.merges.split(",")[0], False, {}
     for b, p, n in parse_shapes(a.shapes, 3):
         for dt in a.dtypes.split(","):
             args = cascade_inputs(key, rng, b, p, n, KV_DTYPES[dt])
-            for s in (int(x) for x in a.splits.split(",")):
+            for s, merge in ((int(x), m) for x in a.splits.split(",") for m in a.merges.split(",")):
+                split_merge.MERGE_KERNEL = merge == "kernel"
+                jax.clear_caches()  # the flag is read when the cascade is traced
                 fn = jax.jit(lambda *x, s=s: cascade_attention(*x, window=n, config=CascadeConfig(
                     page_size=PAGE, num_splits=s or None)))
-                label = f"B={b},P={p},N={n} {dt} splits {s or 'default'}"
+                label = f"B={b},P={p},N={n} {dt} splits {s or 'default'}, {merge} merge"
+                out = np.asarray(fn(*args), np.float32)
+                if not np.isfinite(out).all():
+                    log(f"{label}: NON-FINITE OUTPUT")
+                    failed = True
+                if merge != first_merge:
+                    err = float(np.linalg.norm(out - outs[s]) / np.linalg.norm(outs[s]))
+                    ok = err < 1e-2
+                    failed |= not ok
+                    log(f"{label}: rel err against the {first_merge} merge {err:.2e} -> {'PASS' if ok else 'FAIL'}")
+                else:
+                    outs[s] = out
                 if a.compare:
                     # The timer the tables use, then the traced chains, then the timer again: the
                     # two methods in one process, so clock drift shows as a change in either.
@@ -78,7 +96,7 @@ def main(argv=None):
                 if a.compare:
                     after = 1e6 * chained_time(fn, args, feed_scalar(4), inner=a.inner // 3)
                     log(f"{label}: chained_time {before:.1f} us before the traces, {after:.1f} us after")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

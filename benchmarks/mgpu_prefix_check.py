@@ -332,16 +332,15 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, regis
                 f"{flop / flops_rate / t:.2f} of the FLOP floor's speed")
         except Exception as exc:  # noqa: BLE001
             log(f"MLA {name}: cascade ({label}) FAILED {type(exc).__name__}: {str(exc)[:400]}")
-    if registers or (lean and jnp.dtype(dtype).itemsize == 2):
-        # 16-bit: the cascade's kernel (the decode with the window fused); FP8: the decode alone.
-        fused = jnp.dtype(dtype).itemsize == 2
-        args = (q, pool, table, lens, mask) if fused else (q8, pool, table, lens)
-        ok = interleaved_forms(args, n if fused else 0, registers, kw, smoke, name, flop, flops_rate) and ok
+    if registers or lean:
+        # The cascade's kernel (the decode with the window fused, every cache dtype since session 21).
+        ok = interleaved_forms((q8, pool, table, lens, mask), n, registers, kw, smoke, name, flop,
+                               flops_rate) and ok
     return ok
 
 
 def interleaved_forms(args, window, registers, kw, smoke, name, flop, flops_rate) -> bool:
-    """The MLA latent decode (with `window` > 0 the tree window fused: the 16-bit cascade's kernel)
+    """The MLA latent decode (with `window` > 0 the tree window fused: the cascade's kernel)
     under its defaults, each of the `registers` budgets and, over a 16-bit cache, `p_in_ring`
     flipped, compared with the default (same bits expected; within 1e-3 relative is timed), then
     timed in two interleaved rounds (such an option moves it by about the spread between rounds)."""

@@ -1,22 +1,25 @@
 """Registers and spills of the Mosaic GPU attention kernels as ptxas reports them (GPU only).
 
-    MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=$OUT/mosaic_dump PYTHONPATH=. \\
-        python3 benchmarks/ptxas_report.py --dump $OUT/mosaic_dump
+    PYTHONPATH=. python3 benchmarks/ptxas_report.py [--mla-only]
 
-A diagnostic (logs only). Mosaic GPU hands each kernel to ptxas; with the two variables above set
-(read by jaxlib when it compiles) ptxas' verbose resource lines are written under the dump folder.
-This runs the default GQA verify cascade once per form below (small P: only compilation matters)
-and then prints every line that reports registers, spill stores / loads or stack frames, per
-dumped file. A warpgroup-specialised kernel reports one register count for the whole kernel (the
-per-warpgroup budgets are `setmaxnreg` at run time), so spills are the figure to read: a compute
-or memory warpgroup that outgrows its budget shows up as spill stores and loads.
+A diagnostic (logs only). Mosaic GPU hands each kernel to ptxas; with MOSAIC_GPU_DUMP_PTXAS=1 and
+MOSAIC_GPU_DUMP_TO set (read by jaxlib when it compiles) ptxas' verbose resource lines go to the
+process's output among the dumped modules (on the H200 none landed in the dump folder, session 21).
+So this compiles the forms below in a child process with those variables set, captures its output
+and prints, per form, the resource figures found after it compiled: registers, spill stores /
+loads, stack frames. A warpgroup-specialised kernel reports one register count for the whole kernel
+(the per-warpgroup budgets are `setmaxnreg` at run time), so spills are the figure to read: a
+compute or memory warpgroup that outgrows its budget shows up as spill stores and loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -40,11 +43,14 @@ FORMS = (("bf16 fused, 128-row heads (B=1 / B=32 / B=64 form)", 1, 2048, 64, jnp
 # (label, latent cache dtype, fused window): the MLA latent decode's default forms (DeepSeek-V3
 # widths: latent 512 + rope 64, 128 heads; a small batch and prefix, as only compilation matters).
 MLA_FORMS = (("MLA bf16 decode, tree window fused (the bf16 cascade's form)", jnp.bfloat16, True, {}),
-             ("MLA FP8 decode (the FP8 cascade's prefix half)", jnp.float8_e4m3fn, False, {}),
-             ("MLA bf16 decode, tree window fused, P in the ring's rope columns", jnp.bfloat16, True,
-              dict(p_in_ring=True)))
+             ("MLA FP8 decode, tree window fused (the FP8 cascade's form)", jnp.float8_e4m3fn, True, {}),
+             ("MLA bf16 decode, tree window fused, P in a buffer of its own (p_in_ring=False)", jnp.bfloat16,
+              True, dict(p_in_ring=False)))
 
-RESOURCE = re.compile(r"registers|spill|stack frame|bytes smem", re.IGNORECASE)
+# ptxas' figures; the captured output also holds binary module text, so match the figures alone.
+RESOURCE = re.compile(rb"Used \d+ registers[^\\\n]{0,60}|\d+ bytes spill stores, \d+ bytes spill loads|"
+                      rb"\d+ bytes stack frame")
+COMPILED = re.compile(rb"\[ *[\d.]+s\] compiled and ran: [^\n]*")
 
 
 def compile_forms(mla_only: bool = False):
@@ -75,36 +81,46 @@ def compile_forms(mla_only: bool = False):
         log(f"compiled and ran: {label} (B={b}, P={p}, N={n}); output finite: {finite}")
 
 
-def report(folder: Path) -> int:
-    files = sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
-    found = 0
-    for path in files:
-        try:
-            text = path.read_text(errors="replace")
-        except OSError:
-            continue
-        # ptxas' resource lines are short; dumped modules also hold long lines (embedded binaries)
-        # that happen to match.
-        lines = [line.strip() for line in text.splitlines() if len(line) < 400 and RESOURCE.search(line)]
-        if lines:
+def report(output: bytes) -> int:
+    """Prints each form's line and the ptxas figures that precede it (ptxas runs at compile time,
+    before the form's log line); returns how many figures were found."""
+    found, pending = 0, []
+    for m in re.finditer(COMPILED.pattern + b"|" + RESOURCE.pattern, output):
+        text = m.group().decode(errors="replace")
+        if COMPILED.fullmatch(m.group()):
+            print(text)
+            for fig in dict.fromkeys(pending):  # each figure once (ptxas repeats the spill line)
+                print("    " + fig)
+            pending = []
+        else:
+            pending.append(text)
             found += 1
-            print(f"== {path.relative_to(folder)}")
-            for line in lines[:40]:
-                print("   " + line)
-    log(f"{len(files)} dumped files, {found} with resource lines")
+    for fig in dict.fromkeys(pending):
+        print("    (after the last form) " + fig)
+    log(f"{found} ptxas resource figures")
     return found
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dump", required=True, help="the folder MOSAIC_GPU_DUMP_TO names")
     ap.add_argument("--mla-only", action="store_true", help="only the MLA latent decode's forms")
+    ap.add_argument("--compile-only", action="store_true", help="(the child process) compile the forms and exit")
     a = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("ptxas_report: needs a GPU (Mosaic GPU compiles only there)")
         return 1
-    compile_forms(a.mla_only)
-    return 0 if report(Path(a.dump)) else 1
+    if a.compile_only:
+        compile_forms(a.mla_only)
+        return 0
+    with tempfile.TemporaryDirectory() as dump:
+        env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
+        child = subprocess.run([sys.executable, __file__, "--compile-only"] + (["--mla-only"] if a.mla_only else []),
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+    if child.returncode:
+        print(child.stdout[-4000:].decode(errors="replace"))
+        log(f"the compiling process failed (exit {child.returncode})")
+        return 1
+    return 0 if report(child.stdout) else 1
 
 
 if __name__ == "__main__":

@@ -50,3 +50,20 @@ def verify_case(rng, lengths, rows, hkv, group, width, page, dtype, q_dtype=None
     q = jnp.asarray(rng.standard_normal((b, rows, hkv * group, width)), q_dtype or dtype)
     mask = ancestor_mask(jnp.asarray(random_parents(rng, b, rows)))
     return q, k, v, table, jnp.asarray(lengths), mask
+
+
+def schedule_options(spec: str):
+    """"seesaw+no_p_in_ring" -> ("seesaw", {"p_in_ring": False}); "seesaw+p_in_ring" -> (..., True);
+    a bare schedule -> (schedule, {}): the Mosaic MLA decode's schedule and one kernel option."""
+    schedule, _, option = spec.partition("+")
+    if not option:
+        return schedule, {}
+    name = option.removeprefix("no_")
+    return schedule, {name: name == option}
+
+
+def attention_triton_calls(text: str) -> int:
+    """Triton kernels a lowered module calls, split merges (`split_merge`, run wherever a decode
+    splits its keys) not counted: which attention halves lowered to Triton."""
+    calls = [line for line in text.splitlines() if "@__gpu$xla.gpu.triton" in line]
+    return sum('name = "merge_splits"' not in line for line in calls)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_fixtures import poisoned_paged_pools, rel_err
+from paged_fixtures import poisoned_paged_pools, rel_err, schedule_options
 from trees import random_parents
 
 from pallas_kernels.attention.mla_decode import mla_decode_reference, quantize_query
@@ -30,12 +30,13 @@ FP8 = jnp.float8_e4m3fn
     # Each warpgroup scores half of every step's keys; maxima and P meet in shared memory.
     (16, 8, [260, 0, 90], 64, 2, "split", jnp.bfloat16),
     (4, 8, [0, 70, 200], 64, 1, "split", jnp.bfloat16),
-    # The warpgroups score alternate steps whole and hand P over: odd and even step counts per
-    # split, a split with no step, P = 0, a range ending on a partly visible step.
+    # The warpgroups score alternate steps whole and hand P over (by default in each step's rope
+    # columns, read from there by both warpgroups' P V): odd and even step counts per split, a split
+    # with no step, P = 0, a range ending on a partly visible step.
     (16, 8, [260, 0, 90], 64, 2, "seesaw", jnp.bfloat16),
     (4, 8, [0, 70, 200, 400], 64, 1, "seesaw", jnp.bfloat16),
-    # P handed over in each step's rope columns, read from there by both warpgroups' P V.
-    (16, 8, [260, 0, 90], 64, 2, "seesaw+p_in_ring", jnp.bfloat16),
+    # P handed over in a shared-memory buffer of its own and loaded into registers for P V.
+    (16, 8, [260, 0, 90], 64, 2, "seesaw+no_p_in_ring", jnp.bfloat16),
     # FP8 cache: FP8 query x FP8 rows for the scores, value channels widened to fp16 per warpgroup.
     (16, 8, [260, 20], 64, 2, "turns", FP8),
     (16, 8, [330, 20], 64, 1, "seesaw", FP8),
@@ -52,10 +53,10 @@ def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, s
     # The absorbed query the decode multiplies: quantised to FP8 under an FP8 cache (as the cascade does).
     q = quantize_query(jnp.asarray(rng.standard_normal((b, r, hq, LORA + ROPE)), jnp.bfloat16), dtype)
     lens = jnp.asarray(lengths)
-    schedule, _, option = schedule.partition("+")
+    schedule, options = schedule_options(schedule)
     out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
                                block_k=block_k, num_splits=splits, schedule=schedule, interpret=True,
-                               **({option: True} if option else {}))
+                               **options)
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE,
                                             scale=SCALE, whole_pages=True)
     assert out.shape == (b, r, hq, LORA) and lse.shape == (b, r, hq)
@@ -93,13 +94,13 @@ def test_mgpu_mla_refuses_unsupported_shapes():
     (jnp.bfloat16, 1e-2, False, [150, 3], False), (FP8, 6e-2, False, [150, 3], False),
     # P mod page < N - 1 (one page-aligned): the flag moves keys between the halves.
     (jnp.bfloat16, 1e-2, True, [128, 130], False),
-    # The 16-bit default with the prefix covering every row's tail: the window fused into the decode.
-    (jnp.bfloat16, 1e-2, None, [128, 130], True), (FP8, 6e-2, None, [150, 3], False)])
+    # The default with the prefix covering every row's tail: the window fused into the decode.
+    (jnp.bfloat16, 1e-2, None, [128, 130], True), (FP8, 6e-2, None, [150, 3], True)])
 def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol, covers_tail, lengths, fuse):
     """MlaCascadeConfig(prefix_kernel="mosaic_gpu") end to end (interpreter) equals dense attention,
     with a bf16 and an FP8 latent cache (whose prefix half scores the FP8-quantised query), with
     the decode run to the whole-page bound for every row (`prefix_covers_tail`), and with the
-    window fused into the decode where the default does that (bf16, covering the tail)."""
+    window fused into the decode where the default does that (covering the tail)."""
     from treespec_jax.attention.mla import MlaCascadeConfig, fuses_window, mla_verify_attention
 
     rng = np.random.default_rng(9)
@@ -152,7 +153,7 @@ def test_auto_latent_decode_takes_mosaic_only_where_it_runs_compiled():
 
 
 @pytest.mark.parametrize("schedule,dtype", [(s, d) for s in ("split", "seesaw", "turns", "together")
-                                            for d in (jnp.bfloat16, FP8)] + [("seesaw+p_in_ring", jnp.bfloat16)])
+                                            for d in (jnp.bfloat16, FP8)] + [("seesaw+no_p_in_ring", jnp.bfloat16)])
 def test_mgpu_mla_decode_lowers_to_mosaic_gpu(schedule, dtype):
     """The compiled path lowers to a Mosaic GPU module on the CPU, including Mosaic's layout
     inference and its shared-memory check (the cubin is built on the GPU machine): DeepSeek-V3
@@ -165,9 +166,9 @@ def test_mgpu_mla_decode_lowers_to_mosaic_gpu(schedule, dtype):
     sd = jax.ShapeDtypeStruct
     lora, rope = 512, 64
     c = lora + rope
-    schedule, _, option = schedule.partition("+")
+    schedule, options = schedule_options(schedule)
     fn = lambda q, pool, t, ln: mla_decode_mgpu(q, pool, t, ln, kv_lora_rank=lora, page_size=64, scale=0.07,  # noqa: E731
-                                                schedule=schedule, num_splits=2, **({option: True} if option else {}))
+                                                schedule=schedule, num_splits=2, **options)
     text = jax.jit(fn).trace(sd((2, 16, 128, c), dtype), sd((64 * 64, c), dtype),
                              sd((2, 32), jnp.int32), sd((2,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

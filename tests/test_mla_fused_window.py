@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_fixtures import poisoned_paged_pools, rel_err
+from paged_fixtures import poisoned_paged_pools, rel_err, schedule_options
 from test_cascade_gqa import lane_masks
 from trees import random_parents
 
@@ -33,7 +33,7 @@ def dense(q, pool, table, lengths, mask, window):
     (5, 8, [63, 200], 3, "split"),  # 40 rows padded to one tile; a trailing split with no step
     # Alternate steps scored whole by each warpgroup: odd and even step counts, window steps masked.
     (16, 4, [130, 300], 1, "seesaw"),
-    (16, 4, [130, 300], 1, "seesaw+p_in_ring"),  # P handed over in each step's rope columns
+    (16, 4, [130, 300], 1, "seesaw+no_p_in_ring"),  # P in a buffer of its own, not the rope columns
 ])
 def test_fused_mla_window_matches_dense(n, hq, lengths, splits, schedule):
     """Every row sees [0, P) and its ancestors in the window; slots past P + N hold NaN (poisoned),
@@ -47,14 +47,14 @@ def test_fused_mla_window_matches_dense(n, hq, lengths, splits, schedule):
     q = jnp.asarray(rng.standard_normal((b, n, hq, LORA + ROPE)), jnp.bfloat16)
     mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
     lens = jnp.asarray(lengths)
-    schedule, _, option = schedule.partition("+")
+    schedule, options = schedule_options(schedule)
     out, lse = mla_decode_mgpu(q, pool, table, lens, mask, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
                                window=n, num_splits=splits, schedule=schedule, interpret=True,
-                               **({option: True} if option else {}))
+                               **options)
     assert out.shape == (b, n, hq, LORA) and lse.shape == (b, n, hq)
     assert not np.isnan(np.asarray(out)).any()
     assert rel_err(out, dense(q, pool, table, lens, mask, n)) < 1e-2
-    if option:
+    if options:
         return  # a kernel option the cascade's config does not name: the kernel alone
     # The same through the verify cascade, which then runs no window kernel.
     calls = []
@@ -169,9 +169,9 @@ def test_fused_mla_window_lowers_to_mosaic_gpu(splits, out_dtype, dtype):
 
 
 def test_fuse_window_default_resolution():
-    """fuse_window=None fuses exactly where the fused kernel runs: the Mosaic latent decode over a
-    16-bit cache, schedule "seesaw" or "split" (given or the default) and the prefix covering every row's tail;
-    an explicit True or False wins."""
+    """fuse_window=None fuses exactly where the fused kernel runs: the Mosaic latent decode (16-bit
+    and FP8 caches), schedule "seesaw" or "split" (given or the default) and the prefix covering every
+    row's tail; an explicit True or False wins."""
     from treespec_jax.attention.mla import fuses_window
 
     base = dict(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE)
@@ -179,7 +179,7 @@ def test_fuse_window_default_resolution():
     assert auto.fuse_window is None
     assert fuses_window(auto, True, jnp.bfloat16) and fuses_window(auto, True, jnp.float16)
     assert not fuses_window(auto, False, jnp.bfloat16)  # the Triton decode
-    assert not fuses_window(auto, True, jnp.float8_e4m3fn)  # FP8 keeps the window kernel
+    assert fuses_window(auto, True, jnp.float8_e4m3fn)  # FP8 fuses too (session 21)
     assert fuses_window(MlaCascadeConfig(**base, schedule="split"), True, jnp.bfloat16)
     assert fuses_window(MlaCascadeConfig(**base, schedule="seesaw"), True, jnp.bfloat16)
     for schedule in ("turns", "together"):
@@ -187,5 +187,4 @@ def test_fuse_window_default_resolution():
     assert not fuses_window(MlaCascadeConfig(**base, prefix_covers_tail=False), True, jnp.bfloat16)
     assert fuses_window(MlaCascadeConfig(**base, prefix_covers_tail=True), True, jnp.bfloat16)
     assert not fuses_window(MlaCascadeConfig(**base, fuse_window=False), True, jnp.bfloat16)
-    forced = MlaCascadeConfig(**base, prefix_kernel="mosaic_gpu", fuse_window=True)
-    assert fuses_window(forced, True, jnp.float8_e4m3fn)  # FP8 fuses on request
+    assert not fuses_window(MlaCascadeConfig(**base, fuse_window=False), True, jnp.float8_e4m3fn)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from paged_fixtures import poisoned_paged_pools, rel_err
 
-from pallas_kernels.attention.prefix_decode import default_num_splits, merge_splits, prefix_decode
+from pallas_kernels.attention.prefix_decode import default_num_splits, prefix_decode
 
 FP8 = jnp.float8_e4m3fn
 
@@ -99,28 +99,6 @@ def test_prefix_reference_matches_numpy_loop_with_sliding_window():
                              sliding_window=9, poison_outputs=True, backend="interpret")
     assert rel_err(out, nout) < 1e-5
     check_lse(lse, nlse, 1e-4)
-
-
-@pytest.mark.parametrize("axis", [0, 1])
-def test_merge_splits_equals_unsplit(axis):
-    """The LSE merge over the split axis (0: the GQA kernels' layout, 1: the Triton MLA decode's):
-    splits with no key (lse = -inf) drop out, rows no split saw come out 0 with lse -inf."""
-    rng = np.random.default_rng(3)
-    out = rng.standard_normal((3, 5, 8)).astype(np.float32)
-    lse = rng.standard_normal((3, 5)).astype(np.float32)
-    lse[1, 2] = lse[:, 4] = -np.inf
-    w = np.exp2(lse)
-    expect = (w[..., None] * out).sum(0) / np.maximum(w.sum(0), 1e-30)[..., None]
-    if axis:  # the same partials with a leading axis of 2 in front of the splits
-        merged, mlse = merge_splits(jnp.asarray(np.stack([out, out[:, ::-1]])),
-                                    jnp.asarray(np.stack([lse, lse[:, ::-1]])), axis=1)
-        np.testing.assert_allclose(np.asarray(merged[1, 1:]), expect[:4][::-1], rtol=1e-5)
-        merged, mlse = merged[0], mlse[0]
-    else:
-        merged, mlse = merge_splits(jnp.asarray(out), jnp.asarray(lse))
-    np.testing.assert_allclose(np.asarray(merged[:4]), expect[:4], rtol=1e-5)
-    assert np.all(np.asarray(merged[4]) == 0) and np.isneginf(np.asarray(mlse[4]))
-    np.testing.assert_allclose(np.asarray(mlse[:4]), np.log2(w.sum(0)[:4]), rtol=1e-5)
 
 
 def test_prefix_decode_rejects_bad_inputs():

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.attention.prefix_decode import merge_splits
+from pallas_kernels.attention.split_merge import merge_splits
 from pallas_kernels.common import next_pow2, resolve_backend
 
 LOG2E = math.log2(math.e)
@@ -343,7 +343,7 @@ def _mla_decode_pallas(q, latent_pool, page_table, prefix_len, *, kv_lora_rank, 
     if splits == 1:
         out, lse = out_s[:, 0], lse_s[:, 0]
     else:
-        out, lse = merge_splits(out_s, lse_s, axis=1)
+        out, lse = merge_splits(out_s, lse_s, axis=1, backend="interpret" if interpret else None)
     out = out[:, :rows, :lora].reshape(b, r, hq, lora)
     return out, lse[:, :rows].reshape(b, r, hq)
 

@@ -45,6 +45,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention.reference import (LOG2E, is_fp8, prefix_decode_reference,
                                                 quantize_query_for_pool)
+from pallas_kernels.attention.split_merge import merge_splits
 from pallas_kernels.common import next_pow2, resolve_backend
 
 # The key axis is split only when (B, Hkv, row tiles) gives fewer than two programs per SM; a split
@@ -318,26 +319,6 @@ def check_partial_dtype(partial_dtype, what: str) -> jnp.dtype:
     return partial_dtype
 
 
-def merge_splits(out: jax.Array, lse: jax.Array, axis: int = 0):
-    """LSE merge of key-split partials: `out [..., splits, ..., D]` (the splits at `axis`), `lse`
-    the same without D (base 2) -> (out, lse) without that axis, float32. Splits with lse = -inf
-    (no key) drop out; a row no split saw gets out 0 and lse -inf.
-
-    Reductions over the split axis: written as elementwise chains over its slices instead, XLA on
-    the H200 launched more kernels for the merge, not fewer (B=1, P=32768 bf16: 7.9 against 4.2 us
-    per call; session 20, benchmarks/RESULTS.md)."""
-    lse = lse.astype(jnp.float32)
-    m = jnp.max(lse, axis=axis, keepdims=True)
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    w = jnp.exp2(lse - m_safe)  # exp2(-inf) = 0: empty splits drop out
-    total = jnp.sum(w, axis=axis)
-    seen = total > 0
-    safe = jnp.where(seen, total, 1.0)
-    acc = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=axis)
-    merged = jnp.where(seen[..., None], acc / safe[..., None], 0.0)
-    return merged, jnp.where(seen, jnp.squeeze(m_safe, axis) + jnp.log2(safe), -jnp.inf)
-
-
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "num_splits",
                                              "sliding_window", "block_rows", "num_warps", "num_stages",
                                              "pages_per_step", "interpret", "fp8_score_dot",
@@ -405,7 +386,7 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
         name="prefix_decode",
     )(*args)
     if splits > 1:
-        return merge_splits(out, lse)
+        return merge_splits(out, lse, backend="interpret" if interpret else None)
     return out[0], lse[0]
 
 
@@ -480,5 +461,5 @@ def prefix_decode(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table
         prefetch_page_ids=prefetch_page_ids)
 
 
-__all__ = ["prefix_decode", "prefix_decode_row_layout", "merge_splits", "default_num_splits", "default_launch",
+__all__ = ["prefix_decode", "prefix_decode_row_layout", "default_num_splits", "default_launch",
            "PrefixLaunch", "WIDE_GRID_LAUNCH", "SPLIT_LAUNCH"]

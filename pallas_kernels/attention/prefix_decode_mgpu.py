@@ -42,7 +42,7 @@ its own partial for the LSE merge, so the tensor cores still have a second warpg
 TMA copies of one or two pages (`pages_per_step`) of K and of V per step into a ring of `stages`
 buffers, reading each page id from the table, and waits until every compute warpgroup that reads
 a buffer (both, or under a key split the step's owner) released it before refilling it. Steps whose keys every row of a warpgroup sees run without masks. A
-small grid splits the key axis; the partials merge by LSE (`prefix_decode.merge_splits`).
+small grid splits the key axis; the partials merge by LSE (`split_merge.merge_splits`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention.prefix_decode import check_partial_dtype, merge_splits, num_sms
+from pallas_kernels.attention.prefix_decode import check_partial_dtype, num_sms
+from pallas_kernels.attention.split_merge import merge_splits
 from pallas_kernels.attention.reference import quantize_query_for_pool
 
 LOG2E = math.log2(math.e)
@@ -466,7 +467,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     `partial_dtype`: the dtype the kernel writes `out` in, float32 or bfloat16 (half the bytes for
     this kernel to write and, without key splits, for the window kernel to read; the normalised
     partial is rounded once more, to bf16, before the merge); key-split partials (`num_splits` or
-    the warpgroup key split) are merged by `merge_splits`, which returns float32;
+    the warpgroup key split) are merged by `merge_splits` into float32 (fused: `partial_dtype`);
     `window` > 0 fuses the tree window (`window_words [B, 2, T] int32`, `window_union [B, 2] int32`;
     see `fused_window_words`): every row then sees the committed keys [0, P) and window key j
     (position P + j, j < window) iff bit j of its own words is set, so the output is the whole
@@ -546,8 +547,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     splits = num_splits or default_mgpu_num_splits(b, hkv, tiles, steps)
     block = page_size * pps
     steps_per_split = -(-steps // splits)
+    merged_dtype = partial_dtype if fused else jnp.dtype(jnp.float32)
     if fused and splits * stride > 1:
-        # Fused, `partial_dtype` is the output's: key-split partials stay float32 until merged.
+        # Fused, `partial_dtype` is the output's: key-split partials stay float32 until merged
+        # (the merge writes the output in it).
         partial_dtype = jnp.dtype(jnp.float32)
     # The staging tile keeps its bytes: 32 fp32 or 64 bf16 output columns per piece.
     out_chunk = OUT_CHUNK * 4 // partial_dtype.itemsize
@@ -1117,7 +1120,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     if heads_io:
         lse = head_io_rows(lse, group_io, inverse=True)
     if splits * stride > 1:
-        return merge_splits(out, lse)
+        return merge_splits(out, lse, out_dtype=merged_dtype, backend="interpret" if interpret else None)
     return out[0], lse[0]
 
 

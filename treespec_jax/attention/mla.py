@@ -75,14 +75,13 @@ class MlaCascadeConfig:
     # Fuse the tree window into the Mosaic latent decode (prefix_kernel "mosaic_gpu", schedule
     # "seesaw" or "split"): one kernel gives every row the keys [0, P + window), window key j under bit
     # j of the row's mask, and writes the final output in the model dtype (no partial, no window
-    # kernel). None: fused over a 16-bit cache under those schedules with prefix_covers_tail not False
-    # (`fuses_window`); on the H200 the fused bf16 cascade took 2.636 vs 2.684 ms (B=32, P=8192, N=16,
-    # 128 heads, one process, session 15, benchmarks/RESULTS.md). True demands it (prefix_kernel
-    # "mosaic_gpu"), over an FP8 cache too: its window keys are then scored as its prefix's are, the
-    # FP8 query by the FP8 rows on the tensor cores (the window kernel widens both, exactly, and
-    # accumulates in float32; the values are the same, the accumulation is the FP8 wgmma's). FP8 stays
-    # unfused by default until the H200 times it (session 20: the FP8 cascade took 2.300 ms against
-    # its decode's 2.132, where the fused bf16 cascade adds about 3%). False keeps the window kernel.
+    # kernel). Over an FP8 cache its window keys are scored as its prefix's are, the FP8 query by the
+    # FP8 rows on the tensor cores (the window kernel widens both, exactly, and accumulates in
+    # float32; the values are the same, the accumulation is the FP8 wgmma's). None: fused under those
+    # schedules with prefix_covers_tail not False (`fuses_window`), over 16-bit and FP8 caches. On
+    # the H200 (B=32, P=8192, N=16, 128 heads, session 21, benchmarks/RESULTS.md) the fused cascade
+    # took 2.218 vs 2.315 ms over FP8 and 2.343 vs 2.462 ms over bf16. True demands it
+    # (prefix_kernel "mosaic_gpu"); False keeps the window kernel.
     fuse_window: bool | None = None
 
     def __post_init__(self):
@@ -150,13 +149,12 @@ def uses_mosaic_latent_decode(config: MlaCascadeConfig, kind: str, q, latent_poo
 
 def fuses_window(config: MlaCascadeConfig, mosaic: bool, latent_dtype) -> bool:
     """Whether the tree window runs inside the Mosaic latent decode: an explicit setting wins; None
-    fuses under the Mosaic decode (`mosaic`, resolved) over a 16-bit cache, schedule "split" or "seesaw" (given
-    or the dtype's default) and a prefix that covers every row's tail (None or True)."""
+    fuses under the Mosaic decode (`mosaic`, resolved), schedule "split" or "seesaw" (given or the
+    dtype's default) and a prefix that covers every row's tail (None or True), over any cache dtype."""
     if config.fuse_window is not None:
         return config.fuse_window
     schedule = config.schedule or default_schedule(latent_dtype)
-    return (mosaic and jnp.dtype(latent_dtype).itemsize == 2 and schedule in EXCHANGES
-            and config.prefix_covers_tail is not False)
+    return mosaic and schedule in EXCHANGES and config.prefix_covers_tail is not False
 
 
 def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.Array,

@@ -1,0 +1,125 @@
+"""Merge of key-split attention partials by their base-2 log-sum-exp, in one Pallas kernel.
+
+A decode that splits the key axis (to fill the GPU at small batches) leaves per split a partial
+output normalised over its own keys and that split's lse2. The merged row is
+`sum_s 2^(lse_s - m) out_s / sum_s 2^(lse_s - m)` with m the largest lse; splits that saw no key
+(lse = -inf) drop out, and a row no split saw gets output 0 and lse -inf.
+
+`merge_splits_reference` is the XLA form. XLA runs it as two kernels on the H200 (the weights, then
+the weighted sum; 4.2 us per call at B=1, P=32768, 8 splits of [64 x 32 heads x 128] float32
+partials, session 20), and written as elementwise chains over the split slices it launched five.
+`merge_splits` runs one Pallas kernel instead: each program takes a block of rows of every split,
+forms the weights in registers and writes the merged rows in `out_dtype` (so a bf16 cascade output
+needs no separate cast either).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import resolve_backend
+
+# Elements of one split's rows a program merges (rows x D): 2,048 gives the B=1, Hq=32, R=64, D=128
+# merge 128 programs, about one per H200 SM.
+ELEMENTS_PER_PROGRAM = 2048
+OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Whether compiled merges run the Pallas kernel (False: the XLA reference, then cast). Read when a
+# caller is traced (benchmarks/kernel_profile.py --merges flips it, clearing jit caches between).
+MERGE_KERNEL = True
+
+
+def merge_splits_reference(out: jax.Array, lse: jax.Array, axis: int = 0):
+    """`out [..., S, ..., D]` (the splits at `axis`), `lse` the same without D (base 2) -> (out, lse)
+    without that axis, float32. Reductions over the split axis (see the module docstring)."""
+    lse = lse.astype(jnp.float32)
+    m = jnp.max(lse, axis=axis, keepdims=True)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w = jnp.exp2(lse - m_safe)  # exp2(-inf) = 0: empty splits drop out
+    total = jnp.sum(w, axis=axis)
+    seen = total > 0
+    safe = jnp.where(seen, total, 1.0)
+    acc = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=axis)
+    merged = jnp.where(seen[..., None], acc / safe[..., None], 0.0)
+    return merged, jnp.where(seen, jnp.squeeze(m_safe, axis) + jnp.log2(safe), -jnp.inf)
+
+
+def _merge_kernel(o_ref, l_ref, out_ref, lse_ref, *, splits: int):
+    """o_ref [S, rows, D], l_ref [S, rows] -> out_ref [rows, D], lse_ref [rows]."""
+    lses = [l_ref[s, :] for s in range(splits)]
+    m = functools.reduce(jnp.maximum, lses)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    total = jnp.zeros_like(m_safe)
+    acc = jnp.zeros(out_ref.shape, jnp.float32)
+    for s in range(splits):
+        w = jnp.exp2(lses[s] - m_safe)
+        total = total + w
+        acc = acc + w[:, None] * o_ref[s, :, :].astype(jnp.float32)
+    seen = total > 0
+    safe = jnp.where(seen, total, 1.0)
+    out_ref[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(out_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m_safe + jnp.log2(safe), -jnp.inf)
+
+
+def rows_per_program(rows: int, d: int) -> int:
+    """The largest power of two dividing `rows` up to ELEMENTS_PER_PROGRAM // d (at least 1)."""
+    cap = max(1, ELEMENTS_PER_PROGRAM // d)
+    return math.gcd(rows & -rows, 1 << (cap.bit_length() - 1))
+
+
+def merge_split_errors(out, lse, axis: int, out_dtype) -> list[str]:
+    """Why (out, lse) cannot be merged over `axis` (empty: they can)."""
+    errors = []
+    if not 0 <= axis < lse.ndim:
+        errors.append(f"merge_splits: axis must be in [0, {lse.ndim}) for lse {lse.shape}, got {axis}")
+    if out.shape[:-1] != lse.shape:
+        errors.append(f"merge_splits: out {out.shape} must be lse {lse.shape} plus a trailing D")
+    d = out.shape[-1] if out.ndim else 0
+    if d < 1 or d & (d - 1):
+        errors.append(f"merge_splits: D must be a power of two (a Triton block), got {d}")
+    if jnp.dtype(out_dtype) not in OUT_DTYPES:
+        errors.append(f"merge_splits: out_dtype must be one of {[t.name for t in OUT_DTYPES]}, "
+                      f"got {jnp.dtype(out_dtype).name}")
+    return errors
+
+
+def merge_splits(out: jax.Array, lse: jax.Array, axis: int = 0, *, out_dtype=jnp.float32,
+                 backend: str | None = None):
+    """LSE merge of key-split partials: `out [..., S, ..., D]` (the splits at `axis`; float32 or
+    16-bit), `lse` the same without D (float32, base 2) -> (out in `out_dtype`, lse float32)
+    without that axis. `backend` as `pallas_kernels.common`: "reference" is
+    `merge_splits_reference` (then cast), as is a compiled merge without MERGE_KERNEL."""
+    errors = merge_split_errors(out, lse, axis, out_dtype)
+    if errors:
+        raise ValueError("; ".join(errors))
+    kind = resolve_backend(backend)
+    if kind == "reference" or (kind == "compiled" and not MERGE_KERNEL):
+        merged, merged_lse = merge_splits_reference(out, lse, axis)
+        return merged.astype(out_dtype), merged_lse
+    splits, d = lse.shape[axis], out.shape[-1]
+    lead = math.prod(lse.shape[:axis])
+    rows = math.prod(lse.shape[axis + 1:])
+    block = rows_per_program(rows, d)
+    merged, merged_lse = pl.pallas_call(
+        functools.partial(_merge_kernel, splits=splits),
+        grid=(rows // block, lead),
+        in_specs=[pl.BlockSpec((None, splits, block, d), lambda i, a: (a, 0, i, 0)),
+                  pl.BlockSpec((None, splits, block), lambda i, a: (a, 0, i))],
+        out_specs=(pl.BlockSpec((None, block, d), lambda i, a: (a, i, 0)),
+                   pl.BlockSpec((None, block), lambda i, a: (a, i))),
+        out_shape=(jax.ShapeDtypeStruct((lead, rows, d), out_dtype),
+                   jax.ShapeDtypeStruct((lead, rows), jnp.float32)),
+        interpret=kind == "interpret",
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        name="merge_splits",
+    )(out.reshape(lead, splits, rows, d), lse.astype(jnp.float32).reshape(lead, splits, rows))
+    kept = lse.shape[:axis] + lse.shape[axis + 1:]
+    return merged.reshape(kept + (d,)), merged_lse.reshape(kept)
+
+
+__all__ = ["MERGE_KERNEL", "merge_splits", "merge_splits_reference", "merge_split_errors", "rows_per_program"]

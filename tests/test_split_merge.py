@@ -1,0 +1,96 @@
+"""The LSE merge of key-split partials (`split_merge.merge_splits`): the Pallas kernel in interpret
+mode and the XLA reference against a numpy merge, empty splits and unseen rows, output dtypes,
+refusals, and the compiled kernel's Triton lowering (the GPU runs it in benchmarks/)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from paged_fixtures import rel_err
+
+from pallas_kernels.attention import split_merge
+from pallas_kernels.attention.split_merge import merge_splits, rows_per_program
+
+
+def numpy_merge(out, lse):
+    """out [S, rows, D], lse [S, rows] (base 2) -> merged [rows, D], lse [rows], in float64."""
+    lse = lse.astype(np.float64)
+    m = np.max(lse, 0)
+    m = np.where(np.isneginf(m), 0.0, m)
+    w = np.exp2(lse - m)
+    total = w.sum(0)
+    merged = np.where(total[:, None] > 0, (w[..., None] * out).sum(0) / np.where(total > 0, total, 1)[:, None], 0)
+    return merged, np.where(total > 0, m + np.log2(np.where(total > 0, total, 1)), -np.inf)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+@pytest.mark.parametrize("splits,lead,rows,d,axis,out_dtype", [
+    (3, 1, 40, 16, 0, jnp.float32),  # S not a power of two; 40 rows: 8-row programs
+    (8, 1, 64, 32, 0, jnp.bfloat16),  # the bf16 cascade output written by the merge
+    (2, 3, 12, 64, 1, jnp.float32),  # splits on axis 1 behind a leading axis (the Triton MLA layout)
+    (5, 1, 6, 8, 0, jnp.float16),
+])
+def test_merge_matches_numpy(backend, splits, lead, rows, d, axis, out_dtype):
+    rng = np.random.default_rng(splits * rows + d)
+    out = rng.standard_normal((lead, splits, rows, d)).astype(np.float32)
+    lse = (rng.standard_normal((lead, splits, rows)) * 6).astype(np.float32)
+    lse[:, 1, 0] = -np.inf  # a split that saw no key of row 0
+    lse[:, :, rows - 1] = -np.inf  # a row no split saw
+    expect = [numpy_merge(out[a], lse[a]) for a in range(lead)]
+    if axis == 0:
+        args = (jnp.asarray(out[0]), jnp.asarray(lse[0]))
+    else:
+        args = (jnp.asarray(out), jnp.asarray(lse))
+    merged, mlse = merge_splits(*args, axis=axis, out_dtype=out_dtype, backend=backend)
+    assert merged.dtype == out_dtype and mlse.dtype == jnp.float32
+    merged, mlse = (merged[None], mlse[None]) if axis == 0 else (merged, mlse)
+    assert merged.shape == (lead, rows, d) and mlse.shape == (lead, rows)
+    tol = 1e-6 if out_dtype == jnp.float32 else 1e-2
+    for a, (e_out, e_lse) in enumerate(expect):
+        got = np.asarray(merged[a], np.float32)
+        assert not np.isnan(got).any()
+        assert rel_err(got, e_out) < tol
+        assert np.all(got[rows - 1] == 0) and np.isneginf(np.asarray(mlse[a, rows - 1]))
+        np.testing.assert_allclose(np.asarray(mlse[a, :rows - 1]), e_lse[:rows - 1], rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_equals_reference_on_bf16_partials():
+    """16-bit partials are widened to float32 before the weighted sum, as the reference does."""
+    rng = np.random.default_rng(5)
+    out = jnp.asarray(rng.standard_normal((4, 2, 8, 16)), jnp.bfloat16)
+    lse = jnp.asarray(rng.standard_normal((4, 2, 8)) * 3, jnp.float32)
+    got, glse = merge_splits(out, lse, backend="interpret")
+    ref, rlse = merge_splits(out, lse, backend="reference")
+    assert rel_err(got, ref) < 1e-6 and rel_err(glse, rlse) < 1e-6
+
+
+def test_rows_per_program():
+    assert rows_per_program(2048, 128) == 16  # B=1, R=64, Hq=32, D=128: 128 programs
+    assert rows_per_program(40, 16) == 8
+    assert rows_per_program(7, 16) == 1
+    assert rows_per_program(64, 512) == 4
+
+
+def test_merge_refuses_bad_inputs_naming_each():
+    out, lse = jnp.zeros((2, 4, 12)), jnp.zeros((2, 5))
+    with pytest.raises(ValueError) as err:
+        merge_splits(out, lse, axis=2, out_dtype=jnp.int32)
+    msg = str(err.value)
+    assert "axis must be in [0, 2)" in msg and "out (2, 4, 12) must be lse (2, 5)" in msg
+    assert "D must be a power of two" in msg and "got int32" in msg
+
+
+@pytest.mark.parametrize("splits,d", [(3, 128), (8, 512)])
+def test_merge_lowers_to_triton(monkeypatch, splits, d):
+    """The compiled kernel lowers for sm_90 on the CPU (a split count that is no power of two, the
+    MLA latent width)."""
+    import jax._src.pallas.triton.pallas_call_registration as reg
+
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: reg.gpu_info_lib.GpuInfo(
+        gpu_version=None, arch_name="sm_90", compute_capability=90))
+    monkeypatch.setattr(split_merge, "resolve_backend", lambda backend: "compiled")
+    sd = jax.ShapeDtypeStruct
+    fn = lambda o, l: merge_splits(o, l, out_dtype=jnp.bfloat16)  # noqa: E731
+    text = jax.jit(fn).trace(sd((splits, 1, 64, 32, d), jnp.float32),
+                             sd((splits, 1, 64, 32), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
