@@ -80,17 +80,18 @@ def test_merge_refuses_bad_inputs_naming_each():
     assert "D must be a power of two" in msg and "got int32" in msg
 
 
-@pytest.mark.parametrize("splits,d", [(3, 128), (8, 512)])
-def test_merge_lowers_to_triton(monkeypatch, splits, d):
+@pytest.mark.parametrize("splits,d,kernel", [(3, 128, True), (8, 512, True), (3, 128, False)])
+def test_merge_lowers_to_triton(monkeypatch, splits, d, kernel):
     """The compiled kernel lowers for sm_90 on the CPU (a split count that is no power of two, the
-    MLA latent width)."""
+    MLA latent width); with MERGE_KERNEL off a compiled merge is the XLA form (no Triton call)."""
     import jax._src.pallas.triton.pallas_call_registration as reg
 
     monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: reg.gpu_info_lib.GpuInfo(
         gpu_version=None, arch_name="sm_90", compute_capability=90))
     monkeypatch.setattr(split_merge, "resolve_backend", lambda backend: "compiled")
+    monkeypatch.setattr(split_merge, "MERGE_KERNEL", kernel)
     sd = jax.ShapeDtypeStruct
     fn = lambda o, l: merge_splits(o, l, out_dtype=jnp.bfloat16)  # noqa: E731
     text = jax.jit(fn).trace(sd((splits, 1, 64, 32, d), jnp.float32),
                              sd((splits, 1, 64, 32), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert text.count("__gpu$xla.gpu.triton") == int(kernel)
