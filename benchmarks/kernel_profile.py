@@ -1,7 +1,7 @@
 """Per-kernel device times of the default GQA cascade, from a profiler trace (GPU; logs only).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/kernel_profile.py [--shapes 1x32768x64,8x8192x16]
-        [--dtypes bf16,fp8] [--splits 0,4] [--merges kernel,xla]
+        [--dtypes bf16,fp8] [--splits 0,4] [--merges xla,kernel]
 
 A diagnostic for the small shapes, whose cascade is a few tens of microseconds: the tables' timer
 (`timing.traced_time`) gives the whole call, this says where it goes. For each shape, KV dtype and
@@ -50,8 +50,9 @@ def main(argv=None):
     ap.add_argument("--splits", default="0", help="key-split counts (0: the default)")
     ap.add_argument("--inner", type=int, default=60, help="cascades per jitted chain")
     ap.add_argument("--runs", type=int, default=3, help="chains traced")
-    ap.add_argument("--merges", default="kernel",
-                    help="comma list of how key splits merge: kernel (the Pallas merge), xla (the reference); "
+    ap.add_argument("--merges", default="xla",
+                    help="comma list of how key splits merge: xla (the reference, the default), kernel (the Pallas "
+                    "merge); "
                     "with both, each shape also checks the two outputs against each other")
     ap.add_argument("--compare", action="store_true",
                     help="also chained_time (chains of inner / 3 and inner) before and after, and traces of chains of inner / 3")
