@@ -69,11 +69,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.prefix_decode import default_num_splits
-from pallas_kernels.attention.split_merge import merge_splits
 from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, cta_key_blocks,
                                                          fused_key_blocks, fused_window_words, grid_in_order,
                                                          online_softmax_update, register_budget_errors,
                                                          whole_page_bound, window_visible)
+from pallas_kernels.attention.split_merge import merge_splits
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
 LOG2E = math.log2(math.e)

@@ -57,8 +57,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.prefix_decode import check_partial_dtype, num_sms
-from pallas_kernels.attention.split_merge import merge_splits
 from pallas_kernels.attention.reference import quantize_query_for_pool
+from pallas_kernels.attention.split_merge import merge_splits
 
 LOG2E = math.log2(math.e)
 F8 = jnp.dtype(jnp.float8_e4m3fn)

@@ -8,9 +8,9 @@ output normalised over its own keys and that split's lse2. The merged row is
 `merge_splits_reference` is the XLA form. XLA runs it as two kernels on the H200 (the weights, then
 the weighted sum; 4.2 us per call at B=1, P=32768, 8 splits of [64 x 32 heads x 128] float32
 partials, session 20), and written as elementwise chains over the split slices it launched five.
-`merge_splits` can run one Pallas kernel instead (`MERGE_KERNEL`): each program takes a block of rows of every split,
-forms the weights in registers and writes the merged rows in `out_dtype` (so a bf16 cascade output
-needs no separate cast either).
+`merge_splits` can run one Pallas kernel instead (`MERGE_KERNEL`): each program takes a block of
+rows of every split, forms the weights in registers and writes the merged rows in `out_dtype` (so a
+bf16 cascade output needs no separate cast either).
 """
 
 from __future__ import annotations
