@@ -271,3 +271,8 @@ def test_mla_rejects_bad_input():
     with pytest.raises(ValueError, match="N=65"):
         mla_verify_attention(jnp.ones((1, 65, H, LORA + ROPE)), pool, table, plen,
                              jnp.zeros((1, 65, 2), jnp.uint32), config=config)
+    lane_mask = jnp.zeros((1, 2, 2), jnp.uint32)
+    with pytest.raises(ValueError, match="mla_lane_attention: .*steps must be >= 2, got 1"):
+        mla_lane_attention(q, pool, table, plen, lane_mask, steps=1, config=config)
+    with pytest.raises(ValueError, match=r"mla_lane_attention: lane window \(steps-1\)\*K = 66 exceeds 64"):
+        mla_lane_attention(q, pool, table, plen, lane_mask, steps=34, config=config)

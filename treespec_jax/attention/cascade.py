@@ -354,6 +354,17 @@ def verify_attention(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, con
     return cascade_attention(q, k_pool, v_pool, page_table, prefix_lengths, mask, window=n, config=config)
 
 
+def lane_window(k: int, steps: int, what: str) -> int:
+    """The draft lanes' window W = (steps - 1) * K keys, refused (naming `what`) where there are no
+    lanes yet (steps < 2) or it exceeds MAX_TREE_NODES."""
+    if steps < 2:
+        raise ValueError(f"{what}: lanes exist from draft step 1, so steps must be >= 2, got {steps}")
+    window = (steps - 1) * k
+    if window > MAX_TREE_NODES:
+        raise ValueError(f"{what}: lane window (steps-1)*K = {window} exceeds {MAX_TREE_NODES}")
+    return window
+
+
 def lane_attention(q, k_pool, v_pool, page_table, frontier, lane_mask, *, steps: int, config: CascadeConfig):
     """Draft lanes: R = K lane rows over the lane window of W = (steps - 1) * K keys at the frontier.
 
@@ -361,12 +372,7 @@ def lane_attention(q, k_pool, v_pool, page_table, frontier, lane_mask, *, steps:
     (bit s*K + r for the lane written at step s as lane r, plus its parent lane's bits)
     -> `[B, K, Hq, D]`.
     """
-    k = q.shape[1]
-    if steps < 2:
-        raise ValueError(f"lane_attention: lanes exist from draft step 1, so steps must be >= 2, got {steps}")
-    window = (steps - 1) * k
-    if window > MAX_TREE_NODES:
-        raise ValueError(f"lane_attention: lane window (steps-1)*K = {window} exceeds {MAX_TREE_NODES}")
+    window = lane_window(q.shape[1], steps, "lane_attention")
     return cascade_attention(q, k_pool, v_pool, page_table, frontier, lane_mask, window=window, config=config)
 
 

@@ -29,7 +29,7 @@ from pallas_kernels.attention.mla_decode_mgpu import (EXCHANGES, SCHEDULES, chec
                                                        mla_decode_mgpu, mla_mgpu_input_errors)
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.attention.tree_window import tree_window_attention
-from treespec_jax.attention.cascade import covers_tail, mosaic_only_errors, optional_flag_errors
+from treespec_jax.attention.cascade import covers_tail, lane_window, mosaic_only_errors, optional_flag_errors
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
 # Keys per step of the Mosaic GPU latent decode (a multiple of 64, the P V contraction's minimum;
@@ -221,12 +221,7 @@ def mla_lane_attention(q, latent_pool, page_table, frontier, lane_mask, *, steps
 
     `q [B, K, Hq, L + Dr]`, `frontier [B]`, `lane_mask [B, K, 2] uint32` -> `[B, K, Hq, L]`.
     """
-    k = q.shape[1]
-    if steps < 2:
-        raise ValueError(f"mla_lane_attention: lanes exist from draft step 1, so steps must be >= 2, got {steps}")
-    window = (steps - 1) * k
-    if window > MAX_TREE_NODES:
-        raise ValueError(f"mla_lane_attention: lane window (steps-1)*K = {window} exceeds {MAX_TREE_NODES}")
+    window = lane_window(q.shape[1], steps, "mla_lane_attention")
     return mla_cascade_attention(q, latent_pool, page_table, frontier, lane_mask, window=window, config=config)
 
 
