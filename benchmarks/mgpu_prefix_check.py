@@ -340,7 +340,7 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, regis
 
 
 def interleaved_forms(args, window, registers, kw, smoke, name, flop, flops_rate) -> bool:
-    """The MLA latent decode (with `window` > 0 the tree window fused: the cascade's kernel)
+    """The MLA latent decode with the tree window of `window` keys fused (the cascade's kernel)
     under its defaults, each of the `registers` budgets and, over a 16-bit cache, `p_in_ring`
     flipped, compared with the default (same bits expected; within 1e-3 relative is timed), then
     timed in two interleaved rounds (such an option moves it by about the spread between rounds)."""
@@ -351,7 +351,7 @@ def interleaved_forms(args, window, registers, kw, smoke, name, flop, flops_rate
         forms[f"p_in_ring {not P_IN_RING_BY_DEFAULT}"] = dict(p_in_ring=not P_IN_RING_BY_DEFAULT)
     fns = {label: jax.jit(lambda *a, o=o: mla_decode_mgpu(*a, window=window, interpret=smoke, **o, **kw))
            for label, o in forms.items()}
-    what = "fused decode (the cascade's kernel)" if window else "decode"
+    what = "fused decode (the cascade's kernel)"
     ok, first = True, None
     for label, fn in list(fns.items()):
         try:

@@ -73,18 +73,18 @@ from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, cta_k
                                                          fused_key_blocks, fused_window_words, grid_in_order,
                                                          online_softmax_update, register_budget_errors,
                                                          whole_page_bound, window_visible)
-from pallas_kernels.attention.split_merge import merge_splits
+from pallas_kernels.attention.split_merge import merge_splits, out_dtype_errors
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
 LOG2E = math.log2(math.e)
 F8 = jnp.dtype(jnp.float8_e4m3fn)
 ROWS = 64  # query rows per CTA (one wgmma M tile)
 OUT_CHUNK = 16  # value columns per output copy (the staging tile is [ROWS, OUT_CHUNK])
-# Output dtypes the kernel writes (`out_dtype`): float32, or the 16-bit model dtype where its output
-# is final (the fused window without key splits). The fused bf16 cascade cast a float32 output in a
-# separate XLA pass over [B, R, Hq, L] (B=32, N=16, 128 heads: 134 MB read, 67 MB written, about
-# 50 us of its 2.37-2.48 ms on the H200, session 20: the cascade against the fused decode alone).
-OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Output dtypes the kernel writes (`out_dtype`, split_merge.OUT_DTYPES): float32, or the 16-bit
+# model dtype where its output is final (the fused window without key splits). The fused bf16
+# cascade cast a float32 output in a separate XLA pass over [B, R, Hq, L] (B=32, N=16, 128 heads:
+# 134 MB read, 67 MB written, about 50 us of its 2.37-2.48 ms on the H200, session 20: the cascade
+# against the fused decode alone).
 CLEAN_COLS = 64  # value columns per register pass when the fused window zeroes unseen V rows
 # Dynamic shared memory per block on Hopper (H100/H200). Mosaic GPU starts every buffer on a
 # 1024-byte boundary; the barriers and its own bookkeeping take a little more.
@@ -222,8 +222,9 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
     `stages` None: DEFAULT_STAGES; `registers` the (compute, memory) warpgroups' `setmaxnreg`
     budgets, None: MLA_REGISTERS. `p_in_ring` ("seesaw", 16-bit caches, rope channels >= block_k):
     P handed over in the step's rope columns and read from there by P V; None:
-    P_IN_RING_BY_DEFAULT where it applies. `out_dtype` (OUT_DTYPES): the returned output's dtype; the
-    kernel writes it itself without key splits (their partials stay float32 until the merge).
+    P_IN_RING_BY_DEFAULT where it applies. `out_dtype` (split_merge.OUT_DTYPES): the returned
+    output's dtype; the kernel writes it itself without key splits (their partials stay float32
+    until the merge writes it).
     `window` > 0 with `window_mask [B, R, 2] uint32` (packed ancestor rows) fuses the tree window."""
     if schedule is None:
         schedule = default_schedule(q.dtype)
@@ -240,13 +241,7 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
         errors.append(f"mla_decode_mgpu: p_in_ring must be None, True or False, got {p_in_ring!r}")
     elif p_in_ring:
         errors += ring_errors
-    try:
-        out_ok = jnp.dtype(out_dtype) in OUT_DTYPES
-        got = jnp.dtype(out_dtype).name
-    except TypeError:
-        out_ok, got = False, repr(out_dtype)
-    if not out_ok:
-        errors.append(f"mla_decode_mgpu: out_dtype must be one of {[d.name for d in OUT_DTYPES]}, got {got}")
+    errors += out_dtype_errors(out_dtype, "mla_decode_mgpu")
     errors += [f"mla_decode_mgpu: {e}" for e in register_budget_errors(registers, 2)]
     if errors:
         raise ValueError("; ".join(errors))

@@ -28,6 +28,7 @@ from pallas_kernels.common import resolve_backend
 # Elements of one split's rows a program merges (rows x D): 2,048 gives the B=1, Hq=32, R=64, D=128
 # merge 128 programs, about one per H200 SM.
 ELEMENTS_PER_PROGRAM = 2048
+# Output dtypes the merge writes (and the decodes that hand it their partials): float32 or 16-bit.
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Whether compiled merges run the Pallas kernel (False: the XLA reference, then cast). Read when a
 # caller is traced (benchmarks/kernel_profile.py --merges flips it, clearing jit caches between).
@@ -84,10 +85,18 @@ def merge_split_errors(out, lse, axis: int, out_dtype) -> list[str]:
     d = out.shape[-1] if out.ndim else 0
     if d < 1 or d & (d - 1):
         errors.append(f"merge_splits: D must be a power of two (a Triton block), got {d}")
-    if jnp.dtype(out_dtype) not in OUT_DTYPES:
-        errors.append(f"merge_splits: out_dtype must be one of {[t.name for t in OUT_DTYPES]}, "
-                      f"got {jnp.dtype(out_dtype).name}")
-    return errors
+    return errors + out_dtype_errors(out_dtype, "merge_splits")
+
+
+def out_dtype_errors(out_dtype, what: str) -> list[str]:
+    """Why `out_dtype` is not one of OUT_DTYPES (empty: it is), naming `what` refuses it."""
+    try:
+        if jnp.dtype(out_dtype) in OUT_DTYPES:
+            return []
+        got = jnp.dtype(out_dtype).name
+    except TypeError:
+        got = repr(out_dtype)
+    return [f"{what}: out_dtype must be one of {[t.name for t in OUT_DTYPES]}, got {got}"]
 
 
 def merge_splits(out: jax.Array, lse: jax.Array, axis: int = 0, *, out_dtype=jnp.float32,
@@ -124,4 +133,5 @@ def merge_splits(out: jax.Array, lse: jax.Array, axis: int = 0, *, out_dtype=jnp
     return merged.reshape(kept + (d,)), merged_lse.reshape(kept)
 
 
-__all__ = ["MERGE_KERNEL", "merge_splits", "merge_splits_reference", "merge_split_errors", "rows_per_program"]
+__all__ = ["MERGE_KERNEL", "OUT_DTYPES", "merge_splits", "merge_splits_reference", "merge_split_errors",
+           "out_dtype_errors", "rows_per_program"]

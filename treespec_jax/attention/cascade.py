@@ -322,8 +322,9 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
     # every row's bound is P (`prefix_covers_tail`), and the window kernel then takes no causal tail.
     prefix_rows = dict(query_rows=1, group=r * group) if prefix_covers_tail else dict(query_rows=r, group=group)
     # The key-split partials are merged before the window kernel (`split_merge.merge_splits`).
-    # Merging them in the window kernel instead was no faster on the H200 (session 9, benchmarks/RESULTS.md: B=1
-    # bf16 0.126-0.128 vs 0.087-0.089 ms, FP8 0.093-0.100 vs 0.092-0.099), so that was taken out.
+    # Merging them in the window kernel instead was no faster on the H200 (session 9,
+    # benchmarks/RESULTS.md: B=1 bf16 0.126-0.128 vs 0.087-0.089 ms, FP8 0.093-0.100 vs
+    # 0.092-0.099), so that was taken out.
     if mosaic:
         prefix_out, prefix_lse2 = prefix_decode_mgpu_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, **prefix_rows, page_size=page_size,
