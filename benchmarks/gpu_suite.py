@@ -48,9 +48,9 @@ FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
 # for compiled runs (`split_merge.MERGE_KERNEL = False`). XLA runs the merge as two kernels (B=1,
 # P=32768 bf16: 2.55 + 1.73 us of a 65.0 us span, session 21 call 1). `profile` runs the small
 # shapes with both merges, checks the outputs against each other and lists each kernel's time;
-# `cascade` times the small shapes against their floors (session 20: FP8 B=1 1.57x, B=8 1.68x;
-# bf16 B=1 about 1.51-1.56x) with the Pallas merge (`--merge-kernel`; session 20's numbers are the
-# XLA merge's). If the kernel conforms and wins, make it the default (WORKSPACE, RESULTS).
+# `cascade` times the small shapes against their floors (FP8 B=1 1.57x, B=8 1.68x in session 20;
+# bf16 B=1 1.56x in session 16, the last time under the XLA merge kept now) with the Pallas merge
+# (`--merge-kernel`; those numbers are the XLA merge's). If the kernel conforms and wins, make it the default (WORKSPACE, RESULTS).
 OWED: dict[str, list[str]] = {"profile": ["--shapes", "1x32768x64,8x8192x16", "--dtypes", "bf16,fp8",
                                           "--merges", "xla,kernel", "--runs", "2"],
                               "cascade": ["--skip-conformance", "--lean", "--shapes", "1x32768x64,8x8192x16",
