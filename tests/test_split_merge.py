@@ -9,7 +9,7 @@ import pytest
 from paged_fixtures import rel_err
 
 from pallas_kernels.attention import split_merge
-from pallas_kernels.attention.split_merge import merge_splits, rows_per_program
+from pallas_kernels.attention.split_merge import head_io_rows, merge_splits, rows_per_program
 
 
 def numpy_merge(out, lse):
@@ -64,6 +64,45 @@ def test_kernel_equals_reference_on_bf16_partials():
     assert rel_err(got, ref) < 1e-6 and rel_err(glse, rlse) < 1e-6
 
 
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+@pytest.mark.parametrize("splits,group,r,hq,d,elements,out_dtype", [
+    (3, 4, 32, 8, 32, 2048, jnp.float32),  # two 16-row tiles per KV head, one D chunk
+    (2, 8, 16, 16, 64, 1024, jnp.bfloat16),  # 8-row boxes, four 16-wide D chunks, bf16 out
+    (4, 1, 64, 2, 16, 2048, jnp.float32),  # G = 1: 64-row boxes of one head
+])
+def test_heads_layout_merge_matches_numpy(monkeypatch, backend, splits, group, r, hq, d, elements, out_dtype):
+    """heads_group: out in head layout [S, B, R, Hq, D], lse in the fused Mosaic prefix's kernel-row
+    order; the merge reads that order itself and returns both in head layout."""
+    monkeypatch.setattr(split_merge, "ELEMENTS_PER_PROGRAM", elements)
+    rng = np.random.default_rng(splits * group + d)
+    b = 2
+    out = rng.standard_normal((splits, b, r, hq, d)).astype(np.float32)
+    lse = (rng.standard_normal((splits, b, r, hq)) * 6).astype(np.float32)
+    lse[1, 0, 0, 0] = -np.inf  # a split that saw no key of one row
+    lse[:, 1, r - 1, hq - 1] = -np.inf  # a row no split saw
+    rows = b * r * hq
+    e_out, e_lse = numpy_merge(out.reshape(splits, rows, d), lse.reshape(splits, rows))
+    merged, mlse = merge_splits(jnp.asarray(out), head_io_rows(jnp.asarray(lse), group), out_dtype=out_dtype,
+                                backend=backend, heads_group=group)
+    assert merged.shape == (b, r, hq, d) and merged.dtype == out_dtype and mlse.shape == (b, r, hq)
+    got = np.asarray(merged, np.float32).reshape(rows, d)
+    assert not np.isnan(got).any()
+    assert rel_err(got, e_out) < (1e-6 if out_dtype == jnp.float32 else 1e-2)
+    assert np.all(got[rows - 1] == 0) and np.isneginf(np.asarray(mlse)[1, r - 1, hq - 1])
+    np.testing.assert_allclose(np.asarray(mlse).reshape(rows)[:-1], e_lse[:-1], rtol=1e-5, atol=1e-5)
+
+
+def test_heads_layout_merge_refuses_bad_shapes():
+    out, lse = jnp.zeros((2, 1, 16, 8, 32)), jnp.zeros((2, 1, 2, 64))
+    with pytest.raises(ValueError, match="heads_group must be a power of two dividing 64, got 3"):
+        merge_splits(out, lse, heads_group=3)
+    with pytest.raises(ValueError, match=r"heads_group 4: out \(2, 1, 16, 8, 32\) .* lse \(2, 1, 2, 64\) "
+                                         r"\(got \(2, 1, 2, 32\)\)"):
+        merge_splits(out, lse[..., :32], heads_group=4)
+    with pytest.raises(ValueError, match="R \\* G a multiple of 64"):
+        merge_splits(out[:, :, :8], lse[..., :32], heads_group=4)
+
+
 def test_rows_per_program():
     assert rows_per_program(2048, 128) == 16  # B=1, R=64, Hq=32, D=128: 128 programs
     assert rows_per_program(40, 16) == 8
@@ -95,3 +134,19 @@ def test_merge_lowers_to_triton(monkeypatch, splits, d, kernel):
     text = jax.jit(fn).trace(sd((splits, 1, 64, 32, d), jnp.float32),
                              sd((splits, 1, 64, 32), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == int(kernel)
+
+
+def test_heads_layout_merge_lowers_to_triton(monkeypatch):
+    """The heads-layout kernel (7-D blocks, an lse tile transposed in registers) lowers for sm_90:
+    the B=1, R=64, Hq=32, G=4 fused bf16 cascade's merge, 8 splits."""
+    import jax._src.pallas.triton.pallas_call_registration as reg
+
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: reg.gpu_info_lib.GpuInfo(
+        gpu_version=None, arch_name="sm_90", compute_capability=90))
+    monkeypatch.setattr(split_merge, "resolve_backend", lambda backend: "compiled")
+    monkeypatch.setattr(split_merge, "MERGE_KERNEL", True)
+    sd = jax.ShapeDtypeStruct
+    fn = lambda o, l: merge_splits(o, l, out_dtype=jnp.bfloat16, heads_group=4)  # noqa: E731
+    text = jax.jit(fn).trace(sd((8, 1, 64, 32, 128), jnp.float32),
+                             sd((8, 1, 8, 256), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.transpose" not in text

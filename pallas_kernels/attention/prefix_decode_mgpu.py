@@ -58,12 +58,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.prefix_decode import check_partial_dtype, num_sms
 from pallas_kernels.attention.reference import quantize_query_for_pool
-from pallas_kernels.attention.split_merge import merge_splits
+from pallas_kernels.attention.split_merge import HEAD_IO_TILE, head_io_rows, merge_splits
 
 LOG2E = math.log2(math.e)
 F8 = jnp.dtype(jnp.float8_e4m3fn)
 _POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), F8)
-ROWS_PER_WG = 64
+ROWS_PER_WG = HEAD_IO_TILE  # 64 query rows per warpgroup, the tile of heads_io's row order (`head_io_rows`)
 COMPUTE_WGS = 2
 ROWS_PER_CTA = ROWS_PER_WG * COMPUTE_WGS
 OUT_CHUNK = 32  # output columns per fp32 staging tile (64 per bf16 one: the same bytes)
@@ -1117,11 +1117,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q_in, k_pool, v_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
       *((window_words, window_union) if fused else ()), *((q_wide,) if q_wide is not None else ()))
-    if heads_io:
-        lse = head_io_rows(lse, group_io, inverse=True)
     if splits * stride > 1:
-        return merge_splits(out, lse, out_dtype=merged_dtype, backend="interpret" if interpret else None)
-    return out[0], lse[0]
+        return merge_splits(out, lse, out_dtype=merged_dtype, backend="interpret" if interpret else None,
+                            heads_group=group_io)
+    return out[0], head_io_rows(lse[0], group_io, inverse=True) if heads_io else lse[0]
 
 
 def heads_io_errors(query_rows: int, group: int) -> list[str]:
@@ -1135,21 +1134,3 @@ def heads_io_errors(query_rows: int, group: int) -> list[str]:
         errors.append(f"prefix_decode_mgpu: heads_io needs R a multiple of 64 / G = {ROWS_PER_WG // group}, "
                       f"got R={query_rows}")
     return errors
-
-
-def head_io_rows(x, group: int, inverse: bool = False):
-    """The head-layout kernel's row order: kernel row t = 64 * w + g * (64 / G) + i is query row
-    w * (64 / G) + i of head g of the KV head (warpgroup tile w). `x [..., B, R, Hkv * G]` ->
-    kernel order `[..., B, Hkv, R * G]`; with `inverse` back."""
-    per = ROWS_PER_WG // group
-    nlead = x.ndim - 3
-    lead = tuple(range(nlead))
-    if inverse:
-        *shape, b, hkv, total = x.shape
-        x = x.reshape(*shape, b, hkv, total // ROWS_PER_WG, group, per)
-        x = jnp.transpose(x, lead + tuple(nlead + a for a in (0, 2, 4, 1, 3)))  # [B, W, per, Hkv, G]
-        return x.reshape(*shape, b, total // group, hkv * group)
-    *shape, b, r, hq = x.shape
-    x = x.reshape(*shape, b, r // per, per, hq // group, group)
-    x = jnp.transpose(x, lead + tuple(nlead + a for a in (0, 3, 1, 4, 2)))  # [B, Hkv, W, G, per]
-    return x.reshape(*shape, b, hq // group, r * group)

@@ -26,8 +26,13 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import resolve_backend
 
 # Elements of one split's rows a program merges (rows x D): 2,048 gives the B=1, Hq=32, R=64, D=128
-# merge 128 programs, about one per H200 SM.
+# merge 128 programs, about one per H200 SM. With NUM_WARPS, the launch; both are read when a caller
+# is traced (benchmarks/kernel_profile.py --merges kernel:E/W sweeps them).
 ELEMENTS_PER_PROGRAM = 2048
+NUM_WARPS = 4
+# Rows of one tile of the heads-layout lse order (`head_io_rows`): a Mosaic warpgroup's 64 rows
+# (prefix_decode_mgpu.ROWS_PER_WG), G boxes of 64 / G query rows, one per head of the KV head.
+HEAD_IO_TILE = 64
 # Output dtypes the merge writes (and the decodes that hand it their partials): float32 or 16-bit.
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Whether compiled merges run the Pallas kernel (False: the XLA reference, then cast). Read when a
@@ -52,9 +57,11 @@ def merge_splits_reference(out: jax.Array, lse: jax.Array, axis: int = 0):
     return merged, jnp.where(seen, jnp.squeeze(m_safe, axis) + jnp.log2(safe), -jnp.inf)
 
 
-def _merge_kernel(o_ref, l_ref, out_ref, lse_ref, *, splits: int):
-    """o_ref [S, rows, D], l_ref [S, rows] -> out_ref [rows, D], lse_ref [rows]."""
-    lses = [l_ref[s, :] for s in range(splits)]
+def _merge_kernel(o_ref, l_ref, out_ref, lse_ref, *, splits: int, lse_transposed: bool):
+    """o_ref [S, rows, D], l_ref [S, rows] -> out_ref [rows, D], lse_ref [rows]; with
+    `lse_transposed` o_ref [S, per, G, dc], l_ref [S, G, per] -> out_ref [per, G, dc], lse_ref
+    [per, G] (a heads-layout tile, its lse read in the kernel-row order)."""
+    lses = [l_ref[s, :, :].T if lse_transposed else l_ref[s, :] for s in range(splits)]
     m = functools.reduce(jnp.maximum, lses)
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
     total = jnp.zeros_like(m_safe)
@@ -62,10 +69,10 @@ def _merge_kernel(o_ref, l_ref, out_ref, lse_ref, *, splits: int):
     for s in range(splits):
         w = jnp.exp2(lses[s] - m_safe)
         total = total + w
-        acc = acc + w[:, None] * o_ref[s, :, :].astype(jnp.float32)
+        acc = acc + w[..., None] * o_ref[s].astype(jnp.float32)
     seen = total > 0
     safe = jnp.where(seen, total, 1.0)
-    out_ref[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(out_ref.dtype)
+    out_ref[...] = jnp.where(seen[..., None], acc / safe[..., None], 0.0).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(seen, m_safe + jnp.log2(safe), -jnp.inf)
 
 
@@ -75,17 +82,53 @@ def rows_per_program(rows: int, d: int) -> int:
     return math.gcd(rows & -rows, 1 << (cap.bit_length() - 1))
 
 
-def merge_split_errors(out, lse, axis: int, out_dtype) -> list[str]:
+def merge_split_errors(out, lse, axis: int, out_dtype, heads_group: int = 0) -> list[str]:
     """Why (out, lse) cannot be merged over `axis` (empty: they can)."""
     errors = []
     if not 0 <= axis < lse.ndim:
         errors.append(f"merge_splits: axis must be in [0, {lse.ndim}) for lse {lse.shape}, got {axis}")
-    if out.shape[:-1] != lse.shape:
-        errors.append(f"merge_splits: out {out.shape} must be lse {lse.shape} plus a trailing D")
     d = out.shape[-1] if out.ndim else 0
+    if heads_group:
+        errors += _heads_layout_errors(out, lse, axis, heads_group)
+    elif out.shape[:-1] != lse.shape:
+        errors.append(f"merge_splits: out {out.shape} must be lse {lse.shape} plus a trailing D")
     if d < 1 or d & (d - 1):
         errors.append(f"merge_splits: D must be a power of two (a Triton block), got {d}")
     return errors + out_dtype_errors(out_dtype, "merge_splits")
+
+
+def _heads_layout_errors(out, lse, axis: int, group: int) -> list[str]:
+    """Why out [S, B, R, Hq, D] and lse [S, B, Hkv, R * G] (the `head_io_rows` order) are not a
+    heads-layout split set of group G (empty: they are)."""
+    if group < 1 or group & (group - 1) or HEAD_IO_TILE % group:
+        return [f"merge_splits: heads_group must be a power of two dividing {HEAD_IO_TILE}, got {group}"]
+    if axis != 0 or out.ndim != 5 or lse.ndim != 4:
+        return [f"merge_splits: heads_group needs out [S, B, R, Hq, D] and lse [S, B, Hkv, R * G] split on "
+                f"axis 0, got out {out.shape}, lse {lse.shape}, axis {axis}"]
+    s, b, r, hq, _ = out.shape
+    expect = (s, b, hq // group, r * group)
+    if hq % group or lse.shape != expect or (r * group) % HEAD_IO_TILE:
+        return [f"merge_splits: heads_group {group}: out {out.shape} needs Hq a multiple of G, lse {expect} "
+                f"(got {lse.shape}) and R * G a multiple of {HEAD_IO_TILE}"]
+    return []
+
+
+def head_io_rows(x, group: int, inverse: bool = False):
+    """The heads-layout kernel row order: row t = 64 w + g (64 / G) + i is query row w (64 / G) + i
+    of head g of the KV head (tile w; 64 = HEAD_IO_TILE). `x [..., B, R, Hkv * G]` -> that order
+    `[..., B, Hkv, R * G]`; with `inverse` back."""
+    per = HEAD_IO_TILE // group
+    nlead = x.ndim - 3
+    lead = tuple(range(nlead))
+    if inverse:
+        *shape, b, hkv, total = x.shape
+        x = x.reshape(*shape, b, hkv, total // HEAD_IO_TILE, group, per)
+        x = jnp.transpose(x, lead + tuple(nlead + a for a in (0, 2, 4, 1, 3)))  # [B, W, per, Hkv, G]
+        return x.reshape(*shape, b, total // group, hkv * group)
+    *shape, b, r, hq = x.shape
+    x = x.reshape(*shape, b, r // per, per, hq // group, group)
+    x = jnp.transpose(x, lead + tuple(nlead + a for a in (0, 3, 1, 4, 2)))  # [B, Hkv, W, G, per]
+    return x.reshape(*shape, b, hq // group, r * group)
 
 
 def out_dtype_errors(out_dtype, what: str) -> list[str]:
@@ -100,24 +143,35 @@ def out_dtype_errors(out_dtype, what: str) -> list[str]:
 
 
 def merge_splits(out: jax.Array, lse: jax.Array, axis: int = 0, *, out_dtype=jnp.float32,
-                 backend: str | None = None):
+                 backend: str | None = None, heads_group: int = 0):
     """LSE merge of key-split partials: `out [..., S, ..., D]` (the splits at `axis`; float32 or
     16-bit), `lse` the same without D (float32, base 2) -> (out in `out_dtype`, lse float32)
     without that axis. `backend` as `pallas_kernels.common`: "reference" is
-    `merge_splits_reference` (then cast), as is a compiled merge without MERGE_KERNEL."""
-    errors = merge_split_errors(out, lse, axis, out_dtype)
+    `merge_splits_reference` (then cast), as is a compiled merge without MERGE_KERNEL.
+
+    `heads_group` G > 0: the fused Mosaic prefix's heads layout, `out [S, B, R, Hq, D]` with
+    `lse [S, B, Hkv, R * G]` in `head_io_rows` order -> `[B, R, Hq, D]`, `[B, R, Hq]`. The kernel
+    reads lse in that order itself (each program a tile of 64 / G query rows x G heads), so no
+    transpose runs before it (XLA had run one, 1.3 us at B=1 and B=8 on the H200, session 22)."""
+    errors = merge_split_errors(out, lse, axis, out_dtype, heads_group)
     if errors:
         raise ValueError("; ".join(errors))
     kind = resolve_backend(backend)
     if kind == "reference" or (kind == "compiled" and not MERGE_KERNEL):
-        merged, merged_lse = merge_splits_reference(out, lse, axis)
+        merged, merged_lse = merge_splits_reference(
+            out, head_io_rows(lse, heads_group, inverse=True) if heads_group else lse, axis)
         return merged.astype(out_dtype), merged_lse
+    call = functools.partial(
+        pl.pallas_call, interpret=kind == "interpret", name="merge_splits",
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1))
+    if heads_group:
+        return _merge_heads_layout(call, out, lse.astype(jnp.float32), heads_group, out_dtype)
     splits, d = lse.shape[axis], out.shape[-1]
     lead = math.prod(lse.shape[:axis])
     rows = math.prod(lse.shape[axis + 1:])
     block = rows_per_program(rows, d)
-    merged, merged_lse = pl.pallas_call(
-        functools.partial(_merge_kernel, splits=splits),
+    merged, merged_lse = call(
+        functools.partial(_merge_kernel, splits=splits, lse_transposed=False),
         grid=(rows // block, lead),
         in_specs=[pl.BlockSpec((None, splits, block, d), lambda i, a: (a, 0, i, 0)),
                   pl.BlockSpec((None, splits, block), lambda i, a: (a, 0, i))],
@@ -125,13 +179,31 @@ def merge_splits(out: jax.Array, lse: jax.Array, axis: int = 0, *, out_dtype=jnp
                    pl.BlockSpec((None, block), lambda i, a: (a, i))),
         out_shape=(jax.ShapeDtypeStruct((lead, rows, d), out_dtype),
                    jax.ShapeDtypeStruct((lead, rows), jnp.float32)),
-        interpret=kind == "interpret",
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        name="merge_splits",
     )(out.reshape(lead, splits, rows, d), lse.astype(jnp.float32).reshape(lead, splits, rows))
     kept = lse.shape[:axis] + lse.shape[axis + 1:]
     return merged.reshape(kept + (d,)), merged_lse.reshape(kept)
 
 
-__all__ = ["MERGE_KERNEL", "OUT_DTYPES", "merge_splits", "merge_splits_reference", "merge_split_errors",
+def _merge_heads_layout(call, out, lse, group: int, out_dtype):
+    """The kernel over heads-layout tiles (see merge_splits): program (D chunk, tile w, KV head h,
+    request b) merges query rows [w per, (w + 1) per) x heads [h G, (h + 1) G) x one D chunk."""
+    s, b, r, hq, d = out.shape
+    hkv, per = hq // group, HEAD_IO_TILE // group
+    tiles = r // per
+    dc = min(d, max(1, ELEMENTS_PER_PROGRAM // HEAD_IO_TILE))
+    merged, merged_lse = call(
+        functools.partial(_merge_kernel, splits=s, lse_transposed=True),
+        grid=(d // dc, tiles, hkv, b),
+        in_specs=[pl.BlockSpec((s, None, None, per, None, group, dc), lambda c, w, h, bb: (0, bb, w, 0, h, 0, c)),
+                  pl.BlockSpec((s, None, None, None, group, per), lambda c, w, h, bb: (0, bb, h, w, 0, 0))],
+        # Every D chunk's program writes its tile's lse (the same values).
+        out_specs=(pl.BlockSpec((None, None, per, None, group, dc), lambda c, w, h, bb: (bb, w, 0, h, 0, c)),
+                   pl.BlockSpec((None, None, per, None, group), lambda c, w, h, bb: (bb, w, 0, h, 0))),
+        out_shape=(jax.ShapeDtypeStruct((b, tiles, per, hkv, group, d), out_dtype),
+                   jax.ShapeDtypeStruct((b, tiles, per, hkv, group), jnp.float32)),
+    )(out.reshape(s, b, tiles, per, hkv, group, d), lse.reshape(s, b, hkv, tiles, group, per))
+    return merged.reshape(b, r, hq, d), merged_lse.reshape(b, r, hq)
+
+
+__all__ = ["HEAD_IO_TILE", "MERGE_KERNEL", "OUT_DTYPES", "head_io_rows", "merge_splits", "merge_splits_reference", "merge_split_errors",
            "out_dtype_errors", "rows_per_program"]
