@@ -1,7 +1,7 @@
 """Per-kernel device times of the default GQA cascade, from a profiler trace (GPU; logs only).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/kernel_profile.py [--shapes 1x32768x64,8x8192x16]
-        [--dtypes bf16,fp8] [--splits 0,4] [--merges xla,kernel]
+        [--dtypes bf16,fp8] [--splits 0,4] [--merges xla,kernel,kernel:1024/8]
 
 A diagnostic for the small shapes, whose cascade is a few tens of microseconds: the tables' timer
 (`timing.traced_time`) gives the whole call, this says where it goes. For each shape, KV dtype and
@@ -43,6 +43,19 @@ def kernel_table(traces, inner: int):
     return rows, 1e6 * median_span(traces, inner)
 
 
+DEFAULT_MERGE_LAUNCH = (split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS)
+
+
+def set_merge(merge: str):
+    """Sets split_merge's flags for one --merges entry: xla, kernel or kernel:E/W."""
+    kind, _, launch = merge.partition(":")
+    if kind not in ("xla", "kernel") or (launch and kind != "kernel"):
+        raise ValueError(f"--merges: unknown entry {merge!r} (xla, kernel or kernel:E/W)")
+    elements, warps = (int(x) for x in launch.split("/")) if launch else DEFAULT_MERGE_LAUNCH
+    split_merge.MERGE_KERNEL = kind == "kernel"
+    split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS = elements, warps
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x32768x64,8x8192x16")
@@ -52,20 +65,23 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=3, help="chains traced")
     ap.add_argument("--merges", default="xla",
                     help="comma list of how key splits merge: xla (the reference, the default), kernel (the Pallas "
-                    "merge); "
-                    "with both, each shape also checks the two outputs against each other")
+                    "merge at its default launch), kernel:E/W (the Pallas merge, E elements per program and W "
+                    "warps); with several, each shape also checks every output against the first's")
     ap.add_argument("--compare", action="store_true",
                     help="also chained_time (chains of inner / 3 and inner) before and after, and traces of chains of inner / 3")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     key = jax.random.PRNGKey(0)
     first_merge, failed, outs = a.merges.split(",")[0], False, {}
+    kernel_by_default = split_merge.MERGE_KERNEL
+    for merge in a.merges.split(","):
+        set_merge(merge)  # refuses a bad entry before any work
     for b, p, n in parse_shapes(a.shapes, 3):
         for dt in a.dtypes.split(","):
             args = cascade_inputs(key, rng, b, p, n, KV_DTYPES[dt])
             for s, merge in ((int(x), m) for x in a.splits.split(",") for m in a.merges.split(",")):
-                split_merge.MERGE_KERNEL = merge == "kernel"
-                jax.clear_caches()  # the flag is read when the cascade is traced
+                set_merge(merge)
+                jax.clear_caches()  # the flags are read when the cascade is traced
                 fn = jax.jit(lambda *x, s=s: cascade_attention(*x, window=n, config=CascadeConfig(
                     page_size=PAGE, num_splits=s or None)))
                 label = f"B={b},P={p},N={n} {dt} splits {s or 'default'}, {merge} merge"
@@ -97,6 +113,7 @@ def main(argv=None):
                 if a.compare:
                     after = 1e6 * chained_time(fn, args, feed_scalar(4), inner=a.inner // 3)
                     log(f"{label}: chained_time {before:.1f} us before the traces, {after:.1f} us after")
+    set_merge("kernel" if kernel_by_default else "xla")  # the flags back to their defaults
     return 1 if failed else 0
 
 

@@ -2,11 +2,11 @@
 
     PYTHONPATH=. python3 benchmarks/ptxas_report.py [--mla-only]
 
-A diagnostic (logs only). Mosaic GPU hands each kernel to ptxas; with MOSAIC_GPU_DUMP_PTXAS=1 and
-MOSAIC_GPU_DUMP_TO set (read by jaxlib when it compiles) ptxas' verbose resource lines go to the
-process's output among the dumped modules (on the H200 none landed in the dump folder, session 21).
-So this compiles the forms below in a child process with those variables set, captures its output
-and prints, per form, the resource figures found after it compiled: registers, spill stores /
+A diagnostic (logs only). Mosaic GPU hands each kernel to ptxas; with MOSAIC_GPU_DUMP_PTXAS=1 (read
+by jaxlib when it compiles) ptxas' verbose resource lines go to the process's output among the
+dumped modules. (With MOSAIC_GPU_DUMP_TO also set, session 22 found none in the output, and session
+21 none in that folder.) So this compiles the forms below in a child process with that variable
+set, captures its output and prints, per form, the resource figures found after it compiled: registers, spill stores /
 loads, stack frames. A warpgroup-specialised kernel reports one register count for the whole kernel
 (the per-warpgroup budgets are `setmaxnreg` at run time), so spills are the figure to read: a
 compute or memory warpgroup that outgrows its budget shows up as spill stores and loads.
@@ -19,7 +19,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -112,10 +111,10 @@ def main(argv=None) -> int:
     if a.compile_only:
         compile_forms(a.mla_only)
         return 0
-    with tempfile.TemporaryDirectory() as dump:
-        env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dump)
-        child = subprocess.run([sys.executable, __file__, "--compile-only"] + (["--mla-only"] if a.mla_only else []),
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+    env = {k: v for k, v in os.environ.items() if k != "MOSAIC_GPU_DUMP_TO"}
+    child = subprocess.run([sys.executable, __file__, "--compile-only"] + (["--mla-only"] if a.mla_only else []),
+                           env=dict(env, MOSAIC_GPU_DUMP_PTXAS="1"), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, check=False)
     if child.returncode:
         print(child.stdout[-4000:].decode(errors="replace"))
         log(f"the compiling process failed (exit {child.returncode})")
