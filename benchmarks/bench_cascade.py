@@ -526,12 +526,12 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=130.0,
                     help="with --variants: skip the remaining variant timings after this many seconds "
                          "(the final default/recommended cascades still run)")
-    ap.add_argument("--merge-kernel", action="store_true",
-                    help="merge key splits with the Pallas kernel (split_merge.MERGE_KERNEL) instead of XLA")
+    ap.add_argument("--xla-merge", action="store_true",
+                    help="merge key splits in XLA (split_merge.MERGE_KERNEL off) instead of the Pallas kernel")
     args = ap.parse_args(argv)
-    if args.merge_kernel:
+    if args.xla_merge:
         from pallas_kernels.attention import split_merge
-        split_merge.MERGE_KERNEL = True
+        split_merge.MERGE_KERNEL = False
     cmd = "python3 benchmarks/bench_cascade.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.variants:
         # Imported here: cascade_variants imports this module for its helpers.

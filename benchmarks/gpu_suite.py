@@ -42,19 +42,11 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
              "launches": ["--launches", "--shapes", "64x4096x64,32x32768x64"]}
 
-# What is still owed (`--owed`): session 21 built a Pallas kernel for the key-split merge
-# (`split_merge.merge_splits`, wherever a decode splits its keys: B=1 and B=8 GQA cascades, split MLA
-# decodes), interpreter-tested and lowered for sm_90 on the CPU, never compiled on the GPU, so off
-# for compiled runs (`split_merge.MERGE_KERNEL = False`). XLA runs the merge as two kernels (B=1,
-# P=32768 bf16: 2.55 + 1.73 us of a 65.0 us span, session 21 call 1). `profile` runs the small
-# shapes with both merges, checks the outputs against each other and lists each kernel's time;
-# `cascade` times the small shapes against their floors (FP8 B=1 1.57x, B=8 1.68x in session 20;
-# bf16 B=1 1.56x in session 16, the last time under the XLA merge kept now) with the Pallas merge
-# (`--merge-kernel`; those numbers are the XLA merge's). If the kernel conforms and wins, make it the default (WORKSPACE, RESULTS).
-OWED: dict[str, list[str]] = {"profile": ["--shapes", "1x32768x64,8x8192x16", "--dtypes", "bf16,fp8",
-                                          "--merges", "xla,kernel", "--runs", "2"],
-                              "cascade": ["--skip-conformance", "--lean", "--shapes", "1x32768x64,8x8192x16",
-                                          "--merge-kernel"]}
+# What is still owed (`--owed`): session 22 made the Pallas split merge the compiled default
+# (`split_merge.MERGE_KERNEL`, 2,048 elements x 8 warps per program, the heads-layout form reading
+# the fused prefix's lse itself); `cascade` checks the compiled kernels (splits through the Triton
+# and fused Mosaic prefixes) and times the four split shapes against their floors.
+OWED: dict[str, list[str]] = {"cascade": ["--lean", "--shapes", "1x32768x64,8x8192x16"]}
 
 
 def main(argv=None) -> int:

@@ -8,9 +8,11 @@ output normalised over its own keys and that split's lse2. The merged row is
 `merge_splits_reference` is the XLA form. XLA runs it as two kernels on the H200 (the weights, then
 the weighted sum; 4.2 us per call at B=1, P=32768, 8 splits of [64 x 32 heads x 128] float32
 partials, session 20), and written as elementwise chains over the split slices it launched five.
-`merge_splits` can run one Pallas kernel instead (`MERGE_KERNEL`): each program takes a block of
-rows of every split, forms the weights in registers and writes the merged rows in `out_dtype` (so a
-bf16 cascade output needs no separate cast either).
+`merge_splits` runs one Pallas kernel instead (`MERGE_KERNEL`): each program takes a block of rows
+of every split, forms the weights in registers and writes the merged rows in `out_dtype` (so a bf16
+cascade output needs no separate cast either). On the H200 (session 22, per call, whole cascade
+spans with the XLA merge -> the kernel): B=1, P=32768, N=64 bf16 64.9 -> 63.4 us, FP8 66.6 -> 64.6;
+B=8, P=8192, N=16 bf16 74.1 -> 72.7, FP8 52.1 -> 50.8 (the merge itself 2.3-3.3 us).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from pallas_kernels.common import resolve_backend
 
 # Elements of one split's rows a program merges (rows x D): 2,048 gives the B=1, Hq=32, R=64, D=128
 # merge 128 programs, about one per H200 SM. With NUM_WARPS, the launch; both are read when a caller
-# is traced (benchmarks/kernel_profile.py --merges kernel:E/W sweeps them).
+# is traced (benchmarks/kernel_profile.py --merges kernel:E/W sweeps them). Session 22's sweep on
+# the H200 (cascade spans at B=1 / B=8, bf16 / FP8): 2048/8 was best or within 0.4 us of the best at
+# every shape; 512/4 lost 1-2 us, 1024/4 and 4096/8 0.1-0.7.
 ELEMENTS_PER_PROGRAM = 2048
-NUM_WARPS = 4
+NUM_WARPS = 8
 # Rows of one tile of the heads-layout lse order (`head_io_rows`): a Mosaic warpgroup's 64 rows
 # (prefix_decode_mgpu.ROWS_PER_WG), G boxes of 64 / G query rows, one per head of the KV head.
 HEAD_IO_TILE = 64
@@ -37,9 +41,9 @@ HEAD_IO_TILE = 64
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Whether compiled merges run the Pallas kernel (False: the XLA reference, then cast). Read when a
 # caller is traced (benchmarks/kernel_profile.py --merges flips it, clearing jit caches between).
-# Off until the H200 compiles and times it (built in session 21, whose device time ran out first;
-# `benchmarks/gpu_suite.py --owed`). Interpreted runs (the CPU tests) always run the kernel.
-MERGE_KERNEL = False
+# On: it matched the XLA merge on the H200 (rel 1.2e-5 to 3.0e-5) and won 1.2-2.0 us per cascade
+# at the four split shapes (session 22). Interpreted runs (the CPU tests) always run the kernel.
+MERGE_KERNEL = True
 
 
 def merge_splits_reference(out: jax.Array, lse: jax.Array, axis: int = 0):
