@@ -278,6 +278,25 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, regis
         ok = ok and e_out < 2e-2 and lse_ok
         log(f"MLA {name} conformance (schedule {schedule}): decode rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}"
             f" -> {'PASS' if e_out < 2e-2 and lse_ok else 'FAIL'}")
+    # Key splits merged by `split_merge.merge_splits` (the Pallas kernel where MERGE_KERNEL is on):
+    # the Mosaic decode (splits first) and the Triton decode (splits on axis 1), three splits each.
+    from pallas_kernels.attention.mla_decode import MlaDecodeConfig
+    split_forms = {"mgpu decode": lambda: mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE,
+                                                          scale=scale, num_splits=3, interpret=interpret),
+                   "triton decode": lambda: mla_decode(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE,
+                                                       scale=scale, config=MlaDecodeConfig(num_splits=3),
+                                                       backend="interpret" if interpret else None,
+                                                       poison_outputs=True)}
+    # The Triton decode reads every prefix key, the Mosaic one whole pages (the window kernel the rest).
+    refs = {"mgpu decode": (ref_out, ref_lse),
+            "triton decode": mla_decode_reference(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE,
+                                                  scale=scale)}
+    for label, run in split_forms.items():
+        out, lse = run()
+        e_out, lse_ok = rel_err(out, refs[label][0]), lse_agrees(lse, refs[label][1])
+        ok = ok and e_out < 2e-2 and lse_ok
+        log(f"MLA {name} conformance ({label}, 3 key splits): decode rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}"
+            f" -> {'PASS' if e_out < 2e-2 and lse_ok else 'FAIL'}")
     if not ok or not timing_too:
         return ok
     flops_rate = (None if smoke else traced_matmul_flops()) or 1e12  # smoke: a placeholder rate
