@@ -29,11 +29,12 @@ from pallas_kernels.common import resolve_backend
 
 # Elements of one split's rows a program merges (rows x D): 2,048 gives the B=1, Hq=32, R=64, D=128
 # merge 128 programs, about one per H200 SM. With NUM_WARPS, the launch; both are read when a caller
-# is traced (benchmarks/kernel_profile.py --merges kernel:E/W sweeps them). Session 22's sweep on
-# the H200 (cascade spans at B=1 / B=8, bf16 / FP8): 2048/8 was best or within 0.4 us of the best at
-# every shape; 512/4 lost 1-2 us, 1024/4 and 4096/8 0.1-0.7.
+# is traced (benchmarks/kernel_profile.py --merges kernel:E/W sweeps them). Session 22's sweeps on
+# the H200 (B=1 / B=8, bf16 / FP8): 2048/8 beat 2048/4, 1024/4 and 4096/8 by 0.1-0.7 us of cascade
+# span and 512/4 by 1-2 us; then 2048/16 ran the merge itself faster than 2048/8 at all four shapes
+# (2.82 / 2.85 / 2.22 / 2.69 us against 2.94 / 3.31 / 2.27 / 2.92, the same bits), 4096/16 mixed.
 ELEMENTS_PER_PROGRAM = 2048
-NUM_WARPS = 8
+NUM_WARPS = 16
 # Rows of one tile of the heads-layout lse order (`head_io_rows`): a Mosaic warpgroup's 64 rows
 # (prefix_decode_mgpu.ROWS_PER_WG), G boxes of 64 / G query rows, one per head of the KV head.
 HEAD_IO_TILE = 64
