@@ -63,9 +63,9 @@ def main(argv=None):
     ap.add_argument("--splits", default="0", help="key-split counts (0: the default)")
     ap.add_argument("--inner", type=int, default=60, help="cascades per jitted chain")
     ap.add_argument("--runs", type=int, default=3, help="chains traced")
-    ap.add_argument("--merges", default="xla",
-                    help="comma list of how key splits merge: xla (the reference, the default), kernel (the Pallas "
-                    "merge at its default launch), kernel:E/W (the Pallas merge, E elements per program and W "
+    ap.add_argument("--merges", default="kernel",
+                    help="comma list of how key splits merge: kernel (the Pallas merge at its default launch, the "
+                    "default), xla (its reference, `merge_splits_reference`), kernel:E/W (the Pallas merge, E elements per program and W "
                     "warps); with several, each shape also checks every output against the first's")
     ap.add_argument("--compare", action="store_true",
                     help="also chained_time (chains of inner / 3 and inner) before and after, and traces of chains of inner / 3")
