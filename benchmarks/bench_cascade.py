@@ -526,12 +526,18 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=130.0,
                     help="with --variants: skip the remaining variant timings after this many seconds "
                          "(the final default/recommended cascades still run)")
+    ap.add_argument("--window-merges", action="store_true",
+                    help="unfused cascades hand key-split partials to the window kernel unmerged "
+                         "(cascade.WINDOW_MERGES_SPLITS; conformance runs so too)")
     ap.add_argument("--xla-merge", action="store_true",
                     help="merge key splits in XLA (split_merge.MERGE_KERNEL off) instead of the Pallas kernel")
     args = ap.parse_args(argv)
     if args.xla_merge:
         from pallas_kernels.attention import split_merge
         split_merge.MERGE_KERNEL = False
+    if args.window_merges:
+        from treespec_jax.attention import cascade as cascade_module
+        cascade_module.WINDOW_MERGES_SPLITS = True
     cmd = "python3 benchmarks/bench_cascade.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.variants:
         # Imported here: cascade_variants imports this module for its helpers.

@@ -1,7 +1,7 @@
 """Per-kernel device times of the default GQA cascade, from a profiler trace (GPU; logs only).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/kernel_profile.py [--shapes 1x32768x64,8x8192x16]
-        [--dtypes bf16,fp8] [--splits 0,4] [--merges xla,kernel,kernel:1024/8]
+        [--dtypes bf16,fp8] [--splits 0,4] [--merges kernel,xla,window,kernel:1024/8]
 
 A diagnostic for the small shapes, whose cascade is a few tens of microseconds: the tables' timer
 (`timing.traced_time`) gives the whole call, this says where it goes. For each shape, KV dtype and
@@ -28,6 +28,7 @@ from benchmarks.bench_cascade import KV_DTYPES, PAGE, cascade_inputs  # noqa: E4
 from benchmarks.report import log, parse_shapes  # noqa: E402
 from benchmarks.timing import chained_time, feed_scalar, median_span, traced_chain  # noqa: E402
 from pallas_kernels.attention import split_merge  # noqa: E402
+from treespec_jax.attention import cascade  # noqa: E402
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention  # noqa: E402
 
 
@@ -47,13 +48,15 @@ DEFAULT_MERGE_LAUNCH = (split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS)
 
 
 def set_merge(merge: str):
-    """Sets split_merge's flags for one --merges entry: xla, kernel or kernel:E/W."""
+    """Sets the merge flags for one --merges entry: xla, kernel, kernel:E/W or window (unfused
+    cascades hand the split partials to the window kernel; other merges take the Pallas kernel)."""
     kind, _, launch = merge.partition(":")
-    if kind not in ("xla", "kernel") or (launch and kind != "kernel"):
-        raise ValueError(f"--merges: unknown entry {merge!r} (xla, kernel or kernel:E/W)")
+    if kind not in ("xla", "kernel", "window") or (launch and kind != "kernel"):
+        raise ValueError(f"--merges: unknown entry {merge!r} (xla, kernel, kernel:E/W or window)")
     elements, warps = (int(x) for x in launch.split("/")) if launch else DEFAULT_MERGE_LAUNCH
-    split_merge.MERGE_KERNEL = kind == "kernel"
+    split_merge.MERGE_KERNEL = kind != "xla"
     split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS = elements, warps
+    cascade.WINDOW_MERGES_SPLITS = kind == "window"
 
 
 def main(argv=None):
@@ -65,15 +68,18 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=3, help="chains traced")
     ap.add_argument("--merges", default="kernel",
                     help="comma list of how key splits merge: kernel (the Pallas merge at its default launch, the "
-                    "default), xla (its reference, `merge_splits_reference`), kernel:E/W (the Pallas merge, E elements per program and W "
-                    "warps); with several, each shape also checks every output against the first's")
+                    "default), xla (its reference, `merge_splits_reference`), window (unfused cascades hand the "
+                    "partials to the window kernel, cascade.WINDOW_MERGES_SPLITS), kernel:E/W (the Pallas merge, "
+                    "E elements per program and W warps); with several, each shape also checks every output "
+                    "against the first's")
     ap.add_argument("--compare", action="store_true",
                     help="also chained_time (chains of inner / 3 and inner) before and after, and traces of chains of inner / 3")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     key = jax.random.PRNGKey(0)
     first_merge, failed, outs = a.merges.split(",")[0], False, {}
-    kernel_by_default = split_merge.MERGE_KERNEL
+    defaults = (split_merge.MERGE_KERNEL, split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS,
+                cascade.WINDOW_MERGES_SPLITS)
     for merge in a.merges.split(","):
         set_merge(merge)  # refuses a bad entry before any work
     for b, p, n in parse_shapes(a.shapes, 3):
@@ -113,7 +119,8 @@ def main(argv=None):
                 if a.compare:
                     after = 1e6 * chained_time(fn, args, feed_scalar(4), inner=a.inner // 3)
                     log(f"{label}: chained_time {before:.1f} us before the traces, {after:.1f} us after")
-    set_merge("kernel" if kernel_by_default else "xla")  # the flags back to their defaults
+    (split_merge.MERGE_KERNEL, split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS,
+     cascade.WINDOW_MERGES_SPLITS) = defaults
     return 1 if failed else 0
 
 

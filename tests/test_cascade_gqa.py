@@ -362,6 +362,10 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
             jax.jit(win).trace(sd((b, hkv, rows, d), jnp.bfloat16), *common, sd((b, r, 2), jnp.uint32),
                                sd((b, hkv, rows, d), jnp.float32), sd((b, hkv, rows), jnp.float32)).lower(
                 lowering_platforms=("cuda",))
+        # Handed three key-split partials unmerged (cascade.WINDOW_MERGES_SPLITS).
+        jax.jit(win).trace(sd((b, hkv, rows, d), jnp.bfloat16), *common, sd((b, r, 2), jnp.uint32),
+                           sd((3, b, hkv, rows, d), jnp.float32), sd((3, b, hkv, rows), jnp.float32)).lower(
+            lowering_platforms=("cuda",))
     latent = sd((b * pages * page, 1, 80), jnp.bfloat16)
     mla = lambda qr, kp, pt, ln, m, po, pl_: tree_window_row_layout(
         qr, kp, None, pt, ln, m, po, pl_, query_rows=r, group=4, window=r, page_size=page, scale=0.1,
@@ -401,3 +405,31 @@ def test_verify_lowers_with_the_auto_prefix_kernel_on_a_gpu(monkeypatch, pool_dt
             lowering_platforms=("cuda",)).as_text()
         assert attention_triton_calls(text) == triton_calls, kernel
         assert ("mosaic_gpu" in text) == (kernel == "auto"), kernel
+
+
+@pytest.mark.parametrize("kernel,splits,dtype,tol", [("triton", 3, jnp.bfloat16, 1e-2), ("triton", 2, FP8, 6e-2),
+                                                      ("mosaic_gpu", 2, jnp.bfloat16, 1e-2)])
+def test_window_kernel_merges_the_key_splits(monkeypatch, kernel, splits, dtype, tol):
+    """cascade.WINDOW_MERGES_SPLITS: the prefix half hands its key-split partials on unmerged and
+    the window kernel merges them (no merge kernel runs); the cascade still equals dense attention
+    and the merged form's output."""
+    from treespec_jax.attention import cascade as cascade_module
+    d, n, page = 64, 16, 64
+    q, k, v, table, lengths, mask = verify_case(np.random.default_rng(17), [128, 70], n, 2, 4, d, page, dtype,
+                                                q_dtype=jnp.bfloat16)
+    dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
+    cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel=kernel, num_splits=splits,
+                        fuse_window=False)
+    merged_first = verify_attention(q, k, v, table, lengths, mask, config=cfg)
+    seen = []
+    real = cascade_module.tree_window_row_layout
+
+    def spy(*args, **kwargs):
+        seen.append(args[6].shape[0])  # the prefix partials' leading (split) axis
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cascade_module, "WINDOW_MERGES_SPLITS", True)
+    monkeypatch.setattr(cascade_module, "tree_window_row_layout", spy)
+    out = verify_attention(q, k, v, table, lengths, mask, config=cfg)
+    assert seen and seen[0] >= splits  # the Mosaic kernel's warpgroup key split may add partials
+    assert rel_err(out, dense) < tol and rel_err(out, merged_first) < 1e-2

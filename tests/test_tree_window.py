@@ -291,3 +291,37 @@ def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r, caus
                                  scale=d ** -0.5, prefix_whole_pages=True, causal_prefix=causal)
     assert rel_err(ref2, ref) < 1e-5
 
+
+
+@pytest.mark.parametrize("splits,group,dtype", [(3, 4, jnp.bfloat16), (8, 1, FP8), (2, 8, jnp.float32)])
+def test_window_merges_unmerged_key_split_partials(splits, group, dtype):
+    """The window kernel fed the prefix half's S key-split partials (`[S, B, Hkv, T, Dv]`, each
+    program merging its rows' splits by lse2) equals it fed their merge (`merge_splits_reference`):
+    splits that saw none of a row's keys (lse2 -inf) carry NaN outputs that must not leak, and a row
+    no split saw (P = 0) starts from the window alone."""
+    from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows
+    from pallas_kernels.attention.split_merge import merge_splits_reference
+    from pallas_kernels.attention.tree_window import tree_window_row_layout
+
+    rng = np.random.default_rng(splits * 10 + group)
+    hkv, d, rows, page = 2, 32, 9, 16
+    q, k, v, table, lengths, mask, _, _ = window_case(rng, [0, 40, 77], rows, hkv, group, d, page, dtype)
+    q = q.astype(jnp.float32 if dtype == jnp.float32 else jnp.bfloat16)
+    b, total = q.shape[0], padded_rows(rows * group)
+    out_s = rng.standard_normal((splits, b, hkv, total, d)).astype(np.float32)
+    lse_s = (rng.standard_normal((splits, b, hkv, total)) * 4 + 3).astype(np.float32)
+    empty = rng.random((splits, b, hkv, total)) < 0.3
+    lse_s[empty] = -np.inf
+    out_s[empty] = np.nan  # an empty split's output is never read
+    lse_s[:, 0] = -np.inf  # request 0 has P = 0: no split saw anything
+    out_s[:, 0] = np.nan
+    merged, merged_lse = merge_splits_reference(jnp.asarray(np.where(np.isnan(out_s), 0, out_s)),
+                                                jnp.asarray(lse_s))
+    qr = heads_to_rows(q, hkv, total)
+    kw = dict(query_rows=rows, group=group, window=rows, page_size=page, scale=d ** -0.5, value_dim=d,
+              interpret=True, poison_outputs=True, heads_out=True)
+    got = tree_window_row_layout(qr, k, v, table, lengths, mask, jnp.asarray(out_s), jnp.asarray(lse_s), **kw)
+    want = tree_window_row_layout(qr, k, v, table, lengths, mask, merged, merged_lse, **kw)
+    got = np.asarray(got, np.float32)
+    assert got.shape == (b, rows, hkv * group, d) and not np.isnan(got).any()
+    assert rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 1e-2)

@@ -322,19 +322,21 @@ def check_partial_dtype(partial_dtype, what: str) -> jnp.dtype:
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "num_splits",
                                              "sliding_window", "block_rows", "num_warps", "num_stages",
                                              "pages_per_step", "interpret", "fp8_score_dot",
-                                             "poison_outputs", "prefetch_page_ids", "partial_dtype"))
+                                             "poison_outputs", "prefetch_page_ids", "partial_dtype", "merge"))
 def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                              page_size: int, scale: float, num_splits=None, sliding_window=None,
                              block_rows=None, num_warps=None, num_stages=None, pages_per_step=None,
                              interpret: bool = False, fp8_score_dot: bool = False,
                              poison_outputs: bool = False, prefetch_page_ids: bool | None = None,
-                             partial_dtype=jnp.float32):
+                             partial_dtype=jnp.float32, merge: bool = True):
     """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, D]` (row `r * G + g`,
     T = padded_rows(R * G)) -> (out `[B, Hkv, T, D]` f32 (`partial_dtype` without key splits),
     lse2 `[B, Hkv, T]` f32). The cascade keeps this layout between its two halves, so q is
     transposed once on the way in and the final output at most once on the way out.
     `partial_dtype` (float32 or bfloat16): the dtype the kernel writes `out` in (key splits are
-    merged in float32 either way). Inputs are assumed validated by the public entry points
+    merged in float32 either way). `merge=False` hands key-split partials on unmerged (S > 1 only:
+    out `[S, B, Hkv, T, D]`, lse2 `[S, B, Hkv, T]`) for the window kernel to merge
+    (`tree_window_row_layout`). Inputs are assumed validated by the public entry points
     (pages_per_step is checked here too, since the benchmarks call this directly)."""
     b, hkv, total, d = qr.shape
     max_pages = page_table.shape[1]
@@ -386,7 +388,7 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
         name="prefix_decode",
     )(*args)
     if splits > 1:
-        return merge_splits(out, lse, backend="interpret" if interpret else None)
+        return merge_splits(out, lse, backend="interpret" if interpret else None) if merge else (out, lse)
     return out[0], lse[0]
 
 

@@ -429,7 +429,7 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
                                              "tiles_adjacent", "overlap_softmax", "partial_dtype", "window",
                                              "heads_io", "persistent", "prefetch_query", "memory_widens_values",
-                                             "widen_rows", "registers", "interpret"))
+                                             "widen_rows", "registers", "merge", "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, window_words=None, window_union=None,
                                   *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
@@ -439,7 +439,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                                   partial_dtype=jnp.float32, window: int = 0, heads_io: bool = False,
                                   persistent: bool | None = None, prefetch_query: bool | None = None,
                                   memory_widens_values: bool | None = None, widen_rows: int | None = None,
-                                  registers: tuple[int, int] | None = None, interpret: bool = False):
+                                  registers: tuple[int, int] | None = None, merge: bool = True,
+                                  interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
@@ -494,8 +495,14 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     dividing the step's keys; None: WIDEN_ROWS), which bounds the registers a piece holds;
     `registers`: (compute, memory) warpgroup register budgets (None: `default_registers`, REGISTERS_MEMORY_WIDENS
     where the memory warpgroup widens V, else REGISTERS);
+    `merge=False` (unfused only): key-split partials (CTA splits and the warpgroup key split) are
+    handed on unmerged where there is more than one, out `[S, B, Hkv, T, D]` and lse2
+    `[S, B, Hkv, T]`, for the window kernel to merge (`tree_window_row_layout`);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     fused = window > 0
+    if fused and not merge:
+        raise ValueError("prefix_decode_mgpu: merge=False hands key splits to the window kernel, which a "
+                         "fused window (window > 0) does not run")
     q_in = qr
     if heads_io:
         errors = heads_io_errors(qr.shape[1], qr.shape[2] // k_pool.shape[1]) + (
@@ -1117,6 +1124,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q_in, k_pool, v_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
       *((window_words, window_union) if fused else ()), *((q_wide,) if q_wide is not None else ()))
+    if splits * stride > 1 and not merge:
+        return out, lse
     if splits * stride > 1:
         return merge_splits(out, lse, out_dtype=merged_dtype, backend="interpret" if interpret else None,
                             heads_group=group_io)

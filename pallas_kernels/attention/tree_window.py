@@ -90,7 +90,7 @@ def check_launch(block_rows, num_warps, num_stages, what: str):
 
 def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_size: int,
                    window: int, scale2: float, causal_prefix: bool, main_dim: int, rope_dim: int,
-                   shared_kv: bool, prefix_whole_pages: bool = False):
+                   shared_kv: bool, prefix_whole_pages: bool = False, prefix_splits: int = 0):
     refs = list(refs)
     plen_ref, pt_ref, q_ref = refs[:3]
     refs = refs[3:]
@@ -132,11 +132,29 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
             x = x.astype(jnp.float16)
         return x.astype(cdt)
 
-    lse = plse_ref[...]
-    started = (lse > -jnp.inf) & real_row
-    m = jnp.where(started, lse, -jnp.inf)
-    l = jnp.where(started, 1.0, 0.0).astype(jnp.float32)
-    acc = jnp.where(started[:, None], pout_ref[...].astype(jnp.float32), 0.0)
+    if prefix_splits:
+        # The prefix half's key-split partials [S, rows, Dv], merged into the online state by their
+        # lse2 (split_merge's weights, not normalised: the state carries the sum l), so no merged
+        # partial is written and read between the two kernels.
+        lses = [plse_ref[s, :] for s in range(prefix_splits)]
+        m = functools.reduce(jnp.maximum, lses)
+        m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+        l = jnp.zeros_like(m_safe)
+        acc = jnp.zeros(pout_ref.shape[1:], jnp.float32)
+        for s in range(prefix_splits):
+            w = jnp.exp2(lses[s] - m_safe)  # 0 for a split that saw none of the row's keys
+            l = l + w
+            acc = acc + jnp.where(w[:, None] > 0, w[:, None] * pout_ref[s].astype(jnp.float32), 0.0)
+        started = (l > 0) & real_row
+        m = jnp.where(started, m, -jnp.inf)
+        l = jnp.where(started, l, 0.0)
+        acc = jnp.where(started[:, None], acc, 0.0)
+    else:
+        lse = plse_ref[...]
+        started = (lse > -jnp.inf) & real_row
+        m = jnp.where(started, lse, -jnp.inf)
+        l = jnp.where(started, 1.0, 0.0).astype(jnp.float32)
+        acc = jnp.where(started[:, None], pout_ref[...].astype(jnp.float32), 0.0)
 
     key_iota = lax.broadcasted_iota(jnp.int32, (page_size,), 0)
 
@@ -207,8 +225,9 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
                            poison_outputs: bool = False, prefix_whole_pages: bool = False,
                            heads_out: bool = False):
     """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, Dk]`, `mask [B, R, 2]`,
-    `prefix_out_rows [B, Hkv, T, Dv]` f32 or bf16, `prefix_lse2_rows [B, Hkv, T]` -> `[B, Hkv, T, Dv]` in
-    qr's dtype, or with `heads_out` `[B, R, Hq, Dv]` (`rows_to_heads` of it): written so by the
+    `prefix_out_rows [B, Hkv, T, Dv]` f32 or bf16, `prefix_lse2_rows [B, Hkv, T]`, or the prefix
+    half's S key-split partials unmerged, `[S, B, Hkv, T, Dv]` and `[S, B, Hkv, T]` (each program
+    merges its rows' splits by lse2 as it starts), -> `[B, Hkv, T, Dv]` in qr's dtype, or with `heads_out` `[B, R, Hq, Dv]` (`rows_to_heads` of it): written so by the
     kernel where its row tiles allow (`writes_head_layout`), which saves the separate transpose
     (an XLA copy of the whole output), else transposed after it. Inputs are assumed validated by
     `tree_window_attention`."""
@@ -233,6 +252,15 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
             return pl.BlockSpec((None, None, block), lambda t, h, bb: (bb, h, t))
         return pl.BlockSpec((None, None, block, width), lambda t, h, bb: (bb, h, t, 0))
 
+    splits = prefix_out_rows.shape[0] if prefix_out_rows.ndim == 5 else 0
+
+    def partial_spec(width):
+        if not splits:
+            return row_spec(width)
+        if width is None:
+            return pl.BlockSpec((splits, None, None, block), lambda t, h, bb: (0, bb, h, t))
+        return pl.BlockSpec((splits, None, None, block, width), lambda t, h, bb: (0, bb, h, t, 0))
+
     args = [prefix_lengths.astype(jnp.int32), page_table.astype(jnp.int32), qr[..., :main_dim]]
     in_specs = [any_spec, any_spec, row_spec(main_dim)]
     if rope_dim:
@@ -247,12 +275,12 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
     if prefix_out_rows.dtype != jnp.bfloat16:
         prefix_out_rows = prefix_out_rows.astype(jnp.float32)
     args += [words[..., 0], words[..., 1], prefix_out_rows, prefix_lse2_rows.astype(jnp.float32)]
-    in_specs += [row_spec(None), row_spec(None), row_spec(dv), row_spec(None)]
+    in_specs += [row_spec(None), row_spec(None), partial_spec(dv), partial_spec(None)]
 
     kernel = functools.partial(
         _window_kernel, query_rows=r, group=group, block_rows=block, page_size=page_size,
         window=window, scale2=float(scale) * LOG2E, causal_prefix=causal_prefix, main_dim=main_dim,
-        rope_dim=rope_dim, shared_kv=shared, prefix_whole_pages=prefix_whole_pages)
+        rope_dim=rope_dim, shared_kv=shared, prefix_whole_pages=prefix_whole_pages, prefix_splits=splits)
     if direct:
         # The output [B, R, Hq, Dv] viewed as [B, R, Hkv, G * Dv]; tile t holds rows t * block / G on.
         out_shape = jax.ShapeDtypeStruct((b, r, hkv, group * dv), qr.dtype)

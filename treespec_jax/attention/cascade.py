@@ -61,6 +61,14 @@ FUSE_WINDOW_BY_DEFAULT = True
 # the memory warpgroup (64-row heads, whose key split keeps each warpgroup's own copy: B=8, N=16).
 FUSE_FP8_BY_DEFAULT = False
 FUSE_FP8_UNDER_ONE_WAVE = True
+# Whether an unfused cascade hands the prefix half's key-split partials to the window kernel
+# unmerged (each window program merges its rows' splits by lse2 as it starts: no merge kernel, no
+# merged partial written and read) instead of merging them first (`split_merge.merge_splits`).
+# Off: built in session 22 and interpreter-tested, not yet timed on the H200 (owed:
+# `benchmarks/kernel_profile.py --merges kernel,window`), where the unfused FP8 B=1 cascade spent
+# 2.85 us in the merge kernel and 4.8 us in the window kernel. Session 9 had timed an earlier
+# window-kernel merge (manual partial loads, then the XLA merge to beat) 1.44x slower at B=1 bf16.
+WINDOW_MERGES_SPLITS = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +226,7 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
                          fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret", mosaic=mosaic,
                          prefix_covers_tail=tail, partial_dtype=config.prefix_partial_dtype,
                          fuse_window=fuses_window(config, mosaic, tail, k_pool, q),
-                         persistent=config.persistent_prefix)
+                         persistent=config.persistent_prefix, window_merges=WINDOW_MERGES_SPLITS)
 
 
 def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool, k_pool, q) -> bool:
@@ -297,10 +305,10 @@ def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> b
 
 @functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "num_splits", "fp8_score_dot",
                                              "interpret", "mosaic", "prefix_covers_tail", "partial_dtype",
-                                             "fuse_window", "persistent"))
+                                             "fuse_window", "persistent", "window_merges"))
 def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window, page_size, scale,
                   num_splits, fp8_score_dot, interpret, mosaic=False, prefix_covers_tail=False,
-                  partial_dtype="float32", fuse_window=False, persistent=None):
+                  partial_dtype="float32", fuse_window=False, persistent=None, window_merges=False):
     b, r, hq, d = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
@@ -321,20 +329,18 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
     # The prefix kernels bound row r * G + g by P - R + 1 + r; read as one query row of R * G heads,
     # every row's bound is P (`prefix_covers_tail`), and the window kernel then takes no causal tail.
     prefix_rows = dict(query_rows=1, group=r * group) if prefix_covers_tail else dict(query_rows=r, group=group)
-    # The key-split partials are merged before the window kernel (`split_merge.merge_splits`).
-    # Merging them in the window kernel instead was no faster on the H200 (session 9,
-    # benchmarks/RESULTS.md: B=1 bf16 0.126-0.128 vs 0.087-0.089 ms, FP8 0.093-0.100 vs
-    # 0.092-0.099), so that was taken out.
+    # Key-split partials are merged before the window kernel (`split_merge.merge_splits`), or with
+    # `window_merges` by the window kernel itself (WINDOW_MERGES_SPLITS).
     if mosaic:
         prefix_out, prefix_lse2 = prefix_decode_mgpu_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, **prefix_rows, page_size=page_size,
             scale=scale, num_splits=num_splits, interpret=interpret, partial_dtype=partial_dtype,
-            persistent=persistent)
+            persistent=persistent, merge=not window_merges)
     else:
         prefix_out, prefix_lse2 = prefix_decode_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, **prefix_rows, page_size=page_size,
             scale=scale, num_splits=num_splits, interpret=interpret, fp8_score_dot=fp8_score_dot,
-            partial_dtype=partial_dtype)
+            partial_dtype=partial_dtype, merge=not window_merges)
     # The window kernel writes [B, R, Hq, D] itself where its row tiles allow (no output transpose).
     return tree_window_row_layout(
         qr, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2,
