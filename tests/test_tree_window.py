@@ -292,7 +292,6 @@ def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r, caus
     assert rel_err(ref2, ref) < 1e-5
 
 
-
 @pytest.mark.parametrize("splits,group,dtype", [(3, 4, jnp.bfloat16), (8, 1, FP8), (2, 8, jnp.float32)])
 def test_window_merges_unmerged_key_split_partials(splits, group, dtype):
     """The window kernel fed the prefix half's S key-split partials (`[S, B, Hkv, T, Dv]`, each

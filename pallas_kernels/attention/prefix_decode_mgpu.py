@@ -1124,9 +1124,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q_in, k_pool, v_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
       *((window_words, window_union) if fused else ()), *((q_wide,) if q_wide is not None else ()))
-    if splits * stride > 1 and not merge:
-        return out, lse
     if splits * stride > 1:
+        if not merge:
+            return out, lse
         return merge_splits(out, lse, out_dtype=merged_dtype, backend="interpret" if interpret else None,
                             heads_group=group_io)
     return out[0], head_io_rows(lse[0], group_io, inverse=True) if heads_io else lse[0]

@@ -62,18 +62,24 @@ def merge_splits_reference(out: jax.Array, lse: jax.Array, axis: int = 0):
     return merged, jnp.where(seen, jnp.squeeze(m_safe, axis) + jnp.log2(safe), -jnp.inf)
 
 
+def split_weights(lses):
+    """Inside a kernel: the lse2 rows of S splits -> (m their max, m_safe (0 where m is -inf), the
+    per-split weights 2^(lse_s - m_safe), their sum); a split that saw none of a row's keys
+    (lse2 -inf) weighs 0. Shared by the merge kernel and the window kernel's split start."""
+    m = functools.reduce(jnp.maximum, lses)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    weights = [jnp.exp2(lse - m_safe) for lse in lses]
+    return m, m_safe, weights, functools.reduce(jnp.add, weights)
+
+
 def _merge_kernel(o_ref, l_ref, out_ref, lse_ref, *, splits: int, lse_transposed: bool):
     """o_ref [S, rows, D], l_ref [S, rows] -> out_ref [rows, D], lse_ref [rows]; with
     `lse_transposed` o_ref [S, per, G, dc], l_ref [S, G, per] -> out_ref [per, G, dc], lse_ref
     [per, G] (a heads-layout tile, its lse read in the kernel-row order)."""
-    lses = [l_ref[s, :, :].T if lse_transposed else l_ref[s, :] for s in range(splits)]
-    m = functools.reduce(jnp.maximum, lses)
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    total = jnp.zeros_like(m_safe)
+    _, m_safe, weights, total = split_weights(
+        [l_ref[s, :, :].T if lse_transposed else l_ref[s, :] for s in range(splits)])
     acc = jnp.zeros(out_ref.shape, jnp.float32)
-    for s in range(splits):
-        w = jnp.exp2(lses[s] - m_safe)
-        total = total + w
+    for s, w in enumerate(weights):
         acc = acc + w[..., None] * o_ref[s].astype(jnp.float32)
     seen = total > 0
     safe = jnp.where(seen, total, 1.0)
@@ -210,5 +216,5 @@ def _merge_heads_layout(call, out, lse, group: int, out_dtype):
     return merged.reshape(b, r, hq, d), merged_lse.reshape(b, r, hq)
 
 
-__all__ = ["HEAD_IO_TILE", "MERGE_KERNEL", "OUT_DTYPES", "head_io_rows", "merge_splits", "merge_splits_reference", "merge_split_errors",
+__all__ = ["HEAD_IO_TILE", "MERGE_KERNEL", "OUT_DTYPES", "head_io_rows", "merge_splits", "split_weights", "merge_splits_reference", "merge_split_errors",
            "out_dtype_errors", "rows_per_program"]

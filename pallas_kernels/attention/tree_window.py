@@ -50,6 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to_rows, padded_rows,
                                                     rows_to_heads)
 from pallas_kernels.attention.reference import LOG2E, tree_window_reference
+from pallas_kernels.attention.split_merge import split_weights
 from pallas_kernels.common import resolve_backend
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
@@ -136,14 +137,9 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
         # The prefix half's key-split partials [S, rows, Dv], merged into the online state by their
         # lse2 (split_merge's weights, not normalised: the state carries the sum l), so no merged
         # partial is written and read between the two kernels.
-        lses = [plse_ref[s, :] for s in range(prefix_splits)]
-        m = functools.reduce(jnp.maximum, lses)
-        m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-        l = jnp.zeros_like(m_safe)
+        m, _, weights, l = split_weights([plse_ref[s, :] for s in range(prefix_splits)])
         acc = jnp.zeros(pout_ref.shape[1:], jnp.float32)
-        for s in range(prefix_splits):
-            w = jnp.exp2(lses[s] - m_safe)  # 0 for a split that saw none of the row's keys
-            l = l + w
+        for s, w in enumerate(weights):  # an empty split (w = 0) may hold anything: masked, not multiplied
             acc = acc + jnp.where(w[:, None] > 0, w[:, None] * pout_ref[s].astype(jnp.float32), 0.0)
         started = (l > 0) & real_row
         m = jnp.where(started, m, -jnp.inf)
@@ -227,8 +223,9 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
     """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, Dk]`, `mask [B, R, 2]`,
     `prefix_out_rows [B, Hkv, T, Dv]` f32 or bf16, `prefix_lse2_rows [B, Hkv, T]`, or the prefix
     half's S key-split partials unmerged, `[S, B, Hkv, T, Dv]` and `[S, B, Hkv, T]` (each program
-    merges its rows' splits by lse2 as it starts), -> `[B, Hkv, T, Dv]` in qr's dtype, or with `heads_out` `[B, R, Hq, Dv]` (`rows_to_heads` of it): written so by the
-    kernel where its row tiles allow (`writes_head_layout`), which saves the separate transpose
+    merges its rows' splits by lse2 as it starts), -> `[B, Hkv, T, Dv]` in qr's dtype, or with
+    `heads_out` `[B, R, Hq, Dv]` (`rows_to_heads` of it): written so by the kernel where its row
+    tiles allow (`writes_head_layout`), which saves the separate transpose
     (an XLA copy of the whole output), else transposed after it. Inputs are assumed validated by
     `tree_window_attention`."""
     b, hkv, total, dk = qr.shape
