@@ -45,7 +45,7 @@ import numpy as np
 
 from benchmarks.dense import time_dense_attention
 from benchmarks.report import parse_shapes, rel_err
-from benchmarks.timing import chained_time, feed_scalar, measure_ceilings, median_time, traced_time
+from benchmarks.timing import chained_time, feed_output, feed_scalar, measure_ceilings, median_time, traced_time
 from pallas_kernels.attention.prefix_decode import (heads_to_rows, padded_rows, prefix_decode,
                                                     prefix_decode_row_layout)
 from pallas_kernels.attention.reference import (cascade_dense_reference, dense_tree_visibility,
@@ -363,6 +363,11 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
                                                                                  prefix_kernel=kernel)))
     cas_args = (q, kp, vp, table, lengths, mask)
     t_cas = device_time(cas, cas_args)
+    # The same cascade chained through its query instead (each call's output is the next call's q:
+    # same shape and dtype, so no feed kernel runs, and whatever the cascade does to q before its
+    # kernels, the FP8 cast, the row transpose, runs every call as in a served step instead of
+    # being hoisted out of the chain as loop-invariant). Beside the scalar-fed column, not instead.
+    t_cas_qfed = traced_time(cas, cas_args, feed_output(0), inner=3 * CHAINED)
     # The earlier sessions' timer beside it: host wall clock of two chains (it also carries XLA's
     # per-call host work, timing.traced_time).
     t_cas_chained = chained_time(cas, cas_args, feed_scalar(4), inner=CHAINED) if host_clock else float("nan")
@@ -427,7 +432,8 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
                fuse_flipped_vs_floor=t_cas_fused / floor, cascade_persistent_ms=t_cas_persistent * 1e3,
                persistent_vs_floor=t_cas_persistent / floor, dense_ms=t_dense * 1e3, dense_impl=impl,
                byte_floor_ms=byte_floor * 1e3, flop_floor_ms=flop_floor * 1e3,
-               vs_floor=t_cas / floor, window_overhead=(t_cas - t_pre) / t_pre,
+               vs_floor=t_cas / floor, cascade_query_fed_ms=t_cas_qfed * 1e3,
+               query_fed_vs_floor=t_cas_qfed / floor, window_overhead=(t_cas - t_pre) / t_pre,
                prefix_tbps=kv_read / t_pre / 1e12, dense_speedup=t_dense / t_cas)
     print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     del kp, vp
@@ -467,7 +473,9 @@ def table_markdown(rows, ceilings, tune):
              "last one's end per call, median of 3 chains (the matmul ceiling is traced the same way); 'host-clock "
              "chains' (`--host-clock`) is the timer of sessions 10-15 (host wall clock of chains of "
              f"{CHAINED} and {3 * CHAINED}, the difference per call), which also carries XLA's per-call host work; "
-             "'cascade per call' dispatches each call from Python.", "",
+             "'cascade per call' dispatches each call from Python; 'query-fed' chains pass each call's output on as the "
+             "next call's q (no feed kernel; the cascade's work on q runs every call) where the other chains add a "
+             "tiny fused op on P.", "",
              "| shape | KV | prefix kernel | prefix ms | window ms | cascade ms | host-clock chains ms | chains / max floor "
              "| cascade per call ms "
              "| cascade, Triton prefix ms "
@@ -475,8 +483,9 @@ def table_markdown(rows, ceilings, tune):
              "| cascade, fuse_window flipped ms | flipped / max floor "
              "| cascade, persistent prefix ms | persistent / max floor "
              "| byte floor ms | FLOP floor ms "
-             "| cascade / max floor | window overhead | prefix TB/s | dense (impl) ms | dense / cascade |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| cascade / max floor | cascade, query-fed ms | query-fed / max floor "
+             "| window overhead | prefix TB/s | dense (impl) ms | dense / cascade |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['kv']} | {r['prefix_kernel']} | {r['prefix_ms']:.3f} | {r['window_ms']:.3f} "
                      f"| {r['cascade_ms']:.3f} | {r['cascade_chained_ms']:.3f} | {r['chained_vs_floor']:.2f}x "
@@ -486,7 +495,8 @@ def table_markdown(rows, ceilings, tune):
                      f"| {r['fuse_flipped_vs_floor']:.2f}x | {r['cascade_persistent_ms']:.3f} "
                      f"| {r['persistent_vs_floor']:.2f}x | {r['byte_floor_ms']:.3f} "
                      f"| {r['flop_floor_ms']:.3f} "
-                     f"| {r['vs_floor']:.2f}x | {100 * r['window_overhead']:.1f}% | {r['prefix_tbps']:.2f} "
+                     f"| {r['vs_floor']:.2f}x | {r['cascade_query_fed_ms']:.3f} | {r['query_fed_vs_floor']:.2f}x "
+                     f"| {100 * r['window_overhead']:.1f}% | {r['prefix_tbps']:.2f} "
                      f"| {r['dense_ms']:.3f} ({r['dense_impl']}) | {r['dense_speedup']:.2f}x |")
     return "\n".join(lines)
 
@@ -526,18 +536,18 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=130.0,
                     help="with --variants: skip the remaining variant timings after this many seconds "
                          "(the final default/recommended cascades still run)")
-    ap.add_argument("--window-merges", action="store_true",
-                    help="unfused cascades hand key-split partials to the window kernel unmerged "
-                         "(cascade.WINDOW_MERGES_SPLITS; conformance runs so too)")
+    ap.add_argument("--merge-kernel-splits", action="store_true",
+                    help="unfused cascades merge key-split partials in the merge kernel before the window "
+                         "kernel (cascade.WINDOW_MERGES_SPLITS off; conformance runs so too)")
     ap.add_argument("--xla-merge", action="store_true",
                     help="merge key splits in XLA (split_merge.MERGE_KERNEL off) instead of the Pallas kernel")
     args = ap.parse_args(argv)
     if args.xla_merge:
         from pallas_kernels.attention import split_merge
         split_merge.MERGE_KERNEL = False
-    if args.window_merges:
+    if args.merge_kernel_splits:
         from treespec_jax.attention import cascade as cascade_module
-        cascade_module.WINDOW_MERGES_SPLITS = True
+        cascade_module.WINDOW_MERGES_SPLITS = False
     cmd = "python3 benchmarks/bench_cascade.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.variants:
         # Imported here: cascade_variants imports this module for its helpers.

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.bench_cascade import KV_DTYPES, PAGE, cascade_inputs  # noqa: E402
 from benchmarks.report import log, parse_shapes  # noqa: E402
-from benchmarks.timing import chained_time, feed_scalar, median_span, traced_chain  # noqa: E402
+from benchmarks.timing import chained_time, feed_output, feed_scalar, median_span, traced_chain  # noqa: E402
 from pallas_kernels.attention import split_merge  # noqa: E402
 from treespec_jax.attention import cascade  # noqa: E402
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention  # noqa: E402
@@ -44,6 +44,8 @@ def kernel_table(traces, inner: int):
     return rows, 1e6 * median_span(traces, inner)
 
 
+# How each chained call is made to depend on the last (--feeds): through P (argument 4) or q (0).
+FEEDS = {"scalar": lambda: feed_scalar(4), "query": lambda: feed_output(0)}
 DEFAULT_MERGE_LAUNCH = (split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS)
 
 
@@ -72,6 +74,10 @@ def main(argv=None):
                     "partials to the window kernel, cascade.WINDOW_MERGES_SPLITS), kernel:E/W (the Pallas merge, "
                     "E elements per program and W warps); with several, each shape also checks every output "
                     "against the first's")
+    ap.add_argument("--feeds", default="scalar",
+                    help="comma list of how each chained call depends on the last: scalar (a tiny fused op adds "
+                    "0 to P, the other benches' feed) or query (the output is the next call's q: no feed kernel, "
+                    "and the cascade's work on q runs every call instead of being hoisted out of the chain)")
     ap.add_argument("--compare", action="store_true",
                     help="also chained_time (chains of inner / 3 and inner) before and after, and traces of chains of inner / 3")
     a = ap.parse_args(argv)
@@ -82,6 +88,10 @@ def main(argv=None):
                 cascade.WINDOW_MERGES_SPLITS)
     for merge in a.merges.split(","):
         set_merge(merge)  # refuses a bad entry before any work
+    feeds = a.feeds.split(",")
+    bad_feeds = [f for f in feeds if f not in FEEDS]
+    if bad_feeds:
+        ap.error(f"--feeds: unknown {bad_feeds}; choose from {sorted(FEEDS)}")
     for b, p, n in parse_shapes(a.shapes, 3):
         for dt in a.dtypes.split(","):
             args = cascade_inputs(key, rng, b, p, n, KV_DTYPES[dt])
@@ -106,13 +116,14 @@ def main(argv=None):
                     # The timer the tables use, then the traced chains, then the timer again: the
                     # two methods in one process, so clock drift shows as a change in either.
                     before = 1e6 * chained_time(fn, args, feed_scalar(4), inner=a.inner // 3)
-                for inner in ((a.inner, a.inner // 3) if a.compare else (a.inner,)):
-                    traces = traced_chain(fn, args, feed_scalar(4), inner=inner, runs=a.runs)
+                for inner, feed in ((i, f) for i in ((a.inner, a.inner // 3) if a.compare else (a.inner,))
+                                    for f in feeds):
+                    traces = traced_chain(fn, args, FEEDS[feed](), inner=inner, runs=a.runs)
                     if traces is None:
                         raise RuntimeError("the trace holds no device kernels (a GPU with CUPTI is needed)")
                     rows, span = kernel_table(traces, inner)
                     total = sum(r[0] for r in rows)
-                    log(f"{label}, chain of {inner}: span {span:.1f} us per call, kernels {total:.1f} us "
+                    log(f"{label}, chain of {inner} ({feed}-fed): span {span:.1f} us per call, kernels {total:.1f} us "
                         f"({total / span:.0%} busy)")
                     for us, count, name in rows:
                         log(f"    {us:8.2f} us  x{count:g}  {name[:110]}")

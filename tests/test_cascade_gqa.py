@@ -410,7 +410,7 @@ def test_verify_lowers_with_the_auto_prefix_kernel_on_a_gpu(monkeypatch, pool_dt
 @pytest.mark.parametrize("kernel,splits,dtype,tol", [("triton", 3, jnp.bfloat16, 1e-2), ("triton", 2, FP8, 6e-2),
                                                       ("mosaic_gpu", 2, jnp.bfloat16, 1e-2)])
 def test_window_kernel_merges_the_key_splits(monkeypatch, kernel, splits, dtype, tol):
-    """cascade.WINDOW_MERGES_SPLITS: the prefix half hands its key-split partials on unmerged and
+    """cascade.WINDOW_MERGES_SPLITS (the default): the prefix half hands its key-split partials on unmerged and
     the window kernel merges them (no merge kernel runs); the cascade still equals dense attention
     and the merged form's output."""
     from treespec_jax.attention import cascade as cascade_module
@@ -420,6 +420,7 @@ def test_window_kernel_merges_the_key_splits(monkeypatch, kernel, splits, dtype,
     dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
     cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel=kernel, num_splits=splits,
                         fuse_window=False)
+    monkeypatch.setattr(cascade_module, "WINDOW_MERGES_SPLITS", False)  # the merge kernel first
     merged_first = verify_attention(q, k, v, table, lengths, mask, config=cfg)
     seen = []
     real = cascade_module.tree_window_row_layout

@@ -64,11 +64,12 @@ FUSE_FP8_UNDER_ONE_WAVE = True
 # Whether an unfused cascade hands the prefix half's key-split partials to the window kernel
 # unmerged (each window program merges its rows' splits by lse2 as it starts: no merge kernel, no
 # merged partial written and read) instead of merging them first (`split_merge.merge_splits`).
-# Off: built in session 22 and interpreter-tested, not yet timed on the H200 (owed:
-# `benchmarks/kernel_profile.py --merges kernel,window`), where the unfused FP8 B=1 cascade spent
-# 2.85 us in the merge kernel and 4.8 us in the window kernel. Session 9 had timed an earlier
-# window-kernel merge (manual partial loads, then the XLA merge to beat) 1.44x slower at B=1 bf16.
-WINDOW_MERGES_SPLITS = False
+# On since session 23: on the H200 the unfused FP8 B=1, P=32768, N=64 cascade went from 63.6 to
+# 62.3 us per call (merge kernel 2.82 us gone, window kernel 4.77 -> 6.19 us; 2.8e-4 relative to
+# the merge-kernel form) and from 1.55x to 1.48x of its floor (benchmarks/RESULTS.md, session 23).
+# Session 9 had timed an earlier window-kernel merge (manual partial loads, against the XLA merge)
+# 1.44x slower at B=1 bf16.
+WINDOW_MERGES_SPLITS = True
 
 
 @dataclasses.dataclass(frozen=True)
