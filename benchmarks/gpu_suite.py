@@ -42,13 +42,10 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
              "launches": ["--launches", "--shapes", "64x4096x64,32x32768x64"]}
 
-# What is still owed (`--owed`): session 23 turned `cascade.WINDOW_MERGES_SPLITS` on after timing
-# it at the one issue shape that takes it (FP8 B=1, P=32768, N=64: 63.6 -> 62.3 us). Other unfused
-# cascades with key splits take it too (FP8 with 128-row heads under one wave: N=32 at B=1, N=64 at
-# B=2-4; the Triton prefix's split cascades): `profile` checks it against the merge kernel there
-# (same output, span per call, query-fed). If it loses at a shape, make the flag a rule of the shape.
-OWED: dict[str, list[str]] = {"profile": ["--shapes", "1x32768x32,2x32768x64,4x16384x64,1x4096x64", "--dtypes", "fp8",
-                                          "--merges", "kernel,window", "--feeds", "query", "--runs", "2"]}
+# What is still owed (`--owed`): nothing since session 23, which timed session 22's
+# `cascade.WINDOW_MERGES_SPLITS` (on) at every unfused split shape it tried. A session that builds
+# what it cannot time lists the runs here, suite name -> that module's arguments.
+OWED: dict[str, list[str]] = {}
 
 
 def main(argv=None) -> int:

@@ -66,7 +66,8 @@ FUSE_FP8_UNDER_ONE_WAVE = True
 # merged partial written and read) instead of merging them first (`split_merge.merge_splits`).
 # On since session 23: on the H200 the unfused FP8 B=1, P=32768, N=64 cascade went from 63.6 to
 # 62.3 us per call (merge kernel 2.82 us gone, window kernel 4.77 -> 6.19 us; 2.8e-4 relative to
-# the merge-kernel form) and from 1.55x to 1.48x of its floor (benchmarks/RESULTS.md, session 23).
+# the merge-kernel form) and from 1.55x to 1.48x of its floor, and it won by 1.0-2.6 us at the other
+# unfused FP8 split shapes tried (B=1 N=32, B=2 and 4 N=64, B=1 P=4096; benchmarks/RESULTS.md, session 23).
 # Session 9 had timed an earlier window-kernel merge (manual partial loads, against the XLA merge)
 # 1.44x slower at B=1 bf16.
 WINDOW_MERGES_SPLITS = True
