@@ -1,7 +1,7 @@
 """Per-kernel device times of the default GQA cascade, from a profiler trace (GPU; logs only).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/kernel_profile.py [--shapes 1x32768x64,8x8192x16]
-        [--dtypes bf16,fp8] [--splits 0,4] [--merges kernel,xla,window,kernel:1024/8]
+        [--dtypes bf16,fp8] [--splits 0,4] [--merges window,kernel,xla,kernel:1024/8] [--feeds scalar,query]
 
 A diagnostic for the small shapes, whose cascade is a few tens of microseconds: the tables' timer
 (`timing.traced_time`) gives the whole call, this says where it goes. For each shape, KV dtype and
@@ -68,11 +68,12 @@ def main(argv=None):
     ap.add_argument("--splits", default="0", help="key-split counts (0: the default)")
     ap.add_argument("--inner", type=int, default=60, help="cascades per jitted chain")
     ap.add_argument("--runs", type=int, default=3, help="chains traced")
-    ap.add_argument("--merges", default="kernel",
-                    help="comma list of how key splits merge: kernel (the Pallas merge at its default launch, the "
-                    "default), xla (its reference, `merge_splits_reference`), window (unfused cascades hand the "
-                    "partials to the window kernel, cascade.WINDOW_MERGES_SPLITS), kernel:E/W (the Pallas merge, "
-                    "E elements per program and W warps); with several, each shape also checks every output "
+    ap.add_argument("--merges", default="window",
+                    help="comma list of how key splits merge: window (the library's default: unfused cascades hand "
+                    "the partials to the window kernel, cascade.WINDOW_MERGES_SPLITS, fused ones take the Pallas "
+                    "merge at its default launch), kernel (the Pallas merge at its default launch for every "
+                    "cascade), xla (its reference, `merge_splits_reference`), kernel:E/W (the Pallas merge, E "
+                    "elements per program and W warps); with several, each shape also checks every output "
                     "against the first's")
     ap.add_argument("--feeds", default="scalar",
                     help="comma list of how each chained call depends on the last: scalar (a tiny fused op adds "
