@@ -2,6 +2,7 @@
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/kernel_profile.py [--shapes 1x32768x64,8x8192x16]
         [--dtypes bf16,fp8] [--splits 0,4] [--merges window,kernel,xla,kernel:1024/8] [--feeds scalar,query]
+        [--query-casts kernel,xla]
 
 A diagnostic for the small shapes, whose cascade is a few tens of microseconds: the tables' timer
 (`timing.traced_time`) gives the whole call, this says where it goes. For each shape, KV dtype and
@@ -27,7 +28,7 @@ import numpy as np  # noqa: E402
 from benchmarks.bench_cascade import KV_DTYPES, PAGE, cascade_inputs  # noqa: E402
 from benchmarks.report import log, parse_shapes  # noqa: E402
 from benchmarks.timing import chained_time, feed_output, feed_scalar, median_span, traced_chain  # noqa: E402
-from pallas_kernels.attention import split_merge  # noqa: E402
+from pallas_kernels.attention import prefix_decode_mgpu, split_merge  # noqa: E402
 from treespec_jax.attention import cascade  # noqa: E402
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention  # noqa: E402
 
@@ -61,6 +62,11 @@ def set_merge(merge: str):
     cascade.WINDOW_MERGES_SPLITS = kind == "window"
 
 
+# Where the fused FP8 kernel's prefix query is cast (--query-casts): in the kernel, from the window's
+# unquantised tile (`prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT`), or by XLA before it.
+QUERY_CASTS = {"kernel": True, "xla": False}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x32768x64,8x8192x16")
@@ -81,12 +87,19 @@ def main(argv=None):
                     "and the cascade's work on q runs every call instead of being hoisted out of the chain)")
     ap.add_argument("--compare", action="store_true",
                     help="also chained_time (chains of inner / 3 and inner) before and after, and traces of chains of inner / 3")
+    ap.add_argument("--query-casts", default="kernel",
+                    help="comma list of where the fused FP8 kernel's prefix query is cast: kernel (the default) or "
+                    "xla; each is a form as the merges are (checked against the first form's output)")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     key = jax.random.PRNGKey(0)
-    first_merge, failed, outs = a.merges.split(",")[0], False, {}
+    casts = a.query_casts.split(",")
+    if [c for c in casts if c not in QUERY_CASTS]:
+        ap.error(f"--query-casts: unknown {[c for c in casts if c not in QUERY_CASTS]}; choose from {sorted(QUERY_CASTS)}")
+    forms = [(m, c) for m in a.merges.split(",") for c in casts]
+    failed, outs = False, {}
     defaults = (split_merge.MERGE_KERNEL, split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS,
-                cascade.WINDOW_MERGES_SPLITS)
+                cascade.WINDOW_MERGES_SPLITS, prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT)
     for merge in a.merges.split(","):
         set_merge(merge)  # refuses a bad entry before any work
     feeds = a.feeds.split(",")
@@ -96,21 +109,23 @@ def main(argv=None):
     for b, p, n in parse_shapes(a.shapes, 3):
         for dt in a.dtypes.split(","):
             args = cascade_inputs(key, rng, b, p, n, KV_DTYPES[dt])
-            for s, merge in ((int(x), m) for x in a.splits.split(",") for m in a.merges.split(",")):
+            for s, (merge, cast) in ((int(x), f) for x in a.splits.split(",") for f in forms):
                 set_merge(merge)
+                prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT = QUERY_CASTS[cast]
                 jax.clear_caches()  # the flags are read when the cascade is traced
                 fn = jax.jit(lambda *x, s=s: cascade_attention(*x, window=n, config=CascadeConfig(
                     page_size=PAGE, num_splits=s or None)))
-                label = f"B={b},P={p},N={n} {dt} splits {s or 'default'}, {merge} merge"
+                label = (f"B={b},P={p},N={n} {dt} splits {s or 'default'}, {merge} merge"
+                         + (f", query cast by {cast}" if len(casts) > 1 else ""))
                 out = np.asarray(fn(*args), np.float32)
                 if not np.isfinite(out).all():
                     log(f"{label}: NON-FINITE OUTPUT")
                     failed = True
-                if merge != first_merge:
+                if (merge, cast) != forms[0]:
                     err = float(np.linalg.norm(out - outs[s]) / np.linalg.norm(outs[s]))
                     ok = err < 1e-2
                     failed |= not ok
-                    log(f"{label}: rel err against the {first_merge} merge {err:.2e} -> {'PASS' if ok else 'FAIL'}")
+                    log(f"{label}: rel err against the first form {forms[0]} {err:.2e} -> {'PASS' if ok else 'FAIL'}")
                 else:
                     outs[s] = out
                 if a.compare:
@@ -132,7 +147,7 @@ def main(argv=None):
                     after = 1e6 * chained_time(fn, args, feed_scalar(4), inner=a.inner // 3)
                     log(f"{label}: chained_time {before:.1f} us before the traces, {after:.1f} us after")
     (split_merge.MERGE_KERNEL, split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS,
-     cascade.WINDOW_MERGES_SPLITS) = defaults
+     cascade.WINDOW_MERGES_SPLITS, prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT) = defaults
     return 1 if failed else 0
 
 

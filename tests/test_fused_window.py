@@ -81,6 +81,48 @@ def test_fused_window_under_fp8_pools(monkeypatch, n, lengths, splits, tol):
     assert seen == {"prefix": [(n, True)], "window_kernel": 0}
 
 
+@pytest.mark.parametrize("n,lengths,splits", [
+    (16, [50, 300], 2),  # 64-row heads: the warpgroup key split, two key splits
+    (32, [0, 190], None),  # two 64-row warpgroups per CTA; P = 0 (window steps only)
+])
+def test_fused_fp8_kernel_casts_the_query_itself(n, lengths, splits):
+    """Fused over an FP8 pool the kernel casts the window's unquantised query tile to FP8 for the
+    prefix steps (`cast_query`, the default): the bits of the query XLA casts before the kernel
+    (cast_query=False), both saturating at +-448 (entries here reach +-1600, which a plain cast
+    turns into NaN)."""
+    d, group = 64, 4
+    q, k, v, table, lens, mask = verify_case(np.random.default_rng(n + 3), lengths, n, 2, group, d, PAGE, FP8,
+                                             q_dtype=jnp.bfloat16)
+    q = q.at[..., :4].multiply(400.0)
+    assert np.isnan(np.asarray(q.astype(FP8).astype(jnp.float32))).any()
+    total = n * group
+    words, union = fused_window_words(mask, group, total, heads_io=True)
+
+    def run(cast_query):
+        out, lse = prefix_decode_mgpu_row_layout(
+            q, k, v, table, lens, words, union, query_rows=1, group=total, page_size=PAGE, scale=d ** -0.5,
+            num_splits=splits, window=n, heads_io=True, cast_query=cast_query, interpret=True)
+        return np.asarray(out, np.float32), np.asarray(lse)
+
+    (out_in, lse_in), (out_xla, lse_xla) = run(None), run(False)
+    assert np.isfinite(out_in).all() and np.isfinite(lse_in).all()
+    np.testing.assert_array_equal(out_in, out_xla)
+    np.testing.assert_array_equal(lse_in, lse_xla)
+
+
+def test_cast_query_refuses_all_but_the_fused_fp8_kernel():
+    b, hkv, total, d = 1, 2, 64, 64
+    table, lens = jnp.zeros((b, 4), jnp.int32), jnp.zeros((b,), jnp.int32)
+    for pool_dtype, window, words in ((FP8, 0, None), (jnp.bfloat16, 8, (jnp.zeros((b, 2, total), jnp.int32),
+                                                                           jnp.zeros((b, 2), jnp.int32)))):
+        pool = jnp.zeros((4 * PAGE, hkv, d), pool_dtype)
+        with pytest.raises(ValueError, match=f"cast_query=True takes the fused window .* got window={window} "
+                                             f"over {jnp.dtype(pool_dtype).name} pools"):
+            prefix_decode_mgpu_row_layout(jnp.zeros((b, hkv, total, d), jnp.bfloat16), pool, pool, table, lens,
+                                          *(words or ()), query_rows=1, group=total, page_size=PAGE, scale=0.1,
+                                          window=window, cast_query=True, interpret=True)
+
+
 def test_unfused_mosaic_prefix_pads_small_row_counts():
     """Under 64 rows per KV head (R=8, G=2) the two-kernel Mosaic cascade pads q to one 64-row tile
     and the window kernel reads the same padded rows; it equals dense attention."""

@@ -244,6 +244,22 @@ def test_fp8_query_quantisation_survives_jit():
     np.testing.assert_array_equal(np.asarray(got), expect)
 
 
+def test_fp8_queries_saturate_at_448():
+    """Both FP8 query casts (GQA's `quantize_query_for_pool`, MLA's `quantize_query`) saturate at
+    +-448 as the GPU's satfinite convert does (a kernel casting q itself gives the same bits), where a
+    plain cast turns |q| > 464 into NaN; NaN stays NaN and in-range values round as before."""
+    from pallas_kernels.attention.mla_decode import quantize_query
+    from pallas_kernels.attention.reference import quantize_query_for_pool
+
+    q = jnp.asarray([[500.0, -1000.0, 448.0, 100.3, -0.7, jnp.nan, 3e4, -465.0]], jnp.bfloat16)
+    assert np.isnan(np.asarray(q[:, :2].astype(FP8).astype(jnp.float32))).all()  # the plain cast: NaN
+    expect = [448.0, -448.0, 448.0, float(jnp.asarray(100.3, jnp.bfloat16).astype(FP8).astype(jnp.float32)),
+              float(jnp.asarray(-0.7, jnp.bfloat16).astype(FP8).astype(jnp.float32)), np.nan, 448.0, -448.0]
+    for cast in (quantize_query_for_pool, quantize_query):
+        got = jax.jit(lambda x: cast(x, FP8).astype(jnp.float32))(q)
+        np.testing.assert_array_equal(np.asarray(got)[0], np.asarray(expect, np.float32))
+
+
 def test_mla_rejects_bad_input():
     q = jnp.ones((1, 2, H, LORA + ROPE), jnp.bfloat16)
     pool = jnp.ones((64, LORA + ROPE), jnp.bfloat16)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.attention.reference import is_fp8, quantize_query_for_pool
 from pallas_kernels.attention.split_merge import merge_splits
 from pallas_kernels.common import next_pow2, resolve_backend
 
@@ -122,6 +123,8 @@ def quantize_query(q: jax.Array, pool_dtype) -> jax.Array:
     target = _query_dtype(pool_dtype)
     if q.dtype == target:
         return q
+    if is_fp8(target):  # saturating at +-448, as the GQA query (one FP8 query semantics)
+        return quantize_query_for_pool(q, target)
     return jax.lax.optimization_barrier(q.astype(target))
 
 

@@ -62,6 +62,7 @@ from pallas_kernels.attention.split_merge import HEAD_IO_TILE, head_io_rows, mer
 
 LOG2E = math.log2(math.e)
 F8 = jnp.dtype(jnp.float8_e4m3fn)
+F8_MAX = float(jnp.finfo(F8).max)  # 448: the FP8 query saturates here (`quantize_query_for_pool`)
 _POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), F8)
 ROWS_PER_WG = HEAD_IO_TILE  # 64 query rows per warpgroup, the tile of heads_io's row order (`head_io_rows`)
 COMPUTE_WGS = 2
@@ -114,6 +115,13 @@ PERSISTENT_FP8_WIDENED_BY_DEFAULT = True
 # P=4096, N=64 took 0.5670 ms against 0.5769 without it (1.7%), B=32, P=32768 2.1353 against 2.1571
 # (1.0%).
 PREFETCH_QUERY_BY_DEFAULT = True
+
+# Whether `cast_query=None` has the fused kernel over an FP8 pool derive the prefix's FP8 query tile
+# from the unquantised tile it loads for the window steps (saturated to E4M3's +-448, as
+# `quantize_query_for_pool`), instead of reading a query that XLA cast to FP8 before the kernel (one
+# more kernel per call: 1.48 us of the FP8 B=8, P=8192, N=16 cascade's 50.8 on the H200, session 23,
+# query-fed, benchmarks/RESULTS.md).
+CAST_QUERY_IN_KERNEL_BY_DEFAULT = True
 
 # Rows of V the memory warpgroup widens per piece under `memory_widens_values`: one WGMMA-layout
 # tile (the smallest a warpgroup loads from the swizzled ring; 64 x 128 FP8 values are 64 per thread
@@ -429,7 +437,7 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
                                              "tiles_adjacent", "overlap_softmax", "partial_dtype", "window",
                                              "heads_io", "persistent", "prefetch_query", "memory_widens_values",
-                                             "widen_rows", "registers", "merge", "interpret"))
+                                             "widen_rows", "registers", "merge", "cast_query", "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, window_words=None, window_union=None,
                                   *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
@@ -440,7 +448,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                                   persistent: bool | None = None, prefetch_query: bool | None = None,
                                   memory_widens_values: bool | None = None, widen_rows: int | None = None,
                                   registers: tuple[int, int] | None = None, merge: bool = True,
-                                  interpret: bool = False):
+                                  cast_query: bool | None = None, interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
@@ -495,6 +503,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     dividing the step's keys; None: WIDEN_ROWS), which bounds the registers a piece holds;
     `registers`: (compute, memory) warpgroup register budgets (None: `default_registers`, REGISTERS_MEMORY_WIDENS
     where the memory warpgroup widens V, else REGISTERS);
+    `cast_query` (the fused window over an FP8 pool only): each compute warpgroup casts the
+    unquantised query tile it loads for the window steps to FP8 for the prefix steps (saturating at
+    +-448, `quantize_query_for_pool`'s semantics), so the kernel reads q once and no XLA cast runs
+    before it (None: CAST_QUERY_IN_KERNEL_BY_DEFAULT; False: q is cast by XLA and read twice);
     `merge=False` (unfused only): key-split partials (CTA splits and the warpgroup key split) are
     handed on unmerged where there is more than one, out `[S, B, Hkv, T, D]` and lse2
     `[S, B, Hkv, T]`, for the window kernel to merge (`tree_window_row_layout`);
@@ -528,7 +540,13 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     if q_wide is not None and jnp.dtype(q_wide.dtype).itemsize != 2:
         raise ValueError(f"prefix_decode_mgpu: the fused window under an FP8 pool needs a bfloat16 or float16 "
                          f"query (its window scores use it unquantised), got {q_wide.dtype}")
-    q_in = quantize_query_for_pool(q_in, k_pool.dtype)
+    if cast_query and not fused_fp8:
+        raise ValueError(f"prefix_decode_mgpu: cast_query=True takes the fused window (window > 0) over an FP8 pool, "
+                         f"got window={window} over {jnp.dtype(k_pool.dtype).name} pools")
+    cast_query = fused_fp8 and (CAST_QUERY_IN_KERNEL_BY_DEFAULT if cast_query is None else bool(cast_query))
+    # Cast here, the query stays unquantised (its shape is all the kernel's layout reads); the kernel's
+    # query tiles hold FP8 either way.
+    q_in = q_in if cast_query else quantize_query_for_pool(q_in, k_pool.dtype)
     group_io = total // q_in.shape[1] if heads_io else 0  # G: heads per KV head
     rows_io = ROWS_PER_WG // group_io if heads_io else 0  # query rows per box
     max_pages = page_table.shape[1]
@@ -561,7 +579,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         partial_dtype = jnp.dtype(jnp.float32)
     # The staging tile keeps its bytes: 32 fp32 or 64 bf16 output columns per piece.
     out_chunk = OUT_CHUNK * 4 // partial_dtype.itemsize
-    dtype = q_in.dtype
+    dtype = jnp.dtype(k_pool.dtype) if cast_query else q_in.dtype
     pv_dtype = jnp.float16 if fp8 else dtype  # P V operands: FP8 V widens exactly to fp16
     # Fused FP8 window steps widen K to the query's dtype (exact for E4M3) in a tile that shares
     # its memory with the widened V (a RefUnion: K's tile is read by the scores before V is written).
@@ -690,7 +708,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                 def issue_loads(bi_x, head_x, tile_x, buf):
                     # An item's query tile (and fused, its rows' mask words) into buffer `buf`.
                     row0_x = tile_x * rows_per_cta + (0 if key_split else wg * ROWS_PER_WG)
-                    load_query(q_gmem, q_smem.at[buf], q_ready.at[buf], bi_x, head_x, row0_x)
+                    if not cast_query:  # else cast from the unquantised tile (below)
+                        load_query(q_gmem, q_smem.at[buf], q_ready.at[buf], bi_x, head_x, row0_x)
                     if fused:
                         plgpu.copy_gmem_to_smem(words_gmem.at[bi_x, :, pl.ds(row0_x, ROWS_PER_WG)],
                                                 words_smem.at[buf], words_ready.at[buf])
@@ -732,9 +751,17 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
                     def visible(i):
                         return col + i * block < row_hi
-                plgpu.barrier_wait(q_ready.at[qb])
+                if not cast_query:
+                    plgpu.barrier_wait(q_ready.at[qb])
                 if q_wide is not None:
                     plgpu.barrier_wait(qw_ready.at[wg])
+                if cast_query:
+                    # The prefix steps' FP8 query from the window's unquantised tile (through fp32, whose
+                    # convert to E4M3 saturates; clipped first so the interpreter agrees). Nothing reads
+                    # this buffer any more: the last item's scores were waited on.
+                    wide_q = plgpu.load(qw_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                    q_smem.at[qb][...] = jnp.clip(wide_q, -F8_MAX, F8_MAX).astype(F8)
+                    plgpu.commit_smem()
 
                 def clean_values(v, i, r0=0):
                     # V rows of step i (from its row r0) that no row of the request may see (past P +
@@ -1080,7 +1107,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
     def entry(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, *rest):
         words_gmem, union_gmem = rest[:2] if fused else (None, None)
-        qw_gmem = rest[2] if q_wide is not None else None
+        qw_gmem = rest[2] if q_wide is not None and not cast_query else None
+        if cast_query:  # one query input, the unquantised one
+            q_gmem, qw_gmem = None, q_gmem
         out_gmem, lse_gmem = rest[-2:]
         pl.run_scoped(
             lambda *scoped: body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, qw_gmem,
@@ -1123,7 +1152,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         # Pallas' GPU interpreter simulates shared memory, TMA and barriers on the CPU.
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q_in, k_pool, v_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
-      *((window_words, window_union) if fused else ()), *((q_wide,) if q_wide is not None else ()))
+      *((window_words, window_union) if fused else ()), *((q_wide,) if q_wide is not None and not cast_query else ()))
     if splits * stride > 1:
         if not merge:
             return out, lse

@@ -31,12 +31,18 @@ def is_fp8(dtype) -> bool:
 
 
 def quantize_query_for_pool(q: jax.Array, pool_dtype) -> jax.Array:
-    """The query the prefix half actually multiplies: cast to FP8 (E4M3, unscaled) under an FP8 pool.
+    """The query the prefix half actually multiplies: cast to FP8 (E4M3, unscaled) under an FP8 pool,
+    saturating at +-448 (E4M3's largest finite value) as the GPU's satfinite convert does, so a
+    kernel that casts q itself (`prefix_decode_mgpu`'s `cast_query`) gives these bits; a plain
+    `astype` would turn |q| > 464 into NaN.
 
     The barrier keeps the rounding under jit: XLA on the GPU may fold a narrowing convert followed
     by a widening one into nothing (excess precision), which would skip the FP8 quantisation.
     """
-    return jax.lax.optimization_barrier(q.astype(pool_dtype)) if is_fp8(pool_dtype) else q
+    if not is_fp8(pool_dtype):
+        return q
+    top = float(jnp.finfo(pool_dtype).max)
+    return jax.lax.optimization_barrier(jnp.clip(q, -top, top).astype(pool_dtype))
 
 
 def _gather_positions(pool: jax.Array, page_table: jax.Array, positions: jax.Array, page_size: int):
