@@ -64,6 +64,7 @@ def test_fused_window_matches_dense(monkeypatch, n, group, lengths, splits, head
 @pytest.mark.parametrize("n,lengths,splits,tol", [
     (32, [0, 60], None, 5e-3),  # every key is in a window step: bf16-level error, the unquantised query
     (16, [50, 300, 128], 2, 6e-2),  # 64-row heads: the warpgroup key split; FP8 prefix scores
+    (16, [50, 300], 1, 6e-2),  # the key split's merged partial is the bf16 output itself (no merge kernel)
 ])
 def test_fused_window_under_fp8_pools(monkeypatch, n, lengths, splits, tol):
     """FP8 pools, fuse_window=True (opt-in): window steps widen K and score the unquantised query
@@ -247,7 +248,8 @@ def test_fused_kernel_refusals_name_the_value():
 
 @pytest.mark.parametrize("r,group,splits,heads_io,pool_dtype", [
     (64, 4, 1, True, jnp.bfloat16), (16, 4, 2, True, jnp.bfloat16), (8, 8, 1, True, jnp.bfloat16),
-    (64, 4, 1, False, jnp.bfloat16), (64, 4, 1, True, FP8), (16, 4, 2, True, FP8)])
+    (64, 4, 1, False, jnp.bfloat16), (64, 4, 1, True, FP8), (16, 4, 2, True, FP8), (16, 4, 1, True, FP8),
+    (16, 4, 1, False, FP8)])
 def test_fused_kernel_lowers_to_mosaic_gpu(r, group, splits, heads_io, pool_dtype, opts=None):
     """The compiled fused kernel (head-layout boxes or the row layout, with and without key splits)
     passes Mosaic GPU's layout inference on the CPU; the H200 runs it (bench_cascade)."""

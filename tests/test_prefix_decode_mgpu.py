@@ -146,10 +146,10 @@ def test_key_split_refuses_an_odd_number_of_stages():
     check_mgpu_inputs(jnp.zeros((1, 1, 64, 128), bf), pool, pool, 64, stages=4)
 
 
-def test_key_split_output_has_one_partial_per_warpgroup():
-    """Under a key split each warpgroup writes its own (out, lse2) partial: the kernel's raw output
-    has 2 x num_splits partials before the LSE merge, which a wrong partial index would corrupt
-    (covered by the dense comparisons); here the count, through the traced output shape."""
+def test_key_split_warpgroups_merge_into_one_partial_per_cta():
+    """Under a key split warpgroup 1 hands its (out, lse2) to warpgroup 0, which merges them, so the
+    kernel's raw output has one partial per key split (num_splits), not one per warpgroup (a wrong
+    merge is covered by the dense comparisons); here the count, through the traced output shape."""
     import jax
     sd = jax.ShapeDtypeStruct
     fn = lambda qr, k, v, t, ln: prefix_decode_mgpu_row_layout(  # noqa: E731
@@ -158,7 +158,7 @@ def test_key_split_output_has_one_partial_per_warpgroup():
     pool = sd((64 * 64, 2, 64), jnp.bfloat16)
     jaxpr = str(jax.make_jaxpr(fn)(sd((2, 2, 64, 64), jnp.bfloat16), pool, pool, sd((2, 8), jnp.int32),
                                    sd((2,), jnp.int32)))
-    assert "f32[6,2,2,64,64]" in jaxpr
+    assert "f32[3,2,2,64,64]" in jaxpr and "f32[6,2,2,64,64]" not in jaxpr
 
 
 def test_default_pages_per_step_makes_128_key_steps_that_fit():

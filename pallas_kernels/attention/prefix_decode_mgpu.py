@@ -37,8 +37,9 @@ Layout of one CTA (grid (row tiles, key splits, Hkv, B)): two compute warpgroups
 rows and run the online softmax with wgmma (QK^T and PV from shared memory, fp32 accumulators in
 registers), taking turns on the tensor cores (`pingpong`) so one's softmax overlaps the other's
 matmuls. Where a KV head has only 64 rows (e.g. N=16 with G=4) one compute warpgroup runs, or,
-by default for FP8 pools, both take those rows and alternate key steps (`key_split`), each writing
-its own partial for the LSE merge, so the tensor cores still have a second warpgroup to turn to; the last warpgroup only issues
+by default for FP8 pools, both take those rows and alternate key steps (`key_split`), so the tensor
+cores still have a second warpgroup to turn to, and at the end warpgroup 1 hands its (out, lse2)
+through shared memory to warpgroup 0, which merges the two by LSE and writes one partial; the last warpgroup only issues
 TMA copies of one or two pages (`pages_per_step`) of K and of V per step into a ring of `stages`
 buffers, reading each page id from the table, and waits until every compute warpgroup that reads
 a buffer (both, or under a key split the step's owner) released it before refilling it. Steps whose keys every row of a warpgroup sees run without masks. A
@@ -204,7 +205,8 @@ def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: i
     Rows that fill 128-row CTAs give each compute warpgroup its own 64 rows. A 64-row head (e.g.
     N=16, G=4) leaves one compute warpgroup alone, its QK^T -> softmax -> PV chain serial; under
     `key_split` both warpgroups take the same 64 rows and alternate key steps, taking turns on the
-    tensor cores, and each writes its own partial (out, lse2), merged by LSE with the key splits.
+    tensor cores, and their two partials of the same rows merge by LSE inside the CTA (one partial
+    per CTA, merged with the other key splits').
     None: on for 64-row heads of FP8 pools only. On the H200 (B=8, P=8192, N=16; benchmarks/
     RESULTS.md, session 9, two runs) it ran the FP8 cascade 1.10-1.23x faster (0.068-0.078 vs
     0.083-0.086 ms), whose warpgroups also widen V, but the bf16 one 0.94-0.98x (0.097-0.100 vs
@@ -475,8 +477,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     than the turn-taking default (session 11, benchmarks/RESULTS.md), so it is off;
     `partial_dtype`: the dtype the kernel writes `out` in, float32 or bfloat16 (half the bytes for
     this kernel to write and, without key splits, for the window kernel to read; the normalised
-    partial is rounded once more, to bf16, before the merge); key-split partials (`num_splits` or
-    the warpgroup key split) are merged by `merge_splits` into float32 (fused: `partial_dtype`);
+    partial is rounded once more, to bf16, before the merge); key-split partials (`num_splits`) are
+    merged by `merge_splits` into float32 (fused: `partial_dtype`); a warpgroup key split's two
+    merge in the kernel, in fp32, before the CTA's partial is written in `partial_dtype`;
     `window` > 0 fuses the tree window (`window_words [B, 2, T] int32`, `window_union [B, 2] int32`;
     see `fused_window_words`): every row then sees the committed keys [0, P) and window key j
     (position P + j, j < window) iff bit j of its own words is set, so the output is the whole
@@ -507,8 +510,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     unquantised query tile it loads for the window steps to FP8 for the prefix steps (saturating at
     +-448, `quantize_query_for_pool`'s semantics), so the kernel reads q once and no XLA cast runs
     before it (None: CAST_QUERY_IN_KERNEL_BY_DEFAULT; False: q is cast by XLA and read twice);
-    `merge=False` (unfused only): key-split partials (CTA splits and the warpgroup key split) are
-    handed on unmerged where there is more than one, out `[S, B, Hkv, T, D]` and lse2
+    `merge=False` (unfused only): key-split partials (one per CTA split; a warpgroup key split's two
+    are merged in the CTA) are handed on unmerged where there is more than one, out `[S, B, Hkv, T, D]` and lse2
     `[S, B, Hkv, T]`, for the window kernel to merge (`tree_window_row_layout`);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     fused = window > 0
@@ -573,12 +576,16 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     block = page_size * pps
     steps_per_split = -(-steps // splits)
     merged_dtype = partial_dtype if fused else jnp.dtype(jnp.float32)
-    if fused and splits * stride > 1:
+    # Under a warpgroup key split warpgroup 1 hands its (out, lse2) to warpgroup 0, which merges the
+    # two and writes one partial per CTA (see the epilogue), so a CTA split writes one partial.
+    parts = splits
+    if fused and parts > 1:
         # Fused, `partial_dtype` is the output's: key-split partials stay float32 until merged
         # (the merge writes the output in it).
         partial_dtype = jnp.dtype(jnp.float32)
-    # The staging tile keeps its bytes: 32 fp32 or 64 bf16 output columns per piece.
-    out_chunk = OUT_CHUNK * 4 // partial_dtype.itemsize
+    # The staging tile keeps its bytes: 32 fp32 or 64 bf16 output columns per piece; under a key
+    # split 32 columns whatever the dtype, the pieces warpgroup 1 hands over in fp32.
+    out_chunk = OUT_CHUNK if key_split else OUT_CHUNK * 4 // partial_dtype.itemsize
     dtype = jnp.dtype(k_pool.dtype) if cast_query else q_in.dtype
     pv_dtype = jnp.float16 if fp8 else dtype  # P V operands: FP8 V widens exactly to fp16
     # Fused FP8 window steps widen K to the query's dtype (exact for E4M3) in a tile that shares
@@ -627,8 +634,12 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, qw_gmem, out_gmem, lse_gmem,
              scoped):
         (q_smem, k_smem, v_smem, o_smem, lse_smem, *extra), (q_ready, k_ready, v_ready), (k_free, v_free), turn, \
-            *wide_ring = scoped
-        vw_ready, vw_free = wide_ring if memory_widens_values else (None, None)
+            *tail = scoped
+        vw_ready, vw_free = tail[:2] if memory_widens_values else (None, None)
+        # Key split: the output staging in the partial's dtype and, over the same memory, in fp32 for
+        # warpgroup 1's hand-over (each slot is used through one view only); its (ready, free) barriers.
+        o_smem, x_smem = o_smem if key_split else (o_smem, None)
+        x_ready, x_free = tail[-2:] if key_split else (None, None)
         wide = extra[:1] if fp8 else []
         if q_wide is not None:  # (widened V, widened K): one RefUnion, or the V ring and K's own tile
             wide, k_wide = [extra[0][0]], extra[0][1]
@@ -958,28 +969,76 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                 l_safe = jnp.where(seen, l, 1.0)
                 out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
                                 acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
-                part = split * stride + (wg if key_split else 0)  # this warpgroup's partial
-                if persistent:
-                    plgpu.wait_smem_to_gmem(0)  # the previous item's last copies have read the staging
-                lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG)])
-                # The output leaves through a small staging tile, piece by piece (a whole [64, D]
-                # fp32 tile per warpgroup would cost the K/V ring a stage).
-                out = out.astype(partial_dtype)
-                for j in range(d // out_chunk):
-                    plgpu.wait_smem_to_gmem(0)  # the previous piece has been read out
-                    o_smem.at[wg][...] = out[:, j * out_chunk:(j + 1) * out_chunk]
+                lse = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
+                pieces = d // out_chunk
+
+                def write_partial(lse, piece):
+                    # This CTA's partial (split), out piece by piece: `piece(j)` gives output columns
+                    # [j * out_chunk, (j + 1) * out_chunk) in fp32. It leaves through a small staging
+                    # tile (a whole [64, D] fp32 tile per warpgroup would cost the K/V ring a stage).
+                    if persistent:
+                        plgpu.wait_smem_to_gmem(0)  # the previous item's last copies have read the staging
+                    lse_smem.at[wg][...] = lse
                     plgpu.commit_smem()
-                    cols = pl.ds(j * out_chunk, out_chunk)
-                    if heads_io:
-                        for g in range(group_io):
-                            plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(g * rows_io, rows_io)],
-                                                    out_gmem.at[part, bi, pl.ds(r0, rows_io), head * group_io + g, cols])
-                    else:
-                        plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG), cols])
-                if not persistent:  # persistent: the next item's epilogue (or the kernel's end) waits
-                    plgpu.wait_smem_to_gmem(0)
+                    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[split, bi, head, pl.ds(row0, ROWS_PER_WG)])
+                    for j in range(pieces):
+                        chunk = piece(j).astype(partial_dtype)
+                        plgpu.wait_smem_to_gmem(0)  # the previous piece has been read out
+                        o_smem.at[wg][...] = chunk
+                        plgpu.commit_smem()
+                        cols = pl.ds(j * out_chunk, out_chunk)
+                        if heads_io:
+                            for g in range(group_io):
+                                plgpu.copy_smem_to_gmem(
+                                    o_smem.at[wg, pl.ds(g * rows_io, rows_io)],
+                                    out_gmem.at[split, bi, pl.ds(r0, rows_io), head * group_io + g, cols])
+                        else:
+                            plgpu.copy_smem_to_gmem(o_smem.at[wg],
+                                                    out_gmem.at[split, bi, head, pl.ds(row0, ROWS_PER_WG), cols])
+                    if not persistent:  # persistent: the next item's epilogue (or the kernel's end) waits
+                        plgpu.wait_smem_to_gmem(0)
+
+                def columns(x, j):
+                    return x[:, j * out_chunk:(j + 1) * out_chunk]
+
+                if not key_split:
+                    write_partial(lse, lambda j: columns(out, j))
+                else:
+                    # The two warpgroups' partials of the same rows merge here by LSE (as merge_splits
+                    # does, in fp32), so no partial per warpgroup reaches memory: warpgroup 1 hands its
+                    # lse2 and its output, piece by piece, through its own staging slot to warpgroup 0.
+                    @pl.when(wg == 1)
+                    def _hand_over():
+                        lse_smem.at[1][...] = lse
+                        for j in range(pieces):
+                            if j:
+                                plgpu.barrier_wait(x_free)  # warpgroup 0 has read the last piece
+                            x_smem.at[1][...] = columns(out, j)
+                            plgpu.barrier_arrive(x_ready)
+                        plgpu.barrier_wait(x_free)
+
+                    @pl.when(wg == 0)
+                    def _merge():
+                        plgpu.barrier_wait(x_ready)
+                        other_lse = plgpu.load(lse_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
+                        top = jnp.maximum(lse, other_lse)
+                        top = jnp.where(top == -jnp.inf, 0.0, top)  # both unseen: weights 0, out 0
+                        w_own, w_other = jnp.exp2(lse - top), jnp.exp2(other_lse - top)
+                        total = w_own + w_other
+                        total_safe = jnp.where(total > 0, total, 1.0)
+                        shape = (ROWS_PER_WG, out_chunk)
+                        c_own = lax.broadcast_in_dim(w_own / total_safe, shape, [0])
+                        c_other = lax.broadcast_in_dim(w_other / total_safe, shape, [0])
+
+                        def piece(j):
+                            if j:
+                                plgpu.barrier_wait(x_ready)
+                            theirs = plgpu.load(x_smem.at[1], layout=plgpu.Layout.WGMMA)
+                            plgpu.barrier_arrive(x_free)
+                            return columns(out, j) * c_own + theirs * c_other
+
+                        write_partial(jnp.where(total > 0, top + jnp.log(total_safe) * (1.0 / math.log(2.0)),
+                                                -jnp.inf), piece)
 
             def _memory():
                 if role == "cta":
@@ -1105,6 +1164,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             wide_smem = (wide_smem, k_tile) if memory_widens_values else plgpu.RefUnion(wide_smem, k_tile)
         wide_smem = (wide_smem,)
 
+    out_staging = plgpu.SMEM((wgs, ROWS_PER_WG, out_chunk), partial_dtype, transforms=out_tf)
+
     def entry(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, *rest):
         words_gmem, union_gmem = rest[:2] if fused else (None, None)
         qw_gmem = rest[2] if q_wide is not None and not cast_query else None
@@ -1117,7 +1178,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             (plgpu.SMEM((qbufs * wgs, ROWS_PER_WG, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
-             plgpu.SMEM((wgs, ROWS_PER_WG, out_chunk), partial_dtype, transforms=out_tf),
+             plgpu.RefUnion(out_staging, plgpu.SMEM((wgs, ROWS_PER_WG, OUT_CHUNK), jnp.float32,
+                                                   transforms=_smem_transforms(OUT_CHUNK, jnp.float32)))
+             if key_split else out_staging,
              plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32))
             + wide_smem
             + ((plgpu.SMEM((qbufs * wgs, 2, ROWS_PER_WG), jnp.int32), plgpu.Barrier(num_barriers=qbufs * wgs))
@@ -1136,14 +1199,15 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             # memory_widens_values: the 16-bit V ring's (ready, free) barriers.
             *((plgpu.Barrier(num_arrivals=1, num_barriers=stages),
                plgpu.Barrier(num_arrivals=readers, num_barriers=stages)) if memory_widens_values else ()),
+            # Key split: warpgroup 1's hand-over pieces (ready, free).
+            *((plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)) if key_split else ()),
             collective_axes="wg",
         )
 
     out, lse = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((splits * stride,) + (q_in.shape if heads_io else (b, hkv, total, d)),
-                                       partial_dtype),
-                  jax.ShapeDtypeStruct((splits * stride, b, hkv, total), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((parts,) + (q_in.shape if heads_io else (b, hkv, total, d)), partial_dtype),
+                  jax.ShapeDtypeStruct((parts, b, hkv, total), jnp.float32)),
         grid=grid,
         grid_names=grid_names,
         num_threads=wgs + 1,
@@ -1153,7 +1217,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(q_in, k_pool, v_pool, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
       *((window_words, window_union) if fused else ()), *((q_wide,) if q_wide is not None and not cast_query else ()))
-    if splits * stride > 1:
+    if parts > 1:
         if not merge:
             return out, lse
         return merge_splits(out, lse, out_dtype=merged_dtype, backend="interpret" if interpret else None,
