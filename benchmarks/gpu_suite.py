@@ -42,10 +42,11 @@ SUITES = {
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
              "launches": ["--launches", "--shapes", "64x4096x64,32x32768x64"]}
 
-# What is still owed (`--owed`): nothing since session 23, which timed session 22's
-# `cascade.WINDOW_MERGES_SPLITS` (on) at every unfused split shape it tried. A session that builds
-# what it cannot time lists the runs here, suite name -> that module's arguments.
-OWED: dict[str, list[str]] = {}
+# What is still owed (`--owed`), suite name -> that module's arguments: session 24 made the FP8
+# query saturate at +-448 (`quantize_query`, the MLA casts too), which the MLA cascade's compiled
+# conformance and timing have not run under. A session that builds what it cannot time lists the
+# runs here.
+OWED: dict[str, list[str]] = {"mla": ["--skip-moves", "--triton-variants", "0"]}
 
 
 def main(argv=None) -> int:
