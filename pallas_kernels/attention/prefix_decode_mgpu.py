@@ -12,7 +12,7 @@ idiom, so interpreted runs add P V with a plain dot where the compiled kernel us
 compiled path also lowers on the CPU (layout inference and the shared-memory check).
 
 FP8 E4M3 pools (unscaled): the query is cast to FP8 (`quantize_query_for_pool`, as the Triton
-kernel does) and the scores are an FP8 x FP8 wgmma (K is the K-major operand 8-bit wgmma
+kernel does, saturating at +-448; the fused window kernel casts it itself, `cast_query`) and the scores are an FP8 x FP8 wgmma (K is the K-major operand 8-bit wgmma
 requires). V is the MN-major operand of P V, which 8-bit wgmma cannot take, so it is widened to
 fp16 in shared memory (exact) and P V runs in fp16: by default (`memory_widens_values`) the memory
 warpgroup widens each page once into a 16-bit ring the compute warpgroups read; under a warpgroup
