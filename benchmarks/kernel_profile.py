@@ -94,8 +94,9 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     key = jax.random.PRNGKey(0)
     casts = a.query_casts.split(",")
-    if [c for c in casts if c not in QUERY_CASTS]:
-        ap.error(f"--query-casts: unknown {[c for c in casts if c not in QUERY_CASTS]}; choose from {sorted(QUERY_CASTS)}")
+    bad_casts = [c for c in casts if c not in QUERY_CASTS]
+    if bad_casts:
+        ap.error(f"--query-casts: unknown {bad_casts}; choose from {sorted(QUERY_CASTS)}")
     forms = [(m, c) for m in a.merges.split(",") for c in casts]
     failed, outs = False, {}
     defaults = (split_merge.MERGE_KERNEL, split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS,

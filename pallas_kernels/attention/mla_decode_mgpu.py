@@ -71,7 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.attention.prefix_decode import default_num_splits
 from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, cta_key_blocks,
                                                          fused_key_blocks, fused_window_words, grid_in_order,
-                                                         online_softmax_update, register_budget_errors,
+                                                         log2_of, online_softmax_update, register_budget_errors,
                                                          whole_page_bound, window_visible)
 from pallas_kernels.attention.split_merge import merge_splits, out_dtype_errors
 from treespec_jax.tree.masks import MAX_TREE_NODES
@@ -732,7 +732,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
             l_safe = jnp.where(seen, l, 1.0)
             out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
                             acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
-            lse = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
+            lse = jnp.where(seen, m + log2_of(l_safe), -jnp.inf)
             if exchanges:
                 # Each half leaves in one copy from its own staging tile (in the ring's memory).
                 o_smem.at[w][...] = out.astype(write_dtype)

@@ -335,6 +335,12 @@ def check_fused_window_inputs(qr, words, union, window: int, overlap_softmax: bo
         raise ValueError("; ".join(errors))
 
 
+def log2_of(x):
+    """log2 of a warpgroup array, as the kernels' base-2 LSEs take it (natural log times 1 / ln 2;
+    shared by the Mosaic GPU kernels)."""
+    return jnp.log(x) * (1.0 / math.log(2.0))
+
+
 def online_softmax_update(s, m, l, acc, scale2: float, visible=None):
     """One base-2 online-softmax step on warpgroup arrays (shared by the Mosaic GPU kernels).
 
@@ -969,7 +975,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                 l_safe = jnp.where(seen, l, 1.0)
                 out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
                                 acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
-                lse = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / math.log(2.0)), -jnp.inf)
+                lse = jnp.where(seen, m + log2_of(l_safe), -jnp.inf)
                 pieces = d // out_chunk
 
                 def write_partial(lse, piece):
@@ -1037,8 +1043,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                             plgpu.barrier_arrive(x_free)
                             return columns(out, j) * c_own + theirs * c_other
 
-                        write_partial(jnp.where(total > 0, top + jnp.log(total_safe) * (1.0 / math.log(2.0)),
-                                                -jnp.inf), piece)
+                        write_partial(jnp.where(total > 0, top + log2_of(total_safe), -jnp.inf), piece)
 
             def _memory():
                 if role == "cta":
