@@ -148,18 +148,67 @@ def test_fused_mla_window_over_an_fp8_cache_matches_dense():
     assert rel_err(got, dense(q8, pool.astype(jnp.bfloat16), table, lens, mask, n)) < 1e-2
 
 
-@pytest.mark.parametrize("splits,out_dtype,dtype", [(2, jnp.float32, jnp.bfloat16), (1, jnp.bfloat16, jnp.bfloat16),
-                                                    (1, jnp.bfloat16, jnp.float8_e4m3fn)])
-def test_fused_mla_window_lowers_to_mosaic_gpu(splits, out_dtype, dtype):
+@pytest.mark.parametrize("schedule", ["seesaw", "split"])
+def test_fp8_values_widen_in_pieces(schedule):
+    """FP8 rows widen `widen_cols` value channels at a time (zeroing the fused window's unseen rows on
+    the way): at latent 256 + rope 64 (a 64-channel swizzle, 128 channels per warpgroup) two pieces
+    of 64 give the bits of one piece of 128, and both equal dense attention with NaN in every slot
+    past P + N."""
+    from pallas_kernels.attention.mla_decode import quantize_query
+
+    lora, rope = 256, 64
+    rng = np.random.default_rng(25)
+    n, hq = 16, 4
+    lengths = np.asarray([130, 300], np.int32)
+    pool, _, table = poisoned_paged_pools(rng, 2, int(lengths.max()) + n, 1, lora + rope, PAGE,
+                                          jnp.float8_e4m3fn, lambda bb, pos: pos < lengths[bb] + n)
+    pool = pool[:, 0]
+    q8 = quantize_query(jnp.asarray(rng.standard_normal((2, n, hq, lora + rope)), jnp.bfloat16), jnp.float8_e4m3fn)
+    mask = ancestor_mask(jnp.asarray(random_parents(rng, 2, n)))
+    lens = jnp.asarray(lengths)
+    assert mla_mgpu_module.default_widen_cols(lora + rope, lora) == lora // 2  # 128 does not split 128
+    outs = [np.asarray(mla_decode_mgpu(q8, pool, table, lens, mask, kv_lora_rank=lora, page_size=PAGE, scale=SCALE,
+                                       window=n, num_splits=1, schedule=schedule, widen_cols=cols,
+                                       interpret=True)[0], np.float32)
+            for cols in (64, 128)]
+    assert np.isfinite(outs[0]).all()
+    np.testing.assert_array_equal(outs[0], outs[1])
+    ref = cascade_dense_reference(q8.astype(jnp.bfloat16), pool[:, None, :].astype(jnp.bfloat16),
+                                  pool[:, None, :lora].astype(jnp.bfloat16), table, lens, mask, window=n,
+                                  page_size=PAGE, scale=SCALE)[0]
+    assert rel_err(outs[0], ref) < 1e-2
+
+
+def test_widen_cols_refusals():
+    """widen_cols must cut a warpgroup's FP8 value channels into swizzle-aligned pieces, and only FP8
+    rows are widened; each refusal names the value."""
+    f8, bf = jnp.float8_e4m3fn, jnp.bfloat16
+    table, lens = jnp.zeros((1, 4), jnp.int32), jnp.zeros((1,), jnp.int32)
+    kw = dict(kv_lora_rank=512, page_size=64, scale=0.1)
+    q, pool = jnp.zeros((1, 2, 4, 576), f8), jnp.zeros((64 * 4, 576), f8)
+    for bad in (96, 192, 512, 0, True):  # DeepSeek-V3's 576-channel FP8 rows have a 64-byte swizzle
+        with pytest.raises(ValueError, match=rf"widen_cols must be a multiple of 64 .*= 256, got {bad!r}"):
+            mla_decode_mgpu(q, pool, table, lens, widen_cols=bad, **kw)
+    with pytest.raises(ValueError, match=r"widen_cols applies to FP8 caches only.*got 128 with bfloat16"):
+        mla_decode_mgpu(q.astype(bf), pool.astype(bf), table, lens, widen_cols=128, **kw)
+    assert mla_mgpu_module.default_widen_cols(576, 512) == mla_mgpu_module.MLA_WIDEN_COLS == 128
+
+
+@pytest.mark.parametrize("splits,out_dtype,dtype,widen", [(2, jnp.float32, jnp.bfloat16, None),
+                                                           (1, jnp.bfloat16, jnp.bfloat16, None),
+                                                           (1, jnp.bfloat16, jnp.float8_e4m3fn, None),
+                                                           (1, jnp.bfloat16, jnp.float8_e4m3fn, 256)])
+def test_fused_mla_window_lowers_to_mosaic_gpu(splits, out_dtype, dtype, widen):
     """DeepSeek-V3 widths (latent 512 + rope 64, 128 heads, N = 16): layout inference and the
     shared-memory check pass with the window fused (the words are read straight from global memory),
     with float32 split partials, with the bf16 output the cascade asks for without splits, and over
-    an FP8 cache (FP8 query)."""
+    an FP8 cache (FP8 query; its values widened in the default 128-channel pieces and in one of 256)."""
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
 
     sd = jax.ShapeDtypeStruct
     fn = lambda q, pool, t, ln, mk: mla_decode_mgpu(q, pool, t, ln, mk, kv_lora_rank=512, page_size=64,  # noqa: E731
-                                                    scale=0.07, window=16, num_splits=splits, out_dtype=out_dtype)
+                                                    scale=0.07, window=16, num_splits=splits, out_dtype=out_dtype,
+                                                    widen_cols=widen)
     args = (sd((2, 16, 128, 576), dtype), sd((64 * 64, 576), dtype), sd((2, 32), jnp.int32), sd((2,), jnp.int32),
             sd((2, 16, 2), jnp.uint32))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -145,6 +145,12 @@ P_IN_RING_BY_DEFAULT = True
 # device time, benchmarks/RESULTS.md) (240, 24) ran the bf16 decode 2.287 vs 2.356 ms (session 19:
 # 2.314 vs 2.370), the fused bf16 decode 2.326 vs 2.424 and the FP8 decode 2.131 vs 2.252 (session 20).
 MLA_REGISTERS = (240, 24)
+# Value channels an FP8 step's warpgroup widens to fp16 per piece (`widen_cols`; where this does
+# not divide kv_lora_rank / 2 in swizzle-aligned pieces, the whole half is one piece). A piece is
+# loaded in the WGMMA layout, widened and stored before the next is loaded, so its registers (a
+# [64, 128] piece: 16 of FP8 and 32 of fp16 per thread) are all that sits beside the 128-register
+# accumulator and P; the whole half at once (before session 25) held twice that.
+MLA_WIDEN_COLS = 128
 
 
 def default_schedule(dtype) -> str:
@@ -217,12 +223,13 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
                     scale: float, block_k: int = 64, stages: int | None = None, num_splits: int | None = None,
                     schedule: str | None = None, window: int = 0, tiles_adjacent: bool = True,
                     registers: tuple[int, int] | None = None, p_in_ring: bool | None = None,
-                    out_dtype=jnp.float32, interpret: bool = False):
+                    widen_cols: int | None = None, out_dtype=jnp.float32, interpret: bool = False):
     """See `_mla_decode_mgpu`; `schedule` one of SCHEDULES, None: `default_schedule(q.dtype)`;
     `stages` None: DEFAULT_STAGES; `registers` the (compute, memory) warpgroups' `setmaxnreg`
     budgets, None: MLA_REGISTERS. `p_in_ring` ("seesaw", 16-bit caches, rope channels >= block_k):
     P handed over in the step's rope columns and read from there by P V; None:
-    P_IN_RING_BY_DEFAULT where it applies. `out_dtype` (split_merge.OUT_DTYPES): the returned
+    P_IN_RING_BY_DEFAULT where it applies. `widen_cols` (FP8 caches): value channels a warpgroup
+    widens per piece, None: `default_widen_cols`. `out_dtype` (split_merge.OUT_DTYPES): the returned
     output's dtype; the kernel writes it itself without key splits (their partials stay float32
     until the merge writes it).
     `window` > 0 with `window_mask [B, R, 2] uint32` (packed ancestor rows) fuses the tree window."""
@@ -243,13 +250,43 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
         errors += ring_errors
     errors += out_dtype_errors(out_dtype, "mla_decode_mgpu")
     errors += [f"mla_decode_mgpu: {e}" for e in register_budget_errors(registers, 2)]
+    fp8_rows = jnp.dtype(q.dtype) == F8
+    if widen_cols is None:
+        widen_cols = default_widen_cols(q.shape[-1], kv_lora_rank) if fp8_rows else kv_lora_rank // 2
+    elif fp8_rows:
+        errors += widen_cols_errors(widen_cols, q.shape[-1], kv_lora_rank)
+    else:
+        errors.append(f"mla_decode_mgpu: widen_cols applies to FP8 caches only (16-bit rows are not widened), "
+                      f"got {widen_cols!r} with {q.dtype} rows")
     if errors:
         raise ValueError("; ".join(errors))
     return _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, kv_lora_rank=kv_lora_rank,
                             page_size=page_size, scale=scale, block_k=block_k, stages=stages, num_splits=num_splits,
                             schedule=schedule, window=int(window), tiles_adjacent=tiles_adjacent,
-                            registers=registers, p_in_ring=p_in_ring, out_dtype=jnp.dtype(out_dtype).name,
-                            interpret=interpret)
+                            registers=registers, p_in_ring=p_in_ring, widen_cols=int(widen_cols),
+                            out_dtype=jnp.dtype(out_dtype).name, interpret=interpret)
+
+
+def widen_unit(width: int) -> int:
+    """Channels of one swizzle tile of FP8 rows `width` wide: a widened piece starts and ends on one."""
+    return next(u for u in (128, 64, 32, 16) if width % u == 0)
+
+
+def widen_cols_errors(widen_cols, width: int, kv_lora_rank: int) -> list[str]:
+    """Every reason `widen_cols` cannot split a warpgroup's kv_lora_rank / 2 FP8 value channels
+    (rows `width` channels wide) into swizzle-aligned pieces."""
+    half, unit = kv_lora_rank // 2, widen_unit(width)
+    if isinstance(widen_cols, bool) or not isinstance(widen_cols, int) or widen_cols <= 0 \
+            or widen_cols % unit or half % widen_cols:
+        return [f"mla_decode_mgpu: widen_cols must be a multiple of {unit} (the FP8 rows' swizzle at width {width}) "
+                f"dividing kv_lora_rank / 2 = {half}, got {widen_cols!r}"]
+    return []
+
+
+def default_widen_cols(width: int, kv_lora_rank: int) -> int:
+    """`widen_cols=None` under FP8 rows `width` wide: MLA_WIDEN_COLS where it splits the half, else the half."""
+    ok = not widen_cols_errors(MLA_WIDEN_COLS, width, kv_lora_rank)
+    return MLA_WIDEN_COLS if ok else kv_lora_rank // 2
 
 
 def p_in_ring_errors(q, kv_lora_rank: int, block_k: int, schedule: str) -> list[str]:
@@ -284,11 +321,11 @@ def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
                                              "num_splits", "schedule", "window", "tiles_adjacent", "registers",
-                                             "p_in_ring", "out_dtype", "interpret"))
+                                             "p_in_ring", "widen_cols", "out_dtype", "interpret"))
 def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_lora_rank: int, page_size: int,
                      scale: float, block_k: int, stages: int, num_splits: int | None, schedule: str, window: int,
-                     tiles_adjacent: bool, registers: tuple[int, int], p_in_ring: bool, out_dtype: str,
-                     interpret: bool):
+                     tiles_adjacent: bool, registers: tuple[int, int], p_in_ring: bool, widen_cols: int,
+                     out_dtype: str, interpret: bool):
     """See the module docstring. `block_k` keys per step (a multiple of 64: the P V contraction).
     At L + Dr = 576 the query tile and two 64-key latent buffers take 216 KiB of the 227 KiB of
     shared memory. Without split scores the output leaves in [64, 16] fp32 pieces; under "split"
@@ -392,13 +429,24 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                     return key_index(i) < whole_page_bound(length, r, hq, row, whole)
             cols = pl.ds(w * half, half)  # this warpgroup's value channels (static)
 
-            def value_tile(slot):
+            def value_tile(slot, clean_step=None):
                 """This warpgroup's value channels of the step: the latent rows themselves, or
-                under FP8 their fp16 copy (widened here; the FP8 buffer may be released after)."""
+                under FP8 their fp16 copy (widened here; the FP8 buffer may be released after).
+                FP8 rows widen `widen_cols` channels at a time, so only one piece's registers are
+                live beside the accumulator and P; with `clean_step` i (the fused window's masked
+                step) each piece's unseen rows are zeroed on the way (`clean_values`' rule)."""
                 if not fp8:
                     return kv_smem.at[slot].at[:, cols]
                 wide = wide_smem[w]
-                wide[...] = kv_smem.at[slot].at[:, cols][...].astype(pv_dtype)
+                for j in range(half // widen_cols):
+                    piece_cols = pl.ds(j * widen_cols, widen_cols)
+                    v = plgpu.load(kv_smem.at[slot].at[:, pl.ds(w * half + j * widen_cols, widen_cols)],
+                                   layout=plgpu.Layout.WGMMA).astype(pv_dtype)
+                    if clean_step is not None:
+                        key = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA) + \
+                            clean_step * block_k
+                        v = jnp.where(window_visible(key, length, window, seen_slots), v, jnp.zeros_like(v))
+                    wide.at[:, piece_cols][...] = v
                 plgpu.commit_smem()
                 return wide
 
@@ -414,6 +462,18 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                     key = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA) + i * block_k
                     chunk[...] = jnp.where(window_visible(key, length, window, seen_slots), v, jnp.zeros_like(v))
                 plgpu.commit_smem()
+                return v_tile
+
+            def step_values(slot, i, masked: bool):
+                """This warpgroup's value channels of step i, ready for P V (FP8: widened, the ring
+                slot then released by this warpgroup; fused and masked: unseen rows zeroed, under
+                FP8 while widening)."""
+                clean = fused and masked
+                if fp8:
+                    v_tile = value_tile(slot, i if clean else None)
+                else:
+                    v_tile = clean_values(value_tile(slot), i) if clean else value_tile(slot)
+                release(slot, False)
                 return v_tile
 
             def add_values(acc, p, v_tile):
@@ -523,10 +583,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 slot = lax.rem(i - lo, jnp.int32(stages))
                 nxt = lax.rem(i + 1 - lo, jnp.int32(stages))
                 alpha, m_new, l = split_softmax(i, s, m, l, masked)
-                v_tile = value_tile(slot)
-                if fused and masked:
-                    v_tile = clean_values(v_tile, i)
-                release(slot, False)
+                v_tile = step_values(slot, i, masked)
                 p_full = whole_p()
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 if interpret:
@@ -560,8 +617,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                     acc, m, l, s = lax.fori_loop(mid, last, functools.partial(split_step, masked=True), carry)
                     slot = lax.rem(last - lo, jnp.int32(stages))
                     alpha, m, l = split_softmax(last, s, m, l, True)
-                    v_tile = clean_values(value_tile(slot), last) if fused else value_tile(slot)
-                    release(slot, False)
+                    v_tile = step_values(slot, last, True)
                     acc = add_values(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), whole_p(), v_tile)
                     release(slot, True)
                     return acc, m, l
@@ -634,14 +690,6 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
 
                 return pl.run_scoped(run, plgpu.ACC((ROWS, half), jnp.float32))
 
-            def step_values(slot, i, masked: bool):
-                """This warpgroup's value channels of step i, ready for P V (FP8: widened, the ring
-                slot then released by this warpgroup; fused and masked: unseen rows zeroed)."""
-                v_tile = value_tile(slot)
-                if fused and masked:
-                    v_tile = clean_values(v_tile, i)
-                release(slot, False)
-                return v_tile
 
             def seesaw_pair(j, carry, masked: bool, second: bool):
                 """Steps i0 = lo + 2j (scored by warpgroup 0) and i0 + 1 (by warpgroup 1; absent when
