@@ -43,8 +43,8 @@ FORMS = (("bf16 fused, 128-row heads (B=1 / B=32 / B=64 form)", 1, 2048, 64, jnp
 # widths: latent 512 + rope 64, 128 heads; a small batch and prefix, as only compilation matters).
 MLA_FORMS = (("MLA bf16 decode, tree window fused (the bf16 cascade's form)", jnp.bfloat16, True, {}),
              ("MLA FP8 decode, tree window fused (the FP8 cascade's form)", jnp.float8_e4m3fn, True, {}),
-             ("MLA FP8 decode, tree window fused, values widened 64 channels at a time", jnp.float8_e4m3fn, True,
-              dict(widen_cols=64)),
+             ("MLA FP8 decode, tree window fused, values widened 128 channels at a time", jnp.float8_e4m3fn, True,
+              dict(widen_cols=128)),
              ("MLA FP8 decode, tree window fused, values widened in one piece (widen_cols=256)", jnp.float8_e4m3fn,
               True, dict(widen_cols=256)),
              ("MLA bf16 decode, tree window fused, P in a buffer of its own (p_in_ring=False)", jnp.bfloat16,

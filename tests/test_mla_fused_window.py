@@ -166,7 +166,7 @@ def test_fp8_values_widen_in_pieces(schedule):
     q8 = quantize_query(jnp.asarray(rng.standard_normal((2, n, hq, lora + rope)), jnp.bfloat16), jnp.float8_e4m3fn)
     mask = ancestor_mask(jnp.asarray(random_parents(rng, 2, n)))
     lens = jnp.asarray(lengths)
-    assert mla_mgpu_module.default_widen_cols(lora + rope, lora) == lora // 2  # 128 does not split 128
+    assert mla_mgpu_module.default_widen_cols(lora + rope, lora) == 64  # two pieces by default
     outs = [np.asarray(mla_decode_mgpu(q8, pool, table, lens, mask, kv_lora_rank=lora, page_size=PAGE, scale=SCALE,
                                        window=n, num_splits=1, schedule=schedule, widen_cols=cols,
                                        interpret=True)[0], np.float32)
@@ -191,7 +191,8 @@ def test_widen_cols_refusals():
             mla_decode_mgpu(q, pool, table, lens, widen_cols=bad, **kw)
     with pytest.raises(ValueError, match=r"widen_cols applies to FP8 caches only.*got 128 with bfloat16"):
         mla_decode_mgpu(q.astype(bf), pool.astype(bf), table, lens, widen_cols=128, **kw)
-    assert mla_mgpu_module.default_widen_cols(576, 512) == mla_mgpu_module.MLA_WIDEN_COLS == 128
+    assert mla_mgpu_module.default_widen_cols(576, 512) == mla_mgpu_module.MLA_WIDEN_COLS == 64
+    assert mla_mgpu_module.default_widen_cols(192, 128) == 64  # one piece: the half
 
 
 @pytest.mark.parametrize("splits,out_dtype,dtype,widen", [(2, jnp.float32, jnp.bfloat16, None),
@@ -202,7 +203,7 @@ def test_fused_mla_window_lowers_to_mosaic_gpu(splits, out_dtype, dtype, widen):
     """DeepSeek-V3 widths (latent 512 + rope 64, 128 heads, N = 16): layout inference and the
     shared-memory check pass with the window fused (the words are read straight from global memory),
     with float32 split partials, with the bf16 output the cascade asks for without splits, and over
-    an FP8 cache (FP8 query; its values widened in the default 128-channel pieces and in one of 256)."""
+    an FP8 cache (FP8 query; its values widened in the default 64-channel pieces and in one of 256)."""
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
 
     sd = jax.ShapeDtypeStruct
