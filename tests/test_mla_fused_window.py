@@ -121,21 +121,26 @@ def test_fused_mla_window_refusals_list_every_blocker():
         mla_verify_attention(q, jnp.zeros((32 * 4, LORA + ROPE), bf), table, lens, mask, config=cfg)
 
 
+def fp8_window_case(seed: int, lora: int, rope: int, n: int = 16, hq: int = 4):
+    """An FP8 latent cache (NaN past P + N) for two requests (P = 130, 300), a bf16 query and random
+    tree masks: (q, pool, table, lengths, mask)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray([130, 300], np.int32)
+    pool, _, table = poisoned_paged_pools(rng, 2, int(lengths.max()) + n, 1, lora + rope, PAGE,
+                                          jnp.float8_e4m3fn, lambda bb, pos: pos < lengths[bb] + n)
+    q = jnp.asarray(rng.standard_normal((2, n, hq, lora + rope)), jnp.bfloat16)
+    mask = ancestor_mask(jnp.asarray(random_parents(rng, 2, n)))
+    return q, pool[:, 0], table, jnp.asarray(lengths), mask
+
+
 def test_fused_mla_window_over_an_fp8_cache_matches_dense():
     """fuse_window=True over an FP8 latent cache: the window keys are scored as the prefix's, FP8
     query x FP8 rows, their value rows widened (unseen ones, NaN-poisoned, zeroed); no window kernel
     runs, and the output equals dense attention with the FP8-quantised query within FP8 tolerance."""
     from pallas_kernels.attention.mla_decode import quantize_query
 
-    rng = np.random.default_rng(21)
-    n, hq = 16, 4
-    lengths = np.asarray([130, 300], np.int32)
-    pool, _, table = poisoned_paged_pools(rng, 2, int(lengths.max()) + n, 1, LORA + ROPE, PAGE,
-                                          jnp.float8_e4m3fn, lambda bb, pos: pos < lengths[bb] + n)
-    pool = pool[:, 0]
-    q = jnp.asarray(rng.standard_normal((2, n, hq, LORA + ROPE)), jnp.bfloat16)
-    mask = ancestor_mask(jnp.asarray(random_parents(rng, 2, n)))
-    lens = jnp.asarray(lengths)
+    n = 16
+    q, pool, table, lens, mask = fp8_window_case(21, LORA, ROPE, n)
     calls = []
     real = mla_module.tree_window_attention
     with pytest.MonkeyPatch.context() as mp:
@@ -156,16 +161,9 @@ def test_fp8_values_widen_in_pieces(schedule):
     past P + N."""
     from pallas_kernels.attention.mla_decode import quantize_query
 
-    lora, rope = 256, 64
-    rng = np.random.default_rng(25)
-    n, hq = 16, 4
-    lengths = np.asarray([130, 300], np.int32)
-    pool, _, table = poisoned_paged_pools(rng, 2, int(lengths.max()) + n, 1, lora + rope, PAGE,
-                                          jnp.float8_e4m3fn, lambda bb, pos: pos < lengths[bb] + n)
-    pool = pool[:, 0]
-    q8 = quantize_query(jnp.asarray(rng.standard_normal((2, n, hq, lora + rope)), jnp.bfloat16), jnp.float8_e4m3fn)
-    mask = ancestor_mask(jnp.asarray(random_parents(rng, 2, n)))
-    lens = jnp.asarray(lengths)
+    lora, rope, n = 256, 64, 16
+    q, pool, table, lens, mask = fp8_window_case(25, lora, rope, n)
+    q8 = quantize_query(q, jnp.float8_e4m3fn)
     assert mla_mgpu_module.default_widen_cols(lora + rope, lora) == 64  # two pieces by default
     outs = [np.asarray(mla_decode_mgpu(q8, pool, table, lens, mask, kv_lora_rank=lora, page_size=PAGE, scale=SCALE,
                                        window=n, num_splits=1, schedule=schedule, widen_cols=cols,
