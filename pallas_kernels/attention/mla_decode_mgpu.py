@@ -271,8 +271,9 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
 
 
 def widen_unit(width: int) -> int:
-    """Channels of one swizzle tile of FP8 rows `width` wide: a widened piece starts and ends on one."""
-    return next(u for u in (128, 64, 32, 16) if width % u == 0)
+    """Channels of one swizzle tile of FP8 rows `width` wide (the ring's swizzle, as `_smem_transforms`
+    picks it; one byte per channel): a widened piece starts and ends on one."""
+    return plgpu.find_swizzle(width * 8)
 
 
 def widen_cols_errors(widen_cols, width: int, kv_lora_rank: int) -> list[str]:
@@ -445,13 +446,15 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                     piece_cols = pl.ds(j * widen_cols, widen_cols)
                     v = plgpu.load(kv_smem.at[slot].at[:, pl.ds(w * half + j * widen_cols, widen_cols)],
                                    layout=plgpu.Layout.WGMMA).astype(pv_dtype)
-                    if clean_step is not None:
-                        key = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA) + \
-                            clean_step * block_k
-                        v = jnp.where(window_visible(key, length, window, seen_slots), v, jnp.zeros_like(v))
-                    wide.at[:, piece_cols][...] = v
+                    wide.at[:, piece_cols][...] = v if clean_step is None else zero_unseen(v, clean_step)
                 plgpu.commit_smem()
                 return wide
+
+            def zero_unseen(v, i):
+                """`v` (WGMMA-layout value rows of masked step i) with the rows no row of the request
+                may see set to zero (`clean_values`' rule)."""
+                key = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA) + i * block_k
+                return jnp.where(window_visible(key, length, window, seen_slots), v, jnp.zeros_like(v))
 
             def clean_values(v_tile, i):
                 """Fused window, masked step i: zero this warpgroup's value channels of the rows no
@@ -461,9 +464,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 those scores are masked whatever they hold."""
                 for j in range(half // CLEAN_COLS):
                     chunk = v_tile.at[:, pl.ds(j * CLEAN_COLS, CLEAN_COLS)]
-                    v = plgpu.load(chunk, layout=plgpu.Layout.WGMMA)
-                    key = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA) + i * block_k
-                    chunk[...] = jnp.where(window_visible(key, length, window, seen_slots), v, jnp.zeros_like(v))
+                    chunk[...] = zero_unseen(plgpu.load(chunk, layout=plgpu.Layout.WGMMA), i)
                 plgpu.commit_smem()
                 return v_tile
 
@@ -692,7 +693,6 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                     return o, got
 
                 return pl.run_scoped(run, plgpu.ACC((ROWS, half), jnp.float32))
-
 
             def seesaw_pair(j, carry, masked: bool, second: bool):
                 """Steps i0 = lo + 2j (scored by warpgroup 0) and i0 + 1 (by warpgroup 1; absent when
