@@ -314,3 +314,58 @@ def test_mla_schedule_defaults_and_refusals():
                         jnp.zeros((1,), jnp.int32), kv_lora_rank=128, page_size=64, scale=0.1, schedule="sideways")
     with pytest.raises(ValueError, match="schedule must be None or one of"):
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, schedule="sideways")
+
+
+def test_cluster_tiles_step_through_the_clusters_keys():
+    """cluster_tiles=2: a cluster's row tiles step through the keys of its last tile's rows (compiled,
+    one multicast copy feeds them all); an earlier tile masks the steps past its own rows' bounds,
+    so every output has the bits of cluster_tiles=1. 128 rows of one head: tile 0 (rows 0-63) of
+    the P = 128 request sees 64 keys at most, tile 1 the 128 whole-page ones; P = 0 sees none."""
+    rng = np.random.default_rng(41)
+    lengths = np.asarray([128, 250, 0], np.int32)
+    r, hq = 128, 1
+    pool, _, table = poisoned_paged_pools(rng, 3, int(lengths.max()) + r, 1, LORA + ROPE, PAGE, jnp.bfloat16,
+                                          lambda bb, pos: pos < lengths[bb] + r)
+    q = jnp.asarray(rng.standard_normal((3, r, hq, LORA + ROPE)), jnp.bfloat16)
+    lens = jnp.asarray(lengths)
+    kw = dict(kv_lora_rank=LORA, page_size=PAGE, scale=SCALE, num_splits=1, interpret=True)
+    one = mla_decode_mgpu(q, pool[:, 0], table, lens, cluster_tiles=1, **kw)
+    two = mla_decode_mgpu(q, pool[:, 0], table, lens, cluster_tiles=2, **kw)
+    ref_out, _ = mla_decode_reference(q, pool[:, 0], table, lens, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
+                                      whole_pages=True)
+    assert not np.isnan(np.asarray(two[0])).any() and rel_err(two[0], ref_out) < 1e-2
+    for a, b in zip(two, one):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_cluster_tiles_refusals_and_default():
+    """cluster_tiles must be 1, 2 or 4, divide a request's row tiles and launch them adjacent; every
+    blocker is named at once. None takes MLA_CLUSTER_TILES where it groups the tiles, else 1."""
+    from pallas_kernels.attention import mla_decode_mgpu as module
+
+    assert module.cluster_tiles_errors(3, 4, True)[0].endswith("got 3")
+    errors = module.cluster_tiles_errors(2, 3, False)
+    assert len(errors) == 2 and "divide the 3 row tiles" in errors[0] and "tiles_adjacent=True" in errors[1]
+    assert not module.cluster_tiles_errors(4, 32, True)
+    assert module.default_cluster_tiles(32, True) == module.MLA_CLUSTER_TILES
+    assert module.default_cluster_tiles(3, True) == 1 and module.default_cluster_tiles(32, False) == 1
+    q = jnp.zeros((1, 2, 4, 192), jnp.bfloat16)  # 8 rows: one tile
+    args = (jnp.zeros((64 * 4, 192), jnp.bfloat16), jnp.zeros((1, 4), jnp.int32), jnp.zeros((1,), jnp.int32))
+    with pytest.raises(ValueError, match="cluster_tiles=2 must divide the 1 row tiles"):
+        mla_decode_mgpu(q, *args, kv_lora_rank=128, page_size=64, scale=0.1, cluster_tiles=2)
+
+
+@pytest.mark.parametrize("dtype,window", [(jnp.bfloat16, 16), (FP8, 0)])
+def test_clustered_mla_decode_lowers(dtype, window):
+    """cluster_tiles=2 lowers (cluster launch, multicast latent copies, cluster release barriers):
+    the bf16 cascade's fused form and the unfused FP8 decode at DeepSeek-V3 widths."""
+    import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
+
+    sd = jax.ShapeDtypeStruct
+    fn = lambda q, pool, t, ln, *m: mla_decode_mgpu(q, pool, t, ln, *m, kv_lora_rank=512, page_size=64,  # noqa: E731
+                                                    scale=0.07, num_splits=1, window=window, cluster_tiles=2)
+    args = [sd((2, 16, 128, 576), dtype), sd((64 * 64, 576), dtype), sd((2, 32), jnp.int32), sd((2,), jnp.int32)]
+    if window:
+        args.append(sd((2, 16, 2), jnp.uint32))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
