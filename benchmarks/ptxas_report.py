@@ -48,7 +48,11 @@ MLA_FORMS = (("MLA bf16 decode, tree window fused (the bf16 cascade's form)", jn
              ("MLA FP8 decode, tree window fused, values widened in one piece (widen_cols=256)", jnp.float8_e4m3fn,
               True, dict(widen_cols=256)),
              ("MLA bf16 decode, tree window fused, P in a buffer of its own (p_in_ring=False)", jnp.bfloat16,
-              True, dict(p_in_ring=False)))
+              True, dict(p_in_ring=False)),
+             ("MLA bf16 decode, tree window fused, descriptors computed in the loop (loop_descriptors=True)",
+              jnp.bfloat16, True, dict(loop_descriptors=True)),
+             ("MLA FP8 decode, tree window fused, descriptors computed in the loop (loop_descriptors=True)",
+              jnp.float8_e4m3fn, True, dict(loop_descriptors=True)))
 
 # ptxas' figures; the captured output also holds binary module text, so match the figures alone.
 RESOURCE = re.compile(rb"Used \d+ registers[^\\\n]{0,60}|\d+ bytes spill stores, \d+ bytes spill loads|"
@@ -56,11 +60,11 @@ RESOURCE = re.compile(rb"Used \d+ registers[^\\\n]{0,60}|\d+ bytes spill stores,
 COMPILED = re.compile(rb"\[ *[\d.]+s\] compiled and ran: [^\n]*")
 
 
-def compile_forms(mla_only: bool = False):
+def compile_forms(mla_only: bool = False, only: str = ""):
     rng = np.random.default_rng(0)
     key = jax.random.key(0)
     cfg = CascadeConfig(page_size=PAGE, prefix_kernel="mosaic_gpu")
-    for label, b, p, n, dtype in () if mla_only else FORMS:
+    for label, b, p, n, dtype in () if mla_only else [f for f in FORMS if only in f[0]]:
         q, kp, vp, table, lengths, mask = cascade_inputs(key, rng, b, p, n, dtype)
         out = jax.block_until_ready(jax.jit(lambda *a: verify_attention(*a, config=cfg))(
             q, kp, vp, table, lengths, mask))
@@ -74,7 +78,7 @@ def compile_forms(mla_only: bool = False):
     lens = jnp.full((b,), p, jnp.int32)
     parents = np.stack([np.r_[-1, rng.integers(0, np.arange(1, n))] for _ in range(b)]).astype(np.int32)
     mask = ancestor_mask(jnp.asarray(parents))  # [B, N, 2] uint32
-    for label, dtype, fused, opts in MLA_FORMS:
+    for label, dtype, fused, opts in [f for f in MLA_FORMS if only in f[0]]:
         pool = jax.random.normal(key, (b * per_req * PAGE, lora + rope), jnp.bfloat16).astype(dtype)
         q = quantize_query(jax.random.normal(key, (b, n, hq, lora + rope), jnp.bfloat16), dtype)
         extra = dict(window=n, **opts) if fused else dict(opts)
@@ -107,16 +111,18 @@ def report(output: bytes) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mla-only", action="store_true", help="only the MLA latent decode's forms")
+    ap.add_argument("--only", default="", help="only the forms whose label holds this text")
     ap.add_argument("--compile-only", action="store_true", help="(the child process) compile the forms and exit")
     a = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("ptxas_report: needs a GPU (Mosaic GPU compiles only there)")
         return 1
     if a.compile_only:
-        compile_forms(a.mla_only)
+        compile_forms(a.mla_only, a.only)
         return 0
     env = {k: v for k, v in os.environ.items() if k != "MOSAIC_GPU_DUMP_TO"}
-    child = subprocess.run([sys.executable, __file__, "--compile-only"] + (["--mla-only"] if a.mla_only else []),
+    child = subprocess.run([sys.executable, __file__, "--compile-only", "--only", a.only]
+                           + (["--mla-only"] if a.mla_only else []),
                            env=dict(env, MOSAIC_GPU_DUMP_PTXAS="1"), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, check=False)
     if child.returncode:

@@ -37,6 +37,9 @@ FP8 = jnp.float8_e4m3fn
     (4, 8, [0, 70, 200, 400], 64, 1, "seesaw", jnp.bfloat16),
     # P handed over in a shared-memory buffer of its own and loaded into registers for P V.
     (16, 8, [260, 0, 90], 64, 2, "seesaw+no_p_in_ring", jnp.bfloat16),
+    # The pair's operands indexed at a loop-variant zero (their wgmma descriptors built in the loop).
+    (16, 8, [260, 0, 90], 64, 2, "seesaw+loop_descriptors", jnp.bfloat16),
+    (16, 8, [330, 20], 64, 1, "seesaw+loop_descriptors", FP8),
     # FP8 cache: FP8 query x FP8 rows for the scores, value channels widened to fp16 per warpgroup.
     (16, 8, [260, 20], 64, 2, "turns", FP8),
     (16, 8, [330, 20], 64, 1, "seesaw", FP8),
@@ -153,7 +156,8 @@ def test_auto_latent_decode_takes_mosaic_only_where_it_runs_compiled():
 
 
 @pytest.mark.parametrize("schedule,dtype", [(s, d) for s in ("split", "seesaw", "turns", "together")
-                                            for d in (jnp.bfloat16, FP8)] + [("seesaw+no_p_in_ring", jnp.bfloat16)])
+                                            for d in (jnp.bfloat16, FP8)] + [("seesaw+no_p_in_ring", jnp.bfloat16),
+                                                                             ("seesaw+loop_descriptors", jnp.bfloat16)])
 def test_mgpu_mla_decode_lowers_to_mosaic_gpu(schedule, dtype):
     """The compiled path lowers to a Mosaic GPU module on the CPU, including Mosaic's layout
     inference and its shared-memory check (the cubin is built on the GPU machine): DeepSeek-V3

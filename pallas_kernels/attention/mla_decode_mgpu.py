@@ -159,6 +159,12 @@ MLA_WIDEN_COLS = 64
 # cutting the L2-to-SM traffic by that factor (at B=32, P=8192, N=16, 128 heads the 32 tiles of a
 # request read each page from L2 32 times: 9.7 GB per bf16 call, 4.3 TB/s at 2.27 ms).
 MLA_CLUSTER_TILES = 1
+# Whether "seesaw" computes its pair's wgmma descriptors (the query tile's and the ring slots') inside
+# the key loop (`loop_descriptors`). They depend on shared-memory addresses only, so LLVM hoists all
+# of them out of the loop, one 64-bit value per 16-channel slice of each operand: the query's 36 at
+# L + Dr = 576 alone, which ptxas then spills and reloads every pair (the fused bf16 decode's
+# warpgroup 1 loop: 55 local loads, 9 local stores per pair, session 26 SASS).
+LOOP_DESCRIPTORS_BY_DEFAULT = False
 
 
 def default_schedule(dtype) -> str:
@@ -231,8 +237,8 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
                     scale: float, block_k: int = 64, stages: int | None = None, num_splits: int | None = None,
                     schedule: str | None = None, window: int = 0, tiles_adjacent: bool = True,
                     registers: tuple[int, int] | None = None, p_in_ring: bool | None = None,
-                    widen_cols: int | None = None, cluster_tiles: int | None = None, out_dtype=jnp.float32,
-                    interpret: bool = False):
+                    widen_cols: int | None = None, cluster_tiles: int | None = None,
+                    loop_descriptors: bool | None = None, out_dtype=jnp.float32, interpret: bool = False):
     """See `_mla_decode_mgpu`; `schedule` one of SCHEDULES, None: `default_schedule(q.dtype)`;
     `stages` None: DEFAULT_STAGES; `registers` the (compute, memory) warpgroups' `setmaxnreg`
     budgets, None: MLA_REGISTERS. `p_in_ring` ("seesaw", 16-bit caches, rope channels >= block_k):
@@ -280,7 +286,9 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
                             page_size=page_size, scale=scale, block_k=block_k, stages=stages, num_splits=num_splits,
                             schedule=schedule, window=int(window), tiles_adjacent=tiles_adjacent,
                             registers=registers, p_in_ring=p_in_ring, widen_cols=int(widen_cols),
-                            cluster_tiles=int(cluster_tiles), out_dtype=jnp.dtype(out_dtype).name, interpret=interpret)
+                            cluster_tiles=int(cluster_tiles),
+                            loop_descriptors=LOOP_DESCRIPTORS_BY_DEFAULT if loop_descriptors is None
+                            else bool(loop_descriptors), out_dtype=jnp.dtype(out_dtype).name, interpret=interpret)
 
 
 def cluster_tiles_errors(cluster_tiles, tiles: int, tiles_adjacent: bool) -> list[str]:
@@ -359,11 +367,12 @@ def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
                                              "num_splits", "schedule", "window", "tiles_adjacent", "registers",
-                                             "p_in_ring", "widen_cols", "cluster_tiles", "out_dtype", "interpret"))
+                                             "p_in_ring", "widen_cols", "cluster_tiles", "loop_descriptors", "out_dtype",
+                                             "interpret"))
 def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_lora_rank: int, page_size: int,
                      scale: float, block_k: int, stages: int, num_splits: int | None, schedule: str, window: int,
                      tiles_adjacent: bool, registers: tuple[int, int], p_in_ring: bool, widen_cols: int,
-                     cluster_tiles: int, out_dtype: str, interpret: bool):
+                     cluster_tiles: int, loop_descriptors: bool, out_dtype: str, interpret: bool):
     """See the module docstring. `block_k` keys per step (a multiple of 64: the P V contraction).
     At L + Dr = 576 the query tile and two 64-key latent buffers take 216 KiB of the 227 KiB of
     shared memory. Without split scores the output leaves in [64, 16] fp32 pieces; under "split"
@@ -414,7 +423,8 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
         words, union = jnp.zeros((b, 2, 1), jnp.int32), jnp.zeros((b, 2), jnp.int32)  # unread
 
     def body(q_gmem, lat_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, out_gmem, lse_gmem, scoped):
-        (q_smem, kv_smem, wide_smem, *out_bufs), (q_ready, kv_ready, kv_free, *syncs) = scoped
+        (q_buffer, kv_smem, wide_smem, *out_bufs), (q_ready, kv_ready, kv_free, *syncs) = scoped
+        q_smem = q_buffer.at[0]
         if exchanges:
             (p_smem, stat_smem), (o_smem, lse_smem) = out_bufs
             stats_ready, p_ready = syncs  # seesaw: p_ready [2], one per direction
@@ -671,12 +681,13 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 # No step at all (both warpgroups agree): the running state stays as it is.
                 return lax.cond(hi > lo, run, lambda *c: c, acc, m, l)
 
-            def whole_scores(slot):
-                """Scores of a whole step (under "seesaw" this warpgroup's own), waited."""
+            def whole_scores(slot, zero=0):
+                """Scores of a whole step (under "seesaw" this warpgroup's own), waited. `zero`: the
+                query tile's index (a loop-variant 0 under `loop_descriptors`)."""
                 plgpu.barrier_wait(kv_ready.at[slot])
 
                 def run(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, q_buffer.at[zero], kv_smem.at[slot].transpose((1, 0)))
                     return acc_ref[...]
 
                 return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
@@ -745,10 +756,14 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                 both warpgroups after every step; `l` sums this warpgroup's own steps only."""
                 acc, m, l = carry
                 i0 = lo + 2 * j
-                slot0 = lax.rem(2 * j, jnp.int32(stages))
-                slot1 = lax.rem(2 * j + 1, jnp.int32(stages))
+                # `loop_descriptors`: a 0 the compiler cannot prove constant (j >= 0 passed through an
+                # opaque barrier, shifted out), so the wgmma descriptors of the pair's operands are
+                # computed here, not hoisted out of the loop and held (spilled) across it.
+                zero = lax.shift_right_arithmetic(lax.optimization_barrier(j), 31) if loop_descriptors else 0
+                slot0 = lax.rem(2 * j, jnp.int32(stages)) + zero
+                slot1 = lax.rem(2 * j + 1, jnp.int32(stages)) + zero
                 if w == 0:
-                    p, alpha, m0, l, _ = online_softmax_update(whole_scores(slot0), m, l, None, scale2,
+                    p, alpha, m0, l, _ = online_softmax_update(whole_scores(slot0, zero), m, l, None, scale2,
                                                                visible(i0) if masked else None)
                     p = p.astype(pv_dtype)
                     hand_over(p, m0, slot0)
@@ -763,7 +778,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
                                            step_values(slot1, i0 + 1, masked), tuple)
                     release(slot1, True)
                     return acc, m1, l * alpha
-                s = whole_scores(slot1) if second else None
+                s = whole_scores(slot1, zero) if second else None
                 p0, m0 = take_over()
                 p0 = p_operand(p0, slot0)
                 alpha = rescale_factor(m, m0)
@@ -861,7 +876,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(registers[1], action="decrease")
-            plgpu.copy_gmem_to_smem(q_gmem.at[bi, pl.ds(row0, ROWS)], q_smem, q_ready)
+            plgpu.copy_gmem_to_smem(q_gmem.at[bi, pl.ds(row0, ROWS)], q_buffer.at[0], q_ready)
 
             @pl.loop(lo, hi)
             def _fetch(i):
@@ -887,6 +902,9 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
         wide = tuple(plgpu.SMEM((block_k, half), pv_dtype, transforms=_smem_transforms(half, pv_dtype))
                      for _ in range(2)) if fp8 else None
         lse_stage = plgpu.SMEM((ROWS,), jnp.float32)
+        # The query tile, under a leading axis of 1 (`loop_descriptors` indexes it at a zero the
+        # compiler cannot see through).
+        q_buffer = plgpu.SMEM((1, ROWS, c), dtype, transforms=_smem_transforms(c, dtype))
         if exchanges:
             # The ring (and widened values) and the output staging have disjoint lifetimes.
             out_stage = plgpu.SMEM((2, ROWS, half), write_dtype, transforms=_smem_transforms(half, write_dtype))
@@ -898,20 +916,20 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
             exchange = (None if p_in_ring else plgpu.SMEM((ROWS, block_k), pv_dtype,
                                                           transforms=_smem_transforms(16, pv_dtype)),
                         plgpu.SMEM((4 if seesaw else 2, ROWS), jnp.float32))
-            buffers = (plgpu.SMEM((ROWS, c), dtype, transforms=_smem_transforms(c, dtype)), ring_and_out, exchange)
+            buffers = (q_buffer, ring_and_out, exchange)
             # Seesaw: one P hand-over barrier per direction, each arrived by one warpgroup.
             syncs = (plgpu.Barrier(num_arrivals=2),
                      plgpu.Barrier(num_arrivals=1, num_barriers=2) if seesaw else plgpu.Barrier(num_arrivals=2))
         else:
-            buffers = (plgpu.SMEM((ROWS, c), dtype, transforms=_smem_transforms(c, dtype)), ring, wide,
+            buffers = (q_buffer, ring, wide,
                        plgpu.SMEM((ROWS, OUT_CHUNK), write_dtype, transforms=_smem_transforms(OUT_CHUNK, write_dtype)),
                        lse_stage)
             syncs = (plgpu.Barrier(), plgpu.Barrier(num_arrivals=2))
 
         def run(bufs, bars):
             if exchanges:
-                q_smem, ((kv_smem, wide_smem), stage), exch = bufs
-                bufs = (q_smem, kv_smem, wide_smem, exch, stage)
+                q_buffer, ((kv_smem, wide_smem), stage), exch = bufs
+                bufs = (q_buffer, kv_smem, wide_smem, exch, stage)
             body(q_gmem, lat_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, out_gmem, lse_gmem, (bufs, bars))
 
         # Under a cluster a ring slot is refilled (in every CTA of it) once every CTA's two compute
