@@ -49,10 +49,10 @@ MLA_FORMS = (("MLA bf16 decode, tree window fused (the bf16 cascade's form)", jn
               True, dict(widen_cols=256)),
              ("MLA bf16 decode, tree window fused, P in a buffer of its own (p_in_ring=False)", jnp.bfloat16,
               True, dict(p_in_ring=False)),
-             ("MLA bf16 decode, tree window fused, descriptors computed in the loop (loop_descriptors=True)",
-              jnp.bfloat16, True, dict(loop_descriptors=True)),
-             ("MLA FP8 decode, tree window fused, descriptors computed in the loop (loop_descriptors=True)",
-              jnp.float8_e4m3fn, True, dict(loop_descriptors=True)))
+             ("MLA bf16 decode, tree window fused, descriptors hoisted out of the loop (loop_descriptors=False)",
+              jnp.bfloat16, True, dict(loop_descriptors=False)),
+             ("MLA FP8 decode, tree window fused, descriptors hoisted out of the loop (loop_descriptors=False)",
+              jnp.float8_e4m3fn, True, dict(loop_descriptors=False)))
 
 # ptxas' figures; the captured output also holds binary module text, so match the figures alone.
 RESOURCE = re.compile(rb"Used \d+ registers[^\\\n]{0,60}|\d+ bytes spill stores, \d+ bytes spill loads|"

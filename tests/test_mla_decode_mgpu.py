@@ -37,9 +37,10 @@ FP8 = jnp.float8_e4m3fn
     (4, 8, [0, 70, 200, 400], 64, 1, "seesaw", jnp.bfloat16),
     # P handed over in a shared-memory buffer of its own and loaded into registers for P V.
     (16, 8, [260, 0, 90], 64, 2, "seesaw+no_p_in_ring", jnp.bfloat16),
-    # The pair's operands indexed at a loop-variant zero (their wgmma descriptors built in the loop).
-    (16, 8, [260, 0, 90], 64, 2, "seesaw+loop_descriptors", jnp.bfloat16),
-    (16, 8, [330, 20], 64, 1, "seesaw+loop_descriptors", FP8),
+    # The pair's wgmma operands at fixed addresses (before session 26; by default they are indexed
+    # at a loop-variant zero so their descriptors are built in the loop).
+    (16, 8, [260, 0, 90], 64, 2, "seesaw+no_loop_descriptors", jnp.bfloat16),
+    (16, 8, [330, 20], 64, 1, "seesaw+no_loop_descriptors", FP8),
     # FP8 cache: FP8 query x FP8 rows for the scores, value channels widened to fp16 per warpgroup.
     (16, 8, [260, 20], 64, 2, "turns", FP8),
     (16, 8, [330, 20], 64, 1, "seesaw", FP8),
@@ -157,7 +158,7 @@ def test_auto_latent_decode_takes_mosaic_only_where_it_runs_compiled():
 
 @pytest.mark.parametrize("schedule,dtype", [(s, d) for s in ("split", "seesaw", "turns", "together")
                                             for d in (jnp.bfloat16, FP8)] + [("seesaw+no_p_in_ring", jnp.bfloat16),
-                                                                             ("seesaw+loop_descriptors", jnp.bfloat16)])
+                                                                             ("seesaw+no_loop_descriptors", jnp.bfloat16)])
 def test_mgpu_mla_decode_lowers_to_mosaic_gpu(schedule, dtype):
     """The compiled path lowers to a Mosaic GPU module on the CPU, including Mosaic's layout
     inference and its shared-memory check (the cubin is built on the GPU machine): DeepSeek-V3
@@ -373,3 +374,20 @@ def test_clustered_mla_decode_lowers(dtype, window):
         args.append(sd((2, 16, 2), jnp.uint32))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_loop_descriptors_default_and_refusals():
+    """None builds the seesaw pair's descriptors in the loop (LOOP_DESCRIPTORS_BY_DEFAULT) and
+    leaves the other schedules as they are; True under another schedule, or a non-bool, is refused
+    by value, with every other blocker."""
+    from pallas_kernels.attention import mla_decode_mgpu as module
+
+    assert module.LOOP_DESCRIPTORS_BY_DEFAULT is True
+    bf = jnp.bfloat16
+    q = jnp.zeros((1, 2, 4, 192), bf)
+    args = (jnp.zeros((64 * 4, 192), bf), jnp.zeros((1, 4), jnp.int32), jnp.zeros((1,), jnp.int32))
+    kw = dict(kv_lora_rank=128, page_size=64, scale=0.1)
+    with pytest.raises(ValueError, match="under schedule 'seesaw' only, got 'turns'.*registers"):
+        mla_decode_mgpu(q, *args, schedule="turns", loop_descriptors=True, registers=(248, 24), **kw)
+    with pytest.raises(ValueError, match="loop_descriptors must be None, True or False, got 1"):
+        mla_decode_mgpu(q, *args, loop_descriptors=1, **kw)

@@ -1,6 +1,8 @@
 """The MLA latent prefix decode on Mosaic GPU (wgmma + TMA): the default on GPUs.
 
-Status (2026-11-30): compiled and run on the H200. Compiled conformance passes
+Status (2026-11-30): compiled and run on the H200. (Session 26, 2026-12-03: the bf16 cascade at
+these widths took 1.964 ms, 1.37x of its FLOP floor, the FP8 one 1.995 ms, 1.40x, once
+`loop_descriptors` kept the wgmma descriptors from being hoisted out of the key loop and spilled.) Compiled conformance passes
 (`benchmarks/mgpu_prefix_check.py --mla`); at DeepSeek-V3 widths (B=32, P=8192, N=16, 128 heads)
 it took 2.54 ms against the Triton latent decode's 4.26 ms, and its cascade 3.01 ms against 4.53
 ms (XLA's dense einsum over gathered rows: 3.69 ms), so `MlaCascadeConfig(prefix_kernel="auto")`
@@ -145,6 +147,8 @@ P_IN_RING_BY_DEFAULT = True
 # issues copies, so it gives 16 registers to each. On the H200 (B=32, P=8192, N=16, 128 heads,
 # device time, benchmarks/RESULTS.md) (240, 24) ran the bf16 decode 2.287 vs 2.356 ms (session 19:
 # 2.314 vs 2.370), the fused bf16 decode 2.326 vs 2.424 and the FP8 decode 2.131 vs 2.252 (session 20).
+# Most of what spilled under either pair was the hoisted wgmma descriptors `loop_descriptors` now
+# builds in the loop (session 26); the pair was not re-measured since.
 MLA_REGISTERS = (240, 24)
 # Value channels an FP8 step's warpgroup widens to fp16 per piece (`widen_cols`; where this does
 # not divide kv_lora_rank / 2 in swizzle-aligned pieces, the whole half is one piece). A piece is
@@ -157,14 +161,24 @@ MLA_WIDEN_COLS = 64
 # Row tiles of one (request, split) per cluster (`cluster_tiles`): the cluster's CTAs read the same
 # latent steps, so each copies 1 / cluster_tiles of a step and TMA multicasts it to all of them,
 # cutting the L2-to-SM traffic by that factor (at B=32, P=8192, N=16, 128 heads the 32 tiles of a
-# request read each page from L2 32 times: 9.7 GB per bf16 call, 4.3 TB/s at 2.27 ms).
+# request read each page from L2 32 times: 9.7 GB per bf16 call, 4.3 TB/s at 2.27 ms). It lost on
+# the H200 (session 26, the fused decode, before `loop_descriptors`, two interleaved rounds, the
+# same bits): bf16 2.379 / 2.378 ms with 1 tile per cluster, 2.570 / 2.565 with 2, 2.846 / 2.845
+# with 4; FP8 2.087 / 2.086, 2.135 / 2.130, 2.398 / 2.391. A cluster's tiles move in lockstep (a
+# slot is refilled once every CTA of it has released it), and L2 was not what bound the step.
 MLA_CLUSTER_TILES = 1
 # Whether "seesaw" computes its pair's wgmma descriptors (the query tile's and the ring slots') inside
 # the key loop (`loop_descriptors`). They depend on shared-memory addresses only, so LLVM hoists all
-# of them out of the loop, one 64-bit value per 16-channel slice of each operand: the query's 36 at
-# L + Dr = 576 alone, which ptxas then spills and reloads every pair (the fused bf16 decode's
-# warpgroup 1 loop: 55 local loads, 9 local stores per pair, session 26 SASS).
-LOOP_DESCRIPTORS_BY_DEFAULT = False
+# of them out of the loop, one 64-bit value per 16-channel slice of each operand (the query's 36 at
+# L + Dr = 576 alone), and ptxas then spills them and reloads them every pair: in the fused bf16
+# decode, warpgroup 1's unmasked pair loop ran 55 local loads and 9 local stores per pair (session
+# 26, the SASS of the PTX Mosaic dumped, assembled by ptxas 13.0). Indexed at a zero the compilers
+# cannot prove constant, the descriptors are built next to their wgmmas. On the H200 (session 26,
+# B=32, P=8192, N=16, 128 heads, the fused decode, two interleaved rounds, the same output bits) the
+# bf16 decode took 1.967 / 1.943 ms against 2.354 / 2.362 and the FP8 decode 2.035 / 2.044 against
+# 2.084 / 2.074; ptxas' spill stores fell from 1,324 to 0 bytes per thread (bf16) and from 548 to 100
+# (FP8).
+LOOP_DESCRIPTORS_BY_DEFAULT = True
 
 
 def default_schedule(dtype) -> str:
@@ -246,7 +260,9 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
     P_IN_RING_BY_DEFAULT where it applies. `widen_cols` (FP8 caches): value channels a warpgroup
     widens per piece, None: `default_widen_cols`. `cluster_tiles`: row tiles of one (request,
     split) launched as one cluster whose latent steps are TMA-multicast (each tile's CTA copies
-    1 / cluster_tiles of a step into all of them), None: `default_cluster_tiles`. `out_dtype`
+    1 / cluster_tiles of a step into all of them), None: `default_cluster_tiles`.
+    `loop_descriptors` ("seesaw"): the pair's wgmma descriptors built inside the key loop rather
+    than hoisted out of it (and spilled); None: LOOP_DESCRIPTORS_BY_DEFAULT under "seesaw". `out_dtype`
     (split_merge.OUT_DTYPES): the returned output's dtype; the kernel writes it itself without key
     splits (their partials stay float32 until the merge writes it).
     `window` > 0 with `window_mask [B, R, 2] uint32` (packed ancestor rows) fuses the tree window."""
@@ -257,6 +273,8 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
     if stages is None:
         stages = DEFAULT_STAGES
     registers = tuple(registers or MLA_REGISTERS)
+    if loop_descriptors is None:
+        loop_descriptors = LOOP_DESCRIPTORS_BY_DEFAULT and schedule == "seesaw"
     ring_errors = p_in_ring_errors(q, kv_lora_rank, block_k, schedule)
     if p_in_ring is None:
         p_in_ring = P_IN_RING_BY_DEFAULT and not ring_errors
@@ -265,6 +283,11 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
         errors.append(f"mla_decode_mgpu: p_in_ring must be None, True or False, got {p_in_ring!r}")
     elif p_in_ring:
         errors += ring_errors
+    if loop_descriptors is not False and loop_descriptors is not True:
+        errors.append(f"mla_decode_mgpu: loop_descriptors must be None, True or False, got {loop_descriptors!r}")
+    elif loop_descriptors and schedule != "seesaw":
+        errors.append(f"mla_decode_mgpu: loop_descriptors builds the wgmma descriptors in the key loop under "
+                      f"schedule 'seesaw' only, got {schedule!r}")
     errors += out_dtype_errors(out_dtype, "mla_decode_mgpu")
     errors += [f"mla_decode_mgpu: {e}" for e in register_budget_errors(registers, 2)]
     fp8_rows = jnp.dtype(q.dtype) == F8
@@ -286,9 +309,7 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
                             page_size=page_size, scale=scale, block_k=block_k, stages=stages, num_splits=num_splits,
                             schedule=schedule, window=int(window), tiles_adjacent=tiles_adjacent,
                             registers=registers, p_in_ring=p_in_ring, widen_cols=int(widen_cols),
-                            cluster_tiles=int(cluster_tiles),
-                            loop_descriptors=LOOP_DESCRIPTORS_BY_DEFAULT if loop_descriptors is None
-                            else bool(loop_descriptors), out_dtype=jnp.dtype(out_dtype).name, interpret=interpret)
+                            cluster_tiles=int(cluster_tiles), loop_descriptors=loop_descriptors, out_dtype=jnp.dtype(out_dtype).name, interpret=interpret)
 
 
 def cluster_tiles_errors(cluster_tiles, tiles: int, tiles_adjacent: bool) -> list[str]:
