@@ -4,12 +4,14 @@
 
 A diagnostic (logs only). Mosaic GPU hands each kernel to ptxas; with MOSAIC_GPU_DUMP_PTXAS=1 (read
 by jaxlib when it compiles) ptxas' verbose resource lines go to the process's output among the
-dumped modules. (With MOSAIC_GPU_DUMP_TO also set, session 22 found none in the output, and session
-21 none in that folder.) So this compiles the forms below in a child process with that variable set,
+dumped modules. (With MOSAIC_GPU_DUMP_TO also set they go to that folder instead, a `.ptxas` file
+beside each kernel's `.ptx`, session 26; sessions 21-22 found none in the output.) So this compiles the forms below in a child process with that variable set,
 captures its output and prints, per form, the resource figures found after it compiled: registers,
 spill stores / loads, stack frames. A warpgroup-specialised kernel reports one register count for
 the whole kernel (the per-warpgroup budgets are `setmaxnreg` at run time), so spills are the figure
 to read: a compute or memory warpgroup that outgrows its budget shows up as spill stores and loads.
+With `--ptx-dir DIR` it keeps each form's PTX there instead, for `benchmarks/sass_spills.py`, which
+says in which loop the spills sit.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -112,6 +116,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mla-only", action="store_true", help="only the MLA latent decode's forms")
     ap.add_argument("--only", default="", help="only the forms whose label holds this text")
+    ap.add_argument("--ptx-dir", help="also keep the PTX of each form here (as NN.ptx, in form order), for "
+                    "benchmarks/sass_spills.py on a machine with ptxas and nvdisasm")
     ap.add_argument("--compile-only", action="store_true", help="(the child process) compile the forms and exit")
     a = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -121,15 +127,38 @@ def main(argv=None) -> int:
         compile_forms(a.mla_only, a.only)
         return 0
     env = {k: v for k, v in os.environ.items() if k != "MOSAIC_GPU_DUMP_TO"}
-    child = subprocess.run([sys.executable, __file__, "--compile-only", "--only", a.only]
-                           + (["--mla-only"] if a.mla_only else []),
-                           env=dict(env, MOSAIC_GPU_DUMP_PTXAS="1"), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, check=False)
-    if child.returncode:
-        print(child.stdout[-4000:].decode(errors="replace"))
-        log(f"the compiling process failed (exit {child.returncode})")
-        return 1
-    return 0 if report(child.stdout) else 1
+    with tempfile.TemporaryDirectory() as dump:
+        if a.ptx_dir:
+            # With a dump folder, Mosaic writes each kernel's PTX and ptxas lines there (beside
+            # hundreds of MB of MLIR pass logs per kernel, which stay in the temporary folder).
+            env.update(MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTX="1")
+        child = subprocess.run([sys.executable, __file__, "--compile-only", "--only", a.only]
+                               + (["--mla-only"] if a.mla_only else []),
+                               env=dict(env, MOSAIC_GPU_DUMP_PTXAS="1"), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, check=False)
+        if child.returncode:
+            print(child.stdout[-4000:].decode(errors="replace"))
+            log(f"the compiling process failed (exit {child.returncode})")
+            return 1
+        if not a.ptx_dir:
+            return 0 if report(child.stdout) else 1
+        return keep_ptx(Path(dump), Path(a.ptx_dir), child.stdout)
+
+
+def keep_ptx(dump: Path, target: Path, output: bytes) -> int:
+    """Copies each dumped kernel's PTX to `target` as NN.ptx (compile order, which is form order) and
+    prints each form's line with its ptxas figures (dumped beside the PTX, not to the output)."""
+    target.mkdir(parents=True, exist_ok=True)
+    forms = [m.group().decode(errors="replace") for m in COMPILED.finditer(output)]
+    ptx = sorted(dump.glob("*.ptx"), key=lambda f: f.stat().st_mtime)
+    for n, f in enumerate(ptx):
+        shutil.copy(f, target / f"{n:02d}.ptx")
+        print(f"{n:02d}.ptx: {forms[n] if n < len(forms) else f.name}")
+        figures = f.with_suffix(".ptxas").read_bytes() if f.with_suffix(".ptxas").exists() else b""
+        for fig in dict.fromkeys(m.group().decode(errors="replace") for m in RESOURCE.finditer(figures)):
+            print("    " + fig)
+    log(f"{len(ptx)} PTX files kept in {target}")
+    return 0 if ptx else 1
 
 
 if __name__ == "__main__":
