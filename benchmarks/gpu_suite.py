@@ -37,15 +37,20 @@ SUITES = {
     "power": ("benchmarks.power_state", ["--shapes", "64x4096x64", "--rounds", "1"], lambda md: []),
     # Per-kernel device times of the default cascade at the small shapes (profiler trace); logs only.
     "profile": ("benchmarks.kernel_profile", ["--dtypes", "bf16"], lambda md: []),
+    # ptxas' registers and spills of the Mosaic kernels; with --out, each form's PTX is kept in
+    # OUT/ptx for benchmarks/sass_spills.py (at most 8 files come back from the device: pick forms).
+    "ptxas": ("benchmarks.ptxas_report", ["--mla-only"], lambda md: ["--ptx-dir", str(Path(md).parent / "ptx")]),
 }
 # Flags a module gets in the full (not --quick) run beyond its defaults.
 FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
              "launches": ["--launches", "--shapes", "64x4096x64,32x32768x64"]}
 
-# What is still owed (`--owed`): nothing since session 24's call 4, which ran the MLA cascade under
-# the saturating FP8 query cast. A session that builds what it cannot time lists the runs here,
-# suite name -> that module's arguments.
-OWED: dict[str, list[str]] = {}
+# What is still owed (`--owed`), suite name -> that module's arguments. A session that builds what it
+# cannot run lists the runs here. Session 26 (its device time spent): the PTX of the GQA prefix
+# kernel's five default forms (`ptxas_report --gqa-only --ptx-dir`, a path not yet run on the
+# device), to read with `sass_spills.py` whether its key loops reload hoisted wgmma descriptors as
+# the MLA decode's did (its FP8 B=8 cascade is 3% short of the 1.5x target).
+OWED: dict[str, list[str]] = {"ptxas": ["--gqa-only"]}
 
 
 def main(argv=None) -> int:

@@ -64,7 +64,7 @@ RESOURCE = re.compile(rb"Used \d+ registers[^\\\n]{0,60}|\d+ bytes spill stores,
 COMPILED = re.compile(rb"\[ *[\d.]+s\] compiled and ran: [^\n]*")
 
 
-def compile_forms(mla_only: bool = False, only: str = ""):
+def compile_forms(mla_only: bool = False, only: str = "", gqa_only: bool = False):
     rng = np.random.default_rng(0)
     key = jax.random.key(0)
     cfg = CascadeConfig(page_size=PAGE, prefix_kernel="mosaic_gpu")
@@ -82,7 +82,7 @@ def compile_forms(mla_only: bool = False, only: str = ""):
     lens = jnp.full((b,), p, jnp.int32)
     parents = np.stack([np.r_[-1, rng.integers(0, np.arange(1, n))] for _ in range(b)]).astype(np.int32)
     mask = ancestor_mask(jnp.asarray(parents))  # [B, N, 2] uint32
-    for label, dtype, fused, opts in [f for f in MLA_FORMS if only in f[0]]:
+    for label, dtype, fused, opts in [f for f in MLA_FORMS if only in f[0] and not gqa_only]:
         pool = jax.random.normal(key, (b * per_req * PAGE, lora + rope), jnp.bfloat16).astype(dtype)
         q = quantize_query(jax.random.normal(key, (b, n, hq, lora + rope), jnp.bfloat16), dtype)
         extra = dict(window=n, **opts) if fused else dict(opts)
@@ -115,6 +115,7 @@ def report(output: bytes) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mla-only", action="store_true", help="only the MLA latent decode's forms")
+    ap.add_argument("--gqa-only", action="store_true", help="only the GQA prefix kernel's forms")
     ap.add_argument("--only", default="", help="only the forms whose label holds this text")
     ap.add_argument("--ptx-dir", help="also keep the PTX of each form here (as NN.ptx, in form order), for "
                     "benchmarks/sass_spills.py on a machine with ptxas and nvdisasm")
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
         print("ptxas_report: needs a GPU (Mosaic GPU compiles only there)")
         return 1
     if a.compile_only:
-        compile_forms(a.mla_only, a.only)
+        compile_forms(a.mla_only, a.only, a.gqa_only)
         return 0
     env = {k: v for k, v in os.environ.items() if k != "MOSAIC_GPU_DUMP_TO"}
     with tempfile.TemporaryDirectory() as dump:
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
             # hundreds of MB of MLIR pass logs per kernel, which stay in the temporary folder).
             env.update(MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTX="1")
         child = subprocess.run([sys.executable, __file__, "--compile-only", "--only", a.only]
-                               + (["--mla-only"] if a.mla_only else []),
+                               + (["--mla-only"] if a.mla_only else []) + (["--gqa-only"] if a.gqa_only else []),
                                env=dict(env, MOSAIC_GPU_DUMP_PTXAS="1"), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, check=False)
         if child.returncode:
