@@ -2,11 +2,11 @@
 
 Status (2026-11-30): compiled and run on the H200. (Session 26, 2026-12-03: the bf16 cascade at
 these widths took 1.964 ms, 1.37x of its FLOP floor, the FP8 one 1.995 ms, 1.40x, once
-`loop_descriptors` kept the wgmma descriptors from being hoisted out of the key loop and spilled.) Compiled conformance passes
-(`benchmarks/mgpu_prefix_check.py --mla`); at DeepSeek-V3 widths (B=32, P=8192, N=16, 128 heads)
-it took 2.54 ms against the Triton latent decode's 4.26 ms, and its cascade 3.01 ms against 4.53
-ms (XLA's dense einsum over gathered rows: 3.69 ms), so `MlaCascadeConfig(prefix_kernel="auto")`
-takes it wherever `mla_mgpu_input_errors` is empty. On the CPU its logic runs in Pallas' GPU
+`loop_descriptors` kept the wgmma descriptors from being hoisted out of the key loop and spilled.)
+Compiled conformance passes (`benchmarks/mgpu_prefix_check.py --mla`); at DeepSeek-V3 widths
+(B=32, P=8192, N=16, 128 heads) it took 2.54 ms against the Triton latent decode's 4.26 ms, and
+its cascade 3.01 ms against 4.53 ms (XLA's dense einsum over gathered rows: 3.69 ms), so
+`MlaCascadeConfig(prefix_kernel="auto")` takes it wherever `mla_mgpu_input_errors` is empty. On the CPU its logic runs in Pallas' GPU
 interpreter against the fp32 reference (`tests/test_mla_decode_mgpu.py`); interpreted runs add P V
 with a plain dot where the compiled kernel uses wgmma (the interpreter has no rule for the
 accumulator `run_state` idiom). The compiled path also lowers on the CPU (layout inference and the
@@ -309,7 +309,8 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
                             page_size=page_size, scale=scale, block_k=block_k, stages=stages, num_splits=num_splits,
                             schedule=schedule, window=int(window), tiles_adjacent=tiles_adjacent,
                             registers=registers, p_in_ring=p_in_ring, widen_cols=int(widen_cols),
-                            cluster_tiles=int(cluster_tiles), loop_descriptors=loop_descriptors, out_dtype=jnp.dtype(out_dtype).name, interpret=interpret)
+                            cluster_tiles=int(cluster_tiles), loop_descriptors=loop_descriptors,
+                            out_dtype=jnp.dtype(out_dtype).name, interpret=interpret)
 
 
 def cluster_tiles_errors(cluster_tiles, tiles: int, tiles_adjacent: bool) -> list[str]:
@@ -388,8 +389,8 @@ def fused_window_errors(q, window_mask, window: int, schedule: str) -> list[str]
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "page_size", "scale", "block_k", "stages",
                                              "num_splits", "schedule", "window", "tiles_adjacent", "registers",
-                                             "p_in_ring", "widen_cols", "cluster_tiles", "loop_descriptors", "out_dtype",
-                                             "interpret"))
+                                             "p_in_ring", "widen_cols", "cluster_tiles", "loop_descriptors",
+                                             "out_dtype", "interpret"))
 def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_lora_rank: int, page_size: int,
                      scale: float, block_k: int, stages: int, num_splits: int | None, schedule: str, window: int,
                      tiles_adjacent: bool, registers: tuple[int, int], p_in_ring: bool, widen_cols: int,
@@ -453,7 +454,9 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
             o_smem, lse_smem = out_bufs
             o_free, turn = syncs
         # Under a cluster the grid's "tiles" axis counts clusters of `cluster_tiles` adjacent tiles.
-        tile = lax.axis_index("tiles") * cluster_tiles + lax.axis_index("ctile") if clustered else lax.axis_index("tiles")
+        tile = lax.axis_index("tiles")
+        if clustered:
+            tile = tile * cluster_tiles + lax.axis_index("ctile")
         split = lax.axis_index("splits")
         bi = lax.axis_index("batch")
         wg = lax.axis_index("wg")
