@@ -1,13 +1,14 @@
 """Registers and spills of the Mosaic GPU attention kernels as ptxas reports them (GPU only).
 
-    PYTHONPATH=. python3 benchmarks/ptxas_report.py [--mla-only]
+    PYTHONPATH=. python3 benchmarks/ptxas_report.py [--mla-only | --gqa-only] [--only TEXT] [--ptx-dir DIR]
 
 A diagnostic (logs only). Mosaic GPU hands each kernel to ptxas; with MOSAIC_GPU_DUMP_PTXAS=1 (read
 by jaxlib when it compiles) ptxas' verbose resource lines go to the process's output among the
 dumped modules. (With MOSAIC_GPU_DUMP_TO also set they go to that folder instead, a `.ptxas` file
 beside each kernel's `.ptx`, session 26; sessions 21-22 found none in the output.) So this
-compiles the forms below in a child process with that variable set, captures its output and prints, per form, the resource figures found after it compiled: registers,
-spill stores / loads, stack frames. A warpgroup-specialised kernel reports one register count for
+compiles the forms below in a child process with that variable set, captures its output and
+prints, per form, the resource figures found after it compiled: registers, spill stores / loads,
+stack frames. A warpgroup-specialised kernel reports one register count for
 the whole kernel (the per-warpgroup budgets are `setmaxnreg` at run time), so spills are the figure
 to read: a compute or memory warpgroup that outgrows its budget shows up as spill stores and loads.
 With `--ptx-dir DIR` it keeps each form's PTX there instead, for `benchmarks/sass_spills.py`, which

@@ -50,9 +50,17 @@ def instructions(sass: str) -> tuple[list[tuple[int, str]], dict[str, int]]:
     return out, labels
 
 
-def loops(sass: str) -> list[dict]:
-    """One row per loop: its address range and counts (see the module docstring)."""
-    ins, labels = instructions(sass)
+def tally(texts) -> dict:
+    """Local stores and loads, wgmmas and exp2s among these instructions (predicated ones too)."""
+    ops = [opcode(t) for t in texts]
+    count = lambda op: sum(o.startswith(op) for o in ops)  # noqa: E731
+    return dict(stl=count("STL"), ldl=count("LDL"), hgmma=count("HGMMA"), ex2=count("MUFU.EX2"))
+
+
+def loops(sass: str, parsed=None) -> list[dict]:
+    """One row per loop: its address range and counts (see the module docstring). `parsed`:
+    `instructions(sass)` where the caller has it already."""
+    ins, labels = parsed or instructions(sass)
     rows = []
     for address, text in ins:
         m = BRANCH.match(text)
@@ -61,10 +69,7 @@ def loops(sass: str) -> list[dict]:
         body = [t for a, t in ins if labels[m.group(2)] <= a <= address]
         if len(body) < MIN_LOOP:
             continue
-        ops = [opcode(t) for t in body]
-        count = lambda op: sum(o.startswith(op) for o in ops)  # noqa: E731
-        rows.append(dict(start=labels[m.group(2)], end=address, size=len(body), stl=count("STL"), ldl=count("LDL"),
-                         hgmma=count("HGMMA"), ex2=count("MUFU.EX2")))
+        rows.append(dict(start=labels[m.group(2)], end=address, size=len(body), **tally(body)))
     return rows
 
 
@@ -79,11 +84,10 @@ def report(ptx: Path, ptxas: str, nvdisasm: str) -> None:
         print(f"   ptxas failed (exit {built.returncode})")
         return
     sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    ins, _ = instructions(sass)
-    ops = [opcode(t) for _, t in ins]
-    print(f"   {len(ins)} instructions, {sum(o.startswith('STL') for o in ops)} STL, "
-          f"{sum(o.startswith('LDL') for o in ops)} LDL in all")
-    for row in loops(sass):
+    parsed = instructions(sass)
+    total = tally(t for _, t in parsed[0])
+    print(f"   {len(parsed[0])} instructions, {total['stl']} STL, {total['ldl']} LDL in all")
+    for row in loops(sass, parsed):
         print(f"   loop {row['start']:#07x}-{row['end']:#07x}: {row['size']:5d} instructions, STL {row['stl']:3d}, "
               f"LDL {row['ldl']:3d}, HGMMA {row['hgmma']:3d}, MUFU.EX2 {row['ex2']:3d}")
 
