@@ -154,12 +154,13 @@ def parse_forms(text: str) -> dict[str, dict]:
     return forms
 
 
-def fp8_widen(b, p, n, rounds, rng, key, forms=None):
-    """FP8 pools: the public (default) cascade against the fused kernel under `forms` (FP8_FUSED
-    by default)."""
+def fp8_widen(b, p, n, rounds, rng, key, forms=None, dtype=jnp.float8_e4m3fn):
+    """FP8 (or `dtype`) pools: the public (default) cascade against the fused kernel under `forms`
+    (FP8_FUSED by default); every kernel form after the first is also compared with the first
+    (output and lse2, which differ only in rounding)."""
     from pallas_kernels.attention.reference import cascade_dense_reference
 
-    q, kp, vp, table, lengths, mask = verify_inputs(b, p, n, rng, key, dtype=jnp.float8_e4m3fn)
+    q, kp, vp, table, lengths, mask = verify_inputs(b, p, n, rng, key, dtype=dtype)
     group = HQ // HKV
     heads_io = not pdm.heads_io_errors(n, group)
     words, union = pdm.fused_window_words(mask, group, fused_rows(n, group), heads_io=heads_io)
@@ -185,8 +186,8 @@ def fp8_widen(b, p, n, rounds, rng, key, forms=None):
         ref_name = "dense fp32"
     else:
         dense, ref_name = unfused(*cargs), "the unfused cascade"
-    name0 = f"FP8 B={b},P={p},N={n}"
-    ok = {}
+    name0 = f"{'FP8' if dtype == jnp.float8_e4m3fn else jnp.dtype(dtype).name} B={b},P={p},N={n}"
+    ok, first = {}, None
     for name, (fn, args) in list(runs.items()):
         try:
             out = fn(*args)
@@ -194,12 +195,24 @@ def fp8_widen(b, p, n, rounds, rng, key, forms=None):
             log(f"{name0}: {name}: refused: {str(exc).splitlines()[0][:300]}")
             ok[name] = None
             continue
+        lse = out[1] if isinstance(out, tuple) else None
         out = out[0] if isinstance(out, tuple) else out
         if not heads_io and not name.startswith("cascade"):
             out = rows_to_heads(out, n, HQ)
         err = rel_err(out, dense)
         ok[name] = err < 6e-2  # FP8-quantised query on steps wholly below P (as in the tests)
-        log(f"{name0}: {name}: rel {err:.2e} against {ref_name} -> {'ok' if ok[name] else 'FAILED, not timed'}")
+        against_first = ""
+        if lse is not None and first is None:
+            first = (out, np.asarray(lse))
+        elif lse is not None:
+            lse = np.asarray(lse)
+            same_lse = bool(np.array_equal(np.isfinite(lse), np.isfinite(first[1]))
+                            and np.allclose(lse[np.isfinite(lse)], first[1][np.isfinite(lse)], rtol=0, atol=1e-3))
+            err_first = rel_err(out, first[0])
+            ok[name] = ok[name] and same_lse and err_first < 1e-2
+            against_first = f"; against the first kernel form: out rel {err_first:.2e}, lse2 within 1e-3: {same_lse}"
+        log(f"{name0}: {name}: rel {err:.2e} against {ref_name}{against_first} -> "
+            f"{'ok' if ok[name] else 'FAILED, not timed'}")
     interleaved({name: run for name, run in runs.items() if ok[name]}, rounds, name0)
     return all(v is not False for v in ok.values())
 
@@ -211,6 +224,7 @@ def main(argv=None):
     ap.add_argument("--launches", action="store_true", help="compare the fused kernel's launches instead")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of --launches and --fp8-widen")
     ap.add_argument("--fp8-widen", action="store_true", help="compare the FP8 cascade's forms instead")
+    ap.add_argument("--kv", choices=("fp8", "bf16"), default="fp8", help="with --fp8-widen: the pools' dtype")
     ap.add_argument("--fused", default=None, help="with --fp8-widen: the fused kernel's forms to time instead of "
                     "FP8_FUSED, e.g. 'stages=6,pages_per_step=1;stages=8,pages_per_step=1'")
     a = ap.parse_args(argv)
@@ -220,7 +234,8 @@ def main(argv=None):
     ok = True
     for b, p, n in parse_shapes(a.shapes):
         if a.fp8_widen:
-            ok = fp8_widen(b, p, n, a.rounds, rng, key, parse_forms(a.fused) if a.fused else None) and ok
+            ok = fp8_widen(b, p, n, a.rounds, rng, key, parse_forms(a.fused) if a.fused else None,
+                           {"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16}[a.kv]) and ok
         elif a.launches:
             launches(b, p, n, a.rounds, rng, key)
         else:

@@ -2,7 +2,7 @@
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/kernel_profile.py [--shapes 1x32768x64,8x8192x16]
         [--dtypes bf16,fp8] [--splits 0,4] [--merges window,kernel,xla,kernel:1024/8] [--feeds scalar,query]
-        [--query-casts kernel,xla]
+        [--query-casts kernel,xla] [--fuse auto,off,on]
 
 A diagnostic for the small shapes, whose cascade is a few tens of microseconds: the tables' timer
 (`timing.traced_time`) gives the whole call, this says where it goes. For each shape, KV dtype and
@@ -65,6 +65,8 @@ def set_merge(merge: str):
 # Where the fused FP8 kernel's prefix query is cast (--query-casts): in the kernel, from the window's
 # unquantised tile (`prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT`), or by XLA before it.
 QUERY_CASTS = {"kernel": True, "xla": False}
+# Whether the window is fused into the Mosaic prefix kernel (--fuse): `CascadeConfig.fuse_window`.
+FUSES = {"auto": None, "off": False, "on": True}
 
 
 def main(argv=None):
@@ -90,6 +92,9 @@ def main(argv=None):
     ap.add_argument("--query-casts", default="kernel",
                     help="comma list of where the fused FP8 kernel's prefix query is cast: kernel (the default) or "
                     "xla; each is a form as the merges are (checked against the first form's output)")
+    ap.add_argument("--fuse", default="auto",
+                    help="comma list of CascadeConfig.fuse_window settings: auto (None, the default rule), off, "
+                    "on; each is a form as the merges are")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     key = jax.random.PRNGKey(0)
@@ -97,7 +102,11 @@ def main(argv=None):
     bad_casts = [c for c in casts if c not in QUERY_CASTS]
     if bad_casts:
         ap.error(f"--query-casts: unknown {bad_casts}; choose from {sorted(QUERY_CASTS)}")
-    forms = [(m, c) for m in a.merges.split(",") for c in casts]
+    fuses = a.fuse.split(",")
+    bad_fuses = [f for f in fuses if f not in FUSES]
+    if bad_fuses:
+        ap.error(f"--fuse: unknown {bad_fuses}; choose from {sorted(FUSES)}")
+    forms = [(m, c, f) for m in a.merges.split(",") for c in casts for f in fuses]
     failed, outs = False, {}
     defaults = (split_merge.MERGE_KERNEL, split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS,
                 cascade.WINDOW_MERGES_SPLITS, prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT)
@@ -110,19 +119,20 @@ def main(argv=None):
     for b, p, n in parse_shapes(a.shapes, 3):
         for dt in a.dtypes.split(","):
             args = cascade_inputs(key, rng, b, p, n, KV_DTYPES[dt])
-            for s, (merge, cast) in ((int(x), f) for x in a.splits.split(",") for f in forms):
+            for s, (merge, cast, fuse) in ((int(x), f) for x in a.splits.split(",") for f in forms):
                 set_merge(merge)
                 prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT = QUERY_CASTS[cast]
                 jax.clear_caches()  # the flags are read when the cascade is traced
-                fn = jax.jit(lambda *x, s=s: cascade_attention(*x, window=n, config=CascadeConfig(
-                    page_size=PAGE, num_splits=s or None)))
+                fn = jax.jit(lambda *x, s=s, f=FUSES[fuse]: cascade_attention(*x, window=n, config=CascadeConfig(
+                    page_size=PAGE, num_splits=s or None, fuse_window=f)))
                 label = (f"B={b},P={p},N={n} {dt} splits {s or 'default'}, {merge} merge"
-                         + (f", query cast by {cast}" if len(casts) > 1 else ""))
+                         + (f", query cast by {cast}" if len(casts) > 1 else "")
+                         + (f", fuse {fuse}" if len(fuses) > 1 else ""))
                 out = np.asarray(fn(*args), np.float32)
                 if not np.isfinite(out).all():
                     log(f"{label}: NON-FINITE OUTPUT")
                     failed = True
-                if (merge, cast) != forms[0]:
+                if (merge, cast, fuse) != forms[0]:
                     err = float(np.linalg.norm(out - outs[s]) / np.linalg.norm(outs[s]))
                     ok = err < 1e-2
                     failed |= not ok

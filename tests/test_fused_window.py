@@ -8,7 +8,8 @@ import pytest
 from paged_fixtures import poisoned_paged_pools, rel_err, verify_case
 from test_cascade_gqa import lane_masks
 
-from pallas_kernels.attention.prefix_decode_mgpu import (fused_window_words, head_io_rows, heads_io_errors,
+from pallas_kernels.attention.prefix_decode_mgpu import (cluster_split_errors, fused_window_words, head_io_rows,
+                                                         heads_io_errors, merge_weights,
                                                          prefix_decode_mgpu_row_layout)
 from pallas_kernels.attention.reference import cascade_dense_reference
 from treespec_jax.attention import CascadeConfig, lane_attention, verify_attention
@@ -267,3 +268,51 @@ def test_fused_kernel_lowers_to_mosaic_gpu(r, group, splits, heads_io, pool_dtyp
                              sd((b, 2, total), jnp.int32), sd((b, 2), jnp.int32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("splits,pool_dtype,cluster,pages", [(2, FP8, True, None), (2, jnp.bfloat16, True, None),
+                                                              (4, FP8, True, 1), (2, FP8, False, None)])
+def test_cluster_split_forms_lower_to_mosaic_gpu(splits, pool_dtype, cluster, pages):
+    """The fused kernel whose key splits merge inside one cluster (`cluster_splits`: pieces and
+    lse2 stored into the other CTAs' shared memory) lowers on the CPU; the H200 checks its output
+    against the merge-kernel form and dense fp32 (benchmarks/fused_window_cost.py, bench_cascade)."""
+    # Four FP8 splits' inbox (48 KB) fits beside one page per step only.
+    test_fused_kernel_lowers_to_mosaic_gpu(16, 4, splits, True, pool_dtype,
+                                           opts=dict(cluster_splits=cluster, pages_per_step=pages))
+
+
+def test_cluster_split_refusals_name_the_value():
+    assert cluster_split_errors(True, 2, 128, False) == []
+    assert "takes the fused window" in cluster_split_errors(False, 2, 128, False)[0]
+    assert "gridded launch, got persistent=True" in cluster_split_errors(True, 2, 128, True)[0]
+    assert "takes 2, 4, 8 key splits (a cluster's CTAs), got 3" in cluster_split_errors(True, 3, 128, False)[0]
+    assert "head dim 64 to be a multiple of 4 splits x 32 columns" in cluster_split_errors(True, 4, 64, False)[0]
+    # Forced on where it cannot run, the kernel refuses with every reason at once.
+    b, hkv, total, d = 2, 2, 64, 64
+    q = jnp.zeros((b, hkv, total, d), jnp.bfloat16)
+    pool = jnp.zeros((64 * PAGE, hkv, d), jnp.bfloat16)
+    table, lens = jnp.zeros((b, 64), jnp.int32), jnp.zeros((b,), jnp.int32)
+    with pytest.raises(ValueError, match="takes the fused window.*head dim 64 to be a multiple of 4 splits"):
+        prefix_decode_mgpu_row_layout(q, pool, pool, table, lens, query_rows=1, group=total, page_size=PAGE,
+                                      scale=0.1, num_splits=4, cluster_splits=True, interpret=True)
+
+
+def test_merge_weights_match_a_float64_lse_merge():
+    """`merge_weights` (the clustered splits' and the key-split warpgroups' merge): weights
+    2^(lse_s - lse) and the merged lse2 of a float64 merge; rows no partial saw get weights 0 and
+    -inf."""
+    rng = np.random.default_rng(3)
+    for parts in (2, 4):
+        lses = rng.normal(0, 20, (parts, 64)).astype(np.float32)
+        lses[:, :3] = -np.inf  # unseen by every partial
+        lses[1:, 3:6] = -np.inf  # seen by the first only
+        weights, merged = merge_weights([jnp.asarray(x) for x in lses])
+        seen = np.isfinite(lses).any(axis=0)
+        want = np.full(64, -np.inf)
+        want[seen] = np.log2(np.exp2(lses[:, seen].astype(np.float64)).sum(axis=0))
+        assert np.array_equal(np.isfinite(np.asarray(merged)), seen)
+        np.testing.assert_allclose(np.asarray(merged)[seen], want[seen], rtol=0, atol=1e-5)
+        for x, w in zip(lses, weights):
+            expect = np.where(seen, np.exp2(x.astype(np.float64) - np.where(seen, want, 0.0)), 0.0)
+            np.testing.assert_allclose(np.asarray(w), expect, rtol=2e-6, atol=1e-7)
+        assert np.isfinite(np.asarray(jnp.stack(weights))).all()

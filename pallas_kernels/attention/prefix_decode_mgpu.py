@@ -117,6 +117,14 @@ PERSISTENT_FP8_WIDENED_BY_DEFAULT = True
 # (1.0%).
 PREFETCH_QUERY_BY_DEFAULT = True
 
+# Whether `cluster_splits=None` launches a fused kernel's key splits of one (request, KV head, row
+# tile) as one thread-block cluster that merges their partials itself (`cluster_split_errors`
+# empty), so no merge kernel runs and no float32 partial goes through memory. Off until the H200
+# says it wins (session 27).
+CLUSTER_SPLITS_BY_DEFAULT = True
+# Key splits one cluster may hold: a power of two up to the portable cluster size (8).
+CLUSTER_SPLIT_SIZES = (2, 4, 8)
+
 # Whether `cast_query=None` has the fused kernel over an FP8 pool derive the prefix's FP8 query tile
 # from the unquantised tile it loads for the window steps (saturated to E4M3's +-448, as
 # `quantize_query_for_pool`), instead of reading a query that XLA cast to FP8 before the kernel (one
@@ -140,6 +148,25 @@ LAUNCH_REGISTERS = 168
 # the items outnumber the SMs; gridded it won the same way), and session 17 ran the fused widened
 # form 7% faster at B=1 so.
 REGISTERS_MEMORY_WIDENS = (224, 56)
+
+
+def cluster_split_errors(fused: bool, splits: int, width: int, persistent: bool) -> list[str]:
+    """Every reason a kernel's `splits` key splits of width-`width` heads cannot merge inside one
+    cluster (`cluster_splits`): the fused window, a gridded launch, 2, 4 or 8 splits, and a column
+    block of whole OUT_CHUNK-wide pieces per split."""
+    errors = []
+    if not fused:
+        errors.append("prefix_decode_mgpu: cluster_splits takes the fused window (window > 0); unfused "
+                      "partials merge in the window kernel")
+    if persistent:
+        errors.append("prefix_decode_mgpu: cluster_splits needs the gridded launch, got persistent=True")
+    if splits not in CLUSTER_SPLIT_SIZES:
+        errors.append(f"prefix_decode_mgpu: cluster_splits takes {', '.join(map(str, CLUSTER_SPLIT_SIZES))} key "
+                      f"splits (a cluster's CTAs), got {splits}")
+    elif width % (splits * OUT_CHUNK):
+        errors.append(f"prefix_decode_mgpu: cluster_splits needs head dim {width} to be a multiple of "
+                      f"{splits} splits x {OUT_CHUNK} columns")
+    return errors
 
 
 def default_registers(memory_widens_values: bool) -> tuple[int, int]:
@@ -223,20 +250,23 @@ def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: i
 
 def smem_bytes(total_rows: int, width: int, itemsize: int, block: int, stages: int,
                key_split: bool | None = None, fused_fp8: bool = False, query_tiles: int = 1,
-               memory_widens_values: bool = False) -> int:
+               memory_widens_values: bool = False, cluster_splits: int = 1) -> int:
     """Shared memory of one CTA (`block` keys per step): query tiles (`query_tiles` per compute
     warpgroup, with as many sets of the fused window's mask words: two under `prefetch_query`), the
     K and V rings, output staging, LSE; with 1-byte (FP8) items also each compute warpgroup's 16-bit
     copy of the step's V (`memory_widens_values`: one 16-bit V ring of `stages` steps instead), and
     (`fused_fp8`) its unquantised query tile (and, beside the V ring, its own tile of widened K,
-    which otherwise shares its copy of V's memory)."""
-    wgs, _, _ = warpgroup_layout(total_rows, key_split, itemsize)
+    which otherwise shares its copy of V's memory); with `cluster_splits` S > 1, each row-owning
+    warpgroup's inbox for the other S - 1 splits' pieces of its column block and their LSEs."""
+    wgs, _, split = warpgroup_layout(total_rows, key_split, itemsize)
     widened = (stages if memory_widens_values else wgs) * block * width * 2 if itemsize == 1 else 0
     widened += wgs * ROWS_PER_WG * width * 2 if fused_fp8 else 0
     widened += wgs * block * width * 2 if fused_fp8 and memory_widens_values else 0
+    owners = 1 if split else wgs
+    inbox = owners * (cluster_splits - 1) * ROWS_PER_WG * (width // cluster_splits + OUT_CHUNK) * 4
     return (query_tiles * wgs * (ROWS_PER_WG * width * itemsize + FUSED_WINDOW_WORDS)
             + 2 * stages * block * width * itemsize + widened
-            + wgs * ROWS_PER_WG * (OUT_CHUNK + 1) * 4 + SMEM_OVERHEAD)
+            + wgs * ROWS_PER_WG * (OUT_CHUNK + 1) * 4 + inbox + SMEM_OVERHEAD)
 
 
 def _smem_transforms(minor: int, dtype):
@@ -333,6 +363,18 @@ def check_fused_window_inputs(qr, words, union, window: int, overlap_softmax: bo
         errors.append("prefix_decode_mgpu: the fused window runs the turn-taking loop, not overlap_softmax")
     if errors:
         raise ValueError("; ".join(errors))
+
+
+def merge_weights(lses):
+    """(each partial's weight normalised over all of them, the merged lse2) for partials of the
+    same rows with base-2 LSEs `lses` (each [rows], fp32), as `merge_splits` merges: rows no
+    partial saw get weights 0 and lse2 -inf."""
+    top = functools.reduce(jnp.maximum, lses)
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    weights = [jnp.exp2(x - top) for x in lses]
+    total = functools.reduce(lambda a, w: a + w, weights)
+    total_safe = jnp.where(total > 0, total, 1.0)
+    return [w / total_safe for w in weights], jnp.where(total > 0, top + log2_of(total_safe), -jnp.inf)
 
 
 def log2_of(x):
@@ -445,7 +487,8 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
                                              "tiles_adjacent", "overlap_softmax", "partial_dtype", "window",
                                              "heads_io", "persistent", "prefetch_query", "memory_widens_values",
-                                             "widen_rows", "registers", "merge", "cast_query", "interpret"))
+                                             "widen_rows", "registers", "merge", "cast_query", "cluster_splits",
+                                             "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, window_words=None, window_union=None,
                                   *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
@@ -456,7 +499,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                                   persistent: bool | None = None, prefetch_query: bool | None = None,
                                   memory_widens_values: bool | None = None, widen_rows: int | None = None,
                                   registers: tuple[int, int] | None = None, merge: bool = True,
-                                  cast_query: bool | None = None, interpret: bool = False):
+                                  cast_query: bool | None = None, cluster_splits: bool | None = None,
+                                  interpret: bool = False):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
@@ -519,6 +563,14 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     `merge=False` (unfused only): key-split partials (one per CTA split; a warpgroup key split's two
     are merged in the CTA) are handed on unmerged where there is more than one, out `[S, B, Hkv, T, D]` and lse2
     `[S, B, Hkv, T]`, for the window kernel to merge (`tree_window_row_layout`);
+    `cluster_splits` (fused, gridded): the key splits of one (request, KV head, row tile) run as
+    one thread-block cluster; each split's CTA owns a block of D / S output columns, sends every
+    other split its block of its partial (and its lse2) straight into that CTA's shared memory
+    (`plgpu.async_store_smem`, completing a barrier there), merges the S partials of its own
+    block by LSE in fp32 and writes it in `partial_dtype`: no merge kernel runs and no float32
+    partial goes through memory (None: CLUSTER_SPLITS_BY_DEFAULT where `cluster_split_errors` is
+    empty and the inbox fits shared memory; Pallas' GPU interpreter has no clusters, so there the
+    splits merge through `merge_splits` whatever this says);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     fused = window > 0
     if fused and not merge:
@@ -582,16 +634,28 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     block = page_size * pps
     steps_per_split = -(-steps // splits)
     merged_dtype = partial_dtype if fused else jnp.dtype(jnp.float32)
+    items = b * hkv * tiles * splits
+    persistent = runs_persistent(items, persistent, itemsize, memory_widens_values)
+    cluster_errors = cluster_split_errors(fused, splits, d, persistent)
+    if cluster_splits and cluster_errors:
+        raise ValueError("; ".join(cluster_errors))
+    if cluster_splits is None:
+        cluster_splits = CLUSTER_SPLITS_BY_DEFAULT and not cluster_errors and smem_bytes(
+            total, d, itemsize, block, stages, key_split, fused_fp8=fused_fp8,
+            memory_widens_values=memory_widens_values, cluster_splits=splits) <= MAX_SMEM_BYTES
+    # Interpreted, a clustered launch's splits merge through merge_splits (no clusters there).
+    clustered = bool(cluster_splits) and not interpret
     # Under a warpgroup key split warpgroup 1 hands its (out, lse2) to warpgroup 0, which merges the
-    # two and writes one partial per CTA (see the epilogue), so a CTA split writes one partial.
-    parts = splits
+    # two and writes one partial per CTA (see the epilogue), so a CTA split writes one partial; a
+    # clustered launch's splits merge among themselves and write the output once.
+    parts = 1 if clustered else splits
     if fused and parts > 1:
         # Fused, `partial_dtype` is the output's: key-split partials stay float32 until merged
         # (the merge writes the output in it).
         partial_dtype = jnp.dtype(jnp.float32)
     # The staging tile keeps its bytes: 32 fp32 or 64 bf16 output columns per piece; under a key
     # split 32 columns whatever the dtype, the pieces warpgroup 1 hands over in fp32.
-    out_chunk = OUT_CHUNK if key_split else OUT_CHUNK * 4 // partial_dtype.itemsize
+    out_chunk = OUT_CHUNK if key_split or clustered else OUT_CHUNK * 4 // partial_dtype.itemsize
     dtype = jnp.dtype(k_pool.dtype) if cast_query else q_in.dtype
     pv_dtype = jnp.float16 if fp8 else dtype  # P V operands: FP8 V widens exactly to fp16
     # Fused FP8 window steps widen K to the query's dtype (exact for E4M3) in a tile that shares
@@ -602,9 +666,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     pv_tf = _smem_transforms(d, pv_dtype)
     out_tf = _smem_transforms(out_chunk, partial_dtype)
 
-    sizes, order = grid_in_order(dict(batch=b, heads=hkv, tiles=tiles, splits=splits), tiles_adjacent)
-    items = math.prod(sizes)
-    persistent = runs_persistent(items, persistent, itemsize, memory_widens_values)
+    # A clustered launch's splits are its cluster axis "csplit", not a grid axis.
+    sizes, order = grid_in_order(dict(batch=b, heads=hkv, tiles=tiles, splits=1 if clustered else splits),
+                                 tiles_adjacent)
     ctas = min(items, num_sms())
     grid, grid_names = ((ctas,), ("ctas",)) if persistent else (sizes, order)
     prefetch_query = runs_prefetch_query(prefetch_query, persistent, smem_bytes(
@@ -629,9 +693,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     # The buffers the kernel's input checks do not size: the fused FP8 window's, prefetch's.
     extras = ((["the fused window under an FP8 pool"] if fused_fp8 else [])
               + (["prefetch_query's second query tile"] if prefetch_query else [])
-              + (["memory_widens_values' 16-bit V ring"] if memory_widens_values else []))
+              + (["memory_widens_values' 16-bit V ring"] if memory_widens_values else [])
+              + (["cluster_splits' inbox"] if cluster_splits else []))
     need = smem_bytes(total, d, itemsize, block, stages, key_split, fused_fp8=fused_fp8, query_tiles=qbufs,
-                      memory_widens_values=memory_widens_values)
+                      memory_widens_values=memory_widens_values, cluster_splits=splits if cluster_splits else 1)
     if extras and need > MAX_SMEM_BYTES:
         raise ValueError(f"prefix_decode_mgpu: {' with '.join(extras)} with pages_per_step={pps}, "
                          f"stages={stages}, head dim {d} needs {need} bytes of shared memory, more than "
@@ -639,6 +704,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
     def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, qw_gmem, out_gmem, lse_gmem,
              scoped):
+        if clustered:  # cluster_splits: each row owner's inbox of the other splits' pieces and LSEs
+            *scoped, (inbox, inbox_lse, inbox_ready) = scoped
         (q_smem, k_smem, v_smem, o_smem, lse_smem, *extra), (q_ready, k_ready, v_ready), (k_free, v_free), turn, \
             *tail = scoped
         vw_ready, vw_free = tail[:2] if memory_widens_values else (None, None)
@@ -978,37 +1045,82 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                 lse = jnp.where(seen, m + log2_of(l_safe), -jnp.inf)
                 pieces = d // out_chunk
 
-                def write_partial(lse, piece):
-                    # This CTA's partial (split), out piece by piece: `piece(j)` gives output columns
-                    # [j * out_chunk, (j + 1) * out_chunk) in fp32. It leaves through a small staging
-                    # tile (a whole [64, D] fp32 tile per warpgroup would cost the K/V ring a stage).
+                def write_partial(lse, piece, first=0, count=pieces, with_lse=True):
+                    # This CTA's partial (split; clustered, the merged output), out piece by piece:
+                    # `piece(j)` gives output columns [(first + j) * out_chunk, ...) in fp32. It leaves
+                    # through a small staging tile (a whole [64, D] fp32 tile per warpgroup would cost
+                    # the K/V ring a stage).
+                    part = 0 if clustered else split
                     if persistent:
                         plgpu.wait_smem_to_gmem(0)  # the previous item's last copies have read the staging
-                    lse_smem.at[wg][...] = lse
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_gmem.at[split, bi, head, pl.ds(row0, ROWS_PER_WG)])
-                    for j in range(pieces):
+                    if with_lse:
+                        lse_smem.at[wg][...] = lse
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                                lse_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG)])
+                    for j in range(count):
                         chunk = piece(j).astype(partial_dtype)
                         plgpu.wait_smem_to_gmem(0)  # the previous piece has been read out
                         o_smem.at[wg][...] = chunk
                         plgpu.commit_smem()
-                        cols = pl.ds(j * out_chunk, out_chunk)
+                        cols = pl.ds((first + j) * out_chunk, out_chunk)
                         if heads_io:
                             for g in range(group_io):
                                 plgpu.copy_smem_to_gmem(
                                     o_smem.at[wg, pl.ds(g * rows_io, rows_io)],
-                                    out_gmem.at[split, bi, pl.ds(r0, rows_io), head * group_io + g, cols])
+                                    out_gmem.at[part, bi, pl.ds(r0, rows_io), head * group_io + g, cols])
                         else:
                             plgpu.copy_smem_to_gmem(o_smem.at[wg],
-                                                    out_gmem.at[split, bi, head, pl.ds(row0, ROWS_PER_WG), cols])
+                                                    out_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG), cols])
                     if not persistent:  # persistent: the next item's epilogue (or the kernel's end) waits
                         plgpu.wait_smem_to_gmem(0)
+
+                def merge_in_cluster(lse, piece):
+                    # cluster_splits: the partial of split t (of S, this CTA's "csplit") owns output
+                    # columns block t (`per_block` pieces). It sends every other split u its pieces of
+                    # block u and its lse2 (broadcast over a piece's columns) into u's inbox, at slot
+                    # t - (t > u), each store completing u's inbox barrier; then it waits for the
+                    # S - 1 partials of its own block, merges them by LSE in split order (every CTA
+                    # weighs the same way) and writes the block; split 0 also writes the lse2.
+                    per_block = pieces // splits
+                    mine = [piece(j) for j in range(pieces)]  # in order: under a key split they arrive so
+                    own = 0 if key_split else wg
+                    lse_piece = lax.broadcast_in_dim(lse, (ROWS_PER_WG, OUT_CHUNK), [0])
+                    me = lax.axis_index("csplit")
+                    for t in range(splits):
+                        @pl.when(me == t)
+                        def _as_split(t=t):
+                            for u in (u for u in range(splits) if u != t):
+                                slot = t - (t > u)
+                                for jj in range(per_block):
+                                    plgpu.async_store_smem(mine[u * per_block + jj], inbox.at[own, slot, jj],
+                                                           inbox_ready.at[own], cluster_idx=u, cluster_dim="csplit")
+                                plgpu.async_store_smem(lse_piece, inbox_lse.at[own, slot], inbox_ready.at[own],
+                                                       cluster_idx=u, cluster_dim="csplit")
+                            plgpu.barrier_wait(inbox_ready.at[own])
+                            lses = [lse if u == t else jnp.max(plgpu.load(
+                                inbox_lse.at[own, u - (u > t)], layout=plgpu.Layout.WGMMA), axis=1)
+                                for u in range(splits)]
+                            weights, merged = merge_weights(lses)
+                            shape = (ROWS_PER_WG, OUT_CHUNK)
+                            weights = [lax.broadcast_in_dim(w, shape, [0]) for w in weights]
+
+                            def merged_piece(jj):
+                                terms = [(mine[t * per_block + jj] if u == t else plgpu.load(
+                                    inbox.at[own, u - (u > t), jj], layout=plgpu.Layout.WGMMA)) * weights[u]
+                                    for u in range(splits)]
+                                return functools.reduce(lambda a, x: a + x, terms)
+
+                            write_partial(merged, merged_piece, first=t * per_block, count=per_block,
+                                          with_lse=t == 0)
+
+                finish = merge_in_cluster if clustered else write_partial
 
                 def columns(x, j):
                     return x[:, j * out_chunk:(j + 1) * out_chunk]
 
                 if not key_split:
-                    write_partial(lse, lambda j: columns(out, j))
+                    finish(lse, lambda j: columns(out, j))
                 else:
                     # The two warpgroups' partials of the same rows merge here by LSE (as merge_splits
                     # does, in fp32), so no partial per warpgroup reaches memory: warpgroup 1 hands its
@@ -1027,14 +1139,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                     def _merge():
                         plgpu.barrier_wait(x_ready)
                         other_lse = plgpu.load(lse_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
-                        top = jnp.maximum(lse, other_lse)
-                        top = jnp.where(top == -jnp.inf, 0.0, top)  # both unseen: weights 0, out 0
-                        w_own, w_other = jnp.exp2(lse - top), jnp.exp2(other_lse - top)
-                        total = w_own + w_other
-                        total_safe = jnp.where(total > 0, total, 1.0)
+                        (w_own, w_other), merged = merge_weights([lse, other_lse])  # both unseen: 0, out 0
                         shape = (ROWS_PER_WG, out_chunk)
-                        c_own = lax.broadcast_in_dim(w_own / total_safe, shape, [0])
-                        c_other = lax.broadcast_in_dim(w_other / total_safe, shape, [0])
+                        c_own = lax.broadcast_in_dim(w_own, shape, [0])
+                        c_other = lax.broadcast_in_dim(w_other, shape, [0])
 
                         def piece(j):
                             if j:
@@ -1043,7 +1151,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                             plgpu.barrier_arrive(x_free)
                             return columns(out, j) * c_own + theirs * c_other
 
-                        write_partial(jnp.where(total > 0, top + log2_of(total_safe), -jnp.inf), piece)
+                        finish(merged, piece)
 
             def _memory():
                 if role == "cta":
@@ -1117,7 +1225,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                 (_compute if role == "compute" else _memory)()
 
         if not persistent:
-            work_item(lax.axis_index("splits"), lax.axis_index("batch"), lax.axis_index("heads"),
+            work_item(lax.axis_index("csplit" if clustered else "splits"), lax.axis_index("batch"), lax.axis_index("heads"),
                       lax.axis_index("tiles"), role="cta")
             return
         # Persistent: CTA c takes work items c, c + ctas, ... in the gridded launch order, so while one
@@ -1170,6 +1278,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         wide_smem = (wide_smem,)
 
     out_staging = plgpu.SMEM((wgs, ROWS_PER_WG, out_chunk), partial_dtype, transforms=out_tf)
+    x_tf = _smem_transforms(OUT_CHUNK, jnp.float32)  # fp32 pieces handed between warpgroups or CTAs
+    owners = 1 if key_split else wgs  # warpgroups that write rows (under a key split warpgroup 0)
 
     def entry(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, *rest):
         words_gmem, union_gmem = rest[:2] if fused else (None, None)
@@ -1183,8 +1293,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             (plgpu.SMEM((qbufs * wgs, ROWS_PER_WG, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
              plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
-             plgpu.RefUnion(out_staging, plgpu.SMEM((wgs, ROWS_PER_WG, OUT_CHUNK), jnp.float32,
-                                                   transforms=_smem_transforms(OUT_CHUNK, jnp.float32)))
+             plgpu.RefUnion(out_staging, plgpu.SMEM((wgs, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=x_tf))
              if key_split else out_staging,
              plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32))
             + wide_smem
@@ -1206,6 +1315,14 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                plgpu.Barrier(num_arrivals=readers, num_barriers=stages)) if memory_widens_values else ()),
             # Key split: warpgroup 1's hand-over pieces (ready, free).
             *((plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)) if key_split else ()),
+            # cluster_splits: each row owner's inbox (the other splits' pieces of this CTA's column
+            # block, their lse2 broadcast over a piece) and its barrier, which each of those stores
+            # completes (one warpgroup arrival per store).
+            *(((plgpu.SMEM((owners, splits - 1, d // splits // OUT_CHUNK, ROWS_PER_WG, OUT_CHUNK), jnp.float32,
+                           transforms=x_tf),
+                plgpu.SMEM((owners, splits - 1, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=x_tf),
+                plgpu.Barrier(num_arrivals=(splits - 1) * (d // splits // OUT_CHUNK + 1), num_barriers=owners)),)
+              if clustered else ()),
             collective_axes="wg",
         )
 
@@ -1215,6 +1332,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                   jax.ShapeDtypeStruct((parts, b, hkv, total), jnp.float32)),
         grid=grid,
         grid_names=grid_names,
+        cluster=(splits,) if clustered else (),
+        cluster_names=("csplit",) if clustered else (),
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
