@@ -270,15 +270,49 @@ def test_fused_kernel_lowers_to_mosaic_gpu(r, group, splits, heads_io, pool_dtyp
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("splits,pool_dtype,cluster,pages", [(2, FP8, True, None), (2, jnp.bfloat16, True, None),
-                                                              (4, FP8, True, 1), (2, FP8, False, None)])
-def test_cluster_split_forms_lower_to_mosaic_gpu(splits, pool_dtype, cluster, pages):
+@pytest.mark.parametrize("r,splits,heads_io,pool_dtype,cluster,pages", [
+    (16, 2, True, FP8, True, None), (16, 2, True, jnp.bfloat16, True, None), (16, 4, True, FP8, True, 1),
+    (16, 2, False, FP8, True, None), (16, 2, True, FP8, False, None), (64, 2, True, jnp.bfloat16, True, 1)])
+def test_cluster_split_forms_lower_to_mosaic_gpu(r, splits, heads_io, pool_dtype, cluster, pages):
     """The fused kernel whose key splits merge inside one cluster (`cluster_splits`: pieces and
-    lse2 stored into the other CTAs' shared memory) lowers on the CPU; the H200 checks its output
-    against the merge-kernel form and dense fp32 (benchmarks/fused_window_cost.py, bench_cascade)."""
-    # Four FP8 splits' inbox (48 KB) fits beside one page per step only.
-    test_fused_kernel_lowers_to_mosaic_gpu(16, 4, splits, True, pool_dtype,
+    lse2 stored into the other CTAs' shared memory) lowers on the CPU, in head and row layout, with
+    one row-owning warpgroup (64-row heads) and with two (R=64, G=4: 128-row CTAs); the H200 checks
+    the first kind against the merge-kernel form and dense fp32 (benchmarks/fused_window_cost.py,
+    bench_cascade)."""
+    # Four FP8 splits' inbox (48 KB), or two row owners' (48 KB), fits beside one page per step only.
+    test_fused_kernel_lowers_to_mosaic_gpu(r, 4, splits, heads_io, pool_dtype,
                                            opts=dict(cluster_splits=cluster, pages_per_step=pages))
+
+
+def test_cluster_splits_default_takes_one_row_owner_forms(monkeypatch):
+    """`cluster_splits=None` clusters 2 or 4 gridded key splits of 64-row heads (one warpgroup
+    writes the rows: the forms the H200 ran) where the inbox fits, and nothing else."""
+    import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
+    import pallas_kernels.attention.prefix_decode_mgpu as pdm
+
+    seen = []
+    real = pdm.plgpu.kernel
+    monkeypatch.setattr(pdm.plgpu, "kernel", lambda *a, **k: seen.append(k.get("cluster", ())) or real(*a, **k))
+    sd = jax.ShapeDtypeStruct
+
+    def cluster_of(r, splits, pool_dtype, **opts):
+        jax.clear_caches()  # trace the kernel again, whatever ran before
+        b, hkv, d = 2, 8, 128
+        total = r * 4
+        fn = lambda *a: prefix_decode_mgpu_row_layout(  # noqa: E731
+            *a, query_rows=1, group=total, page_size=PAGE, scale=0.1, num_splits=splits, window=16,
+            partial_dtype=jnp.bfloat16, heads_io=True, **opts)
+        jax.jit(fn).trace(sd((b, r, hkv * 4, d), jnp.bfloat16), sd((64 * PAGE, hkv, d), pool_dtype),
+                          sd((64 * PAGE, hkv, d), pool_dtype), sd((b, 32), jnp.int32), sd((b,), jnp.int32),
+                          sd((b, 2, total), jnp.int32), sd((b, 2), jnp.int32)).lower(lowering_platforms=("cuda",))
+        return seen[-1]
+
+    assert cluster_of(16, 2, FP8) == (2,)  # the B=8 FP8 form: key split, one owner
+    assert cluster_of(16, 2, jnp.bfloat16) == (2,)  # one compute warpgroup
+    assert cluster_of(16, 4, FP8) == ()  # four FP8 splits' inbox does not fit at two pages per step
+    assert cluster_of(16, 3, FP8) == ()  # three splits are no cluster
+    assert cluster_of(64, 2, jnp.bfloat16, pages_per_step=1) == ()  # two row owners: only when asked
+    assert cluster_of(16, 2, FP8, cluster_splits=False) == ()
 
 
 def test_cluster_split_refusals_name_the_value():

@@ -644,7 +644,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     if cluster_splits and cluster_errors:
         raise ValueError("; ".join(cluster_errors))
     if cluster_splits is None:
-        cluster_splits = CLUSTER_SPLITS_BY_DEFAULT and not cluster_errors and smem_bytes(
+        # By default only where one warpgroup writes the CTA's rows (64-row heads: the forms the H200
+        # checked and timed); two row-owning warpgroups clustered are lowered, not yet run.
+        cluster_splits = CLUSTER_SPLITS_BY_DEFAULT and not cluster_errors and (key_split or wgs == 1) and smem_bytes(
             total, d, itemsize, block, stages, key_split, fused_fp8=fused_fp8,
             memory_widens_values=memory_widens_values, cluster_splits=splits) <= MAX_SMEM_BYTES
     # Interpreted, a clustered launch's splits merge through merge_splits (no clusters there).
