@@ -23,7 +23,10 @@ kernel with each compute warpgroup widening its own V (the fused FP8 form so far
 memory warpgroup widening V into its ring (one page per step, two and three stages; gridded and
 persistent). Every output is checked against a dense fp32 reference first (the unfused cascade where
 the dense weights would pass DENSE_LIMIT_BYTES); one that fails is not
-timed. The fused kernel's time leaves out its mask words (a few XLA element-wise ops).
+timed. The fused kernel's time leaves out its mask words (a few XLA element-wise ops). `--fused`
+names other kernel forms (e.g. "num_splits=2;cluster_splits=true"); each after the first is also
+compared with the first (output within 1e-2 relative, lse2 within 1e-3), and `--kv bf16` runs the
+same comparison over bf16 pools.
 """
 
 from __future__ import annotations
