@@ -1083,12 +1083,11 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
                 def merge_in_cluster(lse, piece):
                     # cluster_splits: the partial of split t (of S, this CTA's "csplit") owns output
-                    # columns block t (`per_block` pieces). It sends every other split u its pieces of
+                    # columns block t (`inbox_pieces` pieces). It sends every other split u its pieces of
                     # block u and its lse2 (broadcast over a piece's columns) into u's inbox, at slot
                     # t - (t > u), each store completing u's inbox barrier; then it waits for the
                     # S - 1 partials of its own block, merges them by LSE in split order (every CTA
                     # weighs the same way) and writes the block; split 0 also writes the lse2.
-                    per_block = pieces // splits
                     mine = [piece(j) for j in range(pieces)]  # in order: under a key split they arrive so
                     own = 0 if key_split else wg
                     lse_piece = lax.broadcast_in_dim(lse, (ROWS_PER_WG, OUT_CHUNK), [0])
@@ -1098,8 +1097,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                         def _as_split(t=t):
                             for u in (u for u in range(splits) if u != t):
                                 slot = t - (t > u)
-                                for jj in range(per_block):
-                                    plgpu.async_store_smem(mine[u * per_block + jj], inbox.at[own, slot, jj],
+                                for jj in range(inbox_pieces):
+                                    plgpu.async_store_smem(mine[u * inbox_pieces + jj], inbox.at[own, slot, jj],
                                                            inbox_ready.at[own], cluster_idx=u, cluster_dim="csplit")
                                 plgpu.async_store_smem(lse_piece, inbox_lse.at[own, slot], inbox_ready.at[own],
                                                        cluster_idx=u, cluster_dim="csplit")
@@ -1112,12 +1111,12 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                             weights = [lax.broadcast_in_dim(w, shape, [0]) for w in weights]
 
                             def merged_piece(jj):
-                                terms = [(mine[t * per_block + jj] if u == t else plgpu.load(
+                                terms = [(mine[t * inbox_pieces + jj] if u == t else plgpu.load(
                                     inbox.at[own, u - (u > t), jj], layout=plgpu.Layout.WGMMA)) * weights[u]
                                     for u in range(splits)]
                                 return functools.reduce(lambda a, x: a + x, terms)
 
-                            write_partial(merged, merged_piece, first=t * per_block, count=per_block,
+                            write_partial(merged, merged_piece, first=t * inbox_pieces, count=inbox_pieces,
                                           with_lse=t == 0)
 
                 finish = merge_in_cluster if clustered else write_partial
@@ -1231,8 +1230,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                 (_compute if role == "compute" else _memory)()
 
         if not persistent:
-            work_item(lax.axis_index("csplit" if clustered else "splits"), lax.axis_index("batch"), lax.axis_index("heads"),
-                      lax.axis_index("tiles"), role="cta")
+            work_item(lax.axis_index("csplit" if clustered else "splits"), lax.axis_index("batch"),
+                      lax.axis_index("heads"), lax.axis_index("tiles"), role="cta")
             return
         # Persistent: CTA c takes work items c, c + ctas, ... in the gridded launch order, so while one
         # item's epilogue runs the memory warpgroup already fetches the next item's first pages. Each
@@ -1286,6 +1285,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     out_staging = plgpu.SMEM((wgs, ROWS_PER_WG, out_chunk), partial_dtype, transforms=out_tf)
     x_tf = _smem_transforms(OUT_CHUNK, jnp.float32)  # fp32 pieces handed between warpgroups or CTAs
     owners = 1 if key_split else wgs  # warpgroups that write rows (under a key split warpgroup 0)
+    inbox_pieces = d // splits // OUT_CHUNK  # cluster_splits: OUT_CHUNK-column pieces of a split's block
 
     def entry(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, *rest):
         words_gmem, union_gmem = rest[:2] if fused else (None, None)
@@ -1324,10 +1324,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             # cluster_splits: each row owner's inbox (the other splits' pieces of this CTA's column
             # block, their lse2 broadcast over a piece) and its barrier, which each of those stores
             # completes (one warpgroup arrival per store).
-            *(((plgpu.SMEM((owners, splits - 1, d // splits // OUT_CHUNK, ROWS_PER_WG, OUT_CHUNK), jnp.float32,
-                           transforms=x_tf),
+            *(((plgpu.SMEM((owners, splits - 1, inbox_pieces, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=x_tf),
                 plgpu.SMEM((owners, splits - 1, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=x_tf),
-                plgpu.Barrier(num_arrivals=(splits - 1) * (d // splits // OUT_CHUNK + 1), num_barriers=owners)),)
+                plgpu.Barrier(num_arrivals=(splits - 1) * (inbox_pieces + 1), num_barriers=owners)),)
               if clustered else ()),
             collective_axes="wg",
         )
