@@ -6,8 +6,8 @@ these widths took 1.964 ms, 1.37x of its FLOP floor, the FP8 one 1.995 ms, 1.40x
 Compiled conformance passes (`benchmarks/mgpu_prefix_check.py --mla`); at DeepSeek-V3 widths
 (B=32, P=8192, N=16, 128 heads) it took 2.54 ms against the Triton latent decode's 4.26 ms, and
 its cascade 3.01 ms against 4.53 ms (XLA's dense einsum over gathered rows: 3.69 ms), so
-`MlaCascadeConfig(prefix_kernel="auto")` takes it wherever `mla_mgpu_input_errors` is empty. On the CPU its logic runs in Pallas' GPU
-interpreter against the fp32 reference (`tests/test_mla_decode_mgpu.py`); interpreted runs add P V
+`MlaCascadeConfig(prefix_kernel="auto")` takes it wherever `mla_mgpu_input_errors` is empty. On
+the CPU its logic runs in Pallas' GPU interpreter against the fp32 reference (`tests/test_mla_decode_mgpu.py`); interpreted runs add P V
 with a plain dot where the compiled kernel uses wgmma (the interpreter has no rule for the
 accumulator `run_state` idiom). The compiled path also lowers on the CPU (layout inference and the
 shared-memory check; that lowering caught a 32-key step, below wgmma's K of 64, and an over-budget
