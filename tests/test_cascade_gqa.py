@@ -434,3 +434,46 @@ def test_window_kernel_merges_the_key_splits(monkeypatch, kernel, splits, dtype,
     out = verify_attention(q, k, v, table, lengths, mask, config=cfg)
     assert seen and seen[0] >= splits  # the Mosaic kernel's warpgroup key split may add partials
     assert rel_err(out, dense) < tol and rel_err(out, merged_first) < 1e-2
+
+
+@pytest.mark.parametrize("dtype,splits,lengths", [(jnp.bfloat16, None, [100, 7]), (FP8, 2, [128, 74]),
+                                                  (FP8, None, [0, 190]), (jnp.bfloat16, 3, [129, 64])])
+def test_unfused_mosaic_cascade_keeps_the_head_layout(monkeypatch, dtype, splits, lengths):
+    """cascade.UNFUSED_HEADS_IO (the default): the unfused Mosaic cascade hands q to the prefix kernel
+    and the window kernel in head layout (`heads_io` / `heads_in`, no transposes) and still equals
+    dense attention and, to the bit, the row-layout form it replaces (P = 0, mid-page and
+    page-aligned P, key splits merged by the window kernel)."""
+    from treespec_jax.attention import cascade as cascade_module
+    d, n, page = 64, 16, 64
+    q, k, v, table, lens, mask = verify_case(np.random.default_rng(31), lengths, n, 2, 4, d, page, dtype,
+                                             q_dtype=jnp.bfloat16)
+    cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu", num_splits=splits,
+                        fuse_window=False)
+    seen = []
+    real = cascade_module.tree_window_row_layout
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("heads_in", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cascade_module, "tree_window_row_layout", spy)
+    out = verify_attention(q, k, v, table, lens, mask, config=cfg)
+    monkeypatch.setattr(cascade_module, "UNFUSED_HEADS_IO", False)
+    rows_form = verify_attention(q, k, v, table, lens, mask, config=cfg)
+    assert seen == [True, False]
+    dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=n, page_size=page, scale=d ** -0.5)
+    assert rel_err(out, dense) < (6e-2 if dtype == FP8 else 1e-2)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(rows_form, np.float32))
+
+
+def test_unfused_head_layout_needs_whole_head_io_tiles():
+    """unfused_heads_io: on where both kernels can tile the head layout (R a multiple of 64 / G, the
+    window's row tiles whole query rows) with every row's prefix to P and splits merged by the
+    window kernel; off otherwise (the row layout, transposed by XLA, still runs there)."""
+    from treespec_jax.attention.cascade import unfused_heads_io
+    assert unfused_heads_io((64, 64, 32, 128), 8, True, True)  # B=64, N=64: the issue's shape
+    assert unfused_heads_io((1, 64, 32, 128), 8, True, True)   # B=1: 16-row window tiles
+    assert not unfused_heads_io((2, 12, 8, 64), 2, True, True)  # R=12 is not a multiple of 64 / 4
+    assert not unfused_heads_io((2, 16, 24, 64), 8, True, True)  # G = 3
+    assert not unfused_heads_io((64, 64, 32, 128), 8, False, True)  # causal prefix: rows' bounds differ
+    assert not unfused_heads_io((64, 64, 32, 128), 8, True, False)  # splits merged before the window kernel

@@ -240,9 +240,10 @@ def test_fused_kernel_refusals_name_the_value():
     with pytest.raises(ValueError, match="window=8 needs window_words and window_union"):
         prefix_decode_mgpu_row_layout(q, pool, pool, table, lens, query_rows=1, group=total, page_size=PAGE,
                                       scale=0.1, window=8, interpret=True)
-    with pytest.raises(ValueError, match="heads_io needs the fused window"):
+    with pytest.raises(ValueError, match=r"heads_io without the fused window needs every row bounded by P "
+                       r"\(query_rows=1, got 16\) and the partials handed on unmerged \(merge=False, got True\)"):
         prefix_decode_mgpu_row_layout(jnp.zeros((b, 16, 8, d), jnp.bfloat16), pool, pool, table, lens,
-                                      query_rows=1, group=total, page_size=PAGE, scale=0.1, heads_io=True,
+                                      query_rows=16, group=4, page_size=PAGE, scale=0.1, heads_io=True,
                                       interpret=True)
     del sd
 

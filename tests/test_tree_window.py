@@ -1,6 +1,7 @@
 """Tree window kernel (prefix tail + masked window + merge): Pallas interpret mode against the fp32
 reference fed by a reference prefix partial; poison in every slot a row cannot see."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -324,3 +325,56 @@ def test_window_merges_unmerged_key_split_partials(splits, group, dtype):
     got = np.asarray(got, np.float32)
     assert got.shape == (b, rows, hkv * group, d) and not np.isnan(got).any()
     assert rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("rows,group,splits,block_rows,dtype", [
+    (16, 4, 0, None, jnp.bfloat16),  # 64 rows per KV head in 16-row tiles: four query rows each
+    (32, 2, 3, 64, FP8),             # three unmerged key splits, 64-row tiles spanning a head_io tile
+    (8, 8, 2, 16, jnp.bfloat16),     # G = 8: two query rows per tile
+    (64, 1, 0, 32, jnp.float32),     # G = 1: a tile is 32 query rows of one head
+])
+def test_window_reads_head_layout_inputs(rows, group, splits, block_rows, dtype):
+    """heads_in: the query and prefix partial in head layout and the lse2 in `head_io_rows` order
+    (the Mosaic prefix's heads_io output), the mask words gathered per query row, give the row-layout
+    kernel's bits; NaN in empty splits' outputs and in the poisoned output buffer never shows."""
+    from pallas_kernels.attention.prefix_decode import heads_to_rows
+    from pallas_kernels.attention.split_merge import head_io_rows
+    from pallas_kernels.attention.tree_window import tree_window_row_layout
+
+    rng = np.random.default_rng(rows * group + splits)
+    hkv, d, page = 2, 32, 16
+    q, k, v, table, lengths, mask, po, plse = window_case(rng, [0, 40, 77], rows, hkv, group, d, page, dtype)
+    q = q.astype(jnp.float32 if dtype == jnp.float32 else jnp.bfloat16)
+    b, hq, total = q.shape[0], hkv * group, rows * group
+    lead = (splits,) if splits else ()
+    out_h = rng.standard_normal(lead + (b, rows, hq, d)).astype(np.float32)
+    lse_h = (rng.standard_normal(lead + (b, rows, hq)) * 4 + 3).astype(np.float32)
+    if splits:
+        empty = rng.random(lse_h.shape) < 0.3
+        lse_h[empty] = -np.inf
+        out_h[empty] = np.nan  # an empty split's output is never read
+    lse_h[..., 0, :, :] = -np.inf  # request 0 has P = 0: the prefix saw nothing
+    out_h[..., 0, :, :, :] = np.nan
+    out_h, lse_h = jnp.asarray(out_h), jnp.asarray(lse_h)
+    kw = dict(query_rows=rows, group=group, window=rows, page_size=page, scale=d ** -0.5, value_dim=d,
+              block_rows=block_rows, interpret=True, poison_outputs=True)
+    got = tree_window_row_layout(q, k, v, table, lengths, mask, out_h, head_io_rows(lse_h, group),
+                                 heads_in=True, **kw)
+    to_rows = lambda x, fill=0.0: (jax.vmap(lambda y: heads_to_rows(y, hkv, total, fill))(x) if splits
+                                   else heads_to_rows(x, hkv, total, fill))
+    want = tree_window_row_layout(heads_to_rows(q, hkv, total), k, v, table, lengths, mask,
+                                  to_rows(out_h), to_rows(lse_h, -jnp.inf), heads_out=True, **kw)
+    got = np.asarray(got, np.float32)
+    assert got.shape == (b, rows, hq, d) and not np.isnan(got).any()
+    np.testing.assert_array_equal(got, np.asarray(want, np.float32))
+
+
+def test_window_refuses_head_layout_inputs_it_cannot_tile():
+    """heads_in names why it cannot run: lse2's head_io_rows order needs R a multiple of 64 / G, and a
+    G that divides no tile (or the MLA layout) is refused, every blocker at once."""
+    from pallas_kernels.attention.tree_window import heads_in_errors
+    assert heads_in_errors(16, 4, 16) == []
+    assert "R a multiple of 64 / G; got G=4, R=12" in heads_in_errors(12, 4, 16)[0]
+    assert "got G=3" in heads_in_errors(64, 3, 16)[0]
+    both = heads_in_errors(8, 8, 128, rope_dim=16)
+    assert len(both) == 2 and "128-row tiles of whole query rows" in both[0] and "rope_dim=16" in both[1]

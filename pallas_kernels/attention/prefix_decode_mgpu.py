@@ -539,11 +539,14 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     (position P + j, j < window) iff bit j of its own words is set, so the output is the whole
     cascade's (normalised over prefix and window; key splits still merge by LSE, from float32
     partials whatever `partial_dtype`) and `query_rows` / `group` bound nothing;
-    `heads_io` (fused only, `heads_io_errors` empty): `qr` is the query in head layout
-    `[B, R, Hq, D]` and the result `(out [B, R, Hq, D], lse2 [B, R, Hq])`: each warpgroup reads its
-    64 rows straight from it, G boxes of 64 / G query rows, one per head of the group (rows in the
-    order `head_io_rows`; `window_words` in that order), and writes its output the same way, so no
-    transpose runs on either side;
+    `heads_io` (`heads_io_errors` empty): `qr` is the query in head layout `[B, R, Hq, D]` and the
+    result `(out [B, R, Hq, D], lse2 [B, R, Hq])`: each warpgroup reads its 64 rows straight from
+    it, G boxes of 64 / G query rows, one per head of the group (rows in the order `head_io_rows`;
+    `window_words` in that order), and writes its output the same way, so no transpose runs on
+    either side. Unfused it takes `query_rows=1` (every row bounded by P) and `merge=False`, and
+    hands the window kernel (`tree_window_row_layout(heads_in=True)`) out `[B, R, Hq, D]` (or
+    `[S, B, R, Hq, D]`) with lse2 left in the kernel's `head_io_rows` order, `[B, Hkv, R * G]` (or
+    `[S, B, Hkv, R * G]`);
     `persistent`: launch at most one CTA per SM, each looping over work items (split, request, KV
     head, row tile) in the gridded launch's order, so an item's epilogue overlaps the memory
     warpgroup's fetch of the next item's first pages and its output copies the next item's work
@@ -582,8 +585,13 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                          "fused window (window > 0) does not run")
     q_in = qr
     if heads_io:
-        errors = heads_io_errors(qr.shape[1], qr.shape[2] // k_pool.shape[1]) + (
-            [] if fused else ["prefix_decode_mgpu: heads_io needs the fused window"])
+        errors = heads_io_errors(qr.shape[1], qr.shape[2] // k_pool.shape[1])
+        if not fused and (query_rows != 1 or merge):
+            # Unfused, every row must share one key bound (the kernel's rows are in head_io_rows
+            # order, not r * G + g) and the partials go to the window kernel, which reads that order.
+            errors.append(f"prefix_decode_mgpu: heads_io without the fused window needs every row bounded by P "
+                          f"(query_rows=1, got {query_rows}) and the partials handed on unmerged (merge=False, "
+                          f"got {merge})")
         if errors:
             raise ValueError("; ".join(errors))
         # The row-layout shape the kernel works in (rows in `head_io_rows` order).
@@ -1351,7 +1359,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             return out, lse
         return merge_splits(out, lse, out_dtype=merged_dtype, backend="interpret" if interpret else None,
                             heads_group=group_io)
-    return out[0], head_io_rows(lse[0], group_io, inverse=True) if heads_io else lse[0]
+    return out[0], head_io_rows(lse[0], group_io, inverse=True) if heads_io and fused else lse[0]
 
 
 def heads_io_errors(query_rows: int, group: int) -> list[str]:

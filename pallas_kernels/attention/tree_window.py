@@ -50,7 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to_rows, padded_rows,
                                                     rows_to_heads)
 from pallas_kernels.attention.reference import LOG2E, tree_window_reference
-from pallas_kernels.attention.split_merge import split_weights
+from pallas_kernels.attention.split_merge import HEAD_IO_TILE, split_weights
 from pallas_kernels.common import resolve_backend
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
@@ -91,14 +91,18 @@ def check_launch(block_rows, num_warps, num_stages, what: str):
 
 def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_size: int,
                    window: int, scale2: float, causal_prefix: bool, main_dim: int, rope_dim: int,
-                   shared_kv: bool, prefix_whole_pages: bool = False, prefix_splits: int = 0):
+                   shared_kv: bool, prefix_whole_pages: bool = False, prefix_splits: int = 0,
+                   heads_in: bool = False):
     refs = list(refs)
     plen_ref, pt_ref, q_ref = refs[:3]
     refs = refs[3:]
     qr_ref = refs.pop(0) if rope_dim else None
     k_ref = refs.pop(0)
     v_ref = None if shared_kv else refs.pop(0)
-    w0_ref, w1_ref, pout_ref, plse_ref, out_ref = refs
+    if heads_in:
+        mask_ref, pout_ref, plse_ref, out_ref = refs
+    else:
+        w0_ref, w1_ref, pout_ref, plse_ref, out_ref = refs
 
     tile = pl.program_id(0)
     head = pl.program_id(1)
@@ -108,6 +112,26 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
     rows = tile * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
     real_row = rows < query_rows * group
     r = rows // group
+    if heads_in:
+        # Tile row r * G + g is query row r, head g of this KV head. The prefix's lse2 comes in
+        # `head_io_rows` order (row 64 w + g (64 / G) + i is query row w (64 / G) + i of head g),
+        # gathered here; the mask rows are gathered per query row (no row-layout copies by XLA).
+        per = HEAD_IO_TILE // group
+        lse_at = (r // per) * HEAD_IO_TILE + (rows % group) * per + r % per
+        w0 = plgpu.load(mask_ref.at[b, r, 0])
+        w1 = plgpu.load(mask_ref.at[b, r, 1])
+    else:
+        w0 = w0_ref[...]
+        w1 = w1_ref[...]
+
+    def rows_of(x):
+        # A head-layout block [block / G, G * D] as the tile's rows [block, D] (row layout: as read).
+        return x.reshape(block_rows, x.shape[-1] // group) if heads_in else x
+
+    def prefix_lse(s=None):
+        if heads_in:
+            return plgpu.load(plse_ref.at[b, head, lse_at] if s is None else plse_ref.at[s, b, head, lse_at])
+        return plse_ref[...] if s is None else plse_ref[s, :]
     if causal_prefix:
         tail_lo = jnp.where(real_row, jnp.maximum(length - query_rows + 1 + r, 0), length)
         lo = jnp.maximum(length - query_rows + 1, 0)
@@ -120,10 +144,8 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
         tail_lo = jnp.minimum(tail_lo, whole)
         lo = jnp.minimum(lo, whole)
     hi = length + window
-    w0 = w0_ref[...]
-    w1 = w1_ref[...]
 
-    q = q_ref[...]
+    q = rows_of(q_ref[...])
     qr = qr_ref[...] if rope_dim else None
     cdt = q.dtype  # K/V (FP8 included) are widened to the query's dtype
 
@@ -137,20 +159,20 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
         # The prefix half's key-split partials [S, rows, Dv], merged into the online state by their
         # lse2 (split_merge's weights, not normalised: the state carries the sum l), so no merged
         # partial is written and read between the two kernels.
-        m, _, weights, l = split_weights([plse_ref[s, :] for s in range(prefix_splits)])
-        acc = jnp.zeros(pout_ref.shape[1:], jnp.float32)
+        m, _, weights, l = split_weights([prefix_lse(s) for s in range(prefix_splits)])
+        acc = jnp.zeros((block_rows, pout_ref.shape[-1] // group if heads_in else pout_ref.shape[-1]), jnp.float32)
         for s, w in enumerate(weights):  # an empty split (w = 0) may hold anything: masked, not multiplied
-            acc = acc + jnp.where(w[:, None] > 0, w[:, None] * pout_ref[s].astype(jnp.float32), 0.0)
+            acc = acc + jnp.where(w[:, None] > 0, w[:, None] * rows_of(pout_ref[s]).astype(jnp.float32), 0.0)
         started = (l > 0) & real_row
         m = jnp.where(started, m, -jnp.inf)
         l = jnp.where(started, l, 0.0)
         acc = jnp.where(started[:, None], acc, 0.0)
     else:
-        lse = plse_ref[...]
+        lse = prefix_lse()
         started = (lse > -jnp.inf) & real_row
         m = jnp.where(started, lse, -jnp.inf)
         l = jnp.where(started, 1.0, 0.0).astype(jnp.float32)
-        acc = jnp.where(started[:, None], pout_ref[...].astype(jnp.float32), 0.0)
+        acc = jnp.where(started[:, None], rows_of(pout_ref[...]).astype(jnp.float32), 0.0)
 
     key_iota = lax.broadcasted_iota(jnp.int32, (page_size,), 0)
 
@@ -196,6 +218,23 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
     out_ref[...] = out.reshape(out_ref.shape)
 
 
+def heads_in_errors(query_rows: int, group: int, block: int, rope_dim: int = 0) -> list[str]:
+    """Why the window kernel cannot read its query and prefix partial in head layout (`heads_in`;
+    empty: it can): the lse2 order it gathers from is `head_io_rows`' (G a power of two up to 8, R a
+    multiple of 64 / G), its `block`-row tiles must be whole query rows (`writes_head_layout`),
+    and the MLA layout (rope_dim > 0, G = Hq) has no such tiles."""
+    errors = []
+    if group & (group - 1) or not 1 <= group <= 8 or query_rows % (HEAD_IO_TILE // group):
+        errors.append(f"tree_window_attention: heads_in reads lse2 in head_io_rows order, which needs G a power of "
+                      f"two up to 8 and R a multiple of {HEAD_IO_TILE} / G; got G={group}, R={query_rows}")
+    elif not writes_head_layout(query_rows, group, block):
+        errors.append(f"tree_window_attention: heads_in needs {block}-row tiles of whole query rows "
+                      f"(R={query_rows}, G={group})")
+    if rope_dim:
+        errors.append(f"tree_window_attention: heads_in is the GQA layout, got rope_dim={rope_dim}")
+    return errors
+
+
 def window_block_rows(total_rows: int, widest_dim: int, grid_without_rows: int, block_rows=None) -> int:
     """Rows per program the window kernel takes: `block_rows`, else DEFAULT_BLOCK_ROWS, else
     `default_block_rows`; at most `total_rows`."""
@@ -213,52 +252,79 @@ def writes_head_layout(query_rows: int, group: int, block: int) -> bool:
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "window", "page_size", "scale",
                                              "causal_prefix", "rope_dim", "value_dim", "block_rows",
                                              "num_warps", "num_stages", "interpret", "poison_outputs",
-                                             "prefix_whole_pages", "heads_out"))
+                                             "prefix_whole_pages", "heads_out", "heads_in"))
 def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out_rows,
                            prefix_lse2_rows, *, query_rows: int, group: int, window: int, page_size: int,
                            scale: float, causal_prefix: bool = True, rope_dim: int = 0, value_dim: int,
                            block_rows=None, num_warps=None, num_stages=None, interpret: bool = False,
                            poison_outputs: bool = False, prefix_whole_pages: bool = False,
-                           heads_out: bool = False):
+                           heads_out: bool = False, heads_in: bool = False):
     """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, Dk]`, `mask [B, R, 2]`,
     `prefix_out_rows [B, Hkv, T, Dv]` f32 or bf16, `prefix_lse2_rows [B, Hkv, T]`, or the prefix
     half's S key-split partials unmerged, `[S, B, Hkv, T, Dv]` and `[S, B, Hkv, T]` (each program
     merges its rows' splits by lse2 as it starts), -> `[B, Hkv, T, Dv]` in qr's dtype, or with
     `heads_out` `[B, R, Hq, Dv]` (`rows_to_heads` of it): written so by the kernel where its row
     tiles allow (`writes_head_layout`), which saves the separate transpose
-    (an XLA copy of the whole output), else transposed after it. Inputs are assumed validated by
-    `tree_window_attention`."""
-    b, hkv, total, dk = qr.shape
+    (an XLA copy of the whole output), else transposed after it.
+
+    `heads_in` (GQA, `heads_in_errors` empty; implies `heads_out`): nothing is in the row layout.
+    `qr` is the query `[B, R, Hq, Dk]`, the prefix partial `[B, R, Hq, Dv]` (or `[S, B, R, Hq, Dv]`)
+    and its lse2 `[B, Hkv, R * G]` (or `[S, B, Hkv, R * G]`) in `head_io_rows` order, as the
+    Mosaic prefix writes them under `heads_io`; each program reads its rows from them, and its
+    mask words from `mask`, so no XLA transpose runs before the kernel. Inputs are assumed
+    validated by `tree_window_attention` (or, `heads_in`, by the cascade)."""
+    if heads_in:
+        b, r, hq, dk = qr.shape
+        hkv = hq // group
+        total = r * group
+    else:
+        b, hkv, total, dk = qr.shape
     r = query_rows
     shared = v_pool is None
     main_dim = dk - rope_dim
     dv = value_dim
     check_launch(block_rows, num_warps, num_stages, "tree_window_attention")
     block = window_block_rows(total, max(main_dim, dv), b * hkv, block_rows)
-    direct = heads_out and writes_head_layout(r, group, block)
+    if heads_in:
+        errors = heads_in_errors(r, group, block, rope_dim)
+        if errors:
+            raise ValueError("; ".join(errors))
+    direct = (heads_out or heads_in) and writes_head_layout(r, group, block)
     # Written in head layout, only the tiles of real rows run (padding rows have no place there).
     tiles = r * group // block if direct else total // block
 
     words = jax.lax.bitcast_convert_type(mask.astype(jnp.uint32), jnp.int32)  # [B, R, 2]
-    words = heads_to_rows(jnp.broadcast_to(words[:, :, None, :], (b, r, hkv * group, 2)), hkv, total, fill=0)
+    if not heads_in:
+        words = heads_to_rows(jnp.broadcast_to(words[:, :, None, :], (b, r, hkv * group, 2)), hkv, total, fill=0)
 
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
 
     def row_spec(width):
         if width is None:
             return pl.BlockSpec((None, None, block), lambda t, h, bb: (bb, h, t))
+        if heads_in:  # [B, R, Hq, width] viewed as [B, R, Hkv, G * width]: tile t is rows t * block / G on
+            return pl.BlockSpec((None, block // group, None, group * width), lambda t, h, bb: (bb, t, h, 0))
         return pl.BlockSpec((None, None, block, width), lambda t, h, bb: (bb, h, t, 0))
 
     splits = prefix_out_rows.shape[0] if prefix_out_rows.ndim == 5 else 0
 
     def partial_spec(width):
+        if width is None and heads_in:
+            return any_spec  # gathered in the kernel from head_io_rows order
         if not splits:
             return row_spec(width)
         if width is None:
             return pl.BlockSpec((splits, None, None, block), lambda t, h, bb: (0, bb, h, t))
+        if heads_in:
+            return pl.BlockSpec((splits, None, block // group, None, group * width),
+                                lambda t, h, bb: (0, bb, t, h, 0))
         return pl.BlockSpec((splits, None, None, block, width), lambda t, h, bb: (0, bb, h, t, 0))
 
-    args = [prefix_lengths.astype(jnp.int32), page_table.astype(jnp.int32), qr[..., :main_dim]]
+    def head_view(x):
+        # [..., B, R, Hq, D] as [..., B, R, Hkv, G * D] (a free reshape) for `row_spec` under heads_in.
+        return x.reshape(*x.shape[:-2], hkv, group * x.shape[-1]) if heads_in else x
+
+    args = [prefix_lengths.astype(jnp.int32), page_table.astype(jnp.int32), head_view(qr[..., :main_dim])]
     in_specs = [any_spec, any_spec, row_spec(main_dim)]
     if rope_dim:
         args.append(qr[..., main_dim:])
@@ -271,13 +337,18 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
     # A bf16 prefix partial is read as it is and widened in the kernel (no XLA convert).
     if prefix_out_rows.dtype != jnp.bfloat16:
         prefix_out_rows = prefix_out_rows.astype(jnp.float32)
-    args += [words[..., 0], words[..., 1], prefix_out_rows, prefix_lse2_rows.astype(jnp.float32)]
-    in_specs += [row_spec(None), row_spec(None), partial_spec(dv), partial_spec(None)]
+    if heads_in:
+        args += [words, head_view(prefix_out_rows), prefix_lse2_rows.astype(jnp.float32)]
+        in_specs += [any_spec, partial_spec(dv), partial_spec(None)]
+    else:
+        args += [words[..., 0], words[..., 1], prefix_out_rows, prefix_lse2_rows.astype(jnp.float32)]
+        in_specs += [row_spec(None), row_spec(None), partial_spec(dv), partial_spec(None)]
 
     kernel = functools.partial(
         _window_kernel, query_rows=r, group=group, block_rows=block, page_size=page_size,
         window=window, scale2=float(scale) * LOG2E, causal_prefix=causal_prefix, main_dim=main_dim,
-        rope_dim=rope_dim, shared_kv=shared, prefix_whole_pages=prefix_whole_pages, prefix_splits=splits)
+        rope_dim=rope_dim, shared_kv=shared, prefix_whole_pages=prefix_whole_pages, prefix_splits=splits,
+        heads_in=heads_in)
     if direct:
         # The output [B, R, Hq, Dv] viewed as [B, R, Hkv, G * Dv]; tile t holds rows t * block / G on.
         out_shape = jax.ShapeDtypeStruct((b, r, hkv, group * dv), qr.dtype)
@@ -404,4 +475,5 @@ def tree_window_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | N
         interpret=kind == "interpret", poison_outputs=poison_outputs, prefix_whole_pages=prefix_whole_pages)
 
 
-__all__ = ["tree_window_attention", "tree_window_row_layout", "window_block_rows", "writes_head_layout"]
+__all__ = ["tree_window_attention", "tree_window_row_layout", "window_block_rows", "writes_head_layout",
+           "heads_in_errors"]

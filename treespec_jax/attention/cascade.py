@@ -38,7 +38,8 @@ from pallas_kernels.attention.prefix_decode_mgpu import (ROWS_PER_WG, check_mgpu
                                                          fused_fp8_fits, heads_io_errors, mgpu_input_errors,
                                                          warpgroup_layout, widens_values_by_default,
                                                          prefix_decode_mgpu_row_layout)
-from pallas_kernels.attention.tree_window import tree_window_attention, tree_window_row_layout
+from pallas_kernels.attention.tree_window import (heads_in_errors, tree_window_attention, tree_window_row_layout,
+                                                  window_block_rows)
 from pallas_kernels.common import resolve_backend
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
@@ -71,6 +72,13 @@ FUSE_FP8_UNDER_ONE_WAVE = True
 # Session 9 had timed an earlier window-kernel merge (manual partial loads, against the XLA merge)
 # 1.44x slower at B=1 bf16.
 WINDOW_MERGES_SPLITS = True
+# Whether an unfused cascade under the Mosaic prefix keeps the head layout end to end where it can
+# (`heads_io_errors` and `tree_window.heads_in_errors` empty, every row's prefix run to P, the key
+# splits handed to the window kernel): the prefix kernel reads q [B, R, Hq, D] itself and writes
+# its partial in head layout, the window kernel reads both and the mask rows itself, so no XLA
+# transpose of q (nor, under FP8, a transposed cast) runs before them. At B=64, P=4096, N=64 that
+# transpose and cast read 34 MB and wrote 50 MB per call (about 20 us of 515).
+UNFUSED_HEADS_IO = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,12 +231,14 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
                          f"(a bf16 partial would coarsen a {q.dtype} output), got q {q.dtype}")
     mosaic = uses_mosaic_prefix(config, kind, q, k_pool, v_pool)
     tail = covers_tail(config.prefix_covers_tail, mosaic)
+    fuse = fuses_window(config, mosaic, tail, k_pool, q)
     return _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, window=window,
                          page_size=config.page_size, scale=scale, num_splits=config.num_splits,
                          fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret", mosaic=mosaic,
-                         prefix_covers_tail=tail, partial_dtype=config.prefix_partial_dtype,
-                         fuse_window=fuses_window(config, mosaic, tail, k_pool, q),
-                         persistent=config.persistent_prefix, window_merges=WINDOW_MERGES_SPLITS)
+                         prefix_covers_tail=tail, partial_dtype=config.prefix_partial_dtype, fuse_window=fuse,
+                         persistent=config.persistent_prefix, window_merges=WINDOW_MERGES_SPLITS,
+                         heads_io=mosaic and not fuse and unfused_heads_io(q.shape, k_pool.shape[1], tail,
+                                                                           WINDOW_MERGES_SPLITS))
 
 
 def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool, k_pool, q) -> bool:
@@ -307,10 +317,11 @@ def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> b
 
 @functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "num_splits", "fp8_score_dot",
                                              "interpret", "mosaic", "prefix_covers_tail", "partial_dtype",
-                                             "fuse_window", "persistent", "window_merges"))
+                                             "fuse_window", "persistent", "window_merges", "heads_io"))
 def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window, page_size, scale,
                   num_splits, fp8_score_dot, interpret, mosaic=False, prefix_covers_tail=False,
-                  partial_dtype="float32", fuse_window=False, persistent=None, window_merges=False):
+                  partial_dtype="float32", fuse_window=False, persistent=None, window_merges=False,
+                  heads_io=False):
     b, r, hq, d = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
@@ -327,6 +338,16 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
             union, query_rows=1, group=total, page_size=page_size, scale=scale, num_splits=num_splits,
             interpret=interpret, partial_dtype=out_dtype, window=window, heads_io=heads_io, persistent=persistent)
         return (out if heads_io else rows_to_heads(out, r, hq)).astype(q.dtype)
+    if heads_io:  # unfused_heads_io, resolved by the caller (the flags are read outside the jit)
+        # Head layout throughout: q, the prefix partial and the output are never transposed.
+        prefix_out, prefix_lse2 = prefix_decode_mgpu_row_layout(
+            q, k_pool, v_pool, page_table, prefix_lengths, query_rows=1, group=r * group, page_size=page_size,
+            scale=scale, num_splits=num_splits, interpret=interpret, partial_dtype=partial_dtype,
+            persistent=persistent, merge=False, heads_io=True)
+        return tree_window_row_layout(
+            q, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2, query_rows=r, group=group,
+            window=window, page_size=page_size, scale=scale, causal_prefix=False, value_dim=d, interpret=interpret,
+            prefix_whole_pages=True, heads_in=True)
     qr = heads_to_rows(q, hkv, mosaic_rows(r * group) if mosaic else padded_rows(r * group))
     # The prefix kernels bound row r * G + g by P - R + 1 + r; read as one query row of R * G heads,
     # every row's bound is P (`prefix_covers_tail`), and the window kernel then takes no causal tail.
@@ -349,6 +370,17 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
         query_rows=r, group=group, window=window, page_size=page_size, scale=scale,
         causal_prefix=not prefix_covers_tail,
         value_dim=d, interpret=interpret, prefix_whole_pages=mosaic, heads_out=True)
+
+
+def unfused_heads_io(q_shape, kv_heads: int, covers_tail_resolved: bool, window_merges: bool) -> bool:
+    """Whether an unfused Mosaic cascade runs in head layout (UNFUSED_HEADS_IO): both kernels can
+    (`heads_io_errors`, `heads_in_errors` at the window kernel's row tiles), every row's prefix
+    runs to P and key splits go to the window kernel unmerged. `q_shape` `[B, R, Hq, D]`."""
+    b, r, hq, d = q_shape
+    group = hq // kv_heads
+    if not (UNFUSED_HEADS_IO and covers_tail_resolved and window_merges) or heads_io_errors(r, group):
+        return False
+    return not heads_in_errors(r, group, window_block_rows(r * group, d, b * kv_heads))
 
 
 def verify_attention(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, config: CascadeConfig):
