@@ -206,6 +206,14 @@ def conformance(checks: Checks, seed=0):
                         page_size=page, prefix_kernel="mosaic_gpu", fuse_window=True, num_splits=splits))
                     checks.add(f"cascade fused window splits={splits} vs dense {name}", rel_err(fused, dense),
                                bf_tol if dtype != FP8 else 6e-2)
+                # The unfused Mosaic cascade, in head layout where both kernels can tile it
+                # (cascade.UNFUSED_HEADS_IO: every case here), one key range per CTA and three splits
+                # handed to the window kernel.
+                for splits in (1, 3):
+                    unfused = cascade_attention(q, kp, vp, table, lengths, mask, window=r, config=CascadeConfig(
+                        page_size=page, prefix_kernel="mosaic_gpu", fuse_window=False, num_splits=splits))
+                    checks.add(f"cascade unfused Mosaic splits={splits} vs dense {name}", rel_err(unfused, dense),
+                               bf_tol if dtype != FP8 else 6e-2)
             # The bf16 prefix partial through each prefix kernel that runs here (Triton always;
             # Mosaic where "auto" takes it), one key range per CTA so the partial stays bf16.
             for kernel in ("triton", "auto"):

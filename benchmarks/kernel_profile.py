@@ -2,7 +2,7 @@
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/kernel_profile.py [--shapes 1x32768x64,8x8192x16]
         [--dtypes bf16,fp8] [--splits 0,4] [--merges window,kernel,xla,kernel:1024/8] [--feeds scalar,query]
-        [--query-casts kernel,xla] [--fuse auto,off,on]
+        [--query-casts kernel,xla] [--fuse auto,off,on] [--heads on,off]
 
 A diagnostic for the small shapes, whose cascade is a few tens of microseconds: the tables' timer
 (`timing.traced_time`) gives the whole call, this says where it goes. For each shape, KV dtype and
@@ -67,6 +67,8 @@ def set_merge(merge: str):
 QUERY_CASTS = {"kernel": True, "xla": False}
 # Whether the window is fused into the Mosaic prefix kernel (--fuse): `CascadeConfig.fuse_window`.
 FUSES = {"auto": None, "off": False, "on": True}
+# Whether an unfused Mosaic cascade keeps the head layout (--heads): `cascade.UNFUSED_HEADS_IO`.
+HEADS = {"on": True, "off": False}
 
 
 def main(argv=None):
@@ -95,6 +97,9 @@ def main(argv=None):
     ap.add_argument("--fuse", default="auto",
                     help="comma list of CascadeConfig.fuse_window settings: auto (None, the default rule), off, "
                     "on; each is a form as the merges are")
+    ap.add_argument("--heads", default="on",
+                    help="comma list of cascade.UNFUSED_HEADS_IO settings (on: the unfused Mosaic cascade reads q and "
+                    "its partial in head layout, off: the row layout XLA transposes q into); each is a form")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     key = jax.random.PRNGKey(0)
@@ -106,10 +111,15 @@ def main(argv=None):
     bad_fuses = [f for f in fuses if f not in FUSES]
     if bad_fuses:
         ap.error(f"--fuse: unknown {bad_fuses}; choose from {sorted(FUSES)}")
-    forms = [(m, c, f) for m in a.merges.split(",") for c in casts for f in fuses]
+    heads = a.heads.split(",")
+    bad_heads = [h for h in heads if h not in HEADS]
+    if bad_heads:
+        ap.error(f"--heads: unknown {bad_heads}; choose from {sorted(HEADS)}")
+    forms = [(m, c, f, h) for m in a.merges.split(",") for c in casts for f in fuses for h in heads]
     failed, outs = False, {}
     defaults = (split_merge.MERGE_KERNEL, split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS,
-                cascade.WINDOW_MERGES_SPLITS, prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT)
+                cascade.WINDOW_MERGES_SPLITS, prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT,
+                cascade.UNFUSED_HEADS_IO)
     for merge in a.merges.split(","):
         set_merge(merge)  # refuses a bad entry before any work
     feeds = a.feeds.split(",")
@@ -119,20 +129,22 @@ def main(argv=None):
     for b, p, n in parse_shapes(a.shapes, 3):
         for dt in a.dtypes.split(","):
             args = cascade_inputs(key, rng, b, p, n, KV_DTYPES[dt])
-            for s, (merge, cast, fuse) in ((int(x), f) for x in a.splits.split(",") for f in forms):
+            for s, (merge, cast, fuse, head) in ((int(x), f) for x in a.splits.split(",") for f in forms):
                 set_merge(merge)
                 prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT = QUERY_CASTS[cast]
+                cascade.UNFUSED_HEADS_IO = HEADS[head]
                 jax.clear_caches()  # the flags are read when the cascade is traced
                 fn = jax.jit(lambda *x, s=s, f=FUSES[fuse]: cascade_attention(*x, window=n, config=CascadeConfig(
                     page_size=PAGE, num_splits=s or None, fuse_window=f)))
                 label = (f"B={b},P={p},N={n} {dt} splits {s or 'default'}, {merge} merge"
                          + (f", query cast by {cast}" if len(casts) > 1 else "")
-                         + (f", fuse {fuse}" if len(fuses) > 1 else ""))
+                         + (f", fuse {fuse}" if len(fuses) > 1 else "")
+                         + (f", heads {head}" if len(heads) > 1 else ""))
                 out = np.asarray(fn(*args), np.float32)
                 if not np.isfinite(out).all():
                     log(f"{label}: NON-FINITE OUTPUT")
                     failed = True
-                if (merge, cast, fuse) != forms[0]:
+                if (merge, cast, fuse, head) != forms[0]:
                     err = float(np.linalg.norm(out - outs[s]) / np.linalg.norm(outs[s]))
                     ok = err < 1e-2
                     failed |= not ok
@@ -158,7 +170,8 @@ def main(argv=None):
                     after = 1e6 * chained_time(fn, args, feed_scalar(4), inner=a.inner // 3)
                     log(f"{label}: chained_time {before:.1f} us before the traces, {after:.1f} us after")
     (split_merge.MERGE_KERNEL, split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS,
-     cascade.WINDOW_MERGES_SPLITS, prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT) = defaults
+     cascade.WINDOW_MERGES_SPLITS, prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT,
+     cascade.UNFUSED_HEADS_IO) = defaults
     return 1 if failed else 0
 
 

@@ -112,17 +112,55 @@ def test_fused_fp8_kernel_casts_the_query_itself(n, lengths, splits):
     np.testing.assert_array_equal(lse_in, lse_xla)
 
 
-def test_cast_query_refuses_all_but_the_fused_fp8_kernel():
+def test_cast_query_refuses_all_but_fp8_pools_with_16_bit_queries():
     b, hkv, total, d = 1, 2, 64, 64
     table, lens = jnp.zeros((b, 4), jnp.int32), jnp.zeros((b,), jnp.int32)
-    for pool_dtype, window, words in ((FP8, 0, None), (jnp.bfloat16, 8, (jnp.zeros((b, 2, total), jnp.int32),
-                                                                           jnp.zeros((b, 2), jnp.int32)))):
+    words = (jnp.zeros((b, 2, total), jnp.int32), jnp.zeros((b, 2), jnp.int32))
+    for pool_dtype, q_dtype, window in ((jnp.bfloat16, jnp.bfloat16, 8), (jnp.bfloat16, jnp.bfloat16, 0),
+                                        (FP8, FP8, 0)):  # an FP8 query is cast already
         pool = jnp.zeros((4 * PAGE, hkv, d), pool_dtype)
-        with pytest.raises(ValueError, match=f"cast_query=True takes the fused window .* got window={window} "
-                                             f"over {jnp.dtype(pool_dtype).name} pools"):
-            prefix_decode_mgpu_row_layout(jnp.zeros((b, hkv, total, d), jnp.bfloat16), pool, pool, table, lens,
-                                          *(words or ()), query_rows=1, group=total, page_size=PAGE, scale=0.1,
-                                          window=window, cast_query=True, interpret=True)
+        with pytest.raises(ValueError, match=f"cast_query=True takes an FP8 pool and a 16-bit query, got "
+                                             f"{jnp.dtype(q_dtype).name} queries over {jnp.dtype(pool_dtype).name}"):
+            prefix_decode_mgpu_row_layout(jnp.zeros((b, hkv, total, d), q_dtype), pool, pool, table, lens,
+                                          *(words if window else ()), query_rows=1, group=total, page_size=PAGE,
+                                          scale=0.1, window=window, cast_query=True, interpret=True)
+
+
+@pytest.mark.parametrize("r,lengths,splits,layout", [
+    (16, [50, 300], 2, "rows"),           # 64-row heads: the warpgroup key split, two key splits merged
+    (32, [0, 190], None, "rows"),         # two 64-row warpgroups per CTA; P = 0
+    (16, [300, 5, 170, 64, 0], 1, "heads_persistent"),  # head layout, 5 items over 2 CTAs, prefetched
+])
+def test_unfused_fp8_kernel_casts_the_query_itself(monkeypatch, r, lengths, splits, layout):
+    """Unfused over an FP8 pool the kernel stages the unquantised query tile and casts it
+    (`cast_query`, the default there): the bits of the query XLA casts before it (cast_query=False),
+    saturating at +-448 (entries here reach +-1600), in the row layout and in head layout under the
+    persistent launch, where each next item's tile is fetched once this one's is cast."""
+    import pallas_kernels.attention.prefix_decode_mgpu as pdm
+    from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows
+
+    monkeypatch.setattr(pdm, "num_sms", lambda: 2)
+    d, group = 64, 4
+    hkv = 2 if layout == "rows" else 1
+    q, k, v, table, lens, _ = verify_case(np.random.default_rng(r + len(lengths)), lengths, r, hkv, group, d, PAGE,
+                                          FP8, q_dtype=jnp.bfloat16)
+    q = q.at[..., :4].multiply(400.0)
+    assert np.isnan(np.asarray(q.astype(FP8).astype(jnp.float32))).any()
+    if layout == "rows":
+        qin, kw = heads_to_rows(q, hkv, padded_rows(r * group)), dict(query_rows=r, group=group)
+    else:
+        qin, kw = q, dict(query_rows=1, group=r * group, heads_io=True, merge=False, persistent=True,
+                          prefetch_query=True)
+
+    def run(cast_query):
+        out, lse = prefix_decode_mgpu_row_layout(qin, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
+                                                 num_splits=splits, cast_query=cast_query, interpret=True, **kw)
+        return np.asarray(out, np.float32), np.asarray(lse)
+
+    (out_in, lse_in), (out_xla, lse_xla) = run(None), run(False)
+    assert (lse_in > -np.inf).any() and np.isfinite(out_in).all()  # rows that saw no key are written 0
+    np.testing.assert_array_equal(out_in, out_xla)
+    np.testing.assert_array_equal(lse_in, lse_xla)
 
 
 def test_unfused_mosaic_prefix_pads_small_row_counts():

@@ -135,6 +135,12 @@ CLUSTER_SPLIT_SIZES = (2, 4, 8)
 # more kernel per call: 1.48 us of the FP8 B=8, P=8192, N=16 cascade's 50.8 on the H200, session 23,
 # query-fed, benchmarks/RESULTS.md).
 CAST_QUERY_IN_KERNEL_BY_DEFAULT = True
+# The same for an unfused kernel over an FP8 pool given a 16-bit query (`cast_query=None`): each
+# compute warpgroup stages the unquantised tile in shared memory and casts it (where that tile fits,
+# `unfused_cast_fits`), so no XLA cast of the whole query runs before the kernel (at B=64, P=4096,
+# N=64 that cast reads 34 MB and writes 17 MB per call). Under `prefetch_query` the next item's
+# tile is fetched into the staging tile as soon as this item's is cast.
+CAST_QUERY_UNFUSED_BY_DEFAULT = True
 
 # Rows of V the memory warpgroup widens per piece under `memory_widens_values`: one WGMMA-layout
 # tile (the smallest a warpgroup loads from the swizzled ring; 64 x 128 FP8 values are 64 per thread
@@ -254,17 +260,19 @@ def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: i
 
 def smem_bytes(total_rows: int, width: int, itemsize: int, block: int, stages: int,
                key_split: bool | None = None, fused_fp8: bool = False, query_tiles: int = 1,
-               memory_widens_values: bool = False, cluster_splits: int = 1) -> int:
+               memory_widens_values: bool = False, cluster_splits: int = 1, wide_query: bool = False) -> int:
     """Shared memory of one CTA (`block` keys per step): query tiles (`query_tiles` per compute
     warpgroup, with as many sets of the fused window's mask words: two under `prefetch_query`), the
     K and V rings, output staging, LSE; with 1-byte (FP8) items also each compute warpgroup's 16-bit
     copy of the step's V (`memory_widens_values`: one 16-bit V ring of `stages` steps instead), and
     (`fused_fp8`) its unquantised query tile (and, beside the V ring, its own tile of widened K,
-    which otherwise shares its copy of V's memory); with `cluster_splits` S > 1, each row-owning
-    warpgroup's inbox for the other S - 1 splits' pieces of its column block and their LSEs."""
+    which otherwise shares its copy of V's memory); unfused, with `wide_query` (the in-kernel query
+    cast) each compute warpgroup's unquantised query tile; with `cluster_splits` S > 1, each
+    row-owning warpgroup's inbox for the other S - 1 splits' pieces of its column block and their
+    LSEs."""
     wgs, _, split = warpgroup_layout(total_rows, key_split, itemsize)
     widened = (stages if memory_widens_values else wgs) * block * width * 2 if itemsize == 1 else 0
-    widened += wgs * ROWS_PER_WG * width * 2 if fused_fp8 else 0
+    widened += wgs * ROWS_PER_WG * width * 2 if fused_fp8 or wide_query else 0
     widened += wgs * block * width * 2 if fused_fp8 and memory_widens_values else 0
     owners = 1 if split else wgs
     inbox = owners * (cluster_splits - 1) * ROWS_PER_WG * (width // cluster_splits + OUT_CHUNK) * 4
@@ -563,10 +571,12 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     dividing the step's keys; None: WIDEN_ROWS), which bounds the registers a piece holds;
     `registers`: (compute, memory) warpgroup register budgets (None: `default_registers`, REGISTERS_MEMORY_WIDENS
     where the memory warpgroup widens V, else REGISTERS);
-    `cast_query` (the fused window over an FP8 pool only): each compute warpgroup casts the
-    unquantised query tile it loads for the window steps to FP8 for the prefix steps (saturating at
-    +-448, `quantize_query_for_pool`'s semantics), so the kernel reads q once and no XLA cast runs
-    before it (None: CAST_QUERY_IN_KERNEL_BY_DEFAULT; False: q is cast by XLA and read twice);
+    `cast_query` (an FP8 pool and a 16-bit query): each compute warpgroup casts the unquantised
+    query tile to FP8 for the prefix steps (saturating at +-448, `quantize_query_for_pool`'s
+    semantics), so no XLA cast runs before the kernel: fused, the tile it loads for the window
+    steps (None: CAST_QUERY_IN_KERNEL_BY_DEFAULT; False: q is cast by XLA and read twice);
+    unfused, a tile staged for it in shared memory, fetched for the next item as soon as this one's
+    is cast under `prefetch_query` (None: CAST_QUERY_UNFUSED_BY_DEFAULT where that tile fits);
     `merge=False` (unfused only): key-split partials (one per CTA split; a warpgroup key split's two
     are merged in the CTA) are handed on unmerged where there is more than one, out `[S, B, Hkv, T, D]` and lse2
     `[S, B, Hkv, T]`, for the window kernel to merge (`tree_window_row_layout`);
@@ -613,13 +623,14 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     if q_wide is not None and jnp.dtype(q_wide.dtype).itemsize != 2:
         raise ValueError(f"prefix_decode_mgpu: the fused window under an FP8 pool needs a bfloat16 or float16 "
                          f"query (its window scores use it unquantised), got {q_wide.dtype}")
-    if cast_query and not fused_fp8:
-        raise ValueError(f"prefix_decode_mgpu: cast_query=True takes the fused window (window > 0) over an FP8 pool, "
-                         f"got window={window} over {jnp.dtype(k_pool.dtype).name} pools")
-    cast_query = fused_fp8 and (CAST_QUERY_IN_KERNEL_BY_DEFAULT if cast_query is None else bool(cast_query))
-    # Cast here, the query stays unquantised (its shape is all the kernel's layout reads); the kernel's
-    # query tiles hold FP8 either way.
-    q_in = q_in if cast_query else quantize_query_for_pool(q_in, k_pool.dtype)
+    # Unfused, the kernel may cast a 16-bit query itself too (staging it in shared memory).
+    unfused_cast = fp8 and not fused and jnp.dtype(q_in.dtype).itemsize == 2
+    if cast_query and not (fused_fp8 or unfused_cast):
+        raise ValueError(f"prefix_decode_mgpu: cast_query=True takes an FP8 pool and a 16-bit query, got "
+                         f"{jnp.dtype(q_in.dtype).name} queries over {jnp.dtype(k_pool.dtype).name} pools")
+    cast_by_default = CAST_QUERY_IN_KERNEL_BY_DEFAULT if fused_fp8 else CAST_QUERY_UNFUSED_BY_DEFAULT
+    cast_asked = cast_query
+    cast_query = (fused_fp8 or unfused_cast) and (cast_by_default if cast_query is None else bool(cast_query))
     group_io = total // q_in.shape[1] if heads_io else 0  # G: heads per KV head
     rows_io = ROWS_PER_WG // group_io if heads_io else 0  # query rows per box
     max_pages = page_table.shape[1]
@@ -641,6 +652,18 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                                                                 key_split)
     pps = pages_per_step or default_pages_per_step(total, d, itemsize, page_size, stages, key_split, fused_fp8,
                                                    memory_widens_values)
+    if unfused_cast and cast_asked is None and cast_query:
+        # Unfused, by default only where the staging tile fits beside the rest.
+        cast_query = smem_bytes(total, d, itemsize, page_size * pps, stages, key_split,
+                                memory_widens_values=memory_widens_values, wide_query=True) <= MAX_SMEM_BYTES
+    # Cast here, the query stays unquantised (its shape is all the kernel's layout reads); the kernel's
+    # query tiles hold FP8 either way.
+    q_in = q_in if cast_query else quantize_query_for_pool(q_in, k_pool.dtype)
+    # Each compute warpgroup's shared-memory tile of the unquantised query: the fused FP8 window's
+    # (its window steps score it), or the unfused in-kernel cast's staging tile (`wide_query`).
+    wide_query = cast_query and not fused
+    stages_wide = q_wide is not None or wide_query
+    qw_dtype = qr.dtype if stages_wide else None
     steps = -(-max_pages // pps)  # key steps of a full page table
     splits = num_splits or default_mgpu_num_splits(b, hkv, tiles, steps)
     block = page_size * pps
@@ -687,7 +710,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     grid, grid_names = ((ctas,), ("ctas",)) if persistent else (sizes, order)
     prefetch_query = runs_prefetch_query(prefetch_query, persistent, smem_bytes(
         total, d, itemsize, block, stages, key_split, fused_fp8=fused_fp8, query_tiles=2,
-        memory_widens_values=memory_widens_values))
+        memory_widens_values=memory_widens_values, wide_query=wide_query))
     if prefetch_query and not persistent:
         raise ValueError("prefix_decode_mgpu: prefetch_query needs the persistent launch (persistent=True, or "
                          f"None with more work items than SMs), got persistent={persistent} for {items} items")
@@ -706,11 +729,13 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         raise ValueError("prefix_decode_mgpu: " + "; ".join(tuning_errors))
     # The buffers the kernel's input checks do not size: the fused FP8 window's, prefetch's.
     extras = ((["the fused window under an FP8 pool"] if fused_fp8 else [])
+              + (["cast_query's unquantised query tile"] if wide_query else [])
               + (["prefetch_query's second query tile"] if prefetch_query else [])
               + (["memory_widens_values' 16-bit V ring"] if memory_widens_values else [])
               + (["cluster_splits' inbox"] if cluster_splits else []))
     need = smem_bytes(total, d, itemsize, block, stages, key_split, fused_fp8=fused_fp8, query_tiles=qbufs,
-                      memory_widens_values=memory_widens_values, cluster_splits=splits if cluster_splits else 1)
+                      memory_widens_values=memory_widens_values, cluster_splits=splits if cluster_splits else 1,
+                      wide_query=wide_query)
     if extras and need > MAX_SMEM_BYTES:
         raise ValueError(f"prefix_decode_mgpu: {' with '.join(extras)} with pages_per_step={pps}, "
                          f"stages={stages}, head dim {d} needs {need} bytes of shared memory, more than "
@@ -732,7 +757,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             wide, k_wide = [extra[0][0]], extra[0][1]
         if fused:
             words_smem, words_ready = extra[1 if fp8 else 0:][:2]
-        if q_wide is not None:
+        if stages_wide:
             qw_smem, qw_ready = extra[-2:]
         wg = lax.axis_index("wg")
 
@@ -823,7 +848,13 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                     pl.when(k == 0)(lambda: issue_loads(bi, head, tile, qb))
                     pl.when(has_next)(lambda: issue_loads(bi_n, head_n, tile_n,
                                                           lax.rem(k + 1, jnp.int32(2)) * wgs + wg))
-                if q_wide is not None:
+                # The unquantised query tile: the fused window's for each item; the unfused cast's
+                # under prefetch_query for a CTA's first item here, each next one's once this one's
+                # is cast (below).
+                prefetches_wide = wide_query and nxt is not None
+                if prefetches_wide:
+                    pl.when(nxt[0] == 0)(lambda: load_query(qw_gmem, qw_smem.at[wg], qw_ready.at[wg], bi, head, row0))
+                elif stages_wide:
                     load_query(qw_gmem, qw_smem.at[wg], qw_ready.at[wg], bi, head, row0)
                 shape = (ROWS_PER_WG, block)
                 col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
@@ -851,15 +882,20 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                         return col + i * block < row_hi
                 if not cast_query:
                     plgpu.barrier_wait(q_ready.at[qb])
-                if q_wide is not None:
+                if stages_wide:
                     plgpu.barrier_wait(qw_ready.at[wg])
                 if cast_query:
-                    # The prefix steps' FP8 query from the window's unquantised tile (through fp32, whose
+                    # The prefix steps' FP8 query from the unquantised tile (through fp32, whose
                     # convert to E4M3 saturates; clipped first so the interpreter agrees). Nothing reads
                     # this buffer any more: the last item's scores were waited on.
                     wide_q = plgpu.load(qw_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
                     q_smem.at[qb][...] = jnp.clip(wide_q, -F8_MAX, F8_MAX).astype(F8)
-                    plgpu.commit_smem()
+                    plgpu.commit_smem()  # also: every thread has read the staging tile
+                    if prefetches_wide:
+                        _, has_next, (bi_n, head_n, tile_n) = nxt
+                        row0_n = tile_n * rows_per_cta + (0 if key_split else wg * ROWS_PER_WG)
+                        pl.when(has_next)(lambda: load_query(qw_gmem, qw_smem.at[wg], qw_ready.at[wg], bi_n, head_n,
+                                                             row0_n))
 
                 def clean_values(v, i, r0=0):
                     # V rows of step i (from its row r0) that no row of the request may see (past P +
@@ -1313,8 +1349,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             + wide_smem
             + ((plgpu.SMEM((qbufs * wgs, 2, ROWS_PER_WG), jnp.int32), plgpu.Barrier(num_barriers=qbufs * wgs))
                if fused else ())
-            + ((plgpu.SMEM((wgs, ROWS_PER_WG, d), kw_dtype, transforms=_smem_transforms(d, kw_dtype)),
-                plgpu.Barrier(num_arrivals=group_io or 1, num_barriers=wgs)) if q_wide is not None else ()),
+            + ((plgpu.SMEM((wgs, ROWS_PER_WG, d), qw_dtype, transforms=_smem_transforms(d, qw_dtype)),
+                plgpu.Barrier(num_arrivals=group_io or 1, num_barriers=wgs)) if stages_wide else ()),
             (plgpu.Barrier(num_arrivals=group_io or 1, num_barriers=qbufs * wgs),
              plgpu.Barrier(num_arrivals=pps, num_barriers=stages),
              plgpu.Barrier(num_arrivals=pps, num_barriers=stages)),
