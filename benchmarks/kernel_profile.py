@@ -62,8 +62,9 @@ def set_merge(merge: str):
     cascade.WINDOW_MERGES_SPLITS = kind == "window"
 
 
-# Where the fused FP8 kernel's prefix query is cast (--query-casts): in the kernel, from the window's
-# unquantised tile (`prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT`), or by XLA before it.
+# Where the FP8 prefix query is cast (--query-casts): in the kernel (fused, from the window's
+# unquantised tile, `prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT`; unfused, from a staged
+# one, `CAST_QUERY_UNFUSED_BY_DEFAULT`), or by XLA before it.
 QUERY_CASTS = {"kernel": True, "xla": False}
 # Whether the window is fused into the Mosaic prefix kernel (--fuse): `CascadeConfig.fuse_window`.
 FUSES = {"auto": None, "off": False, "on": True}
@@ -92,7 +93,7 @@ def main(argv=None):
     ap.add_argument("--compare", action="store_true",
                     help="also chained_time (chains of inner / 3 and inner) before and after, and traces of chains of inner / 3")
     ap.add_argument("--query-casts", default="kernel",
-                    help="comma list of where the fused FP8 kernel's prefix query is cast: kernel (the default) or "
+                    help="comma list of where the FP8 prefix query is cast: kernel (the default, fused and unfused) or "
                     "xla; each is a form as the merges are (checked against the first form's output)")
     ap.add_argument("--fuse", default="auto",
                     help="comma list of CascadeConfig.fuse_window settings: auto (None, the default rule), off, "
@@ -119,7 +120,7 @@ def main(argv=None):
     failed, outs = False, {}
     defaults = (split_merge.MERGE_KERNEL, split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS,
                 cascade.WINDOW_MERGES_SPLITS, prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT,
-                cascade.UNFUSED_HEADS_IO)
+                cascade.UNFUSED_HEADS_IO, prefix_decode_mgpu.CAST_QUERY_UNFUSED_BY_DEFAULT)
     for merge in a.merges.split(","):
         set_merge(merge)  # refuses a bad entry before any work
     feeds = a.feeds.split(",")
@@ -132,6 +133,7 @@ def main(argv=None):
             for s, (merge, cast, fuse, head) in ((int(x), f) for x in a.splits.split(",") for f in forms):
                 set_merge(merge)
                 prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT = QUERY_CASTS[cast]
+                prefix_decode_mgpu.CAST_QUERY_UNFUSED_BY_DEFAULT = QUERY_CASTS[cast]
                 cascade.UNFUSED_HEADS_IO = HEADS[head]
                 jax.clear_caches()  # the flags are read when the cascade is traced
                 fn = jax.jit(lambda *x, s=s, f=FUSES[fuse]: cascade_attention(*x, window=n, config=CascadeConfig(
@@ -171,7 +173,7 @@ def main(argv=None):
                     log(f"{label}: chained_time {before:.1f} us before the traces, {after:.1f} us after")
     (split_merge.MERGE_KERNEL, split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS,
      cascade.WINDOW_MERGES_SPLITS, prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT,
-     cascade.UNFUSED_HEADS_IO) = defaults
+     cascade.UNFUSED_HEADS_IO, prefix_decode_mgpu.CAST_QUERY_UNFUSED_BY_DEFAULT) = defaults
     return 1 if failed else 0
 
 
