@@ -216,7 +216,8 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
             page_size=config.page_size, scale=scale, causal_prefix=True, backend="reference")
         return out.astype(q.dtype)
     # Validate through the public entry points' checks, then run both kernels on the shared row
-    # layout: q is transposed once in, the output at most once out, and the f32 prefix partial never is.
+    # layout (q transposed once in, the output at most once out, the f32 prefix partial never) or,
+    # where both can tile it, on the head layout with no transposes (`unfused_heads_io`).
     check_paged_inputs(q, k_pool, v_pool, page_table, prefix_lengths, config.page_size, "cascade_attention")
     if not 1 <= window <= MAX_TREE_NODES:
         raise ValueError(f"cascade_attention: window must be in [1, {MAX_TREE_NODES}], got {window}")
