@@ -436,8 +436,8 @@ def test_window_kernel_merges_the_key_splits(monkeypatch, kernel, splits, dtype,
     assert rel_err(out, dense) < tol and rel_err(out, merged_first) < 1e-2
 
 
-@pytest.mark.parametrize("dtype,splits,lengths", [(jnp.bfloat16, None, [100, 7]), (FP8, 2, [128, 74]),
-                                                  (FP8, None, [0, 190]), (jnp.bfloat16, 3, [129, 64])])
+@pytest.mark.parametrize("dtype,splits,lengths", [(jnp.bfloat16, 3, [100, 7]), (FP8, 2, [128, 74]),
+                                                  (FP8, None, [0, 190])])
 def test_unfused_mosaic_cascade_keeps_the_head_layout(monkeypatch, dtype, splits, lengths):
     """cascade.UNFUSED_HEADS_IO (the default): the unfused Mosaic cascade hands q to the prefix kernel
     and the window kernel in head layout (`heads_io` / `heads_in`, no transposes) and still equals

@@ -127,9 +127,9 @@ def test_cast_query_refuses_all_but_fp8_pools_with_16_bit_queries():
 
 
 @pytest.mark.parametrize("r,lengths,splits,layout", [
-    (16, [50, 300], 2, "rows"),           # 64-row heads: the warpgroup key split, two key splits merged
-    (32, [0, 190], None, "rows"),         # two 64-row warpgroups per CTA; P = 0
-    (16, [300, 5, 170, 64, 0], 1, "heads_persistent"),  # head layout, 5 items over 2 CTAs, prefetched
+    (16, [50, 300], 2, "rows"),  # 64-row heads: the warpgroup key split, two key splits merged
+    # Head layout, two 64-row warpgroups per CTA (B=64's form), 5 items over 2 CTAs, prefetched; P = 0.
+    (32, [300, 5, 170, 64, 0], 1, "heads_persistent"),
 ])
 def test_unfused_fp8_kernel_casts_the_query_itself(monkeypatch, r, lengths, splits, layout):
     """Unfused over an FP8 pool the kernel stages the unquantised query tile and casts it
