@@ -334,9 +334,10 @@ def test_window_merges_unmerged_key_split_partials(splits, group, dtype):
     (64, 1, 0, 32, jnp.float32),     # G = 1: a tile is 32 query rows of one head
 ])
 def test_window_reads_head_layout_inputs(rows, group, splits, block_rows, dtype):
-    """heads_in: the query and prefix partial in head layout and the lse2 in `head_io_rows` order
-    (the Mosaic prefix's heads_io output), the mask words gathered per query row, give the row-layout
-    kernel's bits; NaN in empty splits' outputs and in the poisoned output buffer never shows."""
+    """heads_in: the query in head layout and the prefix partial and lse2 with rows in `head_io_rows`
+    order (the unfused Mosaic prefix's heads_io output), the mask words gathered per query row, give
+    the row-layout kernel's bits; NaN in empty splits' outputs and in the poisoned output buffer
+    never shows."""
     from pallas_kernels.attention.prefix_decode import heads_to_rows
     from pallas_kernels.attention.split_merge import head_io_rows
     from pallas_kernels.attention.tree_window import tree_window_row_layout
@@ -358,12 +359,18 @@ def test_window_reads_head_layout_inputs(rows, group, splits, block_rows, dtype)
     out_h, lse_h = jnp.asarray(out_h), jnp.asarray(lse_h)
     kw = dict(query_rows=rows, group=group, window=rows, page_size=page, scale=d ** -0.5, value_dim=d,
               block_rows=block_rows, interpret=True, poison_outputs=True)
-    got = tree_window_row_layout(q, k, v, table, lengths, mask, out_h, head_io_rows(lse_h, group),
-                                 heads_in=True, **kw)
     to_rows = lambda x, fill=0.0: (jax.vmap(lambda y: heads_to_rows(y, hkv, total, fill))(x) if splits
                                    else heads_to_rows(x, hkv, total, fill))
-    want = tree_window_row_layout(heads_to_rows(q, hkv, total), k, v, table, lengths, mask,
-                                  to_rows(out_h), to_rows(lse_h, -jnp.inf), heads_out=True, **kw)
+    out_rows, lse_rows = to_rows(out_h), to_rows(lse_h, -jnp.inf)  # row r * G + g
+    # head_io_rows order: row 64 w + g (64 / G) + i holds row-layout row (w (64 / G) + i) G + g.
+    t = np.arange(total)
+    per = 64 // group
+    order = ((t // 64) * per + t % per) * group + (t % 64) // per
+    np.testing.assert_array_equal(np.asarray(head_io_rows(lse_h, group)), np.asarray(lse_rows[..., order]))
+    got = tree_window_row_layout(q, k, v, table, lengths, mask, out_rows[..., order, :], lse_rows[..., order],
+                                 heads_in=True, **kw)
+    want = tree_window_row_layout(heads_to_rows(q, hkv, total), k, v, table, lengths, mask, out_rows, lse_rows,
+                                  heads_out=True, **kw)
     got = np.asarray(got, np.float32)
     assert got.shape == (b, rows, hq, d) and not np.isnan(got).any()
     np.testing.assert_array_equal(got, np.asarray(want, np.float32))

@@ -552,9 +552,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     it, G boxes of 64 / G query rows, one per head of the group (rows in the order `head_io_rows`;
     `window_words` in that order), and writes its output the same way, so no transpose runs on
     either side. Unfused it takes `query_rows=1` (every row bounded by P) and `merge=False`, and
-    hands the window kernel (`tree_window_row_layout(heads_in=True)`) out `[B, R, Hq, D]` (or
-    `[S, B, R, Hq, D]`) with lse2 left in the kernel's `head_io_rows` order, `[B, Hkv, R * G]` (or
-    `[S, B, Hkv, R * G]`);
+    hands the window kernel (`tree_window_row_layout(heads_in=True)`) out `[B, Hkv, R * G, D]` and
+    lse2 `[B, Hkv, R * G]` (or `[S, ...]` of each) with rows in the kernel's `head_io_rows` order;
     `persistent`: launch at most one CTA per SM, each looping over work items (split, request, KV
     head, row tile) in the gridded launch's order, so an item's epilogue overlaps the memory
     warpgroup's fetch of the next item's first pages and its output copies the next item's work
@@ -632,6 +631,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     cast_asked = cast_query
     cast_query = (fused_fp8 or unfused_cast) and (cast_by_default if cast_query is None else bool(cast_query))
     group_io = total // q_in.shape[1] if heads_io else 0  # G: heads per KV head
+    # Unfused, the partial is written by rows in the kernel's (head_io_rows) order, [B, Hkv, T, D]:
+    # whole contiguous boxes, which the H200 wrote faster than G boxes of 64 / G rows strided by Hq
+    # rows (the window kernel gathers its rows from that order).
+    heads_out = heads_io and fused
     rows_io = ROWS_PER_WG // group_io if heads_io else 0  # query rows per box
     max_pages = page_table.shape[1]
     wgs, rows_per_cta, key_split = warpgroup_layout(total, key_split, itemsize)
@@ -1114,7 +1117,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                         o_smem.at[wg][...] = chunk
                         plgpu.commit_smem()
                         cols = pl.ds((first + j) * out_chunk, out_chunk)
-                        if heads_io:
+                        if heads_out:
                             for g in range(group_io):
                                 plgpu.copy_smem_to_gmem(
                                     o_smem.at[wg, pl.ds(g * rows_io, rows_io)],
@@ -1377,7 +1380,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
     out, lse = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((parts,) + (q_in.shape if heads_io else (b, hkv, total, d)), partial_dtype),
+        out_type=(jax.ShapeDtypeStruct((parts,) + (q_in.shape if heads_out else (b, hkv, total, d)), partial_dtype),
                   jax.ShapeDtypeStruct((parts, b, hkv, total), jnp.float32)),
         grid=grid,
         grid_names=grid_names,
@@ -1395,7 +1398,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
             return out, lse
         return merge_splits(out, lse, out_dtype=merged_dtype, backend="interpret" if interpret else None,
                             heads_group=group_io)
-    return out[0], head_io_rows(lse[0], group_io, inverse=True) if heads_io and fused else lse[0]
+    return out[0], head_io_rows(lse[0], group_io, inverse=True) if heads_out else lse[0]
 
 
 def heads_io_errors(query_rows: int, group: int) -> list[str]:

@@ -113,11 +113,12 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
     real_row = rows < query_rows * group
     r = rows // group
     if heads_in:
-        # Tile row r * G + g is query row r, head g of this KV head. The prefix's lse2 comes in
-        # `head_io_rows` order (row 64 w + g (64 / G) + i is query row w (64 / G) + i of head g),
-        # gathered here; the mask rows are gathered per query row (no row-layout copies by XLA).
+        # Tile row r * G + g is query row r, head g of this KV head. The prefix's partial and lse2
+        # come in `head_io_rows` order (row 64 w + g (64 / G) + i is query row w (64 / G) + i of
+        # head g), gathered here by row; the mask rows are gathered per query row (no row-layout
+        # copies by XLA).
         per = HEAD_IO_TILE // group
-        lse_at = (r // per) * HEAD_IO_TILE + (rows % group) * per + r % per
+        at = (r // per) * HEAD_IO_TILE + (rows % group) * per + r % per
         w0 = plgpu.load(mask_ref.at[b, r, 0])
         w1 = plgpu.load(mask_ref.at[b, r, 1])
     else:
@@ -130,8 +131,16 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
 
     def prefix_lse(s=None):
         if heads_in:
-            return plgpu.load(plse_ref.at[b, head, lse_at] if s is None else plse_ref.at[s, b, head, lse_at])
+            return plgpu.load(plse_ref.at[b, head, at] if s is None else plse_ref.at[s, b, head, at])
         return plse_ref[...] if s is None else plse_ref[s, :]
+
+    def prefix_out(s=None):
+        if heads_in:  # a [block, Dv] gather: row index [block, 1], column index [1, Dv]
+            rows_at = at[:, None]
+            cols = lax.broadcasted_iota(jnp.int32, (1, pout_ref.shape[-1]), 1)
+            return plgpu.load(pout_ref.at[b, head, rows_at, cols] if s is None
+                              else pout_ref.at[s, b, head, rows_at, cols])
+        return pout_ref[...] if s is None else pout_ref[s]
     if causal_prefix:
         tail_lo = jnp.where(real_row, jnp.maximum(length - query_rows + 1 + r, 0), length)
         lo = jnp.maximum(length - query_rows + 1, 0)
@@ -160,9 +169,9 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
         # lse2 (split_merge's weights, not normalised: the state carries the sum l), so no merged
         # partial is written and read between the two kernels.
         m, _, weights, l = split_weights([prefix_lse(s) for s in range(prefix_splits)])
-        acc = jnp.zeros((block_rows, pout_ref.shape[-1] // group if heads_in else pout_ref.shape[-1]), jnp.float32)
+        acc = jnp.zeros((block_rows, pout_ref.shape[-1]), jnp.float32)
         for s, w in enumerate(weights):  # an empty split (w = 0) may hold anything: masked, not multiplied
-            acc = acc + jnp.where(w[:, None] > 0, w[:, None] * rows_of(pout_ref[s]).astype(jnp.float32), 0.0)
+            acc = acc + jnp.where(w[:, None] > 0, w[:, None] * prefix_out(s).astype(jnp.float32), 0.0)
         started = (l > 0) & real_row
         m = jnp.where(started, m, -jnp.inf)
         l = jnp.where(started, l, 0.0)
@@ -172,7 +181,7 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
         started = (lse > -jnp.inf) & real_row
         m = jnp.where(started, lse, -jnp.inf)
         l = jnp.where(started, 1.0, 0.0).astype(jnp.float32)
-        acc = jnp.where(started[:, None], rows_of(pout_ref[...]).astype(jnp.float32), 0.0)
+        acc = jnp.where(started[:, None], prefix_out().astype(jnp.float32), 0.0)
 
     key_iota = lax.broadcasted_iota(jnp.int32, (page_size,), 0)
 
@@ -267,12 +276,12 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
     tiles allow (`writes_head_layout`), which saves the separate transpose
     (an XLA copy of the whole output), else transposed after it.
 
-    `heads_in` (GQA, `heads_in_errors` empty; implies `heads_out`): nothing is in the row layout.
-    `qr` is the query `[B, R, Hq, Dk]`, the prefix partial `[B, R, Hq, Dv]` (or `[S, B, R, Hq, Dv]`)
-    and its lse2 `[B, Hkv, R * G]` (or `[S, B, Hkv, R * G]`) in `head_io_rows` order, as the
-    Mosaic prefix writes them under `heads_io`; each program reads its rows from them, and its
-    mask words from `mask`, so no XLA transpose runs before the kernel. Inputs are assumed
-    validated by `tree_window_attention` (or, `heads_in`, by the cascade)."""
+    `heads_in` (GQA, `heads_in_errors` empty; implies `heads_out`): `qr` is the query in head layout
+    `[B, R, Hq, Dk]`, and the prefix partial `[B, Hkv, R * G, Dv]` and its lse2 `[B, Hkv, R * G]`
+    (or `[S, ...]` of each) have their rows in `head_io_rows` order, as the Mosaic prefix writes
+    them under `heads_io` unfused; each program reads its rows from them, and its mask words from
+    `mask`, so no XLA transpose runs before the kernel. Inputs are assumed validated by
+    `tree_window_attention` (or, `heads_in`, by the cascade)."""
     if heads_in:
         b, r, hq, dk = qr.shape
         hkv = hq // group
@@ -309,19 +318,16 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
     splits = prefix_out_rows.shape[0] if prefix_out_rows.ndim == 5 else 0
 
     def partial_spec(width):
-        if width is None and heads_in:
-            return any_spec  # gathered in the kernel from head_io_rows order
+        if heads_in:
+            return any_spec  # gathered by row in the kernel from head_io_rows order
         if not splits:
             return row_spec(width)
         if width is None:
             return pl.BlockSpec((splits, None, None, block), lambda t, h, bb: (0, bb, h, t))
-        if heads_in:
-            return pl.BlockSpec((splits, None, block // group, None, group * width),
-                                lambda t, h, bb: (0, bb, t, h, 0))
         return pl.BlockSpec((splits, None, None, block, width), lambda t, h, bb: (0, bb, h, t, 0))
 
     def head_view(x):
-        # [..., B, R, Hq, D] as [..., B, R, Hkv, G * D] (a free reshape) for `row_spec` under heads_in.
+        # [B, R, Hq, D] as [B, R, Hkv, G * D] (a free reshape) for `row_spec` under heads_in.
         return x.reshape(*x.shape[:-2], hkv, group * x.shape[-1]) if heads_in else x
 
     args = [prefix_lengths.astype(jnp.int32), page_table.astype(jnp.int32), head_view(qr[..., :main_dim])]
@@ -338,7 +344,7 @@ def tree_window_row_layout(qr, k_pool, v_pool, page_table, prefix_lengths, mask,
     if prefix_out_rows.dtype != jnp.bfloat16:
         prefix_out_rows = prefix_out_rows.astype(jnp.float32)
     if heads_in:
-        args += [words, head_view(prefix_out_rows), prefix_lse2_rows.astype(jnp.float32)]
+        args += [words, prefix_out_rows, prefix_lse2_rows.astype(jnp.float32)]
         in_specs += [any_spec, partial_spec(dv), partial_spec(None)]
     else:
         args += [words[..., 0], words[..., 1], prefix_out_rows, prefix_lse2_rows.astype(jnp.float32)]
