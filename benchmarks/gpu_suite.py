@@ -46,15 +46,9 @@ FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
              "launches": ["--launches", "--shapes", "64x4096x64,32x32768x64"]}
 
 # What is still owed (`--owed`), suite name -> that module's arguments. A session that builds what it
-# cannot run lists the runs here. Session 28: the unfused Mosaic cascade in head layout
-# (cascade.UNFUSED_HEADS_IO) with the prefix casting an FP8 query itself (CAST_QUERY_UNFUSED_BY_DEFAULT),
-# both on, interpreter-tested and lowered only: compiled conformance and the FP8 B=64 / B=1 timings,
-# then the per-kernel profile of each against the row layout and the XLA cast, query-fed.
-OWED: dict[str, list[str]] = {
-    "cascade": ["--lean", "--shapes", "64x4096x64,1x32768x64", "--dtypes", "fp8"],
-    "profile": ["--shapes", "64x4096x64,1x32768x64", "--dtypes", "fp8", "--feeds", "query", "--heads", "on,off",
-                "--query-casts", "kernel,xla", "--inner", "20", "--runs", "2"],
-}
+# cannot run lists the runs here. Nothing is owed since session 28 (it ran its head-layout unfused
+# cascade on the device: conformance, timings, profile).
+OWED: dict[str, list[str]] = {}
 
 
 def main(argv=None) -> int:

@@ -76,8 +76,10 @@ WINDOW_MERGES_SPLITS = True
 # (`heads_io_errors` and `tree_window.heads_in_errors` empty, every row's prefix run to P, the key
 # splits handed to the window kernel): the prefix kernel reads q [B, R, Hq, D] itself and writes
 # its partial in head layout, the window kernel reads both and the mask rows itself, so no XLA
-# transpose of q (nor, under FP8, a transposed cast) runs before them. At B=64, P=4096, N=64 that
-# transpose and cast read 34 MB and wrote 50 MB per call (about 20 us of 515).
+# transpose of q (nor, under FP8, a transposed cast) runs before them. On the H200 (FP8, query-fed,
+# one process, session 28, benchmarks/RESULTS.md) B=64, P=4096, N=64 went from 518.2 to 500.0 us
+# per call (XLA's transpose and cast were 20.8 us) and B=1, P=32768 from 64.0 to 61.6; fed through
+# P instead, where XLA hoists that transpose out of the chain, 498.3 -> 500.9 and 63.1 -> 62.6.
 UNFUSED_HEADS_IO = True
 
 
