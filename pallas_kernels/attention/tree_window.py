@@ -125,10 +125,6 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
         w0 = w0_ref[...]
         w1 = w1_ref[...]
 
-    def rows_of(x):
-        # A head-layout block [block / G, G * D] as the tile's rows [block, D] (row layout: as read).
-        return x.reshape(block_rows, x.shape[-1] // group) if heads_in else x
-
     def prefix_lse(s=None):
         if heads_in:
             return plgpu.load(plse_ref.at[b, head, at] if s is None else plse_ref.at[s, b, head, at])
@@ -154,7 +150,9 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
         lo = jnp.minimum(lo, whole)
     hi = length + window
 
-    q = rows_of(q_ref[...])
+    q = q_ref[...]
+    if heads_in:  # the head-layout block [block / G, G * Dk] as the tile's rows [block, Dk]
+        q = q.reshape(block_rows, main_dim)
     qr = qr_ref[...] if rope_dim else None
     cdt = q.dtype  # K/V (FP8 included) are widened to the query's dtype
 
@@ -228,14 +226,14 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
 
 
 def heads_in_errors(query_rows: int, group: int, block: int, rope_dim: int = 0) -> list[str]:
-    """Why the window kernel cannot read its query and prefix partial in head layout (`heads_in`;
-    empty: it can): the lse2 order it gathers from is `head_io_rows`' (G a power of two up to 8, R a
-    multiple of 64 / G), its `block`-row tiles must be whole query rows (`writes_head_layout`),
+    """Why the window kernel cannot read its query in head layout and its prefix partial in
+    `head_io_rows` order (`heads_in`; empty: it can): that order needs G a power of two up to 8 and
+    R a multiple of 64 / G, its `block`-row tiles must be whole query rows (`writes_head_layout`),
     and the MLA layout (rope_dim > 0, G = Hq) has no such tiles."""
     errors = []
     if group & (group - 1) or not 1 <= group <= 8 or query_rows % (HEAD_IO_TILE // group):
-        errors.append(f"tree_window_attention: heads_in reads lse2 in head_io_rows order, which needs G a power of "
-                      f"two up to 8 and R a multiple of {HEAD_IO_TILE} / G; got G={group}, R={query_rows}")
+        errors.append(f"tree_window_attention: heads_in reads the partial in head_io_rows order, which needs G a "
+                      f"power of two up to 8 and R a multiple of {HEAD_IO_TILE} / G; got G={group}, R={query_rows}")
     elif not writes_head_layout(query_rows, group, block):
         errors.append(f"tree_window_attention: heads_in needs {block}-row tiles of whole query rows "
                       f"(R={query_rows}, G={group})")
