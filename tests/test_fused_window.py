@@ -348,7 +348,10 @@ def test_cluster_splits_default_takes_one_row_owner_forms(monkeypatch):
 
     assert cluster_of(16, 2, FP8) == (2,)  # the B=8 FP8 form: key split, one owner
     assert cluster_of(16, 2, jnp.bfloat16) == (2,)  # one compute warpgroup
-    assert cluster_of(16, 4, FP8) == ()  # four FP8 splits' inbox does not fit at two pages per step
+    # Four FP8 splits' inbox fits beside the default ring of one page per step (FUSED_FP8_SPLIT_RING),
+    # not beside two pages per step.
+    assert cluster_of(16, 4, FP8) == (4,)
+    assert cluster_of(16, 4, FP8, stages=2, pages_per_step=2) == ()
     assert cluster_of(16, 3, FP8) == ()  # three splits are no cluster
     assert cluster_of(64, 2, jnp.bfloat16, pages_per_step=1) == ()  # two row owners: only when asked
     assert cluster_of(16, 2, FP8, cluster_splits=False) == ()
@@ -389,3 +392,16 @@ def test_merge_weights_match_a_float64_lse_merge():
             expect = np.where(seen, np.exp2(x.astype(np.float64) - np.where(seen, want, 0.0)), 0.0)
             np.testing.assert_allclose(np.asarray(w), expect, rtol=2e-6, atol=1e-7)
         assert np.isfinite(np.asarray(jnp.stack(weights))).all()
+
+
+def test_default_ring_of_the_fused_fp8_key_split():
+    """stages=None: four stages of one 64-token page (FUSED_FP8_SPLIT_RING, timed faster on the H200)
+    for the fused window over an FP8 pool under the warpgroup key split (64-row heads); two stages
+    and the given (or default) pages per step everywhere else."""
+    from pallas_kernels.attention.prefix_decode_mgpu import FUSED_FP8_SPLIT_RING, default_ring
+    assert default_ring(64, 128, FP8, 64, True, None, None) == FUSED_FP8_SPLIT_RING == (4, 1)
+    assert default_ring(64, 128, FP8, 64, True, None, 2) == (2, 2)  # pages per step asked for
+    assert default_ring(64, 128, FP8, 64, False, None, None) == (2, None)  # unfused
+    assert default_ring(128, 128, FP8, 64, True, None, None) == (2, None)  # two row-owning warpgroups
+    assert default_ring(64, 128, jnp.bfloat16, 64, True, None, None) == (2, None)  # 16-bit pools
+    assert default_ring(64, 128, FP8, 128, True, None, None) == (2, None)  # a page is a whole step

@@ -143,6 +143,13 @@ CAST_QUERY_IN_KERNEL_BY_DEFAULT = True
 # `prefetch_query` the next item's tile is fetched into the staging tile once this item's is cast.
 CAST_QUERY_UNFUSED_BY_DEFAULT = True
 
+# The K/V ring (stages, pages per step) that `stages=None` gives the fused window over an FP8 pool
+# under the warpgroup key split (64-row heads) on 64-token pages, instead of two stages of two pages:
+# on the H200 (session 28, fused kernel with two key splits, two interleaved rounds, benchmarks/
+# RESULTS.md) it took B=8, N=16 from 48.4 to 46.9 us at P=8192 and from 31.6 to 29.1 at P=4096,
+# 2.7e-2 from dense fp32 as before.
+FUSED_FP8_SPLIT_RING = (4, 1)
+
 # Rows of V the memory warpgroup widens per piece under `memory_widens_values`: one WGMMA-layout
 # tile (the smallest a warpgroup loads from the swizzled ring; 64 x 128 FP8 values are 64 per thread
 # of the warpgroup).
@@ -448,6 +455,20 @@ def fused_fp8_fits(total_rows: int, width: int, page_size: int, stages: int = 2)
     return smem_bytes(total_rows, width, 1, pps * page_size, stages, fused_fp8=True) <= MAX_SMEM_BYTES
 
 
+def default_ring(total_rows: int, width: int, pool_dtype, page_size: int, fused: bool, key_split: bool | None,
+                 pages_per_step: int | None) -> tuple[int, int | None]:
+    """(stages, pages_per_step) for `stages=None`: FUSED_FP8_SPLIT_RING for the fused window over an
+    FP8 pool under a warpgroup key split on pages shorter than a step, where pages per step are not
+    given and the ring fits; else 2 stages and `pages_per_step` as given."""
+    itemsize = jnp.dtype(pool_dtype).itemsize
+    stages, pps = FUSED_FP8_SPLIT_RING
+    if (fused and itemsize == 1 and pages_per_step is None and page_size < STEP_KEYS
+            and warpgroup_layout(total_rows, key_split, itemsize)[2]
+            and smem_bytes(total_rows, width, 1, pps * page_size, stages, key_split, fused_fp8=True) <= MAX_SMEM_BYTES):
+        return stages, pps
+    return 2, pages_per_step
+
+
 def mgpu_input_errors(qr, k_pool, v_pool, page_size: int, stages: int = 2,
                       pages_per_step: int | None = None, key_split: bool | None = None) -> list[str]:
     """Every reason this kernel cannot take these inputs (empty: it can). Arrays or ShapeDtypeStructs;
@@ -504,7 +525,8 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
                                              "interpret"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, window_words=None, window_union=None,
                                   *, query_rows: int, group: int,
-                                  page_size: int, scale: float, stages: int = 2, num_splits: int | None = None,
+                                  page_size: int, scale: float, stages: int | None = None,
+                                  num_splits: int | None = None,
                                   pingpong: bool = True, pages_per_step: int | None = None,
                                   key_split: bool | None = None, fence_softmax: bool = False,
                                   tiles_adjacent: bool = True, overlap_softmax: bool = False,
@@ -514,7 +536,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                                   registers: tuple[int, int] | None = None, merge: bool = True,
                                   cast_query: bool | None = None, cluster_splits: bool | None = None,
                                   interpret: bool = False):
-    """See the module docstring. `stages`: K/V page buffers in flight (>= 2); `num_splits`: CTAs
+    """See the module docstring. `stages`: K/V page buffers in flight (>= 2; None: `default_ring`,
+    which also picks `pages_per_step` for the fused FP8 window under a key split); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
     `default_mgpu_num_splits`, one wave of CTAs); `pingpong`: the two compute
     warpgroups take turns on the tensor cores (one's softmax overlaps the other's matmuls);
@@ -608,6 +631,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         rq, hq_in = qr.shape[1], qr.shape[2]
         qr = jax.ShapeDtypeStruct((qr.shape[0], k_pool.shape[1], rq * hq_in // k_pool.shape[1], qr.shape[3]),
                                   qr.dtype)
+    if stages is None:
+        stages, pages_per_step = default_ring(qr.shape[2], qr.shape[3], k_pool.dtype, page_size, window > 0,
+                                              key_split, pages_per_step)
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
     check_fused_window_inputs(qr, window_words, window_union, window, overlap_softmax)
     partial_dtype = check_partial_dtype(partial_dtype, "prefix_decode_mgpu")
