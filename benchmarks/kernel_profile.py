@@ -104,18 +104,18 @@ def main(argv=None):
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     key = jax.random.PRNGKey(0)
-    casts = a.query_casts.split(",")
-    bad_casts = [c for c in casts if c not in QUERY_CASTS]
-    if bad_casts:
-        ap.error(f"--query-casts: unknown {bad_casts}; choose from {sorted(QUERY_CASTS)}")
-    fuses = a.fuse.split(",")
-    bad_fuses = [f for f in fuses if f not in FUSES]
-    if bad_fuses:
-        ap.error(f"--fuse: unknown {bad_fuses}; choose from {sorted(FUSES)}")
-    heads = a.heads.split(",")
-    bad_heads = [h for h in heads if h not in HEADS]
-    if bad_heads:
-        ap.error(f"--heads: unknown {bad_heads}; choose from {sorted(HEADS)}")
+
+    def choices(flag: str, text: str, table: dict) -> list[str]:
+        # A comma list of `table`'s keys; an unknown entry is refused by the parser, naming it.
+        entries = text.split(",")
+        bad = [e for e in entries if e not in table]
+        if bad:
+            ap.error(f"{flag}: unknown {bad}; choose from {sorted(table)}")
+        return entries
+
+    casts = choices("--query-casts", a.query_casts, QUERY_CASTS)
+    fuses = choices("--fuse", a.fuse, FUSES)
+    heads = choices("--heads", a.heads, HEADS)
     forms = [(m, c, f, h) for m in a.merges.split(",") for c in casts for f in fuses for h in heads]
     failed, outs = False, {}
     defaults = (split_merge.MERGE_KERNEL, split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS,
@@ -123,10 +123,7 @@ def main(argv=None):
                 cascade.UNFUSED_HEADS_IO, prefix_decode_mgpu.CAST_QUERY_UNFUSED_BY_DEFAULT)
     for merge in a.merges.split(","):
         set_merge(merge)  # refuses a bad entry before any work
-    feeds = a.feeds.split(",")
-    bad_feeds = [f for f in feeds if f not in FEEDS]
-    if bad_feeds:
-        ap.error(f"--feeds: unknown {bad_feeds}; choose from {sorted(FEEDS)}")
+    feeds = choices("--feeds", a.feeds, FEEDS)
     for b, p, n in parse_shapes(a.shapes, 3):
         for dt in a.dtypes.split(","):
             args = cascade_inputs(key, rng, b, p, n, KV_DTYPES[dt])

@@ -377,11 +377,11 @@ def test_window_reads_head_layout_inputs(rows, group, splits, block_rows, dtype)
 
 
 def test_window_refuses_head_layout_inputs_it_cannot_tile():
-    """heads_in names why it cannot run: lse2's head_io_rows order needs R a multiple of 64 / G, and a
-    G that divides no tile (or the MLA layout) is refused, every blocker at once."""
+    """heads_in names why it cannot run: the partial's head_io_rows order needs R a multiple of 64 / G
+    and G a power of two up to 8, tiles of whole query rows, and no MLA layout, every blocker at once."""
     from pallas_kernels.attention.tree_window import heads_in_errors
     assert heads_in_errors(16, 4, 16) == []
-    assert "R a multiple of 64 / G; got G=4, R=12" in heads_in_errors(12, 4, 16)[0]
-    assert "got G=3" in heads_in_errors(64, 3, 16)[0]
+    assert "heads_in needs R a multiple of 64 / G = 16, got R=12" in heads_in_errors(12, 4, 16)[0]
+    assert "heads_in needs a GQA group of 1, 2, 4 or 8 heads, got 3" in heads_in_errors(64, 3, 16)[0]
     both = heads_in_errors(8, 8, 128, rope_dim=16)
     assert len(both) == 2 and "128-row tiles of whole query rows" in both[0] and "rope_dim=16" in both[1]

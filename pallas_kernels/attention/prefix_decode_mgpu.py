@@ -61,7 +61,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.prefix_decode import check_partial_dtype, num_sms
 from pallas_kernels.attention.reference import quantize_query_for_pool
-from pallas_kernels.attention.split_merge import HEAD_IO_TILE, head_io_rows, merge_splits
+from pallas_kernels.attention.split_merge import (HEAD_IO_TILE, head_io_rows, head_io_rows_errors, merge_splits,
+                                                  split_weights)
 
 LOG2E = math.log2(math.e)
 F8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -389,10 +390,7 @@ def merge_weights(lses):
     """(each partial's weight normalised over all of them, the merged lse2) for partials of the
     same rows with base-2 LSEs `lses` (each [rows], fp32), as `merge_splits` merges: rows no
     partial saw get weights 0 and lse2 -inf."""
-    top = functools.reduce(jnp.maximum, lses)
-    top = jnp.where(top == -jnp.inf, 0.0, top)
-    weights = [jnp.exp2(x - top) for x in lses]
-    total = functools.reduce(lambda a, w: a + w, weights)
+    _, top, weights, total = split_weights(lses)
     total_safe = jnp.where(total > 0, total, 1.0)
     return [w / total_safe for w in weights], jnp.where(total > 0, top + log2_of(total_safe), -jnp.inf)
 
@@ -632,8 +630,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         qr = jax.ShapeDtypeStruct((qr.shape[0], k_pool.shape[1], rq * hq_in // k_pool.shape[1], qr.shape[3]),
                                   qr.dtype)
     if stages is None:
-        stages, pages_per_step = default_ring(qr.shape[2], qr.shape[3], k_pool.dtype, page_size, window > 0,
-                                              key_split, pages_per_step)
+        stages, pages_per_step = default_ring(qr.shape[2], qr.shape[3], k_pool.dtype, page_size, fused, key_split,
+                                              pages_per_step)
     check_mgpu_inputs(qr, k_pool, v_pool, page_size, stages, pages_per_step, key_split)
     check_fused_window_inputs(qr, window_words, window_union, window, overlap_softmax)
     partial_dtype = check_partial_dtype(partial_dtype, "prefix_decode_mgpu")
@@ -654,9 +652,6 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     if cast_query and not (fused_fp8 or unfused_cast):
         raise ValueError(f"prefix_decode_mgpu: cast_query=True takes an FP8 pool and a 16-bit query, got "
                          f"{jnp.dtype(q_in.dtype).name} queries over {jnp.dtype(k_pool.dtype).name} pools")
-    cast_by_default = CAST_QUERY_IN_KERNEL_BY_DEFAULT if fused_fp8 else CAST_QUERY_UNFUSED_BY_DEFAULT
-    cast_asked = cast_query
-    cast_query = (fused_fp8 or unfused_cast) and (cast_by_default if cast_query is None else bool(cast_query))
     group_io = total // q_in.shape[1] if heads_io else 0  # G: heads per KV head
     # Unfused, the partial is written by rows in the kernel's (head_io_rows) order, [B, Hkv, T, D]:
     # whole contiguous boxes, which the H200 wrote faster than G boxes of 64 / G rows strided by Hq
@@ -682,10 +677,13 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                                                                 key_split)
     pps = pages_per_step or default_pages_per_step(total, d, itemsize, page_size, stages, key_split, fused_fp8,
                                                    memory_widens_values)
-    if unfused_cast and cast_asked is None and cast_query:
+    if cast_query is None:
         # Unfused, by default only where the staging tile fits beside the rest.
-        cast_query = smem_bytes(total, d, itemsize, page_size * pps, stages, key_split,
-                                memory_widens_values=memory_widens_values, wide_query=True) <= MAX_SMEM_BYTES
+        cast_query = CAST_QUERY_IN_KERNEL_BY_DEFAULT if fused_fp8 else (
+            unfused_cast and CAST_QUERY_UNFUSED_BY_DEFAULT
+            and smem_bytes(total, d, itemsize, page_size * pps, stages, key_split,
+                           memory_widens_values=memory_widens_values, wide_query=True) <= MAX_SMEM_BYTES)
+    cast_query = bool(cast_query)
     # Cast here, the query stays unquantised (its shape is all the kernel's layout reads); the kernel's
     # query tiles hold FP8 either way.
     q_in = q_in if cast_query else quantize_query_for_pool(q_in, k_pool.dtype)
@@ -1429,13 +1427,6 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
 
 
 def heads_io_errors(query_rows: int, group: int) -> list[str]:
-    """Why the fused kernel cannot read q and write its output in head layout (empty: it can): each
-    warpgroup's 64 rows must be whole boxes of 64 / G >= 8 query rows (one shared-memory tile row
-    group), one per head, so G must be a power of two up to 8 and R a multiple of 64 / G."""
-    errors = []
-    if group & (group - 1) or not 1 <= group <= 8:
-        errors.append(f"prefix_decode_mgpu: heads_io needs a GQA group of 1, 2, 4 or 8 heads, got {group}")
-    elif query_rows % (ROWS_PER_WG // group):
-        errors.append(f"prefix_decode_mgpu: heads_io needs R a multiple of 64 / G = {ROWS_PER_WG // group}, "
-                      f"got R={query_rows}")
-    return errors
+    """Why the kernel cannot read q and write its output in head layout (empty: it can): each
+    warpgroup's 64 rows are one tile of the `head_io_rows` order (`head_io_rows_errors`)."""
+    return head_io_rows_errors(query_rows, group, "prefix_decode_mgpu: heads_io")

@@ -142,6 +142,18 @@ def head_io_rows(x, group: int, inverse: bool = False):
     return x.reshape(*shape, b, hq // group, r * group)
 
 
+def head_io_rows_errors(query_rows: int, group: int, what: str) -> list[str]:
+    """Why R query rows of G heads per KV head have no `head_io_rows` order (empty: they do): a
+    64-row tile must be whole boxes of 64 / G >= 8 query rows (one shared-memory tile row group of
+    the Mosaic kernels), one per head, so G must be a power of two up to 8 and R a multiple of
+    64 / G. `what` names the caller in the message."""
+    if group & (group - 1) or not 1 <= group <= 8:
+        return [f"{what} needs a GQA group of 1, 2, 4 or 8 heads, got {group}"]
+    if query_rows % (HEAD_IO_TILE // group):
+        return [f"{what} needs R a multiple of 64 / G = {HEAD_IO_TILE // group}, got R={query_rows}"]
+    return []
+
+
 def out_dtype_errors(out_dtype, what: str) -> list[str]:
     """Why `out_dtype` is not one of OUT_DTYPES (empty: it is), naming `what` refuses it."""
     try:

@@ -50,7 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to_rows, padded_rows,
                                                     rows_to_heads)
 from pallas_kernels.attention.reference import LOG2E, tree_window_reference
-from pallas_kernels.attention.split_merge import HEAD_IO_TILE, split_weights
+from pallas_kernels.attention.split_merge import HEAD_IO_TILE, head_io_rows_errors, split_weights
 from pallas_kernels.common import resolve_backend
 from treespec_jax.tree.masks import MAX_TREE_NODES
 
@@ -227,14 +227,11 @@ def _window_kernel(*refs, query_rows: int, group: int, block_rows: int, page_siz
 
 def heads_in_errors(query_rows: int, group: int, block: int, rope_dim: int = 0) -> list[str]:
     """Why the window kernel cannot read its query in head layout and its prefix partial in
-    `head_io_rows` order (`heads_in`; empty: it can): that order needs G a power of two up to 8 and
-    R a multiple of 64 / G, its `block`-row tiles must be whole query rows (`writes_head_layout`),
-    and the MLA layout (rope_dim > 0, G = Hq) has no such tiles."""
-    errors = []
-    if group & (group - 1) or not 1 <= group <= 8 or query_rows % (HEAD_IO_TILE // group):
-        errors.append(f"tree_window_attention: heads_in reads the partial in head_io_rows order, which needs G a "
-                      f"power of two up to 8 and R a multiple of {HEAD_IO_TILE} / G; got G={group}, R={query_rows}")
-    elif not writes_head_layout(query_rows, group, block):
+    `head_io_rows` order (`heads_in`; empty: it can): that order must exist (`head_io_rows_errors`),
+    its `block`-row tiles must be whole query rows (`writes_head_layout`), and the MLA layout
+    (rope_dim > 0, G = Hq) has no such tiles."""
+    errors = head_io_rows_errors(query_rows, group, "tree_window_attention: heads_in")
+    if not errors and not writes_head_layout(query_rows, group, block):
         errors.append(f"tree_window_attention: heads_in needs {block}-row tiles of whole query rows "
                       f"(R={query_rows}, G={group})")
     if rope_dim:

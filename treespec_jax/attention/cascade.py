@@ -240,8 +240,8 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
                          fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret", mosaic=mosaic,
                          prefix_covers_tail=tail, partial_dtype=config.prefix_partial_dtype, fuse_window=fuse,
                          persistent=config.persistent_prefix, window_merges=WINDOW_MERGES_SPLITS,
-                         heads_io=mosaic and not fuse and unfused_heads_io(q.shape, k_pool.shape[1], tail,
-                                                                           WINDOW_MERGES_SPLITS))
+                         unfused_heads=mosaic and not fuse and unfused_heads_io(q.shape, k_pool.shape[1], tail,
+                                                                                WINDOW_MERGES_SPLITS))
 
 
 def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool, k_pool, q) -> bool:
@@ -320,11 +320,11 @@ def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> b
 
 @functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "num_splits", "fp8_score_dot",
                                              "interpret", "mosaic", "prefix_covers_tail", "partial_dtype",
-                                             "fuse_window", "persistent", "window_merges", "heads_io"))
+                                             "fuse_window", "persistent", "window_merges", "unfused_heads"))
 def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window, page_size, scale,
                   num_splits, fp8_score_dot, interpret, mosaic=False, prefix_covers_tail=False,
                   partial_dtype="float32", fuse_window=False, persistent=None, window_merges=False,
-                  heads_io=False):
+                  unfused_heads=False):
     b, r, hq, d = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
@@ -341,7 +341,7 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
             union, query_rows=1, group=total, page_size=page_size, scale=scale, num_splits=num_splits,
             interpret=interpret, partial_dtype=out_dtype, window=window, heads_io=heads_io, persistent=persistent)
         return (out if heads_io else rows_to_heads(out, r, hq)).astype(q.dtype)
-    if heads_io:  # unfused_heads_io, resolved by the caller (the flags are read outside the jit)
+    if unfused_heads:  # unfused_heads_io, resolved by the caller (the flags are read outside the jit)
         # Head layout throughout: q, the prefix partial and the output are never transposed.
         prefix_out, prefix_lse2 = prefix_decode_mgpu_row_layout(
             q, k_pool, v_pool, page_table, prefix_lengths, query_rows=1, group=r * group, page_size=page_size,
@@ -381,9 +381,9 @@ def unfused_heads_io(q_shape, kv_heads: int, covers_tail_resolved: bool, window_
     runs to P and key splits go to the window kernel unmerged. `q_shape` `[B, R, Hq, D]`."""
     b, r, hq, d = q_shape
     group = hq // kv_heads
-    if not (UNFUSED_HEADS_IO and covers_tail_resolved and window_merges) or heads_io_errors(r, group):
-        return False
-    return not heads_in_errors(r, group, window_block_rows(r * group, d, b * kv_heads))
+    # heads_in_errors holds the prefix kernel's heads_io_errors (both are head_io_rows_errors).
+    return (UNFUSED_HEADS_IO and covers_tail_resolved and window_merges
+            and not heads_in_errors(r, group, window_block_rows(r * group, d, b * kv_heads)))
 
 
 def verify_attention(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, config: CascadeConfig):
