@@ -324,8 +324,9 @@ def test_cluster_split_forms_lower_to_mosaic_gpu(r, splits, heads_io, pool_dtype
 
 
 def test_cluster_splits_default_takes_one_row_owner_forms(monkeypatch):
-    """`cluster_splits=None` clusters 2 or 4 gridded key splits of 64-row heads (one warpgroup
-    writes the rows: the forms the H200 ran) where the inbox fits, and nothing else."""
+    """`cluster_splits=None` clusters 2 gridded key splits of 64-row heads (one warpgroup writes the
+    rows: the forms the H200 ran fast) where the inbox fits, and nothing else; 4 splits cluster only
+    when asked (their clusters lost the H200's single wave)."""
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
     import pallas_kernels.attention.prefix_decode_mgpu as pdm
 
@@ -349,9 +350,11 @@ def test_cluster_splits_default_takes_one_row_owner_forms(monkeypatch):
     assert cluster_of(16, 2, FP8) == (2,)  # the B=8 FP8 form: key split, one owner
     assert cluster_of(16, 2, jnp.bfloat16) == (2,)  # one compute warpgroup
     # Four FP8 splits' inbox fits beside the default ring of one page per step (FUSED_FP8_SPLIT_RING),
-    # not beside two pages per step.
-    assert cluster_of(16, 4, FP8) == (4,)
-    assert cluster_of(16, 4, FP8, stages=2, pages_per_step=2) == ()
+    # not beside two pages per step; by default they are not clustered.
+    assert cluster_of(16, 4, FP8) == ()
+    assert cluster_of(16, 4, FP8, cluster_splits=True) == (4,)
+    with pytest.raises(ValueError, match="inbox"):
+        cluster_of(16, 4, FP8, cluster_splits=True, stages=2, pages_per_step=2)
     assert cluster_of(16, 3, FP8) == ()  # three splits are no cluster
     assert cluster_of(64, 2, jnp.bfloat16, pages_per_step=1) == ()  # two row owners: only when asked
     assert cluster_of(16, 2, FP8, cluster_splits=False) == ()

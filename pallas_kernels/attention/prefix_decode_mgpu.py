@@ -129,6 +129,12 @@ PREFETCH_QUERY_BY_DEFAULT = True
 CLUSTER_SPLITS_BY_DEFAULT = True
 # Key splits one cluster may hold: a power of two up to the portable cluster size (8).
 CLUSTER_SPLIT_SIZES = (2, 4, 8)
+# The cluster sizes `cluster_splits=None` takes. Four-CTA clusters lose their one wave: on the H200
+# (FP8, B=4, P=8192, N=16, four splits, 128 CTAs of one SM each, two interleaved rounds, session 29,
+# benchmarks/RESULTS.md) the clustered kernel took 58.4 us against 30.3 unclustered with the merge
+# kernel, as if a cluster must find four free SMs of one GPC and a second wave runs what does not
+# fit; two-CTA clusters gain (above). Larger clusters stay available when asked.
+CLUSTER_SPLIT_DEFAULT_SIZES = (2,)
 
 # Whether `cast_query=None` has the fused kernel over an FP8 pool derive the prefix's FP8 query tile
 # from the unquantised tile it loads for the window steps (saturated to E4M3's +-448, as
@@ -705,9 +711,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     if cluster_splits is None:
         # By default only where one warpgroup writes the CTA's rows (64-row heads: the forms the H200
         # checked and timed); two row-owning warpgroups clustered are lowered, not yet run.
-        cluster_splits = CLUSTER_SPLITS_BY_DEFAULT and not cluster_errors and (key_split or wgs == 1) and smem_bytes(
-            total, d, itemsize, block, stages, key_split, fused_fp8=fused_fp8,
-            memory_widens_values=memory_widens_values, cluster_splits=splits) <= MAX_SMEM_BYTES
+        cluster_splits = (CLUSTER_SPLITS_BY_DEFAULT and not cluster_errors and splits in CLUSTER_SPLIT_DEFAULT_SIZES
+                          and (key_split or wgs == 1) and smem_bytes(
+                              total, d, itemsize, block, stages, key_split, fused_fp8=fused_fp8,
+                              memory_widens_values=memory_widens_values, cluster_splits=splits) <= MAX_SMEM_BYTES)
     # Interpreted, a clustered launch's splits merge through merge_splits (no clusters there).
     clustered = bool(cluster_splits) and not interpret
     # Under a warpgroup key split warpgroup 1 hands its (out, lse2) to warpgroup 0, which merges the
