@@ -44,8 +44,8 @@ TMA copies of one or two pages (`pages_per_step`) of K and of V per step into a 
 buffers, reading each page id from the table, and waits until every compute warpgroup that reads
 a buffer (both, or under a key split the step's owner) released it before refilling it. Steps whose keys every row of a warpgroup sees run without masks. A
 small grid splits the key axis; the partials merge by LSE (`split_merge.merge_splits`), or, under
-the fused window with 2 or 4 gridded splits, inside one thread-block cluster of the splits' CTAs
-(`cluster_splits`).
+the fused window with 2 gridded splits (4 or 8 when asked), inside one thread-block cluster of
+the splits' CTAs (`cluster_splits`).
 """
 
 from __future__ import annotations
@@ -613,7 +613,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     (`plgpu.async_store_smem`, completing a barrier there), merges the S partials of its own
     block by LSE in fp32 and writes it in `partial_dtype`: no merge kernel runs and no float32
     partial goes through memory (None: CLUSTER_SPLITS_BY_DEFAULT where `cluster_split_errors` is
-    empty and the inbox fits shared memory; Pallas' GPU interpreter has no clusters, so there the
+    empty, the split count is in CLUSTER_SPLIT_DEFAULT_SIZES and the inbox fits shared memory; Pallas' GPU interpreter has no clusters, so there the
     splits merge through `merge_splits` whatever this says);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     fused = window > 0
