@@ -613,8 +613,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     (`plgpu.async_store_smem`, completing a barrier there), merges the S partials of its own
     block by LSE in fp32 and writes it in `partial_dtype`: no merge kernel runs and no float32
     partial goes through memory (None: CLUSTER_SPLITS_BY_DEFAULT where `cluster_split_errors` is
-    empty, the split count is in CLUSTER_SPLIT_DEFAULT_SIZES and the inbox fits shared memory; Pallas' GPU interpreter has no clusters, so there the
-    splits merge through `merge_splits` whatever this says);
+    empty, the split count is in CLUSTER_SPLIT_DEFAULT_SIZES and the inbox fits shared memory;
+    Pallas' GPU interpreter has no clusters, so there the splits merge through `merge_splits`
+    whatever this says);
     `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
     fused = window > 0
     if fused and not merge:
