@@ -80,7 +80,7 @@ TREE_ALGORITHMS = DRAFTER_ALGORITHMS
 LINEAR_ATTENTION_KINDS = ("none",) + _LINEAR_KINDS
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")
 # "auto" picks by model: the GQA cascade for softmax-attention targets, the latent cascade for MLA.
-ATTENTION_BACKENDS = ("auto", "cascade", "mla_cascade")
+ATTENTION_BACKENDS = ("auto", "cascade", "mla_cascade", "dense")
 # Kept literal (not imported from pallas_kernels.common) so the CLI starts without importing jax;
 # tests/test_config.py checks the two agree.
 KERNEL_BACKENDS = ("pallas", "interpret", "reference")

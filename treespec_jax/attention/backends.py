@@ -39,12 +39,21 @@ class MlaCascadeBackend(CascadeBackend):
     name: str = "mla_cascade"
 
 
+@dataclass(frozen=True, eq=False)
+class DenseBackend(CascadeBackend):
+    """fp32 dense masked attention over the gathered pages (`models.attention`, kind "dense"):
+    the reference the kernel path is tested against; verify and lanes by construction."""
+
+    name: str = "dense"
+
+
 # `--attention-backend` / `--drafter-attention-backend` choices -> backend node class. "auto" is
 # the GQA cascade until model configs say which attention a model has.
 ATTENTION_BACKEND_NODES: dict[str, type[CascadeBackend]] = {
     "auto": CascadeBackend,
     "cascade": CascadeBackend,
     "mla_cascade": MlaCascadeBackend,
+    "dense": DenseBackend,
 }
 
 

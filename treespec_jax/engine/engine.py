@@ -1,0 +1,452 @@
+"""`Engine`: models, drafter, pools and the jitted round behind `decode` and `stream`.
+
+Construction resolves everything that can refuse a run before any pool is allocated: the
+config's rules and tree-capability blockers (`support.check_startup`), then the facts only the
+models know (head sizes the kernels need, drafter / target fit, context against the page table),
+all reported together as one `ConfigError`.
+
+`decode(requests)` runs continuous batching over B static slots: a request joins when a slot
+and its pages are free (prefill runs as its own steps, never mixed into a decode batch), the
+jitted round advances every running request, and the host reads one `StepOutput` per step,
+appends the committed tokens, and finishes requests on max_new_tokens, stop tokens / strings or
+EOS, releasing their slot and pages. `stream(requests)` yields text as it commits.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from treespec_jax.cache.pools import BufferSpec, CacheGroupSpec, LayerKV
+from treespec_jax.cache.routing import CompactionRouter
+from treespec_jax.config import ConfigError, ServeConfig
+from treespec_jax.drafter.base import Drafter
+from treespec_jax.engine.round import DecodeState, Round, RoundShape, bootstrap_tree
+from treespec_jax.engine.scheduler import PageAllocator, pages_needed, table_row
+from treespec_jax.engine.stats import RequestStats, RunStats
+from treespec_jax.models.attention import PagedAttention
+from treespec_jax.models.config import LlamaConfig
+from treespec_jax.models.llama import LlamaModel, kv_buffer_names
+from treespec_jax.sampling.keyed import SamplingParams, sample_at
+
+KV_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn"}
+FINISH_REASONS = ("length", "stop", "eos", "refused")
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request. Sampling fields left None take the config's defaults."""
+
+    prompt: str | Sequence[int] | None = None  # text (tokenized) or token ids
+    messages: Sequence[dict] | None = None  # chat messages, rendered with the chat template
+    max_new_tokens: int = 128  # generated tokens at most
+    temperature: float | None = None  # 0 = greedy
+    top_k: int | None = None  # 0 / -1 = off
+    top_p: float | None = None  # 1 = off
+    seed: int | None = None  # keyed-sampling seed; None = the config's seed
+    stop: Sequence[str] = ()  # stop strings (the text ends before the first one)
+    stop_token_ids: Sequence[int] = ()  # tokens that end the reply (kept in tokens, not in text)
+    ignore_eos: bool = False  # do not stop at the model's EOS tokens
+
+
+@dataclasses.dataclass
+class Completion:
+    """The result of one request."""
+
+    tokens: list[int]  # generated token ids
+    text: str  # detokenized reply ("" without a tokenizer)
+    finish_reason: str  # one of FINISH_REASONS
+    prompt_tokens: int  # prompt length in tokens
+    stats: RequestStats  # acceptance of this request's rounds
+    error: str | None = None  # why a refused request was refused
+
+
+@dataclasses.dataclass
+class StreamEvent:
+    """A piece of one request's output as it commits."""
+
+    index: int  # the request's position in the list passed to stream()
+    text: str  # newly committed text
+    tokens: list[int]  # newly committed tokens
+    finished: Completion | None = None  # set on the request's last event
+
+
+@dataclasses.dataclass
+class _Running:
+    index: int
+    request: Request
+    prompt: list[int]
+    pages: list[int]
+    limit: int
+    stops: frozenset
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    stats: RequestStats = None
+    emitted_text: str = ""
+    finish: str | None = None
+
+
+def _kv_dtype(config: ServeConfig) -> str:
+    return KV_DTYPES[config.kv_dtype]
+
+
+def _head_dim_problems(name: str, cfg, kind: str) -> list[str]:
+    d = cfg.head_dim
+    if kind == "cascade" and (d < 16 or d & (d - 1)):
+        return [f"{name} head_dim {d}: the cascade kernels need a power of two >= 16 (use --attention-backend dense)"]
+    return []
+
+
+class Engine:
+    """Serving engine over one target and an optional drafter (see module docstring)."""
+
+    def __init__(self, config: ServeConfig, target_cfg: LlamaConfig, target_params: dict,
+                 drafter: Drafter | None = None, draft_params: dict | None = None, tokenizer: Any = None):
+        from treespec_jax.support import check_startup
+
+        problems: list[str] = []
+        try:
+            check_startup(config)
+        except ConfigError as err:
+            problems += err.problems
+        sp = config.speculative
+        kind = "dense" if config.backends.attention_backend == "dense" else "cascade"
+        problems += _head_dim_problems("target", target_cfg, kind)
+        if sp.enabled and drafter is None:
+            problems.append(f"speculative algorithm {sp.algorithm} needs a drafter (a draft model directory)")
+        if not sp.enabled and drafter is not None:
+            problems.append("a drafter was given but the speculative algorithm is NONE")
+        if drafter is not None and hasattr(drafter, "head_cfg"):
+            problems += _head_dim_problems("drafter", drafter.head_cfg, kind)
+        if config.parallel.tp_size != 1:
+            problems.append(f"tp_size={config.parallel.tp_size}: tensor parallelism is not available in this engine yet")
+        context = config.model.context_length or target_cfg.max_position_embeddings
+        if context > target_cfg.max_position_embeddings:
+            problems.append(f"context_length {context} exceeds the model's {target_cfg.max_position_embeddings}")
+        if config.sampling.backend == "greedy" and config.sampling.temperature != 0:
+            problems.append(f"sampling backend greedy needs temperature 0, the default is {config.sampling.temperature}")
+        if problems:
+            raise ConfigError(problems)
+
+        self.config = config
+        self.tokenizer = tokenizer
+        self.target_cfg = target_cfg
+        self.num_nodes = sp.verify_tokens if sp.enabled else 1
+        self.page_size = config.kv_cache.page_size
+        self.slots = config.scheduler.max_running_requests
+        self.context = context
+        self.table_width = pages_needed(context, self.num_nodes, self.page_size)
+        if config.kv_cache.max_total_tokens is not None:
+            num_pages = -(-config.kv_cache.max_total_tokens // self.page_size) + 1
+        else:
+            num_pages = self.slots * self.table_width + 1
+        self.num_pages = num_pages
+        self.chunk = min(config.scheduler.chunked_prefill_size, 256)
+
+        backend = None if config.backends.kernel_backend == "pallas" else config.backends.kernel_backend
+        self.attention = PagedAttention(self.page_size, kind=kind, kernel_backend=backend,
+                                        prefix_kernel=config.backends.prefix_kernel)
+        if drafter is not None and getattr(drafter, "attention", self.attention) != self.attention:
+            raise ConfigError([f"drafter attention {drafter.attention} differs from the target's {self.attention}"])
+        feature_layers = drafter.feature_layers if drafter is not None else ()
+        self.target = LlamaModel(target_cfg, self.attention, feature_layers)
+        self.drafter = drafter
+        self.params = {"target": target_params, "draft": draft_params}
+        names = kv_buffer_names(target_cfg.num_layers)
+        dtype = _kv_dtype(config)
+        row = (target_cfg.num_kv_heads, target_cfg.head_dim)
+        self.group = CacheGroupSpec(
+            "target", self.page_size, num_pages,
+            tuple(BufferSpec(n, row, dtype) for kv in names for n in kv),
+            tuple(LayerKV(i, k, v) for i, (k, v) in enumerate(names)))
+        self.router = CompactionRouter([self.group])
+        shape = RoundShape(self.num_nodes, sp.topk, sp.steps, config.sampling.backend)
+        self.round = Round(self.target, drafter, shape, self.router, move_backend=backend)
+        self.state = self._fresh_state()
+        self.allocator = PageAllocator(num_pages)
+        self._step = jax.jit(self.round.step, donate_argnums=(1,))
+        self._prefill = jax.jit(self._prefill_chunk, donate_argnums=(1,))
+        self._draft_prefill = jax.jit(self._draft_prefill_chunk, donate_argnums=(1,))
+        self._admit = jax.jit(self._admit_slot, donate_argnums=(0,))
+        self._release = jax.jit(self._release_slot, donate_argnums=(0,))
+        self._first_token = jax.jit(sample_at)
+        self.last_run: RunStats | None = None
+
+    # ---- construction from checkpoints -------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, target_dir, draft_dir=None, config: ServeConfig | None = None) -> "Engine":
+        """Loads an HF-layout (or GGUF) target and an EAGLE-3 head; `config` defaults to a
+        chain-free plain decode unless a draft directory is given (then EAGLE-3, K=4, S=5, N=16)."""
+        from treespec_jax.engine.loading import load_pair
+
+        return load_pair(cls, target_dir, draft_dir, config)
+
+    # ---- state ---------------------------------------------------------------------------
+
+    def _fresh_state(self) -> DecodeState:
+        b, n = self.slots, self.num_nodes
+        pools = {buf.name: jnp.zeros(self.group.pool_shape(buf.name), jnp.dtype(buf.dtype)) for buf in self.group.buffers}
+        draft_pools = {}
+        if self.drafter is not None:
+            dtype = _kv_dtype(self.config)
+            slots = self.num_pages * self.page_size
+            draft_pools = {name: jnp.zeros((slots,) + row, jnp.dtype(dtype))
+                           for name, (row, _) in self.drafter.pool_specs().items()}
+        tokens, parents = bootstrap_tree(jnp.zeros((b,), jnp.int32), n)
+        return DecodeState(
+            target_pools=pools, draft_pools=draft_pools, page_table=jnp.zeros((b, self.table_width), jnp.int32),
+            lengths=jnp.zeros((b,), jnp.int32), tree_tokens=tokens, tree_parents=parents,
+            active=jnp.zeros((b,), bool), seeds=jnp.zeros((b,), jnp.int32),
+            sampling=SamplingParams(jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32)))
+
+    def _prefill_chunk(self, params, state: DecodeState, tokens, table, start, valid):
+        logits, features, pools = self.target.prefill(params["target"], state.target_pools, tokens, table, start, valid)
+        return state.replace(target_pools=pools), logits[:, 0], features
+
+    def _draft_prefill_chunk(self, params, state: DecodeState, tokens, next_tokens, features, table, start, valid):
+        pools = self.drafter.prefill(params["draft"], dict(state.draft_pools), tokens, next_tokens, features, table,
+                                     start, valid)
+        return state.replace(draft_pools=pools)
+
+    def _admit_slot(self, state: DecodeState, slot, row, length, root, seed, temperature, top_k, top_p):
+        tokens, parents = bootstrap_tree(root[None], self.num_nodes)
+        sp = state.sampling
+        return state.replace(
+            page_table=state.page_table.at[slot].set(row), lengths=state.lengths.at[slot].set(length),
+            tree_tokens=state.tree_tokens.at[slot].set(tokens[0]), tree_parents=state.tree_parents.at[slot].set(parents[0]),
+            active=state.active.at[slot].set(True), seeds=state.seeds.at[slot].set(seed),
+            sampling=SamplingParams(sp.temperature.at[slot].set(temperature), sp.top_k.at[slot].set(top_k),
+                                    sp.top_p.at[slot].set(top_p)))
+
+    def _release_slot(self, state: DecodeState, slot):
+        return state.replace(page_table=state.page_table.at[slot].set(0), active=state.active.at[slot].set(False),
+                             lengths=state.lengths.at[slot].set(0))
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def _prompt_ids(self, req: Request) -> list[int]:
+        if (req.prompt is None) == (req.messages is None):
+            raise ValueError("a request needs exactly one of prompt and messages")
+        if req.messages is not None:
+            if self.tokenizer is None:
+                raise ValueError("chat messages need a tokenizer")
+            text = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True)
+            return list(self.tokenizer.encode(text))
+        if isinstance(req.prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids")
+            return list(self.tokenizer.encode(req.prompt))
+        return [int(t) for t in req.prompt]
+
+    def _sampling_of(self, req: Request) -> tuple[float, int, float, int]:
+        s = self.config.sampling
+        temperature = s.temperature if req.temperature is None else float(req.temperature)
+        top_k = s.top_k if req.top_k is None else int(req.top_k)
+        top_p = s.top_p if req.top_p is None else float(req.top_p)
+        seed = self.config.seed if req.seed is None else int(req.seed)
+        return temperature, max(top_k, 0), top_p, seed
+
+    def _refusal(self, req: Request, prompt: list[int]) -> str | None:
+        """Why a request cannot be served (every reason), or None."""
+        reasons = []
+        temperature, top_k, top_p, seed = self._sampling_of(req)
+        if req.max_new_tokens < 1:
+            reasons.append(f"max_new_tokens={req.max_new_tokens} must be >= 1")
+        if not prompt:
+            reasons.append("the prompt is empty")
+        vocab = self.target_cfg.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            reasons.append(f"prompt token ids {bad[:5]} outside [0, {vocab})")
+        if not (np.isfinite(temperature) and temperature >= 0):
+            reasons.append(f"temperature={temperature} must be finite and >= 0")
+        if self.config.sampling.backend == "greedy" and temperature != 0:
+            reasons.append(f"temperature={temperature} under the greedy sampling backend (use gumbel or rejection)")
+        if not 0 < top_p <= 1:
+            reasons.append(f"top_p={top_p} must lie in (0, 1]")
+        if not 0 <= seed < 2**31:
+            reasons.append(f"seed={seed} must lie in [0, 2^31)")
+        limit = len(prompt) + req.max_new_tokens
+        if limit > self.context:
+            reasons.append(f"prompt ({len(prompt)}) + max_new_tokens ({req.max_new_tokens}) = {limit} exceeds the "
+                           f"context length {self.context}")
+        need = pages_needed(limit, self.num_nodes, self.page_size)
+        if need > self.num_pages - 1:
+            reasons.append(f"needs {need} pages of {self.page_size} tokens, the pool has {self.num_pages - 1}")
+        return "; ".join(reasons) or None
+
+    def _stop_ids(self, req: Request) -> frozenset:
+        ids = set(int(t) for t in req.stop_token_ids)
+        if not req.ignore_eos:
+            ids |= set(self.target_cfg.eos_token_ids)
+            if self.tokenizer is not None:
+                ids |= set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+        return frozenset(ids)
+
+    def _text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+
+    # ---- the serving loop -----------------------------------------------------------------
+
+    def _start(self, run: _Running, slot: int, run_stats: RunStats) -> None:
+        """Prefill (target, then drafter), draw the first token, admit into `slot`."""
+        t0 = time.perf_counter()
+        prompt = run.prompt
+        row = table_row(run.pages, self.table_width)[None]
+        table = jnp.asarray(row)
+        c = self.chunk
+        chunks = []
+        logits = None
+        for start in range(0, len(prompt), c):
+            piece = prompt[start:start + c]
+            toks = np.zeros((1, c), np.int32)
+            toks[0, :len(piece)] = piece
+            self.state, logits, features = self._prefill(self.params, self.state, jnp.asarray(toks), table,
+                                                         jnp.array([start], jnp.int32), jnp.array([len(piece)], jnp.int32))
+            chunks.append((start, toks, len(piece), features))
+        temperature, top_k, top_p, seed = self._sampling_of(run.request)
+        params = SamplingParams.create(jnp.array([temperature]), jnp.array([top_k]), jnp.array([top_p]))
+        first = int(self._first_token(logits, jnp.array([seed], jnp.int32), jnp.array([len(prompt)], jnp.int32),
+                                      params)[0])
+        if self.drafter is not None:
+            shifted = list(prompt[1:]) + [first]
+            for start, toks, valid, features in chunks:
+                nxt = np.zeros((1, c), np.int32)
+                nxt[0, :valid] = shifted[start:start + valid]
+                self.state = self._draft_prefill(self.params, self.state, jnp.asarray(toks), jnp.asarray(nxt),
+                                                 features, table, jnp.array([start], jnp.int32),
+                                                 jnp.array([valid], jnp.int32))
+        self.state = self._admit(self.state, slot, jnp.asarray(row[0]), len(prompt), jnp.int32(first), seed,
+                                 jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+        jax.block_until_ready(self.state.lengths)
+        run_stats.prefill_s += time.perf_counter() - t0
+        run_stats.prompt_tokens += len(prompt)
+        run_stats.generated_tokens += len(self._append(run, [first]))
+
+    def _append(self, run: _Running, tokens: list[int]) -> list[int]:
+        """Adds committed tokens up to the first stop / the limit; returns those kept."""
+        kept = []
+        for t in tokens:
+            if run.finish is not None:
+                break
+            run.tokens.append(int(t))
+            kept.append(int(t))
+            if int(t) in run.stops:
+                run.finish = "eos" if int(t) not in run.request.stop_token_ids else "stop"
+            elif len(run.tokens) >= run.request.max_new_tokens:
+                run.finish = "length"
+        if run.request.stop and self.tokenizer is not None:
+            text = self._text(run.tokens)
+            hits = [text.find(s) for s in run.request.stop if s and text.find(s) >= 0]
+            if hits:
+                run.finish = "stop"
+        return kept
+
+    def _final_text(self, run: _Running) -> str:
+        tokens = run.tokens
+        if run.finish == "eos" or (run.finish == "stop" and tokens and tokens[-1] in run.stops):
+            tokens = tokens[:-1]
+        text = self._text(tokens)
+        for s in run.request.stop:
+            at = text.find(s) if s else -1
+            if at >= 0:
+                text = text[:at]
+        return text
+
+    def _completion(self, run: _Running) -> Completion:
+        return Completion(tokens=list(run.tokens), text=self._final_text(run), finish_reason=run.finish,
+                          prompt_tokens=len(run.prompt), stats=run.stats)
+
+    def stream(self, requests: Sequence[Request], progress=None) -> Iterator[StreamEvent]:
+        """Serves `requests` with continuous batching, yielding each request's text as it commits."""
+        requests = list(requests)
+        run_stats = RunStats(num_nodes=self.num_nodes)
+        queue: collections.deque[_Running] = collections.deque()
+        for i, req in enumerate(requests):
+            try:
+                prompt = self._prompt_ids(req)
+                reason = self._refusal(req, prompt)
+            except ValueError as err:
+                prompt, reason = [], str(err)
+            if reason is not None:
+                done = Completion([], "", "refused", len(prompt), RequestStats(self.num_nodes), error=reason)
+                yield StreamEvent(i, "", [], finished=done)
+                continue
+            limit = len(prompt) + req.max_new_tokens
+            queue.append(_Running(i, req, prompt, [], limit, self._stop_ids(req),
+                                  stats=RequestStats(self.num_nodes)))
+        running: dict[int, _Running] = {}
+        free_slots = list(range(self.slots - 1, -1, -1))
+        t_start = time.perf_counter()
+        while queue or running:
+            # Admission: first come, first served; a request whose pages are not free waits.
+            while queue and free_slots:
+                need = pages_needed(queue[0].limit, self.num_nodes, self.page_size)
+                if need > self.allocator.free_pages:
+                    if not running:
+                        raise RuntimeError(f"request {queue[0].index} needs {need} pages and none will free up")
+                    break
+                run = queue.popleft()
+                run.pages = self.allocator.allocate(need)
+                slot = free_slots.pop()
+                self._start(run, slot, run_stats)
+                running[slot] = run
+                yield from self._emit(run, run.tokens[:], progress)
+                if run.finish is not None:
+                    yield from self._finish(slot, running, free_slots, progress)
+            if not running:
+                continue
+            t0 = time.perf_counter()
+            self.state, out = self._step(self.params, self.state)
+            out = jax.device_get(out)
+            run_stats.decode_s += time.perf_counter() - t0
+            run_stats.steps += 1
+            for slot in list(running):
+                run = running[slot]
+                a = int(out.accept_len[slot])
+                run.stats.record(a, out.sibling_rank[slot, 1:a])
+                run_stats.record(a, out.sibling_rank[slot, 1:a])
+                kept = self._append(run, out.tokens[slot, :a].tolist())
+                run_stats.generated_tokens += len(kept)
+                yield from self._emit(run, kept, progress)
+                if run.finish is not None:
+                    yield from self._finish(slot, running, free_slots, progress)
+        run_stats.wall_s = time.perf_counter() - t_start
+        self.last_run = run_stats
+
+    def _emit(self, run: _Running, kept: list[int], progress) -> Iterator[StreamEvent]:
+        if progress is not None and kept:
+            progress(len(kept))
+        if not kept:
+            return
+        text = self._final_text(run) if run.finish else self._text(run.tokens)
+        # Text that could still become a stop string or an incomplete character is held back.
+        if run.finish is None and text.endswith("\ufffd"):
+            return
+        new = text[len(run.emitted_text):] if text.startswith(run.emitted_text) else ""
+        run.emitted_text = text if text.startswith(run.emitted_text) else run.emitted_text
+        yield StreamEvent(run.index, new, kept)
+
+    def _finish(self, slot: int, running: dict, free_slots: list, progress) -> Iterator[StreamEvent]:
+        run = running.pop(slot)
+        self.state = self._release(self.state, slot)
+        self.allocator.release(run.pages)
+        free_slots.append(slot)
+        yield StreamEvent(run.index, "", [], finished=self._completion(run))
+
+    def decode(self, requests: Sequence[Request], progress=None) -> list[Completion]:
+        """Serves every request; returns completions in request order."""
+        requests = list(requests)
+        out: list[Completion | None] = [None] * len(requests)
+        for ev in self.stream(requests, progress):
+            if ev.finished is not None:
+                out[ev.index] = ev.finished
+        return out

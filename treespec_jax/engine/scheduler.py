@@ -1,0 +1,57 @@
+"""Host-side page allocation and slot bookkeeping for continuous batching.
+
+A request's token limit is prompt + max_new_tokens. Its pages are reserved in full when it is
+admitted, covering every position a round can touch for it: the verify window reaches vc + N - 1
+with vc up to limit - 1, the drafter's step 0 rewrites the same window, and the lanes reach up to
+one more window behind it (N - 1 further slots), so `limit + 2N` positions. Reserving at admission
+means a running request never waits for pages and never competes with another for them; a request
+that does not fit yet waits in the queue, and one that can never fit (more pages than the pool
+has, or more than a page-table row holds) is refused with the numbers.
+
+Page 0 is the scratch page (`treespec_jax.models.attention.SCRATCH_PAGE`): never handed out, the
+target of every unused page-table entry.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from treespec_jax.models.attention import SCRATCH_PAGE
+
+
+class PageAllocator:
+    """Free list over pages 1..num_pages-1 (page 0 is scratch)."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError(f"a pool needs the scratch page and at least one more, got num_pages={num_pages}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # pop() hands out low pages first
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise RuntimeError(f"asked for {count} pages, {len(self._free)} free")
+        return [self._free.pop() for _ in range(count)]
+
+    def release(self, pages: list[int]) -> None:
+        owned = set(self._free)
+        bad = [p for p in pages if p in owned or not SCRATCH_PAGE < p < self.num_pages]
+        if bad:
+            raise RuntimeError(f"pages {bad} are free already or outside 1..{self.num_pages - 1}")
+        self._free.extend(sorted(pages, reverse=True))
+
+
+def pages_needed(limit: int, num_nodes: int, page_size: int) -> int:
+    """Pages covering positions [0, limit + 2N) (module docstring)."""
+    return -(-(limit + 2 * num_nodes) // page_size)
+
+
+def table_row(pages: list[int], width: int) -> np.ndarray:
+    """`[width] int32` page-table row: the request's pages, then scratch."""
+    row = np.full((width,), SCRATCH_PAGE, np.int32)
+    row[: len(pages)] = pages
+    return row

@@ -1,0 +1,253 @@
+"""The GQA decoder family (Llama-3, SmolLM2, Qwen2, Qwen3) over paged KV pools.
+
+flax linen modules whose parameters are the plain dict documented in
+`treespec_jax.models.config` (weights `[in, out]`, one dict per layer under `layers_{i}`), so
+`jit`, loaders and shardings see an ordinary pytree; the KV pools are explicit inputs and
+outputs of every call (`{"k{i}": [S, Hkv, D], "v{i}": ...}`, donated by the engine), never module
+state. Layers run as a Python loop: each layer's pools are separate buffers the attention
+kernels read whole, with no per-layer slicing copy.
+
+One forward (`Llama.__call__`) serves every kind of call; the kind is the `AttentionBatch`
+(`treespec_jax.models.attention`): `prefill` (a prompt chunk), `decode` (one token per request:
+plain decoding) and `verify` (the N tree nodes at positions vc + depth under their ancestor
+masks). Each writes the K/V of the rows it processes into their slots and returns fp32 logits at
+the rows asked for plus the hidden features a drafter reads: the inputs of the layers named by
+`feature_layers` (index L = the last layer's output before the final norm), concatenated.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from treespec_jax.models.attention import AttentionBatch, PagedAttention, prefill_batch, window_batch, write_kv
+from treespec_jax.models.config import LlamaConfig, RopeScaling
+
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in fp32, cast back to x's dtype (as HF Llama does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * xf.astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """`[D/2]` float32 inverse frequencies; llama3 scaling stretches the long wavelengths."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is not None:
+        old = scaling.original_max_position_embeddings
+        low_wavelen = old / scaling.low_freq_factor
+        high_wavelen = old / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+        smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, blended, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE. `x [B, T, H, D]`, `positions [B, T]` int32 -> x's shape and dtype."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    half = x.shape[-1] // 2
+    x1 = x[..., :half].astype(jnp.float32)
+    x2 = x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_block(p: dict, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array, batch: AttentionBatch,
+                    attention: PagedAttention, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Self-attention on normed input `x [B, T, Hin]` (Hin = H, or 2H in an EAGLE-3 head).
+
+    Projects q/k/v (biases, q/k norms where the config has them), applies RoPE at the batch's
+    positions, writes k/v into the pools at the batch's slots, attends -> (`[B, T, H]`, pools).
+    """
+    b, t, _ = x.shape
+    q = x @ p["wq"]
+    k = x @ p["wk"]
+    v = x @ p["wv"]
+    if "bq" in p:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if "q_norm" in p:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    q = apply_rope(q, batch.positions, inv_freq)
+    k = apply_rope(k, batch.positions, inv_freq)
+    k_pool, v_pool = write_kv(k_pool, v_pool, k, v, batch.write_slots)
+    out = attention.attend(q, k_pool, v_pool, batch)
+    return out.reshape(b, t, cfg.q_width) @ p["wo"], k_pool, v_pool
+
+
+def mlp_block(p: dict, x: jax.Array) -> jax.Array:
+    """SwiGLU: `(silu(x W_gate) * x W_up) W_down`."""
+    return (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+
+
+def _dense_init(scale: float):
+    return lambda key, shape, dtype=jnp.float32: scale * jax.random.normal(key, shape, dtype) / np.sqrt(shape[0])
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    cfg: LlamaConfig
+    attention: PagedAttention
+
+    @nn.compact
+    def __call__(self, x, k_pool, v_pool, batch: AttentionBatch):
+        c = self.cfg
+        h, f, qw, kw = c.hidden_size, c.intermediate_size, c.q_width, c.kv_width
+        ones = nn.initializers.ones
+        p = {"attn_norm": self.param("attn_norm", ones, (h,)),
+             "wq": self.param("wq", _dense_init(1.0), (h, qw)),
+             "wk": self.param("wk", _dense_init(1.0), (h, kw)),
+             "wv": self.param("wv", _dense_init(1.0), (h, kw)),
+             "wo": self.param("wo", _dense_init(1.0), (qw, h))}
+        if c.attention_bias:
+            zeros = nn.initializers.zeros
+            p.update(bq=self.param("bq", zeros, (qw,)), bk=self.param("bk", zeros, (kw,)),
+                     bv=self.param("bv", zeros, (kw,)))
+        if c.qk_norm:
+            p.update(q_norm=self.param("q_norm", ones, (c.head_dim,)), k_norm=self.param("k_norm", ones, (c.head_dim,)))
+        p.update(mlp_norm=self.param("mlp_norm", ones, (h,)),
+                 w_gate=self.param("w_gate", _dense_init(1.0), (h, f)),
+                 w_up=self.param("w_up", _dense_init(1.0), (h, f)),
+                 w_down=self.param("w_down", _dense_init(1.0), (f, h)))
+        a, k_pool, v_pool = attention_block(p, rms_norm(x, p["attn_norm"], c.rms_norm_eps), k_pool, v_pool, batch,
+                                            self.attention, c)
+        x = x + a
+        x = x + mlp_block(p, rms_norm(x, p["mlp_norm"], c.rms_norm_eps))
+        return x, k_pool, v_pool
+
+
+class Llama(nn.Module):
+    """The whole decoder over explicit pools. Returns (logits `[B, R, V]` f32 at `logit_rows`,
+    features `[B, T, len(feature_layers) * H]` or None, pools)."""
+
+    cfg: LlamaConfig
+    attention: PagedAttention
+    feature_layers: tuple[int, ...] = ()
+
+    @nn.compact
+    def __call__(self, tokens, pools, batch: AttentionBatch, logit_rows=None):
+        c = self.cfg
+        embed = self.param("embed", nn.initializers.normal(1.0), (c.vocab_size, c.hidden_size))
+        x = embed[tokens]
+        pools = dict(pools)
+        captured = {}
+        for i in range(c.num_layers):
+            if i in self.feature_layers:
+                captured[i] = x
+            x, pools[f"k{i}"], pools[f"v{i}"] = DecoderLayer(c, self.attention, name=f"layers_{i}")(
+                x, pools[f"k{i}"], pools[f"v{i}"], batch)
+        if c.num_layers in self.feature_layers:
+            captured[c.num_layers] = x
+        features = jnp.concatenate([captured[i] for i in self.feature_layers], -1) if self.feature_layers else None
+        norm = self.param("norm", nn.initializers.ones, (c.hidden_size,))
+        if logit_rows is not None:
+            x = jnp.take_along_axis(x, logit_rows[:, :, None], axis=1)
+        x = rms_norm(x, norm, c.rms_norm_eps)
+        if c.tie_word_embeddings:
+            logits = x @ embed.T.astype(x.dtype)
+        else:
+            logits = x @ self.param("lm_head", _dense_init(1.0), (c.hidden_size, c.vocab_size))
+        return logits.astype(jnp.float32), features, pools
+
+
+def kv_buffer_names(num_layers: int) -> tuple[tuple[str, str], ...]:
+    """(key, value) pool names of each layer, as `Llama` reads them."""
+    return tuple((f"k{i}", f"v{i}") for i in range(num_layers))
+
+
+def init_params(cfg: LlamaConfig, key: jax.Array, dtype: str = "fp32", scale: float = 1.0) -> dict:
+    """Random parameters in the documented layout (fresh normal weights, norms near 1).
+
+    `scale` multiplies every matrix's 1/sqrt(fan_in) normal draw; norms and biases get small
+    random offsets so no test runs on ones and zeros.
+    """
+    dt = DTYPES[dtype]
+    h, f, qw, kw, d = cfg.hidden_size, cfg.intermediate_size, cfg.q_width, cfg.kv_width, cfg.head_dim
+    keys = iter(jax.random.split(key, 4 + 16 * cfg.num_layers))
+
+    def mat(shape):
+        return (scale * jax.random.normal(next(keys), shape) / np.sqrt(shape[0])).astype(dt)
+
+    def vec(shape, base):
+        return (base + 0.1 * jax.random.normal(next(keys), shape)).astype(dt)
+
+    params = {"embed": jax.random.normal(next(keys), (cfg.vocab_size, h)).astype(dt), "norm": vec((h,), 1.0)}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = mat((h, cfg.vocab_size))
+    for i in range(cfg.num_layers):
+        layer = {"attn_norm": vec((h,), 1.0), "wq": mat((h, qw)), "wk": mat((h, kw)), "wv": mat((h, kw)),
+                 "wo": mat((qw, h)), "mlp_norm": vec((h,), 1.0), "w_gate": mat((h, f)), "w_up": mat((h, f)),
+                 "w_down": mat((f, h))}
+        if cfg.attention_bias:
+            layer.update(bq=vec((qw,), 0.0), bk=vec((kw,), 0.0), bv=vec((kw,), 0.0))
+        if cfg.qk_norm:
+            layer.update(q_norm=vec((d,), 1.0), k_norm=vec((d,), 1.0))
+        params[f"layers_{i}"] = layer
+    return params
+
+
+class LlamaModel:
+    """A target model bound to its static config: `prefill`, `decode`, `verify` over paged pools.
+
+    Each is a pure function of (params, pools, ...) returning (logits, features, pools); the
+    engine jits and donates around them.
+    """
+
+    def __init__(self, cfg: LlamaConfig, attention: PagedAttention, feature_layers: tuple[int, ...] = ()):
+        bad = [i for i in feature_layers if not 0 <= i <= cfg.num_layers]
+        if bad:
+            raise ValueError(f"feature_layers {bad} outside 0..{cfg.num_layers} for a {cfg.num_layers}-layer model")
+        self.cfg = cfg
+        self.attention = attention
+        self.feature_layers = tuple(feature_layers)
+        self.module = Llama(cfg, attention, self.feature_layers)
+
+    @property
+    def page_size(self) -> int:
+        return self.attention.page_size
+
+    @property
+    def feature_width(self) -> int:
+        return len(self.feature_layers) * self.cfg.hidden_size
+
+    def forward(self, params, pools, tokens, batch: AttentionBatch, logit_rows=None):
+        return self.module.apply({"params": params}, tokens, pools, batch, logit_rows)
+
+    def prefill(self, params, pools, tokens, page_table, start, valid):
+        """A prompt chunk: `tokens [B, C]` at positions start + t, rows t < valid[b] real.
+        Logits at each request's last real row `[B, 1, V]`; features of every row."""
+        batch = prefill_batch(page_table, start, valid, tokens.shape[1], self.page_size)
+        last = jnp.maximum(valid - 1, 0).astype(jnp.int32)[:, None]
+        return self.forward(params, pools, tokens, batch, last)
+
+    def decode(self, params, pools, tokens, page_table, lengths):
+        """Plain decoding: `tokens [B]` at position lengths[b] (its K/V written there)."""
+        b = tokens.shape[0]
+        mask = jnp.ones((b, 1, 2), jnp.uint32).at[:, :, 1].set(0)
+        batch = window_batch(page_table, lengths, lengths[:, None], mask, self.page_size)
+        return self.forward(params, pools, tokens[:, None], batch)
+
+    def verify(self, params, pools, tokens, positions, mask, page_table, lengths):
+        """Tree verify: node i of `tokens [B, N]` writes slot lengths + i, RoPE at `positions`
+        (vc + depth), sees the committed prefix and its ancestors (`mask [B, N, 2]`)."""
+        batch = window_batch(page_table, lengths, positions, mask, self.page_size)
+        return self.forward(params, pools, tokens, batch)
