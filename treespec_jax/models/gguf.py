@@ -124,6 +124,10 @@ class GGUFMetadata:
         part = field.parts[field.data[0]]
         if field.types[0] == vt.STRING:
             return bytes(part).decode("utf-8", errors="replace")
+        if field.types[0] == vt.FLOAT32:
+            # The shortest decimal that round-trips through float32 is the value the converter
+            # was given (1e-05 rather than 9.999999747378752e-06), as config.json would hold it.
+            return float(str(np.float32(part[0])))
         value = part[0].item()
         return bool(value) if field.types[0] == vt.BOOL else value
 
