@@ -327,8 +327,8 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     `mosaic_small`: at fewer than 64 rows per KV head, also with the other prefix kernel (Triton
     where the default pads to the Mosaic one, else the padded Mosaic one); each checked against
     the default cascade's output first (a row in `checks`, so a mismatch fails the run); `lean`: no
-    per-call, Triton-prefix or dense baselines; `host_clock`: also the host-clock chains of sessions
-    10-15 (`timing.chained_time`)."""
+    per-call, Triton-prefix or dense baselines; `host_clock`: also the host-clock chains
+    (`timing.chained_time`), the timer before the traced one."""
     bw, flops = ceilings
     kp, vp, table = make_paged(key, rng, b, p + n, HKV, D, PAGE, dtype, poison=False)
     q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(jnp.bfloat16)
@@ -376,8 +376,8 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     # kernels, the FP8 cast, the row transpose, runs every call as in a served step instead of
     # being hoisted out of the chain as loop-invariant). Beside the scalar-fed column, not instead.
     t_cas_qfed = device_time(cas, cas_args, feed_output(0))
-    # The earlier sessions' timer beside it: host wall clock of two chains (it also carries XLA's
-    # per-call host work, timing.traced_time).
+    # The host-clock timer beside it: wall clock of two chains (it also carries XLA's per-call host
+    # work, which timing.traced_time leaves out).
     t_cas_chained = chained_time(cas, cas_args, feed_scalar(4), inner=CHAINED) if host_clock else float("nan")
     t_cas_call = float("nan") if lean else median_time(cas, *cas_args)
 
@@ -479,7 +479,7 @@ def table_markdown(rows, ceilings, tune):
              f"Device times (`timing.traced_time`): chains of {3 * CHAINED} calls inside one jit (each fed the previous "
              "output) traced with the profiler, each after an idle second, the span from the first kernel's start to the "
              "last one's end per call, median of 3 chains (the matmul ceiling is traced the same way); 'host-clock "
-             "chains' (`--host-clock`) is the timer of sessions 10-15 (host wall clock of chains of "
+             "chains' (`--host-clock`) is the earlier timer (host wall clock of chains of "
              f"{CHAINED} and {3 * CHAINED}, the difference per call), which also carries XLA's per-call host work; "
              "'cascade per call' dispatches each call from Python; 'query-fed' chains pass each call's output on as the "
              "next call's q (no feed kernel; the cascade's work on q runs every call) where the other chains add a "
@@ -527,7 +527,7 @@ def main(argv=None):
                     help="at fewer than 64 rows per KV head, also time the other prefix kernel (the default "
                          "pads them to the Mosaic one)")
     ap.add_argument("--host-clock", action="store_true",
-                    help="also time the cascade by the host-clock chains of sessions 10-15 (timing.chained_time)")
+                    help="also time the cascade by the host-clock chains (timing.chained_time), the earlier timer")
     ap.add_argument("--lean", action="store_true",
                     help="skip the per-call, Triton-prefix and dense baselines and the MLA window timing (faster variant runs)")
     ap.add_argument("--markdown", default=None, help="write the conformance summary and table to this file")

@@ -245,8 +245,8 @@ def run_mla(results, ceilings, rng, dtype, triton_variants=1, causal_split=False
             elif sched != mla_mgpu_module.default_schedule(dtype):
                 rows.append(("mosaic_gpu", f"schedule {sched}", None, covers_tail(None, True)))
     if fuse_window and default_kernel == "mosaic_gpu":
-        # The default flipped: every cache dtype fuses the window into the latent decode (since
-        # session 21 FP8 too); this row keeps the window kernel.
+        # The default flipped: every cache dtype (FP8 too) fuses the window into the latent decode
+        # (results: mla-fuse-window); this row keeps the window kernel.
         rows.append(("mosaic_gpu", "window kernel", None, covers_tail(None, True)))
     rows += [("triton", label, dcfg, False) for label, dcfg in mla_variants(dtype)[:triton_variants]]
     for kernel, label, dcfg, covers in rows:

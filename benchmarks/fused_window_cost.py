@@ -13,7 +13,7 @@ A diagnostic (logs only). For each shape (bf16 pools) it times, each alone and c
 - the public fused cascade at several key-split counts (the default first).
 
 With `--launches` it instead compares the fused kernel's launches at each shape (bf16): gridded,
-persistent without `prefetch_query`, and persistent with it (the default since session 16), each checked bit for bit against the gridded
+persistent without `prefetch_query`, and persistent with it (the default, results: prefetch-query), each checked bit for bit against the gridded
 one, then timed in `--rounds` interleaved rounds (A, B, C, A, B, C, ...; the median per launch),
 so drift within the process hits every launch alike.
 

@@ -51,8 +51,8 @@ CHAINED = 60
 
 def time_call(fn, args, feed_index: int, interpreted: bool, samples: int = 7) -> float:
     """Seconds per call: device time (`timing.traced_time`: calls chained in one jit, each fed
-    through argument `feed_index`, traced after an idle second; sessions 9-15 used the host-clock
-    `chained_time`), or per call from Python when `interpreted` (--smoke: chaining would put the
+    through argument `feed_index`, traced after an idle second; lines marked *host* in RESULTS.md
+    used the host-clock `chained_time`), or per call from Python when `interpreted` (--smoke: chaining would put the
     Mosaic and Triton interpreters in one jit, which deadlocked on a 2-core CPU)."""
     if interpreted:
         return median_time(fn, *args, samples=samples)
@@ -188,7 +188,7 @@ def time_shape(shape, dtype, flops_rate, hq, hkv, d, samples, interpret, splits=
         # The default widens V in the memory warpgroup (no key split) and launches persistent where
         # the items outnumber the SMs; against it: each compute warpgroup widening its own copy (the
         # earlier default), the gridded launch, and the memory warpgroup given 56 registers (the
-        # compute ones 224), which ran the fused widened form 7% faster at B=1 (session 17).
+        # compute ones 224), the default where the memory warpgroup widens (results: registers).
         variants += [(", compute warpgroups widen V", mgpu(memory_widens_values=False)),
                      (", gridded", mgpu(persistent=False)),
                      (", registers 224/56", mgpu(registers=(224, 56))),
@@ -314,7 +314,7 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, regis
     backend = "interpret" if smoke else None
     fns = {
         "mgpu decode": jax.jit(lambda *a: mla_decode_mgpu(*a, interpret=smoke, **kw)),
-        # A request's row tiles launched apart (the order before session 11; they read the same pages).
+        # A request's row tiles launched apart (they read the same pages; results: grid-order).
         **({} if lean else {"mgpu decode, tiles apart": jax.jit(lambda *a: mla_decode_mgpu(
             *a, interpret=smoke, tiles_adjacent=False, **kw))}),
         **{f"mgpu decode, schedule {s}": jax.jit(lambda *a, s=s: mla_decode_mgpu(*a, interpret=smoke, schedule=s, **kw))
@@ -352,7 +352,7 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, regis
         except Exception as exc:  # noqa: BLE001
             log(f"MLA {name}: cascade ({label}) FAILED {type(exc).__name__}: {str(exc)[:400]}")
     if registers or lean:
-        # The cascade's kernel (the decode with the window fused, every cache dtype since session 21).
+        # The cascade's kernel (the decode with the window fused, every cache dtype).
         ok = interleaved_forms((q8, pool, table, lens, mask), n, registers, kw, smoke, name, flop,
                                flops_rate) and ok
     return ok
@@ -442,7 +442,7 @@ def main(argv=None) -> int:
     # (dtype, pages per step, stages, R, key split, options): 256-row heads (two row tiles of
     # warpgroups), then 64-row heads (the default layout per dtype, the key split forced on for bf16
     # and off for FP8), the key split forced on 256-row heads, and each warpgroup's softmax
-    # overlapped with its own matmuls (off by default: it conforms but ran 6-9% slower, session 11).
+    # overlapped with its own matmuls (off by default: it conforms but is slower, results: overlap-softmax).
     overlap = dict(overlap_softmax=True)
     widen = dict(memory_widens_values=True)  # each FP8 V page widened once, by the memory warpgroup
     forms = (

@@ -4,14 +4,14 @@
         [--dtypes bf16,fp8] [--rounds 2]
 
 The H200 runs at its boost clocks after an idle moment and lowers them at its power cap under
-sustained load, and the kernels' times and the matmul ceiling both move with it (session 16: the
-B=64 bf16 cascade read 0.48 ms traced after idle gaps and 0.53-0.56 ms traced under sustained load). A
+sustained load, and the kernels' times and the matmul ceiling both move with it (results: timer: the
+B=64 bf16 cascade reads 0.48 ms traced after idle gaps and 0.53 ms traced under sustained load). A
 ratio to a floor means something only when both sides were measured in the same state, so for each
 state this measures, traced (`timing.traced_chain`, kernel spans only), both the cascade and the
 bf16 matmul the FLOP floor comes from:
 
 - "boost": each traced run starts after IDLE_S seconds of idle device (the state every benchmark
-  times kernels and the matmul ceiling in since session 16, `timing.traced_time`);
+  times kernels and the matmul ceiling in, `timing.traced_time`);
 - "sustained": each traced run follows SUSTAIN_S seconds of the same chain run back to back.
 
 Rounds alternate the states (boost, sustained, boost, ...), so drift hits both alike. The byte floor

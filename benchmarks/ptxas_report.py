@@ -5,7 +5,7 @@
 A diagnostic (logs only). Mosaic GPU hands each kernel to ptxas; with MOSAIC_GPU_DUMP_PTXAS=1 (read
 by jaxlib when it compiles) ptxas' verbose resource lines go to the process's output among the
 dumped modules. (With MOSAIC_GPU_DUMP_TO also set they go to that folder instead, a `.ptxas` file
-beside each kernel's `.ptx`, session 26; sessions 21-22 found none in the output.) So this
+beside each kernel's `.ptx`, and none reach the output.) So this
 compiles the forms below in a child process with that variable set, captures its output and
 prints, per form, the resource figures found after it compiled: registers, spill stores / loads,
 stack frames. A warpgroup-specialised kernel reports one register count for

@@ -8,12 +8,12 @@
 A diagnostic (no GPU needed once the PTX is here). ptxas' totals (`ptxas_report.py`) say how many
 bytes spill, not where; a spill outside the key loop costs nothing, one inside it costs every
 step. This assembles each `*.ptx` in DIR for sm_90a (`ptxas -v`: its spill totals should equal the
-device's, as session 26's did with ptxas 13.0), disassembles it and prints, per loop (a body ending
+device's, as they do with ptxas 13.0), disassembles it and prints, per loop (a body ending
 in a conditional backward branch; the wait-retry branches Mosaic's barrier waits place after the
 kernel's code are unconditional and not loops), its instruction count and its local stores (STL),
-local loads (LDL), wgmma instructions (HGMMA) and exp2s (MUFU.EX2). Session 26 found this way that
-the MLA decode's hoisted wgmma descriptors were reloaded from local memory in every pair of its key
-loop (`mla_decode_mgpu.LOOP_DESCRIPTORS_BY_DEFAULT`).
+local loads (LDL), wgmma instructions (HGMMA) and exp2s (MUFU.EX2). A key loop that reloads hoisted
+wgmma descriptors from local memory every step shows here as LDLs before its HGMMAs (what
+`mla_decode_mgpu.LOOP_DESCRIPTORS_BY_DEFAULT` prevents; results: loop-descriptors).
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 
 
 # Seconds of back-to-back calls before a timing starts. Compiles leave the GPU idle long enough for
-# its clocks to drop (nvidia-smi showed 345 MHz of 1980 at rest on the H200 at the start of session
-# 10's first call), and a timing of a few milliseconds right after one measured the same
-# window-kernel launch at 0.0127 and 0.0244 ms in one sweep (benchmarks/RESULTS.md, session 10).
+# its clocks to drop (nvidia-smi shows 345 MHz of 1980 at rest on the H200), and a timing of a few
+# milliseconds right after one reads the same window-kernel launch up to twice as slow (0.0127 and
+# 0.0244 ms in one sweep, benchmarks/archive/2026-11-30.md, 17:11 UTC).
 WARM_S = 0.2
 
 
@@ -72,8 +72,8 @@ def _median_seconds(call, state, reps: int):
 def _per_call(chain, inner: int, run):
     """Device seconds per call from two chains, `inner` and 3 * `inner` calls long (`chain(n)` builds
     one, `run(f)` times it): their difference over 2 * `inner` calls, so one jit dispatch and one
-    sync drop out (session 10 divided one chain's time by its length, which left
-    (dispatch + sync) / `inner` in every figure and pulled compared ratios toward 1)."""
+    sync drop out (one chain's time over its length would leave (dispatch + sync) / `inner` in every
+    figure and pull compared ratios toward 1)."""
     short = run(chain(inner))
     return (run(chain(3 * inner)) - short) / (2 * inner)
 
@@ -138,8 +138,8 @@ def device_events(trace_dir: str) -> list[tuple[str, float, float]]:
 
 # Seconds the device idles before each traced run (`traced_chain`). The H200 lowers its clocks at
 # its power cap under sustained load and raises them after an idle moment, and every kernel and the
-# matmul ceiling move with them (session 16, benchmarks/power_state.py: the bf16 matmul ran 819-820
-# TFLOP/s traced after 1 s idle, 694-741 after 2 s of load; the B=64 cascade 0.476-0.488 and
+# matmul ceiling move with them (results: timer, benchmarks/power_state.py: the bf16 matmul runs
+# 819-820 TFLOP/s traced after 1 s idle, 694-741 after 2 s of load; the B=64 cascade 0.476-0.488 and
 # 0.529-0.534 ms). Timing every kernel and the ceiling after the same idle pause makes a ratio
 # compare like with like, in the state that repeats best (the three boost matmuls agreed to 0.1%).
 IDLE_S = 1.0
@@ -189,7 +189,7 @@ def traced_time(fn, args, feed, *, inner: int = 60, runs: int = 3, warm_s: float
     start to its last kernel end, per call. Idle gaps between kernels count; what the host does
     before the first kernel does not. That host work grows with the chain (XLA prepares every
     call's launches), so `chained_time`, a host wall-clock difference, carries it per call, and it
-    runs the device under sustained load: on the H200 (session 16) it read the B=64 bf16 cascade at
+    runs the device under sustained load: on the H200 (2026-12-01) it read the B=64 bf16 cascade at
     0.569 ms against 0.480 traced (B=1: 0.079 against 0.065). Falls back to `chained_time` where no
     kernels are recorded (the CPU)."""
     traces = traced_chain(fn, args, feed, inner=inner, runs=runs, warm_s=warm_s, idle_s=idle_s)
@@ -283,8 +283,8 @@ def measure_copy_bandwidth() -> float:
 def measure_matmul_flops(n: int = 8192, sustained: bool = False) -> float:
     """bf16 matmul FLOP/s on random [n, n] operands: the fastest of 10 samples taken cold, before
     any warm-up (`sustained`: the median after WARM_S seconds of it, the power-capped clocks). The floors are the strictest this way: under sustained load the H200 lowers its
-    clocks at its power cap: in session 10 the same matmul ran 676-698 TFLOP/s after WARM_S seconds
-    of it and 744-778 cold (the earlier sessions' median of cold samples: 718-754), while the
+    clocks at its power cap: the same matmul ran 676-698 TFLOP/s after WARM_S seconds of it and
+    744-778 cold (a median of cold samples: 718-754; 2026-11-30), while the
     attention kernels, below full tensor-core use, kept their times (`measure_ceilings` prints the
     sustained rate for reference)."""
     a = jax.random.normal(jax.random.PRNGKey(2), (n, n), jnp.bfloat16)
@@ -297,8 +297,7 @@ def traced_copy_bandwidth(chain: int = 5) -> float | None:
     """Bytes per second, read + write, of chained 2 GiB bf16 scalings (`x * 2`, each of the last
     result, behind an optimization barrier), traced like `traced_matmul_flops`; None where no kernels
     are recorded (CPU) or where the trace holds fewer kernels than calls: without the barrier XLA
-    fused the chain into one pass (session 16's first traced copy read 16.84 TB/s, four times the
-    H200's)."""
+    fuses the chain into one pass (it then reads 16.84 TB/s, four times the H200's)."""
     x = jax.random.normal(jax.random.PRNGKey(1), (1 << 30,), jnp.float32).astype(jnp.bfloat16)
     traces = traced_chain(lambda a: a * jnp.bfloat16(2), (x,), lambda args, out: (jax.lax.optimization_barrier(out),),
                           inner=chain)
@@ -312,8 +311,8 @@ def traced_copy_bandwidth(chain: int = 5) -> float | None:
 def measure_ceilings() -> tuple[float, float]:
     """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s): the copy's fastest
     cold sample (a 1 ms copy, so dispatch moves it ~2%) and the traced matmul (`traced_matmul_flops`,
-    the state `traced_time` times kernels in; the per-call cold sample of sessions 1-15 where nothing
-    is traced). Prints the traced copy (not yet checked on the GPU since its fix, so not a floor),
+    the state `traced_time` times kernels in; the per-call cold sample, the earlier floor, where
+    nothing is traced). Prints the traced copy (not yet checked on the GPU since its fix, so not a floor),
     the per-call cold and the sustained matmul rates for reference."""
     bw = measure_copy_bandwidth()
     traced_bw = traced_copy_bandwidth()

@@ -37,8 +37,8 @@ FP8 = jnp.float8_e4m3fn
     (4, 8, [0, 70, 200, 400], 64, 1, "seesaw", jnp.bfloat16),
     # P handed over in a shared-memory buffer of its own and loaded into registers for P V.
     (16, 8, [260, 0, 90], 64, 2, "seesaw+no_p_in_ring", jnp.bfloat16),
-    # The pair's wgmma operands at fixed addresses (before session 26; by default they are indexed
-    # at a loop-variant zero so their descriptors are built in the loop).
+    # The pair's wgmma operands at fixed addresses (the form `loop_descriptors` replaces: by default
+    # they are indexed at a loop-variant zero so their descriptors are built in the loop).
     (16, 8, [260, 0, 90], 64, 2, "seesaw+no_loop_descriptors", jnp.bfloat16),
     (16, 8, [330, 20], 64, 1, "seesaw+no_loop_descriptors", FP8),
     # FP8 cache: FP8 query x FP8 rows for the scores, value channels widened to fp16 per warpgroup.

@@ -227,7 +227,7 @@ def test_fuse_window_default_resolution():
     assert auto.fuse_window is None
     assert fuses_window(auto, True, jnp.bfloat16) and fuses_window(auto, True, jnp.float16)
     assert not fuses_window(auto, False, jnp.bfloat16)  # the Triton decode
-    assert fuses_window(auto, True, jnp.float8_e4m3fn)  # FP8 fuses too (session 21)
+    assert fuses_window(auto, True, jnp.float8_e4m3fn)  # FP8 fuses too (results: mla-fuse-window)
     assert fuses_window(MlaCascadeConfig(**base, schedule="split"), True, jnp.bfloat16)
     assert fuses_window(MlaCascadeConfig(**base, schedule="seesaw"), True, jnp.bfloat16)
     for schedule in ("turns", "together"):
