@@ -162,10 +162,12 @@ def test_f32_gguf_forward_matches_source(tmp_path, tied):
     ref = forward(cfg, want, IDS)
     np.testing.assert_allclose(forward(cfg, params, IDS), ref, rtol=1e-5, atol=1e-5)
     # The check has teeth: leaving q / k in llama.cpp's order changes every position past the first.
-    scrambled = {**params, **{f"layers_{i}": {**params[f"layers_{i}"],
-                                                "wq": llama_cpp_permute(np.asarray(params[f"layers_{i}"]["wq"]).T, HEADS).T,
-                                                "wk": llama_cpp_permute(np.asarray(params[f"layers_{i}"]["wk"]).T, KV_HEADS).T}
-                                  for i in range(cfg.num_layers)}}
+    scrambled = dict(params)
+    for i in range(cfg.num_layers):
+        layer = dict(params[f"layers_{i}"])
+        layer["wq"] = llama_cpp_permute(np.asarray(layer["wq"]).T, HEADS).T
+        layer["wk"] = llama_cpp_permute(np.asarray(layer["wk"]).T, KV_HEADS).T
+        scrambled[f"layers_{i}"] = layer
     bad = forward(cfg, scrambled, IDS)
     np.testing.assert_allclose(bad[0], ref[0], rtol=1e-5, atol=1e-5)  # position 0 has no rotation
     assert np.abs(bad[1:] - ref[1:]).max() > 1e-2
@@ -215,7 +217,8 @@ def test_bf16_cast(tmp_path):
     _, p32, _ = load_gguf(path, "fp32")
     _, p16, _ = load_gguf(path, "bf16")
     assert str(p16["layers_0"]["wq"].dtype) == "bfloat16"
-    np.testing.assert_array_equal(np.asarray(p16["layers_0"]["wq"]), np.asarray(p32["layers_0"]["wq"]).astype(p16["layers_0"]["wq"].dtype))
+    wq16, wq32 = np.asarray(p16["layers_0"]["wq"]), np.asarray(p32["layers_0"]["wq"])
+    np.testing.assert_array_equal(wq16, wq32.astype(wq16.dtype))
 
 
 def test_every_tensor_problem_in_one_error(tmp_path):

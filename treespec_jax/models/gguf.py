@@ -169,7 +169,8 @@ def gguf_config(reader_or_path) -> LlamaConfig:
             required[key] = value
     kv = meta.get(p + "attention.head_count_kv", required.get("attention.head_count"))
     if kv is not None and not isinstance(kv, int):
-        problems.append(f"{p}attention.head_count_kv is {kv!r}, expected one integer (per-layer values are not supported)")
+        problems.append(f"{p}attention.head_count_kv is {kv!r}, expected one integer "
+                        "(per-layer values are not supported)")
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = meta.get(p + "vocab_size")
     if tokens is None and vocab is None:

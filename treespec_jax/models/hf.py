@@ -16,6 +16,7 @@ the GGUF loader's conversion (`treespec_jax.models.gguf`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import struct
@@ -362,6 +363,13 @@ def _layout_problems(layout: list[_Entry], tensors: Tensors) -> list[str]:
     return missing + unexpected + misshapen + mistyped
 
 
+@functools.lru_cache(maxsize=None)
+def _on_device(transpose: bool, dtype: np.dtype):
+    import jax
+
+    return jax.jit(lambda x: (x.T if transpose else x).astype(dtype))
+
+
 def _convert(e: _Entry, arr: np.ndarray, dtype: np.dtype):
     import jax.numpy as jnp
 
@@ -370,11 +378,12 @@ def _convert(e: _Entry, arr: np.ndarray, dtype: np.dtype):
         return jnp.asarray(arr.astype(np.int32))
     if e.kind == "bool":
         return jnp.asarray(arr.astype(np.bool_))
-    if e.transpose:
-        arr = arr.T
-    # Cast on the host (ml_dtypes rounds to nearest even like XLA) so bf16 crosses to the
-    # device at half the bytes of fp32.
-    return jnp.asarray(np.ascontiguousarray(arr.astype(dtype, copy=False)))
+    if arr.dtype == np.float64:
+        arr = arr.astype(np.float32)  # jax holds no float64 unless x64 is enabled
+    # The transpose and the cast run on the device: the host would do both at memory speed on
+    # one core, the accelerator far faster. XLA's float -> bf16 rounds to nearest even, as
+    # ml_dtypes does on the host.
+    return _on_device(e.transpose, dtype)(jnp.asarray(arr))
 
 
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
@@ -519,7 +528,8 @@ def eagle3_params_to_hf(cfg: Eagle3Config, params: Mapping, dtype: str | None = 
 # --------------------------------------------------------------------------------------------
 
 
-def _write(path: str | os.PathLike, config: dict[str, Any], tensors: dict[str, np.ndarray], dtype_label: str | None) -> Path:
+def _write(path: str | os.PathLike, config: dict[str, Any], tensors: dict[str, np.ndarray],
+           dtype_label: str | None) -> Path:
     from safetensors.numpy import save_file
 
     root = Path(path)
@@ -569,10 +579,32 @@ def load_target(path: str | os.PathLike, dtype: str = "bf16") -> tuple[LlamaConf
     return cfg, target_params_from_hf(cfg, tensors, dtype, source=str(path))
 
 
-def load_eagle3(path: str | os.PathLike, dtype: str = "bf16") -> tuple[Eagle3Config, dict]:
-    """(config, params) of a published-format EAGLE-3 head directory, floats cast to `dtype`."""
+def eagle3_target_problems(head: Eagle3Config, target: LlamaConfig) -> list[str]:
+    """Why a head cannot draft for a target: it embeds tokens with the target's table and reads
+    three of its hidden states, so vocabulary and widths must agree."""
+    problems = []
+    if head.vocab_size != target.vocab_size:
+        problems.append(f"head vocab_size {head.vocab_size} differs from the target's {target.vocab_size}")
+    if head.hidden_size != target.hidden_size:
+        problems.append(f"head hidden_size {head.hidden_size} differs from the target's {target.hidden_size} "
+                        "(the head embeds tokens with the target's embedding)")
+    if head.target_hidden_size != target.hidden_size:
+        problems.append(f"head target_hidden_size {head.target_hidden_size} differs from the target's hidden_size "
+                        f"{target.hidden_size}")
+    return problems
+
+
+def load_eagle3(path: str | os.PathLike, dtype: str = "bf16",
+                target: LlamaConfig | None = None) -> tuple[Eagle3Config, dict]:
+    """(config, params) of a published-format EAGLE-3 head directory, floats cast to `dtype`.
+
+    `target`: the config of the model it drafts for; a head that does not fit it is refused.
+    Config problems (with any misfit to `target`) raise one ModelConfigError; tensor problems
+    one CheckpointError.
+    """
     resolve_dtype(dtype)
-    cfg = Eagle3Config.from_hf(read_config(path), source=str(Path(path) / CONFIG_FILE))
+    source = str(Path(path) / CONFIG_FILE)
+    cfg = Eagle3Config.from_hf(read_config(path), source=source)
     problems = []
     for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
                  "draft_vocab_size", "target_hidden_size"):
@@ -581,9 +613,13 @@ def load_eagle3(path: str | os.PathLike, dtype: str = "bf16") -> tuple[Eagle3Con
             problems.append(f"{name} must be a positive integer, got {value}")
     if cfg.num_kv_heads >= 1 and cfg.num_heads % cfg.num_kv_heads:
         problems.append(f"num_heads {cfg.num_heads} is not a multiple of num_kv_heads {cfg.num_kv_heads}")
+    if cfg.head_dim % 2:
+        problems.append(f"head_dim {cfg.head_dim} must be even (RoPE rotates halves)")
     if cfg.draft_vocab_size > cfg.vocab_size:
         problems.append(f"draft_vocab_size {cfg.draft_vocab_size} exceeds vocab_size {cfg.vocab_size}")
+    if target is not None:
+        problems += eagle3_target_problems(cfg, target)
     if problems:
-        raise ModelConfigError(str(Path(path) / CONFIG_FILE), problems)
+        raise ModelConfigError(source, problems)
     tensors = read_safetensors_dir(path)
     return cfg, eagle3_params_from_hf(cfg, tensors, dtype, source=str(path))
