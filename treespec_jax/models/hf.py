@@ -9,8 +9,8 @@ diagnosed in one try rather than one tensor at a time.
 
 Public entry points: `load_target`, `load_eagle3` (directory -> config, params), the
 `*_tensor_specs` layouts, the `*_params_from_hf` / `*_params_to_hf` conversions, and
-`save_target` / `save_eagle3`. `read_safetensors_dir` opens a directory lazily and is shared with
-the GGUF loader's conversion (`treespec_jax.models.gguf`).
+`save_target` / `save_eagle3`. `read_safetensors_dir` opens a directory lazily as `Tensors`; the GGUF
+loader (`treespec_jax.models.gguf`) hands its dequantized tensors to the same conversion.
 """
 
 from __future__ import annotations
