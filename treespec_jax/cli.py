@@ -1,12 +1,13 @@
 """The `treespec` command.
 
+    treespec decode [--model DIR] [--draft-model DIR] [--prompt ...] [flags]   generate (treespec_jax.decode_cli)
+    treespec run CONFIG.toml [--out DIR]                 an experiment or a sweep (treespec_jax.experiment)
     treespec check-config [--config FILE.toml] [flags]   resolved config, or every refusal (exit 2)
     treespec demo [args]                                 runs treespec_jax.demo.main(args)
 
 Config flags keep SGLang's spelling and are generated from the config dataclasses' field metadata
 (`treespec_jax.config.opt`), so a new field gets its flag without touching this file. Flags
-override values from `--config`. A later `decode` subcommand reuses `add_config_flags` and
-`config_from_args`.
+override values from `--config`; `decode` reuses `add_config_flags` and `config_from_args`.
 """
 
 from __future__ import annotations
@@ -160,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a configuration; exit 2 listing every refusal")
     add_config_flags(check)
     sub.add_parser("demo", help="tree speculation vs plain decoding on a small model", add_help=False)
+    from treespec_jax.decode_cli import add_decode_parser
+    from treespec_jax.experiment import add_run_parser
+
+    add_decode_parser(sub)
+    add_run_parser(sub)
     return parser
 
 
@@ -174,6 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exit_.code or 0)
     if args.command == "check-config":
         return _check_config(args)
+    if args.command == "decode":
+        from treespec_jax.decode_cli import run_decode
+
+        return run_decode(args)
+    if args.command == "run":
+        from treespec_jax.experiment import run_experiment
+
+        return run_experiment(args)
     parser.print_help(sys.stderr)
     return EXIT_REFUSED
 

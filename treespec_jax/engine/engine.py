@@ -29,10 +29,10 @@ from treespec_jax.cache.pools import BufferSpec, CacheGroupSpec, LayerKV
 from treespec_jax.cache.routing import CompactionRouter
 from treespec_jax.config import ConfigError, ServeConfig
 from treespec_jax.drafter.base import Drafter
+from treespec_jax.engine.loading import attention_for
 from treespec_jax.engine.round import DecodeState, Round, RoundShape, bootstrap_tree
 from treespec_jax.engine.scheduler import PageAllocator, pages_needed, table_row
 from treespec_jax.engine.stats import RequestStats, RunStats
-from treespec_jax.models.attention import PagedAttention
 from treespec_jax.models.config import LlamaConfig
 from treespec_jax.models.llama import LlamaModel, kv_buffer_names
 from treespec_jax.sampling.keyed import SamplingParams, sample_at
@@ -150,9 +150,8 @@ class Engine:
         self.num_pages = num_pages
         self.chunk = min(config.scheduler.chunked_prefill_size, 256)
 
-        backend = None if config.backends.kernel_backend == "pallas" else config.backends.kernel_backend
-        self.attention = PagedAttention(self.page_size, kind=kind, kernel_backend=backend,
-                                        prefix_kernel=config.backends.prefix_kernel)
+        self.attention = attention_for(config)
+        backend = self.attention.kernel_backend
         if drafter is not None and getattr(drafter, "attention", self.attention) != self.attention:
             raise ConfigError([f"drafter attention {drafter.attention} differs from the target's {self.attention}"])
         feature_layers = drafter.feature_layers if drafter is not None else ()
@@ -287,8 +286,9 @@ class Engine:
         ids = set(int(t) for t in req.stop_token_ids)
         if not req.ignore_eos:
             ids |= set(self.target_cfg.eos_token_ids)
-            if self.tokenizer is not None:
-                ids |= set(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            if eos is not None:
+                ids.add(int(eos))
         return frozenset(ids)
 
     def _text(self, tokens: list[int]) -> str:

@@ -1,0 +1,106 @@
+"""Tiny random fp32 targets, drafters and engines shared by the engine tests."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from treespec_jax.config import (BackendsConfig, KVCacheConfig, ModelConfig, SamplingConfig, SchedulerConfig,
+                                 ServeConfig, SpeculativeConfig)
+from treespec_jax.drafter.oracle import ModelDrafter
+from treespec_jax.engine import Engine, Request
+from treespec_jax.engine.loading import attention_for
+from treespec_jax.models.config import LlamaConfig
+from treespec_jax.models.llama import LlamaModel, apply_rope, init_params, mlp_block, rms_norm, rope_inv_freq
+
+PAGE = 16
+
+
+def tiny_config(family: str = "llama", vocab: int = 64, layers: int = 2, **kw) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_layers=layers, num_heads=4,
+                       num_kv_heads=2, head_dim=16, rope_theta=1e4, max_position_embeddings=512,
+                       attention_bias=family == "qwen2", qk_norm=family == "qwen3", family=family, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_target(family: str = "llama", vocab: int = 64, seed: int = 0, scale: float = 2.0, layers: int = 2):
+    """A sharp random model (scale 2 makes its distributions peaked, so greedy paths repeat)."""
+    cfg = tiny_config(family, vocab, layers)
+    return cfg, init_params(cfg, jax.random.key(seed), scale=scale)
+
+
+def serve_config(algorithm="NONE", topk=1, steps=3, nodes=None, *, sampler="greedy", temperature=0.0, top_p=1.0,
+                 attention="dense", kernel="pallas", slots=2, kv="auto", chunk=16, total_tokens=4096) -> ServeConfig:
+    spec = SpeculativeConfig() if algorithm == "NONE" else SpeculativeConfig(
+        algorithm=algorithm, topk=topk, num_steps=steps, num_draft_tokens=nodes)
+    return ServeConfig(
+        model=ModelConfig(dtype="fp32"), speculative=spec,
+        kv_cache=KVCacheConfig(dtype=kv, page_size=PAGE, max_total_tokens=total_tokens),
+        scheduler=SchedulerConfig(max_running_requests=slots, chunked_prefill_size=chunk),
+        sampling=SamplingConfig(backend=sampler, temperature=temperature, top_p=top_p),
+        backends=BackendsConfig(attention_backend=attention, kernel_backend=kernel))
+
+
+@functools.lru_cache(maxsize=None)
+def cached_engine(config: ServeConfig, noise: float = 1.0) -> Engine:
+    """One engine per (config, noise) for the whole test session: every engine costs its jit
+    compilations, and `decode` leaves an engine as it found it (slots and pages all free)."""
+    return oracle_engine(config, noise=noise)
+
+
+def oracle_engine(config: ServeConfig, family="llama", vocab=64, noise=1.0, seed=0) -> Engine:
+    """An engine whose drafter is the target itself (noise > 0: the noisy oracle), or plain."""
+    cfg, params = tiny_target(family, vocab, seed)
+    drafter = None
+    if config.speculative.enabled:
+        drafter = ModelDrafter(LlamaModel(cfg, attention_for(config)), noise=noise, noise_seed=seed + 1)
+    return Engine(config, cfg, params, drafter, params if drafter else None)
+
+
+def mixed_requests(vocab=64, seed=0, **kw) -> list[Request]:
+    """Prompts of different lengths (one longer than a prefill chunk, one a page boundary) and
+    different budgets, more requests than slots, so requests join and finish mid-batch."""
+    rng = np.random.default_rng(seed)
+    shapes = [(5, 14), (20, 9), (3, 17), (33, 6), (16, 11)]
+    return [Request(prompt=rng.integers(0, vocab, size=n).tolist(), max_new_tokens=m, seed=100 + i, **kw)
+            for i, (n, m) in enumerate(shapes)]
+
+
+def dense_forward(cfg: LlamaConfig, params: dict, tokens: np.ndarray) -> np.ndarray:
+    """One full causal forward with no cache (fp32, jnp): `tokens [T]` -> logits `[T, V]`."""
+    x = params["embed"][jnp.asarray(tokens)][None]
+    t = x.shape[1]
+    pos = jnp.arange(t)[None]
+    inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    for i in range(cfg.num_layers):
+        p = params[f"layers_{i}"]
+        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+        if "bq" in p:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        q = q.reshape(1, t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(1, t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(1, t, cfg.num_kv_heads, cfg.head_dim)
+        if "q_norm" in p:
+            q, k = rms_norm(q, p["q_norm"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, pos, inv), apply_rope(k, pos, inv)
+        g = cfg.num_heads // cfg.num_kv_heads
+        k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / np.sqrt(cfg.head_dim)
+        s = jnp.where(causal, s, -jnp.inf)
+        a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v, precision="highest")
+        x = x + a.reshape(1, t, -1) @ p["wo"]
+        x = x + mlp_block(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps))
+    x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return np.asarray((x @ head)[0], np.float32)
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.isfinite(a).all() and np.isfinite(b).all(), "non-finite values"
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

@@ -1,0 +1,204 @@
+"""The engine end to end on tiny random fp32 models: lossless speculation, batching, refusals.
+
+Tree decoding (several K, S, N including N = 64), chain decoding and plain decoding must emit
+identical tokens under greedy and keyed Gumbel sampling, over prompts of different lengths with
+requests joining and finishing mid-batch, through the dense fp32 reference attention and through
+the Pallas kernels in interpret mode. The drafter is the target itself with seeded logit noise
+(the noisy oracle: trees branch and acceptance is partial) or without (the oracle: deep paths).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_fixtures import (PAGE, cached_engine, dense_forward, mixed_requests, oracle_engine, rel_err, serve_config, tiny_config,
+                             tiny_target)
+from treespec_jax.config import ConfigError
+from treespec_jax.engine import Engine, Request
+from treespec_jax.engine.loading import attention_for
+from treespec_jax.models.llama import LlamaModel, init_params, kv_buffer_names
+
+
+def _tokens(engine, requests):
+    outs = engine.decode(requests)
+    assert all(o.finish_reason == "length" for o in outs), [(o.finish_reason, o.error) for o in outs]
+    return [o.tokens for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy():
+    return _tokens(cached_engine(serve_config()), mixed_requests())
+
+
+GREEDY_SHAPES = [
+    ("chain", 1, 4, None, 0.0),  # K = 1: the chain, N = S + 1
+    ("tree", 2, 3, 6, 1.0),
+    ("tree-oracle", 4, 5, 16, 0.0),
+    ("tree-n64", 8, 9, 64, 1.0),
+]
+
+
+@pytest.mark.parametrize("name,k,s,n,noise", GREEDY_SHAPES, ids=[g[0] for g in GREEDY_SHAPES])
+def test_speculation_is_lossless_greedy(plain_greedy, name, k, s, n, noise):
+    engine = cached_engine(serve_config("EAGLE3", k, s, n, slots=2), noise=noise)
+    assert _tokens(engine, mixed_requests()) == plain_greedy
+    run = engine.last_run
+    if noise == 0.0:
+        # The oracle's best child is the target's argmax, so the accepted path is always the
+        # tree's best path (every accepted node a rank-0 child); a chain accepts its whole depth
+        # in every round but a request's first, which verifies the bootstrap chain of dummies.
+        assert run.acceptance_by_rank[0] == 1.0
+        if k == 1:
+            assert run.histogram[s + 1] >= run.rounds - len(mixed_requests())
+        assert run.mean_accept_length > 2.5
+    else:
+        assert 1.0 < run.mean_accept_length < s + 1  # partial acceptance: the trees really branch
+    if k > 1 and noise > 0:
+        assert sum(run.acceptance_by_rank[1:]) > 0  # some accepted nodes were not the best child
+
+
+def test_speculation_is_lossless_gumbel():
+    """Keyed Gumbel-max at temperature 0.8, top-p 0.9: same seed, same tokens."""
+    cfg = dict(sampler="gumbel", temperature=0.8, top_p=0.9, slots=3)
+    reqs = mixed_requests()
+    plain = _tokens(cached_engine(serve_config(**cfg)), reqs)
+    assert _tokens(cached_engine(serve_config("EAGLE3", 1, 3, None, **cfg), noise=0.5), reqs) == plain
+    tree = cached_engine(serve_config("EAGLE3", 4, 4, 20, **cfg), noise=0.5)
+    assert _tokens(tree, reqs) == plain
+    assert tree.last_run.mean_accept_length > 1.2
+    # A different seed gives a different sample (the test can fail).
+    other = [dataclasses.replace(r, seed=r.seed + 7) for r in reqs]
+    assert _tokens(cached_engine(serve_config(**cfg)), other) != plain
+
+
+def test_kernel_path_matches_reference(plain_greedy):
+    """The cascade kernels (interpret mode) and the compaction kernel, tree and plain."""
+    reqs = mixed_requests()[:3]
+    kernel = dict(attention="cascade", kernel="interpret")
+    plain = _tokens(cached_engine(serve_config(**kernel, slots=2)), reqs)
+    assert plain == plain_greedy[:3]
+    tree = cached_engine(serve_config("EAGLE3", 4, 3, 10, **kernel, slots=2), noise=1.0)
+    assert _tokens(tree, reqs) == plain_greedy[:3]
+
+
+def test_fp8_kv_tree_equals_chain():
+    reqs = mixed_requests()[:3]
+    chain = _tokens(cached_engine(serve_config("EAGLE3", 1, 3, None, kv="fp8_e4m3")), reqs)
+    tree = _tokens(cached_engine(serve_config("EAGLE3", 4, 3, 10, kv="fp8_e4m3"), noise=1.0), reqs)
+    assert tree == chain
+
+
+# The kernel path is the same code for every family, so one family covers it.
+@pytest.mark.parametrize("family,kind", [("llama", "dense"), ("qwen2", "dense"), ("qwen3", "dense"),
+                                         ("llama", "cascade")])
+def test_prefill_then_decode_equals_full_forward(family, kind):
+    """Chunked prefill (chunk 8 over 21 tokens) then 3 decode steps give the logits of one causal
+    forward over the same tokens; the pools start poisoned with NaN."""
+    cfg, params = tiny_target(family)
+    att = attention_for(serve_config(attention=kind, kernel="interpret"))
+    model = LlamaModel(cfg, att)
+    slots = 8 * PAGE
+    pools = {n: jnp.full((slots, cfg.num_kv_heads, cfg.head_dim), jnp.nan) for kv in kv_buffer_names(cfg.num_layers)
+             for n in kv}
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, 24)
+    table = jnp.array([[5, 2, 7, 0]], jnp.int32)
+    got = []
+    for start in range(0, 21, 8):
+        piece = tokens[start:min(start + 8, 21)]
+        chunk = np.zeros((1, 8), np.int32)
+        chunk[0, :len(piece)] = piece
+        logits, _, pools = model.prefill(params, pools, jnp.asarray(chunk), table, jnp.array([start]),
+                                         jnp.array([len(piece)]))
+    got.append(logits[0, 0])
+    for pos in range(21, 24):
+        logits, _, pools = model.decode(params, pools, jnp.asarray(tokens[pos:pos + 1]), table, jnp.array([pos]))
+        got.append(logits[0, 0])
+    want = dense_forward(cfg, params, tokens)[20:24]
+    assert rel_err(np.stack(got), want) < 1e-5
+
+
+def test_requests_never_touch_other_pages():
+    """Every free page starts as NaN: outputs equal a clean run's, and pages no request owned keep
+    their poison (page 0, the scratch page, takes the writes of padding and empty slots)."""
+    reqs = mixed_requests()
+    clean = _tokens(cached_engine(serve_config("EAGLE3", 4, 3, 10, slots=2)), reqs)
+    engine = oracle_engine(serve_config("EAGLE3", 4, 3, 10, slots=2, total_tokens=64 * PAGE))
+    engine.state = engine.state.replace(
+        target_pools={k: jnp.full_like(v, jnp.nan) for k, v in engine.state.target_pools.items()},
+        draft_pools={k: jnp.full_like(v, jnp.nan) for k, v in engine.state.draft_pools.items()})
+    assert _tokens(engine, reqs) == clean
+    # The allocator hands out low pages first; with two slots at most two requests' pages were
+    # ever live, so the top pages were never owned.
+    untouched = slice((engine.num_pages - 16) * PAGE, engine.num_pages * PAGE)
+    for pools in (engine.state.target_pools, engine.state.draft_pools):
+        for name, pool in pools.items():
+            assert bool(jnp.isnan(pool[untouched].astype(jnp.float32)).all()), name
+    assert engine.allocator.free_pages == engine.num_pages - 1
+
+
+def test_refusals_name_every_reason_and_spare_the_others():
+    engine = cached_engine(serve_config("EAGLE3", 2, 3, 6))
+    good = mixed_requests()[:2]
+    bad = [Request(prompt=[1, 2, 3], max_new_tokens=600),  # exceeds the context (512)
+           Request(prompt=[1, 2, 3], max_new_tokens=4, temperature=0.7),  # greedy backend
+           Request(prompt=[], max_new_tokens=4),
+           Request(prompt=[70, 2], max_new_tokens=0)]
+    outs = engine.decode(good[:1] + bad + good[1:])
+    assert [o.finish_reason for o in outs] == ["length", "refused", "refused", "refused", "refused", "length"]
+    assert "exceeds the context length 512" in outs[1].error
+    assert "greedy" in outs[2].error
+    assert "empty" in outs[3].error
+    assert "outside [0, 64)" in outs[4].error and "max_new_tokens=0" in outs[4].error
+    alone = _tokens(cached_engine(serve_config("EAGLE3", 2, 3, 6)), good)
+    assert [outs[0].tokens, outs[5].tokens] == alone
+
+
+def test_startup_refusal_lists_every_blocker():
+    cfg, params = tiny_target()
+    bad_cfg = dataclasses.replace(cfg, head_dim=12, num_heads=4)
+    config = serve_config("EAGLE3", 4, 5, 16, attention="cascade")
+    config = config.replace(parallel=dataclasses.replace(config.parallel, tp_size=3),
+                            sampling=dataclasses.replace(config.sampling, temperature=0.5))
+    with pytest.raises(ConfigError) as err:
+        Engine(config, bad_cfg, params, None, None)
+    text = str(err.value)
+    for needle in ("head_dim 12", "needs a drafter", "tp_size=3", "temperature 0"):
+        assert needle in text, (needle, text)
+
+
+def test_waiting_for_pages():
+    """A pool that holds one request at a time serves all of them in turn, in order."""
+    reqs = mixed_requests()[:3]
+    roomy = _tokens(cached_engine(serve_config("EAGLE3", 2, 3, 6)), reqs)
+    tight = cached_engine(serve_config("EAGLE3", 2, 3, 6, total_tokens=5 * PAGE))
+    assert _tokens(tight, reqs) == roomy
+
+
+def test_stream_yields_what_decode_returns():
+    engine = cached_engine(serve_config("EAGLE3", 2, 3, 6))
+    reqs = mixed_requests()[:3]
+    pieces = {i: [] for i in range(3)}
+    finals = {}
+    for ev in engine.stream(reqs):
+        pieces[ev.index] += ev.tokens
+        if ev.finished is not None:
+            finals[ev.index] = ev.finished.tokens
+    assert all(pieces[i] == finals[i] for i in range(3))
+    assert [finals[i] for i in range(3)] == _tokens(cached_engine(serve_config()), reqs)
+
+
+def test_stats_describe_the_rounds():
+    engine = cached_engine(serve_config("EAGLE3", 4, 4, 12, slots=2), noise=1.0)
+    outs = engine.decode(mixed_requests())
+    run = engine.last_run
+    committed = sum(len(o.tokens) for o in outs)
+    assert run.generated_tokens == committed
+    assert run.rounds == sum(o.stats.rounds for o in outs)
+    assert run.histogram.sum() == run.rounds
+    by_depth = run.acceptance_by_depth
+    assert all(a >= b for a, b in zip(by_depth, by_depth[1:]))  # reaching d+1 implies reaching d
+    assert abs(run.mean_accept_length - (1 + sum(by_depth))) < 1e-9
+    assert abs(sum(run.acceptance_by_rank) - 1.0) < 1e-9

