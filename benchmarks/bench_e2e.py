@@ -1,0 +1,256 @@
+"""End-to-end speed on the GPU, one process per table (each fits one device call):
+
+    PYTHONPATH=. python benchmarks/bench_e2e.py serve --gguf G --head DIR [--batches 1,8,32,64]
+        (a) SmolLM2 + its EAGLE-3 head on the held-out prompts: tokens/s and mean accept length of
+            plain, chain (K=1, S=5) and trees (K=4, S=5, N=16; K=8, S=6, N=64), greedy and T=0.8
+    PYTHONPATH=. python benchmarks/bench_e2e.py breakdown --gguf G --head DIR [--batch 1]
+        (b) one round's time by stage: verify, walk, compaction, draft (step 0 + lanes + select),
+            the whole jitted step, and the host's share of a served step
+    PYTHONPATH=. python benchmarks/bench_e2e.py llama8b [--batches 1,8,32,64]
+        (c) a Llama-3.1-8B-shaped target with random bf16 weights: plain decode step and tree
+            verify at N = 16 and 64 against the weight-bytes floor (weights / copy bandwidth)
+
+Every time is a median of repeated calls after warm-up in the same process; ratios compare
+numbers measured in the same run. Results print as JSON (and go to --out/NAME.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HELDOUT = Path(__file__).resolve().parent.parent / "treespec_jax" / "data" / "heldout_prompts.jsonl"
+
+
+def _median(fn, reps=20):
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _config(spec, batch, sampler="greedy", temperature=0.0, attention="auto"):
+    from treespec_jax.config import (BackendsConfig, KVCacheConfig, ModelConfig, SamplingConfig, SchedulerConfig,
+                                     ServeConfig)
+
+    return ServeConfig(model=ModelConfig(dtype="bf16"), speculative=spec,
+                       kv_cache=KVCacheConfig(page_size=64, max_total_tokens=max(batch, 8) * 2048),
+                       scheduler=SchedulerConfig(max_running_requests=batch, chunked_prefill_size=256),
+                       sampling=SamplingConfig(backend=sampler, temperature=temperature),
+                       backends=BackendsConfig(attention_backend=attention), seed=1)
+
+
+SHAPES = {
+    "plain": dict(algorithm="NONE"),
+    "chain-s5": dict(algorithm="EAGLE3", topk=1, num_steps=5),
+    "tree-k4s5n16": dict(algorithm="EAGLE3", topk=4, num_steps=5, num_draft_tokens=16),
+    "tree-k8s6n64": dict(algorithm="EAGLE3", topk=8, num_steps=6, num_draft_tokens=64),
+}
+
+
+def _prompts(tok, limit):
+    from treespec_jax.decode_cli import BUILTIN_PROMPTS
+
+    if HELDOUT.exists():
+        entries = [json.loads(l) for l in HELDOUT.read_text().splitlines() if l.strip()]
+    else:
+        entries = [{"prompt": p} for p in BUILTIN_PROMPTS]
+    out = []
+    for e in entries[:limit]:
+        msgs = e.get("messages") or [{"role": "user", "content": e["prompt"]}]
+        out.append(tok.encode(tok.apply_chat_template(msgs)))
+    return out
+
+
+def serve(args):
+    from treespec_jax.config import SpeculativeConfig
+    from treespec_jax.engine import Engine, Request
+    from treespec_jax.engine.loading import load_target
+
+    cfg, params, tok = load_target(args.gguf, "bf16")
+    head = None
+    if args.head:
+        from treespec_jax.drafter.eagle3 import Eagle3Drafter
+        from treespec_jax.models.hf import load_eagle3
+
+        head = load_eagle3(args.head, "bf16")
+    prompts = _prompts(tok, args.prompts)
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for temp in [float(t) for t in args.temperatures.split(",")]:
+            for name in args.shapes.split(","):
+                spec = SpeculativeConfig(**SHAPES[name])
+                if spec.enabled and head is None:
+                    continue
+                config = _config(spec, batch, "gumbel" if temp > 0 else "greedy", temp)
+                drafter = dparams = None
+                if spec.enabled:
+                    from treespec_jax.engine.loading import attention_for
+
+                    drafter = Eagle3Drafter(head[0], cfg, attention_for(config))
+                    dparams = {**head[1], "embed": params["embed"]}
+                engine = Engine(config, cfg, params, drafter, dparams, tok)
+                n = max(batch, min(len(prompts), args.prompts))
+                reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=args.new_tokens, seed=i,
+                                temperature=temp) for i in range(n)]
+                engine.decode(reqs[:batch])  # compiles every shape the run uses
+                engine.decode(reqs)
+                run = engine.last_run
+                rows.append({"batch": batch, "temperature": temp, "shape": name,
+                             "mean_accept_length": run.mean_accept_length,
+                             "decode_tok_s": run.decode_tokens_per_s, "tok_s": run.tokens_per_s,
+                             "per_position": run.per_position_rate[:8], "steps": run.steps,
+                             "requests": n})
+                print(json.dumps(rows[-1]), flush=True)
+    return {"table": "serve", "rows": rows}
+
+
+def breakdown(args):
+    from treespec_jax.config import SpeculativeConfig
+    from treespec_jax.drafter.eagle3 import Eagle3Drafter
+    from treespec_jax.engine import Engine, Request
+    from treespec_jax.engine.loading import attention_for, load_target
+    from treespec_jax.models.hf import load_eagle3
+
+    cfg, params, tok = load_target(args.gguf, "bf16")
+    hcfg, hparams = load_eagle3(args.head, "bf16")
+    spec = SpeculativeConfig(**SHAPES[args.shape])
+    config = _config(spec, args.batch)
+    engine = Engine(config, cfg, params, Eagle3Drafter(hcfg, cfg, attention_for(config)),
+                    {**hparams, "embed": params["embed"]}, tok)
+    prompts = _prompts(tok, args.batch)
+    # Fill every slot with a running request, then time the stages on that state.
+    reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=4096, ignore_eos=True) for i in range(args.batch)]
+    stream = engine.stream(reqs)
+    for _ in range(args.batch + 3):
+        next(stream)
+    rnd, p = engine.round, engine.params
+    state = engine.state
+
+    @jax.jit
+    def verify(params, state):
+        return rnd.verify_stage(params, state)
+
+    spec_, logits, features, positions, pools = verify(p, state)
+
+    @jax.jit
+    def walk(logits, state):
+        return rnd.walk_stage(spec_, logits, state)
+
+    path = walk(logits, state)
+
+    @jax.jit
+    def compact(pools, features, state):
+        return rnd.compact_stage(spec_, path, pools, features, positions, state)
+
+    @jax.jit
+    def draft(params, state, features):
+        _, _, roots = rnd.commit_stage(path, state)
+        return rnd.draft_stage(params, state, path, features, roots)
+
+    sync = jax.block_until_ready
+    t = {
+        "verify": _median(lambda: sync(verify(p, state))),
+        "walk": _median(lambda: sync(walk(logits, state))),
+        "compaction": _median(lambda: sync(compact(pools, features, state))),
+        "draft": _median(lambda: sync(draft(p, state, features))),
+    }
+    step = jax.jit(rnd.step)
+    t["step"] = _median(lambda: sync(step(p, state)))
+    served = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        next(stream)
+        served.append(time.perf_counter() - t0)
+    t["served_step"] = float(np.median(served))
+    t["host"] = t["served_step"] - t["step"]
+    return {"table": "breakdown", "batch": args.batch, "shape": args.shape, "seconds": t}
+
+
+def llama8b(args):
+    from benchmarks.timing import measure_copy_bandwidth
+    from treespec_jax.engine.loading import attention_for
+    from treespec_jax.models.config import LlamaConfig
+    from treespec_jax.models.llama import LlamaModel, init_params, kv_buffer_names
+    from treespec_jax.tree.masks import ancestor_mask, chain_parents
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128, rope_theta=5e5, max_position_embeddings=8192)
+    params = jax.jit(lambda k: init_params(cfg, k, "bf16", scale=0.5))(jax.random.key(0))
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    bw = measure_copy_bandwidth()
+    floor = weight_bytes / bw
+    from treespec_jax.config import SpeculativeConfig
+
+    att = attention_for(_config(SpeculativeConfig(), 1))
+    model = LlamaModel(cfg, att)
+    rows = []
+    context = args.context
+    for batch in [int(b) for b in args.batches.split(",")]:
+        pages = -(-(context + 128) // 64)
+        num_pages = batch * pages + 1
+        pools = {n: jnp.zeros((num_pages * 64, 8, 128), jnp.bfloat16) for kv in kv_buffer_names(32) for n in kv}
+        table = jnp.asarray(1 + np.arange(batch * pages, dtype=np.int32).reshape(batch, pages))
+        lengths = jnp.full((batch,), context, jnp.int32)
+        for n in (1, 16, 64):
+            tokens = jnp.zeros((batch, n), jnp.int32)
+            parents = chain_parents(batch, n) if n == 1 else jnp.asarray(
+                np.concatenate([[-1], np.arange(n - 1) // 3]).astype(np.int32)[None].repeat(batch, 0))
+            mask = ancestor_mask(parents)
+            positions = lengths[:, None] + jnp.arange(n)[None]
+            fn = jax.jit(model.verify, donate_argnums=(1,))
+            holder = {"pools": pools}
+
+            def call():
+                _, _, holder["pools"] = fn(params, holder["pools"], tokens, positions, mask, table, lengths)
+                jax.block_until_ready(holder["pools"]["k0"])
+
+            sec = _median(call, reps=10)
+            pools = holder["pools"]
+            rows.append({"batch": batch, "nodes": n, "ms": sec * 1e3, "floor_ms": floor * 1e3,
+                         "x_floor": sec / floor})
+            print(json.dumps(rows[-1]), flush=True)
+        for r in rows:
+            if r["batch"] == batch and r["nodes"] > 1:
+                plain = next(x for x in rows if x["batch"] == batch and x["nodes"] == 1)
+                r["x_plain"] = r["ms"] / plain["ms"]
+        del pools
+    return {"table": "llama8b", "weight_bytes": weight_bytes, "copy_bw": bw, "context": context, "rows": rows}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("table", choices=["serve", "breakdown", "llama8b"])
+    ap.add_argument("--gguf", type=Path)
+    ap.add_argument("--head", type=Path)
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--shape", default="tree-k4s5n16")
+    ap.add_argument("--shapes", default="plain,chain-s5,tree-k4s5n16,tree-k8s6n64")
+    ap.add_argument("--temperatures", default="0,0.8")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    doc = {"serve": serve, "breakdown": breakdown, "llama8b": llama8b}[args.table](args)
+    doc.update(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, jax=jax.__version__)
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{args.table}.json").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
