@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from paged_fixtures import attention_triton_calls, poisoned_paged_pools, rel_err, verify_case
+from tiers import cases
 from trees import random_parents
 
 from pallas_kernels.attention.reference import cascade_dense_reference, sliding_lane_dense_reference
@@ -17,11 +18,11 @@ from treespec_jax.tree.masks import ancestor_mask, pack_mask_rows, unpack_mask_r
 FP8 = jnp.float8_e4m3fn
 
 
-@pytest.mark.parametrize("n,group,page,dtype,tol,covers_tail", [
+@pytest.mark.parametrize("n,group,page,dtype,tol,covers_tail", cases([
     (64, 4, 16, jnp.bfloat16, 1e-2, False),
     (16, 8, 64, FP8, 6e-2, False),  # the prefix half multiplies an FP8-quantised query
     (64, 4, 16, jnp.bfloat16, 1e-2, True),  # every row's prefix half runs to P
-])
+], default=(1, 2)))
 def test_verify_matches_dense_attention(n, group, page, dtype, tol, covers_tail):
     rng = np.random.default_rng(n + group)
     b, hkv, d = 3, 2, 16
@@ -39,12 +40,12 @@ def test_verify_matches_dense_attention(n, group, page, dtype, tol, covers_tail)
     assert rel_err(out, composed) < 1e-2
 
 
-@pytest.mark.parametrize("dtype,tol,splits,covers_tail,lengths", [
+@pytest.mark.parametrize("dtype,tol,splits,covers_tail,lengths", cases([
     (jnp.bfloat16, 1e-2, None, False, [100, 7]), (FP8, 6e-2, None, False, [100, 7]),
     (jnp.bfloat16, 1e-2, 2, False, [100, 7]), (FP8, 6e-2, 2, True, [128, 74]),
     # P mod page < R - 1 (and a page-aligned P): the flag moves the last whole page's causal tail
     # from the window kernel to the prefix kernel, so a miswired half double-counts or drops it.
-    (jnp.bfloat16, 1e-2, 2, True, [128, 74]), (jnp.bfloat16, 1e-2, 2, False, [128, 74])])
+    (jnp.bfloat16, 1e-2, 2, True, [128, 74]), (jnp.bfloat16, 1e-2, 2, False, [128, 74])], default=(1, 3, 5)))
 def test_verify_through_the_mosaic_gpu_prefix_kernel(dtype, tol, splits, covers_tail, lengths):
     """CascadeConfig(prefix_kernel="mosaic_gpu", fuse_window=False) (Pallas' GPU interpreter here):
     the prefix half over whole pages plus the window over the partial page equals dense attention,
@@ -104,7 +105,8 @@ def test_prefix_covers_tail_defaults_to_the_prefix_kernel(monkeypatch):
         CascadeConfig(page_size=page, prefix_covers_tail="yes")
 
 
-@pytest.mark.parametrize("kernel,splits", [("triton", None), ("triton", 1), ("mosaic_gpu", 1), ("mosaic_gpu", 2)])
+@pytest.mark.parametrize("kernel,splits", cases([("triton", None), ("triton", 1), ("mosaic_gpu", 1), ("mosaic_gpu", 2)],
+                                                default=(0, 2)))
 def test_bf16_prefix_partial_matches_dense(kernel, splits):
     """CascadeConfig(prefix_partial_dtype="bfloat16") through either prefix kernel (one CTA per
     key range, or key splits merged in float32) still equals dense attention, the window kernel
@@ -225,7 +227,7 @@ def test_lanes_match_dense_attention(step, covers_tail):
     assert rel_err(out, dense) < 1e-5
 
 
-@pytest.mark.parametrize("covers_tail,frontiers", [(False, [70, 200]), (True, [64, 129])])
+@pytest.mark.parametrize("covers_tail,frontiers", cases([(False, [70, 200]), (True, [64, 129])]))
 def test_lanes_through_the_mosaic_gpu_prefix_kernel(covers_tail, frontiers):
     """Draft lanes whose rows fill a 64-row tile (K = 4 lanes x 16 query heads per KV head) through
     the Mosaic GPU prefix (interpreter): the causal prefix over whole pages plus the window kernel
@@ -375,8 +377,8 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
         lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("pool_dtype,b,n,auto_triton_calls", [(jnp.bfloat16, 2, 64, 0), (FP8, 2, 16, 0), (FP8, 2, 64, 1),
-                                                            (FP8, 16, 64, 1)])
+@pytest.mark.parametrize("pool_dtype,b,n,auto_triton_calls", cases([(jnp.bfloat16, 2, 64, 0), (FP8, 2, 16, 0),
+                                                                  (FP8, 2, 64, 1), (FP8, 16, 64, 1)], default=(0, 2)))
 def test_verify_lowers_with_the_auto_prefix_kernel_on_a_gpu(monkeypatch, pool_dtype, b, n, auto_triton_calls):
     """On a (pretend) sm_90 GPU the default cascade lowers to the Mosaic GPU kernel with the window
     fused in (bf16 pools, and FP8 ones with 64-row heads, N=16, whose 2 * 8 = 16 prefix programs
@@ -407,8 +409,8 @@ def test_verify_lowers_with_the_auto_prefix_kernel_on_a_gpu(monkeypatch, pool_dt
         assert ("mosaic_gpu" in text) == (kernel == "auto"), kernel
 
 
-@pytest.mark.parametrize("kernel,splits,dtype,tol", [("triton", 3, jnp.bfloat16, 1e-2), ("triton", 2, FP8, 6e-2),
-                                                      ("mosaic_gpu", 2, jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("kernel,splits,dtype,tol", cases([("triton", 3, jnp.bfloat16, 1e-2), ("triton", 2, FP8, 6e-2),
+                                                            ("mosaic_gpu", 2, jnp.bfloat16, 1e-2)], default=(1,)))
 def test_window_kernel_merges_the_key_splits(monkeypatch, kernel, splits, dtype, tol):
     """cascade.WINDOW_MERGES_SPLITS (the default): the prefix half hands its key-split partials on unmerged and
     the window kernel merges them (no merge kernel runs); the cascade still equals dense attention
@@ -436,8 +438,8 @@ def test_window_kernel_merges_the_key_splits(monkeypatch, kernel, splits, dtype,
     assert rel_err(out, dense) < tol and rel_err(out, merged_first) < 1e-2
 
 
-@pytest.mark.parametrize("dtype,splits,lengths", [(jnp.bfloat16, 3, [100, 7]), (FP8, 2, [128, 74]),
-                                                  (FP8, None, [0, 190])])
+@pytest.mark.parametrize("dtype,splits,lengths", cases([(jnp.bfloat16, 3, [100, 7]), (FP8, 2, [128, 74]),
+                                                        (FP8, None, [0, 190])], default=(2,)))
 def test_unfused_mosaic_cascade_keeps_the_head_layout(monkeypatch, dtype, splits, lengths):
     """cascade.UNFUSED_HEADS_IO (the default): the unfused Mosaic cascade hands q to the prefix kernel
     and the window kernel in head layout (`heads_io` / `heads_in`, no transposes) and still equals

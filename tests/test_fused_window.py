@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from paged_fixtures import poisoned_paged_pools, rel_err, verify_case
 from test_cascade_gqa import lane_masks
+from tiers import cases, sweep
 
 from pallas_kernels.attention.prefix_decode_mgpu import (cluster_split_errors, fused_window_words, head_io_rows,
                                                          heads_io_errors, merge_weights,
@@ -39,13 +40,13 @@ def spy_on_kernels(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("n,group,lengths,splits,heads_io", [
+@pytest.mark.parametrize("n,group,lengths,splits,heads_io", cases([
     (32, 4, [0, 70, 200], None, True),  # P = 0, mid-page P, two 64-row warpgroups per CTA
     (64, 4, [5, 129], 3, True),  # 64-node trees, three key splits (float32 partials merged)
     (8, 8, [63, 64], None, True),  # group 8: boxes of 8 query rows; P + W crosses a page
     (20, 4, [100, 3], None, False),  # R not a multiple of 64 / G: row layout, padded rows
     (4, 4, [70, 200], None, False),  # 16 real rows padded to one 64-row tile (draft-lane sizes)
-])
+], default=(0, 4)))
 def test_fused_window_matches_dense(monkeypatch, n, group, lengths, splits, heads_io):
     """The default cascade under the Mosaic prefix on bf16 pools runs the fused kernel alone (no
     window kernel), in head layout where the group allows it, and equals dense attention; every slot
@@ -62,11 +63,11 @@ def test_fused_window_matches_dense(monkeypatch, n, group, lengths, splits, head
     assert seen == {"prefix": [(n, heads_io)], "window_kernel": 0}
 
 
-@pytest.mark.parametrize("n,lengths,splits,tol", [
+@pytest.mark.parametrize("n,lengths,splits,tol", cases([
     (32, [0, 60], None, 5e-3),  # every key is in a window step: bf16-level error, the unquantised query
     (16, [50, 300, 128], 2, 6e-2),  # 64-row heads: the warpgroup key split; FP8 prefix scores
     (16, [50, 300], 1, 6e-2),  # the key split's merged partial is the bf16 output itself (no merge kernel)
-])
+], default=(2,)))
 def test_fused_window_under_fp8_pools(monkeypatch, n, lengths, splits, tol):
     """FP8 pools, fuse_window=True (opt-in): window steps widen K and score the unquantised query
     (at P < 128 every step is a window step, and an FP8 query would miss 5e-3 several times over:
@@ -83,6 +84,7 @@ def test_fused_window_under_fp8_pools(monkeypatch, n, lengths, splits, tol):
     assert seen == {"prefix": [(n, True)], "window_kernel": 0}
 
 
+@sweep  # the default FP8 cases against dense fp32 run cast_query=None already
 @pytest.mark.parametrize("n,lengths,splits", [
     (16, [50, 300], 2),  # 64-row heads: the warpgroup key split, two key splits
     (32, [0, 190], None),  # two 64-row warpgroups per CTA; P = 0 (window steps only)
@@ -126,6 +128,7 @@ def test_cast_query_refuses_all_but_fp8_pools_with_16_bit_queries():
                                           scale=0.1, window=window, cast_query=True, interpret=True)
 
 
+@sweep
 @pytest.mark.parametrize("r,lengths,splits,layout", [
     (16, [50, 300], 2, "rows"),  # 64-row heads: the warpgroup key split, two key splits merged
     # Head layout, two 64-row warpgroups per CTA (B=64's form), 5 items over 2 CTAs, prefetched; P = 0.
@@ -163,6 +166,7 @@ def test_unfused_fp8_kernel_casts_the_query_itself(monkeypatch, r, lengths, spli
     np.testing.assert_array_equal(lse_in, lse_xla)
 
 
+@sweep
 def test_unfused_mosaic_prefix_pads_small_row_counts():
     """Under 64 rows per KV head (R=8, G=2) the two-kernel Mosaic cascade pads q to one 64-row tile
     and the window kernel reads the same padded rows; it equals dense attention."""
@@ -286,10 +290,10 @@ def test_fused_kernel_refusals_name_the_value():
     del sd
 
 
-@pytest.mark.parametrize("r,group,splits,heads_io,pool_dtype", [
+@pytest.mark.parametrize("r,group,splits,heads_io,pool_dtype", cases([
     (64, 4, 1, True, jnp.bfloat16), (16, 4, 2, True, jnp.bfloat16), (8, 8, 1, True, jnp.bfloat16),
     (64, 4, 1, False, jnp.bfloat16), (64, 4, 1, True, FP8), (16, 4, 2, True, FP8), (16, 4, 1, True, FP8),
-    (16, 4, 1, False, FP8)])
+    (16, 4, 1, False, FP8)], default=(0, 4, 5)))
 def test_fused_kernel_lowers_to_mosaic_gpu(r, group, splits, heads_io, pool_dtype, opts=None):
     """The compiled fused kernel (head-layout boxes or the row layout, with and without key splits)
     passes Mosaic GPU's layout inference on the CPU; the H200 runs it (bench_cascade)."""
@@ -309,9 +313,9 @@ def test_fused_kernel_lowers_to_mosaic_gpu(r, group, splits, heads_io, pool_dtyp
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("r,splits,heads_io,pool_dtype,cluster,pages", [
+@pytest.mark.parametrize("r,splits,heads_io,pool_dtype,cluster,pages", cases([
     (16, 2, True, FP8, True, None), (16, 2, True, jnp.bfloat16, True, None), (16, 4, True, FP8, True, 1),
-    (16, 2, False, FP8, True, None), (16, 2, True, FP8, False, None), (64, 2, True, jnp.bfloat16, True, 1)])
+    (16, 2, False, FP8, True, None), (16, 2, True, FP8, False, None), (64, 2, True, jnp.bfloat16, True, 1)]))
 def test_cluster_split_forms_lower_to_mosaic_gpu(r, splits, heads_io, pool_dtype, cluster, pages):
     """The fused kernel whose key splits merge inside one cluster (`cluster_splits`: pieces and
     lse2 stored into the other CTAs' shared memory) lowers on the CPU, in head and row layout, with
@@ -323,6 +327,7 @@ def test_cluster_split_forms_lower_to_mosaic_gpu(r, splits, heads_io, pool_dtype
                                            opts=dict(cluster_splits=cluster, pages_per_step=pages))
 
 
+@sweep
 def test_cluster_splits_default_takes_one_row_owner_forms(monkeypatch):
     """`cluster_splits=None` clusters 2 gridded key splits of 64-row heads (one warpgroup writes the
     rows: the forms the H200 ran fast) where the inbox fits, and nothing else; 4 splits cluster only

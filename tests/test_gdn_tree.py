@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from gdn_numpy import B, DK, DV, H, HV, branch_rows, chain, per_path_numpy, random_inputs, random_tree, rel_err
+from tiers import cases
 from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, TWO_PASS_MIN_PROGRAMS, _invert_unit_lower,
                                               default_two_pass, gdn_chunked_verify, two_pass_block_v)
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
@@ -154,10 +155,11 @@ def _form(form):
     return dict(forms[name], input_dtype_grams=bool(grams))
 
 
-@pytest.mark.parametrize("t, l2, shape, form", [(8, True, "chain", "fused"), (14, False, "tree", "fused"),
-                                                 (16, True, "tree", "fused"), (8, True, "chain", "two_pass"),
-                                                 (14, False, "tree", "two_pass"), (16, True, "tree", "two_pass"),
-                                                 (8, False, "chain", "keys"), (14, True, "tree", "keys")])
+@pytest.mark.parametrize("t, l2, shape, form", cases([(8, True, "chain", "fused"), (14, False, "tree", "fused"),
+                                                       (16, True, "tree", "fused"), (8, True, "chain", "two_pass"),
+                                                       (14, False, "tree", "two_pass"), (16, True, "tree", "two_pass"),
+                                                       (8, False, "chain", "keys"), (14, True, "tree", "keys")],
+                                                      default=(1, 5, 7)))
 def test_chunked_matches_recurrent(t, l2, shape, form):
     """The fused kernel and the two-pass forms (factors Q', P per value head, then Q' h0 + P v; or P
     and decay, then decay q h0 + P (v - decay k h0))."""
@@ -177,9 +179,9 @@ def test_chunked_matches_recurrent(t, l2, shape, form):
     np.testing.assert_array_equal(_bits(args[7]), pool_before)
 
 
-@pytest.mark.parametrize("t, l2, form", [(17, False, "fused"), (33, True, "fused"), (64, True, "fused"),
-                                         (33, False, "two_pass"), (64, True, "two_pass"), (33, True, "keys"),
-                                         (64, False, "keys")])
+@pytest.mark.parametrize("t, l2, form", cases([(17, False, "fused"), (33, True, "fused"), (64, True, "fused"),
+                                               (33, False, "two_pass"), (64, True, "two_pass"), (33, True, "keys"),
+                                               (64, False, "keys")], default=(1, 4, 6)))
 def test_chunked_up_to_64_nodes(t, l2, form):
     """Trees of 17..64 nodes pad to 32 or 64 rows; from 33 nodes on, ancestor bits of columns 32..63
     come from mask word 1. Request 0 is a random tree (half the nodes extend i - 1, so deep paths
@@ -199,8 +201,8 @@ def test_chunked_up_to_64_nodes(t, l2, form):
     np.testing.assert_array_equal(_bits(args[7]), pool_before)
 
 
-@pytest.mark.parametrize("t, l2, form", [(14, True, "fused+grams"), (33, False, "two_pass+grams"),
-                                         (64, True, "keys+grams")])
+@pytest.mark.parametrize("t, l2, form", cases([(14, True, "fused+grams"), (33, False, "two_pass+grams"),
+                                               (64, True, "keys+grams")], default=(0, 1)))
 def test_input_dtype_grams_match_the_reference(t, l2, form):
     """`input_dtype_grams`: with bf16 inputs, q k^T and k k^T from the rows as loaded (exact products)
     and the row factors applied afterwards give the per-path reference's outputs (to the bf16 output
@@ -232,7 +234,7 @@ def test_input_dtype_grams_match_the_reference(t, l2, form):
         gdn_chunked_verify(*_args(x), mask, _nan_payload(t), input_dtype_grams=True, backend="interpret")
 
 
-@pytest.mark.parametrize("form", ["fused", "two_pass", "keys"])
+@pytest.mark.parametrize("form", cases(["fused", "two_pass", "keys"], default=(1,)))
 def test_chunked_forms_over_several_dv_tiles_and_a_group_of_three(form):
     """dv = 64 split into 16- and 32-column tiles, three value heads per key head: every form equals the
     chunked reference and writes the payload bits (the module's small dims have one dv tile)."""
@@ -293,7 +295,8 @@ def test_block_inversion_equals_the_inverse(rows):
         assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max()), live
         np.testing.assert_array_equal(got[live:, :], np.eye(rows)[live:, :])
 
-@pytest.mark.parametrize("t, form", [(16, "fused"), (32, "fused"), (64, "fused"), (64, "two_pass"), (64, "keys")])
+@pytest.mark.parametrize("t, form", cases([(16, "fused"), (32, "fused"), (64, "fused"), (64, "two_pass"), (64, "keys")],
+                                          default=(2, 3, 4)))
 def test_chunked_is_stable_on_deep_chains_of_correlated_keys(t, form):
     """Keys sharing one direction, beta near 1 and no decay make (I + M)^-1 ill-suited to a
     power series: the sum of (-M)^j has entries near 1e16 at j = 32 that must cancel. The inverse
@@ -443,8 +446,8 @@ def test_default_runs_two_pass_past_16_rows_on_every_grid(monkeypatch):
         assert rel_err(res.out, ref_out) < 2e-2
 
 
-@pytest.mark.parametrize("t, want_chunked", [(12, True), (16, True), (8, False), (17, False), (55, False),
-                                             (60, True)])
+@pytest.mark.parametrize("t, want_chunked", cases([(12, True), (16, True), (8, False), (17, False), (55, False),
+                                                   (60, True)], default=(3, 5)))
 def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked):
     """Under ReplaySSM a chain (tree=None) runs the two-pass chunked form with a chain's ancestor mask
     (bit for bit, no workspace row written, payload as read) over `chain_chunked_ranges`: with fp32

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from paged_fixtures import attention_triton_calls
+from tiers import cases
 
 from pallas_kernels.attention.mla_decode import MlaDecodeConfig, mla_decode, mla_decode_reference
 from pallas_kernels.attention.reference import cascade_dense_reference
@@ -201,7 +202,13 @@ def test_mla_cascade_lanes_match_dense():
     assert rel_err(out.astype(jnp.float32), ref) < 1e-2
 
 
-def test_mla_kernels_lower_to_triton_for_sm90(monkeypatch):
+# "auto" (the default) takes the Mosaic GPU latent decode on a GPU (16-bit and FP8 caches) and the
+# tree window with it (fuse_window=None), so no Triton kernel is left; "triton" runs the Triton
+# decode and the Triton window kernel.
+@pytest.mark.parametrize("dtype,kernel,triton_calls", cases([(jnp.bfloat16, "triton", 2), (FP8, "triton", 2),
+                                                             (jnp.bfloat16, "auto", 0), (FP8, "auto", 0)],
+                                                            default=(1, 2)))
+def test_mla_kernels_lower_to_triton_for_sm90(monkeypatch, dtype, kernel, triton_calls):
     """DeepSeek-V3 shapes lower Pallas -> Triton IR / Mosaic GPU (the GPU suite compiles and runs them)."""
     import jax._src.pallas.triton.pallas_call_registration as reg
     import pallas_kernels.common as common
@@ -212,22 +219,17 @@ def test_mla_kernels_lower_to_triton_for_sm90(monkeypatch):
     b, n, hq, lora, rope, page, maxp = 4, 16, 128, 512, 64, 64, 8
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the Mosaic lowering)
 
-    # "auto" (the default) takes the Mosaic GPU latent decode on a GPU (16-bit and FP8 caches) and
-    # the tree window with it (fuse_window=None), so no Triton kernel is left; "triton" runs the
-    # Triton decode and the Triton window kernel.
-    for dtype, kernel, triton_calls in ((jnp.bfloat16, "triton", 2), (FP8, "triton", 2),
-                                        (jnp.bfloat16, "auto", 0), (FP8, "auto", 0)):
-        config = MlaCascadeConfig(kv_lora_rank=lora, rope_dim=rope, page_size=page, scale=0.07,
-                                  decode=MlaDecodeConfig(fp8_score_dot=True, prefetch_page_ids=dtype == FP8),
-                                  prefix_kernel=kernel)
-        args = (jax.ShapeDtypeStruct((b, n, hq, lora + rope), jnp.bfloat16),
-                jax.ShapeDtypeStruct((b * maxp * page, lora + rope), dtype),
-                jax.ShapeDtypeStruct((b, maxp), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
-                jax.ShapeDtypeStruct((b, n, 2), jnp.uint32))
-        text = jax.jit(lambda *a: mla_verify_attention(*a, config=config)).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert attention_triton_calls(text) == triton_calls, (dtype, kernel)
-        assert ("mosaic_gpu" in text) == (kernel == "auto"), (dtype, kernel)
+    config = MlaCascadeConfig(kv_lora_rank=lora, rope_dim=rope, page_size=page, scale=0.07,
+                              decode=MlaDecodeConfig(fp8_score_dot=True, prefetch_page_ids=dtype == FP8),
+                              prefix_kernel=kernel)
+    args = (jax.ShapeDtypeStruct((b, n, hq, lora + rope), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b * maxp * page, lora + rope), dtype),
+            jax.ShapeDtypeStruct((b, maxp), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+            jax.ShapeDtypeStruct((b, n, 2), jnp.uint32))
+    text = jax.jit(lambda *a: mla_verify_attention(*a, config=config)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert attention_triton_calls(text) == triton_calls
+    assert ("mosaic_gpu" in text) == (kernel == "auto")
 
 
 def test_fp8_query_quantisation_survives_jit():

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from paged_fixtures import poisoned_paged_pools, rel_err, schedule_options
+from tiers import cases, sweep
 from trees import random_parents
 
 from pallas_kernels.attention.mla_decode import mla_decode_reference, quantize_query
@@ -23,7 +24,9 @@ LORA, ROPE, PAGE, SCALE = 128, 64, 64, 0.09
 FP8 = jnp.float8_e4m3fn
 
 
-@pytest.mark.parametrize("r,hq,lengths,block_k,splits,schedule,dtype", [
+# Default tier: the default schedule ("seesaw") over bf16 and FP8 caches, and "split" over 32 rows padded
+# to one tile; the other schedules and options in the sweep.
+@pytest.mark.parametrize("r,hq,lengths,block_k,splits,schedule,dtype", cases([
     (4, 8, [0, 70, 200], 64, 1, "together", jnp.bfloat16),  # P = 0, partial last pages; 32 rows padded to one tile
     # Two row tiles, the first ending mid-page below the last whole page; the warpgroups take turns.
     (16, 8, [260, 20], 64, 2, "turns", jnp.bfloat16),
@@ -46,7 +49,7 @@ FP8 = jnp.float8_e4m3fn
     (16, 8, [330, 20], 64, 1, "seesaw", FP8),
     (16, 8, [260, 0, 90], 64, 2, "split", FP8),
     (16, 8, [260, 20], 64, 1, "together", FP8),
-])
+], default=(3, 4, 10)))
 def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, schedule, dtype):
     rng = np.random.default_rng(r * hq + block_k)
     lengths = np.asarray(lengths, np.int32)
@@ -94,12 +97,12 @@ def test_mgpu_mla_refuses_unsupported_shapes():
         check_mla_mgpu_inputs(q, jnp.zeros((64, 192), jnp.float32), 128, 64, 64)
 
 
-@pytest.mark.parametrize("dtype,tol,covers_tail,lengths,fuse", [
+@pytest.mark.parametrize("dtype,tol,covers_tail,lengths,fuse", cases([
     (jnp.bfloat16, 1e-2, False, [150, 3], False), (FP8, 6e-2, False, [150, 3], False),
     # P mod page < N - 1 (one page-aligned): the flag moves keys between the halves.
     (jnp.bfloat16, 1e-2, True, [128, 130], False),
     # The default with the prefix covering every row's tail: the window fused into the decode.
-    (jnp.bfloat16, 1e-2, None, [128, 130], True), (FP8, 6e-2, None, [150, 3], True)])
+    (jnp.bfloat16, 1e-2, None, [128, 130], True), (FP8, 6e-2, None, [150, 3], True)], default=(1, 3, 4)))
 def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol, covers_tail, lengths, fuse):
     """MlaCascadeConfig(prefix_kernel="mosaic_gpu") end to end (interpreter) equals dense attention,
     with a bf16 and an FP8 latent cache (whose prefix half scores the FP8-quantised query), with
@@ -156,9 +159,10 @@ def test_auto_latent_decode_takes_mosaic_only_where_it_runs_compiled():
         uses_mosaic_latent_decode(forced, "compiled", f32_q, f32_pool)
 
 
-@pytest.mark.parametrize("schedule,dtype", [(s, d) for s in ("split", "seesaw", "turns", "together")
-                                            for d in (jnp.bfloat16, FP8)] + [("seesaw+no_p_in_ring", jnp.bfloat16),
-                                                                             ("seesaw+no_loop_descriptors", jnp.bfloat16)])
+@pytest.mark.parametrize("schedule,dtype", cases([(s, d) for s in ("split", "seesaw", "turns", "together")
+                                                  for d in (jnp.bfloat16, FP8)]
+                                                 + [("seesaw+no_p_in_ring", jnp.bfloat16),
+                                                    ("seesaw+no_loop_descriptors", jnp.bfloat16)], default=(0, 2, 3)))
 def test_mgpu_mla_decode_lowers_to_mosaic_gpu(schedule, dtype):
     """The compiled path lowers to a Mosaic GPU module on the CPU, including Mosaic's layout
     inference and its shared-memory check (the cubin is built on the GPU machine): DeepSeek-V3
@@ -179,7 +183,7 @@ def test_mgpu_mla_decode_lowers_to_mosaic_gpu(schedule, dtype):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("schedule,splits", [("seesaw", 1), ("turns", 1), ("seesaw", 2)])
+@pytest.mark.parametrize("schedule,splits", cases([("seesaw", 1), ("turns", 1), ("seesaw", 2)]))
 def test_out_dtype_is_the_float32_output_rounded_once(schedule, splits):
     """out_dtype=bf16: the kernel writes the float32 output rounded to bf16 itself (no split: the
     exchange schedules' whole staging tile, the others' 16-column pieces), the same bits as casting
@@ -217,6 +221,7 @@ def test_p_in_ring_refusals_list_every_blocker():
         mla_decode_mgpu(q16, *args, kv_lora_rank=128, page_size=64, scale=0.1, p_in_ring="yes")
 
 
+@sweep
 def test_mla_register_budgets_default():
     """registers=None lowers to MLA_REGISTERS (240, 24) in both default forms (bf16 with the window
     fused, FP8); an explicit pair wins; a pair that does not fit the launch is refused by value."""
@@ -243,6 +248,7 @@ def test_mla_register_budgets_default():
         budgets(jnp.bfloat16, registers=(248, 24))
 
 
+@sweep
 def test_mla_grid_order_changes_no_result():
     """Grid axes of three different sizes (1 request, 2 key splits, 3 row tiles of 64 of the 16 x 12
     rows): launching a request's tiles apart (the old order) gives the same bits as side by side
@@ -260,6 +266,7 @@ def test_mla_grid_order_changes_no_result():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@sweep
 def test_mla_decode_with_tiles_apart_lowers():
     import jax._src.pallas.mosaic_gpu.pallas_call_registration  # noqa: F401  (registers the lowering)
 
@@ -271,6 +278,7 @@ def test_mla_decode_with_tiles_apart_lowers():
     assert "mosaic_gpu" in text
 
 
+@sweep
 def test_mla_prefix_covers_tail_defaults_to_the_latent_decode(monkeypatch):
     """MlaCascadeConfig.prefix_covers_tail=None is on under the Mosaic latent decode (the window
     kernel then runs without the causal tail) and off under the Triton one; an explicit value wins.
@@ -321,6 +329,7 @@ def test_mla_schedule_defaults_and_refusals():
         MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, schedule="sideways")
 
 
+@sweep  # cluster_tiles is off by default (MLA_CLUSTER_TILES = 1)
 def test_cluster_tiles_step_through_the_clusters_keys():
     """cluster_tiles=2: a cluster's row tiles step through the keys of its last tile's rows (compiled,
     one multicast copy feeds them all); an earlier tile masks the steps past its own rows' bounds,
@@ -360,6 +369,7 @@ def test_cluster_tiles_refusals_and_default():
         mla_decode_mgpu(q, *args, kv_lora_rank=128, page_size=64, scale=0.1, cluster_tiles=2)
 
 
+@sweep
 @pytest.mark.parametrize("dtype,window", [(jnp.bfloat16, 16), (FP8, 0)])
 def test_clustered_mla_decode_lowers(dtype, window):
     """cluster_tiles=2 lowers (cluster launch, multicast latent copies, cluster release barriers):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from paged_fixtures import poisoned_paged_pools, rel_err, schedule_options
 from test_cascade_gqa import lane_masks
+from tiers import cases
 from trees import random_parents
 
 from pallas_kernels.attention import mla_decode_mgpu as mla_mgpu_module
@@ -27,14 +28,14 @@ def dense(q, pool, table, lengths, mask, window):
                                    page_size=PAGE, scale=SCALE)[0]
 
 
-@pytest.mark.parametrize("n,hq,lengths,splits,schedule", [
+@pytest.mark.parametrize("n,hq,lengths,splits,schedule", cases([
     (8, 8, [260, 0, 3], 2, "split"),  # P = 0 and P < N; the key axis split in two, merged by LSE
     (16, 4, [130, 64], 1, "split"),  # window straddling a page edge; P a whole page
     (5, 8, [63, 200], 3, "split"),  # 40 rows padded to one tile; a trailing split with no step
     # Alternate steps scored whole by each warpgroup: odd and even step counts, window steps masked.
     (16, 4, [130, 300], 1, "seesaw"),
     (16, 4, [130, 300], 1, "seesaw+no_p_in_ring"),  # P in a buffer of its own, not the rope columns
-])
+], default=(2, 3)))
 def test_fused_mla_window_matches_dense(n, hq, lengths, splits, schedule):
     """Every row sees [0, P) and its ancestors in the window; slots past P + N hold NaN (poisoned),
     which the kernel must zero before P V."""
@@ -153,7 +154,7 @@ def test_fused_mla_window_over_an_fp8_cache_matches_dense():
     assert rel_err(got, dense(q8, pool.astype(jnp.bfloat16), table, lens, mask, n)) < 1e-2
 
 
-@pytest.mark.parametrize("schedule", ["seesaw", "split"])
+@pytest.mark.parametrize("schedule", cases(["seesaw", "split"]))
 def test_fp8_values_widen_in_pieces(schedule):
     """FP8 rows widen `widen_cols` value channels at a time (zeroing the fused window's unseen rows on
     the way): at latent 256 + rope 64 (a 64-channel swizzle, 128 channels per warpgroup) two pieces
@@ -193,10 +194,11 @@ def test_widen_cols_refusals():
     assert mla_mgpu_module.default_widen_cols(192, 128) == 64  # one piece: the half
 
 
-@pytest.mark.parametrize("splits,out_dtype,dtype,widen", [(2, jnp.float32, jnp.bfloat16, None),
-                                                           (1, jnp.bfloat16, jnp.bfloat16, None),
-                                                           (1, jnp.bfloat16, jnp.float8_e4m3fn, None),
-                                                           (1, jnp.bfloat16, jnp.float8_e4m3fn, 256)])
+@pytest.mark.parametrize("splits,out_dtype,dtype,widen", cases([(2, jnp.float32, jnp.bfloat16, None),
+                                                                 (1, jnp.bfloat16, jnp.bfloat16, None),
+                                                                 (1, jnp.bfloat16, jnp.float8_e4m3fn, None),
+                                                                 (1, jnp.bfloat16, jnp.float8_e4m3fn, 256)],
+                                                                default=(1, 3)))
 def test_fused_mla_window_lowers_to_mosaic_gpu(splits, out_dtype, dtype, widen):
     """DeepSeek-V3 widths (latent 512 + rope 64, 128 heads, N = 16): layout inference and the
     shared-memory check pass with the window fused (the words are read straight from global memory),

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from paged_fixtures import rel_err, verify_case
+from tiers import cases, sweep
 
 from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads
 from pallas_kernels.attention.prefix_decode_mgpu import (check_mgpu_inputs, default_mgpu_num_splits,
@@ -53,7 +54,10 @@ KEY_SPLIT = [
 ]
 
 
-@pytest.mark.parametrize("r,g,lengths,splits,pingpong,dtype,pps,stages,key_split", STAGED + KEY_SPLIT)
+# Default tier: 64-row bf16 heads, 128-row FP8 heads (V widened by the memory warpgroup), the FP8
+# warpgroup key split over four stages, two key splits, two pages per step.
+@pytest.mark.parametrize("r,g,lengths,splits,pingpong,dtype,pps,stages,key_split",
+                         cases(STAGED + KEY_SPLIT, default=(3, 4, 13)))
 def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dtype, pps, stages, key_split,
                                              opts=None, d=64):
     hkv = 2
@@ -168,13 +172,13 @@ def test_default_pages_per_step_makes_128_key_steps_that_fit():
     assert default_pages_per_step(256, 128, 2, 64, 3) == 1  # three bf16 stages of two pages do not fit
 
 
-@pytest.mark.parametrize("total,splits,pingpong,page,stages,pool_dtype,pps,key_split", [
+@pytest.mark.parametrize("total,splits,pingpong,page,stages,pool_dtype,pps,key_split", cases([
     (256, 1, True, 64, 2, jnp.bfloat16, 1, None), (64, 3, False, 64, 3, jnp.bfloat16, 1, False),
     (256, 1, True, 128, 2, jnp.bfloat16, 1, None), (256, 1, True, 64, 3, FP8, 1, None),
     (64, 2, True, 128, 2, FP8, 1, None), (256, 1, True, 64, 2, jnp.bfloat16, 2, None),
     (64, 3, True, 64, 2, jnp.bfloat16, 2, None), (256, 2, True, 64, 3, FP8, 2, None),
     (64, 2, True, 64, 2, jnp.bfloat16, 2, False), (256, 1, True, 64, 4, FP8, 1, True),
-    (64, 2, True, 64, 2, FP8, 2, False)])
+    (64, 2, True, 64, 2, FP8, 2, False)], default=(0, 1, 7, 9)))
 def test_mgpu_prefix_lowers_to_mosaic_gpu(total, splits, pingpong, page, stages, pool_dtype, pps, key_split,
                                           opts=None):
     """The compiled path (wgmma PV through run_state, not the interpreter's dot) lowers to a Mosaic GPU
@@ -226,10 +230,12 @@ def test_register_budgets_default_by_widening():
     assert lowered_register_budgets(FP8, registers=(216, 72)) == ({216}, {72})
 
 
+@sweep
 def test_mgpu_prefix_with_the_earlier_grid_order_lowers():
     test_mgpu_prefix_lowers_to_mosaic_gpu(256, 2, True, 64, 2, jnp.bfloat16, 2, None, opts=dict(tiles_adjacent=False))
 
 
+@sweep
 def test_grid_order_changes_no_result():
     """Grid axes of four different sizes (1 request, 3 KV heads, 4 key splits, 2 row tiles): the
     earlier grid order gives the same bits, so no axis is read under another's name."""
@@ -249,6 +255,7 @@ def test_grid_order_changes_no_result():
 # (two tiles) with splits (one may hold no step), 64-row heads (one warpgroup), P = 0, two pages
 # per step, masked steps; prefix and whole cascade against dense fp32. The interpreter runs the
 # same barrier order with P V as a plain dot.
+@sweep  # overlap_softmax is an option, off by default
 @pytest.mark.parametrize("r,g,lengths,splits,pps", [
     (64, 4, [260, 330, 0], 3, 2), (32, 4, [0, 70, 200], 1, 1), (16, 4, [50, 300], 2, 1)])
 def test_overlapped_softmax_matches_dense(r, g, lengths, splits, pps):
@@ -269,13 +276,13 @@ def test_overlapped_softmax_refuses_fp8_and_key_splits():
         prefix_decode_mgpu_row_layout(*args, fence_softmax=True, **kw)
 
 
-@pytest.mark.parametrize("total,pps", [(256, 2), (64, 1)])
+@pytest.mark.parametrize("total,pps", cases([(256, 2), (64, 1)]))
 def test_overlapped_softmax_lowers(total, pps):
     test_mgpu_prefix_lowers_to_mosaic_gpu(total, 2, True, 64, 2, jnp.bfloat16, pps, None,
                                           opts=dict(overlap_softmax=True))
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5], CASES[7]])
+@pytest.mark.parametrize("case", cases([CASES[0], CASES[1], CASES[5], CASES[7]], one_arg=True))
 def test_bf16_partial_matches_dense(case):
     """partial_dtype=bfloat16: the prefix and the cascade through it still match dense attention
     (one CTA, three key splits, the FP8 warpgroup key split, two pages per step)."""
@@ -288,6 +295,7 @@ def test_bf16_partial_leaves_in_several_pieces_at_head_dim_128():
                                              opts=dict(partial_dtype=jnp.bfloat16), d=128)
 
 
+@sweep
 def test_bf16_partial_is_written_in_bf16_and_rounds_only_the_output():
     """Without a key split the partial comes back in bf16, bit for bit the float32 partial rounded
     to bf16 (the same f32 arithmetic; only the cast before the store differs), with the same LSE;
@@ -320,10 +328,10 @@ def test_bf16_partial_lowers(form):
 # The fourth case overlaps each warpgroup's softmax with its matmuls (`overlap_softmax`); the first
 # three load each next item's query tile during the current item (`prefetch_query`, the default where
 # it fits), the last two do not.
-@pytest.mark.parametrize("case,opts", [(STAGED[1], {}), (STAGED[4], {}), (KEY_SPLIT[2], {}),
-                                       (STAGED[6], dict(overlap_softmax=True)),
-                                       (STAGED[1], dict(prefetch_query=False)),
-                                       (KEY_SPLIT[2], dict(prefetch_query=False))])
+@pytest.mark.parametrize("case,opts", cases([(STAGED[1], {}), (STAGED[4], {}), (KEY_SPLIT[2], {}),
+                                             (STAGED[6], dict(overlap_softmax=True)),
+                                             (STAGED[1], dict(prefetch_query=False)),
+                                             (KEY_SPLIT[2], dict(prefetch_query=False))]))
 def test_persistent_launch_matches_dense(case, opts, monkeypatch):
     import pallas_kernels.attention.prefix_decode_mgpu as pdm
 
@@ -331,6 +339,7 @@ def test_persistent_launch_matches_dense(case, opts, monkeypatch):
     test_mgpu_prefix_and_cascade_match_dense(*case, opts=dict(persistent=True, **opts))
 
 
+@sweep
 def test_persistent_launch_gives_the_gridded_bits(monkeypatch):
     """The persistent launch computes each work item exactly as the gridded one: the same bits,
     for the plain prefix (two tiles, four splits, three KV heads: items of every axis) and for the
@@ -425,6 +434,7 @@ def test_cascade_config_persistent_prefix(monkeypatch):
 # `memory_widens_values`: the memory warpgroup widens each FP8 V page once into a 16-bit ring:
 # 128-row heads (both warpgroups read each widened page), a key split over four stages (each
 # warpgroup owns half of the ring), three stages of two pages per step, and a persistent launch.
+@sweep  # the default FP8 cases of the dense comparison above widen V in the memory warpgroup
 @pytest.mark.parametrize("case,persistent", [((32, 4, [0, 70, 200], 1, True, FP8, 1, 2, None), False),
                                              ((16, 4, [200, 330, 10], 2, True, FP8, 1, 4, True), False),
                                              ((32, 4, [70, 200, 300], 2, True, FP8, 2, 3, None), False),
@@ -464,6 +474,7 @@ def test_memory_widened_values_refusals_and_lowering():
     test_mgpu_prefix_lowers_to_mosaic_gpu(64, 2, True, 64, 4, FP8, 1, True, opts=dict(memory_widens_values=True))
 
 
+@sweep
 def test_memory_widens_default(monkeypatch):
     """None widens FP8 V in the memory warpgroup over FP8 pools without a warpgroup key split where
     the ring fits (the fused window: under MEMORY_WIDENS_FUSED_BY_DEFAULT), never over 16-bit pools;
@@ -498,6 +509,7 @@ def test_memory_widens_default(monkeypatch):
 # Fused window steps over FP8 pools clean their rows of the widened V ring in place (NaN / inf in
 # every slot no row sees): the same bits as each warpgroup's own widened copy, at one and two pages
 # per step, a three-split key axis and a persistent launch.
+@sweep  # off by default (MEMORY_WIDENS_FUSED_BY_DEFAULT)
 @pytest.mark.parametrize("n,lengths,splits,pps,persistent", [(32, [0, 70, 200], 1, 1, False),
                                                              (16, [50, 300, 128], 3, 2, False),
                                                              (32, [130, 20], 2, 1, True)])
@@ -533,6 +545,7 @@ def test_memory_widened_fused_fp8_window_lowers():
                                                                              persistent=persistent))
 
 
+@sweep
 @pytest.mark.parametrize("memory_widens,fused", [(False, False), (True, False), (False, True)])
 def test_widen_rows_give_the_same_bits(memory_widens, fused):
     """V widened in 64-row pieces or in one 128-row piece (two pages per step), by the compute

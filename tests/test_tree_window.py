@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from paged_fixtures import poisoned_paged_pools, rel_err, verify_case
+from tiers import cases, sweep
 from trees import random_parents
 
 from pallas_kernels.attention.prefix_decode import prefix_decode
@@ -30,11 +31,11 @@ def window_case(rng, lengths, rows, hkv, group, d, page, dtype):
     return q, k, v, table, lengths, mask, po, plse
 
 
-@pytest.mark.parametrize("group,page,dtype,rows", [
+@pytest.mark.parametrize("group,page,dtype,rows", cases([
     (1, 16, jnp.float32, 64),   # 64-node trees: mask bit 63, 9+ pages of tail + window
     (4, 32, jnp.bfloat16, 7),
     (8, 64, FP8, 13),
-])
+], default=(0, 2)))
 def test_window_matches_reference_on_random_trees(group, page, dtype, rows):
     rng = np.random.default_rng(rows + page)
     hkv, d, b = 2, 16, 4
@@ -83,6 +84,7 @@ def test_window_lane_mask_hides_unwritten_slots_and_nonfinite_prefix_partial():
     assert np.all(np.asarray(out)[empty] == 0)
 
 
+@sweep  # causal_prefix=False also runs under the sliding lanes and prefix_covers_tail
 def test_window_without_causal_prefix_attends_window_only():
     rng = np.random.default_rng(5)
     b, rows, hkv, g, d, page = 2, 8, 1, 4, 16, 16
@@ -120,7 +122,7 @@ def test_window_without_causal_prefix_attends_window_only():
     assert rel_err(out, expect) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8])
+@pytest.mark.parametrize("dtype", cases([jnp.bfloat16, FP8], default=(1,)))
 def test_window_mla_latent_layout(dtype):
     """MLA: one latent row [latent | rope] per token is both key (two score terms) and value."""
     rng = np.random.default_rng(3)
@@ -180,7 +182,7 @@ def test_window_rejects_bad_inputs():
         tree_window_attention(q, pool, pool, table, lengths, mask, po, plse[..., :1], window=4, page_size=16)
 
 
-@pytest.mark.parametrize("block_rows,num_warps", [(16, 8), (32, None)])
+@pytest.mark.parametrize("block_rows,num_warps", cases([(16, 8), (32, None)], default=(1,)))
 def test_window_row_tiles(block_rows, num_warps):
     """block_rows splits a KV head's R * G = 36 rows (padded to 64) over several programs; each tile
     finds its own tail coverage and mask words. Checked against the reference."""
@@ -195,7 +197,7 @@ def test_window_row_tiles(block_rows, num_warps):
     assert rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("rows,group,block_rows,direct", [
+@pytest.mark.parametrize("rows,group,block_rows,direct", cases([
     (8, 4, 16, True),     # 32 rows: two 16-row tiles of four query rows each
     (16, 2, 32, True),    # one tile spans 16 query rows
     (16, 1, None, True),  # G = 1: a tile is block query rows of one head
@@ -203,7 +205,7 @@ def test_window_row_tiles(block_rows, num_warps):
     (6, 8, None, True),   # the same with G = 8 and the default tile
     (9, 4, 16, False),    # 36 rows: the last tile would reach past row R
     (8, 3, 16, False),    # G = 3 divides no power-of-two tile
-])
+], default=(0, 5)))
 def test_window_writes_head_layout_itself_where_tiles_allow(rows, group, block_rows, direct):
     """heads_out: the kernel stores its tiles straight into [B, R, Hq, Dv] (or the row layout is
     transposed after it); either way every element equals rows_to_heads of the row-layout output,
@@ -252,7 +254,7 @@ def test_default_row_tiles_follow_the_grid_size():
     assert default_block_rows(16, 128, 64 * 8) == 16  # never past the rows there are
 
 
-@pytest.mark.parametrize("r,causal", [(5, True), (24, True), (5, False), (24, False)])
+@pytest.mark.parametrize("r,causal", cases([(5, True), (24, True), (5, False), (24, False)], default=(2, 3)))
 def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r, causal):
     """`prefix_whole_pages=True` (the Mosaic GPU prefix half reads whole pages only): with a prefix
     partial over keys [0, min(P - R + 1 + r, whole)) (causal), or [0, whole) for every row
@@ -293,7 +295,8 @@ def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r, caus
     assert rel_err(ref2, ref) < 1e-5
 
 
-@pytest.mark.parametrize("splits,group,dtype", [(3, 4, jnp.bfloat16), (8, 1, FP8), (2, 8, jnp.float32)])
+@pytest.mark.parametrize("splits,group,dtype", cases([(3, 4, jnp.bfloat16), (8, 1, FP8), (2, 8, jnp.float32)],
+                                                     default=(1,)))
 def test_window_merges_unmerged_key_split_partials(splits, group, dtype):
     """The window kernel fed the prefix half's S key-split partials (`[S, B, Hkv, T, Dv]`, each
     program merging its rows' splits by lse2) equals it fed their merge (`merge_splits_reference`):
@@ -327,12 +330,12 @@ def test_window_merges_unmerged_key_split_partials(splits, group, dtype):
     assert rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("rows,group,splits,block_rows,dtype", [
+@pytest.mark.parametrize("rows,group,splits,block_rows,dtype", cases([
     (16, 4, 0, None, jnp.bfloat16),  # 64 rows per KV head in 16-row tiles: four query rows each
     (32, 2, 3, 64, FP8),             # three unmerged key splits, 64-row tiles spanning a head_io tile
     (8, 8, 2, 16, jnp.bfloat16),     # G = 8: two query rows per tile
     (64, 1, 0, 32, jnp.float32),     # G = 1: a tile is 32 query rows of one head
-])
+], default=(1,)))
 def test_window_reads_head_layout_inputs(rows, group, splits, block_rows, dtype):
     """heads_in: the query in head layout and the prefix partial and lse2 with rows in `head_io_rows`
     order (the unfused Mosaic prefix's heads_io output), the mask words gathered per query row, give
