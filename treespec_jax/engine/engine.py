@@ -108,7 +108,9 @@ class Engine:
     """Serving engine over one target and an optional drafter (see module docstring)."""
 
     def __init__(self, config: ServeConfig, target_cfg: LlamaConfig, target_params: dict,
-                 drafter: Drafter | None = None, draft_params: dict | None = None, tokenizer: Any = None):
+                 drafter: Drafter | None = None, draft_params: dict | None = None, tokenizer: Any = None,
+                 devices: Sequence[jax.Device] | None = None):
+        from treespec_jax import parallel
         from treespec_jax.support import check_startup
 
         problems: list[str] = []
@@ -125,8 +127,7 @@ class Engine:
             problems.append("a drafter was given but the speculative algorithm is NONE")
         if drafter is not None and hasattr(drafter, "head_cfg"):
             problems += _head_dim_problems("drafter", drafter.head_cfg, kind)
-        if config.parallel.tp_size != 1:
-            problems.append(f"tp_size={config.parallel.tp_size}: tensor parallelism is not available in this engine yet")
+        problems += parallel.tp_problems(config.parallel.tp_size, target_cfg, drafter, devices)
         context = config.model.context_length or target_cfg.max_position_embeddings
         if context > target_cfg.max_position_embeddings:
             problems.append(f"context_length {context} exceeds the model's {target_cfg.max_position_embeddings}")
@@ -154,10 +155,20 @@ class Engine:
         backend = self.attention.kernel_backend
         if drafter is not None and getattr(drafter, "attention", self.attention) != self.attention:
             raise ConfigError([f"drafter attention {drafter.attention} differs from the target's {self.attention}"])
+        # Tensor parallelism (`treespec_jax.parallel`): a "tp" mesh, attention under shard_map in
+        # target and drafter alike, params and pools placed by their shardings, an agreed walk.
+        mesh = parallel.make_mesh(config.parallel.tp_size, devices) if config.parallel.tp_size > 1 else None
+        self.mesh = mesh
+        self.placement = parallel.Placement(mesh, target_cfg) if mesh is not None else None
+        if mesh is not None:
+            self.attention = dataclasses.replace(self.attention, mesh=mesh)
+            drafter = parallel.with_attention(drafter, self.attention)
         feature_layers = drafter.feature_layers if drafter is not None else ()
         self.target = LlamaModel(target_cfg, self.attention, feature_layers)
         self.drafter = drafter
         self.params = {"target": target_params, "draft": draft_params}
+        if self.placement is not None:
+            self.params = self.placement.params(self.params)
         names = kv_buffer_names(target_cfg.num_layers)
         dtype = _kv_dtype(config)
         row = (target_cfg.num_kv_heads, target_cfg.head_dim)
@@ -167,15 +178,22 @@ class Engine:
             tuple(LayerKV(i, k, v) for i, (k, v) in enumerate(names)))
         self.router = CompactionRouter([self.group])
         shape = RoundShape(self.num_nodes, sp.topk, sp.steps, config.sampling.backend)
-        self.round = Round(self.target, drafter, shape, self.router, move_backend=backend)
+        if mesh is None:
+            self.round = Round(self.target, drafter, shape, self.router, move_backend=backend)
+        else:
+            self.round = parallel.sharded_round_class()(self.target, drafter, shape, self.router,
+                                                        move_backend=backend, mesh=mesh)
         self.state = self._fresh_state()
+        keep = self.placement.keep if self.placement is not None else (lambda fn: fn)
+        if self.placement is not None:
+            self.state = self.placement.state(self.state)
         self.allocator = PageAllocator(num_pages)
-        self._step = jax.jit(self.round.step, donate_argnums=(1,))
-        self._prefill = jax.jit(self._prefill_chunk, donate_argnums=(1,))
-        self._draft_prefill = jax.jit(self._draft_prefill_chunk, donate_argnums=(1,))
-        self._admit = jax.jit(self._admit_slot, donate_argnums=(0,))
-        self._release = jax.jit(self._release_slot, donate_argnums=(0,))
-        self._first_token = jax.jit(sample_at)
+        self._step = jax.jit(keep(self.round.step), donate_argnums=(1,))
+        self._prefill = jax.jit(keep(self._prefill_chunk), donate_argnums=(1,))
+        self._draft_prefill = jax.jit(keep(self._draft_prefill_chunk), donate_argnums=(1,))
+        self._admit = jax.jit(keep(self._admit_slot), donate_argnums=(0,))
+        self._release = jax.jit(keep(self._release_slot), donate_argnums=(0,))
+        self._first_token = jax.jit(sample_at if mesh is None else parallel.agree(sample_at, mesh))
         self.last_run: RunStats | None = None
 
     # ---- construction from checkpoints -------------------------------------------------

@@ -28,6 +28,7 @@ write nowhere (prefill padding, empty batch slots) write there, and no owned row
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +118,9 @@ class PagedAttention:
     kernel_backend: str | None = None  # CascadeConfig.backend: None/"pallas", "interpret", "reference"
     prefix_kernel: str = "auto"  # CascadeConfig.prefix_kernel
     scale: float | None = None  # softmax scale; None = head_dim^-1/2
+    # A jax Mesh with a "tp" axis: attend then runs per device on its local heads under shard_map
+    # (the kernels are custom calls the SPMD partitioner cannot split; `treespec_jax.parallel`).
+    mesh: Any = None
 
     def __post_init__(self):
         if self.kind not in ATTENTION_KINDS:
@@ -129,6 +133,10 @@ class PagedAttention:
 
     def attend(self, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, batch: AttentionBatch) -> jax.Array:
         """`q [B, T, Hq, D]` over pools that already hold this forward's K/V -> `[B, T, Hq, D]` in q's dtype."""
+        if self.mesh is not None:
+            from treespec_jax.parallel import attend_sharded
+
+            return attend_sharded(dataclasses.replace(self, mesh=None), self.mesh, q, k_pool, v_pool, batch)
         scale = float(q.shape[-1] ** -0.5 if self.scale is None else self.scale)
         if batch.mode == "prefill":
             return _prefill_attention(q, k_pool, v_pool, batch, self.page_size, scale).astype(q.dtype)
