@@ -182,13 +182,15 @@ def generate(engine, tokenizer, prompts: Sequence[dict], cfg: DataConfig, out: s
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     num_shards = math.ceil(cfg.max_requests / cfg.shard_size)
-    written, gen_tokens, gen_s, slowest = 0, 0, 0.0, 0.0
+    written, gen_tokens, gen_s, times = 0, 0, 0.0, []
     for k in range(num_shards):
         path = shard_path(out, k)
         if path.exists():
             continue
         elapsed = time.perf_counter() - t0
-        # A shard is started only if one as slow as the slowest so far still ends in time.
+        # A shard is started only if one as slow as the slowest so far still ends in time (the
+        # first shard of a run carries the compile, so it counts only while it is the only one).
+        slowest = max(times[1:]) if len(times) > 1 else (times[0] if times else 0.0)
         if max_minutes is not None and elapsed + 1.2 * slowest > 60 * max_minutes:
             log(f"deadline: {elapsed / 60:.1f} of {max_minutes} min used, next shard {k} left for the next run")
             break
@@ -196,7 +198,7 @@ def generate(engine, tokenizer, prompts: Sequence[dict], cfg: DataConfig, out: s
         arrays = generate_shard(engine, tokenizer, prompts, cfg, k)
         write_shard(path, arrays)
         dt = time.perf_counter() - ts
-        slowest = max(slowest, dt)
+        times.append(dt)
         n_new = int((arrays["offsets"][1:] - arrays["offsets"][:-1]).sum() - arrays["prompt_lens"].sum())
         written += 1
         gen_tokens += n_new

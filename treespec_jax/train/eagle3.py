@@ -370,7 +370,10 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike, run_dir: str | os.PathL
         log(f"{done_here} steps this run, {per * 1000:.0f} ms/step ({t.batch_rows * t.seq_len / per:.0f} tok/s); "
             f"{stopped} at step {step}; checkpoint {ckpt.name}")
     result = RunResult(step, stopped, ckpt)
-    if export or step >= t.steps:
+    left = None if deadline is None else deadline - time.perf_counter()
+    if step >= t.steps and not export and left is not None and left < 90:
+        log(f"train.steps reached with {left:.0f} s left: run `export` next")
+    elif export or step >= t.steps:
         result.export = export_head(cfg, run, held_seqs=held_seqs, target=(target_cfg, target_params), trainer=trainer,
                                     params=params, step=step, log=log)
     return result
