@@ -217,7 +217,7 @@ def checkpoints(run: Path) -> list[Path]:
 
 
 def save_checkpoint(run: Path, step: int, params, opt_state, cursor: tuple[int, int], cfg: TrainConfig,
-                    keep: int) -> Path:
+                    keep: int, num_sequences: int = 0) -> Path:
     final = run / f"ckpt_{step:07d}"
     tmp = run / f".tmp_ckpt_{step:07d}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -227,7 +227,8 @@ def save_checkpoint(run: Path, step: int, params, opt_state, cursor: tuple[int, 
     arrays = {"p:" + jax.tree_util.keystr(k): np.asarray(v) for k, v in p_leaves}
     arrays.update({f"o:{i}": np.asarray(v) for i, v in enumerate(o_leaves)})
     np.savez(tmp / "state.npz", **arrays)
-    meta = {"step": step, "cursor": list(cursor), "shuffle_seed": cfg.train.seed, "time": time.time()}
+    meta = {"step": step, "cursor": list(cursor), "shuffle_seed": cfg.train.seed, "num_sequences": num_sequences,
+            "time": time.time()}
     (tmp / "meta.json").write_text(json.dumps(meta) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)  # whole or absent
@@ -308,6 +309,10 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike, run_dir: str | os.PathL
     log = log or _log_to(run)
     if not (run / "config.json").exists():
         (run / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    else:
+        changed = _changed_keys(json.loads((run / "config.json").read_text()), cfg.to_dict())
+        if changed:
+            log(f"config differs from the run's first config at {', '.join(changed)} (this run uses the new values)")
     target_cfg, target_params = target if target is not None else _load_target(cfg)
     seqs = data_mod.read_shards(data_dir)
     train_seqs, held_seqs = seqs.split()
@@ -323,6 +328,9 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike, run_dir: str | os.PathL
         params, opt_state, meta = load_checkpoint(found[-1], params, opt_state)
         step, cursor, ckpt = meta["step"], tuple(meta["cursor"]), found[-1]
         log(f"resumed from {found[-1].name}: step {step}, data cursor {cursor}")
+        if meta.get("num_sequences", len(train_seqs)) != len(train_seqs):
+            # New shards arrived: the cursor's epoch order is drawn over the larger set.
+            log(f"training sequences changed {meta['num_sequences']} -> {len(train_seqs)} since the checkpoint")
     batches = data_mod.PackedBatches(train_seqs, t.seq_len, t.batch_rows, t.seed, cursor=cursor)
     losslog = LossLog(run / "loss.csv", t.ttt_steps, step)
     log(f"{len(train_seqs)} training / {len(held_seqs)} held-out sequences; head Vd={hc.draft_vocab_size}; "
@@ -362,9 +370,10 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike, run_dir: str | os.PathL
         if done_here > 1:  # the first step carries the compile
             step_times.append(dt)
         if step % t.checkpoint_every == 0 and step < t.steps:
-            ckpt = save_checkpoint(run, step, params, opt_state, batches.cursor, cfg, t.keep_checkpoints)
+            ckpt = save_checkpoint(run, step, params, opt_state, batches.cursor, cfg, t.keep_checkpoints,
+                                   len(train_seqs))
     if ckpt is None or ckpt.name != f"ckpt_{step:07d}":
-        ckpt = save_checkpoint(run, step, params, opt_state, batches.cursor, cfg, t.keep_checkpoints)
+        ckpt = save_checkpoint(run, step, params, opt_state, batches.cursor, cfg, t.keep_checkpoints, len(train_seqs))
     if step_times:
         per = float(np.median(step_times))
         log(f"{done_here} steps this run, {per * 1000:.0f} ms/step ({t.batch_rows * t.seq_len / per:.0f} tok/s); "
@@ -377,6 +386,17 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike, run_dir: str | os.PathL
         result.export = export_head(cfg, run, held_seqs=held_seqs, target=(target_cfg, target_params), trainer=trainer,
                                     params=params, step=step, log=log)
     return result
+
+
+def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changed_keys(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}={b!r} (was {a!r})")
+    return out
 
 
 def _load_target(cfg: TrainConfig):
