@@ -1,4 +1,5 @@
-"""Shared kernel plumbing: backend choice and the deprecation filter for Pallas Triton.
+"""Shared kernel plumbing: backend choice, the deprecation filter for Pallas Triton, and the facts
+every kernel shares (base-2 softmax constant, Hopper's shared-memory budget).
 
 Every kernel module exposes one public entry point `op(..., backend=None)` where backend is
 "pallas" (compiled on GPU, interpret mode elsewhere), "interpret" (forced interpret mode) or
@@ -8,11 +9,17 @@ module directly, so a Mosaic GPU or jax-triton backend can slot in here later.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import jax
 
 BACKENDS = ("pallas", "interpret", "reference")
+# The kernels' softmax runs in base 2 (exp2 of scores scaled by log2(e)); lse2 outputs are base 2.
+LOG2E = math.log2(math.e)
+# Dynamic shared memory one block may opt into on Hopper (sm_90: H100, H200), the budget every Mosaic
+# GPU kernel's buffers are sized against (each kernel adds its own alignment and barrier overhead).
+MAX_SMEM_BYTES = 232448
 
 # JAX 0.11 deprecates the Pallas Triton lowering; it is still our GPU path.
 warnings.filterwarnings("ignore", message=".*[Tt]riton.*", category=DeprecationWarning)

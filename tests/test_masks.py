@@ -44,3 +44,29 @@ def test_pack_unpack_round_trip():
     rows = rng.random((4, 5, 64)) < 0.5
     back = np.asarray(masks.unpack_mask_rows(masks.pack_mask_rows(rows), 64))
     np.testing.assert_array_equal(back, rows)
+
+
+def test_pallas_kernels_import_nothing_from_treespec_jax():
+    """pallas_kernels is a package of its own: every module imports without treespec_jax (mask
+    packing, slot addressing and the shared constants live in pallas_kernels; treespec_jax
+    re-exports them), and treespec_jax's names are the kernels' objects."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pallas_kernels
+    import pallas_kernels.paging
+    import pallas_kernels.tree_masks
+    from treespec_jax.cache import paged
+
+    root = Path(pallas_kernels.__file__).parent
+    modules = sorted("pallas_kernels." + ".".join(p.relative_to(root).with_suffix("").parts)
+                     for p in root.rglob("*.py") if p.name != "__init__.py")
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "leaked = sorted(m for m in sys.modules if m.split('.')[0] == 'treespec_jax')\n"
+            "assert not leaked, leaked\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root.parent, timeout=300)
+    assert masks.ancestor_mask is pallas_kernels.tree_masks.ancestor_mask
+    assert masks.MAX_TREE_NODES is pallas_kernels.tree_masks.MAX_TREE_NODES
+    assert paged.slot_of is pallas_kernels.paging.slot_of

@@ -4,7 +4,7 @@ Shapes and semantics (one request b):
 - `q [B, R, Hq, L + Dr]`: the absorbed query (L = kv_lora_rank latent channels, then Dr = rope_dim
   rotary channels) for R window rows.
 - `latent_pool [S, L + Dr]`: slot-major latent rows of one layer; slot of position p is
-  `page_table[b, p // page_size] * page_size + p % page_size` (see treespec_jax/cache/paged.py).
+  `page_table[b, p // page_size] * page_size + p % page_size` (see pallas_kernels/paging.py).
 - `prefix_len [B] int32`: P, the committed keys. Row r sees keys [0, P - R + 1 + r) (clipped at 0),
   the same coverage rule as the GQA prefix decode; the window kernel attends the rest.
 - score(row, key) = (q_lat . k_lat + q_rope . k_rope) * scale; value = the key's leading L channels.
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +36,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention.reference import is_fp8, quantize_query_for_pool
 from pallas_kernels.attention.split_merge import merge_splits
-from pallas_kernels.common import next_pow2, resolve_backend
+from pallas_kernels.common import LOG2E, next_pow2, resolve_backend
 
-LOG2E = math.log2(math.e)
 FP8 = jnp.float8_e4m3fn
 
 

@@ -1,11 +1,8 @@
 """The MLA latent prefix decode on Mosaic GPU (wgmma + TMA): the default on GPUs.
 
-Status (2026-11-30): compiled and run on the H200. (Session 26, 2026-12-03: the bf16 cascade at
-these widths took 1.964 ms, 1.37x of its FLOP floor, the FP8 one 1.995 ms, 1.40x, once
-`loop_descriptors` kept the wgmma descriptors from being hoisted out of the key loop and spilled.)
-Compiled conformance passes (`benchmarks/mgpu_prefix_check.py --mla`); at DeepSeek-V3 widths
-(B=32, P=8192, N=16, 128 heads) it took 2.54 ms against the Triton latent decode's 4.26 ms, and
-its cascade 3.01 ms against 4.53 ms (XLA's dense einsum over gathered rows: 3.69 ms), so
+Status: compiled and run on the H200; compiled conformance passes (`benchmarks/mgpu_prefix_check.py
+--mla`). At DeepSeek-V3 widths its cascade is faster than the Triton latent decode's and than XLA's
+dense einsum over gathered rows (results: mla-mosaic, mla), so
 `MlaCascadeConfig(prefix_kernel="auto")` takes it wherever `mla_mgpu_input_errors` is empty. On
 the CPU its logic runs in Pallas' GPU interpreter against the fp32 reference (`tests/test_mla_decode_mgpu.py`); interpreted runs add P V
 with a plain dot where the compiled kernel uses wgmma (the interpreter has no rule for the
@@ -41,7 +38,7 @@ One CTA per (64-row tile, key split, request): the memory warpgroup TMA-copies t
 and `block_k` latent rows per step (a page slice found through the page table) into a ring of
 `stages` buffers. Each compute warpgroup accumulates half of the L value channels, so an
 accumulator is [64, L / 2] fp32. How they share the scores is the `schedule`:
-- "seesaw" (the default since session 19): the warpgroups score alternate steps whole; the scorer
+- "seesaw" (the default): the warpgroups score alternate steps whole; the scorer
   hands its P and the row maxima after the step to the other through shared memory (one P buffer,
   one barrier per direction), and each adds P V of every step for its value channels. Warpgroup 1
   scores step i0 + 1 while warpgroup 0 runs the softmax of i0, and runs its own softmax while its
@@ -63,7 +60,6 @@ its serial chain (score wgmma, softmax, exchanges, P V) rather than by tensor or
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -77,21 +73,18 @@ from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, cta_k
                                                          log2_of, online_softmax_update, register_budget_errors,
                                                          whole_page_bound, window_visible)
 from pallas_kernels.attention.split_merge import merge_splits, out_dtype_errors
-from treespec_jax.tree.masks import MAX_TREE_NODES
+from pallas_kernels.common import LOG2E, MAX_SMEM_BYTES
+from pallas_kernels.tree_masks import MAX_TREE_NODES
 
-LOG2E = math.log2(math.e)
 F8 = jnp.dtype(jnp.float8_e4m3fn)
 ROWS = 64  # query rows per CTA (one wgmma M tile)
 OUT_CHUNK = 16  # value columns per output copy (the staging tile is [ROWS, OUT_CHUNK])
 # Output dtypes the kernel writes (`out_dtype`, split_merge.OUT_DTYPES): float32, or the 16-bit
-# model dtype where its output is final (the fused window without key splits). The fused bf16
-# cascade cast a float32 output in a separate XLA pass over [B, R, Hq, L] (B=32, N=16, 128 heads:
-# 134 MB read, 67 MB written, about 50 us of its 2.37-2.48 ms on the H200, session 20: the cascade
-# against the fused decode alone).
+# model dtype where its output is final (the fused window without key splits), so no separate XLA
+# cast pass runs over [B, R, Hq, L] (results: mla-out-dtype).
 CLEAN_COLS = 64  # value columns per register pass when the fused window zeroes unseen V rows
-# Dynamic shared memory per block on Hopper (H100/H200). Mosaic GPU starts every buffer on a
-# 1024-byte boundary; the barriers and its own bookkeeping take a little more.
-MAX_SMEM_BYTES = 232448
+# Within MAX_SMEM_BYTES Mosaic GPU starts every buffer on a 1024-byte boundary; the barriers and its
+# own bookkeeping take a little more.
 SMEM_ALIGN = 1024
 SMEM_OVERHEAD = 1024
 # How the two compute warpgroups share a step (`schedule`):
@@ -105,31 +98,16 @@ SMEM_OVERHEAD = 1024
 #            of 32) and hand each step's P and row maxima to the other in turn, each adding P V of
 #            every step for its value channels; one warpgroup's softmax runs while the other's
 #            matmuls do, as FlashMLA's schedule on Hopper.
-# Decode alone on the H200 (B=32, P=8192, N=16, 128 heads, device time, 2026-12-01, session 14,
-# benchmarks/RESULTS.md): bf16 split 2.54 ms / together 2.64 / turns 2.71; FP8 split 2.37 / turns
-# 2.48 / together 2.62 (one process; between processes these move up to 6%).
-# A fourth form, "lookahead" (split, with step i + 1's scores issued before step i's softmax and one
-# double-buffered exchange per step, three ring stages; it fit beside FP8 rows only), was built and
-# removed: its FP8 cascade took 3.243 vs 2.580 ms for "split" (1.26x slower, one process, session
-# 15, benchmarks/RESULTS.md), as a third ring stage alone had slowed the split decode by 3-5%.
+# The schedules' times and the forms built and removed ("lookahead") are in results: mla-schedule.
 SCHEDULES = ("split", "seesaw", "turns", "together")
 # Schedules whose warpgroups hand P and the row maxima to each other through shared memory (the
 # exchange buffers, and the output staged in the ring's memory once the key loop is done).
 EXCHANGES = ("split", "seesaw")
-# Session 19 (B=32, P=8192, N=16, 128 heads, device time, one process): "seesaw" took the bf16
-# decode to 2.350 from 2.522 ms under "split" (the fused cascade 2.495 from 2.603) and the FP8
-# decode to 2.233 from 2.375 (cascade 2.450 from 2.590), both conforming as "split" does.
+# "seesaw" is the fastest schedule for 16-bit and FP8 caches alike; three other step orders of it
+# conformed and lost: both warpgroups' score matmuls in flight at once keep the tensor cores
+# busiest (results: mla-schedule).
 DEFAULT_SCHEDULE_16BIT = "seesaw"
 DEFAULT_SCHEDULE_FP8 = "seesaw"
-# Two other step orders of "seesaw" were built, conformed on the H200 and removed (session 19, bf16
-# decode alone, one process): warpgroup 1 scoring its step behind its P V of warpgroup 0's step
-# (so that step's ring slot, released last in the pair before, gets P V's time to land) took
-# 2.823 ms, warpgroup 0 issuing the next pair's scores behind its last P V 2.739, both 2.761,
-# against 2.370 for the order kept.
-# A third, warpgroup 1 issuing its scores of a pair only once warpgroup 0's were done (one more
-# barrier per pair, so they would run under warpgroup 0's softmax instead of beside its scores),
-# conformed and lost too (session 20: bf16 decode 2.407 vs 2.356 ms, fused 2.456 vs 2.424): both
-# warpgroups' score matmuls in flight at once keep the tensor cores busier than that overlap does.
 
 
 # Whether "seesaw" hands P over in the rope columns of the step's own ring slot (`p_in_ring`). Once
@@ -137,47 +115,35 @@ DEFAULT_SCHEDULE_FP8 = "seesaw"
 # one [64, 64] tile with the 128-byte swizzle a wgmma operand needs, so the scorer writes P there and
 # both warpgroups take it from shared memory as P V's A operand: no P in registers while P V is in
 # flight (the seesaw kernels spill), no P buffer (8 KiB), no load of the other's P. 16-bit caches
-# only (FP8 rope columns hold half of a 16-bit P). On the H200 (session 21, B=32, P=8192, N=16,
-# 128 heads, the fused bf16 decode, device time, interleaved rounds) it took 2.345 / 2.333 ms
-# against 2.366 / 2.374 without, with the same output bits.
+# only (FP8 rope columns hold half of a 16-bit P). Faster, the same output bits (results: p-in-ring).
 P_IN_RING_BY_DEFAULT = True
 # The (compute, memory) warpgroups' `setmaxnreg` budgets `registers=None` stands for. The seesaw
-# compute warpgroups spill under the GQA kernel's (232, 40) (ptxas: 1,576 / 1,444 bytes of spill
-# stores per thread in the fused bf16 / FP8 decode, session 20), and the memory warpgroup only
-# issues copies, so it gives 16 registers to each. On the H200 (B=32, P=8192, N=16, 128 heads,
-# device time, benchmarks/RESULTS.md) (240, 24) ran the bf16 decode 2.287 vs 2.356 ms (session 19:
-# 2.314 vs 2.370), the fused bf16 decode 2.326 vs 2.424 and the FP8 decode 2.131 vs 2.252 (session 20).
-# Most of what spilled under either pair was the hoisted wgmma descriptors `loop_descriptors` now
-# builds in the loop (session 26); the pair was not re-measured since.
+# compute warpgroups spill under the GQA kernel's (232, 40), and the memory warpgroup only issues
+# copies, so it gives 16 registers to each; (240, 24) ran every form faster (results:
+# mla-registers). Most of what spilled was the hoisted wgmma descriptors `loop_descriptors` now
+# builds in the loop; the pair was not re-measured since.
 MLA_REGISTERS = (240, 24)
 # Value channels an FP8 step's warpgroup widens to fp16 per piece (`widen_cols`; where this does
 # not divide kv_lora_rank / 2 in swizzle-aligned pieces, the whole half is one piece). A piece is
 # loaded in the WGMMA layout, widened and stored before the next is loaded, so its registers (a
 # [64, 64] piece: 8 of FP8 and 16 of fp16 per thread) are all that sits beside the 128-register
-# accumulator and P. On the H200 (session 25, B=32, P=8192, N=16, 128 heads, the fused FP8 decode,
-# device time, two interleaved rounds, the same output bits) pieces of 64 took 1.992 / 1.994 ms,
-# of 128 2.003 / 2.010, and the whole half at once (the inferred layout, before) 2.200 / 2.209.
+# accumulator and P. Pieces of 64 were the fastest, the same output bits (results: mla-widen-cols).
 MLA_WIDEN_COLS = 64
 # Row tiles of one (request, split) per cluster (`cluster_tiles`): the cluster's CTAs read the same
 # latent steps, so each copies 1 / cluster_tiles of a step and TMA multicasts it to all of them,
 # cutting the L2-to-SM traffic by that factor (at B=32, P=8192, N=16, 128 heads the 32 tiles of a
-# request read each page from L2 32 times: 9.7 GB per bf16 call, 4.3 TB/s at 2.27 ms). It lost on
-# the H200 (session 26, the fused decode, before `loop_descriptors`, two interleaved rounds, the
-# same bits): bf16 2.379 / 2.378 ms with 1 tile per cluster, 2.570 / 2.565 with 2, 2.846 / 2.845
-# with 4; FP8 2.087 / 2.086, 2.135 / 2.130, 2.398 / 2.391. A cluster's tiles move in lockstep (a
-# slot is refilled once every CTA of it has released it), and L2 was not what bound the step.
+# request read each page from L2 32 times). It lost at 2 and 4 tiles per cluster, the same bits: a
+# cluster's tiles move in lockstep (a slot is refilled once every CTA of it has released it), and
+# L2 was not what bound the step (results: cluster-tiles).
 MLA_CLUSTER_TILES = 1
 # Whether "seesaw" computes its pair's wgmma descriptors (the query tile's and the ring slots') inside
 # the key loop (`loop_descriptors`). They depend on shared-memory addresses only, so LLVM hoists all
 # of them out of the loop, one 64-bit value per 16-channel slice of each operand (the query's 36 at
 # L + Dr = 576 alone), and ptxas then spills them and reloads them every pair: in the fused bf16
-# decode, warpgroup 1's unmasked pair loop ran 55 local loads and 9 local stores per pair (session
-# 26, the SASS of the PTX Mosaic dumped, assembled by ptxas 13.0). Indexed at a zero the compilers
-# cannot prove constant, the descriptors are built next to their wgmmas. On the H200 (session 26,
-# B=32, P=8192, N=16, 128 heads, the fused decode, two interleaved rounds, the same output bits) the
-# bf16 decode took 1.967 / 1.943 ms against 2.354 / 2.362 and the FP8 decode 2.035 / 2.044 against
-# 2.084 / 2.074; ptxas' spill stores fell from 1,324 to 0 bytes per thread (bf16) and from 548 to 100
-# (FP8).
+# decode, warpgroup 1's unmasked pair loop ran 55 local loads and 9 local stores per pair (the SASS
+# of the PTX Mosaic dumped, assembled by ptxas 13.0). Indexed at a zero the compilers cannot prove
+# constant, the descriptors are built next to their wgmmas: faster for both cache dtypes, the same
+# output bits, spills almost gone (results: loop-descriptors).
 LOOP_DESCRIPTORS_BY_DEFAULT = True
 
 
@@ -191,7 +157,7 @@ def _aligned(nbytes: int) -> int:
 
 
 # Latent ring buffers `stages=None` stands for: a third fits beside FP8 rows at L + Dr = 576 only,
-# and there it made the split decode 3-5% slower (session 14, benchmarks/RESULTS.md).
+# and there it made the split decode 3-5% slower (results: mla-schedule).
 DEFAULT_STAGES = 2
 
 
@@ -405,8 +371,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
     `tiles_adjacent`: launch the row tiles of one (request, split), which read the same latent
     pages, next to each other (Mosaic GPU runs the grid's last axis fastest; the grid in the order
     (tiles, splits, batch) puts them B CTAs apart, so each latent page is read from HBM once per
-    tile). On the H200 at B=32, P=8192, N=16, 128 heads, side by side took 2.677 vs 2.819 ms (bf16)
-    and 2.667 vs 2.705 ms (FP8) (session 11, benchmarks/RESULTS.md), so it is the default."""
+    tile). Side by side ran faster for both cache dtypes, so it is the default (results: grid-order)."""
     check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank, page_size, block_k)
     split_scores, pingpong, seesaw = schedule == "split", schedule == "turns", schedule == "seesaw"
     exchanges = schedule in EXCHANGES
@@ -484,8 +449,8 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
             # The masks' index arrays are built inside each masked step, not once before the key
             # loops: held across them, a [64, 64] int32 array costs 32 registers per thread for the
             # whole loop, beside a 128-register accumulator. With the column and row-bound arrays
-            # built up front, ptxas spilled 1.45-1.6 KB per thread (session 19); what this form
-            # spills is owed (`benchmarks/gpu_suite.py --owed`).
+            # built up front, ptxas spilled 1.45-1.6 KB per thread; what this form spills is
+            # measured by `benchmarks/ptxas_report.py`.
             def key_index(i):
                 return plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (key_off + i * block_k)
 

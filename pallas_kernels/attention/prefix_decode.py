@@ -43,10 +43,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.attention.reference import (LOG2E, is_fp8, prefix_decode_reference,
-                                                quantize_query_for_pool)
+from pallas_kernels.attention.reference import is_fp8, prefix_decode_reference, quantize_query_for_pool
 from pallas_kernels.attention.split_merge import merge_splits
-from pallas_kernels.common import next_pow2, resolve_backend
+from pallas_kernels.common import LOG2E, next_pow2, resolve_backend
 
 # The key axis is split only when (B, Hkv, row tiles) gives fewer than two programs per SM; a split
 # launch then aims at four per SM so its last wave is not a nearly empty one. On the H200 this gave

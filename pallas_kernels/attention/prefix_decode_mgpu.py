@@ -1,11 +1,10 @@
 """The prefix half on Mosaic GPU (Hopper wgmma + TMA, warp-specialised): the default on GPUs.
 
 Status (2026-11-30): compiled and run on the H200, bf16 and FP8 E4M3 pools, one and two pages per
-step; compiled conformance passes (`benchmarks/mgpu_prefix_check.py`). With two 64-token pages per
-step its cascade ran 1.23x (bf16) and 1.80x (FP8) faster than the Triton one at B=32, P=32768
-(benchmarks/RESULTS.md, 06:19 UTC, per call; 1.32x and 1.85x in device time, session 10), so `CascadeConfig(prefix_kernel="auto")` takes it wherever
-`mgpu_input_errors` is empty. Launching a KV head's row tiles side by side (`tiles_adjacent`)
-made its B=32 bf16 prefix 1.09x and B=64 1.13x faster again (device time, session 10). On the CPU its logic (page-table TMA copies, the buffer ring and its
+step; compiled conformance passes (`benchmarks/mgpu_prefix_check.py`). Its cascade is faster than
+the Triton one (results: prefix-kernel), so `CascadeConfig(prefix_kernel="auto")` takes it wherever
+`mgpu_input_errors` is empty. A KV head's row tiles launch side by side (`tiles_adjacent`;
+results: grid-order). On the CPU its logic (page-table TMA copies, the buffer ring and its
 barriers, masking, the online softmax) runs in Pallas' GPU interpreter against dense fp32 attention
 (`tests/test_prefix_decode_mgpu.py`); the interpreter has no rule for the accumulator `run_state`
 idiom, so interpreted runs add P V with a plain dot where the compiled kernel uses wgmma. The
@@ -63,8 +62,8 @@ from pallas_kernels.attention.prefix_decode import check_partial_dtype, num_sms
 from pallas_kernels.attention.reference import quantize_query_for_pool
 from pallas_kernels.attention.split_merge import (HEAD_IO_TILE, head_io_rows, head_io_rows_errors, merge_splits,
                                                   split_weights)
+from pallas_kernels.common import LOG2E, MAX_SMEM_BYTES
 
-LOG2E = math.log2(math.e)
 F8 = jnp.dtype(jnp.float8_e4m3fn)
 F8_MAX = float(jnp.finfo(F8).max)  # 448: the FP8 query saturates here (`quantize_query_for_pool`)
 _POOL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), F8)
@@ -72,11 +71,10 @@ ROWS_PER_WG = HEAD_IO_TILE  # 64 query rows per warpgroup, the tile of heads_io'
 COMPUTE_WGS = 2
 ROWS_PER_CTA = ROWS_PER_WG * COMPUTE_WGS
 OUT_CHUNK = 32  # output columns per fp32 staging tile (64 per bf16 one: the same bytes)
-# Dynamic shared memory per block on Hopper, and what Mosaic GPU adds to our buffers (swizzle
-# alignment, barriers; about 3 KB measured by lowering).
-MAX_SMEM_BYTES = 232448
 # The fused window's mask words of one warpgroup's rows (two int32 words per row); counted always.
 FUSED_WINDOW_WORDS = 2 * 64 * 4
+# What Mosaic GPU adds to our buffers within MAX_SMEM_BYTES (swizzle alignment, barriers; about 3 KB
+# measured by lowering).
 SMEM_OVERHEAD = 4096
 # Keys per step the default aims for: two 64-token pages per step (128-key matmuls) ran the B=32,
 # P=32768 cascade 1.17x faster than one page per step on the H200 (bf16 2.275 vs 2.658 ms, FP8
@@ -102,59 +100,44 @@ def default_mgpu_num_splits(batch: int, kv_heads: int, tiles: int, steps: int, s
     return max(1, min(sms // programs, steps // MIN_STEPS_PER_SPLIT))
 
 
-# Whether `persistent=None` launches persistent CTAs over 16-bit pools where the work items
-# outnumber the SMs. On the H200 (bf16 cascade, device time, session 15, benchmarks/RESULTS.md)
-# B=64, P=4096, N=64 (1,024 items) took 0.573 / 0.576 / 0.577 ms persistent against 0.598 / 0.578 /
-# 0.596 gridded in three processes, and B=32, P=32768 (512 items) 2.172 / 2.142 / 2.143 against
-# 2.164 / 2.147 / 2.141. FP8 pools whose compute warpgroups widen V stay gridded: persistent, their
-# B=32 and B=64 cascades ran 6.4% and 2.8% slower (one process). With `memory_widens_values` the
-# persistent FP8 prefix won (session 17, one process): 1.740 against 1.782 ms at B=32, 0.429
-# against 0.451 at B=64.
+# Whether `persistent=None` launches persistent CTAs where the work items outnumber the SMs: over
+# 16-bit pools, and over FP8 ones whose V the memory warpgroup widens; FP8 pools whose compute
+# warpgroups widen V ran slower persistent and stay gridded (results: persistent-prefix).
 PERSISTENT_16BIT_BY_DEFAULT = True
 PERSISTENT_FP8_WIDENED_BY_DEFAULT = True
 
 # Whether `prefetch_query=None` loads each persistent CTA's next query tile (and mask words) during
-# the current item, where the second tile fits shared memory. On the H200 (fused bf16 kernel, three
-# interleaved rounds in one process, session 16, benchmarks/RESULTS.md; bit-identical outputs) B=64,
-# P=4096, N=64 took 0.5670 ms against 0.5769 without it (1.7%), B=32, P=32768 2.1353 against 2.1571
-# (1.0%).
+# the current item, where the second tile fits shared memory: 1-2% faster, the same bits
+# (results: prefetch-query).
 PREFETCH_QUERY_BY_DEFAULT = True
 
 # Whether `cluster_splits=None` launches a fused kernel's key splits of one (request, KV head, row
 # tile) as one thread-block cluster that merges their partials itself (`cluster_split_errors`
-# empty, the inbox fits), so no merge kernel runs and no float32 partial goes through memory. On
-# the H200 (B=8, P=8192, N=16, two splits, two interleaved rounds, session 27, benchmarks/
-# RESULTS.md) the fused kernel took 48.3 / 48.3 us against 50.2 / 49.9 with the merge kernel (FP8)
-# and 69.9 / 70.0 against 72.1 / 72.0 (bf16), 7e-6 apart.
+# empty, the inbox fits), so no merge kernel runs and no float32 partial goes through memory
+# (results: cluster-splits).
 CLUSTER_SPLITS_BY_DEFAULT = True
 # Key splits one cluster may hold: a power of two up to the portable cluster size (8).
 CLUSTER_SPLIT_SIZES = (2, 4, 8)
-# The cluster sizes `cluster_splits=None` takes. Four-CTA clusters lose their one wave: on the H200
-# (FP8, B=4, P=8192, N=16, four splits, 128 CTAs of one SM each, two interleaved rounds, session 29,
-# benchmarks/RESULTS.md) the clustered kernel took 58.4 us against 30.3 unclustered with the merge
-# kernel, as if a cluster must find four free SMs of one GPC and a second wave runs what does not
-# fit; two-CTA clusters gain (above). Larger clusters stay available when asked.
+# The cluster sizes `cluster_splits=None` takes: two-CTA clusters gain, four-CTA ones lose their
+# one wave (a cluster must find four free SMs of one GPC; results: cluster-splits). Larger clusters
+# stay available when asked.
 CLUSTER_SPLIT_DEFAULT_SIZES = (2,)
 
 # Whether `cast_query=None` has the fused kernel over an FP8 pool derive the prefix's FP8 query tile
 # from the unquantised tile it loads for the window steps (saturated to E4M3's +-448, as
 # `quantize_query_for_pool`), instead of reading a query that XLA cast to FP8 before the kernel (one
-# more kernel per call: 1.48 us of the FP8 B=8, P=8192, N=16 cascade's 50.8 on the H200, session 23,
-# query-fed, benchmarks/RESULTS.md).
+# more kernel per call; results: cast-query).
 CAST_QUERY_IN_KERNEL_BY_DEFAULT = True
 # The same for an unfused kernel over an FP8 pool given a 16-bit query (`cast_query=None`): each
 # compute warpgroup stages the unquantised tile in shared memory and casts it (where that tile fits,
-# `smem_bytes(wide_query=True)`), so no XLA cast of the whole query runs before the kernel. On the
-# H200 (FP8 B=64, P=4096, N=64, head layout, query-fed, session 28, benchmarks/RESULTS.md) the
-# kernel took 432.95 us against 427.16 reading a query XLA cast, whose cast took 20.08 us. Under
-# `prefetch_query` the next item's tile is fetched into the staging tile once this item's is cast.
+# `smem_bytes(wide_query=True)`), so no XLA cast of the whole query runs before the kernel: the
+# kernel is a little slower, the cascade faster by the cast it drops (results: unfused-heads-io).
+# Under `prefetch_query` the next item's tile is fetched into the staging tile once this item's is cast.
 CAST_QUERY_UNFUSED_BY_DEFAULT = True
 
 # The K/V ring (stages, pages per step) that `stages=None` gives the fused window over an FP8 pool
 # under the warpgroup key split (64-row heads) on 64-token pages, instead of two stages of two pages:
-# on the H200 (session 28, fused kernel with two key splits, two interleaved rounds, benchmarks/
-# RESULTS.md) it took B=8, N=16 from 48.4 to 46.9 us at P=8192 and from 31.6 to 29.1 at P=4096,
-# 2.7e-2 from dense fp32 as before.
+# faster at the same error (results: fused-fp8-ring).
 FUSED_FP8_SPLIT_RING = (4, 1)
 
 # Rows of V the memory warpgroup widens per piece under `memory_widens_values`: one WGMMA-layout
@@ -167,11 +150,8 @@ WIDEN_ROWS = 64
 REGISTERS = (232, 40)
 LAUNCH_REGISTERS = 168
 # The budgets where the memory warpgroup widens FP8 V (`memory_widens_values`): its widening is
-# register-starved at 40 (ptxas spills). On the H200 (session 19, device time, one process,
-# benchmarks/RESULTS.md) the unfused FP8 prefix took 1.703 against 1.756 ms at B=32, P=32768, N=64,
-# 0.425 against 0.426 at B=64, P=4096, and 0.061 against 0.064 at B=1, P=32768 (persistent where
-# the items outnumber the SMs; gridded it won the same way), and session 17 ran the fused widened
-# form 7% faster at B=1 so.
+# register-starved at 40 (ptxas spills); these ran the widened FP8 prefix faster at every shape
+# timed (results: registers).
 REGISTERS_MEMORY_WIDENS = (224, 56)
 
 
@@ -211,10 +191,8 @@ def register_budget_errors(registers: tuple[int, int], compute_warpgroups: int) 
 
 # Whether `memory_widens_values=None` has the memory warpgroup widen each FP8 V page once (see
 # `runs_memory_widens`), over FP8 pools without a warpgroup key split, where its ring fits at the
-# given (or default) pages per step. On the H200 (session 17, device time, one process, benchmarks/RESULTS.md)
-# the unfused FP8 prefix took 1.782 ms against 1.965 at B=32, P=32768, N=64 (1.740 persistent), 0.451
-# against 0.504 at B=64, P=4096 (0.429 persistent), 0.064 against 0.071 at B=1, P=32768; under the
-# key split (B=8, N=16) it lost (0.057 against 0.049), so it stays off there.
+# given (or default) pages per step: faster unfused, slower under the key split, so off there
+# (results: memory-widens).
 MEMORY_WIDENS_BY_DEFAULT = True
 # The same for the fused window over FP8 pools, whose widened K then needs its own tile (two pages
 # per step no longer fit; one page per step is the default there).
@@ -259,12 +237,8 @@ def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: i
     `key_split` both warpgroups take the same 64 rows and alternate key steps, taking turns on the
     tensor cores, and their two partials of the same rows merge by LSE inside the CTA (one partial
     per CTA, merged with the other key splits').
-    None: on for 64-row heads of FP8 pools only. On the H200 (B=8, P=8192, N=16; benchmarks/
-    RESULTS.md, session 9, two runs) it ran the FP8 cascade 1.10-1.23x faster (0.068-0.078 vs
-    0.083-0.086 ms), whose warpgroups also widen V, but the bf16 one 0.94-0.98x (0.097-0.100 vs
-    0.094-0.095; each warpgroup then has one buffer of a two-stage ring; four stages of one page:
-    0.093-0.100). `key_split=True` forces it on 128-row heads
-    too (64-row CTAs)."""
+    None: on for 64-row heads of FP8 pools only, where it ran the cascade faster; the bf16 one ran
+    slower (results: key-split). `key_split=True` forces it on 128-row heads too (64-row CTAs)."""
     fills_two = total_rows % ROWS_PER_CTA == 0
     if key_split is None:
         key_split = not fills_two and itemsize == 1
@@ -551,10 +525,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     where a KV head of an FP8 pool has 64 rows; see `warpgroup_layout`); `fence_softmax`: finish
     the softmax (the rescaled accumulator, the row sums and P in the matmul dtype) behind an
     optimization barrier before handing the tensor cores over, so the compiler cannot sink that
-    work past the turn, as JAX's Mosaic GPU flash attention orders its step (off by default: on
-    the H200 it made the B=32, P=32k prefix 0.93x (bf16, 2.324 vs 2.155 ms) and 0.90x (FP8, 2.160
-    vs 1.936), and elsewhere it moved both ways within the run-to-run noise; benchmarks/RESULTS.md,
-    session 9);
+    work past the turn, as JAX's Mosaic GPU flash attention orders its step (off by default: it
+    ran the long-context prefix slower, elsewhere within the noise; results: fence-softmax);
     `tiles_adjacent`: launch the row tiles of one (request, KV head, split) next to each other, so
     they run at the same time and the second read of each K/V page hits L2 (Mosaic GPU launches the
     grid's last axis fastest; False is the earlier grid (tiles, splits, heads, batch), whose tiles
@@ -563,8 +535,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     instead of taking turns (`pingpong` is then off): step i's scores Q K_i^T and step i - 1's
     P V are issued together, the softmax of step i runs once the scores are in while P V is still
     in flight, and the accumulator is rescaled after it lands (FlashAttention-3's intra-warpgroup
-    pipelining). 16-bit pools without a key split only; it conforms on the H200 but ran 6-9% slower
-    than the turn-taking default (session 11, benchmarks/RESULTS.md), so it is off;
+    pipelining). 16-bit pools without a key split only; it conforms on the H200 but ran slower
+    than the turn-taking default, so it is off (results: overlap-softmax);
     `partial_dtype`: the dtype the kernel writes `out` in, float32 or bfloat16 (half the bytes for
     this kernel to write and, without key splits, for the window kernel to read; the normalised
     partial is rounded once more, to bf16, before the merge); key-split partials (`num_splits`) are

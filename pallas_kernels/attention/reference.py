@@ -5,7 +5,7 @@ softmax, so the Pallas kernels have an independent check. Unseen slots are remov
 before any arithmetic touches them: a NaN/inf in a slot a row cannot see never reaches its output.
 
 Conventions shared with the kernels:
-- pools are slot-major `[S, Hkv, D]` (see `treespec_jax/cache/paged.py`); position `pos` of request b
+- pools are slot-major `[S, Hkv, D]` (see `pallas_kernels/paging.py`); position `pos` of request b
   lives in slot `page_table[b, pos // page_size] * page_size + pos % page_size`;
 - query head `hq` reads KV head `hq // (Hq // Hkv)` (GQA groups are contiguous);
 - scores are `s = scale * q.k`; log-sum-exps are base 2: `lse2 = log2(sum_j 2^(s_j * log2(e)))`;
@@ -14,15 +14,13 @@ Conventions shared with the kernels:
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
-from treespec_jax.cache.paged import slot_of
-from treespec_jax.tree.masks import unpack_mask_rows
+from pallas_kernels.common import LOG2E
+from pallas_kernels.paging import slot_of
+from pallas_kernels.tree_masks import unpack_mask_rows
 
-LOG2E = math.log2(math.e)
 FP8_DTYPES = (jnp.float8_e4m3fn,)
 
 

@@ -11,7 +11,7 @@ Row r of request b (P = prefix_lengths[b] committed keys) attends
   `causal_prefix=False`, where the prefix half already covered the row's whole prefix; with
   `prefix_whole_pages` the tail starts no later than the last whole page below P either way);
 - window key j (position P + j, j < window <= 64) iff bit j of its packed mask row is set
-  (word 0 holds bits 0..31, word 1 bits 32..63, see `treespec_jax.tree.masks`);
+  (word 0 holds bits 0..31, word 1 bits 32..63, see `pallas_kernels.tree_masks`);
 and folds them into the prefix partial (out, lse2) with a base-2 online softmax. A partial with
 lse2 = -inf (empty prefix coverage) starts the row from (m = -inf, l = 0, acc = 0). The window's K/V
 are in the same paged pool at positions P .. P + window - 1; `page_table` must map every position
@@ -49,10 +49,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to_rows, padded_rows,
                                                     rows_to_heads)
-from pallas_kernels.attention.reference import LOG2E, tree_window_reference
+from pallas_kernels.attention.reference import tree_window_reference
 from pallas_kernels.attention.split_merge import HEAD_IO_TILE, head_io_rows_errors, split_weights
-from pallas_kernels.common import resolve_backend
-from treespec_jax.tree.masks import MAX_TREE_NODES
+from pallas_kernels.common import LOG2E, resolve_backend
+from pallas_kernels.tree_masks import MAX_TREE_NODES
 
 # Rows per program are capped so the fp32 accumulator tile stays about 16K elements (registers).
 _ACC_ELEMENTS = 16384
@@ -61,11 +61,8 @@ _ACC_ELEMENTS = 16384
 DEFAULT_BLOCK_ROWS: int | None = None
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
-# Row-tile rule, from the H200 window sweeps (benchmarks/RESULTS.md): 16-row tiles win where the
-# grid is small (B=1, P=32768, N=64: 8 KV heads; B=8, N=16), 64-row tiles once they give this many
-# programs: B=64, P=4096, N=64 (2048 programs; 110 vs 144 us, session 10) and B=32, P=32768, N=64
-# (1024 programs; 60 vs 75 us bf16, 68 vs 91 us FP8, device time, session 10; the 03:42 UTC sweep
-# had compared 16 rows only with 128 there, in host-dispatched time). Fewer K/V re-reads win.
+# Row-tile rule: 16-row tiles win where the grid is small, 64-row tiles (fewer K/V re-reads) once
+# they give this many programs (results: window-block-rows).
 _WIDE_TILE_PROGRAMS = 1024
 
 

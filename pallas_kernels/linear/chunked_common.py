@@ -18,7 +18,7 @@ FP32_DOTS = {"ieee": lax.Precision.HIGHEST, "tf32x3": lax.DotAlgorithmPreset.TF3
 
 def load_ancestor_tile(mask_ref, b, rows: int, live):
     """Ancestor-or-self bits `[t, s]` of request b's first `rows` nodes from the packed
-    `[B, T, 2] uint32` rows (`treespec_jax.tree.masks`): bit s % 32 of word s // 32. Rows where
+    `[B, T, 2] uint32` rows (`pallas_kernels.tree_masks`): bit s % 32 of word s // 32. Rows where
     `live [rows]` is False read as all zero. With rows <= 32 word 0 holds every column, so word 1
     is not loaded at all."""
     idx = jnp.arange(rows, dtype=jnp.int32)

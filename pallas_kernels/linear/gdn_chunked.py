@@ -6,7 +6,7 @@ for the math). Parents precede children, so M (strict ancestors) is strictly low
 Rows are padded to `chunk = max(16, next power of two >= T)` (16, 32 or 64): Triton block shapes
 must be powers of two and dot operands at least 16 wide. Padded rows (t >= T) have an all-zero mask
 row: they are nobody's ancestor and are never stored. The packed ancestor row holds bits 0..31 in
-word 0 and 32..63 in word 1 (`treespec_jax.tree.masks`); word 1 is read only when chunk > 32.
+word 0 and 32..63 in word 1 (`pallas_kernels.tree_masks`); word 1 is read only when chunk > 32.
 
 Fused form: one program per (request b, value head hv, dv-tile); every dv column of
 the solve is independent, so each program recomputes the small `[chunk, chunk]` matrices and
@@ -16,7 +16,7 @@ once, `_apply_kernel` per dv tile computes out = Q' h0 + P v; its variant (`appl
 default from 64 padded rows) keeps only P and decay in the first kernel and has the second read q
 and k. The factor kernels work on whole [chunk, chunk] tiles: 16-row tiles with block forward
 substitution (88 small dots at 64 rows instead of 15 large ones) took 1.7-2.2x as long on the H200
-(session 7, commit 28d892c). Every form writes the node's replay payload row pieces `[k | v | a | b]`
+(results: gdn-factor). Every form writes the node's replay payload row pieces `[k | v | a | b]`
 as they are read (v by every value head's tiles, a/b by every value head, k by the first value head
 of each key head). With 16-bit q and k every form by default (`input_dtype_grams`) forms q k^T and
 k k^T from the rows as loaded in one tensor-core pass and applies the row factors afterwards.
@@ -39,41 +39,27 @@ from pallas_kernels.linear.gdn_common import default_scale, gates, gdn_dims, l2_
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
 from pallas_kernels.linear.gdn_tree import MAX_NUM_WARPS, GdnKernelConfig, check_payload, pick_launch
-from treespec_jax.tree.masks import unpack_mask_rows
+from pallas_kernels.tree_masks import unpack_mask_rows
 
 # Fewest padded rows: a Triton dot needs every operand dim >= 16.
 MIN_CHUNK = 16
 
 # Two-pass form launches: the factor kernel's warps, the apply kernel's default dv tile (by padded
-# rows) and warps. On the H200 (benchmarks/RESULTS.md) at B=32: T=16 (session 6), 16-column tiles and
-# 8 apply warps took 222-252 us and 64-column tiles 146, against 152-155 for 32 columns; T=32 (session
-# 8, input-dtype grams; the with-grams pair from the run's log) 64 columns 224.8 vs 319.5 (without
-# grams 403.5 vs 464.1); T=64 (keys variant) 64 columns lost: 481.5 vs 458.0 with grams, 685.6 vs
-# 666.0 without. Two factor warps won at B=32,
-# T=16 (141 vs 155 us) and lost at B=64, T=16 (311 vs 264); eight lost at T = 16, 32 and (keys form,
-# B=32, session 7) at T=64 (1096 vs 814 us), so 4 stays.
+# rows: 64 columns up to 32 rows, 32 at 64) and warps; the fastest measured on the H200
+# (results: gdn-block-v, gdn-launch).
 TWO_PASS_FACTOR_WARPS = 4
 TWO_PASS_BLOCK_V = {16: 64, 32: 64, 64: 32}
 TWO_PASS_APPLY_WARPS = 4
 # Fewest factor-kernel programs (B * HV) for which `two_pass=None` picks the two-pass form at 16
-# padded rows; past 16 rows it runs on every grid. On the H200 (Qwen3-Next dims, HV=32,
-# benchmarks/RESULTS.md, session 6) the two-pass tree took 0.33-0.56x the fused kernel's time at
-# B = 32, 64 (1024-2048 programs) for T = 8..64, and at B=8 (256) 0.37x at T=64 and 0.96x at T=16.
-# At B=1 (32 programs, two launches in series) it lost at T=16 (32.7 vs 29.1 us; 65.3 vs 36.2 in
-# another run) and won at T = 8, 32 (93.7 vs 141, session 8) and 64 (apply-reads-keys variant 86.8
-# vs 156). B = 2..7 at 16 rows are unmeasured and stay with the fused kernel.
+# padded rows; past 16 rows it runs on every grid: it won there on every grid timed, and at 16 rows
+# from 256 programs on (results: gdn-two-pass). Smaller grids at 16 rows keep the fused kernel.
 TWO_PASS_MIN_PROGRAMS = 256
 # Fewest padded rows at which `apply_reads_keys=None` runs the two-pass variant whose apply kernel
-# reads q and k. On the H200 (Qwen3-Next dims, benchmarks/RESULTS.md, session 7) it took 967-1019 us
-# against 1306 at B=32, T=64 and 913 against 1199 at T=48 (64 rows), then, with the inversion's first
-# level done without dots, 662 vs 907 (B=32) and 1239 vs 1812 (B=64) at T=64; it tied or lost below:
-# 539 vs 539 at T=24, 589 vs 533 at T=29 (32 rows), 151 vs 156 at T=16.
+# reads q and k: faster at 64 padded rows, tied or slower below (results: gdn-apply-reads-keys).
 APPLY_READS_KEYS_MIN_ROWS = 64
 # Input dtypes whose pairwise products are exact in fp32 (8- and 11-bit significands), so that
-# `input_dtype_grams` loses nothing against fp32 rows; `input_dtype_grams=None` turns it on for them.
-# On the H200 (Qwen3-Next dims, bf16, benchmarks/RESULTS.md, session 8) it took 0.65-0.86x the time
-# of the same form without it at B = 32, 64 (T = 16..64) and 0.67-1.00x at B=1 (noisy), agreeing to
-# 1e-6-5e-5.
+# `input_dtype_grams` loses nothing against fp32 rows; `input_dtype_grams=None` turns it on for them:
+# faster than fp32 rows at every size timed, agreeing to 1e-6-5e-5 (results: gdn-grams).
 INPUT_DTYPE_GRAM_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.linear.gdn_common import default_scale, gates, l2_normalize
-from treespec_jax.tree.masks import chain_parents
+from pallas_kernels.tree_masks import chain_parents
 
 
 def _prepare(q, k, v, a, b, A_log, dt_bias, use_qk_l2norm, scale):

@@ -37,7 +37,7 @@ from pallas_kernels.common import next_pow2, resolve_backend
 from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES, load_ancestor_tile
 from pallas_kernels.linear.mamba2_reference import mamba2_tree_scan_reference, softplus
 from pallas_kernels.linear.mamba2_tree import _check, launch_head_tiles, program_coords
-from treespec_jax.tree.masks import ancestor_mask, chain_parents
+from pallas_kernels.tree_masks import ancestor_mask, chain_parents
 
 CHUNKED_MODES = ("replay", "outputs")
 

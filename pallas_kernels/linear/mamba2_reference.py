@@ -28,7 +28,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from treespec_jax.tree.masks import ancestor_mask_bool, chain_parents
+from pallas_kernels.tree_masks import ancestor_mask_bool, chain_parents
 
 
 @dataclasses.dataclass(frozen=True)

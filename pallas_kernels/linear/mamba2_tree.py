@@ -51,7 +51,7 @@ from pallas_kernels.linear.mamba2_reference import (
     payload_dtype,
     softplus,
 )
-from treespec_jax.tree.masks import ancestor_mask_bool
+from pallas_kernels.tree_masks import ancestor_mask_bool
 
 MODES = ("staged", "replay", "outputs")
 WALKS = ("precomputed", "parents")

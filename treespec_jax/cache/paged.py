@@ -1,10 +1,5 @@
-"""Paged KV pool addressing.
-
-Layout (one cache group, one layer): a pool is slot-major, `[num_pages * page_size, ...row]`
-(GQA K and V: `[S, Hkv, D]`; MLA latent: `[S, kv_lora_rank + rope_dim]`). A request owns pages
-listed in `page_table [B, max_pages] int32`; the token at position `pos` lives in slot
-`page_table[b, pos // page_size] * page_size + pos % page_size`. One slot is one contiguous row,
-so compaction moves whole rows and kernels view the pool as `[num_pages, page_size, ...]`.
+"""Paged KV pool addressing on the cache side: the layout and `slot_of` are the kernels'
+(`pallas_kernels.paging`); here the checks that a page table maps every position the kernels read.
 """
 
 from __future__ import annotations
@@ -12,11 +7,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.paging import slot_of
 
-def slot_of(page_table: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
-    """`page_table [B, P]`, `positions [B, T] int32` -> slots `[B, T] int32`."""
-    pages = jnp.take_along_axis(page_table, positions // page_size, axis=1)
-    return pages * page_size + positions % page_size
+__all__ = ["check_page_table", "page_table_errors", "slot_of"]
 
 
 def page_table_errors(page_table: jax.Array, lengths: jax.Array, *, extra: int, page_size: int,
