@@ -10,8 +10,9 @@ softmax over the draft vocabulary, renormalised; the head runs the unrolled trai
 (optax: global-norm clip, linear warmup then cosine decay to `lr * min_lr_ratio`, decoupled
 weight decay on matrices) updates fp32 master weights. The head computes in `compute_dtype`
 (bf16 by default, as it is served); its state is small (about 10M parameters: weights and both
-Adam moments are 120 MB in fp32), so fp32 masters cost nothing and keep updates near lr * 1e-3
-from rounding away in bf16.
+Adam moments are 120 MB in fp32), so fp32 masters cost nothing, while bf16 weights would stop
+moving late in the cosine: an Adam update there is about 1e-3 of a weight, under bf16's 2^-8
+resolution.
 
 Initialisation: lm_head is the target's (tied) embedding rows of the draft vocabulary and the
 head's final norm the target's final norm, so step 0 starts by reading its hidden state as the
