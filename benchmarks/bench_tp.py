@@ -16,11 +16,13 @@ Run on a machine with 2 GPUs (nvidia-h200-x2) from the repository root:
    argmax (shard-local and reduced at TP = 2), with the pools donated and threaded through the
    calls as the engine does. Reported as milliseconds per step and as ratios within this run:
    TP2 / TP1, and each against its weight-read floor (bf16 weight bytes per device / the copy
-   bandwidth measured here). The TP = 2 and TP = 1 greedy predictions of the first step (same
+   bandwidth measured here, read + write bytes per second). The TP = 2 and TP = 1 greedy predictions of the first step (same
    inputs) are compared as a diagnostic: bf16 partial sums reduced across devices round
    differently from one matmul, so a random model's flat logits may flip a few argmaxes.
 
 `--quick` runs the check at 1 layer and times batch 1 only over 4 layers (a smoke run).
+`--tp-sizes 1` runs the TP = 1 half alone on one GPU; on one H200 it took 106 s (both
+engines' compiles included), so the whole two-GPU run should take about 4 minutes.
 """
 
 from __future__ import annotations
@@ -181,7 +183,8 @@ def bench_latency(layers: int, batches, nodes: int, context: int, samples: int, 
         attention = dataclasses.replace(base, mesh=mesh) if mesh is not None else base
         model = LlamaModel(cfg, attention)
         params = host if mesh is None else jax.device_put(host, parallel.param_shardings(cfg, host, mesh))
-        floor = weight_bytes_per_device(host, tp) / (bandwidth / 2)  # a read is half the copy's bytes
+        # The copy's rate counts every byte moved (read + write), the traffic a weight read makes.
+        floor = weight_bytes_per_device(host, tp) / bandwidth
         for b in batches:
             x, num_pages = _inputs(cfg, b, nodes, context, jax.random.key(b))
             for kind in ("decode", "verify"):
