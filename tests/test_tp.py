@@ -13,6 +13,7 @@
 Speculation is lossless, so TP = 1 plain decoding is the reference for every mode.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -25,10 +26,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from treespec_jax import parallel
 from treespec_jax.config import (BackendsConfig, ConfigError, KVCacheConfig, ModelConfig, ParallelConfig,
                                  SamplingConfig, SchedulerConfig, ServeConfig, SpeculativeConfig)
+from treespec_jax.drafter.eagle3 import Eagle3Drafter, MtpDrafter, init_eagle3_params
 from treespec_jax.drafter.oracle import ModelDrafter
 from treespec_jax.engine import Engine, Request
 from treespec_jax.engine.loading import attention_for
-from treespec_jax.models.config import LlamaConfig
+from treespec_jax.models.config import Eagle3Config, LlamaConfig
 from treespec_jax.models.llama import LlamaModel, init_params
 from treespec_jax.tree.masks import chain_parents
 from treespec_jax.tree.spec import TreeSpec
@@ -131,6 +133,28 @@ def test_param_specs_are_megatron_layout():
         t = list(mesh.devices.flat).index(shard.device)
         np.testing.assert_array_equal(shard.data, params["layers_0"]["wk"][:, t * 16:(t + 1) * 16])
         assert placed["layers_0"]["wq"].addressable_shards[0].data.shape == (32, 2 * 16)
+
+
+def test_eagle3_and_mtp_heads_are_placed_and_rebound():
+    """The heads' params by the same names (EAGLE-3's `fc` and d2t replicated, its draft LM head by
+    vocabulary) and `with_attention` reaching every flax module a drafter holds."""
+    target = tiny_cfg(layers=4)
+    head_cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_heads=8, num_kv_heads=4, head_dim=16,
+                            vocab_size=VOCAB, draft_vocab_size=32, target_hidden_size=32)
+    specs = parallel.param_specs(init_eagle3_params(head_cfg, jax.random.key(0)), 2)
+    assert specs["layer"]["wq"] == P(None, "tp") and specs["layer"]["wo"] == P("tp", None)
+    assert specs["fc"] == P() and specs["d2t"] == P() and specs["lm_head"] == P(None, "tp")
+    mesh = parallel.make_mesh(2)
+    base = attention_for(serve_config())
+    sharded = dataclasses.replace(base, mesh=mesh)
+    for drafter in (Eagle3Drafter(head_cfg, target, base), MtpDrafter(target, base),
+                    ModelDrafter(LlamaModel(target, base))):
+        placed = parallel.with_attention(drafter, sharded)
+        modules = [v for v in vars(placed).values() if hasattr(v, "attention")]
+        assert modules and all(m.attention == sharded for m in modules), type(drafter).__name__
+        assert all(m.attention == base for m in vars(drafter).values() if hasattr(m, "attention"))
+    assert not parallel.tp_problems(4, target, Eagle3Drafter(head_cfg, target, base))
+    assert "drafter's num_kv_heads=4" in " ".join(parallel.tp_problems(8, target, MtpDrafter(target, base)))
 
 
 def test_refusals_name_the_values_with_the_other_blockers():
