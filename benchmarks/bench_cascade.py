@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import sys
 import traceback
 from pathlib import Path
@@ -207,7 +208,7 @@ def conformance(checks: Checks, seed=0):
                     checks.add(f"cascade fused window splits={splits} vs dense {name}", rel_err(fused, dense),
                                bf_tol if dtype != FP8 else 6e-2)
                 # The unfused Mosaic cascade, in head layout where both kernels can tile it
-                # (cascade.UNFUSED_HEADS_IO: every case here), one key range per CTA and three splits
+                # (CascadeConfig.unfused_heads_io: every case here), one key range per CTA and three splits
                 # handed to the window kernel.
                 for splits in (1, 3):
                     unfused = cascade_attention(q, kp, vp, table, lengths, mask, window=r, config=CascadeConfig(
@@ -546,16 +547,16 @@ def main(argv=None):
                          "(the final default/recommended cascades still run)")
     ap.add_argument("--merge-kernel-splits", action="store_true",
                     help="unfused cascades merge key-split partials in the merge kernel before the window "
-                         "kernel (cascade.WINDOW_MERGES_SPLITS off; conformance runs so too)")
+                         "kernel (CascadeConfig.window_merges_splits=False; conformance runs so too)")
     ap.add_argument("--xla-merge", action="store_true",
                     help="merge key splits in XLA (split_merge.MERGE_KERNEL off) instead of the Pallas kernel")
     args = ap.parse_args(argv)
     if args.xla_merge:
         from pallas_kernels.attention import split_merge
         split_merge.MERGE_KERNEL = False
-    if args.merge_kernel_splits:
-        from treespec_jax.attention import cascade as cascade_module
-        cascade_module.WINDOW_MERGES_SPLITS = False
+    if args.merge_kernel_splits:  # every cascade this module builds, conformance and timings alike
+        global CascadeConfig
+        CascadeConfig = functools.partial(CascadeConfig, window_merges_splits=False)
     cmd = "python3 benchmarks/bench_cascade.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.variants:
         # Imported here: cascade_variants imports this module for its helpers.

@@ -29,7 +29,6 @@ from benchmarks.bench_cascade import KV_DTYPES, PAGE, cascade_inputs  # noqa: E4
 from benchmarks.report import log, parse_shapes  # noqa: E402
 from benchmarks.timing import chained_time, feed_output, feed_scalar, median_span, traced_chain  # noqa: E402
 from pallas_kernels.attention import prefix_decode_mgpu, split_merge  # noqa: E402
-from treespec_jax.attention import cascade  # noqa: E402
 from treespec_jax.attention.cascade import CascadeConfig, cascade_attention  # noqa: E402
 
 
@@ -50,16 +49,17 @@ FEEDS = {"scalar": lambda: feed_scalar(4), "query": lambda: feed_output(0)}
 DEFAULT_MERGE_LAUNCH = (split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS)
 
 
-def set_merge(merge: str):
+def set_merge(merge: str) -> bool:
     """Sets the merge flags for one --merges entry: xla, kernel, kernel:E/W or window (unfused
-    cascades hand the split partials to the window kernel; other merges take the Pallas kernel)."""
+    cascades hand the split partials to the window kernel; other merges take the Pallas kernel).
+    Returns CascadeConfig.window_merges_splits for it."""
     kind, _, launch = merge.partition(":")
     if kind not in ("xla", "kernel", "window") or (launch and kind != "kernel"):
         raise ValueError(f"--merges: unknown entry {merge!r} (xla, kernel, kernel:E/W or window)")
     elements, warps = (int(x) for x in launch.split("/")) if launch else DEFAULT_MERGE_LAUNCH
     split_merge.MERGE_KERNEL = kind != "xla"
     split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS = elements, warps
-    cascade.WINDOW_MERGES_SPLITS = kind == "window"
+    return kind == "window"
 
 
 # Where the FP8 prefix query is cast (--query-casts): in the kernel (fused, from the window's
@@ -68,7 +68,7 @@ def set_merge(merge: str):
 QUERY_CASTS = {"kernel": True, "xla": False}
 # Whether the window is fused into the Mosaic prefix kernel (--fuse): `CascadeConfig.fuse_window`.
 FUSES = {"auto": None, "off": False, "on": True}
-# Whether an unfused Mosaic cascade keeps the head layout (--heads): `cascade.UNFUSED_HEADS_IO`.
+# Whether an unfused Mosaic cascade keeps the head layout (--heads): `CascadeConfig.unfused_heads_io`.
 HEADS = {"on": True, "off": False}
 
 
@@ -81,7 +81,7 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=3, help="chains traced")
     ap.add_argument("--merges", default="window",
                     help="comma list of how key splits merge: window (the library's default: unfused cascades hand "
-                    "the partials to the window kernel, cascade.WINDOW_MERGES_SPLITS, fused ones take the Pallas "
+                    "the partials to the window kernel, CascadeConfig.window_merges_splits, fused ones take the Pallas "
                     "merge at its default launch), kernel (the Pallas merge at its default launch for every "
                     "cascade), xla (its reference, `merge_splits_reference`), kernel:E/W (the Pallas merge, E "
                     "elements per program and W warps); with several, each shape also checks every output "
@@ -99,7 +99,7 @@ def main(argv=None):
                     help="comma list of CascadeConfig.fuse_window settings: auto (None, the default rule), off, "
                     "on; each is a form as the merges are")
     ap.add_argument("--heads", default="on",
-                    help="comma list of cascade.UNFUSED_HEADS_IO settings (on: the unfused Mosaic cascade reads q and "
+                    help="comma list of CascadeConfig.unfused_heads_io settings (on: the unfused Mosaic cascade reads q and "
                     "its partial in head layout, off: the row layout XLA transposes q into); each is a form")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
@@ -119,8 +119,7 @@ def main(argv=None):
     forms = [(m, c, f, h) for m in a.merges.split(",") for c in casts for f in fuses for h in heads]
     failed, outs = False, {}
     defaults = (split_merge.MERGE_KERNEL, split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS,
-                cascade.WINDOW_MERGES_SPLITS, prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT,
-                cascade.UNFUSED_HEADS_IO, prefix_decode_mgpu.CAST_QUERY_UNFUSED_BY_DEFAULT)
+                prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT, prefix_decode_mgpu.CAST_QUERY_UNFUSED_BY_DEFAULT)
     for merge in a.merges.split(","):
         set_merge(merge)  # refuses a bad entry before any work
     feeds = choices("--feeds", a.feeds, FEEDS)
@@ -128,13 +127,13 @@ def main(argv=None):
         for dt in a.dtypes.split(","):
             args = cascade_inputs(key, rng, b, p, n, KV_DTYPES[dt])
             for s, (merge, cast, fuse, head) in ((int(x), f) for x in a.splits.split(",") for f in forms):
-                set_merge(merge)
+                window_merges = set_merge(merge)
                 prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT = QUERY_CASTS[cast]
                 prefix_decode_mgpu.CAST_QUERY_UNFUSED_BY_DEFAULT = QUERY_CASTS[cast]
-                cascade.UNFUSED_HEADS_IO = HEADS[head]
                 jax.clear_caches()  # the flags are read when the cascade is traced
-                fn = jax.jit(lambda *x, s=s, f=FUSES[fuse]: cascade_attention(*x, window=n, config=CascadeConfig(
-                    page_size=PAGE, num_splits=s or None, fuse_window=f)))
+                cfg = CascadeConfig(page_size=PAGE, num_splits=s or None, fuse_window=FUSES[fuse],
+                                    window_merges_splits=window_merges, unfused_heads_io=HEADS[head])
+                fn = jax.jit(lambda *x, cfg=cfg: cascade_attention(*x, window=n, config=cfg))
                 label = (f"B={b},P={p},N={n} {dt} splits {s or 'default'}, {merge} merge"
                          + (f", query cast by {cast}" if len(casts) > 1 else "")
                          + (f", fuse {fuse}" if len(fuses) > 1 else "")
@@ -169,8 +168,7 @@ def main(argv=None):
                     after = 1e6 * chained_time(fn, args, feed_scalar(4), inner=a.inner // 3)
                     log(f"{label}: chained_time {before:.1f} us before the traces, {after:.1f} us after")
     (split_merge.MERGE_KERNEL, split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS,
-     cascade.WINDOW_MERGES_SPLITS, prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT,
-     cascade.UNFUSED_HEADS_IO, prefix_decode_mgpu.CAST_QUERY_UNFUSED_BY_DEFAULT) = defaults
+     prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT, prefix_decode_mgpu.CAST_QUERY_UNFUSED_BY_DEFAULT) = defaults
     return 1 if failed else 0
 
 

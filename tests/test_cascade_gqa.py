@@ -1,6 +1,8 @@
 """GQA cascade (prefix decode + tree window + merge) against one dense fp32 attention: verify,
 draft lanes, sliding-window lanes, FP8; and the dense reference against a per-row numpy loop."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +25,7 @@ FP8 = jnp.float8_e4m3fn
     (16, 8, 64, FP8, 6e-2, False),  # the prefix half multiplies an FP8-quantised query
     (64, 4, 16, jnp.bfloat16, 1e-2, True),  # every row's prefix half runs to P
 ], default=(1, 2)))
-def test_verify_matches_dense_attention(n, group, page, dtype, tol, covers_tail):
+def test_verify_matches_dense_attention(n, group, page, dtype, tol, covers_tail, backend):
     rng = np.random.default_rng(n + group)
     b, hkv, d = 3, 2, 16
     lengths = np.array([0, 70, n // 3], np.int32)  # P = 0, long, P < R
@@ -32,7 +34,7 @@ def test_verify_matches_dense_attention(n, group, page, dtype, tol, covers_tail)
     mask = ancestor_mask(random_parents(rng, b, n))
     lengths = jnp.asarray(lengths)
     out = verify_attention(q, k, v, table, lengths, mask, config=CascadeConfig(
-        page_size=page, backend="interpret", prefix_covers_tail=covers_tail))
+        page_size=page, backend=backend, prefix_covers_tail=covers_tail))
     dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
     assert out.dtype == q.dtype
     assert rel_err(out, dense) < tol
@@ -46,7 +48,7 @@ def test_verify_matches_dense_attention(n, group, page, dtype, tol, covers_tail)
     # P mod page < R - 1 (and a page-aligned P): the flag moves the last whole page's causal tail
     # from the window kernel to the prefix kernel, so a miswired half double-counts or drops it.
     (jnp.bfloat16, 1e-2, 2, True, [128, 74]), (jnp.bfloat16, 1e-2, 2, False, [128, 74])], default=(1, 3, 5)))
-def test_verify_through_the_mosaic_gpu_prefix_kernel(dtype, tol, splits, covers_tail, lengths):
+def test_verify_through_the_mosaic_gpu_prefix_kernel(dtype, tol, splits, covers_tail, lengths, backend):
     """CascadeConfig(prefix_kernel="mosaic_gpu", fuse_window=False) (Pallas' GPU interpreter here):
     the prefix half over whole pages plus the window over the partial page equals dense attention,
     with the kernel's own key split or a forced one (num_splits reaches the Mosaic kernel), and with
@@ -55,14 +57,14 @@ def test_verify_through_the_mosaic_gpu_prefix_kernel(dtype, tol, splits, covers_
     d, n, page = 64, 32, 64
     q, k, v, table, lengths, mask = verify_case(np.random.default_rng(5), lengths, n, 2, 4, d, page,
                                                 dtype, q_dtype=jnp.bfloat16)
-    cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu", num_splits=splits,
+    cfg = CascadeConfig(page_size=page, backend=backend, prefix_kernel="mosaic_gpu", num_splits=splits,
                         prefix_covers_tail=covers_tail, fuse_window=False)
     out = verify_attention(q, k, v, table, lengths, mask, config=cfg)
     dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
     assert rel_err(out, dense) < tol
 
 
-def test_forced_key_split_reaches_the_mosaic_prefix(monkeypatch):
+def test_forced_key_split_reaches_the_mosaic_prefix(monkeypatch, backend):
     """CascadeConfig.num_splits is passed to the Mosaic prefix kernel, not dropped."""
     from treespec_jax.attention import cascade as cascade_module
     seen = []
@@ -75,14 +77,14 @@ def test_forced_key_split_reaches_the_mosaic_prefix(monkeypatch):
     monkeypatch.setattr(cascade_module, "prefix_decode_mgpu_row_layout", spy)
     d, n, page = 64, 16, 64
     q, k, v, table, lengths, mask = verify_case(np.random.default_rng(11), [150, 70], n, 2, 4, d, page, jnp.bfloat16)
-    cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu", num_splits=3)
+    cfg = CascadeConfig(page_size=page, backend=backend, prefix_kernel="mosaic_gpu", num_splits=3)
     out = verify_attention(q, k, v, table, lengths, mask, config=cfg)
     dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
     assert seen == [3]
     assert rel_err(out, dense) < 1e-2
 
 
-def test_prefix_covers_tail_defaults_to_the_prefix_kernel(monkeypatch):
+def test_prefix_covers_tail_defaults_to_the_prefix_kernel(monkeypatch, backend):
     """prefix_covers_tail=None (the default) is on under the Mosaic prefix (timed faster there) and
     off under the Triton one; an explicit value wins, and a non-bool is refused by name."""
     from treespec_jax.attention import cascade as cascade_module
@@ -98,7 +100,7 @@ def test_prefix_covers_tail_defaults_to_the_prefix_kernel(monkeypatch):
     q, k, v, table, lengths, mask = verify_case(np.random.default_rng(12), [128, 66], n, 2, 4, d, page, jnp.bfloat16)
     dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
     for kernel, covers in [("triton", None), ("mosaic_gpu", None), ("mosaic_gpu", False), ("triton", True)]:
-        cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel=kernel, prefix_covers_tail=covers)
+        cfg = CascadeConfig(page_size=page, backend=backend, prefix_kernel=kernel, prefix_covers_tail=covers)
         assert rel_err(verify_attention(q, k, v, table, lengths, mask, config=cfg), dense) < 1e-2
     assert seen == [(False, False), (True, True), (True, False), (False, True)]
     with pytest.raises(ValueError, match="prefix_covers_tail must be None, True or False, got 'yes'"):
@@ -107,7 +109,7 @@ def test_prefix_covers_tail_defaults_to_the_prefix_kernel(monkeypatch):
 
 @pytest.mark.parametrize("kernel,splits", cases([("triton", None), ("triton", 1), ("mosaic_gpu", 1), ("mosaic_gpu", 2)],
                                                 default=(0, 2)))
-def test_bf16_prefix_partial_matches_dense(kernel, splits):
+def test_bf16_prefix_partial_matches_dense(kernel, splits, backend):
     """CascadeConfig(prefix_partial_dtype="bfloat16") through either prefix kernel (one CTA per
     key range, or key splits merged in float32) still equals dense attention, the window kernel
     is handed the bf16 partial itself when there is no split, and a float32 query is refused."""
@@ -122,7 +124,7 @@ def test_bf16_prefix_partial_matches_dense(kernel, splits):
         seen.append(args[6].dtype)  # the prefix partial
         return real(*args, **kwargs)
 
-    cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel=kernel, num_splits=splits,
+    cfg = CascadeConfig(page_size=page, backend=backend, prefix_kernel=kernel, num_splits=splits,
                         prefix_partial_dtype="bfloat16")
     import unittest.mock
     with unittest.mock.patch.object(cascade_module, "tree_window_row_layout", spy):
@@ -207,7 +209,7 @@ def lane_masks(rng, batch, k, step):
 
 
 @pytest.mark.parametrize("step,covers_tail", [(1, False), (3, False), (3, True)])
-def test_lanes_match_dense_attention(step, covers_tail):
+def test_lanes_match_dense_attention(step, covers_tail, backend):
     """K = 4 lanes, S = 5 draft steps: window (S-1)K = 16 at the frontier. Lane slots not yet written
     at this step are poisoned."""
     rng = np.random.default_rng(step)
@@ -222,13 +224,13 @@ def test_lanes_match_dense_attention(step, covers_tail):
     mask = pack_mask_rows(jnp.asarray(bits))
     frontier = jnp.asarray(frontier)
     out = lane_attention(q, k, v, table, frontier, mask, steps=steps,
-                         config=CascadeConfig(page_size=page, backend="interpret", prefix_covers_tail=covers_tail))
+                         config=CascadeConfig(page_size=page, backend=backend, prefix_covers_tail=covers_tail))
     dense, _ = cascade_dense_reference(q, k, v, table, frontier, mask, window=w, page_size=page, scale=d ** -0.5)
     assert rel_err(out, dense) < 1e-5
 
 
 @pytest.mark.parametrize("covers_tail,frontiers", cases([(False, [70, 200]), (True, [64, 129])]))
-def test_lanes_through_the_mosaic_gpu_prefix_kernel(covers_tail, frontiers):
+def test_lanes_through_the_mosaic_gpu_prefix_kernel(covers_tail, frontiers, backend):
     """Draft lanes whose rows fill a 64-row tile (K = 4 lanes x 16 query heads per KV head) through
     the Mosaic GPU prefix (interpreter): the causal prefix over whole pages plus the window kernel
     over the partial page and the lane window equal dense attention, frontiers mid-page included;
@@ -242,14 +244,14 @@ def test_lanes_through_the_mosaic_gpu_prefix_kernel(covers_tail, frontiers):
     q = jnp.asarray(rng.standard_normal((b, kk, hkv * g, d)), jnp.bfloat16)
     mask = pack_mask_rows(jnp.asarray(lane_masks(rng, b, kk, steps - 1)[:, :, :w]))
     out = lane_attention(q, k, v, table, jnp.asarray(frontier), mask, steps=steps,
-                         config=CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu",
+                         config=CascadeConfig(page_size=page, backend=backend, prefix_kernel="mosaic_gpu",
                                               prefix_covers_tail=covers_tail, fuse_window=False))
     dense, _ = cascade_dense_reference(q, k, v, table, jnp.asarray(frontier), mask, window=w, page_size=page,
                                        scale=d ** -0.5)
     assert rel_err(out, dense) < 1e-2
 
 
-def test_sliding_window_lanes_with_row_page_tables():
+def test_sliding_window_lanes_with_row_page_tables(backend):
     """Each lane row decodes its own table's prefix (last `sliding_window` keys only) and then the tree
     window alone (causal_prefix=False)."""
     rng = np.random.default_rng(9)
@@ -269,7 +271,7 @@ def test_sliding_window_lanes_with_row_page_tables():
     bits[:, :, 0] = True
     mask = pack_mask_rows(jnp.asarray(bits))
     args = (q, k, v, jnp.asarray(row_tables, jnp.int32), jnp.asarray(row_lengths), table, jnp.asarray(frontier), mask)
-    out = sliding_lane_attention(*args, window=w, config=CascadeConfig(page_size=page, backend="interpret"),
+    out = sliding_lane_attention(*args, window=w, config=CascadeConfig(page_size=page, backend=backend),
                                  sliding_window=sw)
     dense, _ = sliding_lane_dense_reference(*args, window=w, page_size=page, scale=d ** -0.5, sliding_window=sw)
     assert rel_err(out, dense) < 1e-5
@@ -278,7 +280,7 @@ def test_sliding_window_lanes_with_row_page_tables():
     assert rel_err(ref, dense) < 1e-5
     with pytest.raises(ValueError, match="prefix_kernel='mosaic_gpu' has no sliding-window"):
         sliding_lane_attention(*args, window=w, sliding_window=sw,
-                               config=CascadeConfig(page_size=64, backend="interpret", prefix_kernel="mosaic_gpu"))
+                               config=CascadeConfig(page_size=64, backend=backend, prefix_kernel="mosaic_gpu"))
 
 
 def test_dense_reference_matches_numpy_loop_and_reference_composition():
@@ -312,6 +314,9 @@ def test_cascade_rejects_bad_configuration():
         CascadeConfig(page_size=48)
     with pytest.raises(ValueError, match="num_splits"):
         CascadeConfig(page_size=16, num_splits=0)
+    with pytest.raises(ValueError, match="window_merges_splits must be True or False, got None.*"
+                                         "unfused_heads_io must be True or False, got 1"):
+        CascadeConfig(page_size=16, window_merges_splits=None, unfused_heads_io=1)
     q = jnp.zeros((1, 4, 2, 16))
     pool = jnp.zeros((64, 1, 16))
     table = jnp.zeros((1, 4), jnp.int32)
@@ -364,7 +369,7 @@ def test_kernels_lower_to_triton_ir(monkeypatch):
             jax.jit(win).trace(sd((b, hkv, rows, d), jnp.bfloat16), *common, sd((b, r, 2), jnp.uint32),
                                sd((b, hkv, rows, d), jnp.float32), sd((b, hkv, rows), jnp.float32)).lower(
                 lowering_platforms=("cuda",))
-        # Handed three key-split partials unmerged (cascade.WINDOW_MERGES_SPLITS).
+        # Handed three key-split partials unmerged (CascadeConfig.window_merges_splits).
         jax.jit(win).trace(sd((b, hkv, rows, d), jnp.bfloat16), *common, sd((b, r, 2), jnp.uint32),
                            sd((3, b, hkv, rows, d), jnp.float32), sd((3, b, hkv, rows), jnp.float32)).lower(
             lowering_platforms=("cuda",))
@@ -411,8 +416,8 @@ def test_verify_lowers_with_the_auto_prefix_kernel_on_a_gpu(monkeypatch, pool_dt
 
 @pytest.mark.parametrize("kernel,splits,dtype,tol", cases([("triton", 3, jnp.bfloat16, 1e-2), ("triton", 2, FP8, 6e-2),
                                                             ("mosaic_gpu", 2, jnp.bfloat16, 1e-2)], default=(1,)))
-def test_window_kernel_merges_the_key_splits(monkeypatch, kernel, splits, dtype, tol):
-    """cascade.WINDOW_MERGES_SPLITS (the default): the prefix half hands its key-split partials on unmerged and
+def test_window_kernel_merges_the_key_splits(monkeypatch, kernel, splits, dtype, tol, backend):
+    """CascadeConfig.window_merges_splits (the default): the prefix half hands its key-split partials on unmerged and
     the window kernel merges them (no merge kernel runs); the cascade still equals dense attention
     and the merged form's output."""
     from treespec_jax.attention import cascade as cascade_module
@@ -420,10 +425,10 @@ def test_window_kernel_merges_the_key_splits(monkeypatch, kernel, splits, dtype,
     q, k, v, table, lengths, mask = verify_case(np.random.default_rng(17), [128, 70], n, 2, 4, d, page, dtype,
                                                 q_dtype=jnp.bfloat16)
     dense, _ = cascade_dense_reference(q, k, v, table, lengths, mask, window=n, page_size=page, scale=d ** -0.5)
-    cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel=kernel, num_splits=splits,
+    cfg = CascadeConfig(page_size=page, backend=backend, prefix_kernel=kernel, num_splits=splits,
                         fuse_window=False)
-    monkeypatch.setattr(cascade_module, "WINDOW_MERGES_SPLITS", False)  # the merge kernel first
-    merged_first = verify_attention(q, k, v, table, lengths, mask, config=cfg)
+    merged_first = verify_attention(q, k, v, table, lengths, mask,  # the merge kernel first
+                                    config=dataclasses.replace(cfg, window_merges_splits=False))
     seen = []
     real = cascade_module.tree_window_row_layout
 
@@ -431,7 +436,6 @@ def test_window_kernel_merges_the_key_splits(monkeypatch, kernel, splits, dtype,
         seen.append(args[6].shape[0])  # the prefix partials' leading (split) axis
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cascade_module, "WINDOW_MERGES_SPLITS", True)
     monkeypatch.setattr(cascade_module, "tree_window_row_layout", spy)
     out = verify_attention(q, k, v, table, lengths, mask, config=cfg)
     assert seen and seen[0] >= splits  # the Mosaic kernel's warpgroup key split may add partials
@@ -440,8 +444,8 @@ def test_window_kernel_merges_the_key_splits(monkeypatch, kernel, splits, dtype,
 
 @pytest.mark.parametrize("dtype,splits,lengths", cases([(jnp.bfloat16, 3, [100, 7]), (FP8, 2, [128, 74]),
                                                         (FP8, None, [0, 190])], default=(2,)))
-def test_unfused_mosaic_cascade_keeps_the_head_layout(monkeypatch, dtype, splits, lengths):
-    """cascade.UNFUSED_HEADS_IO (the default): the unfused Mosaic cascade hands q to the prefix kernel
+def test_unfused_mosaic_cascade_keeps_the_head_layout(monkeypatch, dtype, splits, lengths, backend):
+    """CascadeConfig.unfused_heads_io (the default): the unfused Mosaic cascade hands q to the prefix kernel
     and the window kernel in head layout (`heads_io` / `heads_in`, no transposes) and still equals
     dense attention and, to the bit, the row-layout form it replaces (P = 0, mid-page and
     page-aligned P, key splits merged by the window kernel)."""
@@ -449,7 +453,7 @@ def test_unfused_mosaic_cascade_keeps_the_head_layout(monkeypatch, dtype, splits
     d, n, page = 64, 16, 64
     q, k, v, table, lens, mask = verify_case(np.random.default_rng(31), lengths, n, 2, 4, d, page, dtype,
                                              q_dtype=jnp.bfloat16)
-    cfg = CascadeConfig(page_size=page, backend="interpret", prefix_kernel="mosaic_gpu", num_splits=splits,
+    cfg = CascadeConfig(page_size=page, backend=backend, prefix_kernel="mosaic_gpu", num_splits=splits,
                         fuse_window=False)
     seen = []
     real = cascade_module.tree_window_row_layout
@@ -460,8 +464,7 @@ def test_unfused_mosaic_cascade_keeps_the_head_layout(monkeypatch, dtype, splits
 
     monkeypatch.setattr(cascade_module, "tree_window_row_layout", spy)
     out = verify_attention(q, k, v, table, lens, mask, config=cfg)
-    monkeypatch.setattr(cascade_module, "UNFUSED_HEADS_IO", False)
-    rows_form = verify_attention(q, k, v, table, lens, mask, config=cfg)
+    rows_form = verify_attention(q, k, v, table, lens, mask, config=dataclasses.replace(cfg, unfused_heads_io=False))
     assert seen == [True, False]
     dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=n, page_size=page, scale=d ** -0.5)
     assert rel_err(out, dense) < (6e-2 if dtype == FP8 else 1e-2)

@@ -47,7 +47,7 @@ def spy_on_kernels(monkeypatch):
     (20, 4, [100, 3], None, False),  # R not a multiple of 64 / G: row layout, padded rows
     (4, 4, [70, 200], None, False),  # 16 real rows padded to one 64-row tile (draft-lane sizes)
 ], default=(0, 4)))
-def test_fused_window_matches_dense(monkeypatch, n, group, lengths, splits, heads_io):
+def test_fused_window_matches_dense(monkeypatch, n, group, lengths, splits, heads_io, backend):
     """The default cascade under the Mosaic prefix on bf16 pools runs the fused kernel alone (no
     window kernel), in head layout where the group allows it, and equals dense attention; every slot
     past P + N and every spare page holds NaN / inf."""
@@ -55,7 +55,7 @@ def test_fused_window_matches_dense(monkeypatch, n, group, lengths, splits, head
     d = 64
     q, k, v, table, lens, mask = verify_case(np.random.default_rng(n * group), lengths, n, 2, group, d, PAGE,
                                              jnp.bfloat16)
-    cfg = CascadeConfig(page_size=PAGE, backend="interpret", prefix_kernel="mosaic_gpu", num_splits=splits)
+    cfg = CascadeConfig(page_size=PAGE, backend=backend, prefix_kernel="mosaic_gpu", num_splits=splits)
     out = verify_attention(q, k, v, table, lens, mask, config=cfg)
     dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=n, page_size=PAGE, scale=d ** -0.5)
     assert out.dtype == jnp.bfloat16
@@ -68,7 +68,7 @@ def test_fused_window_matches_dense(monkeypatch, n, group, lengths, splits, head
     (16, [50, 300, 128], 2, 6e-2),  # 64-row heads: the warpgroup key split; FP8 prefix scores
     (16, [50, 300], 1, 6e-2),  # the key split's merged partial is the bf16 output itself (no merge kernel)
 ], default=(2,)))
-def test_fused_window_under_fp8_pools(monkeypatch, n, lengths, splits, tol):
+def test_fused_window_under_fp8_pools(monkeypatch, n, lengths, splits, tol, backend):
     """FP8 pools, fuse_window=True (opt-in): window steps widen K and score the unquantised query
     (at P < 128 every step is a window step, and an FP8 query would miss 5e-3 several times over:
     1.7e-2 was measured with it), other steps the FP8 query, as the window kernel's split does."""
@@ -76,7 +76,7 @@ def test_fused_window_under_fp8_pools(monkeypatch, n, lengths, splits, tol):
     d, group = 64, 4
     q, k, v, table, lens, mask = verify_case(np.random.default_rng(n + 7), lengths, n, 2, group, d, PAGE, FP8,
                                              q_dtype=jnp.bfloat16)
-    cfg = CascadeConfig(page_size=PAGE, backend="interpret", prefix_kernel="mosaic_gpu", num_splits=splits,
+    cfg = CascadeConfig(page_size=PAGE, backend=backend, prefix_kernel="mosaic_gpu", num_splits=splits,
                         fuse_window=True)
     out = verify_attention(q, k, v, table, lens, mask, config=cfg)
     dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=n, page_size=PAGE, scale=d ** -0.5)
@@ -89,7 +89,7 @@ def test_fused_window_under_fp8_pools(monkeypatch, n, lengths, splits, tol):
     (16, [50, 300], 2),  # 64-row heads: the warpgroup key split, two key splits
     (32, [0, 190], None),  # two 64-row warpgroups per CTA; P = 0 (window steps only)
 ])
-def test_fused_fp8_kernel_casts_the_query_itself(n, lengths, splits):
+def test_fused_fp8_kernel_casts_the_query_itself(n, lengths, splits, interpret):
     """Fused over an FP8 pool the kernel casts the window's unquantised query tile to FP8 for the
     prefix steps (`cast_query`, the default): the bits of the query XLA casts before the kernel
     (cast_query=False), both saturating at +-448 (entries here reach +-1600, which a plain cast
@@ -105,7 +105,7 @@ def test_fused_fp8_kernel_casts_the_query_itself(n, lengths, splits):
     def run(cast_query):
         out, lse = prefix_decode_mgpu_row_layout(
             q, k, v, table, lens, words, union, query_rows=1, group=total, page_size=PAGE, scale=d ** -0.5,
-            num_splits=splits, window=n, heads_io=True, cast_query=cast_query, interpret=True)
+            num_splits=splits, window=n, heads_io=True, cast_query=cast_query, interpret=interpret)
         return np.asarray(out, np.float32), np.asarray(lse)
 
     (out_in, lse_in), (out_xla, lse_xla) = run(None), run(False)
@@ -134,7 +134,7 @@ def test_cast_query_refuses_all_but_fp8_pools_with_16_bit_queries():
     # Head layout, two 64-row warpgroups per CTA (B=64's form), 5 items over 2 CTAs, prefetched; P = 0.
     (32, [300, 5, 170, 64, 0], 1, "heads_persistent"),
 ])
-def test_unfused_fp8_kernel_casts_the_query_itself(monkeypatch, r, lengths, splits, layout):
+def test_unfused_fp8_kernel_casts_the_query_itself(monkeypatch, r, lengths, splits, layout, interpret):
     """Unfused over an FP8 pool the kernel stages the unquantised query tile and casts it
     (`cast_query`, the default there): the bits of the query XLA casts before it (cast_query=False),
     saturating at +-448 (entries here reach +-1600), in the row layout and in head layout under the
@@ -157,7 +157,7 @@ def test_unfused_fp8_kernel_casts_the_query_itself(monkeypatch, r, lengths, spli
 
     def run(cast_query):
         out, lse = prefix_decode_mgpu_row_layout(qin, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
-                                                 num_splits=splits, cast_query=cast_query, interpret=True, **kw)
+                                                 num_splits=splits, cast_query=cast_query, interpret=interpret, **kw)
         return np.asarray(out, np.float32), np.asarray(lse)
 
     (out_in, lse_in), (out_xla, lse_xla) = run(None), run(False)
@@ -167,18 +167,18 @@ def test_unfused_fp8_kernel_casts_the_query_itself(monkeypatch, r, lengths, spli
 
 
 @sweep
-def test_unfused_mosaic_prefix_pads_small_row_counts():
+def test_unfused_mosaic_prefix_pads_small_row_counts(backend):
     """Under 64 rows per KV head (R=8, G=2) the two-kernel Mosaic cascade pads q to one 64-row tile
     and the window kernel reads the same padded rows; it equals dense attention."""
     d = 64
     q, k, v, table, lens, mask = verify_case(np.random.default_rng(17), [129, 5], 8, 2, 2, d, PAGE, jnp.bfloat16)
-    cfg = CascadeConfig(page_size=PAGE, backend="interpret", prefix_kernel="mosaic_gpu", fuse_window=False)
+    cfg = CascadeConfig(page_size=PAGE, backend=backend, prefix_kernel="mosaic_gpu", fuse_window=False)
     out = verify_attention(q, k, v, table, lens, mask, config=cfg)
     dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=8, page_size=PAGE, scale=d ** -0.5)
     assert rel_err(out, dense) < 1e-2
 
 
-def test_fused_lanes_zero_unwritten_lane_slots(monkeypatch):
+def test_fused_lanes_zero_unwritten_lane_slots(monkeypatch, backend):
     """Draft lanes (K = 4, S = 5, at draft step 2: slots 12..15 of the 16-slot lane window not yet
     written and poisoned, as are written slots no lane sees): the fused kernel must zero those V
     rows before P V (a zero weight times NaN is NaN) and still equal dense attention. 16 heads per
@@ -197,7 +197,7 @@ def test_fused_lanes_zero_unwritten_lane_slots(monkeypatch):
     q = jnp.asarray(rng.standard_normal((b, kk, hkv * g, d)), jnp.bfloat16)
     mask = pack_mask_rows(jnp.asarray(bits))
     out = lane_attention(q, k, v, table, jnp.asarray(frontier), mask, steps=steps,
-                         config=CascadeConfig(page_size=PAGE, backend="interpret", prefix_kernel="mosaic_gpu"))
+                         config=CascadeConfig(page_size=PAGE, backend=backend, prefix_kernel="mosaic_gpu"))
     dense, _ = cascade_dense_reference(q, k, v, table, jnp.asarray(frontier), mask, window=w, page_size=PAGE,
                                        scale=d ** -0.5)
     assert rel_err(out, dense) < 1e-2
@@ -252,11 +252,10 @@ def test_fused_window_config_refusals():
     # unfused prefix would keep each warpgroup's own widened V (64-row heads: N=16, G=4), given a
     # 16-bit query; else the window kernel (N=64: the memory warpgroup widens V unfused).
     lanes = sd((1, 16, 32, 128), jnp.bfloat16)
-    assert fuses(cfg, True, True, fp8, lanes) == cascade_module.FUSE_FP8_UNDER_ONE_WAVE
+    assert fuses(cfg, True, True, fp8, lanes)
     assert cascade_module.widens_values_by_default(256, 128, 64) == pdm.MEMORY_WIDENS_BY_DEFAULT
     assert not cascade_module.widens_values_by_default(64, 128, 64)
-    assert fuses(cfg, True, True, fp8, one_wave) == (cascade_module.FUSE_FP8_UNDER_ONE_WAVE
-                                                     and not pdm.MEMORY_WIDENS_BY_DEFAULT)
+    assert fuses(cfg, True, True, fp8, one_wave) == (not pdm.MEMORY_WIDENS_BY_DEFAULT)
     assert not fuses(cfg, True, True, fp8, full)
     assert not fuses(cfg, True, True, fp8, sd((1, 64, 32, 128), jnp.float32))
     assert fuses(CascadeConfig(page_size=64, prefix_kernel="mosaic_gpu", fuse_window=True), True, True, fp8, full)

@@ -45,42 +45,6 @@ from treespec_jax.tree.masks import MAX_TREE_NODES
 
 
 PREFIX_KERNELS = ("auto", "triton", "mosaic_gpu")
-# Whether `CascadeConfig.fuse_window=None` fuses (see `fuses_window`): on the H200 the fused
-# cascade was faster than prefix + window kernel on three of the issue's four bf16 shapes in one
-# process and on all four in another (B=32, P=32768: 2.047 vs 2.083 ms; B=64, P=4096: 0.570 vs
-# 0.605; B=1: 0.077 vs 0.079; B=8, N=16: 0.096 vs 0.105; benchmarks/RESULTS.md, session 13).
-FUSE_WINDOW_BY_DEFAULT = True
-# FP8 pools fuse too (window steps widen K and score the unquantised query) when this is set, or,
-# with FUSE_FP8_UNDER_ONE_WAVE, where the prefix kernel's (request, KV head, row tile) programs do
-# not fill the SMs (so its keys are split): on the H200 the fused FP8 cascade was faster at B=1
-# (0.086 vs 0.096 ms) and B=8, N=16 (0.058 vs 0.072), both under one wave, but slower at B=32,
-# P=32768 (2.148 vs 2.063) and B=64, P=4096 (0.613 vs 0.606), one process (benchmarks/RESULTS.md,
-# session 13, call 4); in two more processes (session 15, call 6) B=1 fused 0.089 / 0.088 vs 0.095 /
-# 0.090, B=8 0.075 / 0.067 vs 0.071 / 0.070. Since the unfused prefix's memory warpgroup widens V
-# (`memory_widens_values`, session 17) the unfused cascade wins at B=1 too (0.0696 vs 0.0746 ms,
-# two interleaved rounds), so FP8 fuses under one wave only where that prefix would not widen V in
-# the memory warpgroup (64-row heads, whose key split keeps each warpgroup's own copy: B=8, N=16).
-FUSE_FP8_BY_DEFAULT = False
-FUSE_FP8_UNDER_ONE_WAVE = True
-# Whether an unfused cascade hands the prefix half's key-split partials to the window kernel
-# unmerged (each window program merges its rows' splits by lse2 as it starts: no merge kernel, no
-# merged partial written and read) instead of merging them first (`split_merge.merge_splits`).
-# On since session 23: on the H200 the unfused FP8 B=1, P=32768, N=64 cascade went from 63.6 to
-# 62.3 us per call (merge kernel 2.82 us gone, window kernel 4.77 -> 6.19 us; 2.8e-4 relative to
-# the merge-kernel form) and from 1.55x to 1.48x of its floor, and it won by 1.0-2.6 us at the other
-# unfused FP8 split shapes tried (B=1 N=32, B=2 and 4 N=64, B=1 P=4096; benchmarks/RESULTS.md, session 23).
-# Session 9 had timed an earlier window-kernel merge (manual partial loads, against the XLA merge)
-# 1.44x slower at B=1 bf16.
-WINDOW_MERGES_SPLITS = True
-# Whether an unfused cascade under the Mosaic prefix keeps the head layout end to end where it can
-# (`heads_io_errors` and `tree_window.heads_in_errors` empty, every row's prefix run to P, the key
-# splits handed to the window kernel): the prefix kernel reads q [B, R, Hq, D] itself and writes
-# its partial in head layout, the window kernel reads both and the mask rows itself, so no XLA
-# transpose of q (nor, under FP8, a transposed cast) runs before them. On the H200 (FP8, query-fed,
-# one process, session 28, benchmarks/RESULTS.md) B=64, P=4096, N=64 went from 518.2 to 500.0 us
-# per call (XLA's transpose and cast were 20.8 us) and B=1, P=32768 from 64.0 to 61.6; fed through
-# P instead, where XLA hoists that transpose out of the chain, 498.3 -> 500.9 and 63.1 -> 62.6.
-UNFUSED_HEADS_IO = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +61,8 @@ class CascadeConfig:
     # Native FP8 x FP8 score dot in the prefix half on GPU (else FP8 K is widened to bf16).
     fp8_score_dot: bool = False
     # Prefix-half kernel. "auto": "mosaic_gpu" wherever it runs compiled (a GPU, bf16/fp16 or FP8
-    # pools, page 64/128; on the H200 its cascade ran 1.06-1.23x (bf16) and
-    # 1.70-1.80x (FP8) faster, benchmarks/RESULTS.md), else "triton".
+    # pools, page 64/128, fewer than 64 rows per KV head padded to one tile, `uses_mosaic_prefix`;
+    # results: prefix-kernel, auto-pads-small-rows), else "triton".
     # "triton": Pallas Triton, every shape and dtype. "mosaic_gpu": wgmma/TMA over whole pages (the
     # window kernel then covers the partial last page), refused where it cannot run. See
     # prefix_decode_mgpu.
@@ -110,18 +74,15 @@ class CascadeConfig:
     # kernel skips the causal tail's pages (at most one under "mosaic_gpu", up to R / page under
     # "triton") for up to R - 1 more keys per row in the prefix kernel. Same result; the
     # "reference" backend, which defines it, ignores the flag. None: True under the Mosaic prefix,
-    # where the H200 measured it 0.3-23% faster on every shape of the issue (session 12,
-    # benchmarks/RESULTS.md), False under the Triton prefix (not timed with it).
+    # the faster there (results: prefix-covers-tail), False under the Triton prefix (not timed with it).
     prefix_covers_tail: bool | None = None
     # The dtype the prefix kernel writes its partial output in before the window kernel merges it:
     # "float32", or "bfloat16" for a bf16 query (refused otherwise). Without key splits that halves
     # the bytes written and read between the two kernels (split partials are merged to float32
-    # first) and rounds the normalised partial to bf16 once before the merge: on the H200 the
-    # output moved by 2.8e-3 relative, and the B=64, P=4096 cascade ran 3.6% (bf16) / 2.2% (FP8)
-    # faster, B=32 at P=32768 0.1-0.3% (session 12, benchmarks/RESULTS.md, the Mosaic prefix; the
-    # Triton prefix's bf16 partial is tested in the interpreter only). Opt-in, so the default
-    # output is not rounded once more. Verify and lanes (`cascade_attention`) only: the
-    # "reference" backend and `sliding_lane_attention` keep float32.
+    # first) and rounds the normalised partial to bf16 once before the merge (results:
+    # prefix-partial-dtype). Opt-in, so the default output is not rounded once more. Verify and
+    # lanes (`cascade_attention`) only: the "reference" backend and `sliding_lane_attention` keep
+    # float32.
     prefix_partial_dtype: str = "float32"
     # Fold the tree window into the Mosaic prefix kernel: every row reads
     # [0, P + window) there, the window keys under its mask bits, so no window kernel runs and no
@@ -130,18 +91,26 @@ class CascadeConfig:
     # 16-bit pools, unless `prefix_covers_tail=False` or a bf16 partial was asked for; FP8 pools
     # fuse only where the prefix kernel's programs leave SMs idle and the unfused prefix would not
     # widen V in its memory warpgroup (fused, their window steps score the unquantised query
-    # against K widened in shared memory; on the H200 that ran B=8 faster, but B=1 7% and B=64 14%
-    # slower than the unfused cascade (session 17), B=32 4% (session 13); `fuses_window`); True:
+    # against K widened in shared memory; `fuses_window`; results: fuse-window, fuse-fp8); True:
     # required (prefix_kernel="mosaic_gpu"); False: off.
     fuse_window: bool | None = None
     # Launch the Mosaic prefix kernel persistent: one CTA per SM looping over the work items
     # (split, request, KV head, row tile), so an item's epilogue overlaps the next item's first
     # page fetches. None: `prefix_decode_mgpu.runs_persistent` (where the items outnumber the SMs,
-    # on 16-bit pools and on FP8 ones whose V the memory warpgroup widens: on the H200 the bf16
-    # B=64, P=4096 cascade ran 0.3-3.5% faster, B=32 at P=32768 the same, the widened FP8 prefix
-    # 2.4-5% faster, and FP8 ones whose compute warpgroups widen V 3-6% slower); True needs
-    # prefix_kernel="mosaic_gpu"; False: one CTA per item.
+    # on 16-bit pools and on FP8 ones whose V the memory warpgroup widens; results:
+    # persistent-prefix); True needs prefix_kernel="mosaic_gpu"; False: one CTA per item.
     persistent_prefix: bool | None = None
+    # Whether an unfused cascade hands the prefix half's key-split partials to the window kernel
+    # unmerged (each window program merges its rows' splits by lse2 as it starts: no merge kernel,
+    # no merged partial written and read) instead of merging them first (`split_merge.merge_splits`).
+    # On: it won at every unfused split shape timed (results: window-merges-splits).
+    window_merges_splits: bool = True
+    # Whether an unfused cascade under the Mosaic prefix keeps the head layout end to end where it
+    # can (`unfused_heads_io`): the prefix kernel reads q [B, R, Hq, D] itself and writes its
+    # partial by head_io rows, the window kernel reads both and the mask rows itself, so no XLA
+    # transpose of q (nor, under FP8, a transposed cast) runs before them. Same bits as the row
+    # layout. On: results: unfused-heads-io.
+    unfused_heads_io: bool = True
 
     def __post_init__(self):
         if self.prefix_kernel not in PREFIX_KERNELS:
@@ -167,6 +136,9 @@ class CascadeConfig:
                               f"prefix_partial_dtype={self.prefix_partial_dtype!r} does not apply")
         errors += optional_flag_errors(self, "persistent_prefix") or mosaic_only_errors(
             self, "persistent_prefix", "a launch of the Mosaic prefix kernel")
+        for name in ("window_merges_splits", "unfused_heads_io"):
+            if not isinstance(getattr(self, name), bool):
+                errors.append(f"CascadeConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -239,18 +211,19 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
                          page_size=config.page_size, scale=scale, num_splits=config.num_splits,
                          fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret", mosaic=mosaic,
                          prefix_covers_tail=tail, partial_dtype=config.prefix_partial_dtype, fuse_window=fuse,
-                         persistent=config.persistent_prefix, window_merges=WINDOW_MERGES_SPLITS,
-                         unfused_heads=mosaic and not fuse and unfused_heads_io(q.shape, k_pool.shape[1], tail,
-                                                                                WINDOW_MERGES_SPLITS))
+                         persistent=config.persistent_prefix, window_merges=config.window_merges_splits,
+                         unfused_heads=mosaic and not fuse and config.unfused_heads_io and unfused_heads_io(
+                             q.shape, k_pool.shape[1], tail, config.window_merges_splits))
 
 
 def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool, k_pool, q) -> bool:
     """Whether the window is folded into the Mosaic prefix kernel: an explicit setting wins; None
     fuses under the Mosaic prefix with the prefix covering every row's tail and the float32
     partial, on 16-bit pools, and on FP8 ones (given a 16-bit query, where the fused FP8 buffers
-    fit) under FUSE_FP8_BY_DEFAULT or, with FUSE_FP8_UNDER_ONE_WAVE, where the prefix programs do
-    not fill the SMs and the unfused prefix would not widen V in its memory warpgroup
-    (`widens_values_by_default`). `q [B, R, Hq, D]` (array or ShapeDtypeStruct)."""
+    fit) where the prefix programs do not fill the SMs and the unfused prefix would not widen V in
+    its memory warpgroup (`widens_values_by_default`): fused FP8 won under one wave only, and lost
+    to the widened unfused prefix there too (results: fuse-window, fuse-fp8).
+    `q [B, R, Hq, D]` (array or ShapeDtypeStruct)."""
     if config.fuse_window is None:
         itemsize = jnp.dtype(k_pool.dtype).itemsize
         pool_ok = itemsize == 2
@@ -259,11 +232,9 @@ def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool
             group = hq // k_pool.shape[1]
             fits = fused_fp8_fits(fused_rows(r, group), d, config.page_size)
             unfused_widens = widens_values_by_default(mosaic_rows(r * group), d, config.page_size)
-            pool_ok = fits and (FUSE_FP8_BY_DEFAULT or (
-                FUSE_FP8_UNDER_ONE_WAVE and not unfused_widens
-                and prefix_programs(q.shape, k_pool.shape[1], itemsize) < num_sms()))
-        return (mosaic and covers_tail_resolved and pool_ok and config.prefix_partial_dtype == "float32"
-                and FUSE_WINDOW_BY_DEFAULT)
+            pool_ok = fits and (not unfused_widens
+                                and prefix_programs(q.shape, k_pool.shape[1], itemsize) < num_sms())
+        return mosaic and covers_tail_resolved and pool_ok and config.prefix_partial_dtype == "float32"
     return config.fuse_window
 
 
@@ -288,21 +259,13 @@ def mosaic_rows(rows: int) -> int:
     return max(ROWS_PER_WG, padded_rows(rows))
 
 
-# Whether "auto" takes the Mosaic prefix for fewer than 64 real rows per KV head (padded to 64, as
-# "mosaic_gpu" always does). On: on the H200 (one process, session 13, benchmarks/RESULTS.md) the
-# padded Mosaic cascade beat the Triton one on 7 of 8 small-row shapes (R = 4 or 8, G = 4): bf16
-# B=32, P=8192 0.281 vs 0.286 ms (N=4), 0.285 vs 0.317 (N=8); B=1, P=32768, N=4 0.042 vs 0.077;
-# B=8, N=8 0.100 vs 0.109; FP8 0.190 vs 0.247, 0.189 vs 0.277, 0.060 vs 0.116 (B=8), and lost
-# FP8 B=1, N=4 (0.065 vs 0.057).
-AUTO_PADS_SMALL_ROWS = True
-
-
 def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> bool:
     """Whether the cascade's prefix half runs the Mosaic GPU kernel (`kind` from resolve_backend).
 
-    "auto" takes it only compiled on a GPU (the CPU interpreter path stays on the Triton kernel),
-    only where `mgpu_input_errors` finds nothing and (unless AUTO_PADS_SMALL_ROWS) for 64 rows
-    per KV head or more; an explicit "mosaic_gpu" pads fewer rows to 64 and raises the errors.
+    "auto" takes it only compiled on a GPU (the CPU interpreter path stays on the Triton kernel)
+    and only where `mgpu_input_errors` finds nothing; fewer than 64 rows per KV head are padded to
+    one 64-row tile, as under an explicit "mosaic_gpu", which raises the errors instead (the padded
+    Mosaic cascade beat the Triton one on 7 of 8 small-row shapes; results: auto-pads-small-rows).
     """
     if config.prefix_kernel == "triton" or kind == "reference":
         return False
@@ -313,9 +276,7 @@ def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> b
     if config.prefix_kernel == "mosaic_gpu":
         check_mgpu_inputs(rows, k_pool, v_pool, config.page_size)
         return True
-    small = padded_rows(real) < ROWS_PER_WG
-    return (kind == "compiled" and (AUTO_PADS_SMALL_ROWS or not small)
-            and not mgpu_input_errors(rows, k_pool, v_pool, config.page_size))
+    return kind == "compiled" and not mgpu_input_errors(rows, k_pool, v_pool, config.page_size)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "num_splits", "fp8_score_dot",
@@ -356,7 +317,7 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
     # every row's bound is P (`prefix_covers_tail`), and the window kernel then takes no causal tail.
     prefix_rows = dict(query_rows=1, group=r * group) if prefix_covers_tail else dict(query_rows=r, group=group)
     # Key-split partials are merged before the window kernel (`split_merge.merge_splits`), or with
-    # `window_merges` by the window kernel itself (WINDOW_MERGES_SPLITS).
+    # `window_merges` by the window kernel itself (CascadeConfig.window_merges_splits).
     if mosaic:
         prefix_out, prefix_lse2 = prefix_decode_mgpu_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, **prefix_rows, page_size=page_size,
@@ -376,13 +337,14 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
 
 
 def unfused_heads_io(q_shape, kv_heads: int, covers_tail_resolved: bool, window_merges: bool) -> bool:
-    """Whether an unfused Mosaic cascade runs in head layout (UNFUSED_HEADS_IO): both kernels can
-    (`heads_io_errors`, `heads_in_errors` at the window kernel's row tiles), every row's prefix
-    runs to P and key splits go to the window kernel unmerged. `q_shape` `[B, R, Hq, D]`."""
+    """Whether an unfused Mosaic cascade can run in head layout (CascadeConfig.unfused_heads_io asks
+    for it): both kernels can (`heads_io_errors`, `heads_in_errors` at the window kernel's row
+    tiles), every row's prefix runs to P and key splits go to the window kernel unmerged.
+    `q_shape` `[B, R, Hq, D]`."""
     b, r, hq, d = q_shape
     group = hq // kv_heads
     # heads_in_errors holds the prefix kernel's heads_io_errors (both are head_io_rows_errors).
-    return (UNFUSED_HEADS_IO and covers_tail_resolved and window_merges
+    return (covers_tail_resolved and window_merges
             and not heads_in_errors(r, group, window_block_rows(r * group, d, b * kv_heads)))
 
 
