@@ -3,8 +3,14 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_suite.py --quick --out $OUT 2>&1 | tee $OUT/suite.log
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_suite.py --owed --out $OUT   # what is still owed
 
-Runs each benchmark module's `main(argv)` in turn (cascade, mla, gdn, mamba2, mosaic, launches); a failure in one
-is reported and the others still run. On the device machine the working tree is a copy, so with
+The conformance of the compiled kernels is the pytest `gpu` tier (`tests`, first): tests/gpu/ at
+serving widths and every kernel test's compiled case, each against its fp32 reference; alone:
+
+    python -m pytest -m "gpu and not sweep"      # (-m gpu: the sweep tier's compiled cases too)
+
+Then each benchmark module's `main(argv)` in turn (cascade, mla, gdn, mamba2, mosaic, launches; their
+own conformance passes are kept: each gates its timings); a failure in one is reported and the
+others still run. On the device machine the working tree is a copy, so with
 `--out DIR` every module that writes a dated markdown section writes it to DIR/<module>.md instead
 of appending to that copy's benchmarks/RESULTS.md (bring the files back and append them here).
 This driver prints a one-line status per module last.
@@ -21,8 +27,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# name -> (module, quick-mode flags, flags that send its markdown section to a file)
+def run_gpu_tests(argv) -> int:
+    """The pytest gpu tier in a child process (its conftest sets JAX up before the first array)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.call([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *argv], cwd=root)
+
+
+# name -> (module or callable taking argv, quick-mode flags, flags that send its markdown section to a file)
 SUITES = {
+    "tests": (run_gpu_tests, ["-m", "gpu and not sweep"], lambda md: ["--junitxml", str(Path(md).with_suffix(".xml"))]),
     "cascade": ("benchmarks.bench_cascade", ["--quick"], lambda md: ["--markdown", md, "--no-results"]),
     "mla": ("benchmarks.bench_mla", [], lambda md: ["--markdown", md]),
     "gdn": ("benchmarks.bench_gdn", ["--quick", "--no-fla"], lambda md: ["--markdown", md, "--no-results"]),
@@ -42,11 +57,11 @@ SUITES = {
     "ptxas": ("benchmarks.ptxas_report", ["--mla-only"], lambda md: ["--ptx-dir", str(Path(md).parent / "ptx")]),
 }
 # Flags a module gets in the full (not --quick) run beyond its defaults.
-FULL_ARGS = {"mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
+FULL_ARGS = {"tests": ["-m", "gpu"], "mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
              "launches": ["--launches", "--shapes", "64x4096x64,32x32768x64"]}
 
-# What is still owed (`--owed`), suite name -> that module's arguments. A session that builds what it
-# cannot run lists the runs here (session 29 paid session 28's: benchmarks/RESULTS.md).
+# What is still owed (`--owed`), suite name -> that module's arguments: whoever builds what they
+# cannot run lists the runs here (benchmarks/RESULTS.md records each payment).
 OWED: dict[str, list[str]] = {}
 
 
@@ -72,7 +87,7 @@ def main(argv=None) -> int:
         argv = mode_args + (markdown_args(str(Path(a.out) / f"{name}.md")) if a.out else [])
         t0 = time.perf_counter()
         try:
-            code = importlib.import_module(module).main(argv)
+            code = module(argv) if callable(module) else importlib.import_module(module).main(argv)
             ok = code in (None, 0) or isinstance(code, dict)
             status[name] = f"{'ok' if ok else f'FAILED (exit {code})'} in {time.perf_counter() - t0:.0f} s"
         except Exception:  # keep going: one broken module must not hide the others' numbers

@@ -72,7 +72,7 @@ def numpy_compaction(pool: np.ndarray, table: np.ndarray, start: np.ndarray, pat
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
-def test_compact_window_rows_moves_every_buffer(dtype):
+def test_compact_window_rows_moves_every_buffer(dtype, backend):
     rng = np.random.default_rng(11 if dtype == "bfloat16" else 12)
     groups = make_groups(dtype)
     router = CompactionRouter(groups)
@@ -86,7 +86,7 @@ def test_compact_window_rows_moves_every_buffer(dtype):
                      random_path(rng, N, "random")])
     before = {k: as_bytes(v) for k, v in pools.items()}
 
-    fn = jax.jit(lambda p, t, s, pa: compact_window_rows(router, p, t, s, pa, backend="interpret"),
+    fn = jax.jit(lambda p, t, s, pa: compact_window_rows(router, p, t, s, pa, backend=backend),
                  donate_argnums=0)
     out = fn(pools, {k: jnp.asarray(v) for k, v in tables.items()},
              {k: jnp.asarray(v) for k, v in starts.items()}, jnp.asarray(path))
@@ -111,7 +111,7 @@ def test_compact_window_rows_moves_every_buffer(dtype):
                 np.testing.assert_array_equal(lat_after[dst, :LORA * item], lat_before[src, :LORA * item])
 
 
-def test_compaction_shared_window_start_and_donation():
+def test_compaction_shared_window_start_and_donation(backend):
     """One window start for every group; the jitted step aliases every pool (updated in place)."""
     rng = np.random.default_rng(5)
     groups = make_groups("bfloat16")
@@ -122,7 +122,7 @@ def test_compaction_shared_window_start_and_donation():
     start = np.array([0, 17, 30], np.int32)
     path = np.stack([random_path(rng, N, "random") for _ in range(B)])
     before = {k: as_bytes(v) for k, v in pools.items()}
-    fn = jax.jit(lambda p, t, s, pa: compact_window_rows(router, p, t, s, pa, backend="interpret"),
+    fn = jax.jit(lambda p, t, s, pa: compact_window_rows(router, p, t, s, pa, backend=backend),
                  donate_argnums=0)
     hlo = fn.lower(pools, tables, jnp.asarray(start), jnp.asarray(path)).compile().as_text()
     aliased = re.search(r"input_output_alias=\{([^}]*\}[^}]*)*\}", hlo).group(0)

@@ -64,7 +64,7 @@ CASES = [(1, 40, 4, 16, True, True), (6, 24, 4, 8, False, True), (8, 32, 2, None
 
 
 @pytest.mark.parametrize("T,D,W,block_d,silu,with_bias", CASES)
-def test_tree_conv_windows_and_rows_match_per_path(T, D, W, block_d, silu, with_bias):
+def test_tree_conv_windows_and_rows_match_per_path(T, D, W, block_d, silu, with_bias, backend):
     rng = np.random.default_rng(2000 + T)
     nb = 3
     inp = conv_inputs(rng, nb, T, D, W, with_bias)
@@ -72,7 +72,7 @@ def test_tree_conv_windows_and_rows_match_per_path(T, D, W, block_d, silu, with_
     slots = np.array([4, -1, 0], np.int32)
     inp["conv_pool"][1:4] = np.nan  # slots no live request owns: never read
     rows0 = jnp.full((nb, T, W - 1, D), jnp.nan, jnp.float32)
-    y, rows = run(inp, slots, parents, silu=silu, node_states=rows0, block_d=block_d, backend="interpret")
+    y, rows = run(inp, slots, parents, silu=silu, node_states=rows0, block_d=block_d, backend=backend)
     y_ref, rows_ref = np_conv(inp, slots, parents, silu)
     live = np.array([0, 2])
     assert rel_err(np.asarray(y)[live], y_ref[live]) < 1e-6
@@ -82,21 +82,21 @@ def test_tree_conv_windows_and_rows_match_per_path(T, D, W, block_d, silu, with_
     assert np.all(np.asarray(y[1]) == 0.0)
 
 
-def test_chain_as_parents_equals_chain_kernel():
+def test_chain_as_parents_equals_chain_kernel(backend):
     rng = np.random.default_rng(21)
     nb, T, D, W = 2, 14, 24, 4
     inp = conv_inputs(rng, nb, T, D, W)
     slots = np.array([1, 3], np.int32)
     chain = np.asarray(chain_parents(nb, T))
-    y_tree, r_tree = run(inp, slots, chain, silu=True, node_states=jnp.zeros((nb, T, W - 1, D)), backend="interpret")
-    y_chain, r_chain = run(inp, slots, None, silu=True, node_states=jnp.zeros((nb, T, W - 1, D)), backend="interpret")
+    y_tree, r_tree = run(inp, slots, chain, silu=True, node_states=jnp.zeros((nb, T, W - 1, D)), backend=backend)
+    y_chain, r_chain = run(inp, slots, None, silu=True, node_states=jnp.zeros((nb, T, W - 1, D)), backend=backend)
     np.testing.assert_array_equal(np.asarray(y_tree), np.asarray(y_chain))
     np.testing.assert_array_equal(np.asarray(r_tree), np.asarray(r_chain))
     assert rel_err(y_chain, np_conv(inp, slots, chain, True)[0]) < 1e-6
 
 
 @pytest.mark.parametrize("walk", ["precomputed", "parents"])
-def test_malformed_parents_stay_in_bounds(walk):
+def test_malformed_parents_stay_in_bounds(walk, backend):
     """A self-loop or forward parent pointer ends that path; other nodes stay exact."""
     rng = np.random.default_rng(25)
     nb, T, D, W = 2, 8, 16, 4
@@ -106,7 +106,7 @@ def test_malformed_parents_stay_in_bounds(walk):
     parents[0, 5] = 5
     parents[1, 3] = 50  # far past the window
     slots = np.array([0, 1], np.int32)
-    y, _ = run(inp, slots, parents, walk=walk, backend="interpret")
+    y, _ = run(inp, slots, parents, walk=walk, backend=backend)
     y_ref, _ = np_conv(inp, slots, good, False)
     assert np.isfinite(np.asarray(y)).all()
     assert rel_err(np.asarray(y)[0, :5], y_ref[0, :5]) < 1e-6
@@ -136,7 +136,7 @@ def test_lag_sources_match_numpy():
         conv_lag_sources(jnp.asarray(parents), 1)
 
 
-def test_shared_lag_table_equals_parent_walk():
+def test_shared_lag_table_equals_parent_walk(backend):
     """One precomputed table (as the layer glue shares it) == the in-kernel parent walk, bit for bit,
     padded request and node rows included; a wrong table gives wrong windows."""
     rng = np.random.default_rng(27)
@@ -149,7 +149,7 @@ def test_shared_lag_table_equals_parent_walk():
     outs = {}
     for name, kw in (("table", dict(lags=lags, walk="precomputed")), ("parents", dict(walk="parents"))):
         outs[name] = run(inp, slots, parents, silu=True, node_states=jnp.full((nb, T, W - 1, D), jnp.nan),
-                         backend="interpret", **kw)
+                         backend=backend, **kw)
     for a, b in zip(outs["table"], outs["parents"]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     y_ref, rows_ref = np_conv(inp, slots, parents, True)
@@ -157,7 +157,7 @@ def test_shared_lag_table_equals_parent_walk():
     assert rel_err(np.asarray(outs["table"][0])[live], y_ref[live]) < 1e-6
     assert np.isnan(np.asarray(outs["table"][1])[1]).all() and np.all(np.asarray(outs["table"][0])[1] == 0.0)
     y_bad, _ = run(inp, slots, parents, silu=True, lags=jnp.roll(lags, 1, axis=1), walk="precomputed",
-                   backend="interpret")
+                   backend=backend)
     assert rel_err(np.asarray(y_bad)[live], y_ref[live]) > 1e-2
 
 
@@ -194,13 +194,13 @@ def test_reference_matches_per_path():
     assert rel_err(y, y_ref) < 1e-6 and rel_err(rows, rows_ref) < 1e-6
 
 
-def test_without_node_states_only_outputs():
+def test_without_node_states_only_outputs(backend):
     rng = np.random.default_rng(23)
     nb, T, D, W = 2, 6, 16, 4
     inp = conv_inputs(rng, nb, T, D, W)
     parents = random_parents(rng, nb, T)
     slots = np.array([0, 1], np.int32)
-    y, rows = run(inp, slots, parents, backend="interpret")
+    y, rows = run(inp, slots, parents, backend=backend)
     assert rows is None
     assert rel_err(y, np_conv(inp, slots, parents, False)[0]) < 1e-6
 

@@ -43,7 +43,7 @@ def _check_pool(new_pool, x, path, accept, ref_states):
 
 
 @pytest.mark.parametrize("t, shape", [(16, "tree"), (33, "tree"), (8, "chain")])
-def test_replay_and_staged_commits_equal_last_accepted_state(t, shape):
+def test_replay_and_staged_commits_equal_last_accepted_state(t, shape, backend):
     rng = np.random.default_rng(300 + t)
     x = random_inputs(rng, B, t)
     parents = random_tree(rng, B, t) if shape == "tree" else None
@@ -56,9 +56,9 @@ def test_replay_and_staged_commits_equal_last_accepted_state(t, shape):
     # T=16 takes the chunked form (payload from the chunked kernel), the others the recurrent one.
     replay_cfg = GdnLayerConfig(H, HV, DK, DV, mode="replay_ssm", chunked_tree_verify=t == 16)
     ver = gdn_verify(replay_cfg, *args, node_states=_nan_states(t),
-                     payload=jnp.full((B, t, WIDTH), jnp.nan, jnp.float32), tree=tree, backend="interpret")
+                     payload=jnp.full((B, t, WIDTH), jnp.nan, jnp.float32), tree=tree, backend=backend)
     pool_replay, packed = gdn_commit_replay(replay_cfg, args[7], args[8], ver.payload, jnp.asarray(path),
-                                            jnp.asarray(accept), args[5], args[6], backend="interpret")
+                                            jnp.asarray(accept), args[5], args[6], backend=backend)
     _check_pool(pool_replay, x, path, accept, ref_states)
     # The packed window front holds the path's rows in depth order.
     rows = np.asarray(pack_payload(*args[1:5]))
@@ -66,7 +66,7 @@ def test_replay_and_staged_commits_equal_last_accepted_state(t, shape):
         np.testing.assert_array_equal(np.asarray(packed)[b, : accept[b]], rows[b, path[b, : accept[b]]])
 
     staged_cfg = GdnLayerConfig(H, HV, DK, DV, mode="staged")
-    st = gdn_verify(staged_cfg, *args, node_states=_nan_states(t), tree=tree, backend="interpret")
+    st = gdn_verify(staged_cfg, *args, node_states=_nan_states(t), tree=tree, backend=backend)
     pool_staged = gdn_commit_staged(args[7], args[8], st.node_states, jnp.asarray(path), jnp.asarray(accept))
     _check_pool(pool_staged, x, path, accept, ref_states)
     assert rel_err(pool_staged, pool_replay) < TOL

@@ -69,7 +69,7 @@ def _check_replay_workspace(ws, parents, ref_states, staged_states):
 # vm = value-major state tiles in registers.
 @pytest.mark.parametrize("t, l2, vm", [(1, True, False), (6, False, True), (14, True, False),
                                        (33, False, True), (64, True, False)])
-def test_recurrent_tree_staged_and_replay(t, l2, vm):
+def test_recurrent_tree_staged_and_replay(t, l2, vm, backend):
     rng = np.random.default_rng(100 + t)
     x = random_inputs(rng, B, t)
     parents = random_tree(rng, B, t)
@@ -79,14 +79,14 @@ def test_recurrent_tree_staged_and_replay(t, l2, vm):
 
     staged = gdn_tree_verify(*args, jnp.asarray(parents), _nan_states(t), store="every_node",
                              use_qk_l2norm=l2, config=GdnKernelConfig(value_major=vm),
-                             backend="interpret")
+                             backend=backend)
     assert rel_err(staged.out, ref_out) < TOL
     assert rel_err(staged.node_states, ref_states) < TOL  # every scratch row written (NaN fails)
 
     # ReplaySSM here runs with dv split into two tiles of 8 columns (one program each).
     replay = gdn_tree_verify(*args, jnp.asarray(parents), _nan_states(t), store="branch_points",
                              payload=_nan_payload(t), use_qk_l2norm=l2,
-                             config=GdnKernelConfig(block_v=8, value_major=vm), backend="interpret")
+                             config=GdnKernelConfig(block_v=8, value_major=vm), backend=backend)
     assert rel_err(replay.out, ref_out) < TOL
     assert rel_err(replay.out, staged.out) < 1e-6
     # The committed pool is only read.
@@ -99,7 +99,7 @@ def test_recurrent_tree_staged_and_replay(t, l2, vm):
     np.testing.assert_array_equal(np.asarray(replay.payload), np.asarray(pack_payload(*args[1:5])))
 
 
-def test_replay_workspace_of_a_forest_and_the_reference_rows():
+def test_replay_workspace_of_a_forest_and_the_reference_rows(backend):
     """ReplaySSM on nested branch points and a forest writes exactly the branch-point rows, and the
     reference writes the same rows."""
     t = 14
@@ -112,8 +112,8 @@ def test_replay_workspace_of_a_forest_and_the_reference_rows():
     ref_out, ref_states = per_path_numpy(x, parents, use_qk_l2norm=True)
     args = _args(x)
     p = jnp.asarray(parents)
-    staged = gdn_tree_verify(*args, p, _nan_states(t), store="every_node", backend="interpret")
-    res = gdn_tree_verify(*args, p, _nan_states(t), store="branch_points", backend="interpret")
+    staged = gdn_tree_verify(*args, p, _nan_states(t), store="every_node", backend=backend)
+    res = gdn_tree_verify(*args, p, _nan_states(t), store="branch_points", backend=backend)
     assert rel_err(res.out, ref_out) < TOL
     branch = _check_replay_workspace(np.asarray(res.node_states), parents, ref_states, staged.node_states)
     assert branch.sum() == 5
@@ -121,21 +121,21 @@ def test_replay_workspace_of_a_forest_and_the_reference_rows():
     np.testing.assert_array_equal(np.isnan(np.asarray(ref.node_states)).any(axis=(2, 3, 4)), ~branch)
 
 
-def test_chain_as_parents_equals_chain_kernel():
+def test_chain_as_parents_equals_chain_kernel(backend):
     t = 16
     rng = np.random.default_rng(7)
     x = random_inputs(rng, B, t)
     args = _args(x)
     ref_out, ref_states = per_path_numpy(x, chain(B, t), use_qk_l2norm=True)
     as_tree = gdn_tree_verify(*args, jnp.asarray(chain(B, t)), _nan_states(t), store="every_node",
-                              backend="interpret")
-    as_chain = gdn_tree_verify(*args, None, _nan_states(t), store="every_node", backend="interpret")
+                              backend=backend)
+    as_chain = gdn_tree_verify(*args, None, _nan_states(t), store="every_node", backend=backend)
     np.testing.assert_array_equal(np.asarray(as_tree.out), np.asarray(as_chain.out))
     np.testing.assert_array_equal(np.asarray(as_tree.node_states), np.asarray(as_chain.node_states))
     assert rel_err(as_chain.out, ref_out) < TOL
     assert rel_err(as_chain.node_states, ref_states) < TOL
     # A chain under ReplaySSM stores no state at all.
-    replay = gdn_tree_verify(*args, None, _nan_states(t), store="branch_points", backend="interpret")
+    replay = gdn_tree_verify(*args, None, _nan_states(t), store="branch_points", backend=backend)
     assert np.isnan(np.asarray(replay.node_states)).all()
     np.testing.assert_array_equal(np.asarray(replay.out), np.asarray(as_chain.out))
 
@@ -160,7 +160,7 @@ def _form(form):
                                                        (14, False, "tree", "two_pass"), (16, True, "tree", "two_pass"),
                                                        (8, False, "chain", "keys"), (14, True, "tree", "keys")],
                                                       default=(1, 5, 7)))
-def test_chunked_matches_recurrent(t, l2, shape, form):
+def test_chunked_matches_recurrent(t, l2, shape, form, backend):
     """The fused kernel and the two-pass forms (factors Q', P per value head, then Q' h0 + P v; or P
     and decay, then decay q h0 + P (v - decay k h0))."""
     rng = np.random.default_rng(200 + t)
@@ -170,10 +170,10 @@ def test_chunked_matches_recurrent(t, l2, shape, form):
     args = _args(x)
     pool_before = _bits(x["state_pool"]).copy()
     out, payload = gdn_chunked_verify(*args, ancestor_mask(jnp.asarray(parents)), _nan_payload(t),
-                                      use_qk_l2norm=l2, **_form(form), backend="interpret")
+                                      use_qk_l2norm=l2, **_form(form), backend=backend)
     assert rel_err(out, ref_out) < TOL
     recurrent = gdn_tree_verify(*args, jnp.asarray(parents), _nan_states(t), store="every_node",
-                                use_qk_l2norm=l2, backend="interpret")
+                                use_qk_l2norm=l2, backend=backend)
     assert rel_err(out, recurrent.out) < TOL
     np.testing.assert_array_equal(np.asarray(payload), np.asarray(pack_payload(*args[1:5])))
     np.testing.assert_array_equal(_bits(args[7]), pool_before)
@@ -182,7 +182,7 @@ def test_chunked_matches_recurrent(t, l2, shape, form):
 @pytest.mark.parametrize("t, l2, form", cases([(17, False, "fused"), (33, True, "fused"), (64, True, "fused"),
                                                (33, False, "two_pass"), (64, True, "two_pass"), (33, True, "keys"),
                                                (64, False, "keys")], default=(1, 4, 6)))
-def test_chunked_up_to_64_nodes(t, l2, form):
+def test_chunked_up_to_64_nodes(t, l2, form, backend):
     """Trees of 17..64 nodes pad to 32 or 64 rows; from 33 nodes on, ancestor bits of columns 32..63
     come from mask word 1. Request 0 is a random tree (half the nodes extend i - 1, so deep paths
     cross column 32), request 1 the chain (every bit of both words set below the diagonal)."""
@@ -194,7 +194,7 @@ def test_chunked_up_to_64_nodes(t, l2, form):
     args = _args(x)
     pool_before = _bits(x["state_pool"]).copy()
     out, payload = gdn_chunked_verify(*args, ancestor_mask(jnp.asarray(parents)), _nan_payload(t),
-                                      use_qk_l2norm=l2, **_form(form), backend="interpret")
+                                      use_qk_l2norm=l2, **_form(form), backend=backend)
     for req, shape in enumerate(("tree", "chain")):
         assert rel_err(np.asarray(out)[req], ref_out[req]) < TOL, shape
     np.testing.assert_array_equal(np.asarray(payload), np.asarray(pack_payload(*args[1:5])))
@@ -203,7 +203,7 @@ def test_chunked_up_to_64_nodes(t, l2, form):
 
 @pytest.mark.parametrize("t, l2, form", cases([(14, True, "fused+grams"), (33, False, "two_pass+grams"),
                                                (64, True, "keys+grams")], default=(0, 1)))
-def test_input_dtype_grams_match_the_reference(t, l2, form):
+def test_input_dtype_grams_match_the_reference(t, l2, form, backend):
     """`input_dtype_grams`: with bf16 inputs, q k^T and k k^T from the rows as loaded (exact products)
     and the row factors applied afterwards give the per-path reference's outputs (to the bf16 output
     rounding) and the fp32-row form's; fp32 q and k are refused by name."""
@@ -215,9 +215,9 @@ def test_input_dtype_grams_match_the_reference(t, l2, form):
     ref_out, _ = per_path_numpy(x16, parents, use_qk_l2norm=l2)
     mask = ancestor_mask(jnp.asarray(parents))
     payload = jnp.full((B, t, GdnPayloadLayout(H, HV, DK, DV).width), jnp.nan, jnp.bfloat16)
-    out, pay = gdn_chunked_verify(*args, mask, payload, use_qk_l2norm=l2, **_form(form), backend="interpret")
+    out, pay = gdn_chunked_verify(*args, mask, payload, use_qk_l2norm=l2, **_form(form), backend=backend)
     plain, _ = gdn_chunked_verify(*args, mask, payload, use_qk_l2norm=l2, **_form(form.partition("+")[0]),
-                                  backend="interpret")
+                                  backend=backend)
     assert rel_err(out, ref_out) < 1e-2 and rel_err(out, plain) < 1e-2
     # input_dtype_grams=None (the default) is on for bf16 q and k: it traces to the grams form's
     # program (bf16 outputs can round both forms alike, so the program tells them apart).
@@ -225,17 +225,17 @@ def test_input_dtype_grams_match_the_reference(t, l2, form):
 
     def program(**kw):
         return str(jax.make_jaxpr(lambda *a: gdn_chunked_verify(*a, mask, payload, use_qk_l2norm=l2, **kw,
-                                                                 backend="interpret"))(*args))
+                                                                 backend=backend))(*args))
     with_grams = program(**_form(form))
     assert program(**default_kw) == with_grams != program(**_form(form.partition("+")[0]))
     np.testing.assert_array_equal(np.asarray(pay.astype(jnp.float32)),
                                   np.asarray(pack_payload(*args[1:5]).astype(jnp.float32)))
     with pytest.raises(ValueError, match="input_dtype_grams=True needs q and k of one 16-bit float dtype.*float32"):
-        gdn_chunked_verify(*_args(x), mask, _nan_payload(t), input_dtype_grams=True, backend="interpret")
+        gdn_chunked_verify(*_args(x), mask, _nan_payload(t), input_dtype_grams=True, backend=backend)
 
 
 @pytest.mark.parametrize("form", cases(["fused", "two_pass", "keys"], default=(1,)))
-def test_chunked_forms_over_several_dv_tiles_and_a_group_of_three(form):
+def test_chunked_forms_over_several_dv_tiles_and_a_group_of_three(form, backend):
     """dv = 64 split into 16- and 32-column tiles, three value heads per key head: every form equals the
     chunked reference and writes the payload bits (the module's small dims have one dv tile)."""
     from pallas_kernels.linear.gdn_tree import GdnKernelConfig as Launch
@@ -257,7 +257,7 @@ def test_chunked_forms_over_several_dv_tiles_and_a_group_of_three(form):
     for block_v in (16, 32):
         out, payload = gdn_chunked_verify(q, k, v, a, b_, a_log, dt_bias, pool, slots, mask,
                                           jnp.full((bsz, t, width), jnp.nan, f32), config=Launch(block_v=block_v),
-                                          **_form(form), backend="interpret")
+                                          **_form(form), backend=backend)
         assert rel_err(out, ref) < TOL, block_v
         np.testing.assert_array_equal(np.asarray(payload), np.asarray(pack_payload(k, v, a, b_)))
 
@@ -297,7 +297,7 @@ def test_block_inversion_equals_the_inverse(rows):
 
 @pytest.mark.parametrize("t, form", cases([(16, "fused"), (32, "fused"), (64, "fused"), (64, "two_pass"), (64, "keys")],
                                           default=(2, 3, 4)))
-def test_chunked_is_stable_on_deep_chains_of_correlated_keys(t, form):
+def test_chunked_is_stable_on_deep_chains_of_correlated_keys(t, form, backend):
     """Keys sharing one direction, beta near 1 and no decay make (I + M)^-1 ill-suited to a
     power series: the sum of (-M)^j has entries near 1e16 at j = 32 that must cancel. The inverse
     must come out as accurate as a substitution would give (fp64 per-path reference)."""
@@ -310,11 +310,11 @@ def test_chunked_is_stable_on_deep_chains_of_correlated_keys(t, form):
     parents = chain(B, t)
     ref_out, _ = per_path_numpy(x, parents, use_qk_l2norm=True)
     out, _ = gdn_chunked_verify(*_args(x), ancestor_mask(jnp.asarray(parents)), _nan_payload(t),
-                                **_form(form), backend="interpret")
+                                **_form(form), backend=backend)
     assert rel_err(out, ref_out) < TOL
 
 
-def test_layer_routes_by_explicit_bounds_knobs_and_dtype():
+def test_layer_routes_by_explicit_bounds_knobs_and_dtype(backend):
     """Explicit chunked_min/max_nodes bounds (up to MAX_CHUNKED_NODES) replace the default route and
     its padded-rows minima; the two-pass and keys knobs reach the kernel; on a small grid the default
     keeps a 33-node fp32 tree recurrent and sends the bf16 one to the two-pass keys form with
@@ -350,7 +350,7 @@ def test_layer_routes_by_explicit_bounds_knobs_and_dtype():
     raised = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64)
     assert raised.chunked_route(B, jnp.float32) == (12, 64, {})
     chunked = gdn_verify(raised, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
-                         backend="interpret")
+                         backend=backend)
     assert rel_err(chunked.out, ref_out) < TOL
     assert np.isnan(np.asarray(chunked.node_states)).all()  # the chunked form keeps no node states
     np.testing.assert_array_equal(np.asarray(chunked.payload), np.asarray(pack_payload(*_args(x)[1:5])))
@@ -361,9 +361,9 @@ def test_layer_routes_by_explicit_bounds_knobs_and_dtype():
     for keys in (False, True, None):
         cfg = GdnLayerConfig(H, HV, DK, DV, chunked_max_nodes=64, chunked_two_pass=True, chunked_apply_reads_keys=keys)
         layer = gdn_verify(cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
-                           backend="interpret")
+                           backend=backend)
         direct[keys], _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=True,
-                                             apply_reads_keys=keys, backend="interpret")
+                                             apply_reads_keys=keys, backend=backend)
         np.testing.assert_array_equal(np.asarray(layer.out), np.asarray(direct[keys]))
         assert rel_err(layer.out, ref_out) < TOL, keys
     assert not np.array_equal(np.asarray(direct[True]), np.asarray(direct[False]))
@@ -382,16 +382,16 @@ def test_layer_routes_by_explicit_bounds_knobs_and_dtype():
         with pytest.raises(ValueError, match="chunked_input_dtype_grams=True needs q and k of one 16-bit float "
                                              "dtype; got q float32, k float32"):
             gdn_verify(grams_cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
-                       backend="interpret")
+                       backend=backend)
     with pytest.raises(ValueError, match="chunked_input_dtype_grams='on' must be None, True or False"):
         GdnLayerConfig(H, HV, DK, DV, chunked_input_dtype_grams="on")
     with pytest.raises(ValueError, match="apply_reads_keys=True is a two-pass form"):
         gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=False, apply_reads_keys=True,
-                           backend="interpret")
+                           backend=backend)
     # By default (a small grid, fp32 q and k: two-pass from 48 nodes at 64 rows) the same tree runs
     # the recurrent kernel, which stores exactly its branch points.
     recurrent = gdn_verify(GdnLayerConfig(H, HV, DK, DV), *_args(x), node_states=_nan_states(t),
-                           payload=_nan_payload(t), tree=tree, backend="interpret")
+                           payload=_nan_payload(t), tree=tree, backend=backend)
     assert rel_err(recurrent.out, ref_out) < TOL
     rows = branch_rows(parents)
     ws = np.asarray(recurrent.node_states)
@@ -400,9 +400,9 @@ def test_layer_routes_by_explicit_bounds_knobs_and_dtype():
     bf16 = jnp.bfloat16
     args16 = [a.astype(bf16) if i < 5 else a for i, a in enumerate(_args(x))]
     default16 = gdn_verify(GdnLayerConfig(H, HV, DK, DV), *args16, node_states=_nan_states(t),
-                           payload=_nan_payload(t, bf16), tree=tree, backend="interpret")
+                           payload=_nan_payload(t, bf16), tree=tree, backend=backend)
     direct16, _ = gdn_chunked_verify(*args16, tree.ancestor_mask, _nan_payload(t, bf16), two_pass=True,
-                                     apply_reads_keys=True, input_dtype_grams=True, backend="interpret")
+                                     apply_reads_keys=True, input_dtype_grams=True, backend=backend)
     np.testing.assert_array_equal(np.asarray(default16.out), np.asarray(direct16))
     assert np.isnan(np.asarray(default16.node_states)).all() and rel_err(default16.out, ref_out) < 2e-2
     # q bf16 with k fp32: no input-dtype grams by default (the fp32 route), refused when forced.
@@ -411,10 +411,10 @@ def test_layer_routes_by_explicit_bounds_knobs_and_dtype():
     assert GdnLayerConfig(H, HV, DK, DV).chunked_route(B, bf16, jnp.float32) == (12, 64, {32: 33, 64: 48})
     with pytest.raises(ValueError, match="got q bfloat16, k float32"):
         gdn_verify(GdnLayerConfig(H, HV, DK, DV, chunked_input_dtype_grams=True), *mixed, node_states=_nan_states(t),
-                   payload=_nan_payload(t), tree=tree, backend="interpret")
+                   payload=_nan_payload(t), tree=tree, backend=backend)
 
 
-def test_default_runs_two_pass_past_16_rows_on_every_grid(monkeypatch):
+def test_default_runs_two_pass_past_16_rows_on_every_grid(monkeypatch, backend):
     """With bf16 q and k a 30-node tree (32 padded rows) goes to the chunked form on both grids, and
     past 16 rows the kernel's default is the two-pass form with input-dtype grams on every grid (the
     output is two_pass=True's, bit for bit). With fp32 q and k the small grid keeps it recurrent (no
@@ -427,7 +427,7 @@ def test_default_runs_two_pass_past_16_rows_on_every_grid(monkeypatch):
     args16 = [a.astype(bf16) if i < 5 else a for i, a in enumerate(_args(x))]
     default = GdnLayerConfig(H, HV, DK, DV)
     two, _ = gdn_chunked_verify(*args16, tree.ancestor_mask, _nan_payload(t, bf16), two_pass=True,
-                                input_dtype_grams=True, backend="interpret")
+                                input_dtype_grams=True, backend=backend)
     assert default.chunked_route(B, jnp.float32) == (12, 64, {32: 33, 64: 48})
     assert default.chunked_route(B, bf16) == (8, 64, {32: 17, 64: 33})
     for grid in ("small", "large"):
@@ -437,7 +437,7 @@ def test_default_runs_two_pass_past_16_rows_on_every_grid(monkeypatch):
             assert default.chunked_route(B, bf16) == (8, 64, {32: 17, 64: 33})
         def layer(*a):
             return gdn_verify(default, *a, node_states=_nan_states(t), payload=_nan_payload(t, bf16), tree=tree,
-                              backend="interpret")
+                              backend=backend)
         res = layer(*args16)
         assert np.isnan(np.asarray(res.node_states)).all(), grid  # chunked: no node states
         # bf16 outputs can round the fused and two-pass forms alike: the program names the kernels.
@@ -448,7 +448,7 @@ def test_default_runs_two_pass_past_16_rows_on_every_grid(monkeypatch):
 
 @pytest.mark.parametrize("t, want_chunked", cases([(12, True), (16, True), (8, False), (17, False), (55, False),
                                                    (60, True)], default=(3, 5)))
-def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked):
+def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked, backend):
     """Under ReplaySSM a chain (tree=None) runs the two-pass chunked form with a chain's ancestor mask
     (bit for bit, no workspace row written, payload as read) over `chain_chunked_ranges`: with fp32
     q and k (this test's) 12..16 nodes, and 56..64 where the apply-reads-keys variant runs at 64 rows,
@@ -475,7 +475,7 @@ def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked):
 
         def layer(cfg, *a):
             return gdn_verify(cfg, *a, node_states=_nan_states(t), payload=_nan_payload(t, bf16), tree=None,
-                              backend="interpret")
+                              backend=backend)
         res16 = layer(default, *args16)
         assert _kernel_names(functools.partial(layer, default), *args16) == {"gdn_chunked_verify"}
         # chunked_apply_reads_keys=True applies where two-pass runs: the fused form stays.
@@ -487,7 +487,7 @@ def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked):
         assert _kernel_names(functools.partial(layer, forced), *args16) == {"gdn_chunked_factor",
                                                                              "gdn_chunked_apply"}
         fused16, _ = gdn_chunked_verify(*args16, chain_mask, _nan_payload(t, bf16), two_pass=False,
-                                        input_dtype_grams=True, backend="interpret")
+                                        input_dtype_grams=True, backend=backend)
         np.testing.assert_array_equal(np.asarray(res16.out), np.asarray(fused16))
         assert np.isnan(np.asarray(res16.node_states)).all() and rel_err(res16.out, ref_out) < 1e-2
     monkeypatch.setattr(gdn_chunked_module, "TWO_PASS_MIN_PROGRAMS", B * HV)
@@ -509,13 +509,13 @@ def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked):
         grams_off = GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=cfg_keys, chunked_input_dtype_grams=False)
         assert grams_off.chain_chunked_ranges(B, bf16) == cfg.chain_chunked_ranges(B, f32), cfg_keys
     res = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=None,
-                     backend="interpret")
+                     backend=backend)
     assert rel_err(res.out, ref_out) < TOL
     np.testing.assert_array_equal(np.asarray(res.payload), np.asarray(pack_payload(*_args(x)[1:5])))
     assert np.isnan(np.asarray(res.node_states)).all()  # neither form writes workspace rows for a chain
-    two, _ = gdn_chunked_verify(*_args(x), chain_mask, _nan_payload(t), two_pass=True, backend="interpret")
+    two, _ = gdn_chunked_verify(*_args(x), chain_mask, _nan_payload(t), two_pass=True, backend=backend)
     recurrent = gdn_verify(GdnLayerConfig(H, HV, DK, DV, chunked_chain_verify=False), *_args(x),
-                           node_states=_nan_states(t), payload=_nan_payload(t), tree=None, backend="interpret")
+                           node_states=_nan_states(t), payload=_nan_payload(t), tree=None, backend=backend)
     assert not np.array_equal(np.asarray(two), np.asarray(recurrent.out))  # the two routes are told apart
     np.testing.assert_array_equal(np.asarray(res.out), np.asarray(two if want_chunked else recurrent.out))
 
@@ -529,7 +529,7 @@ def test_chunked_reference_states_match_per_path():
     assert rel_err(states, ref_states) < TOL
 
 
-def test_layer_verify_dispatch_and_modes_agree():
+def test_layer_verify_dispatch_and_modes_agree(backend):
     """With chunked_tree_verify (the default), gdn_verify picks the chunked form for ReplaySSM trees
     in the layer's chunked route: on large grids 8..64 nodes with padded-rows minima by the two-pass
     variant that runs and whether the grams come from 16-bit rows; on small grids 8..16 (fused) with
@@ -633,18 +633,18 @@ def test_layer_verify_dispatch_and_modes_agree():
     staged_cfg = GdnLayerConfig(H, HV, DK, DV, mode="staged")
     tree = GdnTree.from_ancestor_mask(mask)
     replay = gdn_verify(replay_cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t),
-                        tree=tree, backend="interpret")
+                        tree=tree, backend=backend)
     staged = gdn_verify(staged_cfg, *_args(x), node_states=_nan_states(t), tree=tree,
-                        backend="interpret")
+                        backend=backend)
     assert rel_err(replay.out, ref_out) < TOL
     assert rel_err(staged.out, replay.out) < TOL
     assert np.isnan(np.asarray(replay.node_states)).all()  # the chunked form keeps no node states
     # On this small grid the default form is the fused kernel, bit for bit.
-    fused, _ = gdn_chunked_verify(*_args(x), mask, _nan_payload(t), two_pass=False, backend="interpret")
+    fused, _ = gdn_chunked_verify(*_args(x), mask, _nan_payload(t), two_pass=False, backend=backend)
     np.testing.assert_array_equal(np.asarray(replay.out), np.asarray(fused))
 
 
-def test_layer_glue_shares_the_step_branch_points():
+def test_layer_glue_shares_the_step_branch_points(backend):
     """`GdnTree` computes the branch points once per step and every layer's verify stores exactly
     the rows that vector names (an all-true vector stores every row)."""
     t = 14
@@ -654,7 +654,7 @@ def test_layer_glue_shares_the_step_branch_points():
     for tr, rows in ((tree, branch_rows(parents)), (tree._replace(branch=jnp.ones((B, t), bool)),
                                                    np.ones((B, t), bool))):
         res = gdn_verify(cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tr,
-                         backend="interpret")
+                         backend=backend)
         assert rel_err(res.out, ref_out) < TOL
         ws = np.asarray(res.node_states)
         assert np.isnan(ws[~rows]).all() and rel_err(ws[rows], ref_states[rows]) < TOL
@@ -667,7 +667,7 @@ def test_parents_from_ancestor_mask_64_nodes():
     np.testing.assert_array_equal(np.asarray(got), parents)
 
 
-def test_bf16_inputs():
+def test_bf16_inputs(backend):
     t = 6
     rng = np.random.default_rng(9)
     x = random_inputs(rng, B, t, dtype=jnp.bfloat16)
@@ -675,7 +675,7 @@ def test_bf16_inputs():
     ref_out, _ = per_path_numpy({n: np.asarray(v, np.float32) for n, v in x.items()} | {
         "state_slots": x["state_slots"]}, parents, use_qk_l2norm=True)
     res = gdn_tree_verify(*_args(x), jnp.asarray(parents), _nan_states(t), store="branch_points",
-                          payload=_nan_payload(t, jnp.bfloat16), backend="interpret")
+                          payload=_nan_payload(t, jnp.bfloat16), backend=backend)
     assert res.out.dtype == jnp.bfloat16
     assert rel_err(np.asarray(res.out, np.float32), ref_out) < 1e-2
 

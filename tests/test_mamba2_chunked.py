@@ -26,20 +26,20 @@ def chunked(inp, slots, parents, **kw):
     (1, 16, 1, True, True), (6, 16, 2, True, False), (16, 32, 2, True, True), (33, 16, 4, True, True),
     (64, 16, 1, True, False), (14, 16, 2, False, True),
 ])
-def test_chunked_matches_per_path_recurrence(T, P, G, tree, with_z):
+def test_chunked_matches_per_path_recurrence(T, P, G, tree, with_z, backend):
     rng = np.random.default_rng(T * 7 + P + G)
     nb = 3
     inp = mamba2_inputs(rng, nb, T, P, G, with_z=with_z)
     slots = np.array([2, -1, 4], np.int32)  # request 1 is padded
     parents = random_parents(rng, nb, T) if tree else None
-    y, side = chunked(inp, slots, parents, backend="interpret")
+    y, side = chunked(inp, slots, parents, backend=backend)
     assert side is None
     ref, _ = np_mamba2(inp, slots, np.asarray(chain_parents(nb, T)) if parents is None else parents)
     assert rel_err(y, ref) < 1e-4
     assert not np.asarray(y)[1].any()  # the padded request's outputs are zero
 
 
-def test_chunked_replay_payload_and_shared_mask():
+def test_chunked_replay_payload_and_shared_mask(backend):
     """Replay mode writes each live request's [B | x | dt] rows and leaves a padded request's rows
     (NaN-poisoned) alone; a mask passed in (as attention builds it) gives the same outputs; the
     outputs equal the recurrent kernel's."""
@@ -51,18 +51,18 @@ def test_chunked_replay_payload_and_shared_mask():
     lay = Mamba2PayloadLayout(G, N, H, P)
     payload = jnp.full((nb, T, lay.width), jnp.nan, jnp.float32)
     y, side = chunked(inp, slots, parents, mode="replay", payload=payload,
-                      mask=ancestor_mask(jnp.asarray(parents)), backend="interpret")
+                      mask=ancestor_mask(jnp.asarray(parents)), backend=backend)
     a = _j(inp)
     want = np.asarray(lay.pack(a["B"], a["x"], a["dt"]))
     got = np.asarray(side)
     np.testing.assert_array_equal(got[:2], want[:2])
     assert np.isnan(got[2]).all()
     y_rec, _ = mamba2_tree_scan(a["x"], a["dt"], a["A_log"], a["B"], a["C"], a["D"], a["dt_bias"], a["state_pool"],
-                                jnp.asarray(slots), jnp.asarray(parents), z=a["z"], backend="interpret")
+                                jnp.asarray(slots), jnp.asarray(parents), z=a["z"], backend=backend)
     assert rel_err(y, np.asarray(y_rec, np.float64)) < 1e-4
 
 
-def test_chunked_bf16_inputs():
+def test_chunked_bf16_inputs(backend):
     rng = np.random.default_rng(8)
     nb, T, P, G = 2, 16, 32, 2
     inp = mamba2_inputs(rng, nb, T, P, G)
@@ -71,7 +71,7 @@ def test_chunked_bf16_inputs():
     ref, _ = np_mamba2({k: None if v is None else np.asarray(jnp.asarray(v, jnp.bfloat16), np.float32)
                         for k, v in inp.items()}, slots, parents)
     bf = {k: None if v is None else jnp.asarray(v, jnp.bfloat16) for k, v in inp.items()}
-    y, _ = chunked(bf, slots, parents, backend="interpret")
+    y, _ = chunked(bf, slots, parents, backend=backend)
     assert y.dtype == jnp.bfloat16
     assert rel_err(np.asarray(y, np.float32), ref) < 2e-2
 

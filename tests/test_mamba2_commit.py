@@ -34,7 +34,7 @@ def random_accepted_paths(rng, parents):
 
 
 @pytest.mark.parametrize("T", [16, 64])
-def test_replay_commit_equals_state_at_last_accepted_node(T):
+def test_replay_commit_equals_state_at_last_accepted_node(T, backend):
     rng = np.random.default_rng(3000 + T)
     nb, P, G = 3, 8, 2
     inp = mamba2_inputs(rng, nb, T, P, G)
@@ -43,13 +43,13 @@ def test_replay_commit_equals_state_at_last_accepted_node(T):
     layout = Mamba2PayloadLayout(G, N, H, P)
     pool_before = np.array(inp["state_pool"])
     _, payload = scan(inp, slots, parents, mode="replay", payload=jnp.full((nb, T, layout.width), jnp.nan),
-                      backend="interpret")
+                      backend=backend)
     np.testing.assert_array_equal(np.asarray(inp["state_pool"]), pool_before)  # verify never writes the pool
     path, accept_len = random_accepted_paths(rng, parents)
-    packed = pack_path_rows(payload, jnp.asarray(path), jnp.asarray(accept_len), backend="interpret")
+    packed = pack_path_rows(payload, jnp.asarray(path), jnp.asarray(accept_len), backend=backend)
     a = _j(inp)
     new_pool = np.asarray(mamba2_replay_commit(packed, jnp.asarray(accept_len), a["state_pool"], jnp.asarray(slots),
-                                               a["A_log"], a["dt_bias"], ngroups=G, dstate=N, backend="interpret"))
+                                               a["A_log"], a["dt_bias"], ngroups=G, dstate=N, backend=backend))
     _, states = np_mamba2(inp, slots, parents)
     for b in (0, 2):
         last = path[b, accept_len[b] - 1]
@@ -58,7 +58,7 @@ def test_replay_commit_equals_state_at_last_accepted_node(T):
     np.testing.assert_array_equal(new_pool[untouched], pool_before[untouched])
 
 
-def test_replay_commit_reference_and_accept_len_past_window():
+def test_replay_commit_reference_and_accept_len_past_window(backend):
     rng = np.random.default_rng(31)
     nb, T, P, G = 2, 6, 8, 1
     inp = mamba2_inputs(rng, nb, T, P, G)
@@ -68,22 +68,22 @@ def test_replay_commit_reference_and_accept_len_past_window():
     payload = layout.pack(a["B"], a["x"], a["dt"])  # a chain window: already packed
     accept_len = jnp.asarray([T + 3, 2], jnp.int32)  # more than T replays T rows
     args = (payload, accept_len, a["state_pool"], jnp.asarray(slots), a["A_log"], a["dt_bias"])
-    got = mamba2_replay_commit(*args, ngroups=G, dstate=N, backend="interpret")
+    got = mamba2_replay_commit(*args, ngroups=G, dstate=N, backend=backend)
     ref = mamba2_replay_commit(*args, ngroups=G, dstate=N, backend="reference")
     _, states = np_mamba2(inp, slots, np.tile(np.arange(T, dtype=np.int32) - 1, (nb, 1)))
     assert rel_err(got[1], states[0, T - 1]) < 2e-5 and rel_err(got[2], states[1, 1]) < 2e-5
     assert rel_err(ref, np.asarray(got)) < 2e-6
     with pytest.raises(ValueError, match=r"payload must be \[B, T, 52\]"):
-        mamba2_replay_commit(payload[..., :-1], *args[1:], ngroups=G, dstate=N, backend="interpret")
+        mamba2_replay_commit(payload[..., :-1], *args[1:], ngroups=G, dstate=N, backend=backend)
 
 
-def test_pack_path_rows_moves_path_to_front():
+def test_pack_path_rows_moves_path_to_front(backend):
     rng = np.random.default_rng(32)
     nb, T = 3, 8
     parents = random_parents(rng, nb, T)
     path, accept_len = random_accepted_paths(rng, parents)
     buf = rng.standard_normal((nb, T, 5)).astype(np.float32)
-    got = np.asarray(pack_path_rows(jnp.asarray(buf), jnp.asarray(path), jnp.asarray(accept_len), backend="interpret"))
+    got = np.asarray(pack_path_rows(jnp.asarray(buf), jnp.asarray(path), jnp.asarray(accept_len), backend=backend))
     for b in range(nb):
         n = accept_len[b]
         np.testing.assert_array_equal(got[b, :n], buf[b, path[b, :n]])
@@ -124,7 +124,7 @@ def _layer_inputs(rng, nb, T):
 
 
 @pytest.mark.parametrize("tree", [True, False])
-def test_layer_glue_staged_and_replay_agree_with_per_path(tree):
+def test_layer_glue_staged_and_replay_agree_with_per_path(tree, backend):
     rng = np.random.default_rng(34 + tree)
     nb, T = 2, 8
     weights, pools, xbc, dt, z = _layer_inputs(rng, nb, T)
@@ -135,7 +135,7 @@ def test_layer_glue_staged_and_replay_agree_with_per_path(tree):
     for replay in (True, False):
         # The recurrent form under both modes: bitwise-equal outputs (the chunked form rounds differently).
         layer = Mamba2Layer("layers.0", DIMS, Mamba2CommitConfig(mode="replay_ssm" if replay else "staged",
-                                                                 backend="interpret", verify_form="recurrent"))
+                                                                 backend=backend, verify_form="recurrent"))
         scratch = new_verify_scratch(DIMS, layer.cfg, nb, T, act_dtype=jnp.float32)
         scratch = jax.tree.map(lambda s: jnp.full_like(s, jnp.nan), scratch)
         res = layer.verify(weights, pools, slots, xbc, dt, jnp.asarray(parents) if tree else None, scratch, z)
@@ -148,7 +148,7 @@ def test_layer_glue_staged_and_replay_agree_with_per_path(tree):
     assert Mamba2CommitConfig().form_for(T) == "chunked"
     assert Mamba2CommitConfig(mode="staged").form_for(T) == "recurrent"
     assert Mamba2CommitConfig().form_for(65) == "recurrent"
-    layer = Mamba2Layer("layers.0", DIMS, Mamba2CommitConfig(backend="interpret"))
+    layer = Mamba2Layer("layers.0", DIMS, Mamba2CommitConfig(backend=backend))
     scratch = jax.tree.map(lambda s: jnp.full_like(s, jnp.nan), new_verify_scratch(DIMS, layer.cfg, nb, T,
                                                                                     act_dtype=jnp.float32))
     res = layer.verify(weights, pools, slots, xbc, dt, jnp.asarray(parents) if tree else None, scratch, z)

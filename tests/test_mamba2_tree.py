@@ -88,20 +88,20 @@ CASES = [(1, 8, None, 1, False), (6, 16, 8, 2, True), (8, 8, None, 1, True), (14
 
 
 @pytest.mark.parametrize("T,P,block_p,G,with_z", CASES)
-def test_staged_tree_scan_matches_per_path_recurrence(T, P, block_p, G, with_z):
+def test_staged_tree_scan_matches_per_path_recurrence(T, P, block_p, G, with_z, backend):
     rng = np.random.default_rng(1000 + T)
     nb = 2
     inp = mamba2_inputs(rng, nb, T, P, G, with_z)
     parents = random_parents(rng, nb, T)
     slots = np.array([3, 1], np.int32)
     scratch = jnp.full((nb, T, H, P, N), jnp.nan, jnp.float32)
-    y, states = scan(inp, slots, parents, mode="staged", scratch=scratch, block_p=block_p, backend="interpret")
+    y, states = scan(inp, slots, parents, mode="staged", scratch=scratch, block_p=block_p, backend=backend)
     y_ref, st_ref = np_mamba2(inp, slots, parents)
     assert rel_err(y, y_ref) < 2e-5
     assert rel_err(states, st_ref) < 2e-5
 
 
-def test_padded_request_reads_and_writes_nothing():
+def test_padded_request_reads_and_writes_nothing(backend):
     rng = np.random.default_rng(7)
     nb, T, P = 2, 6, 8
     inp = mamba2_inputs(rng, nb, T, P, 2)
@@ -109,54 +109,54 @@ def test_padded_request_reads_and_writes_nothing():
     slots = np.array([-1, 2], np.int32)
     inp["state_pool"][0] = np.nan  # a padded request must not read any slot (slot 0 included)
     scratch = jnp.full((nb, T, H, P, N), jnp.nan, jnp.float32)
-    y, states = scan(inp, slots, parents, mode="staged", scratch=scratch, backend="interpret")
+    y, states = scan(inp, slots, parents, mode="staged", scratch=scratch, backend=backend)
     y_ref, st_ref = np_mamba2(inp, slots, parents)
     assert np.all(np.asarray(y[0]) == 0.0)
     assert np.isnan(np.asarray(states[0])).all(), "padded request's scratch rows were written"
     assert rel_err(y[1], y_ref[1]) < 2e-5 and rel_err(states[1], st_ref[1]) < 2e-5
 
 
-def test_forest_roots_read_committed_state():
+def test_forest_roots_read_committed_state(backend):
     rng = np.random.default_rng(8)
     nb, T, P = 2, 14, 8
     inp = mamba2_inputs(rng, nb, T, P, 1)
     parents = random_parents(rng, nb, T, forest=True)
     assert (parents[:, 1:] == -1).any()
     slots = np.array([4, 0], np.int32)
-    y, _ = scan(inp, slots, parents, backend="interpret")
+    y, _ = scan(inp, slots, parents, backend=backend)
     assert rel_err(y, np_mamba2(inp, slots, parents)[0]) < 2e-5
 
 
-def test_chain_as_parents_equals_chain_kernel():
+def test_chain_as_parents_equals_chain_kernel(backend):
     rng = np.random.default_rng(9)
     nb, T, P = 2, 14, 16
     inp = mamba2_inputs(rng, nb, T, P, 2)
     slots = np.array([0, 3], np.int32)
     y_tree, s_tree = scan(inp, slots, np.asarray(chain_parents(nb, T)), mode="staged",
-                          scratch=jnp.full((nb, T, H, P, N), jnp.nan), backend="interpret")
+                          scratch=jnp.full((nb, T, H, P, N), jnp.nan), backend=backend)
     y_chain, s_chain = scan(inp, slots, None, mode="staged", scratch=jnp.full((nb, T, H, P, N), jnp.nan),
-                            backend="interpret")
+                            backend=backend)
     # Same arithmetic in the same order: a chain never takes the branch path.
     np.testing.assert_array_equal(np.asarray(y_tree), np.asarray(y_chain))
     np.testing.assert_array_equal(np.asarray(s_tree), np.asarray(s_chain))
     assert rel_err(y_chain, np_mamba2(inp, slots, np.asarray(chain_parents(nb, T)))[0]) < 2e-5
 
 
-def test_unrolled_node_loop_matches_rolled():
+def test_unrolled_node_loop_matches_rolled(backend):
     rng = np.random.default_rng(15)
     nb, T, P = 2, 10, 8
     inp = mamba2_inputs(rng, nb, T, P, 2)
     parents = random_parents(rng, nb, T)
     slots = np.array([2, -1], np.int32)
-    y, st = scan(inp, slots, parents, mode="staged", scratch=jnp.full((nb, T, H, P, N), jnp.nan), backend="interpret")
+    y, st = scan(inp, slots, parents, mode="staged", scratch=jnp.full((nb, T, H, P, N), jnp.nan), backend=backend)
     yu, stu = scan(inp, slots, parents, mode="staged", scratch=jnp.full((nb, T, H, P, N), jnp.nan), unroll=True,
-                   backend="interpret")
+                   backend=backend)
     assert rel_err(yu, np.asarray(y, np.float64)) < 1e-6
     assert rel_err(stu[0], np.asarray(st[0], np.float64)) < 1e-6
     assert np.isnan(np.asarray(stu[1])).all()
 
 
-def test_replay_mode_same_outputs_and_payload_rows():
+def test_replay_mode_same_outputs_and_payload_rows(backend):
     rng = np.random.default_rng(10)
     nb, T, P, G = 2, 16, 8, 2
     inp = mamba2_inputs(rng, nb, T, P, G)
@@ -164,9 +164,9 @@ def test_replay_mode_same_outputs_and_payload_rows():
     slots = np.array([2, -1], np.int32)
     layout = Mamba2PayloadLayout(G, N, H, P)
     y_staged, _ = scan(inp, slots, parents, mode="staged", scratch=jnp.full((nb, T, H, P, N), jnp.nan),
-                       backend="interpret")
+                       backend=backend)
     y_replay, payload = scan(inp, slots, parents, mode="replay",
-                             payload=jnp.full((nb, T, layout.width), jnp.nan), backend="interpret")
+                             payload=jnp.full((nb, T, layout.width), jnp.nan), backend=backend)
     np.testing.assert_array_equal(np.asarray(y_replay), np.asarray(y_staged))
     a = _j(inp)
     want = np.asarray(layout.pack(a["B"], a["x"], a["dt"]))
@@ -186,7 +186,7 @@ def test_reference_matches_per_path_recurrence(T, G):
     assert rel_err(y, y_ref) < 1e-5 and rel_err(states[0], st_ref[0]) < 1e-5
 
 
-def test_bf16_inputs_within_tolerance():
+def test_bf16_inputs_within_tolerance(backend):
     rng = np.random.default_rng(12)
     nb, T, P = 2, 8, 16
     inp = mamba2_inputs(rng, nb, T, P, 2)
@@ -195,7 +195,7 @@ def test_bf16_inputs_within_tolerance():
     bf = {k: (None if v is None else jnp.asarray(v, jnp.bfloat16)) for k, v in inp.items()}
     bf["state_pool"] = jnp.asarray(inp["state_pool"])  # fp32 pool, bf16 activations
     as_np = {k: (None if v is None else np.asarray(jnp.asarray(v, jnp.float32))) for k, v in bf.items()}
-    y, _ = scan(bf, slots, parents, backend="interpret")
+    y, _ = scan(bf, slots, parents, backend=backend)
     assert y.dtype == jnp.bfloat16
     assert rel_err(np.asarray(y.astype(jnp.float32)), np_mamba2(as_np, slots, parents)[0]) < 1e-2
 
@@ -255,7 +255,7 @@ def _walk_trees(rng, T=16):
 
 
 @pytest.mark.parametrize("walk", ["precomputed", "parents"])
-def test_walks_match_per_path(walk):
+def test_walks_match_per_path(walk, backend):
     """Both walks: y and staged states equal the per-path recurrence; ReplaySSM y is bitwise the
     staged y; payload rows exact; padded rows and the pool untouched."""
     from pallas_kernels.linear.mamba2_tree import mamba2_scan_plan
@@ -267,7 +267,7 @@ def test_walks_match_per_path(walk):
     slots = np.array([3, 0, -1], np.int32)
     plan = mamba2_scan_plan(jnp.asarray(parents))
     pool_before = inp["state_pool"].copy()
-    kw = dict(walk=walk, backend="interpret")
+    kw = dict(walk=walk, backend=backend)
     y, states = scan(inp, slots, parents, mode="staged", scratch=jnp.full((nb, T, H, P, N), jnp.nan), plan=plan, **kw)
     layout = Mamba2PayloadLayout(G, N, H, P)
     y_r, payload = scan(inp, slots, parents, mode="replay", payload=jnp.full((nb, T, layout.width), jnp.nan), **kw)
@@ -283,7 +283,7 @@ def test_walks_match_per_path(walk):
     np.testing.assert_array_equal(inp["state_pool"], pool_before)
 
 
-def test_precomputed_walk_really_reads_the_plan():
+def test_precomputed_walk_really_reads_the_plan(backend):
     """A plan of another tree gives wrong branches under walk="precomputed" (so the ancestor list
     is what the replay follows), while the parent walk ignores the plan."""
     from pallas_kernels.linear.mamba2_tree import mamba2_scan_plan
@@ -294,13 +294,13 @@ def test_precomputed_walk_really_reads_the_plan():
     parents, slots = NESTED[None], np.array([1], np.int32)
     y_ref = np_mamba2(inp, slots, parents)[0]
     other = mamba2_scan_plan(jnp.asarray(random_parents(rng, nb, T)))
-    y_bad, _ = scan(inp, slots, parents, walk="precomputed", plan=other, backend="interpret")
+    y_bad, _ = scan(inp, slots, parents, walk="precomputed", plan=other, backend=backend)
     assert rel_err(y_bad, y_ref) > 1e-2
-    y_par, _ = scan(inp, slots, parents, walk="parents", plan=other, backend="interpret")
+    y_par, _ = scan(inp, slots, parents, walk="parents", plan=other, backend=backend)
     assert rel_err(y_par, y_ref) < 2e-5
 
 
-def test_malformed_parents_terminate_in_every_walk():
+def test_malformed_parents_terminate_in_every_walk(backend):
     """A self-loop or out-of-range parent must not hang or read out of bounds; earlier nodes exact."""
     rng = np.random.default_rng(44)
     nb, T, P = 2, 8, 8
@@ -312,13 +312,13 @@ def test_malformed_parents_terminate_in_every_walk():
     slots = np.array([0, 1], np.int32)
     y_ref, _ = np_mamba2(inp, slots, good)
     for walk in ("precomputed", "parents"):
-        y, _ = scan(inp, slots, parents, walk=walk, backend="interpret")
+        y, _ = scan(inp, slots, parents, walk=walk, backend=backend)
         assert np.isfinite(np.asarray(y)).all()
         assert rel_err(np.asarray(y)[0, :5], y_ref[0, :5]) < 2e-5
         assert rel_err(np.asarray(y)[1, :4], y_ref[1, :4]) < 2e-5
 
 
-def test_layer_shares_one_step_plan():
+def test_layer_shares_one_step_plan(backend):
     """Two layers of a step reuse one plan: same y as each building its own, either walk."""
     import jax
     from test_mamba2_commit import DIMS, _layer_inputs
@@ -330,7 +330,7 @@ def test_layer_shares_one_step_plan():
     weights, pools, xbc, dt, z = _layer_inputs(rng, nb, T)
     parents = jnp.asarray(random_parents(rng, nb, T))
     slots = jnp.asarray([1, 3], jnp.int32)
-    layers = [Mamba2Layer(f"layers.{i}", DIMS, Mamba2CommitConfig(backend="interpret", walk=w,
+    layers = [Mamba2Layer(f"layers.{i}", DIMS, Mamba2CommitConfig(backend=backend, walk=w,
                                                                     verify_form="recurrent"))
               for i, w in enumerate(("precomputed", "parents"))]
     plan = layers[0].step_plan(parents)

@@ -76,7 +76,7 @@ def numpy_decode(q, pool, table, plen, scale):
     (jnp.bfloat16, MlaDecodeConfig(block_q=16, block_k=16, num_splits=2, prefetch_page_ids=True)),
     (FP8, MlaDecodeConfig(block_q=32, block_k=16, num_splits=1, fp8_score_dot=True, prefetch_page_ids=True)),
 ])
-def test_mla_decode_matches_reference(dtype, config):
+def test_mla_decode_matches_reference(dtype, config, backend):
     rng = np.random.default_rng(3)
     b, r, maxp = 4, 4, 4
     plen = np.array([0, 2, 37, 64], np.int32)  # P = 0, P < R, ragged, a full table
@@ -85,7 +85,7 @@ def test_mla_decode_matches_reference(dtype, config):
     pool = make_pool(rng, table, readable, dtype, (b * maxp + 2) * PAGE)
     q = jnp.asarray(rng.standard_normal((b, r, H, LORA + ROPE))).astype(jnp.bfloat16)
     out, lse = mla_decode(q, pool, jnp.asarray(table), jnp.asarray(plen), kv_lora_rank=LORA, page_size=PAGE,
-                          scale=SCALE, backend="interpret", config=config, poison_outputs=True)
+                          scale=SCALE, backend=backend, config=config, poison_outputs=True)
     ref_out, ref_lse = mla_decode_reference(q, pool, jnp.asarray(table), jnp.asarray(plen), kv_lora_rank=LORA,
                                             page_size=PAGE, scale=SCALE)
     assert out.shape == (b, r, H, LORA) and lse.shape == (b, r, H) and out.dtype == jnp.float32
@@ -97,7 +97,7 @@ def test_mla_decode_matches_reference(dtype, config):
     np.testing.assert_array_equal(np.asarray(out)[empty], 0.0)
 
 
-def test_mla_decode_without_rope_channels():
+def test_mla_decode_without_rope_channels(backend):
     """rope_dim = 0 (kv_lora_rank = every channel), fp32 cache: the rope term drops out."""
     rng = np.random.default_rng(13)
     b, r, maxp = 2, 2, 2
@@ -110,7 +110,7 @@ def test_mla_decode_without_rope_channels():
     pool = jnp.asarray(pool)
     q = jnp.asarray(rng.standard_normal((b, r, H, LORA)), jnp.float32)
     args = (q, pool, jnp.asarray(table), jnp.asarray(plen))
-    out, lse = mla_decode(*args, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE, backend="interpret",
+    out, lse = mla_decode(*args, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE, backend=backend,
                           poison_outputs=True)
     ref_out, ref_lse = mla_decode_reference(*args, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE)
     assert rel_err(out, ref_out) < 1e-5
@@ -158,7 +158,7 @@ def dense_mla(q, pool, table, plen, mask, window):
 
 
 @pytest.mark.parametrize("dtype,covers_tail", [(jnp.bfloat16, False), (FP8, False), (jnp.bfloat16, True)])
-def test_mla_cascade_verify_matches_dense(dtype, covers_tail):
+def test_mla_cascade_verify_matches_dense(dtype, covers_tail, backend):
     rng = np.random.default_rng(5 if dtype == jnp.bfloat16 else 6)
     b, n, maxp = 3, 8, 4
     plen = np.array([0, 3, 45], np.int32)  # P = 0, P < N, a window crossing a page
@@ -167,7 +167,7 @@ def test_mla_cascade_verify_matches_dense(dtype, covers_tail):
     pool = make_pool(rng, table, readable, dtype, (b * maxp + 1) * PAGE)
     q = jnp.asarray(rng.standard_normal((b, n, H, LORA + ROPE))).astype(jnp.bfloat16)
     mask = random_tree_masks(rng, b, n)
-    config = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
+    config = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend=backend,
                               decode=MlaDecodeConfig(block_q=32, block_k=16, num_splits=2),
                               prefix_covers_tail=covers_tail)
     out = mla_verify_attention(q, pool, jnp.asarray(table), jnp.asarray(plen), mask, config=config)
@@ -182,7 +182,7 @@ def test_mla_cascade_verify_matches_dense(dtype, covers_tail):
         np.testing.assert_array_equal(np.asarray(out8.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
 
 
-def test_mla_cascade_lanes_match_dense():
+def test_mla_cascade_lanes_match_dense(backend):
     """Draft lanes mid-round: K = 2 lanes at step 1 over a 6-key lane window whose last 2 slots are
     not written yet (poisoned)."""
     rng = np.random.default_rng(8)
@@ -195,7 +195,7 @@ def test_mla_cascade_lanes_match_dense():
     pool = make_pool(rng, table, readable, jnp.bfloat16, b * maxp * PAGE)
     q = jnp.asarray(rng.standard_normal((b, k, H, LORA + ROPE))).astype(jnp.bfloat16)
     mask = lane_masks(rng, b, k, step=1)
-    config = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
+    config = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend=backend,
                               decode=MlaDecodeConfig(block_q=16, block_k=16))
     out = mla_lane_attention(q, pool, jnp.asarray(table), jnp.asarray(frontier), mask, steps=steps, config=config)
     ref = dense_mla(q, pool, table, frontier, mask, window)

@@ -50,7 +50,7 @@ FP8 = jnp.float8_e4m3fn
     (16, 8, [260, 0, 90], 64, 2, "split", FP8),
     (16, 8, [260, 20], 64, 1, "together", FP8),
 ], default=(3, 4, 10)))
-def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, schedule, dtype):
+def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, splits, schedule, dtype, backend):
     rng = np.random.default_rng(r * hq + block_k)
     lengths = np.asarray(lengths, np.int32)
     b = len(lengths)
@@ -62,8 +62,8 @@ def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, s
     lens = jnp.asarray(lengths)
     schedule, options = schedule_options(schedule)
     out, lse = mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
-                               block_k=block_k, num_splits=splits, schedule=schedule, interpret=True,
-                               **options)
+                               block_k=block_k, num_splits=splits, schedule=schedule,
+                               interpret=backend == "interpret", **options)
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, kv_lora_rank=LORA, page_size=PAGE,
                                             scale=SCALE, whole_pages=True)
     assert out.shape == (b, r, hq, LORA) and lse.shape == (b, r, hq)
@@ -75,7 +75,7 @@ def test_mgpu_mla_decode_and_cascade_match_references(r, hq, lengths, block_k, s
     mask = ancestor_mask(jnp.asarray(random_parents(rng, b, r)))
     got = tree_window_attention(q.astype(jnp.bfloat16), pool, None, table, lens, mask, out, lse, window=r, page_size=PAGE,
                                 scale=SCALE, rope_dim=ROPE, value_dim=LORA, prefix_whole_pages=True,
-                                backend="interpret")
+                                backend=backend)
     dense, _ = cascade_dense_reference(q.astype(jnp.bfloat16), pool[:, None, :], pool[:, None, :LORA], table, lens,
                                        mask, window=r, page_size=PAGE, scale=SCALE)
     assert rel_err(got, dense) < 1e-2
@@ -103,7 +103,7 @@ def test_mgpu_mla_refuses_unsupported_shapes():
     (jnp.bfloat16, 1e-2, True, [128, 130], False),
     # The default with the prefix covering every row's tail: the window fused into the decode.
     (jnp.bfloat16, 1e-2, None, [128, 130], True), (FP8, 6e-2, None, [150, 3], True)], default=(1, 3, 4)))
-def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol, covers_tail, lengths, fuse):
+def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol, covers_tail, lengths, fuse, backend):
     """MlaCascadeConfig(prefix_kernel="mosaic_gpu") end to end (interpreter) equals dense attention,
     with a bf16 and an FP8 latent cache (whose prefix half scores the FP8-quantised query), with
     the decode run to the whole-page bound for every row (`prefix_covers_tail`), and with the
@@ -120,7 +120,7 @@ def test_mla_verify_through_the_mosaic_gpu_decode(dtype, tol, covers_tail, lengt
     q = jnp.asarray(rng.standard_normal((b, n, hq, LORA + ROPE)), jnp.bfloat16)
     mask = ancestor_mask(jnp.asarray(random_parents(rng, b, n)))
     lens = jnp.asarray(lengths)
-    cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
+    cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend=backend,
                            prefix_kernel="mosaic_gpu", prefix_covers_tail=covers_tail,
                            fuse_window=None if fuse else False)
     assert fuses_window(cfg, True, dtype) == fuse
@@ -184,7 +184,7 @@ def test_mgpu_mla_decode_lowers_to_mosaic_gpu(schedule, dtype):
 
 
 @pytest.mark.parametrize("schedule,splits", cases([("seesaw", 1), ("turns", 1), ("seesaw", 2)]))
-def test_out_dtype_is_the_float32_output_rounded_once(schedule, splits):
+def test_out_dtype_is_the_float32_output_rounded_once(schedule, splits, interpret):
     """out_dtype=bf16: the kernel writes the float32 output rounded to bf16 itself (no split: the
     exchange schedules' whole staging tile, the others' 16-column pieces), the same bits as casting
     the float32 output; with splits the float32 partials are merged, then cast."""
@@ -193,7 +193,7 @@ def test_out_dtype_is_the_float32_output_rounded_once(schedule, splits):
     pool, _, table = poisoned_paged_pools(rng, 2, 200 + 4, 1, LORA + ROPE, PAGE, jnp.bfloat16,
                                           lambda bb, pos: pos < lengths[bb] + 4)
     q = jnp.asarray(rng.standard_normal((2, 4, 8, LORA + ROPE)), jnp.bfloat16)
-    kw = dict(kv_lora_rank=LORA, page_size=PAGE, scale=SCALE, num_splits=splits, schedule=schedule, interpret=True)
+    kw = dict(kv_lora_rank=LORA, page_size=PAGE, scale=SCALE, num_splits=splits, schedule=schedule, interpret=interpret)
     wide, lse_wide = mla_decode_mgpu(q, pool[:, 0], table, jnp.asarray(lengths), **kw)
     narrow, lse = mla_decode_mgpu(q, pool[:, 0], table, jnp.asarray(lengths), out_dtype=jnp.bfloat16, **kw)
     assert wide.dtype == jnp.float32 and narrow.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
@@ -249,7 +249,7 @@ def test_mla_register_budgets_default():
 
 
 @sweep
-def test_mla_grid_order_changes_no_result():
+def test_mla_grid_order_changes_no_result(interpret):
     """Grid axes of three different sizes (1 request, 2 key splits, 3 row tiles of 64 of the 16 x 12
     rows): launching a request's tiles apart (the old order) gives the same bits as side by side
     (the default), so no axis is read under another's name."""
@@ -258,7 +258,7 @@ def test_mla_grid_order_changes_no_result():
     pool, _, table = poisoned_paged_pools(rng, 1, 260 + 16, 1, LORA + ROPE, PAGE, jnp.bfloat16,
                                           lambda bb, pos: pos < lengths[bb] + 16)
     q = jnp.asarray(rng.standard_normal((1, 16, 12, LORA + ROPE)), jnp.bfloat16)
-    kw = dict(kv_lora_rank=LORA, page_size=PAGE, scale=SCALE, num_splits=2, interpret=True)
+    kw = dict(kv_lora_rank=LORA, page_size=PAGE, scale=SCALE, num_splits=2, interpret=interpret)
     old = mla_decode_mgpu(q, pool[:, 0], table, jnp.asarray(lengths), tiles_adjacent=False, **kw)
     new = mla_decode_mgpu(q, pool[:, 0], table, jnp.asarray(lengths), **kw)
     for a, b in zip(new, old):
@@ -279,7 +279,7 @@ def test_mla_decode_with_tiles_apart_lowers():
 
 
 @sweep
-def test_mla_prefix_covers_tail_defaults_to_the_latent_decode(monkeypatch):
+def test_mla_prefix_covers_tail_defaults_to_the_latent_decode(monkeypatch, backend):
     """MlaCascadeConfig.prefix_covers_tail=None is on under the Mosaic latent decode (the window
     kernel then runs without the causal tail) and off under the Triton one; an explicit value wins.
     (The window kernel is kept: the 16-bit default would fuse the window into the Mosaic decode.)"""
@@ -306,7 +306,7 @@ def test_mla_prefix_covers_tail_defaults_to_the_latent_decode(monkeypatch):
     dense, _ = cascade_dense_reference(q, pool[:, None, :], pool[:, None, :LORA], table, lens, mask, window=n,
                                        page_size=PAGE, scale=SCALE)
     for kernel, covers in [("triton", None), ("mosaic_gpu", None), ("mosaic_gpu", False), ("triton", True)]:
-        cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
+        cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend=backend,
                                prefix_kernel=kernel, prefix_covers_tail=covers, fuse_window=False)
         assert rel_err(mla_verify_attention(q, pool, table, lens, mask, config=cfg), dense) < 1e-2
     assert seen == [True, False, True, False]  # causal_prefix = not covers
@@ -330,7 +330,7 @@ def test_mla_schedule_defaults_and_refusals():
 
 
 @sweep  # cluster_tiles is off by default (MLA_CLUSTER_TILES = 1)
-def test_cluster_tiles_step_through_the_clusters_keys():
+def test_cluster_tiles_step_through_the_clusters_keys(interpret):
     """cluster_tiles=2: a cluster's row tiles step through the keys of its last tile's rows (compiled,
     one multicast copy feeds them all); an earlier tile masks the steps past its own rows' bounds,
     so every output has the bits of cluster_tiles=1. 128 rows of one head: tile 0 (rows 0-63) of
@@ -342,7 +342,7 @@ def test_cluster_tiles_step_through_the_clusters_keys():
                                           lambda bb, pos: pos < lengths[bb] + r)
     q = jnp.asarray(rng.standard_normal((3, r, hq, LORA + ROPE)), jnp.bfloat16)
     lens = jnp.asarray(lengths)
-    kw = dict(kv_lora_rank=LORA, page_size=PAGE, scale=SCALE, num_splits=1, interpret=True)
+    kw = dict(kv_lora_rank=LORA, page_size=PAGE, scale=SCALE, num_splits=1, interpret=interpret)
     one = mla_decode_mgpu(q, pool[:, 0], table, lens, cluster_tiles=1, **kw)
     two = mla_decode_mgpu(q, pool[:, 0], table, lens, cluster_tiles=2, **kw)
     ref_out, _ = mla_decode_reference(q, pool[:, 0], table, lens, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,

@@ -36,7 +36,7 @@ def dense(q, pool, table, lengths, mask, window):
     (16, 4, [130, 300], 1, "seesaw"),
     (16, 4, [130, 300], 1, "seesaw+no_p_in_ring"),  # P in a buffer of its own, not the rope columns
 ], default=(2, 3)))
-def test_fused_mla_window_matches_dense(n, hq, lengths, splits, schedule):
+def test_fused_mla_window_matches_dense(n, hq, lengths, splits, schedule, backend):
     """Every row sees [0, P) and its ancestors in the window; slots past P + N hold NaN (poisoned),
     which the kernel must zero before P V."""
     rng = np.random.default_rng(n * hq)
@@ -50,8 +50,8 @@ def test_fused_mla_window_matches_dense(n, hq, lengths, splits, schedule):
     lens = jnp.asarray(lengths)
     schedule, options = schedule_options(schedule)
     out, lse = mla_decode_mgpu(q, pool, table, lens, mask, kv_lora_rank=LORA, page_size=PAGE, scale=SCALE,
-                               window=n, num_splits=splits, schedule=schedule, interpret=True,
-                               **options)
+                               window=n, num_splits=splits, schedule=schedule,
+                               interpret=backend == "interpret", **options)
     assert out.shape == (b, n, hq, LORA) and lse.shape == (b, n, hq)
     assert not np.isnan(np.asarray(out)).any()
     assert rel_err(out, dense(q, pool, table, lens, mask, n)) < 1e-2
@@ -62,14 +62,14 @@ def test_fused_mla_window_matches_dense(n, hq, lengths, splits, schedule):
     real = mla_module.tree_window_attention
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mla_module, "tree_window_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-        cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
+        cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend=backend,
                                prefix_kernel="mosaic_gpu", fuse_window=True, schedule=schedule)
         got = mla_verify_attention(q, pool, table, lens, mask, config=cfg)
     assert not calls
     assert rel_err(got, dense(q, pool, table, lens, mask, n)) < 1e-2
 
 
-def test_fused_mla_lanes_zero_unseen_slots():
+def test_fused_mla_lanes_zero_unseen_slots(backend):
     """Draft lanes (K = 4, S = 5, at draft step 2): lane-window slots no lane sees (not yet written,
     or pruned) hold NaN; the fused kernel zeroes their value rows and equals dense attention."""
     rng = np.random.default_rng(7)
@@ -85,7 +85,7 @@ def test_fused_mla_lanes_zero_unseen_slots():
     assert not seen_slots.all()  # some window slot is poisoned, so the test can fail
     q = jnp.asarray(rng.standard_normal((b, kk, hq, LORA + ROPE)), jnp.bfloat16)
     mask = pack_mask_rows(jnp.asarray(bits))
-    cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
+    cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend=backend,
                            prefix_kernel="mosaic_gpu", fuse_window=True)
     out = mla_lane_attention(q, pool, table, jnp.asarray(frontier), mask, steps=steps, config=cfg)
     ref = dense(q, pool, table, jnp.asarray(frontier), mask, w)
@@ -134,7 +134,7 @@ def fp8_window_case(seed: int, lora: int, rope: int, n: int = 16, hq: int = 4):
     return q, pool[:, 0], table, jnp.asarray(lengths), mask
 
 
-def test_fused_mla_window_over_an_fp8_cache_matches_dense():
+def test_fused_mla_window_over_an_fp8_cache_matches_dense(backend):
     """fuse_window=True over an FP8 latent cache: the window keys are scored as the prefix's, FP8
     query x FP8 rows, their value rows widened (unseen ones, NaN-poisoned, zeroed); no window kernel
     runs, and the output equals dense attention with the FP8-quantised query within FP8 tolerance."""
@@ -146,7 +146,7 @@ def test_fused_mla_window_over_an_fp8_cache_matches_dense():
     real = mla_module.tree_window_attention
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mla_module, "tree_window_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-        cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend="interpret",
+        cfg = MlaCascadeConfig(kv_lora_rank=LORA, rope_dim=ROPE, page_size=PAGE, scale=SCALE, backend=backend,
                                prefix_kernel="mosaic_gpu", fuse_window=True)
         got = mla_verify_attention(q, pool, table, lens, mask, config=cfg)
     assert not calls and got.dtype == jnp.bfloat16
@@ -155,7 +155,7 @@ def test_fused_mla_window_over_an_fp8_cache_matches_dense():
 
 
 @pytest.mark.parametrize("schedule", cases(["seesaw", "split"]))
-def test_fp8_values_widen_in_pieces(schedule):
+def test_fp8_values_widen_in_pieces(schedule, interpret):
     """FP8 rows widen `widen_cols` value channels at a time (zeroing the fused window's unseen rows on
     the way): at latent 256 + rope 64 (a 64-channel swizzle, 128 channels per warpgroup) two pieces
     of 64 give the bits of one piece of 128, and both equal dense attention with NaN in every slot
@@ -168,7 +168,7 @@ def test_fp8_values_widen_in_pieces(schedule):
     assert mla_mgpu_module.default_widen_cols(lora + rope, lora) == 64  # two pieces by default
     outs = [np.asarray(mla_decode_mgpu(q8, pool, table, lens, mask, kv_lora_rank=lora, page_size=PAGE, scale=SCALE,
                                        window=n, num_splits=1, schedule=schedule, widen_cols=cols,
-                                       interpret=True)[0], np.float32)
+                                       interpret=interpret)[0], np.float32)
             for cols in (64, 128)]
     assert np.isfinite(outs[0]).all()
     np.testing.assert_array_equal(outs[0], outs[1])

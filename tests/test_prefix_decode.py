@@ -59,7 +59,7 @@ def numpy_prefix(q, k_pool, v_pool, table, lengths, page, scale, sliding_window=
     (4, 32, jnp.bfloat16, 3, 5),
     (8, 64, FP8, 2, 3),
 ])
-def test_prefix_decode_matches_reference(group, page, dtype, splits, rows):
+def test_prefix_decode_matches_reference(group, page, dtype, splits, rows, backend):
     rng = np.random.default_rng(group * 100 + page)
     hkv, d = 2, 16
     hq = group * hkv
@@ -69,7 +69,7 @@ def test_prefix_decode_matches_reference(group, page, dtype, splits, rows):
         jnp.bfloat16 if dtype != jnp.float32 else jnp.float32)
     lengths = jnp.asarray(lengths)
     out, lse = prefix_decode(q, k, v, table, lengths, page_size=page, num_splits=splits,
-                             poison_outputs=True, backend="interpret")
+                             poison_outputs=True, backend=backend)
     ref, rlse = prefix_decode(q, k, v, table, lengths, page_size=page, backend="reference")
     assert out.shape == (4, rows, hq, d) and lse.shape == (4, rows, hq)
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
@@ -83,7 +83,7 @@ def test_prefix_decode_matches_reference(group, page, dtype, splits, rows):
     assert np.all(np.isfinite(np.asarray(lse[1, empty_rows + 1:])))
 
 
-def test_prefix_reference_matches_numpy_loop_with_sliding_window():
+def test_prefix_reference_matches_numpy_loop_with_sliding_window(backend):
     rng = np.random.default_rng(7)
     page, hkv, g, d, rows = 16, 2, 2, 16, 4
     lengths = np.array([40, 2, 0], np.int32)
@@ -96,7 +96,7 @@ def test_prefix_reference_matches_numpy_loop_with_sliding_window():
         np.testing.assert_allclose(np.asarray(ref), nout, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(rlse), nlse, rtol=1e-5, atol=1e-5)
     out, lse = prefix_decode(q, k, v, table, jnp.asarray(lengths), page_size=page, scale=0.3,
-                             sliding_window=9, poison_outputs=True, backend="interpret")
+                             sliding_window=9, poison_outputs=True, backend=backend)
     assert rel_err(out, nout) < 1e-5
     check_lse(lse, nlse, 1e-4)
 
@@ -128,7 +128,7 @@ def test_default_num_splits_fills_the_gpu_only_when_needed():
     assert default_num_splits(1, 1, 1, 3, sms=132) == 1
 
 
-def test_prefix_decode_row_tiles_and_sliding_window():
+def test_prefix_decode_row_tiles_and_sliding_window(backend):
     """block_rows=16 cuts 20 query rows (R=5, G=4) into two tiles, the second mostly padding; the
     causal staircase then crosses tile and page edges differently per tile."""
     rng = np.random.default_rng(21)
@@ -138,7 +138,7 @@ def test_prefix_decode_row_tiles_and_sliding_window():
     q = jnp.asarray(rng.standard_normal((2, rows, hkv * g, d)), jnp.float32)
     for sw in (None, 23):
         out, lse = prefix_decode(q, k, v, table, jnp.asarray(lengths), page_size=page, block_rows=16,
-                                 sliding_window=sw, num_splits=2, poison_outputs=True, backend="interpret")
+                                 sliding_window=sw, num_splits=2, poison_outputs=True, backend=backend)
         nout, nlse = numpy_prefix(q, k, v, table, lengths, page, d ** -0.5, sw)
         assert rel_err(out, nout) < 1e-5
         check_lse(lse, nlse, 1e-4)
@@ -146,7 +146,7 @@ def test_prefix_decode_row_tiles_and_sliding_window():
 
 @pytest.mark.parametrize("pages_per_step,splits,sw,prefetch", [(2, 3, None, False), (4, None, 21, True),
                                                                (1, 3, None, True)])
-def test_prefix_decode_pages_per_step(pages_per_step, splits, sw, prefetch):
+def test_prefix_decode_pages_per_step(pages_per_step, splits, sw, prefetch, backend):
     """Several pages per online-softmax step: ragged lengths end mid-step (and mid-page), the
     max_pages = 7 table is not a multiple of the step so the last step runs past it, three splits
     round to whole steps (one split may be empty), and block_rows=16 makes two row tiles whose causal
@@ -160,7 +160,7 @@ def test_prefix_decode_pages_per_step(pages_per_step, splits, sw, prefetch):
     q = jnp.asarray(rng.standard_normal((5, rows, hkv * g, d)), jnp.float32)
     out, lse = prefix_decode(q, k, v, table, jnp.asarray(lengths), page_size=page, block_rows=16,
                              pages_per_step=pages_per_step, num_splits=splits, sliding_window=sw,
-                             poison_outputs=True, prefetch_page_ids=prefetch, backend="interpret")
+                             poison_outputs=True, prefetch_page_ids=prefetch, backend=backend)
     nout, nlse = numpy_prefix(q, k, v, table, lengths, page, d ** -0.5, sw)
     assert rel_err(out, nout) < 1e-5
     check_lse(lse, nlse, 1e-4)

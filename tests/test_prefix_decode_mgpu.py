@@ -59,7 +59,14 @@ KEY_SPLIT = [
 @pytest.mark.parametrize("r,g,lengths,splits,pingpong,dtype,pps,stages,key_split",
                          cases(STAGED + KEY_SPLIT, default=(3, 4, 13)))
 def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dtype, pps, stages, key_split,
-                                             opts=None, d=64):
+                                             interpret):
+    check_prefix_and_cascade(r, g, lengths, splits, pingpong, dtype, pps, stages, key_split, interpret=interpret)
+
+
+def check_prefix_and_cascade(r, g, lengths, splits, pingpong, dtype, pps, stages, key_split, *, interpret, opts=None,
+                             d=64):
+    """The Mosaic prefix (kernel options `opts`) against the fp32 prefix reference, and the cascade
+    through it against dense fp32 attention."""
     hkv = 2
     q, k, v, table, lens, mask = verify_case(np.random.default_rng(r * g), lengths, r, hkv, g, d, PAGE,
                                              dtype, q_dtype=jnp.bfloat16)
@@ -68,7 +75,7 @@ def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dt
     out, lse = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, query_rows=r, group=g, page_size=PAGE,
                                              scale=d ** -0.5, num_splits=splits, pingpong=pingpong,
                                              pages_per_step=pps, stages=stages, key_split=key_split,
-                                             interpret=True, **(opts or {}))
+                                             interpret=interpret, **(opts or {}))
     ref_out, ref_lse = prefix_decode_reference(q, k, v, table, lens, page_size=PAGE, scale=d ** -0.5,
                                                whole_pages=True)
     assert rel_err(rows_to_heads(out, r, hkv * g), ref_out) < 1e-2
@@ -78,7 +85,7 @@ def test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, pingpong, dt
     np.testing.assert_allclose(got_lse[fin], np.asarray(ref_lse)[fin], atol=2e-3)
     # Whole cascade: the window kernel covers the partial last page and the tree window.
     win = tree_window_row_layout(qr, k, v, table, lens, mask, out, lse, query_rows=r, group=g, window=r,
-                                 page_size=PAGE, scale=d ** -0.5, value_dim=d, interpret=True,
+                                 page_size=PAGE, scale=d ** -0.5, value_dim=d, interpret=interpret,
                                  prefix_whole_pages=True)
     dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=r, page_size=PAGE, scale=d ** -0.5)
     # Under FP8 the dense reference scores the unquantised query everywhere, the prefix half the FP8 one.
@@ -236,14 +243,14 @@ def test_mgpu_prefix_with_the_earlier_grid_order_lowers():
 
 
 @sweep
-def test_grid_order_changes_no_result():
+def test_grid_order_changes_no_result(interpret):
     """Grid axes of four different sizes (1 request, 3 KV heads, 4 key splits, 2 row tiles): the
     earlier grid order gives the same bits, so no axis is read under another's name."""
     r, g, hkv, d = 64, 4, 3, 64
     q, k, v, table, lens, _ = verify_case(np.random.default_rng(5), [330], r, hkv, g, d, PAGE,
                                           jnp.bfloat16, q_dtype=jnp.bfloat16)
     qr = heads_to_rows(q, hkv, padded_rows(r * g))
-    kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, num_splits=4, interpret=True)
+    kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, num_splits=4, interpret=interpret)
     new = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, **kw)
     old = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, tiles_adjacent=False, **kw)
     for a, b in zip(new, old):
@@ -258,9 +265,9 @@ def test_grid_order_changes_no_result():
 @sweep  # overlap_softmax is an option, off by default
 @pytest.mark.parametrize("r,g,lengths,splits,pps", [
     (64, 4, [260, 330, 0], 3, 2), (32, 4, [0, 70, 200], 1, 1), (16, 4, [50, 300], 2, 1)])
-def test_overlapped_softmax_matches_dense(r, g, lengths, splits, pps):
-    test_mgpu_prefix_and_cascade_match_dense(r, g, lengths, splits, True, jnp.bfloat16, pps, 2, None,
-                                             opts=dict(overlap_softmax=True))
+def test_overlapped_softmax_matches_dense(r, g, lengths, splits, pps, interpret):
+    check_prefix_and_cascade(r, g, lengths, splits, True, jnp.bfloat16, pps, 2, None, interpret=interpret,
+                             opts=dict(overlap_softmax=True))
 
 
 def test_overlapped_softmax_refuses_fp8_and_key_splits():
@@ -283,27 +290,27 @@ def test_overlapped_softmax_lowers(total, pps):
 
 
 @pytest.mark.parametrize("case", cases([CASES[0], CASES[1], CASES[5], CASES[7]], one_arg=True))
-def test_bf16_partial_matches_dense(case):
+def test_bf16_partial_matches_dense(case, interpret):
     """partial_dtype=bfloat16: the prefix and the cascade through it still match dense attention
     (one CTA, three key splits, the FP8 warpgroup key split, two pages per step)."""
-    test_mgpu_prefix_and_cascade_match_dense(*case, 2, None, opts=dict(partial_dtype=jnp.bfloat16))
+    check_prefix_and_cascade(*case, 2, None, interpret=interpret, opts=dict(partial_dtype=jnp.bfloat16))
 
 
-def test_bf16_partial_leaves_in_several_pieces_at_head_dim_128():
+def test_bf16_partial_leaves_in_several_pieces_at_head_dim_128(interpret):
     """At D = 128 the bf16 partial leaves through the staging tile in two 64-column pieces."""
-    test_mgpu_prefix_and_cascade_match_dense(16, 4, [50, 300], 1, True, jnp.bfloat16, 2, 2, None,
-                                             opts=dict(partial_dtype=jnp.bfloat16), d=128)
+    check_prefix_and_cascade(16, 4, [50, 300], 1, True, jnp.bfloat16, 2, 2, None, interpret=interpret,
+                             opts=dict(partial_dtype=jnp.bfloat16), d=128)
 
 
 @sweep
-def test_bf16_partial_is_written_in_bf16_and_rounds_only_the_output():
+def test_bf16_partial_is_written_in_bf16_and_rounds_only_the_output(interpret):
     """Without a key split the partial comes back in bf16, bit for bit the float32 partial rounded
     to bf16 (the same f32 arithmetic; only the cast before the store differs), with the same LSE;
     with splits the merge runs in float32 and returns float32."""
     r, g, hkv, d = 32, 4, 2, 64
     q, k, v, table, lens, _ = verify_case(np.random.default_rng(3), [70, 200], r, hkv, g, d, PAGE, jnp.bfloat16)
     qr = heads_to_rows(q, hkv, padded_rows(r * g))
-    kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, interpret=True)
+    kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, interpret=interpret)
     out32, lse32 = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, num_splits=1, **kw)
     out16, lse16 = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, num_splits=1, partial_dtype=jnp.bfloat16,
                                                  **kw)
@@ -332,15 +339,15 @@ def test_bf16_partial_lowers(form):
                                              (STAGED[6], dict(overlap_softmax=True)),
                                              (STAGED[1], dict(prefetch_query=False)),
                                              (KEY_SPLIT[2], dict(prefetch_query=False))]))
-def test_persistent_launch_matches_dense(case, opts, monkeypatch):
+def test_persistent_launch_matches_dense(case, opts, monkeypatch, interpret):
     import pallas_kernels.attention.prefix_decode_mgpu as pdm
 
     monkeypatch.setattr(pdm, "num_sms", lambda: 3)
-    test_mgpu_prefix_and_cascade_match_dense(*case, opts=dict(persistent=True, **opts))
+    check_prefix_and_cascade(*case, interpret=interpret, opts=dict(persistent=True, **opts))
 
 
 @sweep
-def test_persistent_launch_gives_the_gridded_bits(monkeypatch):
+def test_persistent_launch_gives_the_gridded_bits(monkeypatch, interpret):
     """The persistent launch computes each work item exactly as the gridded one: the same bits,
     for the plain prefix (two tiles, four splits, three KV heads: items of every axis) and for the
     fused window in head layout (5 items over 2 CTAs, one CTA taking 3), also with each next
@@ -353,7 +360,7 @@ def test_persistent_launch_gives_the_gridded_bits(monkeypatch):
     q, k, v, table, lens, _ = verify_case(np.random.default_rng(6), [330], r, hkv, g, d, PAGE,
                                           jnp.bfloat16, q_dtype=jnp.bfloat16)
     qr = heads_to_rows(q, hkv, padded_rows(r * g))
-    kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, num_splits=4, interpret=True)
+    kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, num_splits=4, interpret=interpret)
     launches = [dict(persistent=False), dict(persistent=True, prefetch_query=False), dict(persistent=True)]
     runs = [prefix_decode_mgpu_row_layout(qr, k, v, table, lens, **launch, **kw) for launch in launches]
     for run in runs[1:]:
@@ -367,7 +374,7 @@ def test_persistent_launch_gives_the_gridded_bits(monkeypatch):
     from trees import random_parents
     mask = ancestor_mask(jnp.asarray(random_parents(np.random.default_rng(8), len(lengths), r)))
     words, union = pdm.fused_window_words(mask, g, r * g, heads_io=True)
-    kw = dict(query_rows=1, group=r * g, page_size=PAGE, scale=d ** -0.5, num_splits=1, interpret=True,
+    kw = dict(query_rows=1, group=r * g, page_size=PAGE, scale=d ** -0.5, num_splits=1, interpret=interpret,
               window=r, heads_io=True, partial_dtype=jnp.bfloat16)
     runs = [prefix_decode_mgpu_row_layout(q, k, v, table, lens, words, union, **launch, **kw) for launch in launches]
     for run in runs[1:]:
@@ -402,7 +409,7 @@ def test_persistent_default_and_lowering():
     test_mgpu_prefix_lowers_to_mosaic_gpu(64, 2, True, 64, 4, FP8, 1, True, opts=dict(persistent=True))
 
 
-def test_cascade_config_persistent_prefix(monkeypatch):
+def test_cascade_config_persistent_prefix(monkeypatch, backend):
     """CascadeConfig.persistent_prefix reaches the Mosaic prefix (the fused verify cascade gives the
     same bits either way, 2 SMs for 6 items) and True is refused, naming the value, where it could
     not apply."""
@@ -421,7 +428,7 @@ def test_cascade_config_persistent_prefix(monkeypatch):
                                           jnp.bfloat16, q_dtype=jnp.bfloat16)
     mask = ancestor_mask(jnp.asarray(random_parents(np.random.default_rng(12), len(lengths), r)))
     outs = [verify_attention(q, k, v, table, lens, mask, config=CascadeConfig(
-        page_size=PAGE, backend="interpret", prefix_kernel="mosaic_gpu", persistent_prefix=p)) for p in (False, True)]
+        page_size=PAGE, backend=backend, prefix_kernel="mosaic_gpu", persistent_prefix=p)) for p in (False, True)]
     assert seen == [False, True]
     assert not np.isnan(np.asarray(outs[1], np.float32)).any()
     np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
@@ -439,7 +446,7 @@ def test_cascade_config_persistent_prefix(monkeypatch):
                                              ((16, 4, [200, 330, 10], 2, True, FP8, 1, 4, True), False),
                                              ((32, 4, [70, 200, 300], 2, True, FP8, 2, 3, None), False),
                                              ((64, 4, [260, 130], 3, True, FP8, 1, 2, None), True)])
-def test_memory_widened_values_give_the_same_bits(case, persistent, monkeypatch):
+def test_memory_widened_values_give_the_same_bits(case, persistent, monkeypatch, interpret):
     """The same P V operands as each compute warpgroup widening its own copy, so the same bits;
     and against dense fp32 (the shared test)."""
     import pallas_kernels.attention.prefix_decode_mgpu as pdm
@@ -451,14 +458,15 @@ def test_memory_widened_values_give_the_same_bits(case, persistent, monkeypatch)
                                           q_dtype=jnp.bfloat16)
     qr = heads_to_rows(q, hkv, padded_rows(r * g))
     kw = dict(query_rows=r, group=g, page_size=PAGE, scale=d ** -0.5, num_splits=splits, pingpong=pingpong,
-              pages_per_step=pps, stages=stages, key_split=key_split, persistent=persistent, interpret=True)
+              pages_per_step=pps, stages=stages, key_split=key_split, persistent=persistent,
+              interpret=interpret)
     own = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, memory_widens_values=False, **kw)
     shared = prefix_decode_mgpu_row_layout(qr, k, v, table, lens, memory_widens_values=True, **kw)
     for a, b in zip(own, shared):
         assert np.all(np.isfinite(np.asarray(a)) | np.isneginf(np.asarray(a)))
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     if not persistent:
-        test_mgpu_prefix_and_cascade_match_dense(*case, opts=dict(memory_widens_values=True))
+        check_prefix_and_cascade(*case, interpret=interpret, opts=dict(memory_widens_values=True))
 
 
 def test_memory_widened_values_refusals_and_lowering():
@@ -513,7 +521,8 @@ def test_memory_widens_default(monkeypatch):
 @pytest.mark.parametrize("n,lengths,splits,pps,persistent", [(32, [0, 70, 200], 1, 1, False),
                                                              (16, [50, 300, 128], 3, 2, False),
                                                              (32, [130, 20], 2, 1, True)])
-def test_memory_widened_values_under_the_fused_fp8_window(n, lengths, splits, pps, persistent, monkeypatch):
+def test_memory_widened_values_under_the_fused_fp8_window(n, lengths, splits, pps, persistent, monkeypatch,
+                                                          interpret):
     import pallas_kernels.attention.prefix_decode_mgpu as pdm
 
     monkeypatch.setattr(pdm, "num_sms", lambda: 2)
@@ -522,7 +531,7 @@ def test_memory_widened_values_under_the_fused_fp8_window(n, lengths, splits, pp
                                              q_dtype=jnp.bfloat16)
     words, union = pdm.fused_window_words(mask, g, n * g, heads_io=True)
     kw = dict(query_rows=1, group=n * g, page_size=PAGE, scale=d ** -0.5, num_splits=splits, window=n,
-              heads_io=True, pages_per_step=pps, persistent=persistent, interpret=True)
+              heads_io=True, pages_per_step=pps, persistent=persistent, interpret=interpret)
     own = prefix_decode_mgpu_row_layout(q, k, v, table, lens, words, union, memory_widens_values=False, **kw)
     shared = prefix_decode_mgpu_row_layout(q, k, v, table, lens, words, union, memory_widens_values=True, **kw)
     assert np.isfinite(np.asarray(shared[0], np.float32)).all()
@@ -547,7 +556,7 @@ def test_memory_widened_fused_fp8_window_lowers():
 
 @sweep
 @pytest.mark.parametrize("memory_widens,fused", [(False, False), (True, False), (False, True)])
-def test_widen_rows_give_the_same_bits(memory_widens, fused):
+def test_widen_rows_give_the_same_bits(memory_widens, fused, interpret):
     """V widened in 64-row pieces or in one 128-row piece (two pages per step), by the compute
     warpgroups (fused: cleaning each piece's invisible rows) or by the memory warpgroup: the same
     bits."""
@@ -563,7 +572,8 @@ def test_widen_rows_give_the_same_bits(memory_widens, fused):
     else:
         args = (heads_to_rows(q, hkv, padded_rows(n * g)), k, v, table, lens)
         kw = dict(query_rows=n, group=g)
-    kw.update(page_size=PAGE, scale=d ** -0.5, pages_per_step=2, memory_widens_values=memory_widens, interpret=True)
+    kw.update(page_size=PAGE, scale=d ** -0.5, pages_per_step=2, memory_widens_values=memory_widens,
+              interpret=interpret)
     pieces = prefix_decode_mgpu_row_layout(*args, widen_rows=64, **kw)
     whole = prefix_decode_mgpu_row_layout(*args, widen_rows=128, **kw)
     assert np.isfinite(np.asarray(pieces[0], np.float32)).all()

@@ -73,14 +73,14 @@ def window_pairs(rng, batch, n, slots, kinds):
     (jnp.bfloat16, (3,)),          # 6-byte rows -> uint16 words
     (jnp.int8, (7,)),              # 7-byte rows -> uint8 words
 ])
-def test_move_rows_matches_reference_and_numpy(dtype, row_shape):
+def test_move_rows_matches_reference_and_numpy(dtype, row_shape, backend):
     # A seed fixed across processes (Python's str hash is salted per process, which made the
     # paths, and whether any row moves, change from run to run).
     rng = np.random.default_rng(zlib.crc32(f"{jnp.dtype(dtype).name}{row_shape}".encode()))
     n, batch, slots = 8, 5, 96
     buf = random_bytes_buffer(rng, (slots,) + row_shape, dtype)
     src, dst = window_pairs(rng, batch, n, slots, ["random", "chain", "noop", "identity"])
-    out = jax.jit(lambda b, s, d: move_rows(b, s, d, backend="interpret"))(buf, src, dst)
+    out = jax.jit(lambda b, s, d: move_rows(b, s, d, backend=backend))(buf, src, dst)
     ref = move_rows_reference(buf, jnp.asarray(src), jnp.asarray(dst))
     expect = numpy_moves(as_bytes(buf), src, dst)
     assert out.dtype == buf.dtype and out.shape == buf.shape
@@ -90,7 +90,7 @@ def test_move_rows_matches_reference_and_numpy(dtype, row_shape):
     assert not np.array_equal(expect, as_bytes(buf))
 
 
-def test_move_rows_multi_tile_rows_and_flat_pairs():
+def test_move_rows_multi_tile_rows_and_flat_pairs(backend):
     """Rows longer than one column tile (several programs per group, masked tail); [M] pairs."""
     rng = np.random.default_rng(7)
     buf = random_bytes_buffer(rng, (40, 37), jnp.float32)  # 37 words, tiles of 16 -> 3 tiles
@@ -98,7 +98,7 @@ def test_move_rows_multi_tile_rows_and_flat_pairs():
     dst = 16 + np.arange(8, dtype=np.int32)
     src = np.where(path >= 0, 16 + path, -1).astype(np.int32)
     cfg = RowMoveConfig(max_block_words=16)
-    out = move_rows(buf, jnp.asarray(src), jnp.asarray(dst), backend="interpret", config=cfg)
+    out = move_rows(buf, jnp.asarray(src), jnp.asarray(dst), backend=backend, config=cfg)
     np.testing.assert_array_equal(as_bytes(out), numpy_moves(as_bytes(buf), src, dst))
 
 
@@ -150,7 +150,7 @@ def test_move_rows_refuses_more_pairs_per_group_than_a_window():
         move_rows(buf, jnp.zeros((3, 65), jnp.int32), jnp.zeros((3, 65), jnp.int32))
 
 
-def test_pack_path_rows_groups_requests_at_a_full_window():
+def test_pack_path_rows_groups_requests_at_a_full_window(backend):
     """B=5 requests of T=64 rows (B*T = 320 pairs in all, 64 per request): accepted rows land at the
     front of their own request, the rest of every request is bitwise unchanged."""
     rng = np.random.default_rng(11)
@@ -160,7 +160,7 @@ def test_pack_path_rows_groups_requests_at_a_full_window():
     accept = rng.integers(0, t + 1, size=b).astype(np.int32)
     for i in range(b):
         path[i, : accept[i]] = np.sort(rng.choice(t, size=accept[i], replace=False))
-    out = np.asarray(as_bytes(pack_path_rows(buf, jnp.asarray(path), jnp.asarray(accept), backend="interpret")
+    out = np.asarray(as_bytes(pack_path_rows(buf, jnp.asarray(path), jnp.asarray(accept), backend=backend)
                               .reshape(b * t, 6))).reshape(b, t, -1)
     before = np.asarray(as_bytes(buf.reshape(b * t, 6))).reshape(b, t, -1)
     for i in range(b):

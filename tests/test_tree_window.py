@@ -36,7 +36,7 @@ def window_case(rng, lengths, rows, hkv, group, d, page, dtype):
     (4, 32, jnp.bfloat16, 7),
     (8, 64, FP8, 13),
 ], default=(0, 2)))
-def test_window_matches_reference_on_random_trees(group, page, dtype, rows):
+def test_window_matches_reference_on_random_trees(group, page, dtype, rows, backend):
     rng = np.random.default_rng(rows + page)
     hkv, d, b = 2, 16, 4
     lengths = np.array([0, rows // 2, 90, 33], np.int32)  # P = 0, P < R, ragged
@@ -49,14 +49,14 @@ def test_window_matches_reference_on_random_trees(group, page, dtype, rows):
     lengths = jnp.asarray(lengths)
     po, plse = prefix_decode(q, k, v, table, lengths, page_size=page, backend="reference")
     out = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=rows, page_size=page,
-                                poison_outputs=True, backend="interpret")
+                                poison_outputs=True, backend=backend)
     ref = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=rows, page_size=page,
                                 backend="reference")
     assert out.dtype == q.dtype and out.shape == (b, rows, group * hkv, d)
     assert rel_err(out, ref) < (1e-5 if dtype == jnp.float32 else 1e-2)
 
 
-def test_window_lane_mask_hides_unwritten_slots_and_nonfinite_prefix_partial():
+def test_window_lane_mask_hides_unwritten_slots_and_nonfinite_prefix_partial(backend):
     """Lanes: bits name only some window slots; slots no row names are poisoned. A prefix partial
     with lse2 = -inf carries a NaN output that must be ignored."""
     rng = np.random.default_rng(11)
@@ -75,7 +75,7 @@ def test_window_lane_mask_hides_unwritten_slots_and_nonfinite_prefix_partial():
     po, plse = prefix_decode(q, k, v, table, lengths, page_size=page, backend="reference")
     po = jnp.where(jnp.isneginf(plse)[..., None], jnp.nan, po)
     out = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=window, page_size=page,
-                                poison_outputs=True, backend="interpret")
+                                poison_outputs=True, backend=backend)
     ref = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=window, page_size=page,
                                 backend="reference")
     assert rel_err(out, ref) < 1e-5
@@ -85,7 +85,7 @@ def test_window_lane_mask_hides_unwritten_slots_and_nonfinite_prefix_partial():
 
 
 @sweep  # causal_prefix=False also runs under the sliding lanes and prefix_covers_tail
-def test_window_without_causal_prefix_attends_window_only():
+def test_window_without_causal_prefix_attends_window_only(backend):
     rng = np.random.default_rng(5)
     b, rows, hkv, g, d, page = 2, 8, 1, 4, 16, 16
     lengths = np.array([20, 3], np.int32)
@@ -97,7 +97,7 @@ def test_window_without_causal_prefix_attends_window_only():
     plse = jnp.asarray(rng.standard_normal((b, rows, hkv * g)), jnp.float32)
     lengths = jnp.asarray(lengths)
     out = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=rows, page_size=page,
-                                causal_prefix=False, poison_outputs=True, backend="interpret")
+                                causal_prefix=False, poison_outputs=True, backend=backend)
     ref = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=rows, page_size=page,
                                 causal_prefix=False, backend="reference")
     assert rel_err(out, ref) < 1e-5
@@ -123,7 +123,7 @@ def test_window_without_causal_prefix_attends_window_only():
 
 
 @pytest.mark.parametrize("dtype", cases([jnp.bfloat16, FP8], default=(1,)))
-def test_window_mla_latent_layout(dtype):
+def test_window_mla_latent_layout(dtype, backend):
     """MLA: one latent row [latent | rope] per token is both key (two score terms) and value."""
     rng = np.random.default_rng(3)
     b, rows, hq, lat, rope, page = 2, 6, 4, 64, 16, 16
@@ -138,7 +138,7 @@ def test_window_mla_latent_layout(dtype):
     lengths = jnp.asarray(lengths)
     kw = dict(window=rows, page_size=page, scale=0.1, rope_dim=rope)
     out = tree_window_attention(q, latent, None, table, lengths, mask, po, plse, poison_outputs=True,
-                                backend="interpret", **kw)
+                                backend=backend, **kw)
     ref = tree_window_attention(q, latent, None, table, lengths, mask, po, plse, backend="reference", **kw)
     assert out.shape == (b, rows, hq, lat)
     assert rel_err(out, ref) < 1e-2
@@ -183,7 +183,7 @@ def test_window_rejects_bad_inputs():
 
 
 @pytest.mark.parametrize("block_rows,num_warps", cases([(16, 8), (32, None)], default=(1,)))
-def test_window_row_tiles(block_rows, num_warps):
+def test_window_row_tiles(block_rows, num_warps, backend):
     """block_rows splits a KV head's R * G = 36 rows (padded to 64) over several programs; each tile
     finds its own tail coverage and mask words. Checked against the reference."""
     rows, page = 9, 16
@@ -191,7 +191,7 @@ def test_window_row_tiles(block_rows, num_warps):
                                                           16, page, jnp.float32)
     out = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=rows, page_size=page,
                                 block_rows=block_rows, num_warps=num_warps, poison_outputs=True,
-                                backend="interpret")
+                                backend=backend)
     ref = tree_window_attention(q, k, v, table, lengths, mask, po, plse, window=rows, page_size=page,
                                 backend="reference")
     assert rel_err(out, ref) < 1e-5
@@ -206,7 +206,7 @@ def test_window_row_tiles(block_rows, num_warps):
     (9, 4, 16, False),    # 36 rows: the last tile would reach past row R
     (8, 3, 16, False),    # G = 3 divides no power-of-two tile
 ], default=(0, 5)))
-def test_window_writes_head_layout_itself_where_tiles_allow(rows, group, block_rows, direct):
+def test_window_writes_head_layout_itself_where_tiles_allow(rows, group, block_rows, direct, interpret):
     """heads_out: the kernel stores its tiles straight into [B, R, Hq, Dv] (or the row layout is
     transposed after it); either way every element equals rows_to_heads of the row-layout output,
     and a NaN-poisoned output buffer proves the direct store writes everything."""
@@ -222,7 +222,7 @@ def test_window_writes_head_layout_itself_where_tiles_allow(rows, group, block_r
             heads_to_rows(po.astype(jnp.float32), hkv, total),
             heads_to_rows(plse.astype(jnp.float32), hkv, total, fill=-jnp.inf))
     kw = dict(query_rows=rows, group=group, window=rows, page_size=page, scale=d ** -0.5, value_dim=d,
-              block_rows=block_rows, interpret=True)
+              block_rows=block_rows, interpret=interpret)
     rows_out = tree_window_row_layout(*args, **kw)
     heads = tree_window_row_layout(*args, **kw, heads_out=True, poison_outputs=True)
     block = window_block_rows(total, d, b * hkv, block_rows)  # the kernel's own choice
@@ -255,7 +255,7 @@ def test_default_row_tiles_follow_the_grid_size():
 
 
 @pytest.mark.parametrize("r,causal", cases([(5, True), (24, True), (5, False), (24, False)], default=(2, 3)))
-def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r, causal):
+def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r, causal, interpret):
     """`prefix_whole_pages=True` (the Mosaic GPU prefix half reads whole pages only): with a prefix
     partial over keys [0, min(P - R + 1 + r, whole)) (causal), or [0, whole) for every row
     (`causal_prefix=False`, the cascade's `prefix_covers_tail`), the window kernel adds the rest of
@@ -283,7 +283,7 @@ def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r, caus
     out = tree_window_row_layout(
         heads_to_rows(q, hkv, total), k, v, table, lens, mask, heads_to_rows(p_out, hkv, total),
         heads_to_rows(p_lse, hkv, total, fill=-jnp.inf), query_rows=r, group=g, window=w, page_size=page,
-        scale=d ** -0.5, value_dim=d, interpret=True, poison_outputs=True, prefix_whole_pages=True,
+        scale=d ** -0.5, value_dim=d, interpret=interpret, poison_outputs=True, prefix_whole_pages=True,
         causal_prefix=causal)
     got = rows_to_heads(out, r, hkv * g)
     ref, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=w, page_size=page, scale=d ** -0.5)
@@ -297,7 +297,7 @@ def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r, caus
 
 @pytest.mark.parametrize("splits,group,dtype", cases([(3, 4, jnp.bfloat16), (8, 1, FP8), (2, 8, jnp.float32)],
                                                      default=(1,)))
-def test_window_merges_unmerged_key_split_partials(splits, group, dtype):
+def test_window_merges_unmerged_key_split_partials(splits, group, dtype, interpret):
     """The window kernel fed the prefix half's S key-split partials (`[S, B, Hkv, T, Dv]`, each
     program merging its rows' splits by lse2) equals it fed their merge (`merge_splits_reference`):
     splits that saw none of a row's keys (lse2 -inf) carry NaN outputs that must not leak, and a row
@@ -322,7 +322,7 @@ def test_window_merges_unmerged_key_split_partials(splits, group, dtype):
                                                 jnp.asarray(lse_s))
     qr = heads_to_rows(q, hkv, total)
     kw = dict(query_rows=rows, group=group, window=rows, page_size=page, scale=d ** -0.5, value_dim=d,
-              interpret=True, poison_outputs=True, heads_out=True)
+              interpret=interpret, poison_outputs=True, heads_out=True)
     got = tree_window_row_layout(qr, k, v, table, lengths, mask, jnp.asarray(out_s), jnp.asarray(lse_s), **kw)
     want = tree_window_row_layout(qr, k, v, table, lengths, mask, merged, merged_lse, **kw)
     got = np.asarray(got, np.float32)
@@ -336,7 +336,7 @@ def test_window_merges_unmerged_key_split_partials(splits, group, dtype):
     (8, 8, 2, 16, jnp.bfloat16),     # G = 8: two query rows per tile
     (64, 1, 0, 32, jnp.float32),     # G = 1: a tile is 32 query rows of one head
 ], default=(1,)))
-def test_window_reads_head_layout_inputs(rows, group, splits, block_rows, dtype):
+def test_window_reads_head_layout_inputs(rows, group, splits, block_rows, dtype, interpret):
     """heads_in: the query in head layout and the prefix partial and lse2 with rows in `head_io_rows`
     order (the unfused Mosaic prefix's heads_io output), the mask words gathered per query row, give
     the row-layout kernel's bits; NaN in empty splits' outputs and in the poisoned output buffer
@@ -361,7 +361,7 @@ def test_window_reads_head_layout_inputs(rows, group, splits, block_rows, dtype)
     out_h[..., 0, :, :, :] = np.nan
     out_h, lse_h = jnp.asarray(out_h), jnp.asarray(lse_h)
     kw = dict(query_rows=rows, group=group, window=rows, page_size=page, scale=d ** -0.5, value_dim=d,
-              block_rows=block_rows, interpret=True, poison_outputs=True)
+              block_rows=block_rows, interpret=interpret, poison_outputs=True)
     to_rows = lambda x, fill=0.0: (jax.vmap(lambda y: heads_to_rows(y, hkv, total, fill))(x) if splits
                                    else heads_to_rows(x, hkv, total, fill))
     out_rows, lse_rows = to_rows(out_h), to_rows(lse_h, -jnp.inf)  # row r * G + g
