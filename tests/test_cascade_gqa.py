@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from paged_fixtures import attention_triton_calls, poisoned_paged_pools, rel_err, verify_case
-from tiers import cases
+from tiers import cases, sweep
 from trees import random_parents
 
 from pallas_kernels.attention.reference import cascade_dense_reference, sliding_lane_dense_reference
@@ -24,7 +24,7 @@ FP8 = jnp.float8_e4m3fn
     (64, 4, 16, jnp.bfloat16, 1e-2, False),
     (16, 8, 64, FP8, 6e-2, False),  # the prefix half multiplies an FP8-quantised query
     (64, 4, 16, jnp.bfloat16, 1e-2, True),  # every row's prefix half runs to P
-], default=(1, 2)))
+], default=(1,)))
 def test_verify_matches_dense_attention(n, group, page, dtype, tol, covers_tail, backend):
     rng = np.random.default_rng(n + group)
     b, hkv, d = 3, 2, 16
@@ -47,7 +47,7 @@ def test_verify_matches_dense_attention(n, group, page, dtype, tol, covers_tail,
     (jnp.bfloat16, 1e-2, 2, False, [100, 7]), (FP8, 6e-2, 2, True, [128, 74]),
     # P mod page < R - 1 (and a page-aligned P): the flag moves the last whole page's causal tail
     # from the window kernel to the prefix kernel, so a miswired half double-counts or drops it.
-    (jnp.bfloat16, 1e-2, 2, True, [128, 74]), (jnp.bfloat16, 1e-2, 2, False, [128, 74])], default=(1, 3, 5)))
+    (jnp.bfloat16, 1e-2, 2, True, [128, 74]), (jnp.bfloat16, 1e-2, 2, False, [128, 74])], default=(3, 5)))
 def test_verify_through_the_mosaic_gpu_prefix_kernel(dtype, tol, splits, covers_tail, lengths, backend):
     """CascadeConfig(prefix_kernel="mosaic_gpu", fuse_window=False) (Pallas' GPU interpreter here):
     the prefix half over whole pages plus the window over the partial page equals dense attention,
@@ -64,6 +64,7 @@ def test_verify_through_the_mosaic_gpu_prefix_kernel(dtype, tol, splits, covers_
     assert rel_err(out, dense) < tol
 
 
+@sweep
 def test_forced_key_split_reaches_the_mosaic_prefix(monkeypatch, backend):
     """CascadeConfig.num_splits is passed to the Mosaic prefix kernel, not dropped."""
     from treespec_jax.attention import cascade as cascade_module
@@ -84,6 +85,7 @@ def test_forced_key_split_reaches_the_mosaic_prefix(monkeypatch, backend):
     assert rel_err(out, dense) < 1e-2
 
 
+@sweep  # the default's resolution; both settings run against dense attention in the default tier
 def test_prefix_covers_tail_defaults_to_the_prefix_kernel(monkeypatch, backend):
     """prefix_covers_tail=None (the default) is on under the Mosaic prefix (timed faster there) and
     off under the Triton one; an explicit value wins, and a non-bool is refused by name."""
@@ -107,8 +109,7 @@ def test_prefix_covers_tail_defaults_to_the_prefix_kernel(monkeypatch, backend):
         CascadeConfig(page_size=page, prefix_covers_tail="yes")
 
 
-@pytest.mark.parametrize("kernel,splits", cases([("triton", None), ("triton", 1), ("mosaic_gpu", 1), ("mosaic_gpu", 2)],
-                                                default=(0, 2)))
+@pytest.mark.parametrize("kernel,splits", cases([("triton", None), ("triton", 1), ("mosaic_gpu", 1), ("mosaic_gpu", 2)]))
 def test_bf16_prefix_partial_matches_dense(kernel, splits, backend):
     """CascadeConfig(prefix_partial_dtype="bfloat16") through either prefix kernel (one CTA per
     key range, or key splits merged in float32) still equals dense attention, the window kernel
@@ -229,7 +230,8 @@ def test_lanes_match_dense_attention(step, covers_tail, backend):
     assert rel_err(out, dense) < 1e-5
 
 
-@pytest.mark.parametrize("covers_tail,frontiers", cases([(False, [70, 200]), (True, [64, 129])]))
+@sweep  # lanes through the fused Mosaic kernel stay in the default tier (test_fused_window)
+@pytest.mark.parametrize("covers_tail,frontiers", [(False, [70, 200]), (True, [64, 129])])
 def test_lanes_through_the_mosaic_gpu_prefix_kernel(covers_tail, frontiers, backend):
     """Draft lanes whose rows fill a 64-row tile (K = 4 lanes x 16 query heads per KV head) through
     the Mosaic GPU prefix (interpreter): the causal prefix over whole pages plus the window kernel
@@ -415,7 +417,7 @@ def test_verify_lowers_with_the_auto_prefix_kernel_on_a_gpu(monkeypatch, pool_dt
 
 
 @pytest.mark.parametrize("kernel,splits,dtype,tol", cases([("triton", 3, jnp.bfloat16, 1e-2), ("triton", 2, FP8, 6e-2),
-                                                            ("mosaic_gpu", 2, jnp.bfloat16, 1e-2)], default=(1,)))
+                                                            ("mosaic_gpu", 2, jnp.bfloat16, 1e-2)], default=()))
 def test_window_kernel_merges_the_key_splits(monkeypatch, kernel, splits, dtype, tol, backend):
     """CascadeConfig.window_merges_splits (the default): the prefix half hands its key-split partials on unmerged and
     the window kernel merges them (no merge kernel runs); the cascade still equals dense attention

@@ -46,7 +46,7 @@ def spy_on_kernels(monkeypatch):
     (8, 8, [63, 64], None, True),  # group 8: boxes of 8 query rows; P + W crosses a page
     (20, 4, [100, 3], None, False),  # R not a multiple of 64 / G: row layout, padded rows
     (4, 4, [70, 200], None, False),  # 16 real rows padded to one 64-row tile (draft-lane sizes)
-], default=(0, 4)))
+], default=(0,)))
 def test_fused_window_matches_dense(monkeypatch, n, group, lengths, splits, heads_io, backend):
     """The default cascade under the Mosaic prefix on bf16 pools runs the fused kernel alone (no
     window kernel), in head layout where the group allows it, and equals dense attention; every slot

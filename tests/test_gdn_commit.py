@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from gdn_numpy import B, DK, DV, H, HV, per_path_numpy, random_inputs, random_path, random_tree, rel_err
+from tiers import cases
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit
 from pallas_kernels.row_move import pack_path_rows
@@ -42,7 +43,7 @@ def _check_pool(new_pool, x, path, accept, ref_states):
             np.testing.assert_array_equal(new_pool[s].view(np.uint32), old_pool[s].view(np.uint32))
 
 
-@pytest.mark.parametrize("t, shape", [(16, "tree"), (33, "tree"), (8, "chain")])
+@pytest.mark.parametrize("t, shape", cases([(16, "tree"), (33, "tree"), (8, "chain")], default=(0, 2)))
 def test_replay_and_staged_commits_equal_last_accepted_state(t, shape, backend):
     rng = np.random.default_rng(300 + t)
     x = random_inputs(rng, B, t)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gdn_numpy import B, DK, DV, H, HV, branch_rows, chain, per_path_numpy, random_inputs, random_tree, rel_err
-from tiers import cases
+from tiers import cases, sweep
 from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, TWO_PASS_MIN_PROGRAMS, _invert_unit_lower,
                                               default_two_pass, gdn_chunked_verify, two_pass_block_v)
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
@@ -314,6 +314,7 @@ def test_chunked_is_stable_on_deep_chains_of_correlated_keys(t, form, backend):
     assert rel_err(out, ref_out) < TOL
 
 
+@sweep  # routing rules; every route's kernels are checked against the references above
 def test_layer_routes_by_explicit_bounds_knobs_and_dtype(backend):
     """Explicit chunked_min/max_nodes bounds (up to MAX_CHUNKED_NODES) replace the default route and
     its padded-rows minima; the two-pass and keys knobs reach the kernel; on a small grid the default
@@ -447,7 +448,7 @@ def test_default_runs_two_pass_past_16_rows_on_every_grid(monkeypatch, backend):
 
 
 @pytest.mark.parametrize("t, want_chunked", cases([(12, True), (16, True), (8, False), (17, False), (55, False),
-                                                   (60, True)], default=(3, 5)))
+                                                   (60, True)], default=(3,)))
 def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked, backend):
     """Under ReplaySSM a chain (tree=None) runs the two-pass chunked form with a chain's ancestor mask
     (bit for bit, no workspace row written, payload as read) over `chain_chunked_ranges`: with fp32

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from test_conv_tree import np_conv
 from test_mamba2_tree import H, N, S, _j, mamba2_inputs, np_mamba2, path_to, rel_err, scan
+from tiers import cases
 from trees import random_parents
 
 from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout
@@ -123,7 +124,7 @@ def _layer_inputs(rng, nb, T):
     return weights, pools, jnp.asarray(f(nb, T, DIMS.conv_dim)), jnp.asarray(f(nb, T, H)), jnp.asarray(f(nb, T, H, 8))
 
 
-@pytest.mark.parametrize("tree", [True, False])
+@pytest.mark.parametrize("tree", cases([True, False]))
 def test_layer_glue_staged_and_replay_agree_with_per_path(tree, backend):
     rng = np.random.default_rng(34 + tree)
     nb, T = 2, 8

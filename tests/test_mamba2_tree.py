@@ -6,6 +6,7 @@ per-step plan shared by layers, and the Triton lowering for sm_90."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiers import sweep
 from trees import random_parents
 
 from pallas_kernels.linear.mamba2_reference import Mamba2PayloadLayout
@@ -142,6 +143,7 @@ def test_chain_as_parents_equals_chain_kernel(backend):
     assert rel_err(y_chain, np_mamba2(inp, slots, np.asarray(chain_parents(nb, T)))[0]) < 2e-5
 
 
+@sweep  # a loop form of the same kernel
 def test_unrolled_node_loop_matches_rolled(backend):
     rng = np.random.default_rng(15)
     nb, T, P = 2, 10, 8

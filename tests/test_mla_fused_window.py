@@ -35,7 +35,7 @@ def dense(q, pool, table, lengths, mask, window):
     # Alternate steps scored whole by each warpgroup: odd and even step counts, window steps masked.
     (16, 4, [130, 300], 1, "seesaw"),
     (16, 4, [130, 300], 1, "seesaw+no_p_in_ring"),  # P in a buffer of its own, not the rope columns
-], default=(2, 3)))
+], default=(3,)))
 def test_fused_mla_window_matches_dense(n, hq, lengths, splits, schedule, backend):
     """Every row sees [0, P) and its ancestors in the window; slots past P + N hold NaN (poisoned),
     which the kernel must zero before P V."""
@@ -198,7 +198,7 @@ def test_widen_cols_refusals():
                                                                  (1, jnp.bfloat16, jnp.bfloat16, None),
                                                                  (1, jnp.bfloat16, jnp.float8_e4m3fn, None),
                                                                  (1, jnp.bfloat16, jnp.float8_e4m3fn, 256)],
-                                                                default=(1, 3)))
+                                                                default=(1,)))
 def test_fused_mla_window_lowers_to_mosaic_gpu(splits, out_dtype, dtype, widen):
     """DeepSeek-V3 widths (latent 512 + rope 64, 128 heads, N = 16): layout inference and the
     shared-memory check pass with the window fused (the words are read straight from global memory),

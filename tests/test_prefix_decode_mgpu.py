@@ -338,7 +338,7 @@ def test_bf16_partial_lowers(form):
 @pytest.mark.parametrize("case,opts", cases([(STAGED[1], {}), (STAGED[4], {}), (KEY_SPLIT[2], {}),
                                              (STAGED[6], dict(overlap_softmax=True)),
                                              (STAGED[1], dict(prefetch_query=False)),
-                                             (KEY_SPLIT[2], dict(prefetch_query=False))]))
+                                             (KEY_SPLIT[2], dict(prefetch_query=False))], default=()))
 def test_persistent_launch_matches_dense(case, opts, monkeypatch, interpret):
     import pallas_kernels.attention.prefix_decode_mgpu as pdm
 

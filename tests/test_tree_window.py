@@ -182,7 +182,8 @@ def test_window_rejects_bad_inputs():
         tree_window_attention(q, pool, pool, table, lengths, mask, po, plse[..., :1], window=4, page_size=16)
 
 
-@pytest.mark.parametrize("block_rows,num_warps", cases([(16, 8), (32, None)], default=(1,)))
+@sweep  # explicit row tiles; the default tiles run in every test above
+@pytest.mark.parametrize("block_rows,num_warps", [(16, 8), (32, None)])
 def test_window_row_tiles(block_rows, num_warps, backend):
     """block_rows splits a KV head's R * G = 36 rows (padded to 64) over several programs; each tile
     finds its own tail coverage and mask words. Checked against the reference."""
@@ -254,7 +255,7 @@ def test_default_row_tiles_follow_the_grid_size():
     assert default_block_rows(16, 128, 64 * 8) == 16  # never past the rows there are
 
 
-@pytest.mark.parametrize("r,causal", cases([(5, True), (24, True), (5, False), (24, False)], default=(2, 3)))
+@pytest.mark.parametrize("r,causal", cases([(5, True), (24, True), (5, False), (24, False)], default=(2,)))
 def test_window_covers_the_partial_page_when_the_prefix_took_whole_pages(r, causal, interpret):
     """`prefix_whole_pages=True` (the Mosaic GPU prefix half reads whole pages only): with a prefix
     partial over keys [0, min(P - R + 1 + r, whole)) (causal), or [0, whole) for every row
