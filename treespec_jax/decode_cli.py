@@ -93,8 +93,9 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _resolve(args, config: ServeConfig):
-    """(target, draft dir, config, note) with the default pair and device tree filled in."""
+def _resolve(args, config: ServeConfig, fill_tree: bool = True):
+    """(target, draft dir, config, note) with the default pair and device tree filled in (the
+    tree only with `fill_tree`: an experiment's explicit plain setting stays plain)."""
     target, draft = args.model_dir or config.model.path, args.draft_dir or config.speculative.draft_model_path
     note = None
     if target is None:
@@ -105,7 +106,7 @@ def _resolve(args, config: ServeConfig):
             draft = DEFAULT_HEAD
         if draft is None:
             note = "no trained EAGLE-3 head ships in this build: plain decoding only"
-    if draft is not None and not config.speculative.enabled:
+    if draft is not None and not config.speculative.enabled and fill_tree:
         gpu = _on_gpu()
         config = config.replace(speculative=dataclasses.replace(GPU_TREE if gpu else CPU_TREE,
                                                                 draft_model_path=str(draft)))
@@ -117,7 +118,23 @@ def _resolve(args, config: ServeConfig):
         config = config.replace(backends=dataclasses.replace(config.backends, attention_backend="dense"))
     if config.model.dtype == "bf16" and not _on_gpu():
         config = config.replace(model=dataclasses.replace(config.model, dtype="fp32"))
+    config = _sized(config, target_given=args.model_dir is not None)
     return target, draft, config, note
+
+
+def _sized(config: ServeConfig, target_given: bool) -> ServeConfig:
+    """Pools sized for a command-line run where the config leaves them open: the default model's
+    8192-token context times 32 slots would ask for tens of GB of KV; 2048 tokens of context and
+    a pool for 4 full requests (8 on a GPU) serve the built-in and held-out prompts."""
+    if config.model.context_length is None and not target_given:
+        config = config.replace(model=dataclasses.replace(config.model, context_length=2048))
+    if config.kv_cache.max_total_tokens is None:
+        slots = min(config.scheduler.max_running_requests, 8 if _on_gpu() else 4)
+        context = config.model.context_length or 2048
+        config = config.replace(
+            scheduler=dataclasses.replace(config.scheduler, max_running_requests=slots),
+            kv_cache=dataclasses.replace(config.kv_cache, max_total_tokens=slots * (context + 256)))
+    return config
 
 
 def _table(rows: list[tuple[str, str]]) -> str:

@@ -89,9 +89,8 @@ def run_experiment(args) -> int:
                             prompt=None, prompts_file=exp.get("prompts") or None,
                             max_new_tokens=exp.get("max_new_tokens", 64), raw=False)
     rows = []
-    target_cache = {}
     for label, cfg in runs:
-        target, draft, cfg, _ = _resolve(ns, cfg)
+        target, draft, cfg, _ = _resolve(ns, cfg, fill_tree=False)
         if not cfg.speculative.enabled:
             draft = None
         engine = Engine.from_pretrained(target, draft, cfg)
@@ -100,7 +99,6 @@ def run_experiment(args) -> int:
             requests = requests[: int(exp["limit"])]
         outs = engine.decode(requests)
         run = engine.last_run
-        target_cache[label] = [o.tokens for o in outs]
         rows.append({"label": label, "algorithm": cfg.speculative.algorithm, "topk": cfg.speculative.topk,
                      "num_steps": cfg.speculative.steps if cfg.speculative.enabled else 0,
                      "num_draft_tokens": cfg.speculative.verify_tokens, **run.to_dict()})

@@ -1,4 +1,4 @@
-"""The EAGLE-3 training recipe's knobs: `configs/train_eagle3.toml` read into frozen dataclasses.
+"""The EAGLE-3 training recipe's knobs: `configs/train/eagle3.toml` read into frozen dataclasses.
 
 One `TrainConfig` holds four sections, each a frozen dataclass whose fields are the TOML keys:
 `[data]` (self-distillation replies from the engine), `[vocab]` (the draft vocabulary), `[head]`
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "train_eagle3.toml"
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "train" / "eagle3.toml"
 DEFAULT_PROMPTS = "treespec_jax/data/train_prompts.jsonl"
 DTYPES = ("bf16", "fp32")
 ATTENTION_BACKENDS = ("auto", "cascade", "dense")
@@ -249,7 +249,7 @@ def from_dict(data: Mapping[str, Any], source: str = "config") -> TrainConfig:
 
 
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
-    """Reads the TOML at `path` (default configs/train_eagle3.toml); `overrides` maps dotted keys
+    """Reads the TOML at `path` (default configs/train/eagle3.toml); `overrides` maps dotted keys
     ("train.steps") to values applied on top, as the command line's --set does."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
     with open(path, "rb") as f:

@@ -1,6 +1,6 @@
 """Self-distillation data for the EAGLE-3 head: the target's own chat replies, from our engine.
 
-    python -m treespec_jax.train.data --out DATA [--config configs/train_eagle3.toml] [--max-minutes 4]
+    python -m treespec_jax.train.data --out DATA [--config configs/train/eagle3.toml] [--max-minutes 4]
                                       [--set data.max_requests=8192 ...]
 
 Requests. Request j of the run asks prompt j mod P of the prompt set (P prompts), with the chat
@@ -379,7 +379,7 @@ def summarize(data_dir: str | os.PathLike, cfg: TrainConfig, vocab_size: int) ->
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Generate the EAGLE-3 self-distillation shards with the engine.")
     ap.add_argument("--out", required=True, type=Path, help="data directory (shards are added to it)")
-    ap.add_argument("--config", type=Path, default=None, help="training TOML (default configs/train_eagle3.toml)")
+    ap.add_argument("--config", type=Path, default=None, help="training TOML (default configs/train/eagle3.toml)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
     ap.add_argument("--max-minutes", type=float, default=None, help="start no shard that would end past this")
     ap.add_argument("--num-prompts", type=int, default=None, help="shorthand for --set data.max_requests=N")

@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--run", required=True, type=Path, help="run directory (checkpoints, logs, export)")
         p.add_argument("--data", type=Path, default=None, help="data directory of shards")
-        p.add_argument("--config", type=Path, default=None, help="training TOML (default configs/train_eagle3.toml)")
+        p.add_argument("--config", type=Path, default=None, help="training TOML (default configs/train/eagle3.toml)")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
         if name == "train":
             p.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget of this run")
