@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Stages the default GGUF (SmolLM2-135M-Instruct Q4_1, 98 MB) onto the device machine.
 #
-# The device machine reaches no network, and one run carries at most 64 MiB of ignored files,
-# so the file goes over in two halves, in two runs sent one right after the other (the machine
-# must still be warm for the second: /root/gguf lies outside the work tree and dies with it).
+# The device machine reaches no network, and one run carries at most 64 MiB (the work tree
+# included), so the file goes over in two parts, in two runs sent one right after the other (the
+# machine must still be warm for the second: /root/gguf lies outside the work tree and dies with
+# it). Part one is the larger (60 MB); part two (38 MB) leaves room for the EAGLE-3 head (20 MB)
+# in the run that joins the file and then uses both.
 #
 #   benchmarks/stage_gguf.sh split                 # here: cached GGUF -> .stage/gguf1, .stage/gguf2
 #   run carry=[".stage/gguf1"]  command="bash benchmarks/stage_gguf.sh part1 /root/gguf"
@@ -20,7 +22,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 STAGE="$ROOT/.stage"
 PART1="$STAGE/gguf1/$NAME.part1"
 PART2="$STAGE/gguf2/$NAME.part2"
-MAX_PART=50000000  # bytes; each half stays under it
+PART1_BYTES=60000000
+MAX_PART=61000000  # bytes; each part stays under it (with a 3 MB work tree, under 64 MiB a run)
 
 usage() {
     echo "usage: $0 split | part1 DEST_DIR | join DEST_DIR" >&2
@@ -37,10 +40,8 @@ split)
     # ensure_default_gguf verifies the cached copy (fetching it first if needed).
     SRC=$(cd "$ROOT" && "$PY" -c 'from treespec_jax.models.default import ensure_default_gguf; print(ensure_default_gguf())')
     mkdir -p "$STAGE/gguf1" "$STAGE/gguf2"
-    SIZE=$(stat -c %s "$SRC")
-    HALF=$(( (SIZE + 1) / 2 ))
-    head -c "$HALF" "$SRC" >"$PART1"
-    tail -c +"$((HALF + 1))" "$SRC" >"$PART2"
+    head -c "$PART1_BYTES" "$SRC" >"$PART1"
+    tail -c +"$((PART1_BYTES + 1))" "$SRC" >"$PART2"
     for p in "$PART1" "$PART2"; do
         n=$(stat -c %s "$p")
         if (( n >= MAX_PART )); then

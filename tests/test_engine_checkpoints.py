@@ -56,7 +56,7 @@ def test_from_pretrained_eagle3_is_lossless(checkpoint_pair):
 def test_decode_command_on_checkpoints(checkpoint_pair, tmp_path, capsys):
     target, head, _, _ = checkpoint_pair
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": r.prompt, "max_new_tokens": r.max_new_tokens})
+    prompts.write_text("\n".join(json.dumps({"prompt": r.prompt, "max_new_tokens": r.max_new_tokens, "kind": "label"})
                                  for r in mixed_requests()[:2]))
     flags = ["--dtype", "fp32", "--page-size", "16", "--max-total-tokens", "2048", "--max-running-requests", "2",
              "--attention-backend", "dense", "--json", "--prompts-file", str(prompts)]
@@ -115,3 +115,47 @@ def test_rejection_sampling_matches_plain_distribution():
     assert chi_square_p(third, exact) > P_MIN
     # The test can fail: the same counts against a wrong distribution are rejected.
     assert chi_square_p(third, np.roll(exact, 1)) < P_MIN
+
+
+def test_run_experiment_writes_table_and_plot(checkpoint_pair, tmp_path):
+    """`treespec run` over a plain and a tree setting: one JSON row per setting and a PNG."""
+    target, head, _, _ = checkpoint_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": r.prompt, "max_new_tokens": 12, "kind": "label"})
+                                 for r in mixed_requests()[:2]))
+    toml = tmp_path / "sweep.toml"
+    toml.write_text(f"""
+[model]
+dtype = "fp32"
+[kv_cache]
+page_size = 16
+max_total_tokens = 2048
+[scheduler]
+max_running_requests = 2
+[backends]
+attention_backend = "dense"
+[experiment]
+name = "tiny-sweep"
+model = "{target}"
+draft_model = "{head}"
+prompts = "{prompts}"
+[[experiment.settings]]
+label = "plain"
+algorithm = "NONE"
+[[experiment.settings]]
+label = "tree"
+algorithm = "EAGLE3"
+topk = 2
+num_steps = 3
+num_draft_tokens = 6
+""")
+    out = tmp_path / "out"
+    assert cli.main(["run", str(toml), "--out", str(out)]) == 0
+    rows = json.loads((out / "tiny-sweep.json").read_text())["rows"]
+    assert [r["label"] for r in rows] == ["plain", "tree"]
+    assert rows[0]["mean_accept_length"] == 1.0 and rows[1]["mean_accept_length"] >= 1.0
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows)
+    assert (out / "tiny-sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A setting key the sweep does not know refuses the whole file before anything runs.
+    toml.write_text(toml.read_text() + 'num_lanes = 3\n')
+    assert cli.main(["run", str(toml), "--out", str(out)]) == cli.EXIT_REFUSED

@@ -56,6 +56,11 @@ def add_decode_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+# Fields a prompts file may carry to label its rows (the held-out set tags each prompt's kind);
+# they describe the prompt and are not request parameters.
+PROMPT_LABELS = frozenset({"id", "kind"})
+
+
 def _requests(args, tokenizer):
     from treespec_jax.engine import Request
 
@@ -76,10 +81,10 @@ def _requests(args, tokenizer):
     known = {f.name for f in dataclasses.fields(Request)}
     out = []
     for e in entries:
-        unknown = sorted(set(e) - known)
+        unknown = sorted(set(e) - known - PROMPT_LABELS)
         if unknown:
-            raise ValueError(f"request fields {unknown} are not among {sorted(known)}")
-        e = dict(e)
+            raise ValueError(f"request fields {unknown} are not among {sorted(known | PROMPT_LABELS)}")
+        e = {k: v for k, v in e.items() if k not in PROMPT_LABELS}
         e.setdefault("max_new_tokens", default_new)
         if chat and isinstance(e.get("prompt"), str):
             e["messages"] = [{"role": "user", "content": e.pop("prompt")}]
