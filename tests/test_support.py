@@ -18,7 +18,7 @@ from treespec_jax.config import (
 from treespec_jax.support import (
     AttentionLayerSpec,
     BackendGroup,
-    CacheGroupSpec,
+    CacheGroupFormatSpec,
     Capability,
     DrafterSpec,
     LinearAttentionLayerSpec,
@@ -73,7 +73,7 @@ def test_capability_requires_reason_exactly_when_refused():
 
 @pytest.mark.parametrize("sampler", ["greedy", "gumbel", "rejection"])
 def test_supported_tree_resolves_and_walks_every_node(sampler):
-    group = CacheGroupSpec("full")
+    group = CacheGroupFormatSpec("full")
     verify = target(AttentionLayerSpec("layers.0", cache_group=group),
                     AttentionLayerSpec("layers.1", kv_dtype="fp8_e4m3", cache_group=group),
                     sampler=SamplingBackendSpec(sampler))
@@ -145,9 +145,9 @@ def test_blocker_kv_dtype(model_dtype, kv_dtype, ok):
 
 
 @pytest.mark.parametrize("group,fragment", [
-    (CacheGroupSpec("swa_group", kind="sliding_window"), "'sliding_window' is not full-history"),
-    (CacheGroupSpec("chunk_group", kind="chunked"), "'chunked' is not full-history"),
-    (CacheGroupSpec("packed_group", tokens_per_row=4), "packs 4 tokens per row"),
+    (CacheGroupFormatSpec("swa_group", kind="sliding_window"), "'sliding_window' is not full-history"),
+    (CacheGroupFormatSpec("chunk_group", kind="chunked"), "'chunked' is not full-history"),
+    (CacheGroupFormatSpec("packed_group", tokens_per_row=4), "packs 4 tokens per row"),
 ])
 def test_blocker_cache_group(group, fragment):
     b = only_blocker(target(AttentionLayerSpec("layers.2", cache_group=group)), OK_DRAFT)
@@ -181,7 +181,7 @@ def test_blocker_drafter_that_cannot_draft_trees():
 
 def test_every_blocker_is_listed_once_in_one_error():
     verify = target(AttentionLayerSpec("layers.0", sliding_window=64, attention_sinks=True),
-                    AttentionLayerSpec("layers.1", cache_group=CacheGroupSpec("g", tokens_per_row=2)),
+                    AttentionLayerSpec("layers.1", cache_group=CacheGroupFormatSpec("g", tokens_per_row=2)),
                     LinearAttentionLayerSpec("layers.2", "kda"),
                     sampler=SamplingBackendSpec("custom", supports_tree_verify=False))
     draft = drafter(AttentionLayerSpec("layers.0", attention_sinks=True), LinearAttentionLayerSpec("layers.1"),
@@ -252,7 +252,7 @@ def test_descriptor_nodes_refuse_bad_values():
     with pytest.raises(ValueError, match="linear attention kind='rwkv'"):
         LinearAttentionLayerSpec("l", "rwkv")
     with pytest.raises(ValueError, match="tokens_per_row must be >= 1, got 0"):
-        CacheGroupSpec(tokens_per_row=0)
+        CacheGroupFormatSpec(tokens_per_row=0)
     with pytest.raises(ValueError, match="mtp_depth must be >= 1, got 0"):
         DrafterSpec(algorithm="MTP", mtp_depth=0)
 

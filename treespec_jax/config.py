@@ -37,6 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# A verify tree has at most as many nodes as one packed ancestor-mask row has bits (64).
+from pallas_kernels.tree_masks import MAX_TREE_NODES
+
 # The descriptor nodes and the config share one list of legal values per fact.
 from treespec_jax.support import (
     DRAFTER_ALGORITHMS,
@@ -67,8 +70,6 @@ __all__ = [
 # into 62 bits; K <= 16 and S <= 10 keep both inside their bit budgets.
 MAX_TOPK = 16
 MAX_NUM_STEPS = 10
-# An ancestor-mask row is 64 bits (two uint32 words), so a verify tree has at most 64 nodes.
-MAX_TREE_NODES = 64
 # Draft steps when an algorithm is chosen but num_steps is not given.
 DEFAULT_NUM_STEPS = 3
 

@@ -17,7 +17,7 @@ as one `TreeSupportError` naming each blocker by its path (e.g. `target/hybrid/l
 With topk K = 1 (a chain) nothing tree-specific runs, so no resolution is needed:
 `resolve_tree_support(..., topk=1)` returns without walking.
 
-The descriptor nodes below (`AttentionLayerSpec`, `CacheGroupSpec`, `LinearAttentionLayerSpec`,
+The descriptor nodes below (`AttentionLayerSpec`, `CacheGroupFormatSpec`, `LinearAttentionLayerSpec`,
 `SamplingBackendSpec`, `DrafterSpec`, `BackendGroup`) carry the facts that decide support before
 any kernel exists; real backend classes implement the same `TreeBackend` protocol.
 """
@@ -38,7 +38,7 @@ __all__ = [
     "ResolvedTreeSupport",
     "resolve_tree_support",
     "BackendGroup",
-    "CacheGroupSpec",
+    "CacheGroupFormatSpec",
     "AttentionLayerSpec",
     "LinearAttentionLayerSpec",
     "SamplingBackendSpec",
@@ -254,8 +254,9 @@ class BackendGroup(TreeBackend):
 
 
 @dataclass(frozen=True, eq=False)
-class CacheGroupSpec(TreeBackend):
-    """A KV cache group: the pages a set of layers share.
+class CacheGroupFormatSpec(TreeBackend):
+    """A KV cache group's row format (which rows it keeps, tokens per row) as the tree-support
+    resolver sees it; the group's pages, buffers and layers are `cache.pools.CacheGroupSpec`.
 
     Tree compaction moves one slot per verify node and later reads keys by absolute position, so
     the group must keep every token's row (full history) and hold exactly one token per row.
@@ -302,7 +303,7 @@ class AttentionLayerSpec(TreeBackend):
     kv_dtype: str = "bf16"  # dtype of this layer's KV pool
     sliding_window: int | None = None  # window length in tokens; None = full attention
     attention_sinks: bool = False  # learned sink logits in the softmax (gpt-oss style)
-    cache_group: CacheGroupSpec | None = None  # pages this layer's K/V live in; None = default
+    cache_group: CacheGroupFormatSpec | None = None  # pages this layer's K/V live in; None = default
 
     def __post_init__(self):
         _check_choice("model dtype", self.model_dtype, MODEL_DTYPES)
@@ -444,7 +445,7 @@ def describe_backends(config) -> tuple[TreeBackend, TreeBackend | None]:
     from treespec_jax.attention.backends import attention_backend_node
 
     model, spec = config.model, config.speculative
-    kv_group = CacheGroupSpec(name="kv_group")
+    kv_group = CacheGroupFormatSpec(name="kv_group")
     target_layers: list[TreeBackend] = [
         AttentionLayerSpec(
             name="attention",
@@ -473,7 +474,7 @@ def describe_backends(config) -> tuple[TreeBackend, TreeBackend | None]:
             kv_dtype=config.kv_dtype,
             sliding_window=spec.draft_sliding_window,
             attention_sinks=spec.draft_attention_sinks,
-            cache_group=CacheGroupSpec(name="draft_kv_group"),
+            cache_group=CacheGroupFormatSpec(name="draft_kv_group"),
         )
     ]
     if spec.draft_linear_attention != "none":
