@@ -11,8 +11,8 @@ import pytest
 
 from gdn_numpy import B, DK, DV, H, HV, branch_rows, chain, per_path_numpy, random_inputs, random_tree, rel_err
 from tiers import cases, sweep
-from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, TWO_PASS_MIN_PROGRAMS, _invert_unit_lower,
-                                              default_two_pass, gdn_chunked_verify, two_pass_block_v)
+from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, _invert_unit_lower, default_two_pass,
+                                              gdn_chunked_verify, two_pass_block_v)
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
 from pallas_kernels.linear.gdn_common import GdnDims
@@ -415,13 +415,12 @@ def test_layer_routes_by_explicit_bounds_knobs_and_dtype(backend):
                    payload=_nan_payload(t), tree=tree, backend=backend)
 
 
-def test_default_runs_two_pass_past_16_rows_on_every_grid(monkeypatch, backend):
+def test_default_runs_two_pass_past_16_rows_on_every_grid(backend):
     """With bf16 q and k a 30-node tree (32 padded rows) goes to the chunked form on both grids, and
     past 16 rows the kernel's default is the two-pass form with input-dtype grams on every grid (the
     output is two_pass=True's, bit for bit). With fp32 q and k the small grid keeps it recurrent (no
-    two-pass tree at 32 rows without grams). The threshold is lowered so the test's small batch also
-    counts as a large grid."""
-    import pallas_kernels.linear.gdn_chunked as gdn_chunked_module
+    two-pass tree at 32 rows without grams). The large grid's config lowers the two-pass threshold so
+    the test's small batch counts as a large grid."""
     t = 30
     bf16 = jnp.bfloat16
     x, parents, tree, ref_out, _ = _random_tree_case(17, t)
@@ -431,13 +430,12 @@ def test_default_runs_two_pass_past_16_rows_on_every_grid(monkeypatch, backend):
                                 input_dtype_grams=True, backend=backend)
     assert default.chunked_route(B, jnp.float32) == (12, 64, {32: 33, 64: 48})
     assert default.chunked_route(B, bf16) == (8, 64, {32: 17, 64: 33})
-    for grid in ("small", "large"):
-        if grid == "large":
-            monkeypatch.setattr(gdn_chunked_module, "TWO_PASS_MIN_PROGRAMS", B * HV)
-            assert default.chunked_route(B, jnp.float32) == (8, 64, {32: 26, 64: 33})
-            assert default.chunked_route(B, bf16) == (8, 64, {32: 17, 64: 33})
+    large = GdnLayerConfig(H, HV, DK, DV, kernel=GdnKernelConfig(two_pass_min_programs=B * HV))
+    assert large.chunked_route(B, jnp.float32) == (8, 64, {32: 26, 64: 33})
+    assert large.chunked_route(B, bf16) == (8, 64, {32: 17, 64: 33})
+    for grid, cfg in (("small", default), ("large", large)):
         def layer(*a):
-            return gdn_verify(default, *a, node_states=_nan_states(t), payload=_nan_payload(t, bf16), tree=tree,
+            return gdn_verify(cfg, *a, node_states=_nan_states(t), payload=_nan_payload(t, bf16), tree=tree,
                               backend=backend)
         res = layer(*args16)
         assert np.isnan(np.asarray(res.node_states)).all(), grid  # chunked: no node states
@@ -449,15 +447,14 @@ def test_default_runs_two_pass_past_16_rows_on_every_grid(monkeypatch, backend):
 
 @pytest.mark.parametrize("t, want_chunked", cases([(12, True), (16, True), (8, False), (17, False), (55, False),
                                                    (60, True)], default=(3,)))
-def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked, backend):
+def test_chain_ranges_of_the_two_pass_form(t, want_chunked, backend):
     """Under ReplaySSM a chain (tree=None) runs the two-pass chunked form with a chain's ancestor mask
     (bit for bit, no workspace row written, payload as read) over `chain_chunked_ranges`: with fp32
     q and k (this test's) 12..16 nodes, and 56..64 where the apply-reads-keys variant runs at 64 rows,
     on large grids only; with 16-bit q and k 8..64 on large grids (8..32 without the keys variant at
     64 rows) and 8..16 (the fused form) and 48..64 on small ones. Other lengths, chunked_chain_verify=False, chunked_two_pass=False
-    and staged run the recurrent chain. The two-pass threshold is lowered so the test's batch counts
-    as a large grid."""
-    import pallas_kernels.linear.gdn_chunked as gdn_chunked_module
+    and staged run the recurrent chain. Past the small-grid checks the configs lower the two-pass
+    threshold (`GdnKernelConfig.two_pass_min_programs`) so the test's batch counts as a large grid."""
     rng = np.random.default_rng(40 + t)
     x = random_inputs(rng, B, t)
     parents = chain(B, t)
@@ -491,23 +488,25 @@ def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked, backend
                                         input_dtype_grams=True, backend=backend)
         np.testing.assert_array_equal(np.asarray(res16.out), np.asarray(fused16))
         assert np.isnan(np.asarray(res16.node_states)).all() and rel_err(res16.out, ref_out) < 1e-2
-    monkeypatch.setattr(gdn_chunked_module, "TWO_PASS_MIN_PROGRAMS", B * HV)
+    large_grid = GdnKernelConfig(two_pass_min_programs=B * HV)
+    default = GdnLayerConfig(H, HV, DK, DV, kernel=large_grid)
     assert default.chain_runs_chunked(t, B, f32) == want_chunked
     for off in (dict(chunked_chain_verify=False), dict(chunked_two_pass=False), dict(mode="staged")):
-        cfg = GdnLayerConfig(H, HV, DK, DV, **off)
+        cfg = GdnLayerConfig(H, HV, DK, DV, kernel=large_grid, **off)
         assert cfg.chain_chunked_ranges(B, f32) == cfg.chain_chunked_ranges(B, bf16) == (), off
     # 56..64 only where the apply-reads-keys variant runs at 64 rows (the default).
-    assert GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=False).chain_runs_chunked(t, B, f32) == (
-        want_chunked and t <= 16)
+    no_keys = GdnLayerConfig(H, HV, DK, DV, kernel=large_grid, chunked_apply_reads_keys=False)
+    assert no_keys.chain_runs_chunked(t, B, f32) == (want_chunked and t <= 16)
     assert GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS == (56, 64)
     for cfg_keys in (None, True, False):
-        cfg = GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=cfg_keys)
+        cfg = GdnLayerConfig(H, HV, DK, DV, kernel=large_grid, chunked_apply_reads_keys=cfg_keys)
         assert [n for n in range(17, 65) if cfg.chain_runs_chunked(n, B, f32)] == (
             [] if cfg_keys is False else list(range(56, 65))), cfg_keys
         # 16-bit q and k (input-dtype grams): every chain of 8..64 nodes, 8..32 without keys at 64 rows.
         assert [n for n in range(1, 65) if cfg.chain_runs_chunked(n, B, bf16)] == (
             list(range(8, 33)) if cfg_keys is False else list(range(8, 65))), cfg_keys
-        grams_off = GdnLayerConfig(H, HV, DK, DV, chunked_apply_reads_keys=cfg_keys, chunked_input_dtype_grams=False)
+        grams_off = GdnLayerConfig(H, HV, DK, DV, kernel=large_grid, chunked_apply_reads_keys=cfg_keys,
+                                   chunked_input_dtype_grams=False)
         assert grams_off.chain_chunked_ranges(B, bf16) == cfg.chain_chunked_ranges(B, f32), cfg_keys
     res = gdn_verify(default, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=None,
                      backend=backend)
@@ -515,8 +514,8 @@ def test_chain_ranges_of_the_two_pass_form(monkeypatch, t, want_chunked, backend
     np.testing.assert_array_equal(np.asarray(res.payload), np.asarray(pack_payload(*_args(x)[1:5])))
     assert np.isnan(np.asarray(res.node_states)).all()  # neither form writes workspace rows for a chain
     two, _ = gdn_chunked_verify(*_args(x), chain_mask, _nan_payload(t), two_pass=True, backend=backend)
-    recurrent = gdn_verify(GdnLayerConfig(H, HV, DK, DV, chunked_chain_verify=False), *_args(x),
-                           node_states=_nan_states(t), payload=_nan_payload(t), tree=None, backend=backend)
+    recurrent = gdn_verify(GdnLayerConfig(H, HV, DK, DV, kernel=large_grid, chunked_chain_verify=False),
+                           *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=None, backend=backend)
     assert not np.array_equal(np.asarray(two), np.asarray(recurrent.out))  # the two routes are told apart
     np.testing.assert_array_equal(np.asarray(res.out), np.asarray(two if want_chunked else recurrent.out))
 
@@ -559,14 +558,15 @@ def test_layer_verify_dispatch_and_modes_agree(backend):
     chunked_sizes = [n for n in range(1, 65) if verify_kernel_for("replay_ssm", n, True, True, 8, max_nodes=64,
                                                                   padded_min_nodes={32: 26, 64: 40}) == "chunked"]
     assert chunked_sizes == list(range(8, 17)) + list(range(26, 33)) + list(range(40, 65))
-    # The layer's default route follows the grid (B * HV against TWO_PASS_MIN_PROGRAMS) and q's dtype.
+    # The layer's default route follows the grid (B * HV against GdnKernelConfig.two_pass_min_programs) and q's dtype.
     default = GdnLayerConfig(H, HV, DK, DV)
     assert (default.chunked_tree_verify, default.chunked_min_nodes, default.chunked_two_pass,
             default.chunked_fp32_dots, default.chunked_input_dtype_grams) == (True, None, None, "tf32x3", None)
     assert default.runs_input_dtype_grams(jnp.bfloat16) and default.runs_input_dtype_grams(jnp.float16)
     assert not default.runs_input_dtype_grams(jnp.float32)
     assert not GdnLayerConfig(H, HV, DK, DV, chunked_input_dtype_grams=False).runs_input_dtype_grams(jnp.bfloat16)
-    small_b, large_b = TWO_PASS_MIN_PROGRAMS // HV - 1, -(-TWO_PASS_MIN_PROGRAMS // HV)
+    min_programs = GdnKernelConfig().two_pass_min_programs
+    small_b, large_b = min_programs // HV - 1, -(-min_programs // HV)
     assert not default_two_pass(small_b, HV) and default_two_pass(large_b, HV)
     assert default_two_pass(small_b, HV, 32) and default_two_pass(small_b, HV, 64)  # past 16 rows: any grid
     f32, bf16 = jnp.float32, jnp.bfloat16
@@ -826,7 +826,7 @@ def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
 
 def test_default_form_follows_the_grid_in_the_sm90_lowering(monkeypatch):
     """two_pass=None at 16 padded rows lowers to the factor and apply kernels at the threshold grid
-    (B * HV == TWO_PASS_MIN_PROGRAMS) and to the fused kernel one request below it; past 16 rows to
+    (B * HV == GdnKernelConfig().two_pass_min_programs) and to the fused kernel one request below it; past 16 rows to
     the two-pass kernels on any grid (Qwen3-Next dims, HV=32). The apply kernel's default tile is 64
     columns up to 32 rows and 32 at 64 rows."""
     assert [two_pass_block_v(rows, 128) for rows in (16, 32, 64)] == [64, 64, 32]
@@ -841,7 +841,7 @@ def test_default_form_follows_the_grid_in_the_sm90_lowering(monkeypatch):
     _fake_sm90(monkeypatch)
     sd = jax.ShapeDtypeStruct
     hv = 32
-    small = TWO_PASS_MIN_PROGRAMS // hv - 1
+    small = GdnKernelConfig().two_pass_min_programs // hv - 1
     # Past 16 padded rows the two-pass form is the default on every grid.
     for bsz, t, two in ((small + 1, 16, True), (small, 16, False), (small, 17, True), (1, 33, True)):
         ins, width = _qwen_specs(bsz, t)
@@ -878,3 +878,19 @@ def test_chunked_64_nodes_lowers_to_triton_for_sm90(monkeypatch, fp32_dots, form
     name = dict(fused="gdn_chunked_verify", two_pass="gdn_chunked_factor", keys="gdn_chunked_p_factor")[base]
     assert "__gpu$xla.gpu.triton" in text and name in text
     assert ("gdn_chunked_apply_keys" in text) == (base == "keys")
+
+
+def test_default_config_rule():
+    """`default_config(dims)` fixes value_major by the grid (B * HV against MIN_PROGRAMS = 512) and
+    leaves the per-launch fields None; two_pass_min_programs steers `default_two_pass` at 16 rows."""
+    from pallas_kernels.linear.gdn_tree import default_config
+    small, large = GdnDims(1, 8, 4, 8, 16, 16, 2), GdnDims(64, 8, 4, 8, 16, 16, 2)
+    assert default_config(small) == GdnKernelConfig(value_major=False)
+    assert default_config(large) == GdnKernelConfig(value_major=True)
+    for dims in (small, large):
+        assert uses_value_major(dims, None) == default_config(dims).value_major
+        assert pick_launch(dims, None) == pick_launch(dims, default_config(dims))
+    assert GdnKernelConfig().two_pass_min_programs == 256
+    assert not default_two_pass(1, 8) and default_two_pass(1, 8, config=GdnKernelConfig(two_pass_min_programs=8))
+    with pytest.raises(ValueError, match="two_pass_min_programs"):
+        GdnKernelConfig(two_pass_min_programs=0)

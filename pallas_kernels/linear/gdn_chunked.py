@@ -11,11 +11,11 @@ word 0 and 32..63 in word 1 (`pallas_kernels.tree_masks`); word 1 is read only w
 Fused form: one program per (request b, value head hv, dv-tile); every dv column of
 the solve is independent, so each program recomputes the small `[chunk, chunk]` matrices and
 handles `block_v` columns. Two-pass form (`two_pass=True`; by default past 16 padded rows, and at
-16 on grids of at least TWO_PASS_MIN_PROGRAMS (b, hv) pairs): `_factor_kernel` per (b, hv) folds the key side into Q' and P
+16 on grids of at least `GdnKernelConfig.two_pass_min_programs` (b, hv) pairs): `_factor_kernel` per (b, hv) folds the key side into Q' and P
 once, `_apply_kernel` per dv tile computes out = Q' h0 + P v; its variant (`apply_reads_keys`, by
 default from 64 padded rows) keeps only P and decay in the first kernel and has the second read q
 and k. The factor kernels work on whole [chunk, chunk] tiles: 16-row tiles with block forward
-substitution (88 small dots at 64 rows instead of 15 large ones) took 1.7-2.2x as long on the H200
+substitution (88 small dots at 64 rows instead of 15 large ones) are slower
 (results: gdn-factor). Every form writes the node's replay payload row pieces `[k | v | a | b]`
 as they are read (v by every value head's tiles, a/b by every value head, k by the first value head
 of each key head). With 16-bit q and k every form by default (`input_dtype_grams`) forms q k^T and
@@ -38,28 +38,27 @@ from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES, l
 from pallas_kernels.linear.gdn_common import default_scale, gates, gdn_dims, l2_norm_factor
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_chunked_reference
-from pallas_kernels.linear.gdn_tree import MAX_NUM_WARPS, GdnKernelConfig, check_payload, pick_launch
+from pallas_kernels.linear.gdn_tree import MAX_NUM_WARPS, GdnKernelConfig, check_payload, default_config, pick_launch
 from pallas_kernels.tree_masks import unpack_mask_rows
 
 # Fewest padded rows: a Triton dot needs every operand dim >= 16.
 MIN_CHUNK = 16
 
 # Two-pass form launches: the factor kernel's warps, the apply kernel's default dv tile (by padded
-# rows: 64 columns up to 32 rows, 32 at 64) and warps; the fastest measured on the H200
-# (results: gdn-block-v, gdn-launch).
+# rows: 64 columns up to 32 rows, 32 at 64) and warps. The fewest (B, HV) programs at which it runs
+# at 16 padded rows is `GdnKernelConfig.two_pass_min_programs`.
+# results: gdn-block-v
 TWO_PASS_FACTOR_WARPS = 4
 TWO_PASS_BLOCK_V = {16: 64, 32: 64, 64: 32}
 TWO_PASS_APPLY_WARPS = 4
-# Fewest factor-kernel programs (B * HV) for which `two_pass=None` picks the two-pass form at 16
-# padded rows; past 16 rows it runs on every grid: it won there on every grid timed, and at 16 rows
-# from 256 programs on (results: gdn-two-pass). Smaller grids at 16 rows keep the fused kernel.
-TWO_PASS_MIN_PROGRAMS = 256
 # Fewest padded rows at which `apply_reads_keys=None` runs the two-pass variant whose apply kernel
-# reads q and k: faster at 64 padded rows, tied or slower below (results: gdn-apply-reads-keys).
+# reads q and k (below it the other two-pass form is as fast or faster).
+# results: gdn-apply-reads-keys
 APPLY_READS_KEYS_MIN_ROWS = 64
 # Input dtypes whose pairwise products are exact in fp32 (8- and 11-bit significands), so that
-# `input_dtype_grams` loses nothing against fp32 rows; `input_dtype_grams=None` turns it on for them:
-# faster than fp32 rows at every size timed, agreeing to 1e-6-5e-5 (results: gdn-grams).
+# `input_dtype_grams` loses nothing against fp32 rows; `input_dtype_grams=None` turns it on for them
+# (faster than fp32 rows, agreeing to 1e-6-5e-5).
+# results: gdn-grams
 INPUT_DTYPE_GRAM_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -68,11 +67,13 @@ def chunk_rows(num_nodes: int) -> int:
     return max(MIN_CHUNK, next_pow2(num_nodes))
 
 
-def default_two_pass(batch: int, num_v_heads: int, chunk: int = MIN_CHUNK) -> bool:
+def default_two_pass(batch: int, num_v_heads: int, chunk: int = MIN_CHUNK,
+                     config: GdnKernelConfig | None = None) -> bool:
     """Whether `gdn_chunked_verify(two_pass=None)` runs the two-pass form at `chunk` padded rows:
     always past MIN_CHUNK rows, and at MIN_CHUNK rows when its factor kernel's (B, HV) grid has at
-    least TWO_PASS_MIN_PROGRAMS programs."""
-    return chunk > MIN_CHUNK or batch * num_v_heads >= TWO_PASS_MIN_PROGRAMS
+    least `config.two_pass_min_programs` programs (None: the field's default)."""
+    min_programs = (config or GdnKernelConfig()).two_pass_min_programs
+    return chunk > MIN_CHUNK or batch * num_v_heads >= min_programs
 
 
 def default_input_dtype_grams(q_dtype, k_dtype) -> bool:
@@ -316,9 +317,10 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     state into Q' [T, dk] and P [T, T] (fp32, `_factor_kernel`), then one per dv tile computes
     out = Q' h0 + P v (`_apply_kernel`): the key-side work is done once instead of per dv tile and
     neither kernel holds both the key-side tiles and a state tile. False: the single fused kernel.
-    None (default): `default_two_pass(B, HV, padded rows)`, or two-pass wherever apply_reads_keys or
-    factor_warps asks for it. `config` sets the second kernel's launch (default: `two_pass_block_v`
-    columns, 4 warps); `factor_warps` the first kernel's warps (default TWO_PASS_FACTOR_WARPS).
+    None (default): `default_two_pass(B, HV, padded rows, config)`, or two-pass wherever apply_reads_keys
+    or factor_warps asks for it. `config` (None = `gdn_tree.default_config(dims)`) sets the fused
+    kernel's launch and the two-pass second kernel's (default: `two_pass_block_v` columns, 4 warps) and
+    the two-pass grid threshold; `factor_warps` the first kernel's warps (default TWO_PASS_FACTOR_WARPS).
     `apply_reads_keys` (a two-pass variant: True with two_pass=False is refused; None =
     `default_apply_reads_keys(chunk)`, on from 64 padded rows): the first kernel keeps only
     [T, T] products (P and decay, `_p_factor_kernel`) and the second reads q and k itself and computes
@@ -344,6 +346,7 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
         raise ValueError(f"ancestor_mask must be uint32 [B, T, 2] = {(dims.batch, dims.nodes, 2)}; got "
                          f"{ancestor_mask.dtype} {ancestor_mask.shape}")
     layout = check_payload(dims, payload, k, v, a, b)
+    config = default_config(dims) if config is None else config
     scale = default_scale(dims.head_k_dim) if scale is None else float(scale)
     kind = resolve_backend(backend)
     if kind == "reference":
@@ -361,7 +364,7 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
                          "but two_pass=False runs the fused kernel")
     if two_pass is None:  # a two-pass knob set explicitly selects the two-pass form
         two_pass = (bool(apply_reads_keys) or factor_warps is not None
-                    or default_two_pass(dims.batch, dims.num_v_heads, chunk))
+                    or default_two_pass(dims.batch, dims.num_v_heads, chunk, config))
     if apply_reads_keys is None:
         apply_reads_keys = two_pass and default_apply_reads_keys(chunk)
     if two_pass:

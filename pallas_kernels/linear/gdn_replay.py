@@ -26,7 +26,7 @@ from pallas_kernels.common import resolve_backend
 from pallas_kernels.linear.gdn_common import GdnDims, gates, l2_normalize
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, split_payload
 from pallas_kernels.linear.gdn_reference import gdn_replay_reference
-from pallas_kernels.linear.gdn_tree import GdnKernelConfig, pick_launch
+from pallas_kernels.linear.gdn_tree import GdnKernelConfig, default_config, pick_launch
 
 
 def _replay_kernel(num_rows_ref, slots_ref, payload_ref, alog_ref, dtb_ref, _pool_in_ref, pool_ref,
@@ -68,6 +68,7 @@ def gdn_replay_commit(state_pool, state_slots, payload, num_rows, A_log, dt_bias
     state_pool `[S, HV, dk, dv]` fp32 (aliased, updated in place), state_slots `[B] int32`,
     payload `[B, T, width]` (rows already packed: row d = accepted node at depth d),
     num_rows `[B] int32` (accept_len; min(num_rows, T) rows are replayed, 0 = untouched).
+    config: launch knobs; None = `gdn_tree.default_config` of the replay's dims.
     """
     if state_pool.ndim != 4 or state_pool.dtype != jnp.float32:
         raise ValueError(f"state_pool must be float32 [S, HV, dk, dv]; got {state_pool.dtype} {state_pool.shape}")
@@ -93,8 +94,8 @@ def gdn_replay_commit(state_pool, state_slots, payload, num_rows, A_log, dt_bias
                                     use_qk_l2norm=use_qk_l2norm)
     dims = GdnDims(bsz, t, num_k_heads, hv, dk, dv, num_slots)
     # The replay kernel keeps key-major tiles; value_major only steers the verify kernels' launch.
-    block_v, num_warps, num_stages = pick_launch(dims, dataclasses.replace(config or GdnKernelConfig(),
-                                                                           value_major=False))
+    config = default_config(dims) if config is None else config
+    block_v, num_warps, num_stages = pick_launch(dims, dataclasses.replace(config, value_major=False))
     kernel = functools.partial(_replay_kernel, nodes=t, group=hv // num_k_heads, dk=dk, dv=dv,
                                block_v=block_v, use_qk_l2norm=use_qk_l2norm, layout=layout)
     return pl.pallas_call(

@@ -6,8 +6,8 @@ parents[t] == t - 1 everywhere) never leaves registers. When node t's parent p i
   - p = -1 (a root): the committed state is reloaded from the pool in place;
   - otherwise p is a branch point: its state is reloaded from `node_states[b, p]`, which this same
     program stored earlier.
-(Keeping branch-point states in extra register tiles instead was tried and measured slower on the
-H200, so it was removed.)
+Branch-point states go through `node_states`, not extra register tiles: register slots are slower
+(results: gdn-branch-slots).
 
 Where node states go (`store`):
   "every_node"    staged mode: the state after node t goes to `node_states[b, t]` (the verify
@@ -19,6 +19,9 @@ The committed pool is only read here; the commit kernels are the only writers.
 
 Optionally the kernel also writes each node's replay payload row `[k | v | a | b]` (see
 `gdn_payload`), so a ReplaySSM verify needs no separate q/k/v split for the commit.
+
+Launch knobs: `GdnKernelConfig`, one frozen config shared by every GDN kernel (recurrent, chunked,
+replay); `default_config(dims)` is what an entry point runs when given none.
 
 Public entry point: `gdn_tree_verify(...)` with `backend=None|"pallas"|"interpret"|"reference"`.
 """
@@ -47,41 +50,47 @@ MAX_NUM_WARPS = 32
 
 @dataclass(frozen=True)
 class GdnKernelConfig:
-    """Launch knobs of the GDN kernels; None picks the per-kernel default (see `pick_launch`)."""
+    """Launch knobs of the GDN kernels; a None field is resolved per launch by that kernel's rule
+    (`pick_launch`; the two-pass apply kernel: `gdn_chunked.two_pass_block_v`). `default_config(dims)`
+    is the config an entry point runs when given none."""
 
     block_v: int | None = None  # dv columns per program (power of two dividing dv)
     num_warps: int | None = None  # Triton warps per program
     num_stages: int | None = None  # Triton software-pipelining stages of the node loop
     # Hold the state tile as [block_v, dk] in registers (memory keeps [dk, dv]) so the two per-node
     # reductions over dk run along the tile's fast axis, as flash-linear-attention's transposed
-    # state layout does. Recurrent tree/chain verify only (the replay commit ignores it). None
-    # (default) = value-major exactly when B * HV >= MIN_PROGRAMS (full-width key-major tiles would
-    # already fill the GPU): on the H200 (benchmarks/RESULTS.md, 07:52 UTC) value-major 32-column
-    # tiles ran the chain 1.2-1.37x and the tree 0.96-1.13x faster at B = 32, 64 and T = 8..64,
-    # but the B=1 tree 1.2-1.45x slower at T = 8 and 64.
+    # state layout does. Recurrent tree/chain verify only (the chunked forms and the replay commit
+    # ignore it). None = value-major exactly when B * HV >= MIN_PROGRAMS (`default_config`): there
+    # full-width key-major tiles already fill the GPU, and below it value-major tiles are slower.
+    # results: gdn-launch
     value_major: bool | None = None
+    # Fewest (B, HV) programs of the two-pass chunked form's factor kernel for which the chunked
+    # verify (`two_pass=None`) and the layer's routes run the two-pass form at 16 padded rows; past
+    # 16 rows it runs on every grid, and smaller grids at 16 rows keep the fused kernel.
+    # results: gdn-two-pass
+    two_pass_min_programs: int = 256
 
     def __post_init__(self):
         if self.value_major is not None and not isinstance(self.value_major, bool):
             raise ValueError(f"GdnKernelConfig.value_major={self.value_major!r} must be a bool or None")
-        for name in ("block_v", "num_warps", "num_stages"):
+        for name in ("block_v", "num_warps", "num_stages", "two_pass_min_programs"):
             val = getattr(self, name)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
                 raise ValueError(f"GdnKernelConfig.{name}={val!r} must be a positive int or None")
 
 
-# Default launch (measured on an H200, benchmarks/RESULTS.md "GDN tree verify"): value-major tiles
-# (the default once B * HV >= MIN_PROGRAMS) take VALUE_MAJOR_BLOCK_V columns and 4 warps; key-major
-# ones split dv into tiles until the grid has at least MIN_PROGRAMS programs, but keep tiles >= 32
-# columns wide. Narrow
-# one-warp tiles (block_v 8, as flash-linear-attention's fused_recurrent uses) measured 2-3x slower
-# here for the tree and staged kernels: their state stores become 32-byte strided segments.
+# Default launch (`pick_launch`): value-major tiles (the default once B * HV >= MIN_PROGRAMS) take
+# VALUE_MAJOR_BLOCK_V columns and 4 warps; key-major ones split dv into tiles until the grid has at
+# least MIN_PROGRAMS programs, but keep tiles >= MIN_DEFAULT_BLOCK_V columns wide. Narrower one-warp
+# tiles (block_v 8, as flash-linear-attention's fused_recurrent uses) are slower for the tree and
+# staged kernels: their state stores become 32-byte strided segments.
+# results: gdn-launch
 MIN_PROGRAMS = 512
 MIN_DEFAULT_BLOCK_V = 32
 VALUE_MAJOR_BLOCK_V = 32
 # Chunked trees of more than 32 nodes (64 padded rows) hold [64, dk] q/k tiles beside the state
-# tile: with 128-column state tiles they asked for 278,528 bytes of shared memory on the H200
-# (232,448 available; RESULTS.md, 2026-11-30 08:54 UTC), so their default tiles are narrower.
+# tile: with 128-column state tiles they need 278,528 bytes of shared memory, more than the
+# H200's 232,448, so their default tiles are narrower.
 CHUNKED_WIDE_BLOCK_V = 32
 
 
@@ -91,12 +100,19 @@ class GdnVerifyResult(NamedTuple):
     payload: jax.Array | None  # [B, T, width] replay payload rows, when a payload buffer was given
 
 
+def default_config(dims: GdnDims) -> GdnKernelConfig:
+    """The config a GDN entry point runs when given none: value-major state tiles exactly when
+    B * HV >= MIN_PROGRAMS (read by the recurrent verify kernels only), two_pass_min_programs at its
+    field default, and block_v / num_warps / num_stages None, which each launch resolves by its own
+    rule (they differ between the recurrent, fused chunked and two-pass kernels; see `pick_launch`)."""
+    return GdnKernelConfig(value_major=dims.batch * dims.num_v_heads >= MIN_PROGRAMS)
+
+
 def uses_value_major(dims: GdnDims, config: GdnKernelConfig | None) -> bool:
     """Whether the recurrent verify kernels hold value-major state tiles (see GdnKernelConfig)."""
-    config = config or GdnKernelConfig()
-    if config.value_major is not None:
-        return config.value_major
-    return dims.batch * dims.num_v_heads >= MIN_PROGRAMS
+    if config is None or config.value_major is None:
+        return default_config(dims).value_major
+    return config.value_major
 
 
 def pick_launch(dims: GdnDims, config: GdnKernelConfig | None, *, chunked: bool = False
@@ -300,11 +316,12 @@ def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, pare
     payload: optional `[B, T, width]` buffer for the replay payload rows, updated in place.
     branch: optional precomputed `branch_points(parents)` `[B, T]` (compute it once per step and
     share it across layers, as `GdnTree.branch` does; computed here when None).
+    config: launch knobs (`GdnKernelConfig`); None = `default_config(dims)`.
     Returns `GdnVerifyResult(out, node_states, payload)`.
     """
     dims = gdn_dims(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots)
     _check_tree_inputs(dims, parents, node_states, payload, branch, k, v, a, b, store)
-    config = config or GdnKernelConfig()
+    config = default_config(dims) if config is None else config
     scale = default_scale(dims.head_k_dim) if scale is None else float(scale)
     kind = resolve_backend(backend)
     chain = parents is None
@@ -345,5 +362,5 @@ def gdn_tree_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, pare
     return GdnVerifyResult(results[0], results[1], results[2] if payload is not None else None)
 
 
-__all__ = ["GdnKernelConfig", "GdnVerifyResult", "branch_points", "check_payload", "gdn_tree_verify",
+__all__ = ["GdnKernelConfig", "GdnVerifyResult", "branch_points", "check_payload", "default_config", "gdn_tree_verify",
            "pick_launch", "uses_value_major"]

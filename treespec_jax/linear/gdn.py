@@ -53,51 +53,40 @@ from treespec_jax.tree.masks import unpack_mask_rows
 # Smallest tree the layer may send to the chunked form under ReplaySSM.
 GDN_TREE_VERIFY_CHUNKED_MIN_NODES = 8
 
-# The layer's default routes, measured on the H200 at Qwen3-Next dims (benchmarks/RESULTS.md; session
-# 8 for 16-bit q and k, sessions 6-7 without input-dtype grams). "Large grid": B * HV >=
-# gdn_chunked.TWO_PASS_MIN_PROGRAMS (the two-pass form at every padding); "small grid": below it (the
-# fused form at 16 padded rows, two-pass past them). The chunked cost steps with the padded rows
-# (16, 32, 64) while the recurrent kernels' grows with T, so past 16 rows a tree goes chunked only
-# from a minimum node count per padding.
+# The layer's default routes. "Large grid": B * HV >= `GdnKernelConfig.two_pass_min_programs` (the
+# two-pass form at every padding); "small grid": below it (the fused form at 16 padded rows,
+# two-pass past them). The chunked cost steps with the padded rows (16, 32, 64) while the recurrent
+# kernels' grows with T, so past 16 rows a tree goes chunked only from a minimum node count per
+# padding. Every range and minimum below is where the chunked form is the faster one.
+# results: gdn-routes
 #
 # Trees, large grid: 8..64 nodes, past 16 from GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES[padded rows,
-# apply-reads-keys variant runs, input-dtype grams]. With grams the default chunked tree beat the
-# recurrent tree at every size timed (B = 8, 32, 64; T = 8..64: 0.30-0.62x), so 17 and 33. Without
-# them (B=32, session 7) two-pass caught up near T=25 at 32 rows (keys variant near 29) and, at 64
-# rows, the keys variant won from 33 and plain two-pass from about 40 (interpolated). The variants
-# not run by default (keys at 32 rows, plain two-pass at 64) are not timed with grams and keep their
-# minima without them.
+# apply-reads-keys variant runs, input-dtype grams]. With grams the default variants take every tree
+# past 16 nodes (17 and 33); without them the plain two-pass form from 26 nodes at 32 rows (the keys
+# variant from 29) and at 64 rows the keys variant from 33, plain two-pass from 40. The variants not
+# run by default (keys at 32 rows, plain two-pass at 64) keep their minima without grams.
 GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS = (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, MAX_CHUNKED_NODES)
 GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES = {
     (32, False, False): 26, (32, True, False): 29, (64, False, False): 40, (64, True, False): 33,
     (32, False, True): 17, (32, True, True): 29, (64, False, True): 40, (64, True, True): 33}
-# Trees, small grid: with input-dtype grams 8..64 (B = 1, 2, 4: the fused tree won at T = 8, 12, 16
-# and the default two-pass one at every T timed from 20 to 64, 0.41-0.96x the recurrent tree); without
-# them 12..16 (the fused tree lost at B=1 T=8, 40 vs 32 us, session 6). Past 16 nodes by
-# GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID[padded rows, keys variant runs, grams] (a
-# minimum above the padded rows sends none): without grams the keys variant at 64 rows from 48 nodes
-# (86.8 vs 147.6 us at T=64, recurrent 81 at T=40, so near 48, interpolated), none at 32 rows
-# (two-pass lost at T=32, 93.7 vs 67.5) nor for plain two-pass at 64 (122.5 vs 118.1 at T=64,
-# session 6); with grams the default variants from 17 and 33, and the variants not run by default
-# (keys at 32 rows, plain two-pass at 64), not timed with grams, keep their minima without them.
+# Trees, small grid: with input-dtype grams 8..64, without them 12..64 (the fused form loses below 12
+# nodes there). Past 16 nodes by GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID[padded rows,
+# keys variant runs, grams] (a minimum above the padded rows sends none): without grams only the
+# keys variant at 64 rows, from 48 nodes; with grams the default variants from 17 and 33. The
+# variants not run by default (keys at 32 rows, plain two-pass at 64) keep their minima without grams.
 GDN_TREE_VERIFY_CHUNKED_NODES_SMALL_GRID = {False: (12, MAX_CHUNKED_NODES), True: (8, MAX_CHUNKED_NODES)}
 GDN_TREE_VERIFY_CHUNKED_PADDED_MIN_NODES_SMALL_GRID = {
     (32, False, False): 33, (32, True, False): 33, (64, False, False): 65, (64, True, False): 48,
     (32, False, True): 17, (32, True, True): 33, (64, False, True): 65, (64, True, True): 33}
-# Wherever only the fused form runs (chunked_two_pass=False): it lost to the recurrent tree past 16
-# nodes at every grid (B=1: 141 vs 67 us at T=32; B=32: 1088 vs 666).
+# Wherever only the fused form runs (chunked_two_pass=False): 12..16, since past 16 nodes the fused
+# form is slower than the recurrent tree on every grid (results: gdn-two-pass).
 GDN_TREE_VERIFY_CHUNKED_NODES_FUSED = (12, 16)
 
 # Chains (no tree) under ReplaySSM take the chunked form (the kernel's default for the grid and
 # padding) over these node ranges (`GdnLayerConfig.chain_chunked_ranges`):
-# - with grams, large grid: 8..64 (the default chunked chain won at every size timed, B = 8, 32, 64,
-#   T = 8..64: 0.51-0.97x the recurrent chain); 8..32 where the keys variant is off at 64 rows (the
-#   plain two-pass chain with grams is not timed there);
-# - with grams, small grid: 8..16 (fused; B=1 won at T=16 in eight runs over three calls, at T=8 in
-#   two of three, the least noisy 18.3 vs 20.8 us) and 48..64 where keys runs at 64 rows (won at 48 and 64, lost at
-#   36 and 40; at 20..28 four wins, three losses);
-# - without grams, large grid only: 12..16 (two-pass won at 12 and 16, lost at 8 and 32) and 56..64
-#   where keys runs at 64 rows (0.88-0.90x at T=64, crossing near 54, interpolated).
+# - with grams, large grid: 8..64; 8..32 where the keys variant is off at 64 rows;
+# - with grams, small grid: 8..16 (fused) and 48..64 where keys runs at 64 rows;
+# - without grams, large grid only: 12..16 and 56..64 where keys runs at 64 rows.
 GDN_CHAIN_VERIFY_CHUNKED_NODES = (12, 16)
 GDN_CHAIN_VERIFY_CHUNKED_NODES_64_ROWS = (56, 64)
 GDN_CHAIN_VERIFY_CHUNKED_NODES_GRAMS = (GDN_TREE_VERIFY_CHUNKED_MIN_NODES, MAX_CHUNKED_NODES)
@@ -135,24 +124,22 @@ class GdnLayerConfig:
     # (GDN_TREE_VERIFY_CHUNKED_NODES_TWO_PASS / _SMALL_GRID / _FUSED).
     chunked_max_nodes: int | None = None
     # The chunked form's fp32 products: "tf32x3" (three TF32 tensor-core passes, about fp32
-    # accuracy; 4.5x faster than "ieee" at B=32 T=16 on the H200) or "ieee". The CPU interpreter
-    # always runs IEEE.
+    # accuracy, faster) or "ieee". The CPU interpreter always runs IEEE.
+    # results: gdn-tf32x3
     chunked_fp32_dots: str = "tf32x3"
     # Run the chunked form as two kernels (True: key-side factors once per value head, then
     # out = Q' h0 + P v per dv tile), as one fused kernel (False), or None = by grid and padding
     # (`gdn_chunked.default_two_pass`: two-pass past 16 padded rows, and at 16 when B * HV >=
-    # TWO_PASS_MIN_PROGRAMS). True on a small grid also runs two-pass at 16 rows (not timed there).
+    # kernel.two_pass_min_programs). True on a small grid also runs two-pass at 16 rows.
     chunked_two_pass: bool | None = None
     # Where the two-pass form runs, run its variant whose second kernel reads q and k
     # (`gdn_chunked_verify(apply_reads_keys=True)`: the first kernel keeps only [T, T] products):
-    # True / False at every size, None = from 64 padded rows (`gdn_chunked.default_apply_reads_keys`;
-    # 0.68-0.78x the other two-pass form's time there on the H200, a tie or a loss below).
+    # True / False at every size, None = from 64 padded rows (`gdn_chunked.default_apply_reads_keys`).
     chunked_apply_reads_keys: bool | None = None
     # The chunked forms form q k^T and k k^T from the 16-bit q and k rows as loaded (exact products, one
     # tensor-core pass) and scale them afterwards (`gdn_chunked_verify(input_dtype_grams=True)`): True
     # (q and k must then share bf16 or fp16; refused by gdn_verify otherwise), False, or None = on
-    # when they do (on the H200, session 8: 0.65-0.86x the time without it at B = 32, 64, 0.67-1.00x
-    # at B=1; the routes follow it).
+    # when they do (faster; the routes follow it). results: gdn-grams
     chunked_input_dtype_grams: bool | None = None
 
     def __post_init__(self):
@@ -192,7 +179,7 @@ class GdnLayerConfig:
     def _two_pass_runs(self, batch: int) -> bool:
         """The two-pass chunked form runs at 16 padded rows at this batch size: a large grid, not forced
         off (past 16 rows it runs on every grid unless forced off)."""
-        return default_two_pass(batch, self.num_v_heads) and self.chunked_two_pass is not False
+        return default_two_pass(batch, self.num_v_heads, config=self.kernel) and self.chunked_two_pass is not False
 
     def runs_input_dtype_grams(self, q_dtype, k_dtype=None) -> bool:
         """Whether the chunked forms take their grams from the q and k rows as loaded (k_dtype None =
@@ -366,7 +353,7 @@ def gdn_verify(cfg: GdnLayerConfig, q, k, v, a, b, A_log, dt_bias, state_pool, s
         # The layer picks the form itself (its knob, else the kernel's default for this grid and
         # padding) and passes its keys knob only to the two-pass form: given to the kernel with
         # two_pass=None, an explicit keys knob would ask for two-pass where the route chose fused.
-        two_pass = (default_two_pass(q.shape[0], cfg.num_v_heads, chunk_rows(t)) if cfg.chunked_two_pass is None
+        two_pass = (default_two_pass(q.shape[0], cfg.num_v_heads, chunk_rows(t), cfg.kernel) if cfg.chunked_two_pass is None
                     else cfg.chunked_two_pass)
         out, payload = gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots,
                                           mask, payload, fp32_dots=cfg.chunked_fp32_dots, two_pass=two_pass,
