@@ -44,17 +44,17 @@ SUITES = {
     "mamba2": ("benchmarks.bench_mamba2", ["--quick"], lambda md: ["--markdown", md]),
     # The Mosaic GPU kernels alone (bf16/FP8, 1/2 pages per step, MLA) against the Triton ones; it
     # logs, it writes no markdown section.
-    "mosaic": ("benchmarks.mgpu_prefix_check", ["--shapes", "32x32768x64,8x8192x16", "--fp8"], lambda md: []),
+    "mosaic": ("benchmarks.tools.mgpu_prefix_check", ["--shapes", "32x32768x64,8x8192x16", "--fp8"], lambda md: []),
     # The fused GQA kernel's launches (gridded, persistent without and with prefetch_query), bit-checked
     # and timed in interleaved rounds; it logs, it writes no markdown section.
-    "launches": ("benchmarks.fused_window_cost", ["--launches", "--shapes", "64x4096x64"], lambda md: []),
+    "launches": ("benchmarks.tools.fused_window_cost", ["--launches", "--shapes", "64x4096x64"], lambda md: []),
     # The cascade and the matmul ceiling in two power states (after idle, under load); logs only.
-    "power": ("benchmarks.power_state", ["--shapes", "64x4096x64", "--rounds", "1"], lambda md: []),
+    "power": ("benchmarks.tools.power_state", ["--shapes", "64x4096x64", "--rounds", "1"], lambda md: []),
     # Per-kernel device times of the default cascade at the small shapes (profiler trace); logs only.
     "profile": ("benchmarks.kernel_profile", ["--dtypes", "bf16"], lambda md: []),
     # ptxas' registers and spills of the Mosaic kernels; with --out, each form's PTX is kept in
-    # OUT/ptx for benchmarks/sass_spills.py (at most 8 files come back from the device: pick forms).
-    "ptxas": ("benchmarks.ptxas_report", ["--mla-only"], lambda md: ["--ptx-dir", str(Path(md).parent / "ptx")]),
+    # OUT/ptx for benchmarks/tools/sass_spills.py (at most 8 files come back from the device: pick forms).
+    "ptxas": ("benchmarks.tools.ptxas_report", ["--mla-only"], lambda md: ["--ptx-dir", str(Path(md).parent / "ptx")]),
 }
 # Flags a module gets in the full (not --quick) run beyond its defaults.
 FULL_ARGS = {"tests": ["-m", "gpu"], "mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],

@@ -1,6 +1,6 @@
-"""benchmarks/sass_spills.py's loop finder on a hand-written SASS listing (nvdisasm -c's format)."""
+"""benchmarks/tools/sass_spills.py's loop finder on a hand-written SASS listing (nvdisasm -c's format)."""
 
-from benchmarks.sass_spills import loops, opcode
+from benchmarks.tools.sass_spills import loops, opcode
 
 SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;

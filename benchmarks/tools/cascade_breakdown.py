@@ -1,6 +1,6 @@
 """Where the GQA cascade's time goes, kernel by kernel, on the GPU (device time, chained).
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/cascade_breakdown.py [--shapes 64x4096x64,1x32768x64]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/tools/cascade_breakdown.py [--shapes 64x4096x64,1x32768x64]
         [--fp8] [--stages 2x2,4x1]
 
 For each shape, the unfused Mosaic path (`CascadeConfig(fuse_window=False)`: the Mosaic prefix with
@@ -24,7 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

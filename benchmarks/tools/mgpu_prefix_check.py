@@ -1,6 +1,6 @@
 """The Mosaic GPU prefix kernels on the GPU: compile, conformance, timing against the Triton ones.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/mgpu_prefix_check.py [--skip-timing]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/tools/mgpu_prefix_check.py [--skip-timing]
         [--skip-conformance] [--shapes BxPxN,...] [--fp8] [--mla] [--interpret | --smoke]
 
 1. Conformance (D=128, page 64, G=4, R=64, ragged P incl. 0 and partial last pages, NaN/inf in
@@ -28,7 +28,7 @@ import sys
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,9 +1,9 @@
 """Where a Mosaic GPU kernel spills: local loads and stores per loop of its SASS (runs on the CPU).
 
     # on the GPU machine: keep the PTX Mosaic generates for the ptxas_report forms
-    PYTHONPATH=. python3 benchmarks/ptxas_report.py --mla-only --only "bf16" --ptx-dir $OUT/ptx
+    PYTHONPATH=. python3 benchmarks/tools/ptxas_report.py --mla-only --only "bf16" --ptx-dir $OUT/ptx
     # here, with a CUDA toolkit's ptxas and nvdisasm (e.g. the nvidia-cuda-nvdisasm wheel):
-    python3 benchmarks/sass_spills.py DIR [--ptxas ptxas] [--nvdisasm nvdisasm]
+    python3 benchmarks/tools/sass_spills.py DIR [--ptxas ptxas] [--nvdisasm nvdisasm]
 
 A diagnostic (no GPU needed once the PTX is here). ptxas' totals (`ptxas_report.py`) say how many
 bytes spill, not where; a spill outside the key loop costs nothing, one inside it costs every

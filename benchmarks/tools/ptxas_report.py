@@ -1,6 +1,6 @@
 """Registers and spills of the Mosaic GPU attention kernels as ptxas reports them (GPU only).
 
-    PYTHONPATH=. python3 benchmarks/ptxas_report.py [--mla-only | --gqa-only] [--only TEXT] [--ptx-dir DIR]
+    PYTHONPATH=. python3 benchmarks/tools/ptxas_report.py [--mla-only | --gqa-only] [--only TEXT] [--ptx-dir DIR]
 
 A diagnostic (logs only). Mosaic GPU hands each kernel to ptxas; with MOSAIC_GPU_DUMP_PTXAS=1 (read
 by jaxlib when it compiles) ptxas' verbose resource lines go to the process's output among the
@@ -11,7 +11,7 @@ prints, per form, the resource figures found after it compiled: registers, spill
 stack frames. A warpgroup-specialised kernel reports one register count for
 the whole kernel (the per-warpgroup budgets are `setmaxnreg` at run time), so spills are the figure
 to read: a compute or memory warpgroup that outgrows its budget shows up as spill stores and loads.
-With `--ptx-dir DIR` it keeps each form's PTX there instead, for `benchmarks/sass_spills.py`, which
+With `--ptx-dir DIR` it keeps each form's PTX there instead, for `benchmarks/tools/sass_spills.py`, which
 says in which loop the spills sit.
 """
 
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gqa-only", action="store_true", help="only the GQA prefix kernel's forms")
     ap.add_argument("--only", default="", help="only the forms whose label holds this text")
     ap.add_argument("--ptx-dir", help="also keep the PTX of each form here (as NN.ptx, in form order), for "
-                    "benchmarks/sass_spills.py on a machine with ptxas and nvdisasm")
+                    "benchmarks/tools/sass_spills.py on a machine with ptxas and nvdisasm")
     ap.add_argument("--compile-only", action="store_true", help="(the child process) compile the forms and exit")
     a = ap.parse_args(argv)
     if jax.default_backend() != "gpu":

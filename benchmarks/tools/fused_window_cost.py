@@ -1,6 +1,6 @@
 """What the tree window costs inside the fused Mosaic GQA prefix kernel, on the GPU (device time).
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/fused_window_cost.py [--shapes 64x4096x64,1x32768x64]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/tools/fused_window_cost.py [--shapes 64x4096x64,1x32768x64]
 
 A diagnostic (logs only). For each shape (bf16 pools) it times, each alone and chained:
 - the unfused prefix kernel (row layout, every row reads [0, P)) at P and at P + one key step,
@@ -35,7 +35,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,6 +1,6 @@
 """The default GQA cascade against its floors with the GPU in two power states (GPU; logs only).
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/power_state.py [--shapes 64x4096x64,1x32768x64]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/tools/power_state.py [--shapes 64x4096x64,1x32768x64]
         [--dtypes bf16,fp8] [--rounds 2]
 
 The H200 runs at its boost clocks after an idle moment and lowers them at its power cap under
@@ -25,7 +25,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,6 +1,6 @@
 """Launch sweep of the tree window kernel on the GPU, timed in device time (calls chained in one jit).
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/window_launch.py [--shapes BxPxN,...] [--smoke]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/tools/window_launch.py [--shapes BxPxN,...] [--smoke]
 
 For each shape and KV dtype the window kernel runs as the cascade runs it (row layout, the prefix
 partial of the default prefix kernel, `prefix_whole_pages` where that is the Mosaic GPU one) with
@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
