@@ -278,7 +278,7 @@ def mla_check_dtype(dtype, interpret: bool, timing_too: bool, smoke: bool, regis
         ok = ok and e_out < 2e-2 and lse_ok
         log(f"MLA {name} conformance (schedule {schedule}): decode rel {e_out:.2e}, lse {'ok' if lse_ok else 'BAD'}"
             f" -> {'PASS' if e_out < 2e-2 and lse_ok else 'FAIL'}")
-    # Key splits merged by `split_merge.merge_splits` (the Pallas kernel where MERGE_KERNEL is on):
+    # Key splits merged by `split_merge.merge_splits` (the Pallas kernel where `MergeConfig.kernel` is on):
     # the Mosaic decode (splits first) and the Triton decode (splits on axis 1), three splits each.
     from pallas_kernels.attention.mla_decode import MlaDecodeConfig
     split_forms = {"mgpu decode": lambda: mla_decode_mgpu(q, pool, table, lens, kv_lora_rank=lora, page_size=PAGE,
