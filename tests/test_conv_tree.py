@@ -227,3 +227,12 @@ def test_bad_inputs_name_the_value():
         run(inp, slots, None, lags=jnp.zeros((nb, T, W - 1), jnp.int32), backend="interpret")
     with pytest.raises(ValueError, match="walk must be one of"):
         run(inp, slots, parents, walk="hops", backend="interpret")
+
+
+def test_conv_default_config_rule():
+    """`default_config(D)`: min(next_pow2(D), 256) channels per program, 4 warps."""
+    from pallas_kernels.linear.conv_tree import ConvTreeConfig, default_config
+    assert [default_config(d).block_d for d in (3, 64, 300, 4096)] == [4, 64, 256, 256]
+    assert default_config(64) == ConvTreeConfig(block_d=64, num_warps=4)
+    with pytest.raises(ValueError, match="block_d must be a power of two, got 12"):
+        ConvTreeConfig(block_d=12)

@@ -104,3 +104,12 @@ def test_chunked_lowers_to_triton_for_sm90(monkeypatch):
 
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text, fp32_dots
+
+
+def test_chunked_default_config_rule():
+    """`default_config(P)`: next_pow2(P) channels per program, clamped to [16, 64], 4 warps."""
+    from pallas_kernels.linear.mamba2_chunked import Mamba2ChunkedConfig, default_config
+    assert [default_config(p).block_p for p in (4, 16, 24, 64, 128)] == [16, 16, 32, 64, 64]
+    assert default_config(64) == Mamba2ChunkedConfig(block_p=64, num_warps=4)
+    with pytest.raises(ValueError, match="num_warps must be a power of two, got 3"):
+        Mamba2ChunkedConfig(block_p=16, num_warps=3)

@@ -404,3 +404,14 @@ def test_tree_scan_lowers_to_triton_for_sm90(monkeypatch):
 
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text, kw
+
+
+def test_scan_default_config_rule():
+    """`default_config(P, N)`: the widest power-of-two channel tile whose [block_p, next_pow2(N)] fp32
+    tile holds at most 2048 elements, never wider than next_pow2(P); loose keywords override it."""
+    from pallas_kernels.linear.mamba2_tree import Mamba2ScanConfig, default_config
+    assert default_config(64, 128) == Mamba2ScanConfig(block_p=16, num_warps=4, unroll=False)
+    assert default_config(8, 16) == Mamba2ScanConfig(block_p=8)
+    assert default_config(64, 4096).block_p == 1
+    with pytest.raises(ValueError, match="block_p must be a power of two, got 6"):
+        Mamba2ScanConfig(block_p=6)

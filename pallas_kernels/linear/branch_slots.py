@@ -5,10 +5,8 @@ Node t whose parent p is neither t - 1 nor a root needs the state after p again:
 point* (it has a child other than p + 1). GDN's ReplaySSM verify stores exactly these states
 (`gdn_tree.gdn_tree_verify(store="branch_points")`); Mamba2's scan replays them from the inputs.
 
-Keeping branch-point states in on-chip register slots instead (a per-step slot plan) was tried
-for both scans and removed: on the H200 (2026-11-30, B=32, T=16) two slots made the GDN ReplaySSM
-tree 429 vs 374 us and the Mamba2 tree 1374 vs 970 us (benchmarks/RESULTS.md). The module keeps
-its name because GDN imports `branch_points` from it.
+Neither scan keeps branch-point states in on-chip register slots: slots are slower for both
+(results: gdn-branch-slots, mamba2-branch-slots). GDN imports `branch_points` from this module.
 """
 
 from __future__ import annotations

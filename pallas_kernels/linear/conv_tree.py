@@ -13,9 +13,8 @@ The hops are precomputed once per step (`conv_lag_sources(parents, W) -> [B, T, 
 XLA work shared by every conv layer of the step), so a node's W-1 column loads all issue at once
 instead of each waiting on the previous hop's parent load. Source `c >= 0` is node c's input;
 `c < 0` is committed column W - 1 + c (-1 the newest). `walk="parents"` keeps the earlier in-kernel
-pointer chase; both give the same windows bit for bit. The table is the default: on the H200
-(benchmarks/RESULTS.md, 04:15 and 04:21 UTC, T=16) it tied the pointer chase at B=1 and B=32
-(20.8 vs 21.2, 40.1 vs 39.8 us) and beat it at B=64 (56.2 vs 73.1 us).
+pointer chase; both give the same windows bit for bit. The table is the default: it ties the pointer
+chase at small batches and wins at large ones (results: conv-lag-table).
 
 Layouts: `x [B, T, D]`, `conv_pool [S, W-1, D]` (oldest column first; one column is contiguous
 over channels), `weight [D, W]`, `bias [D]`, `parents [B, T] int32` (-1 <= parents[t] < t; a
@@ -23,11 +22,13 @@ parent outside that range gives unspecified values for that node but no out-of-b
 `state_slots [B] int32`. Node state rows `[B, T, W-1, D]` (same row layout as the pool) are written
 into a caller buffer when given (aliased in and out). A padded request (slot < 0) reads no state
 and writes no state row; its outputs are zeros.
-Grid `(B, cdiv(D, block_d))`.
+Grid `(B, cdiv(D, block_d))`; launch knobs in `ConvTreeConfig`, `default_config(channels)` when none is
+given.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,6 +41,25 @@ from pallas_kernels.common import next_pow2, resolve_backend
 from pallas_kernels.linear.mamba2_reference import conv_tree_update_reference
 
 WALKS = ("precomputed", "parents")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvTreeConfig:
+    """Launch knobs of `conv_tree_update`; `default_config(channels)` gives the default."""
+
+    block_d: int  # channels per program (power of two); tiles never exceed next_pow2(D)
+    num_warps: int = 4  # Triton warps per program
+
+    def __post_init__(self):
+        if isinstance(self.block_d, bool) or not isinstance(self.block_d, int) or self.block_d < 1 or (
+                self.block_d & (self.block_d - 1)):
+            raise ValueError(f"ConvTreeConfig.block_d must be a power of two, got {self.block_d}")
+
+
+def default_config(channels: int) -> ConvTreeConfig:
+    """The conv update's config when given none: min(next_pow2(channels), 256) channels per program,
+    4 warps."""
+    return ConvTreeConfig(block_d=min(next_pow2(channels), 256))
 
 
 def sanitize_parents(parents: jax.Array) -> jax.Array:
@@ -130,14 +150,16 @@ def _conv_kernel(*refs, T, W, BD, D, tree, walk, has_bias, silu, write_states):
 
 
 def conv_tree_update(x, conv_pool, state_slots, weight, bias=None, parents=None, *, silu=False,
-                     node_states=None, lags=None, walk="precomputed", block_d=None, num_warps=4, backend=None):
+                     node_states=None, lags=None, walk="precomputed", block_d=None, num_warps=None, config=None,
+                     backend=None):
     """Tree conv update; see the module docstring.
 
     Shapes: `x [B, T, D]`, `conv_pool [S, W-1, D]`, `state_slots [B] int32`, `weight [D, W]`,
     `bias [D]` or None, `parents [B, T] int32` or None (the chain), `node_states [B, T, W-1, D]` or
     None, `lags [B, T, W-1] int32` = `conv_lag_sources(parents, W)` (computed here when None; pass
     it to share one table across layers), `walk` "precomputed" (default, reads `lags`) or
-    "parents" (the in-kernel pointer chase; ignores `lags`). Returns `(y [B, T, D] in x.dtype, node_states or
+    "parents" (the in-kernel pointer chase; ignores `lags`). `config`: launch knobs (`ConvTreeConfig`);
+    None = `default_config(D)`; `block_d` and `num_warps`, when given, override its fields. Returns `(y [B, T, D] in x.dtype, node_states or
     None)`. The committed pool is only read.
     """
     if x.ndim != 3:
@@ -156,8 +178,9 @@ def conv_tree_update(x, conv_pool, state_slots, weight, bias=None, parents=None,
         raise ValueError(f"parents must be [B, T] = {(nb, T)} integers, got {parents.shape} {parents.dtype}")
     if node_states is not None and node_states.shape != (nb, T, W - 1, D):
         raise ValueError(f"node_states must be [B, T, W-1, D] = {(nb, T, W - 1, D)}, got {node_states.shape}")
-    if block_d is not None and (block_d < 1 or block_d & (block_d - 1)):
-        raise ValueError(f"block_d must be a power of two, got {block_d}")
+    config = default_config(D) if config is None else config
+    loose = (("block_d", block_d), ("num_warps", num_warps))
+    config = dataclasses.replace(config, **{name: val for name, val in loose if val is not None})
     if walk not in WALKS:
         raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
     if lags is not None:
@@ -173,7 +196,7 @@ def conv_tree_update(x, conv_pool, state_slots, weight, bias=None, parents=None,
             node_states = jnp.where(live, rows.astype(node_states.dtype), node_states)
         return y.astype(x.dtype), node_states
 
-    BD = min(next_pow2(D), block_d or 256)
+    BD = min(next_pow2(D), config.block_d)
     tree = parents is not None
     write_states = node_states is not None
     if tree and walk == "precomputed":
@@ -197,7 +220,7 @@ def conv_tree_update(x, conv_pool, state_slots, weight, bias=None, parents=None,
         grid=(nb, pl.cdiv(D, BD)),
         input_output_aliases=aliases,
         interpret=kind == "interpret",
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
         name="conv_tree_update" if tree else "conv_chain_update",
     )(*inputs)
     return outs[0], (outs[1] if write_states else None)

@@ -1,10 +1,9 @@
 """Mamba2 tree verify in chunked (SSD) form: every node at once, the ancestor mask in place of the
-causal mask. The ReplaySSM default of the Mamba2 layer (`Mamba2CommitConfig.verify_form="auto"`):
-compiled conformance passes on the H200, where its tree took 0.19-0.56x the recurrent chain's time.
+causal mask. The ReplaySSM default of the Mamba2 layer (`Mamba2CommitConfig.verify_form="auto"`;
+results: mamba2-chunked).
 
 Why: the recurrent tree scan (`mamba2_tree.mamba2_tree_scan`) walks nodes one by one and, at a
-branch, replays the parent's ancestors; on the H200 it ran 1.7-2.5x slower than the chain at B=32
-and B=64, and the chain itself ran 16x above the state-read floor (benchmarks/RESULTS.md). Mamba2's
+branch, replays the parent's ancestors, so its tree is slower than its chain. Mamba2's
 update is linear with a scalar decay per head and node, so the output of node t is a masked
 matrix product over its ancestors, with no serial dependency and no replay:
 
@@ -26,6 +25,7 @@ products, fp32 sums); the fp32 products are IEEE by default, or three TF32 passe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -101,9 +101,31 @@ def _chunked_kernel(mask_ref, slots_ref, x_ref, dt_ref, alog_ref, dtb_ref, d_ref
                     mask=tmask & (pt == 0) & live)
 
 
+@dataclasses.dataclass(frozen=True)
+class Mamba2ChunkedConfig:
+    """Launch knobs of `mamba2_tree_chunked`; `default_config(headdim)` gives the default."""
+
+    block_p: int  # channels per program (power of two >= 16: a Triton dot operand dim)
+    num_warps: int = 4  # Triton warps per program (power of two)
+
+    def __post_init__(self):
+        if isinstance(self.block_p, bool) or not isinstance(self.block_p, int) or self.block_p < 16 or (
+                self.block_p & (self.block_p - 1)):
+            raise ValueError(f"Mamba2ChunkedConfig.block_p must be a power of two >= 16, got {self.block_p}")
+        if (isinstance(self.num_warps, bool) or not isinstance(self.num_warps, int) or self.num_warps < 1
+                or self.num_warps & (self.num_warps - 1)):
+            raise ValueError(f"Mamba2ChunkedConfig.num_warps must be a power of two, got {self.num_warps}")
+
+
+def default_config(headdim: int) -> Mamba2ChunkedConfig:
+    """The chunked form's config when given none: next_pow2(headdim) channels per program, at least
+    16 (dot operands) and at most 64, and 4 warps."""
+    return Mamba2ChunkedConfig(block_p=min(max(16, next_pow2(headdim)), 64))
+
+
 def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents=None, *, mask=None,
-                        z=None, mode="outputs", payload=None, block_p=None, num_warps=4, fp32_dots="ieee",
-                        backend=None):
+                        z=None, mode="outputs", payload=None, block_p=None, num_warps=None, fp32_dots="ieee",
+                        config=None, backend=None):
     """Chunked Mamba2 tree verify; see the module docstring.
 
     Shapes as `mamba2_tree.mamba2_tree_scan`: `x [B, T, H, P]`, `dt [B, T, H]`, `A_log/D/dt_bias [H]`,
@@ -112,7 +134,9 @@ def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots,
     ancestor-or-self rows (`tree.masks.ancestor_mask(parents)`; pass the one attention already uses
     to build it once per step). `mode`: "outputs" or "replay" (payload rows `[B | x | dt]` into
     `payload [B, T, width]`, aliased). `fp32_dots`: "ieee" or "tf32x3" (compiled runs only; see
-    FP32_DOTS). Returns `(y [B, T, H, P] in x.dtype, payload or None)`.
+    FP32_DOTS). `config`: launch knobs (`Mamba2ChunkedConfig`); None = `default_config(P)`; `block_p`
+    and `num_warps`, when given, override the config's field of that name.
+    Returns `(y [B, T, H, P] in x.dtype, payload or None)`.
     """
     if mode not in CHUNKED_MODES:
         raise ValueError(f"mamba2_tree_chunked: mode must be one of {CHUNKED_MODES} (the chunked form keeps no "
@@ -125,10 +149,9 @@ def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots,
         mask = ancestor_mask(chain_parents(nb, T) if parents is None else parents.astype(jnp.int32))
     if mask.shape != (nb, T, 2) or mask.dtype != jnp.uint32:
         raise ValueError(f"mamba2_tree_chunked: mask must be [B={nb}, T={T}, 2] uint32, got {mask.shape} {mask.dtype}")
-    if block_p is not None and (not isinstance(block_p, int) or block_p < 16 or block_p & (block_p - 1)):
-        raise ValueError(f"mamba2_tree_chunked: block_p must be a power of two >= 16, got {block_p}")
-    if not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):
-        raise ValueError(f"mamba2_tree_chunked: num_warps must be a power of two, got {num_warps}")
+    config = default_config(P) if config is None else config
+    loose = (("block_p", block_p), ("num_warps", num_warps))
+    config = dataclasses.replace(config, **{name: val for name, val in loose if val is not None})
     if fp32_dots not in FP32_DOTS:
         raise ValueError(f"mamba2_tree_chunked: fp32_dots must be one of {tuple(FP32_DOTS)}, got {fp32_dots!r}")
     kind = resolve_backend(backend)
@@ -142,15 +165,16 @@ def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots,
     G, N = B.shape[2], B.shape[3]
     TP = max(16, next_pow2(T))
     NP = max(16, next_pow2(N))
-    BP = block_p or min(max(16, next_pow2(P)), 64)
+    BP = config.block_p
     inputs = [mask, state_slots.astype(jnp.int32), x, dt, A_log, dt_bias, D, B, C]
     inputs += ([z] if z is not None else []) + [state_pool]
     kernel = functools.partial(_chunked_kernel, T=T, TP=TP, H=H, P=P, N=N, G=G, BP=BP, NP=NP,
                                has_z=z is not None, mode=mode, layout=layout,
                                precision=FP32_DOTS["ieee" if kind == "interpret" else fp32_dots])
     return launch_head_tiles(kernel, inputs, x, payload if mode == "replay" else None,
-                             grid=(nb, H, pl.cdiv(P, BP)), num_warps=num_warps, interpret=kind == "interpret",
+                             grid=(nb, H, pl.cdiv(P, BP)), num_warps=config.num_warps, interpret=kind == "interpret",
                              name="mamba2_tree_chunked")
 
 
-__all__ = ["CHUNKED_MODES", "FP32_DOTS", "MAX_CHUNKED_NODES", "mamba2_tree_chunked"]
+__all__ = ["CHUNKED_MODES", "FP32_DOTS", "MAX_CHUNKED_NODES", "Mamba2ChunkedConfig", "default_config",
+           "mamba2_tree_chunked"]

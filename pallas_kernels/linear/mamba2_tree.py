@@ -9,18 +9,17 @@ state and walks the nodes in index order, keeping the state in registers. Node t
 node t-1's state when p(t) == t-1, so a chain never reloads anything. A root takes `h0`. At a
 branch (p(t) != t-1, p(t) >= 0) the parent's state is *replayed*: rebuilt by re-running the
 updates of its root path over `h0`. `walk="parents"` (default) chases parent pointers leaf to root
-(`h_p = (prod of decays) h0 + sum_s (decays after s) dt'_s x_s B_s^T`); it measured fastest on the
-H200 at B=32, T=16 (970 us against 1166 us for the precomputed walk; benchmarks/RESULTS.md 04:15
-UTC). `walk="precomputed"` reads the path from the step's ancestor list (`Mamba2ScanPlan.paths
+(`h_p = (prod of decays) h0 + sum_s (decays after s) dt'_s x_s B_s^T`; results: mamba2-walk).
+`walk="precomputed"` reads the path from the step's ancestor list (`Mamba2ScanPlan.paths
 [B, T, T]`, root first), so each replayed node's loads depend on a loop counter, not on the
 previous node's parent pointer, and reruns the forward recurrence itself from `h0` (a replayed
-state equals the one the walk computed the first time); it measured 17% faster than the parent
-walk at B=1, T=64 (157 vs 189 us) and tied elsewhere (RESULTS.md, 05:43 UTC).
+state equals the one the walk computed the first time).
 
-Branch register slots (keeping branch-point states in extra register tiles) were tried and removed:
-on the H200 (2026-11-30, B=32, T=16) the tree took 1374 us with two slots against 970 us without.
+No node state is kept for reuse, in memory or in extra register tiles: replays read only the
+inputs (results: mamba2-branch-slots).
 
-No node state is ever stored for reuse: replays read only the inputs.
+Launch knobs: `Mamba2ScanConfig` (frozen); `default_config(headdim, dstate)` is what the scan runs
+when given none.
 
 Modes (what is written besides `y`):
 - "staged": every node's state goes to `scratch [B, T, H, P, N]` (aliased in and out, so rows of
@@ -35,6 +34,7 @@ A padded request (state slot < 0) reads no state, writes zeros to `y` and nothin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -58,6 +58,30 @@ WALKS = ("precomputed", "parents")
 # A [block_p, N] fp32 tile of this many elements keeps h, h0 and the walk accumulator in registers
 # at 4 warps without spilling on Hopper (three such tiles live at a branch).
 _TILE_ELEMS = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba2ScanConfig:
+    """Launch knobs of `mamba2_tree_scan`; `default_config(headdim, dstate)` gives the default."""
+
+    block_p: int  # channels per program (power of two); tiles never exceed next_pow2(headdim)
+    num_warps: int = 4  # Triton warps per program (power of two)
+    unroll: bool = False  # emit the node loop as straight-line code (same results)
+
+    def __post_init__(self):
+        for name in ("block_p", "num_warps"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1 or val & (val - 1):
+                raise ValueError(f"Mamba2ScanConfig.{name} must be a power of two, got {val}")
+        if not isinstance(self.unroll, bool):
+            raise ValueError(f"Mamba2ScanConfig.unroll must be a bool, got {self.unroll!r}")
+
+
+def default_config(headdim: int, dstate: int) -> Mamba2ScanConfig:
+    """The scan's config when given none: the widest power-of-two channel tile (up to
+    next_pow2(headdim)) whose `[block_p, next_pow2(dstate)]` fp32 state tile holds at most
+    _TILE_ELEMS elements, 4 warps, a rolled node loop."""
+    return Mamba2ScanConfig(block_p=max(1, min(next_pow2(headdim), _TILE_ELEMS // next_pow2(dstate))))
 
 
 class Mamba2ScanPlan(NamedTuple):
@@ -288,7 +312,7 @@ def check_plan(plan, nb: int, T: int) -> None:
 
 def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents=None, *, z=None,
                      mode="outputs", scratch=None, payload=None, plan=None, walk="parents",
-                     block_p=None, num_warps=4, unroll=False, backend=None):
+                     block_p=None, num_warps=None, unroll=None, config=None, backend=None):
     """Mamba2 verify scan; see the module docstring.
 
     Shapes: `x [B, T, H, P]`, `dt [B, T, H]`, `A_log/D/dt_bias [H]`, `B/C [B, T, G, N]`,
@@ -300,8 +324,8 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
     no plan and ignores one; or "precomputed": the ancestor list). `plan` is
     `mamba2_scan_plan(parents)`, computed here when the precomputed walk needs it and None is
     given (pass it to share one plan across layers). Plan and walk change speed only.
-    `block_p` (power of two) and `num_warps` pick the program tile; `unroll=True` emits the node
-    loop as straight-line code (same results).
+    `config`: launch knobs (`Mamba2ScanConfig`); None = `default_config(P, N)`. `block_p` (power of
+    two), `num_warps` and `unroll`, when given, override the config's field of that name.
     Returns `(y [B, T, H, P] in x.dtype, side)` where side is the updated scratch (staged), the
     updated payload (replay) or None (outputs).
     """
@@ -313,10 +337,9 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
         if parents is None:
             raise ValueError("plan given without parents: a chain (parents=None) takes no plan")
         check_plan(plan, nb, T)
-    if block_p is not None and (not isinstance(block_p, int) or block_p < 1 or block_p & (block_p - 1)):
-        raise ValueError(f"block_p must be a power of two, got {block_p}")
-    if not isinstance(num_warps, int) or num_warps < 1 or num_warps & (num_warps - 1):
-        raise ValueError(f"num_warps must be a power of two, got {num_warps}")
+    config = default_config(P, B.shape[3]) if config is None else config
+    loose = (("block_p", block_p), ("num_warps", num_warps), ("unroll", unroll))
+    config = dataclasses.replace(config, **{name: val for name, val in loose if val is not None})
     kind = resolve_backend(backend)
     if kind == "reference":
         y, states = mamba2_tree_scan_reference(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z)
@@ -330,7 +353,7 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
 
     G, N = B.shape[2], B.shape[3]
     NP = next_pow2(N)
-    BP = min(next_pow2(P), block_p) if block_p else max(1, min(next_pow2(P), _TILE_ELEMS // NP))
+    BP = min(next_pow2(P), config.block_p)
     tree = parents is not None
     tree_inputs = []
     if tree:
@@ -345,8 +368,8 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
         state_slots.astype(jnp.int32), x, dt, A_log, dt_bias, D, B, C] + ([z] if z is not None else []) + [state_pool]
     side = None if mode == "outputs" else (scratch if mode == "staged" else payload)
     kernel = functools.partial(_scan_kernel, T=T, H=H, P=P, N=N, G=G, BP=BP, NP=NP, tree=tree,
-                               walk=walk, has_z=z is not None, mode=mode, layout=layout, unroll=bool(unroll))
-    return launch_head_tiles(kernel, inputs, x, side, grid=(nb, H, pl.cdiv(P, BP)), num_warps=num_warps,
+                               walk=walk, has_z=z is not None, mode=mode, layout=layout, unroll=config.unroll)
+    return launch_head_tiles(kernel, inputs, x, side, grid=(nb, H, pl.cdiv(P, BP)), num_warps=config.num_warps,
                              interpret=kind == "interpret",
                              name="mamba2_tree_scan" if tree else "mamba2_chain_scan")
 
@@ -374,5 +397,5 @@ def launch_head_tiles(kernel, inputs: list, x: jax.Array, side: jax.Array | None
     return outs[0], (outs[1] if side is not None else None)
 
 
-__all__ = ["MODES", "WALKS", "Mamba2ScanPlan", "ancestor_paths", "check_plan", "launch_head_tiles",
+__all__ = ["MODES", "WALKS", "Mamba2ScanConfig", "Mamba2ScanPlan", "default_config", "ancestor_paths", "check_plan", "launch_head_tiles",
            "mamba2_scan_plan", "mamba2_tree_scan", "sanitize_parents"]

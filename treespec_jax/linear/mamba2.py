@@ -91,20 +91,17 @@ class Mamba2CommitConfig:
     mode: StateMode = "replay_ssm"  # ReplaySSM (default): no per-node states; "staged": per-node states
     backend: str | None = None  # kernel backend for every kernel called here (see pallas_kernels.common)
     # How the recurrent tree scan replays a branch's parent state from the committed state:
-    # "parents" (default, measured fastest at B=32 T=16 on the H200) chases parent pointers;
-    # "precomputed" replays along the step's ancestor list (Mamba2StepPlan.scan; 17% faster at B=1
-    # T=64, tied elsewhere). Speed only: both give the same results up to rounding.
+    # "parents" (default) chases parent pointers; "precomputed" replays along the step's ancestor
+    # list (Mamba2StepPlan.scan). Speed only: both give the same results up to rounding.
+    # results: mamba2-walk
     walk: str = "parents"
     # Verify scan form: "recurrent" (mamba2_tree_scan, node by node), "chunked" (mamba2_chunked: all
     # nodes at once under the ancestor mask; ReplaySSM only, as it forms no node states; T <= 64) or
     # "auto" (default): chunked under ReplaySSM up to 64 nodes, else recurrent. Same results up to
-    # rounding. On the H200 (Nemotron-H-like dims, benchmarks/RESULTS.md, 07:40 UTC) the chunked tree
-    # took 0.19-0.56x the recurrent chain's time at B = 1, 32, 64 and T = 8, 16, 64, except B=1 T=8
-    # (1.12x), and tree / chain fell from 1.7-2.4x to 0.7-1.2x.
+    # rounding. results: mamba2-chunked
     verify_form: str = "auto"
     # The chunked form's fp32 products: "tf32x3" (three TF32 tensor-core passes, about fp32
-    # accuracy; 1.9x faster than "ieee" at B=32 T=16 on the H200) or "ieee". The CPU interpreter
-    # always runs IEEE.
+    # accuracy, faster) or "ieee". The CPU interpreter always runs IEEE. results: mamba2-chunked
     fp32_dots: str = "tf32x3"
 
     def __post_init__(self):
