@@ -35,13 +35,15 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import next_pow2, resolve_backend
 
 # Pairs per group: the kernel unrolls a group's pairs (their order is the correctness argument), so
-# its compile time grows with M. A verify window has at most 64 rows; passing all requests as one
-# flat group of B*T pairs instead once took minutes to compile at B=32, T=64 on the H200.
+# its compile time grows with M. A verify window has at most 64 rows; one flat group of B*T pairs
+# for all requests takes minutes to compile at B=32, T=64.
 MAX_PAIRS_PER_GROUP = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class RowMoveConfig:
+    """Launch knobs of `move_rows`; `default_config()` is what it runs when given none."""
+
     # Words per program along the row (power of two); rows longer than this use several programs.
     max_block_words: int = 1024
     # Triton warps per program; a 1-D tile of 1024 words is 8 words per thread at 4 warps.
@@ -52,6 +54,12 @@ class RowMoveConfig:
             raise ValueError(f"max_block_words must be a power of two, got {self.max_block_words}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+
+
+def default_config() -> RowMoveConfig:
+    """The row move's config when given none, the same for every buffer: tiles of up to 1024 words
+    (a row of more words takes several programs) at 4 warps."""
+    return RowMoveConfig()
 
 
 def _check_args(buf: jax.Array, src_rows: jax.Array, dst_rows: jax.Array) -> None:
@@ -159,8 +167,9 @@ def _move_rows_pallas(buf, src_rows, dst_rows, *, interpret: bool, config: RowMo
 
 
 def move_rows(buf: jax.Array, src_rows: jax.Array, dst_rows: jax.Array, *, backend: str | None = None,
-              config: RowMoveConfig = RowMoveConfig()) -> jax.Array:
-    """Entry point; see module docstring. `buf [S, ...]`, `src_rows/dst_rows [M] or [G, M] int32`.
+              config: RowMoveConfig | None = None) -> jax.Array:
+    """Entry point; see module docstring. `buf [S, ...]`, `src_rows/dst_rows [M] or [G, M] int32`,
+    `config` None = `default_config()`.
 
     Returns the updated buffer; with `buf` donated at the jit boundary the update is in place.
     """
@@ -168,11 +177,12 @@ def move_rows(buf: jax.Array, src_rows: jax.Array, dst_rows: jax.Array, *, backe
     kind = resolve_backend(backend)
     if kind == "reference":
         return move_rows_reference(buf, src_rows, dst_rows)
+    config = default_config() if config is None else config
     return _move_rows_pallas(buf, src_rows, dst_rows, interpret=(kind == "interpret"), config=config)
 
 
 def pack_path_rows(buf: jax.Array, path: jax.Array, accept_len: jax.Array, *,
-                   backend: str | None = None) -> jax.Array:
+                   backend: str | None = None, config: RowMoveConfig | None = None) -> jax.Array:
     """Moves row path[b, d] of request b to row d for d < accept_len[b], in place.
 
     `buf [B, T, ...]`, `path [B, T] int32` (path[b, d] = node at depth d, increasing),
@@ -188,5 +198,5 @@ def pack_path_rows(buf: jax.Array, path: jax.Array, accept_len: jax.Array, *,
     depth = jnp.arange(t, dtype=jnp.int32)[None, :]
     base = (jnp.arange(nb, dtype=jnp.int32) * t)[:, None]
     src = jnp.where(depth < accept_len[:, None], base + path.astype(jnp.int32), -1)
-    flat = move_rows(buf.reshape((nb * t,) + buf.shape[2:]), src, base + depth, backend=backend)
+    flat = move_rows(buf.reshape((nb * t,) + buf.shape[2:]), src, base + depth, backend=backend, config=config)
     return flat.reshape(buf.shape)

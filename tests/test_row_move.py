@@ -168,3 +168,9 @@ def test_pack_path_rows_groups_requests_at_a_full_window(backend):
         np.testing.assert_array_equal(out[i, accept[i]:], before[i, accept[i]:])
     with pytest.raises(ValueError, match="path must be"):
         pack_path_rows(buf, jnp.asarray(path[:, :10]), jnp.asarray(accept))
+
+
+def test_default_config_rule():
+    """`default_config()`: 1024-word tiles at 4 warps for every buffer; move_rows(config=None) runs it."""
+    from pallas_kernels.row_move import default_config
+    assert default_config() == RowMoveConfig(max_block_words=1024, num_warps=4)
