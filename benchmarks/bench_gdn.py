@@ -54,9 +54,9 @@ SMALL = dict(H=2, HV=4, DK=16, DV=16)
 INNER = 10  # kernel calls in the shorter timed chain (timing.time_step also runs 3 x INNER)
 DEFAULT_CONFIGS = [(1, 8), (1, 16), (1, 64), (32, 8), (32, 16), (32, 64), (64, 8), (64, 16), (64, 64)]
 _T0 = time.time()  # this module's start, for its --budget-s
-CHUNKED_IEEE = False  # --chunked-ieee: also time the chunked form with IEEE fp32 products (3.5-7x slower)
+CHUNKED_IEEE = False  # --chunked-ieee: also time the chunked form with IEEE fp32 products (results: gdn-tf32x3)
 SKIP_COMMIT = False  # --skip-commit: the T=64 commit step takes minutes to compile at B=32
-FUSED_CHUNKED = True  # --no-fused-chunked: skip the fused chunked kernel (2-3x slower than two-pass past 16 nodes)
+FUSED_CHUNKED = True  # --no-fused-chunked: skip the fused chunked kernel (slower than two-pass past 16 nodes; results: gdn-two-pass)
 # --lean: only what the layer's route chooses between (the recurrent tree and chain, and the chunked
 # form the kernel's defaults pick, input-dtype grams included), no staged kernels, no factor-alone
 # timings: a config compiles in about a third of the time, for route decisions over many T.

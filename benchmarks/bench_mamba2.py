@@ -19,8 +19,8 @@ medians per call is the figure (`timing.time_step`, device time). Per B x T conf
 kernel (parents=None), the default tree kernel ("old": parent-pointer replay), and the tree kernel
 with the precomputed ancestor-list walk, its per-step plan built outside the timed layer (as the
 layer glue shares it; the plan's own cost is timed once as "plan"). Ratios are tree / chain of the
-same run, and vs the byte floor (state read over the measured device copy bandwidth). (Branch
-register slots were removed after measuring slower: B=32 T=16 tree 1374 us with 2 slots vs 970.)
+same run, and vs the byte floor (state read over the measured device copy bandwidth). The scan keeps
+no branch register slots (results: mamba2-branch-slots).
 """
 
 from __future__ import annotations
