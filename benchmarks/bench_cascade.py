@@ -344,7 +344,9 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     qr = heads_to_rows(q, HKV, mosaic_rows(n * group) if mosaic else padded_rows(n * group))
     covers = covers_tail(None, mosaic)
     rows_kw = dict(query_rows=1, group=n * group) if covers else dict(query_rows=n, group=group)
-    kw = dict(page_size=PAGE, scale=D ** -0.5, **rows_kw, interpret=interp)
+    # The merge launch the cascades below take (--xla-merge sets it through CascadeConfig).
+    kw = dict(page_size=PAGE, scale=D ** -0.5, **rows_kw, interpret=interp,
+              merge_config=CascadeConfig(page_size=PAGE).merge)
     # Prefix alone on the row layout (kernel + split merge), as the cascade runs it.
     if mosaic:
         pre = jax.jit(lambda *a: prefix_decode_mgpu_row_layout(*a, **kw))
@@ -549,14 +551,16 @@ def main(argv=None):
                     help="unfused cascades merge key-split partials in the merge kernel before the window "
                          "kernel (CascadeConfig.window_merges_splits=False; conformance runs so too)")
     ap.add_argument("--xla-merge", action="store_true",
-                    help="merge key splits in XLA (split_merge.MERGE_KERNEL off) instead of the Pallas kernel")
+                    help="merge key splits in XLA (CascadeConfig.merge=MergeConfig(kernel=False)) instead of the "
+                         "Pallas kernel")
     args = ap.parse_args(argv)
-    if args.xla_merge:
-        from pallas_kernels.attention import split_merge
-        split_merge.MERGE_KERNEL = False
-    if args.merge_kernel_splits:  # every cascade this module builds, conformance and timings alike
+    if args.xla_merge or args.merge_kernel_splits:
+        # Every cascade this module builds, conformance and timings alike.
+        from pallas_kernels.attention.split_merge import MergeConfig
         global CascadeConfig
-        CascadeConfig = functools.partial(CascadeConfig, window_merges_splits=False)
+        CascadeConfig = functools.partial(CascadeConfig, **(dict(merge=MergeConfig(kernel=False)) if args.xla_merge
+                                                            else {}),
+                                          **(dict(window_merges_splits=False) if args.merge_kernel_splits else {}))
     cmd = "python3 benchmarks/bench_cascade.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.variants:
         # Imported here: cascade_variants imports this module for its helpers.

@@ -16,6 +16,7 @@ and after, and a trace of chains a third as long.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -46,25 +47,23 @@ def kernel_table(traces, inner: int):
 
 # How each chained call is made to depend on the last (--feeds): through P (argument 4) or q (0).
 FEEDS = {"scalar": lambda: feed_scalar(4), "query": lambda: feed_output(0)}
-DEFAULT_MERGE_LAUNCH = (split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS)
-
-
-def set_merge(merge: str) -> bool:
-    """Sets the merge flags for one --merges entry: xla, kernel, kernel:E/W or window (unfused
-    cascades hand the split partials to the window kernel; other merges take the Pallas kernel).
-    Returns CascadeConfig.window_merges_splits for it."""
+def merge_form(merge: str) -> tuple[split_merge.MergeConfig, bool]:
+    """(CascadeConfig.merge, CascadeConfig.window_merges_splits) for one --merges entry: xla, kernel,
+    kernel:E/W or window (unfused cascades hand the split partials to the window kernel; other
+    merges take the Pallas kernel at its default launch)."""
     kind, _, launch = merge.partition(":")
     if kind not in ("xla", "kernel", "window") or (launch and kind != "kernel"):
         raise ValueError(f"--merges: unknown entry {merge!r} (xla, kernel, kernel:E/W or window)")
-    elements, warps = (int(x) for x in launch.split("/")) if launch else DEFAULT_MERGE_LAUNCH
-    split_merge.MERGE_KERNEL = kind != "xla"
-    split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS = elements, warps
-    return kind == "window"
+    config = split_merge.default_config()
+    if launch:
+        elements, warps = (int(x) for x in launch.split("/"))
+        config = dataclasses.replace(config, elements_per_program=elements, num_warps=warps)
+    return dataclasses.replace(config, kernel=kind != "xla"), kind == "window"
 
 
 # Where the FP8 prefix query is cast (--query-casts): in the kernel (fused, from the window's
-# unquantised tile, `prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT`; unfused, from a staged
-# one, `CAST_QUERY_UNFUSED_BY_DEFAULT`), or by XLA before it.
+# unquantised tile, `PrefixMgpuConfig.cast_query_fused`; unfused, from a staged one,
+# `PrefixMgpuConfig.cast_query_unfused`), or by XLA before it.
 QUERY_CASTS = {"kernel": True, "xla": False}
 # Whether the window is fused into the Mosaic prefix kernel (--fuse): `CascadeConfig.fuse_window`.
 FUSES = {"auto": None, "off": False, "on": True}
@@ -118,21 +117,20 @@ def main(argv=None):
     heads = choices("--heads", a.heads, HEADS)
     forms = [(m, c, f, h) for m in a.merges.split(",") for c in casts for f in fuses for h in heads]
     failed, outs = False, {}
-    defaults = (split_merge.MERGE_KERNEL, split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS,
-                prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT, prefix_decode_mgpu.CAST_QUERY_UNFUSED_BY_DEFAULT)
     for merge in a.merges.split(","):
-        set_merge(merge)  # refuses a bad entry before any work
+        merge_form(merge)  # refuses a bad entry before any work
     feeds = choices("--feeds", a.feeds, FEEDS)
     for b, p, n in parse_shapes(a.shapes, 3):
         for dt in a.dtypes.split(","):
             args = cascade_inputs(key, rng, b, p, n, KV_DTYPES[dt])
             for s, (merge, cast, fuse, head) in ((int(x), f) for x in a.splits.split(",") for f in forms):
-                window_merges = set_merge(merge)
-                prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT = QUERY_CASTS[cast]
-                prefix_decode_mgpu.CAST_QUERY_UNFUSED_BY_DEFAULT = QUERY_CASTS[cast]
-                jax.clear_caches()  # the flags are read when the cascade is traced
+                merge_config, window_merges = merge_form(merge)
+                mgpu_config = dataclasses.replace(prefix_decode_mgpu.default_config(),
+                                                  cast_query_fused=QUERY_CASTS[cast],
+                                                  cast_query_unfused=QUERY_CASTS[cast])
                 cfg = CascadeConfig(page_size=PAGE, num_splits=s or None, fuse_window=FUSES[fuse],
-                                    window_merges_splits=window_merges, unfused_heads_io=HEADS[head])
+                                    window_merges_splits=window_merges, unfused_heads_io=HEADS[head],
+                                    prefix_mgpu=mgpu_config, merge=merge_config)
                 fn = jax.jit(lambda *x, cfg=cfg: cascade_attention(*x, window=n, config=cfg))
                 label = (f"B={b},P={p},N={n} {dt} splits {s or 'default'}, {merge} merge"
                          + (f", query cast by {cast}" if len(casts) > 1 else "")
@@ -167,8 +165,6 @@ def main(argv=None):
                 if a.compare:
                     after = 1e6 * chained_time(fn, args, feed_scalar(4), inner=a.inner // 3)
                     log(f"{label}: chained_time {before:.1f} us before the traces, {after:.1f} us after")
-    (split_merge.MERGE_KERNEL, split_merge.ELEMENTS_PER_PROGRAM, split_merge.NUM_WARPS,
-     prefix_decode_mgpu.CAST_QUERY_IN_KERNEL_BY_DEFAULT, prefix_decode_mgpu.CAST_QUERY_UNFUSED_BY_DEFAULT) = defaults
     return 1 if failed else 0
 
 

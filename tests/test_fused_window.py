@@ -253,9 +253,12 @@ def test_fused_window_config_refusals():
     # 16-bit query; else the window kernel (N=64: the memory warpgroup widens V unfused).
     lanes = sd((1, 16, 32, 128), jnp.bfloat16)
     assert fuses(cfg, True, True, fp8, lanes)
-    assert cascade_module.widens_values_by_default(256, 128, 64) == pdm.MEMORY_WIDENS_BY_DEFAULT
+    assert cascade_module.widens_values_by_default(256, 128, 64) == pdm.default_config().memory_widens
     assert not cascade_module.widens_values_by_default(64, 128, 64)
-    assert fuses(cfg, True, True, fp8, one_wave) == (not pdm.MEMORY_WIDENS_BY_DEFAULT)
+    assert fuses(cfg, True, True, fp8, one_wave) == (not pdm.default_config().memory_widens)
+    # The config's switch reaches the rule: without the widening the one-wave FP8 cascade fuses.
+    no_widen = CascadeConfig(page_size=64, prefix_mgpu=pdm.PrefixMgpuConfig(memory_widens=False))
+    assert fuses(no_widen, True, True, fp8, one_wave)
     assert not fuses(cfg, True, True, fp8, full)
     assert not fuses(cfg, True, True, fp8, sd((1, 64, 32, 128), jnp.float32))
     assert fuses(CascadeConfig(page_size=64, prefix_kernel="mosaic_gpu", fuse_window=True), True, True, fp8, full)

@@ -387,13 +387,15 @@ def test_clustered_mla_decode_lowers(dtype, window):
     assert "mosaic_gpu" in text
 
 
-def test_loop_descriptors_default_and_refusals():
-    """None builds the seesaw pair's descriptors in the loop (LOOP_DESCRIPTORS_BY_DEFAULT) and
-    leaves the other schedules as they are; True under another schedule, or a non-bool, is refused
-    by value, with every other blocker."""
+def test_loop_descriptors_default_and_refusals(monkeypatch):
+    """None builds the seesaw pair's descriptors in the loop (`MlaMgpuConfig.loop_descriptors`) and
+    leaves the other schedules as they are; a config turns the default off; True under another
+    schedule, or a non-bool, is refused by value, with every other blocker."""
     from pallas_kernels.attention import mla_decode_mgpu as module
 
-    assert module.LOOP_DESCRIPTORS_BY_DEFAULT is True
+    assert module.default_config() == module.MlaMgpuConfig(p_in_ring=True, loop_descriptors=True)
+    with pytest.raises(ValueError, match="loop_descriptors must be True or False"):
+        module.MlaMgpuConfig(loop_descriptors=None)
     bf = jnp.bfloat16
     q = jnp.zeros((1, 2, 4, 192), bf)
     args = (jnp.zeros((64 * 4, 192), bf), jnp.zeros((1, 4), jnp.int32), jnp.zeros((1,), jnp.int32))
@@ -402,3 +404,9 @@ def test_loop_descriptors_default_and_refusals():
         mla_decode_mgpu(q, *args, schedule="turns", loop_descriptors=True, registers=(248, 24), **kw)
     with pytest.raises(ValueError, match="loop_descriptors must be None, True or False, got 1"):
         mla_decode_mgpu(q, *args, loop_descriptors=1, **kw)
+    # What the knobs left None resolve to, under the default rules and with both switched off.
+    monkeypatch.setattr(module, "_mla_decode_mgpu", lambda *a, **k: k)
+    resolved = module.mla_decode_mgpu(q, *args, **kw)
+    assert resolved["loop_descriptors"] is True and resolved["schedule"] == "seesaw"
+    off = module.mla_decode_mgpu(q, *args, config=module.MlaMgpuConfig(p_in_ring=False, loop_descriptors=False), **kw)
+    assert off["loop_descriptors"] is False and off["p_in_ring"] is False

@@ -387,19 +387,22 @@ def test_persistent_launch_gives_the_gridded_bits(monkeypatch, interpret):
 
 
 def test_persistent_default_and_lowering():
-    """None launches persistent CTAs over 16-bit pools where the items outnumber the SMs (the
-    H200's measurements), never over FP8 ones; an explicit setting wins. The persistent loop lowers
+    """None launches persistent CTAs over 16-bit pools where the items outnumber the SMs (results:
+    persistent-prefix), never over FP8 ones whose compute warpgroups widen V; an explicit setting
+    wins, and the config's switch turns the default off. The persistent loop lowers
     at D = 128 (bf16 fused in head layout, FP8 with a key split)."""
     import pallas_kernels.attention.prefix_decode_mgpu as pdm
 
     sms = pdm.num_sms()
-    assert pdm.PERSISTENT_16BIT_BY_DEFAULT
+    assert pdm.default_config().persistent_16bit
     assert pdm.runs_persistent(sms + 1, None, 2) and not pdm.runs_persistent(sms, None, 2)
+    assert not pdm.runs_persistent(sms + 1, None, 2, False, pdm.PrefixMgpuConfig(persistent_16bit=False))
     assert not pdm.runs_persistent(10 * sms, None, 1)
     assert pdm.runs_persistent(1, True, 1) and not pdm.runs_persistent(10 * sms, False, 2)
     # The query prefetch: on under the persistent launch where its second tile fits.
-    assert pdm.PREFETCH_QUERY_BY_DEFAULT
+    assert pdm.default_config().prefetch_query
     assert pdm.runs_prefetch_query(None, True, pdm.MAX_SMEM_BYTES)
+    assert not pdm.runs_prefetch_query(None, True, 0, pdm.PrefixMgpuConfig(prefetch_query=False))
     assert not pdm.runs_prefetch_query(None, True, pdm.MAX_SMEM_BYTES + 1)
     assert not pdm.runs_prefetch_query(None, False, 0)
     assert pdm.runs_prefetch_query(True, False, 0) and not pdm.runs_prefetch_query(False, True, 0)
@@ -485,20 +488,21 @@ def test_memory_widened_values_refusals_and_lowering():
 @sweep
 def test_memory_widens_default(monkeypatch):
     """None widens FP8 V in the memory warpgroup over FP8 pools without a warpgroup key split where
-    the ring fits (the fused window: under MEMORY_WIDENS_FUSED_BY_DEFAULT), never over 16-bit pools;
+    the ring fits (the fused window: under PrefixMgpuConfig.memory_widens_fused), never over 16-bit pools;
     an explicit setting wins. The kernel's default path takes it (and then, with the items
     outnumbering the SMs, the persistent launch)."""
     import pallas_kernels.attention.prefix_decode_mgpu as pdm
 
-    assert pdm.MEMORY_WIDENS_BY_DEFAULT
+    assert pdm.default_config().memory_widens
     assert pdm.runs_memory_widens(None, 1, False, False, True)
     assert not pdm.runs_memory_widens(None, 1, True, False, True)  # the key split keeps its own copies
     assert not pdm.runs_memory_widens(None, 1, False, False, False)  # the ring does not fit
     assert not pdm.runs_memory_widens(None, 2, False, False, True)
-    assert pdm.runs_memory_widens(None, 1, False, True, True) == pdm.MEMORY_WIDENS_FUSED_BY_DEFAULT
+    assert pdm.runs_memory_widens(None, 1, False, True, True) == pdm.default_config().memory_widens_fused
+    assert pdm.runs_memory_widens(None, 1, False, True, True, pdm.PrefixMgpuConfig(memory_widens_fused=True))
     assert pdm.runs_memory_widens(True, 1, True, True, False) and not pdm.runs_memory_widens(False, 1, False, False, True)
     sms = pdm.num_sms()
-    assert pdm.PERSISTENT_FP8_WIDENED_BY_DEFAULT
+    assert pdm.default_config().persistent_fp8_widened
     assert pdm.runs_persistent(sms + 1, None, 1, True) and not pdm.runs_persistent(sms + 1, None, 1, False)
     assert not pdm.runs_persistent(sms, None, 1, True)
     seen = []
@@ -517,7 +521,7 @@ def test_memory_widens_default(monkeypatch):
 # Fused window steps over FP8 pools clean their rows of the widened V ring in place (NaN / inf in
 # every slot no row sees): the same bits as each warpgroup's own widened copy, at one and two pages
 # per step, a three-split key axis and a persistent launch.
-@sweep  # off by default (MEMORY_WIDENS_FUSED_BY_DEFAULT)
+@sweep  # off by default (PrefixMgpuConfig.memory_widens_fused)
 @pytest.mark.parametrize("n,lengths,splits,pps,persistent", [(32, [0, 70, 200], 1, 1, False),
                                                              (16, [50, 300, 128], 3, 2, False),
                                                              (32, [130, 20], 2, 1, True)])

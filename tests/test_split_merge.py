@@ -9,7 +9,7 @@ import pytest
 from paged_fixtures import rel_err
 
 from pallas_kernels.attention import split_merge
-from pallas_kernels.attention.split_merge import head_io_rows, merge_splits, rows_per_program
+from pallas_kernels.attention.split_merge import MergeConfig, default_config, head_io_rows, merge_splits, rows_per_program
 
 
 def numpy_merge(out, lse):
@@ -70,10 +70,9 @@ def test_kernel_equals_reference_on_bf16_partials():
     (2, 8, 16, 16, 64, 1024, jnp.bfloat16),  # 8-row boxes, four 16-wide D chunks, bf16 out
     (4, 1, 64, 2, 16, 2048, jnp.float32),  # G = 1: 64-row boxes of one head
 ])
-def test_heads_layout_merge_matches_numpy(monkeypatch, backend, splits, group, r, hq, d, elements, out_dtype):
+def test_heads_layout_merge_matches_numpy(backend, splits, group, r, hq, d, elements, out_dtype):
     """heads_group: out in head layout [S, B, R, Hq, D], lse in the fused Mosaic prefix's kernel-row
     order; the merge reads that order itself and returns both in head layout."""
-    monkeypatch.setattr(split_merge, "ELEMENTS_PER_PROGRAM", elements)
     rng = np.random.default_rng(splits * group + d)
     b = 2
     out = rng.standard_normal((splits, b, r, hq, d)).astype(np.float32)
@@ -83,7 +82,8 @@ def test_heads_layout_merge_matches_numpy(monkeypatch, backend, splits, group, r
     rows = b * r * hq
     e_out, e_lse = numpy_merge(out.reshape(splits, rows, d), lse.reshape(splits, rows))
     merged, mlse = merge_splits(jnp.asarray(out), head_io_rows(jnp.asarray(lse), group), out_dtype=out_dtype,
-                                backend=backend, heads_group=group)
+                                backend=backend, heads_group=group,
+                                config=MergeConfig(elements_per_program=elements))
     assert merged.shape == (b, r, hq, d) and merged.dtype == out_dtype and mlse.shape == (b, r, hq)
     got = np.asarray(merged, np.float32).reshape(rows, d)
     assert not np.isnan(got).any()
@@ -108,6 +108,16 @@ def test_rows_per_program():
     assert rows_per_program(40, 16) == 8
     assert rows_per_program(7, 16) == 1
     assert rows_per_program(64, 512) == 4
+    assert rows_per_program(2048, 128, MergeConfig(elements_per_program=1024)) == 8
+
+
+def test_merge_config_defaults_and_refusals():
+    """The default launch (the Pallas kernel, 2,048 elements, 16 warps); bad knobs are refused."""
+    assert default_config() == MergeConfig(kernel=True, elements_per_program=2048, num_warps=16)
+    with pytest.raises(ValueError, match="kernel must be True or False"):
+        MergeConfig(kernel=1)
+    with pytest.raises(ValueError, match="num_warps a power of two"):
+        MergeConfig(num_warps=6)
 
 
 def test_merge_refuses_bad_inputs_naming_each():
@@ -122,15 +132,14 @@ def test_merge_refuses_bad_inputs_naming_each():
 @pytest.mark.parametrize("splits,d,kernel", [(3, 128, True), (8, 512, True), (3, 128, False)])
 def test_merge_lowers_to_triton(monkeypatch, splits, d, kernel):
     """The compiled kernel lowers for sm_90 on the CPU (a split count that is no power of two, the
-    MLA latent width); with MERGE_KERNEL off a compiled merge is the XLA form (no Triton call)."""
+    MLA latent width); under MergeConfig(kernel=False) a compiled merge is the XLA form (no Triton call)."""
     import jax._src.pallas.triton.pallas_call_registration as reg
 
     monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: reg.gpu_info_lib.GpuInfo(
         gpu_version=None, arch_name="sm_90", compute_capability=90))
     monkeypatch.setattr(split_merge, "resolve_backend", lambda backend: "compiled")
-    monkeypatch.setattr(split_merge, "MERGE_KERNEL", kernel)
     sd = jax.ShapeDtypeStruct
-    fn = lambda o, l: merge_splits(o, l, out_dtype=jnp.bfloat16)  # noqa: E731
+    fn = lambda o, l: merge_splits(o, l, out_dtype=jnp.bfloat16, config=MergeConfig(kernel=kernel))  # noqa: E731
     text = jax.jit(fn).trace(sd((splits, 1, 64, 32, d), jnp.float32),
                              sd((splits, 1, 64, 32), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == int(kernel)
@@ -144,7 +153,6 @@ def test_heads_layout_merge_lowers_to_triton(monkeypatch):
     monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: reg.gpu_info_lib.GpuInfo(
         gpu_version=None, arch_name="sm_90", compute_capability=90))
     monkeypatch.setattr(split_merge, "resolve_backend", lambda backend: "compiled")
-    monkeypatch.setattr(split_merge, "MERGE_KERNEL", True)
     sd = jax.ShapeDtypeStruct
     fn = lambda o, l: merge_splits(o, l, out_dtype=jnp.bfloat16, heads_group=4)  # noqa: E731
     text = jax.jit(fn).trace(sd((8, 1, 64, 32, 128), jnp.float32),

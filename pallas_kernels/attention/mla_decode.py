@@ -46,23 +46,24 @@ class MlaDecodeConfig:
     # Query rows (flat r * Hq + h) per program; power of two >= 16 (dot operand minimum).
     block_q: int = 32
     # Keys per inner step; power of two >= 16 (capped at the page size: a step never crosses a page).
-    # None: 64 for 16-bit caches, 32 for FP8 (H200, B=32 P=8192 N=16: 64 keys took bf16 from 6.7 to
-    # 4.8 ms, while FP8 with 64 keys and the FP8 dot spilled to 151 ms).
+    # None: 64 for 16-bit caches, 32 for FP8 (64 FP8 keys with the FP8 dot spill registers).
+    # results: mla-triton-launch.
     block_k: int | None = None
     # Key-axis splits merged by LSE; None picks enough to give the GPU ~2 programs per SM.
     num_splits: int | None = None
-    # Streaming multiprocessors to fill when num_splits is None (H200: 132).
+    # Streaming multiprocessors to fill when num_splits is None (132: an H200's).
     num_sms: int = 132
-    # Triton warps and software-pipeline stages per program (H200: 32 rows / 4 warps as fast as 64 / 8).
+    # Triton warps and software-pipeline stages per program (32 rows / 4 warps run as fast as 64 / 8).
+    # results: mla-triton-launch.
     num_warps: int = 4
     num_stages: int = 2
     # Under an FP8 cache: multiply FP8 query x FP8 latent natively (Hopper FP8 MMA); False widens
-    # both to bf16 first. Same values either way (FP8 is exact in bf16), only the speed differs
-    # (H200: 12.6 ms native vs 14.1 ms widened at the shapes above).
+    # both to bf16 first. Same values either way (FP8 is exact in bf16); native is faster.
+    # results: mla-triton-launch.
     fp8_score_dot: bool = True
     # Run the key blocks every row of the tile fully sees without masks, reading the next block's
-    # page id while the current one computes (H200, B=32 P=8192 N=16: bf16 4.81 -> 4.51 ms cascade,
-    # FP8 12.66 -> 12.13 ms, both at 2 stages; 3 stages was slower for bf16, 5.72 ms).
+    # page id while the current one computes (faster for both cache dtypes at 2 stages; 3 stages is
+    # slower for bf16). results: mla-triton-launch.
     prefetch_page_ids: bool = True
 
     def __post_init__(self):

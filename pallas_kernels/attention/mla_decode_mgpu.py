@@ -1,27 +1,24 @@
 """The MLA latent prefix decode on Mosaic GPU (wgmma + TMA): the default on GPUs.
 
-Status: compiled and run on the H200; compiled conformance passes (`benchmarks/mgpu_prefix_check.py
---mla`). At DeepSeek-V3 widths its cascade is faster than the Triton latent decode's and than XLA's
-dense einsum over gathered rows (results: mla-mosaic, mla), so
-`MlaCascadeConfig(prefix_kernel="auto")` takes it wherever `mla_mgpu_input_errors` is empty. On
-the CPU its logic runs in Pallas' GPU interpreter against the fp32 reference (`tests/test_mla_decode_mgpu.py`); interpreted runs add P V
+It runs compiled on Hopper (compiled conformance: `benchmarks/tools/mgpu_prefix_check.py --mla`).
+At DeepSeek-V3 widths its cascade is faster than the Triton latent decode's and than XLA's dense
+einsum over gathered rows (results: mla-mosaic, mla), so `MlaCascadeConfig(prefix_kernel="auto")`
+takes it wherever `mla_mgpu_input_errors` is empty. On the CPU its logic runs in Pallas' GPU
+interpreter against the fp32 reference (`tests/test_mla_decode_mgpu.py`); interpreted runs add P V
 with a plain dot where the compiled kernel uses wgmma (the interpreter has no rule for the
 accumulator `run_state` idiom). The compiled path also lowers on the CPU (layout inference and the
-shared-memory check; that lowering caught a 32-key step, below wgmma's K of 64, and an over-budget
-output tile).
+shared-memory check, which refuse e.g. a step below wgmma's K of 64 or an over-budget output tile).
 
-FP8 E4M3 caches (compiled conformance passes on the H200, and the cascade's "auto" takes this
-kernel for them: 3.00 ms against 12.31 ms through the Triton decode at B=32, P=8k, N=16): q arrives quantised to FP8 (the cascade's
-`quantize_absorbed_query`) and the scores are an FP8 x FP8 wgmma (the latent rows are its K-major
-operand). The value channels are the MN-major operand of P V, which 8-bit wgmma cannot take, so
+FP8 E4M3 caches (the cascade's "auto" takes this kernel for them too; results: mla-mosaic): q
+arrives quantised to FP8 (the cascade's `quantize_absorbed_query`) and the scores are an FP8 x FP8
+wgmma (the latent rows are its K-major operand). The value channels are the MN-major operand of P V, which 8-bit wgmma cannot take, so
 each warpgroup widens its half of them to an fp16 tile of its own (exact; 64 channels at a time,
 `MLA_WIDEN_COLS`), releases the FP8 ring
 buffer, and runs P V in fp16.
 
-Why: the Pallas Triton latent decode runs at about 35% of the H200's bf16 rate and its cascade
-(4.5 ms at B=32, P=8192, N=16, 128 heads) is slower than XLA's dense einsum over gathered rows
-(3.7 ms, benchmarks/RESULTS.md). A 64-row fp32 accumulator over all 512 latent value channels does
-not fit one warpgroup's registers, which caps the Triton tiles.
+Why: the Pallas Triton latent decode runs far below the tensor cores' bf16 rate, and its cascade is
+slower than XLA's dense einsum over gathered rows (results: mla): a 64-row fp32 accumulator over all
+512 latent value channels does not fit one warpgroup's registers, which caps the Triton tiles.
 
 Contract (as `mla_decode.mla_decode`, whole pages only, like `prefix_decode_mgpu`):
     q [B, R, Hq, L + Dr] (16-bit; flat row r * Hq + h), latent_pool [S, L + Dr] (same dtype),
@@ -42,8 +39,8 @@ accumulator is [64, L / 2] fp32. How they share the scores is the `schedule`:
   hands its P and the row maxima after the step to the other through shared memory (one P buffer,
   one barrier per direction), and each adds P V of every step for its value channels. Warpgroup 1
   scores step i0 + 1 while warpgroup 0 runs the softmax of i0, and runs its own softmax while its
-  P V of i0 is in flight, so one warpgroup's softmax overlaps the other's matmuls. 4-7% faster
-  than "split" on the H200 at DeepSeek-V3 widths (bf16 and FP8).
+  P V of i0 is in flight, so one warpgroup's softmax overlaps the other's matmuls. Faster than
+  "split" at DeepSeek-V3 widths, bf16 and FP8 (results: mla-schedule).
 - "split": each scores half of the step's keys against the whole row (latent + rope),
   they swap row maxima through shared memory, each writes its half of P there, and each adds P V
   (P loaded whole into registers) for its value channels, issued together with its scores of the
@@ -51,14 +48,15 @@ accumulator is [64, L / 2] fp32. How they share the scores is the `schedule`:
 - "turns" and "together": both score every key and run the same online softmax,
   no exchange, 1.5x the useful tensor work at L = 512, Dr = 64; under "turns" they take turns on
   the tensor cores (as the GQA prefix kernel's `pingpong`).
-On the H200 the three land within 5-10% of each other at DeepSeek-V3 widths (`DEFAULT_SCHEDULE_16BIT`
-and `_FP8` are the faster): removing a third of the tensor work bought 4-5%, and
-pages every request shares (L2-resident) 2% (`benchmarks/mla_variants.py`), so the step is bound by
-its serial chain (score wgmma, softmax, exchanges, P V) rather than by tensor or memory throughput.
+The schedules land within 5-10% of each other at DeepSeek-V3 widths (`DEFAULT_SCHEDULE_16BIT` and
+`_FP8` name the fastest; results: mla-schedule): neither a third less tensor work nor L2-resident
+pages buy much (`benchmarks/mla_variants.py`), so the step is bound by its serial chain (score
+wgmma, softmax, exchanges, P V) rather than by tensor or memory throughput.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -110,18 +108,10 @@ DEFAULT_SCHEDULE_16BIT = "seesaw"
 DEFAULT_SCHEDULE_FP8 = "seesaw"
 
 
-# Whether "seesaw" hands P over in the rope columns of the step's own ring slot (`p_in_ring`). Once
-# a step's scores are in, nothing reads its rope channels again, and at Dr = block_k = 64 they are
-# one [64, 64] tile with the 128-byte swizzle a wgmma operand needs, so the scorer writes P there and
-# both warpgroups take it from shared memory as P V's A operand: no P in registers while P V is in
-# flight (the seesaw kernels spill), no P buffer (8 KiB), no load of the other's P. 16-bit caches
-# only (FP8 rope columns hold half of a 16-bit P). Faster, the same output bits (results: p-in-ring).
-P_IN_RING_BY_DEFAULT = True
 # The (compute, memory) warpgroups' `setmaxnreg` budgets `registers=None` stands for. The seesaw
 # compute warpgroups spill under the GQA kernel's (232, 40), and the memory warpgroup only issues
 # copies, so it gives 16 registers to each; (240, 24) ran every form faster (results:
-# mla-registers). Most of what spilled was the hoisted wgmma descriptors `loop_descriptors` now
-# builds in the loop; the pair was not re-measured since.
+# mla-registers).
 MLA_REGISTERS = (240, 24)
 # Value channels an FP8 step's warpgroup widens to fp16 per piece (`widen_cols`; where this does
 # not divide kv_lora_rank / 2 in swizzle-aligned pieces, the whole half is one piece). A piece is
@@ -136,15 +126,39 @@ MLA_WIDEN_COLS = 64
 # cluster's tiles move in lockstep (a slot is refilled once every CTA of it has released it), and
 # L2 was not what bound the step (results: cluster-tiles).
 MLA_CLUSTER_TILES = 1
-# Whether "seesaw" computes its pair's wgmma descriptors (the query tile's and the ring slots') inside
-# the key loop (`loop_descriptors`). They depend on shared-memory addresses only, so LLVM hoists all
-# of them out of the loop, one 64-bit value per 16-channel slice of each operand (the query's 36 at
-# L + Dr = 576 alone), and ptxas then spills them and reloads them every pair: in the fused bf16
-# decode, warpgroup 1's unmasked pair loop ran 55 local loads and 9 local stores per pair (the SASS
-# of the PTX Mosaic dumped, assembled by ptxas 13.0). Indexed at a zero the compilers cannot prove
-# constant, the descriptors are built next to their wgmmas: faster for both cache dtypes, the same
-# output bits, spills almost gone (results: loop-descriptors).
-LOOP_DESCRIPTORS_BY_DEFAULT = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaMgpuConfig:
+    """The default rules of `mla_decode_mgpu`: which optional forms `p_in_ring=None` and
+    `loop_descriptors=None` take (an explicit knob on the entry point wins). `default_config()`
+    gives the library's rules; the entry point takes `config=` (None: `default_config()`)."""
+    # "seesaw" hands P over in the rope columns of the step's own ring slot (`p_in_ring`), where
+    # that applies (`p_in_ring_errors` empty). Once a step's scores are in, nothing reads its rope
+    # channels again, and at Dr = block_k = 64 they are one [64, 64] tile with the 128-byte swizzle
+    # a wgmma operand needs, so the scorer writes P there and both warpgroups take it from shared
+    # memory as P V's A operand: no P in registers while P V is in flight, no P buffer (8 KiB), no
+    # load of the other's P. 16-bit caches only (FP8 rope columns hold half of a 16-bit P). The same
+    # output bits. results: p-in-ring.
+    p_in_ring: bool = True
+    # "seesaw" builds its pair's wgmma descriptors (the query tile's and the ring slots') inside the
+    # key loop (`loop_descriptors`). They depend on shared-memory addresses only, so LLVM would hoist
+    # all of them out of the loop, one 64-bit value per 16-channel slice of each operand (the
+    # query's 36 at L + Dr = 576 alone), and ptxas would spill them and reload them every pair.
+    # Indexed at a zero the compilers cannot prove constant, the descriptors are built next to their
+    # wgmmas. The same output bits. results: loop-descriptors.
+    loop_descriptors: bool = True
+
+    def __post_init__(self):
+        bad = [f.name for f in dataclasses.fields(self) if not isinstance(getattr(self, f.name), bool)]
+        if bad:
+            raise ValueError(f"MlaMgpuConfig: {', '.join(bad)} must be True or False")
+
+
+def default_config() -> MlaMgpuConfig:
+    """The default rules for every shape and cache dtype (each rule reads the schedule, shapes and
+    dtype where it is applied): every field at its documented default."""
+    return MlaMgpuConfig()
 
 
 def default_schedule(dtype) -> str:
@@ -218,20 +232,23 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
                     schedule: str | None = None, window: int = 0, tiles_adjacent: bool = True,
                     registers: tuple[int, int] | None = None, p_in_ring: bool | None = None,
                     widen_cols: int | None = None, cluster_tiles: int | None = None,
-                    loop_descriptors: bool | None = None, out_dtype=jnp.float32, interpret: bool = False):
+                    loop_descriptors: bool | None = None, out_dtype=jnp.float32, interpret: bool = False,
+                    config: MlaMgpuConfig | None = None):
     """See `_mla_decode_mgpu`; `schedule` one of SCHEDULES, None: `default_schedule(q.dtype)`;
     `stages` None: DEFAULT_STAGES; `registers` the (compute, memory) warpgroups' `setmaxnreg`
     budgets, None: MLA_REGISTERS. `p_in_ring` ("seesaw", 16-bit caches, rope channels >= block_k):
     P handed over in the step's rope columns and read from there by P V; None:
-    P_IN_RING_BY_DEFAULT where it applies. `widen_cols` (FP8 caches): value channels a warpgroup
+    `config.p_in_ring` where it applies. `widen_cols` (FP8 caches): value channels a warpgroup
     widens per piece, None: `default_widen_cols`. `cluster_tiles`: row tiles of one (request,
     split) launched as one cluster whose latent steps are TMA-multicast (each tile's CTA copies
     1 / cluster_tiles of a step into all of them), None: `default_cluster_tiles`.
     `loop_descriptors` ("seesaw"): the pair's wgmma descriptors built inside the key loop rather
-    than hoisted out of it (and spilled); None: LOOP_DESCRIPTORS_BY_DEFAULT under "seesaw". `out_dtype`
+    than hoisted out of it (and spilled); None: `config.loop_descriptors` under "seesaw". `out_dtype`
     (split_merge.OUT_DTYPES): the returned output's dtype; the kernel writes it itself without key
     splits (their partials stay float32 until the merge writes it).
-    `window` > 0 with `window_mask [B, R, 2] uint32` (packed ancestor rows) fuses the tree window."""
+    `window` > 0 with `window_mask [B, R, 2] uint32` (packed ancestor rows) fuses the tree window.
+    `config`: the default rules the knobs left None follow (`MlaMgpuConfig`; None: `default_config()`)."""
+    config = default_config() if config is None else config
     if schedule is None:
         schedule = default_schedule(q.dtype)
     if schedule not in SCHEDULES:
@@ -240,10 +257,10 @@ def mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask=None, *,
         stages = DEFAULT_STAGES
     registers = tuple(registers or MLA_REGISTERS)
     if loop_descriptors is None:
-        loop_descriptors = LOOP_DESCRIPTORS_BY_DEFAULT and schedule == "seesaw"
+        loop_descriptors = config.loop_descriptors and schedule == "seesaw"
     ring_errors = p_in_ring_errors(q, kv_lora_rank, block_k, schedule)
     if p_in_ring is None:
-        p_in_ring = P_IN_RING_BY_DEFAULT and not ring_errors
+        p_in_ring = config.p_in_ring and not ring_errors
     errors = fused_window_errors(q, window_mask, window, schedule)
     if p_in_ring is not False and p_in_ring is not True:
         errors.append(f"mla_decode_mgpu: p_in_ring must be None, True or False, got {p_in_ring!r}")
@@ -955,4 +972,4 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
     return (out[:, :rows].reshape(b, r, hq, kv_lora_rank), lse[:, :rows].reshape(b, r, hq))
 
 
-__all__ = ["mla_decode_mgpu", "check_mla_mgpu_inputs", "mla_mgpu_input_errors"]
+__all__ = ["MlaMgpuConfig", "default_config", "mla_decode_mgpu", "check_mla_mgpu_inputs", "mla_mgpu_input_errors"]

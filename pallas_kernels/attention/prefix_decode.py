@@ -22,10 +22,9 @@ more than one split the partials are merged by their LSEs in a small XLA epilogu
 FP8 E4M3 pools (unscaled): the query is cast to FP8 before the kernel (what the prefix half of an FP8
 cache multiplies; the reference does the same; unscaled E4M3 holds magnitudes up to 448, so a query
 beyond that is not representable, as in any unscaled FP8 decode). K and V are widened after loading to fp16, which
-holds every E4M3 value exactly and which Hopper converts to natively (E4M3 -> bf16 is not native;
-the first GPU run widened to bf16 and was slower, see benchmarks/RESULTS.md), and both dots run in fp16 with fp32 accumulation. `fp8_score_dot=True` asks for a
-native FP8 x FP8 score dot instead (compiled GPU path only; it measured slower on the H200, see
-benchmarks/RESULTS.md).
+holds every E4M3 value exactly and which Hopper converts to natively (E4M3 -> bf16 is not native),
+and both dots run in fp16 with fp32 accumulation. `fp8_score_dot=True` asks for a native FP8 x FP8
+score dot instead (compiled GPU path only; off by default, results: triton-fp8).
 
 Steps that every real row of a tile sees entirely run without load or score masks; only the steps
 at the edges of a tile's coverage (the causal staircase, the last partial page or step) take the
@@ -44,12 +43,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention.reference import is_fp8, prefix_decode_reference, quantize_query_for_pool
-from pallas_kernels.attention.split_merge import merge_splits
+from pallas_kernels.attention.split_merge import MergeConfig, merge_splits
 from pallas_kernels.common import LOG2E, next_pow2, resolve_backend
 
 # The key axis is split only when (B, Hkv, row tiles) gives fewer than two programs per SM; a split
-# launch then aims at four per SM so its last wave is not a nearly empty one. On the H200 this gave
-# B=32,P=32k,N=64 no split (512 programs) and B=1,P=32k,N=64 33 splits (benchmarks/RESULTS.md).
+# launch then aims at four per SM so its last wave is not a nearly empty one (B=32, P=32k, N=64: no
+# split, 512 programs; B=1, P=32k, N=64: 33 splits on 132 SMs).
 _SPLIT_BELOW_PROGRAMS_PER_SM = 2
 _SPLIT_TARGET_PROGRAMS_PER_SM = 4
 # A split shorter than this many pages costs more in its merge than it saves.
@@ -65,13 +64,10 @@ class PrefixLaunch:
     prefetch_page_ids: bool  # read the next step's page ids while this step computes
 
 
-# Defaults from the H200 prefix sweep (benchmarks/RESULTS.md, "Cascade kernel launch variants",
-# 03:49 UTC; Hq=32, Hkv=8, D=128, page 64). A grid that fills the GPU without splitting the key axis
-# (B=32,P=32k and B=64,P=4k with N=64) ran fastest with two pages per step, 8 warps, 3 stages and
-# page ids read a step ahead (2.77 vs 3.26 ms and 0.68 vs 0.87 ms against the earlier 1-page,
-# 4-warp, 2-stage launch); the prefetch is what makes 3 stages pay (without it that launch measured
-# 3.26 ms). A split launch (B=1,P=32k) ran fastest with 64-row tiles, 4 warps, 3 stages and the
-# prefetch (0.134 vs 0.159 ms).
+# The two launches `default_launch` picks from: a grid that fills the GPU without splitting the key
+# axis takes two pages per step, 128-row tiles, 8 warps, 3 stages and page ids read a step ahead (the
+# prefetch is what makes the third stage pay); a split launch takes 64-row tiles, 4 warps, 3 stages
+# and the prefetch. results: triton-launch.
 WIDE_GRID_LAUNCH = PrefixLaunch(pages_per_step=2, block_rows=128, num_warps=8, num_stages=3,
                                 prefetch_page_ids=True)
 SPLIT_LAUNCH = PrefixLaunch(pages_per_step=1, block_rows=64, num_warps=4, num_stages=3,
@@ -321,13 +317,15 @@ def check_partial_dtype(partial_dtype, what: str) -> jnp.dtype:
 @functools.partial(jax.jit, static_argnames=("query_rows", "group", "page_size", "scale", "num_splits",
                                              "sliding_window", "block_rows", "num_warps", "num_stages",
                                              "pages_per_step", "interpret", "fp8_score_dot",
-                                             "poison_outputs", "prefetch_page_ids", "partial_dtype", "merge"))
+                                             "poison_outputs", "prefetch_page_ids", "partial_dtype", "merge",
+                                             "merge_config"))
 def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_rows: int, group: int,
                              page_size: int, scale: float, num_splits=None, sliding_window=None,
                              block_rows=None, num_warps=None, num_stages=None, pages_per_step=None,
                              interpret: bool = False, fp8_score_dot: bool = False,
                              poison_outputs: bool = False, prefetch_page_ids: bool | None = None,
-                             partial_dtype=jnp.float32, merge: bool = True):
+                             partial_dtype=jnp.float32, merge: bool = True,
+                             merge_config: MergeConfig | None = None):
     """The kernel on the row layout of `heads_to_rows`: `qr [B, Hkv, T, D]` (row `r * G + g`,
     T = padded_rows(R * G)) -> (out `[B, Hkv, T, D]` f32 (`partial_dtype` without key splits),
     lse2 `[B, Hkv, T]` f32). The cascade keeps this layout between its two halves, so q is
@@ -335,7 +333,8 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
     `partial_dtype` (float32 or bfloat16): the dtype the kernel writes `out` in (key splits are
     merged in float32 either way). `merge=False` hands key-split partials on unmerged (S > 1 only:
     out `[S, B, Hkv, T, D]`, lse2 `[S, B, Hkv, T]`) for the window kernel to merge
-    (`tree_window_row_layout`). Inputs are assumed validated by the public entry points
+    (`tree_window_row_layout`); `merge_config`: the merge's launch (None:
+    `split_merge.default_config()`). Inputs are assumed validated by the public entry points
     (pages_per_step is checked here too, since the benchmarks call this directly)."""
     b, hkv, total, d = qr.shape
     max_pages = page_table.shape[1]
@@ -387,7 +386,9 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
         name="prefix_decode",
     )(*args)
     if splits > 1:
-        return merge_splits(out, lse, backend="interpret" if interpret else None) if merge else (out, lse)
+        if not merge:
+            return out, lse
+        return merge_splits(out, lse, backend="interpret" if interpret else None, config=merge_config)
     return out[0], lse[0]
 
 

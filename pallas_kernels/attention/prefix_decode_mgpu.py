@@ -1,9 +1,9 @@
 """The prefix half on Mosaic GPU (Hopper wgmma + TMA, warp-specialised): the default on GPUs.
 
-Status (2026-11-30): compiled and run on the H200, bf16 and FP8 E4M3 pools, one and two pages per
-step; compiled conformance passes (`benchmarks/mgpu_prefix_check.py`). Its cascade is faster than
-the Triton one (results: prefix-kernel), so `CascadeConfig(prefix_kernel="auto")` takes it wherever
-`mgpu_input_errors` is empty. A KV head's row tiles launch side by side (`tiles_adjacent`;
+It runs compiled on Hopper over bf16 and FP8 E4M3 pools, one and two pages per step (compiled
+conformance: `benchmarks/mgpu_prefix_check.py`). Its cascade is faster than the Triton one, so
+`CascadeConfig(prefix_kernel="auto")` takes it wherever `mgpu_input_errors` is empty (results:
+prefix-kernel). A KV head's row tiles launch side by side (`tiles_adjacent`;
 results: grid-order). On the CPU its logic (page-table TMA copies, the buffer ring and its
 barriers, masking, the online softmax) runs in Pallas' GPU interpreter against dense fp32 attention
 (`tests/test_prefix_decode_mgpu.py`); the interpreter has no rule for the accumulator `run_state`
@@ -11,17 +11,16 @@ idiom, so interpreted runs add P V with a plain dot where the compiled kernel us
 compiled path also lowers on the CPU (layout inference and the shared-memory check).
 
 FP8 E4M3 pools (unscaled): the query is cast to FP8 (`quantize_query_for_pool`, as the Triton
-kernel does, saturating at +-448; the fused window kernel casts it itself, `cast_query`) and the scores are an FP8 x FP8 wgmma (K is the K-major operand 8-bit wgmma
-requires). V is the MN-major operand of P V, which 8-bit wgmma cannot take, so it is widened to
-fp16 in shared memory (exact) and P V runs in fp16: by default (`memory_widens_values`) the memory
-warpgroup widens each page once into a 16-bit ring the compute warpgroups read; under a warpgroup
-key split (where that lost) each compute warpgroup widens the step's page into its own tile while
-the other holds the tensor cores.
+kernel does, saturating at +-448; the kernel can cast it itself, `cast_query`) and the scores are
+an FP8 x FP8 wgmma (K is the K-major operand 8-bit wgmma requires). V is the MN-major operand of
+P V, which 8-bit wgmma cannot take, so it is widened to fp16 in shared memory (exact) and P V runs
+in fp16: by default (`memory_widens_values`) the memory warpgroup widens each page once into a
+16-bit ring the compute warpgroups read; under a warpgroup key split (where that is slower;
+results: memory-widens) each compute warpgroup widens the step's page into its own tile while the
+other holds the tensor cores.
 
-Why: JAX's own dense Mosaic GPU flash attention ran the prefix half's work 1.22x (B=32, P=32768)
-and 1.39x (B=64, P=4096) faster than our Pallas Triton prefix kernel (benchmarks/RESULTS.md,
-"Mosaic GPU flash attention ... second try"); issue #3's 1.5x-of-floor target needs that class of
-kernel.
+Why: wgmma + TMA with warp-specialised loads is the class of kernel issue #3's 1.5x-of-floor target
+needs; the Pallas Triton prefix kernel is slower at every timed shape (results: prefix-kernel).
 
 Contract (same row layout as `prefix_decode.prefix_decode_row_layout`, one difference):
     qr [B, Hkv, T, D] (row r * G + g; T a multiple of 64), k_pool / v_pool [S, Hkv, D],
@@ -49,6 +48,7 @@ the splits' CTAs (`cluster_splits`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -60,8 +60,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.prefix_decode import check_partial_dtype, num_sms
 from pallas_kernels.attention.reference import quantize_query_for_pool
-from pallas_kernels.attention.split_merge import (HEAD_IO_TILE, head_io_rows, head_io_rows_errors, merge_splits,
-                                                  split_weights)
+from pallas_kernels.attention.split_merge import (HEAD_IO_TILE, MergeConfig, head_io_rows, head_io_rows_errors,
+                                                  merge_splits, split_weights)
 from pallas_kernels.common import LOG2E, MAX_SMEM_BYTES
 
 F8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -76,9 +76,8 @@ FUSED_WINDOW_WORDS = 2 * 64 * 4
 # What Mosaic GPU adds to our buffers within MAX_SMEM_BYTES (swizzle alignment, barriers; about 3 KB
 # measured by lowering).
 SMEM_OVERHEAD = 4096
-# Keys per step the default aims for: two 64-token pages per step (128-key matmuls) ran the B=32,
-# P=32768 cascade 1.17x faster than one page per step on the H200 (bf16 2.275 vs 2.658 ms, FP8
-# 2.187 vs 2.454; benchmarks/RESULTS.md, 2026-11-30 06:19 UTC).
+# Keys per step the default aims for: two 64-token pages per step (128-key matmuls) rather than one.
+# results: pages-per-step.
 STEP_KEYS = 128
 # A split of fewer key steps than this costs more in its merge and pipeline fill than it saves.
 MIN_STEPS_PER_SPLIT = 4
@@ -89,51 +88,19 @@ def default_mgpu_num_splits(batch: int, kv_heads: int, tiles: int, steps: int, s
     holds most of an SM's shared memory), and 1 once (B, Hkv, row tiles) fills the SMs.
 
     A CTA pays a fixed pipeline fill and output write, so a second wave of half-length splits loses.
-    H200 cascade ms (benchmarks/RESULTS.md, 2026-11-30 08:48 and 09:10 UTC), this rule's count first:
-    B=1, P=32k, N=64 (16 programs): 8 splits 0.084 bf16 / 0.097 FP8; 6: 0.103 / 0.117; 12: 0.118 /
-    0.122; 16: 0.110 / 0.105; the Triton rule's 33: 0.127 / 0.117. B=2, P=32k, N=64: 4 splits
-    0.143 / 0.155; 2: 0.231 / 0.269; 6: 0.187 / -. B=8, P=8k, N=16: 2 splits 0.092 / 0.091; 1:
-    0.102 / 0.123; 4: 0.100 / 0.084; the Triton rule's 9: 0.109 / 0.092.
+    results: mgpu-num-splits.
     """
     sms = sms or num_sms()
     programs = batch * kv_heads * tiles
     return max(1, min(sms // programs, steps // MIN_STEPS_PER_SPLIT))
 
 
-# Whether `persistent=None` launches persistent CTAs where the work items outnumber the SMs: over
-# 16-bit pools, and over FP8 ones whose V the memory warpgroup widens; FP8 pools whose compute
-# warpgroups widen V ran slower persistent and stay gridded (results: persistent-prefix).
-PERSISTENT_16BIT_BY_DEFAULT = True
-PERSISTENT_FP8_WIDENED_BY_DEFAULT = True
-
-# Whether `prefetch_query=None` loads each persistent CTA's next query tile (and mask words) during
-# the current item, where the second tile fits shared memory: 1-2% faster, the same bits
-# (results: prefetch-query).
-PREFETCH_QUERY_BY_DEFAULT = True
-
-# Whether `cluster_splits=None` launches a fused kernel's key splits of one (request, KV head, row
-# tile) as one thread-block cluster that merges their partials itself (`cluster_split_errors`
-# empty, the inbox fits), so no merge kernel runs and no float32 partial goes through memory
-# (results: cluster-splits).
-CLUSTER_SPLITS_BY_DEFAULT = True
 # Key splits one cluster may hold: a power of two up to the portable cluster size (8).
 CLUSTER_SPLIT_SIZES = (2, 4, 8)
 # The cluster sizes `cluster_splits=None` takes: two-CTA clusters gain, four-CTA ones lose their
 # one wave (a cluster must find four free SMs of one GPC; results: cluster-splits). Larger clusters
 # stay available when asked.
 CLUSTER_SPLIT_DEFAULT_SIZES = (2,)
-
-# Whether `cast_query=None` has the fused kernel over an FP8 pool derive the prefix's FP8 query tile
-# from the unquantised tile it loads for the window steps (saturated to E4M3's +-448, as
-# `quantize_query_for_pool`), instead of reading a query that XLA cast to FP8 before the kernel (one
-# more kernel per call; results: cast-query).
-CAST_QUERY_IN_KERNEL_BY_DEFAULT = True
-# The same for an unfused kernel over an FP8 pool given a 16-bit query (`cast_query=None`): each
-# compute warpgroup stages the unquantised tile in shared memory and casts it (where that tile fits,
-# `smem_bytes(wide_query=True)`), so no XLA cast of the whole query runs before the kernel: the
-# kernel is a little slower, the cascade faster by the cast it drops (results: unfused-heads-io).
-# Under `prefetch_query` the next item's tile is fetched into the staging tile once this item's is cast.
-CAST_QUERY_UNFUSED_BY_DEFAULT = True
 
 # The K/V ring (stages, pages per step) that `stages=None` gives the fused window over an FP8 pool
 # under the warpgroup key split (64-row heads) on 64-token pages, instead of two stages of two pages:
@@ -189,41 +156,89 @@ def register_budget_errors(registers: tuple[int, int], compute_warpgroups: int) 
                 f"compute + memory <= {limit}, got {tuple(registers)}"]
     return []
 
-# Whether `memory_widens_values=None` has the memory warpgroup widen each FP8 V page once (see
-# `runs_memory_widens`), over FP8 pools without a warpgroup key split, where its ring fits at the
-# given (or default) pages per step: faster unfused, slower under the key split, so off there
-# (results: memory-widens).
-MEMORY_WIDENS_BY_DEFAULT = True
-# The same for the fused window over FP8 pools, whose widened K then needs its own tile (two pages
-# per step no longer fit; one page per step is the default there).
-MEMORY_WIDENS_FUSED_BY_DEFAULT = False
+
+@dataclasses.dataclass(frozen=True)
+class PrefixMgpuConfig:
+    """The default rules of `prefix_decode_mgpu_row_layout`: which optional forms a knob left None
+    takes. Each field switches one form on or off wherever its shape rule (the `runs_*` function
+    named) allows it; an explicit knob on the entry point overrides both. `default_config()` gives
+    the library's rules; the entry point takes `config=` (None: `default_config()`), part of the
+    traced program (a static argument)."""
+    # Persistent CTAs where the work items outnumber the SMs (`runs_persistent`), over 16-bit pools,
+    # and over FP8 pools whose V the memory warpgroup widens; FP8 pools whose compute warpgroups
+    # widen V stay gridded. results: persistent-prefix.
+    persistent_16bit: bool = True
+    persistent_fp8_widened: bool = True
+    # A persistent CTA loads its next query tile (and mask words) during the current item, where the
+    # second tile fits shared memory (`runs_prefetch_query`); the same bits. results: prefetch-query.
+    prefetch_query: bool = True
+    # A fused kernel's key splits of one (request, KV head, row tile) run as one thread-block
+    # cluster that merges their partials itself (`cluster_split_errors` empty, the split count in
+    # CLUSTER_SPLIT_DEFAULT_SIZES, one row-owning warpgroup, the inbox fits), so no merge kernel
+    # runs and no float32 partial goes through memory. results: cluster-splits.
+    cluster_splits: bool = True
+    # The fused kernel over an FP8 pool derives the prefix's FP8 query tile from the unquantised
+    # tile it loads for the window steps (saturated to E4M3's +-448, as `quantize_query_for_pool`)
+    # instead of reading a query XLA cast to FP8 before it (one kernel fewer). results: cast-query.
+    cast_query_fused: bool = True
+    # The same for an unfused kernel over an FP8 pool given a 16-bit query: each compute warpgroup
+    # stages the unquantised tile in shared memory and casts it (where that tile fits,
+    # `smem_bytes(wide_query=True)`), so no XLA cast of the whole query runs before the kernel.
+    # Under `prefetch_query` the next item's tile is fetched into the staging tile once this item's
+    # is cast. results: unfused-heads-io.
+    cast_query_unfused: bool = True
+    # The memory warpgroup widens each FP8 V page once (`runs_memory_widens`) over FP8 pools without
+    # a warpgroup key split, where its ring fits at the given (or default) pages per step (the key
+    # split keeps its own copies: faster there). results: memory-widens.
+    memory_widens: bool = True
+    # The same under the fused window, whose widened K then needs its own tile (two pages per step
+    # no longer fit; one page per step is the default there). results: memory-widens.
+    memory_widens_fused: bool = False
+
+    def __post_init__(self):
+        bad = [f.name for f in dataclasses.fields(self) if not isinstance(getattr(self, f.name), bool)]
+        if bad:
+            raise ValueError(f"PrefixMgpuConfig: {', '.join(bad)} must be True or False")
 
 
-def runs_persistent(items: int, persistent: bool | None, itemsize: int, memory_widens: bool = False) -> bool:
+def default_config() -> PrefixMgpuConfig:
+    """The default rules for every shape and pool dtype (each field's rule reads the shapes and
+    dtypes where it is applied): every field at its documented default."""
+    return PrefixMgpuConfig()
+
+
+def runs_persistent(items: int, persistent: bool | None, itemsize: int, memory_widens: bool = False,
+                    config: PrefixMgpuConfig | None = None) -> bool:
     """Whether the prefix kernel's launch over `itemsize`-byte pools is persistent for `items`
     work items (see `prefix_decode_mgpu_row_layout`; `memory_widens`: FP8 V widened by the memory
-    warpgroup); an explicit setting wins."""
+    warpgroup); an explicit setting wins, None follows `config` (None: `default_config()`)."""
     if persistent is None:
-        on = PERSISTENT_16BIT_BY_DEFAULT if itemsize == 2 else memory_widens and PERSISTENT_FP8_WIDENED_BY_DEFAULT
+        config = config or default_config()
+        on = config.persistent_16bit if itemsize == 2 else memory_widens and config.persistent_fp8_widened
         return on and items > num_sms()
     return bool(persistent)
 
 
-def runs_prefetch_query(prefetch_query: bool | None, persistent: bool, smem_with_two_tiles: int) -> bool:
+def runs_prefetch_query(prefetch_query: bool | None, persistent: bool, smem_with_two_tiles: int,
+                        config: PrefixMgpuConfig | None = None) -> bool:
     """Whether the prefix kernel loads each next item's query tile during the current one (see
-    `prefix_decode_mgpu_row_layout`): None turns it on under the persistent launch where the kernel's
-    shared memory with two query tiles fits; an explicit setting wins (and is checked there)."""
+    `prefix_decode_mgpu_row_layout`): None turns it on (`config.prefetch_query`) under the persistent
+    launch where the kernel's shared memory with two query tiles fits; an explicit setting wins (and
+    is checked there)."""
     if prefetch_query is None:
-        return PREFETCH_QUERY_BY_DEFAULT and persistent and smem_with_two_tiles <= MAX_SMEM_BYTES
+        return (config or default_config()).prefetch_query and persistent and smem_with_two_tiles <= MAX_SMEM_BYTES
     return bool(prefetch_query)
 
 
-def runs_memory_widens(memory_widens: bool | None, itemsize: int, key_split: bool, fused: bool, fits: bool) -> bool:
+def runs_memory_widens(memory_widens: bool | None, itemsize: int, key_split: bool, fused: bool, fits: bool,
+                       config: PrefixMgpuConfig | None = None) -> bool:
     """Whether the memory warpgroup widens each FP8 V page once (`memory_widens_values`): None
-    turns it on over FP8 pools without a warpgroup key split where its ring `fits` (fused window:
-    under MEMORY_WIDENS_FUSED_BY_DEFAULT); an explicit setting wins (and is checked there)."""
+    turns it on (`config.memory_widens`; fused window: `config.memory_widens_fused`) over FP8 pools
+    without a warpgroup key split where its ring `fits`; an explicit setting wins (and is checked
+    there)."""
     if memory_widens is None:
-        on = MEMORY_WIDENS_FUSED_BY_DEFAULT if fused else MEMORY_WIDENS_BY_DEFAULT
+        config = config or default_config()
+        on = config.memory_widens_fused if fused else config.memory_widens
         return on and itemsize == 1 and not key_split and fits
     return bool(memory_widens)
 
@@ -287,8 +302,8 @@ def grid_in_order(sizes: dict[str, int], tiles_adjacent: bool) -> tuple[tuple[in
     """(grid, grid_names) for `plgpu.kernel` from named axis sizes (keys "tiles", "splits", any
     others in launch order before them). Mosaic GPU launches the last grid axis fastest: with the
     tiles last, the CTAs that share pages (a head's or a request's row tiles) start together;
-    otherwise the earlier order, tiles first. Kernel bodies read axes by name, so only the order
-    changes. Shared by the GQA prefix and the MLA latent decode."""
+    otherwise the tiles axis first, so a head's tiles launch far apart. Kernel bodies read axes by
+    name, so only the order changes. Shared by the GQA prefix and the MLA latent decode."""
     others = tuple(name for name in sizes if name not in ("tiles", "splits"))
     order = others + ("splits", "tiles") if tiles_adjacent else ("tiles", "splits") + others[::-1]
     return tuple(sizes[name] for name in order), order
@@ -413,17 +428,17 @@ def default_pages_per_step(total_rows: int, width: int, itemsize: int, page_size
 
 def widens_values_by_default(total_rows: int, width: int, page_size: int, stages: int = 2,
                              fused: bool = False, pages_per_step: int | None = None,
-                             key_split: bool | None = None) -> bool:
+                             key_split: bool | None = None, config: PrefixMgpuConfig | None = None) -> bool:
     """Whether the kernel over an FP8 pool, `memory_widens_values=None`, has the memory warpgroup
     widen V (`runs_memory_widens`; `fused`: with the fused window, which then takes one page per
     step where two no longer fit), for `total_rows` padded rows per KV head at the given (None:
-    default) pages per step and warpgroup key split."""
+    default) pages per step and warpgroup key split, under `config` (None: `default_config()`)."""
     _, _, key_split = warpgroup_layout(total_rows, key_split, 1)
     pps = pages_per_step or default_pages_per_step(total_rows, width, 1, page_size, stages, key_split, fused,
                                                    memory_widens_values=fused)
     fits = smem_bytes(total_rows, width, 1, pps * page_size, stages, key_split, fused_fp8=fused,
                       memory_widens_values=True) <= MAX_SMEM_BYTES
-    return runs_memory_widens(None, 1, key_split, fused, fits)
+    return runs_memory_widens(None, 1, key_split, fused, fits, config)
 
 
 def fused_fp8_fits(total_rows: int, width: int, page_size: int, stages: int = 2) -> bool:
@@ -500,7 +515,7 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
                                              "tiles_adjacent", "overlap_softmax", "partial_dtype", "window",
                                              "heads_io", "persistent", "prefetch_query", "memory_widens_values",
                                              "widen_rows", "registers", "merge", "cast_query", "cluster_splits",
-                                             "interpret"))
+                                             "interpret", "config", "merge_config"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, window_words=None, window_union=None,
                                   *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int | None = None,
@@ -513,7 +528,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                                   memory_widens_values: bool | None = None, widen_rows: int | None = None,
                                   registers: tuple[int, int] | None = None, merge: bool = True,
                                   cast_query: bool | None = None, cluster_splits: bool | None = None,
-                                  interpret: bool = False):
+                                  interpret: bool = False, config: PrefixMgpuConfig | None = None,
+                                  merge_config: MergeConfig | None = None):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2; None: `default_ring`,
     which also picks `pages_per_step` for the fused FP8 window under a key split); `num_splits`: CTAs
     per (row tile, KV head, request) along the key axis, merged by LSE (None:
@@ -526,17 +542,17 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     the softmax (the rescaled accumulator, the row sums and P in the matmul dtype) behind an
     optimization barrier before handing the tensor cores over, so the compiler cannot sink that
     work past the turn, as JAX's Mosaic GPU flash attention orders its step (off by default: it
-    ran the long-context prefix slower, elsewhere within the noise; results: fence-softmax);
+    is slower at long context; results: fence-softmax);
     `tiles_adjacent`: launch the row tiles of one (request, KV head, split) next to each other, so
     they run at the same time and the second read of each K/V page hits L2 (Mosaic GPU launches the
-    grid's last axis fastest; False is the earlier grid (tiles, splits, heads, batch), whose tiles
-    of one head were B * Hkv CTAs apart and read every page from HBM again);
+    grid's last axis fastest; False: the grid (tiles, splits, heads, batch), whose tiles of one head
+    are B * Hkv CTAs apart and read every page from HBM again; results: grid-order);
     `overlap_softmax`: each compute warpgroup overlaps its own softmax with its tensor-core work
     instead of taking turns (`pingpong` is then off): step i's scores Q K_i^T and step i - 1's
     P V are issued together, the softmax of step i runs once the scores are in while P V is still
     in flight, and the accumulator is rescaled after it lands (FlashAttention-3's intra-warpgroup
-    pipelining). 16-bit pools without a key split only; it conforms on the H200 but ran slower
-    than the turn-taking default, so it is off (results: overlap-softmax);
+    pipelining). 16-bit pools without a key split only; it conforms but is slower than the
+    turn-taking default, so it is off (results: overlap-softmax);
     `partial_dtype`: the dtype the kernel writes `out` in, float32 or bfloat16 (half the bytes for
     this kernel to write and, without key splits, for the window kernel to read; the normalised
     partial is rounded once more, to bf16, before the merge); key-split partials (`num_splits`) are
@@ -561,7 +577,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     `prefetch_query` (persistent only): each compute warpgroup keeps two query tiles (and fused,
     two sets of mask words) and loads the next item's while this one runs, so no item waits for
     its query; it costs one more query tile of shared memory (None: on under the persistent launch
-    where that tile fits, `PREFETCH_QUERY_BY_DEFAULT`);
+    where that tile fits, `PrefixMgpuConfig.prefetch_query`);
     `memory_widens_values` (FP8 pools): the memory warpgroup widens each step's V page to fp16 once,
     into a 16-bit ring of `stages` steps the compute warpgroups read, instead of each compute
     warpgroup widening its own copy on the critical path of its turn (fused, window steps clean
@@ -573,9 +589,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     `cast_query` (an FP8 pool and a 16-bit query): each compute warpgroup casts the unquantised
     query tile to FP8 for the prefix steps (saturating at +-448, `quantize_query_for_pool`'s
     semantics), so no XLA cast runs before the kernel: fused, the tile it loads for the window
-    steps (None: CAST_QUERY_IN_KERNEL_BY_DEFAULT; False: q is cast by XLA and read twice);
+    steps (None: `PrefixMgpuConfig.cast_query_fused`; False: q is cast by XLA and read twice);
     unfused, a tile staged for it in shared memory, fetched for the next item as soon as this one's
-    is cast under `prefetch_query` (None: CAST_QUERY_UNFUSED_BY_DEFAULT where that tile fits);
+    is cast under `prefetch_query` (None: `PrefixMgpuConfig.cast_query_unfused` where that tile fits);
     `merge=False` (unfused only): key-split partials (one per CTA split; a warpgroup key split's two
     are merged in the CTA) are handed on unmerged where there is more than one, out `[S, B, Hkv, T, D]` and lse2
     `[S, B, Hkv, T]`, for the window kernel to merge (`tree_window_row_layout`);
@@ -584,11 +600,15 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     other split its block of its partial (and its lse2) straight into that CTA's shared memory
     (`plgpu.async_store_smem`, completing a barrier there), merges the S partials of its own
     block by LSE in fp32 and writes it in `partial_dtype`: no merge kernel runs and no float32
-    partial goes through memory (None: CLUSTER_SPLITS_BY_DEFAULT where `cluster_split_errors` is
+    partial goes through memory (None: `PrefixMgpuConfig.cluster_splits` where `cluster_split_errors` is
     empty, the split count is in CLUSTER_SPLIT_DEFAULT_SIZES and the inbox fits shared memory;
     Pallas' GPU interpreter has no clusters, so there the splits merge through `merge_splits`
     whatever this says);
-    `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests)."""
+    `interpret` runs Pallas' Mosaic GPU interpreter (CPU tests);
+    `config`: the default rules the knobs left None follow (`PrefixMgpuConfig`; None:
+    `default_config()`); `merge_config`: the launch of `merge_splits` where key splits merge there
+    (None: `split_merge.default_config()`)."""
+    config = default_config() if config is None else config
     fused = window > 0
     if fused and not merge:
         raise ValueError("prefix_decode_mgpu: merge=False hands key splits to the window kernel, which a "
@@ -633,7 +653,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                          f"{jnp.dtype(q_in.dtype).name} queries over {jnp.dtype(k_pool.dtype).name} pools")
     group_io = total // q_in.shape[1] if heads_io else 0  # G: heads per KV head
     # Unfused, the partial is written by rows in the kernel's (head_io_rows) order, [B, Hkv, T, D]:
-    # whole contiguous boxes, which the H200 wrote faster than G boxes of 64 / G rows strided by Hq
+    # whole contiguous boxes, faster to write than G boxes of 64 / G rows strided by Hq
     # rows (the window kernel gathers its rows from that order).
     heads_out = heads_io and fused
     rows_io = ROWS_PER_WG // group_io if heads_io else 0  # query rows per box
@@ -653,13 +673,13 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         # On where the ring fits at the pages per step the kernel would take without it (the
         # fused window: with it, one page per step where two no longer fit).
         memory_widens_values = fp8 and widens_values_by_default(total, d, page_size, stages, fused_fp8, pages_per_step,
-                                                                key_split)
+                                                                key_split, config)
     pps = pages_per_step or default_pages_per_step(total, d, itemsize, page_size, stages, key_split, fused_fp8,
                                                    memory_widens_values)
     if cast_query is None:
         # Unfused, by default only where the staging tile fits beside the rest.
-        cast_query = CAST_QUERY_IN_KERNEL_BY_DEFAULT if fused_fp8 else (
-            unfused_cast and CAST_QUERY_UNFUSED_BY_DEFAULT
+        cast_query = config.cast_query_fused if fused_fp8 else (
+            unfused_cast and config.cast_query_unfused
             and smem_bytes(total, d, itemsize, page_size * pps, stages, key_split,
                            memory_widens_values=memory_widens_values, wide_query=True) <= MAX_SMEM_BYTES)
     cast_query = bool(cast_query)
@@ -677,14 +697,15 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     steps_per_split = -(-steps // splits)
     merged_dtype = partial_dtype if fused else jnp.dtype(jnp.float32)
     items = b * hkv * tiles * splits
-    persistent = runs_persistent(items, persistent, itemsize, memory_widens_values)
+    persistent = runs_persistent(items, persistent, itemsize, memory_widens_values, config)
     cluster_errors = cluster_split_errors(fused, splits, d, persistent)
     if cluster_splits and cluster_errors:
         raise ValueError("; ".join(cluster_errors))
     if cluster_splits is None:
-        # By default only where one warpgroup writes the CTA's rows (64-row heads: the forms the H200
-        # checked and timed); two row-owning warpgroups clustered are lowered, not yet run.
-        cluster_splits = (CLUSTER_SPLITS_BY_DEFAULT and not cluster_errors and splits in CLUSTER_SPLIT_DEFAULT_SIZES
+        # By default only where one warpgroup writes the CTA's rows (64-row heads: the forms GPU
+        # conformance and timings cover); two row-owning warpgroups clustered lower but are unverified
+        # on a GPU, so they run only when asked.
+        cluster_splits = (config.cluster_splits and not cluster_errors and splits in CLUSTER_SPLIT_DEFAULT_SIZES
                           and (key_split or wgs == 1) and smem_bytes(
                               total, d, itemsize, block, stages, key_split, fused_fp8=fused_fp8,
                               memory_widens_values=memory_widens_values, cluster_splits=splits) <= MAX_SMEM_BYTES)
@@ -718,7 +739,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     grid, grid_names = ((ctas,), ("ctas",)) if persistent else (sizes, order)
     prefetch_query = runs_prefetch_query(prefetch_query, persistent, smem_bytes(
         total, d, itemsize, block, stages, key_split, fused_fp8=fused_fp8, query_tiles=2,
-        memory_widens_values=memory_widens_values, wide_query=wide_query))
+        memory_widens_values=memory_widens_values, wide_query=wide_query), config)
     if prefetch_query and not persistent:
         raise ValueError("prefix_decode_mgpu: prefetch_query needs the persistent launch (persistent=True, or "
                          f"None with more work items than SMs), got persistent={persistent} for {items} items")
@@ -1402,7 +1423,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         if not merge:
             return out, lse
         return merge_splits(out, lse, out_dtype=merged_dtype, backend="interpret" if interpret else None,
-                            heads_group=group_io)
+                            heads_group=group_io, config=merge_config)
     return out[0], head_io_rows(lse[0], group_io, inverse=True) if heads_out else lse[0]
 
 

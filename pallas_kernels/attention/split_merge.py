@@ -5,18 +5,17 @@ output normalised over its own keys and that split's lse2. The merged row is
 `sum_s 2^(lse_s - m) out_s / sum_s 2^(lse_s - m)` with m the largest lse; splits that saw no key
 (lse = -inf) drop out, and a row no split saw gets output 0 and lse -inf.
 
-`merge_splits_reference` is the XLA form. XLA runs it as two kernels on the H200 (the weights, then
-the weighted sum; 4.2 us per call at B=1, P=32768, 8 splits of [64 x 32 heads x 128] float32
-partials, session 20), and written as elementwise chains over the split slices it launched five.
-`merge_splits` runs one Pallas kernel instead (`MERGE_KERNEL`): each program takes a block of rows
-of every split, forms the weights in registers and writes the merged rows in `out_dtype` (so a bf16
-cascade output needs no separate cast either). On the H200 (session 22, per call, whole cascade
-spans with the XLA merge -> the kernel): B=1, P=32768, N=64 bf16 64.9 -> 63.4 us, FP8 66.6 -> 64.6;
-B=8, P=8192, N=16 bf16 74.1 -> 72.7, FP8 52.1 -> 50.8 (the merge itself 2.3-3.3 us).
+`merge_splits_reference` is the XLA form (XLA runs it as two kernels: the weights, then the weighted
+sum). `merge_splits` runs one Pallas kernel instead (`MergeConfig.kernel`): each program takes a
+block of rows of every split, forms the weights in registers and writes the merged rows in
+`out_dtype`, so a bf16 cascade output needs no separate cast either. results: merge-kernel.
+
+Launch knobs: `MergeConfig` (frozen); `default_config()` is what `merge_splits` runs when given none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -27,24 +26,38 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import resolve_backend
 
-# Elements of one split's rows a program merges (rows x D): 2,048 gives the B=1, Hq=32, R=64, D=128
-# merge 128 programs, about one per H200 SM. With NUM_WARPS, the launch; both are read when a caller
-# is traced (benchmarks/kernel_profile.py --merges kernel:E/W sweeps them). Session 22's sweeps on
-# the H200 (B=1 / B=8, bf16 / FP8): 2048/8 beat 2048/4, 1024/4 and 4096/8 by 0.1-0.7 us of cascade
-# span and 512/4 by 1-2 us; then 2048/16 ran the merge itself faster than 2048/8 at all four shapes
-# (2.82 / 2.85 / 2.22 / 2.69 us against 2.94 / 3.31 / 2.27 / 2.92, the same bits), 4096/16 mixed.
-ELEMENTS_PER_PROGRAM = 2048
-NUM_WARPS = 16
 # Rows of one tile of the heads-layout lse order (`head_io_rows`): a Mosaic warpgroup's 64 rows
 # (prefix_decode_mgpu.ROWS_PER_WG), G boxes of 64 / G query rows, one per head of the KV head.
 HEAD_IO_TILE = 64
 # Output dtypes the merge writes (and the decodes that hand it their partials): float32 or 16-bit.
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# Whether compiled merges run the Pallas kernel (False: the XLA reference, then cast). Read when a
-# caller is traced (benchmarks/kernel_profile.py --merges flips it, clearing jit caches between).
-# On: it matched the XLA merge on the H200 (rel 1.2e-5 to 3.0e-5) and won 1.2-2.0 us per cascade
-# at the four split shapes (session 22). Interpreted runs (the CPU tests) always run the kernel.
-MERGE_KERNEL = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeConfig:
+    """Launch knobs of `merge_splits`; `default_config()` gives the default. Read when a caller is
+    traced, so a config is part of the traced program (the callers pass it as a static argument)."""
+    # Whether compiled merges run the Pallas kernel (False: the XLA reference, then cast).
+    # Interpreted runs (the CPU tests) always run the kernel. results: merge-kernel.
+    kernel: bool = True
+    # Elements of one split's rows a program merges (rows x D): 2,048 gives the B=1, Hq=32, R=64,
+    # D=128 merge 128 programs, about one per H200 SM. results: merge-kernel.
+    elements_per_program: int = 2048
+    # Warps per program. results: merge-kernel.
+    num_warps: int = 16
+
+    def __post_init__(self):
+        if not isinstance(self.kernel, bool):
+            raise ValueError(f"MergeConfig.kernel must be True or False, got {self.kernel!r}")
+        if self.elements_per_program < 1 or self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"MergeConfig: elements_per_program must be >= 1 and num_warps a power of two, "
+                             f"got {self.elements_per_program}, {self.num_warps}")
+
+
+def default_config() -> MergeConfig:
+    """The merge's launch for every shape: the Pallas kernel, 2,048 elements per program, 16 warps
+    (one launch served all four split shapes timed; results: merge-kernel)."""
+    return MergeConfig()
 
 
 def merge_splits_reference(out: jax.Array, lse: jax.Array, axis: int = 0):
@@ -87,9 +100,10 @@ def _merge_kernel(o_ref, l_ref, out_ref, lse_ref, *, splits: int, lse_transposed
     lse_ref[...] = jnp.where(seen, m_safe + jnp.log2(safe), -jnp.inf)
 
 
-def rows_per_program(rows: int, d: int) -> int:
-    """The largest power of two dividing `rows` up to ELEMENTS_PER_PROGRAM // d (at least 1)."""
-    cap = max(1, ELEMENTS_PER_PROGRAM // d)
+def rows_per_program(rows: int, d: int, config: MergeConfig | None = None) -> int:
+    """The largest power of two dividing `rows` up to `config.elements_per_program // d` (at least 1;
+    None: `default_config()`)."""
+    cap = max(1, (config or default_config()).elements_per_program // d)
     return math.gcd(rows & -rows, 1 << (cap.bit_length() - 1))
 
 
@@ -166,33 +180,35 @@ def out_dtype_errors(out_dtype, what: str) -> list[str]:
 
 
 def merge_splits(out: jax.Array, lse: jax.Array, axis: int = 0, *, out_dtype=jnp.float32,
-                 backend: str | None = None, heads_group: int = 0):
+                 backend: str | None = None, heads_group: int = 0, config: MergeConfig | None = None):
     """LSE merge of key-split partials: `out [..., S, ..., D]` (the splits at `axis`; float32 or
     16-bit), `lse` the same without D (float32, base 2) -> (out in `out_dtype`, lse float32)
     without that axis. `backend` as `pallas_kernels.common`: "reference" is
-    `merge_splits_reference` (then cast), as is a compiled merge without MERGE_KERNEL.
+    `merge_splits_reference` (then cast), as is a compiled merge under `MergeConfig(kernel=False)`.
+    `config`: launch knobs (`MergeConfig`); None = `default_config()`.
 
     `heads_group` G > 0: the fused Mosaic prefix's heads layout, `out [S, B, R, Hq, D]` with
     `lse [S, B, Hkv, R * G]` in `head_io_rows` order -> `[B, R, Hq, D]`, `[B, R, Hq]`. The kernel
     reads lse in that order itself (each program a tile of 64 / G query rows x G heads), so no
-    transpose runs before it (XLA had run one, 1.3 us at B=1 and B=8 on the H200, session 22)."""
+    transpose runs before it (an XLA transpose would be one more kernel)."""
     errors = merge_split_errors(out, lse, axis, out_dtype, heads_group)
     if errors:
         raise ValueError("; ".join(errors))
+    config = default_config() if config is None else config
     kind = resolve_backend(backend)
-    if kind == "reference" or (kind == "compiled" and not MERGE_KERNEL):
+    if kind == "reference" or (kind == "compiled" and not config.kernel):
         merged, merged_lse = merge_splits_reference(
             out, head_io_rows(lse, heads_group, inverse=True) if heads_group else lse, axis)
         return merged.astype(out_dtype), merged_lse
     call = functools.partial(
         pl.pallas_call, interpret=kind == "interpret", name="merge_splits",
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1))
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1))
     if heads_group:
-        return _merge_heads_layout(call, out, lse.astype(jnp.float32), heads_group, out_dtype)
+        return _merge_heads_layout(call, out, lse.astype(jnp.float32), heads_group, out_dtype, config)
     splits, d = lse.shape[axis], out.shape[-1]
     lead = math.prod(lse.shape[:axis])
     rows = math.prod(lse.shape[axis + 1:])
-    block = rows_per_program(rows, d)
+    block = rows_per_program(rows, d, config)
     merged, merged_lse = call(
         functools.partial(_merge_kernel, splits=splits, lse_transposed=False),
         grid=(rows // block, lead),
@@ -207,13 +223,13 @@ def merge_splits(out: jax.Array, lse: jax.Array, axis: int = 0, *, out_dtype=jnp
     return merged.reshape(kept + (d,)), merged_lse.reshape(kept)
 
 
-def _merge_heads_layout(call, out, lse, group: int, out_dtype):
+def _merge_heads_layout(call, out, lse, group: int, out_dtype, config: MergeConfig):
     """The kernel over heads-layout tiles (see merge_splits): program (D chunk, tile w, KV head h,
     request b) merges query rows [w per, (w + 1) per) x heads [h G, (h + 1) G) x one D chunk."""
     s, b, r, hq, d = out.shape
     hkv, per = hq // group, HEAD_IO_TILE // group
     tiles = r // per
-    dc = min(d, max(1, ELEMENTS_PER_PROGRAM // HEAD_IO_TILE))
+    dc = min(d, max(1, config.elements_per_program // HEAD_IO_TILE))
     merged, merged_lse = call(
         functools.partial(_merge_kernel, splits=s, lse_transposed=True),
         grid=(d // dc, tiles, hkv, b),
@@ -228,5 +244,5 @@ def _merge_heads_layout(call, out, lse, group: int, out_dtype):
     return merged.reshape(b, r, hq, d), merged_lse.reshape(b, r, hq)
 
 
-__all__ = ["HEAD_IO_TILE", "MERGE_KERNEL", "OUT_DTYPES", "head_io_rows", "merge_splits", "split_weights", "merge_splits_reference", "merge_split_errors",
+__all__ = ["HEAD_IO_TILE", "MergeConfig", "OUT_DTYPES", "default_config", "head_io_rows", "merge_splits", "split_weights", "merge_splits_reference", "merge_split_errors",
            "out_dtype_errors", "rows_per_program"]

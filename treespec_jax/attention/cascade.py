@@ -34,10 +34,11 @@ import jax.numpy as jnp
 
 from pallas_kernels.attention.prefix_decode import (check_paged_inputs, heads_to_rows, num_sms, padded_rows,
                                                     prefix_decode, prefix_decode_row_layout, rows_to_heads)
-from pallas_kernels.attention.prefix_decode_mgpu import (ROWS_PER_WG, check_mgpu_inputs, fused_window_words,
-                                                         fused_fp8_fits, heads_io_errors, mgpu_input_errors,
-                                                         warpgroup_layout, widens_values_by_default,
-                                                         prefix_decode_mgpu_row_layout)
+from pallas_kernels.attention.prefix_decode_mgpu import (ROWS_PER_WG, PrefixMgpuConfig, check_mgpu_inputs,
+                                                         fused_window_words, fused_fp8_fits, heads_io_errors,
+                                                         mgpu_input_errors, warpgroup_layout,
+                                                         widens_values_by_default, prefix_decode_mgpu_row_layout)
+from pallas_kernels.attention.split_merge import MergeConfig
 from pallas_kernels.attention.tree_window import (heads_in_errors, tree_window_attention, tree_window_row_layout,
                                                   window_block_rows)
 from pallas_kernels.common import resolve_backend
@@ -111,6 +112,13 @@ class CascadeConfig:
     # transpose of q (nor, under FP8, a transposed cast) runs before them. Same bits as the row
     # layout. On: results: unfused-heads-io.
     unfused_heads_io: bool = True
+    # The Mosaic prefix kernel's default rules (`prefix_decode_mgpu.PrefixMgpuConfig`: persistent
+    # launch, query prefetch, cluster merge, in-kernel query cast, memory-warpgroup widening of FP8
+    # V); None: `prefix_decode_mgpu.default_config()`.
+    prefix_mgpu: PrefixMgpuConfig | None = None
+    # The launch of the key-split merge kernel wherever one runs (`split_merge.MergeConfig`); None:
+    # `split_merge.default_config()`.
+    merge: MergeConfig | None = None
 
     def __post_init__(self):
         if self.prefix_kernel not in PREFIX_KERNELS:
@@ -139,6 +147,9 @@ class CascadeConfig:
         for name in ("window_merges_splits", "unfused_heads_io"):
             if not isinstance(getattr(self, name), bool):
                 errors.append(f"CascadeConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        for name, kind in (("prefix_mgpu", PrefixMgpuConfig), ("merge", MergeConfig)):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), kind):
+                errors.append(f"CascadeConfig.{name} must be None or a {kind.__name__}, got {getattr(self, name)!r}")
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -163,7 +174,7 @@ def mosaic_only_errors(config, name: str, why: str) -> list[str]:
 
 def covers_tail(setting: bool | None, mosaic: bool) -> bool:
     """`prefix_covers_tail` resolved: an explicit setting wins; None follows the prefix kernel (True
-    under the Mosaic prefix, where it was timed faster, False under the Triton one)."""
+    under the Mosaic prefix, where it is faster, False under the Triton one)."""
     return mosaic if setting is None else bool(setting)
 
 
@@ -212,6 +223,7 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
                          fp8_score_dot=config.fp8_score_dot, interpret=kind == "interpret", mosaic=mosaic,
                          prefix_covers_tail=tail, partial_dtype=config.prefix_partial_dtype, fuse_window=fuse,
                          persistent=config.persistent_prefix, window_merges=config.window_merges_splits,
+                         mgpu_config=config.prefix_mgpu, merge_config=config.merge,
                          unfused_heads=mosaic and not fuse and config.unfused_heads_io and unfused_heads_io(
                              q.shape, k_pool.shape[1], tail, config.window_merges_splits))
 
@@ -231,7 +243,8 @@ def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool
             _, r, hq, d = q.shape
             group = hq // k_pool.shape[1]
             fits = fused_fp8_fits(fused_rows(r, group), d, config.page_size)
-            unfused_widens = widens_values_by_default(mosaic_rows(r * group), d, config.page_size)
+            unfused_widens = widens_values_by_default(mosaic_rows(r * group), d, config.page_size,
+                                                      config=config.prefix_mgpu)
             pool_ok = fits and (not unfused_widens
                                 and prefix_programs(q.shape, k_pool.shape[1], itemsize) < num_sms())
         return mosaic and covers_tail_resolved and pool_ok and config.prefix_partial_dtype == "float32"
@@ -281,11 +294,12 @@ def uses_mosaic_prefix(config: CascadeConfig, kind: str, q, k_pool, v_pool) -> b
 
 @functools.partial(jax.jit, static_argnames=("window", "page_size", "scale", "num_splits", "fp8_score_dot",
                                              "interpret", "mosaic", "prefix_covers_tail", "partial_dtype",
-                                             "fuse_window", "persistent", "window_merges", "unfused_heads"))
+                                             "fuse_window", "persistent", "window_merges", "unfused_heads",
+                                             "mgpu_config", "merge_config"))
 def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window, page_size, scale,
                   num_splits, fp8_score_dot, interpret, mosaic=False, prefix_covers_tail=False,
                   partial_dtype="float32", fuse_window=False, persistent=None, window_merges=False,
-                  unfused_heads=False):
+                  unfused_heads=False, mgpu_config=None, merge_config=None):
     b, r, hq, d = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
@@ -300,14 +314,15 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
         out, _ = prefix_decode_mgpu_row_layout(
             q if heads_io else heads_to_rows(q, hkv, total), k_pool, v_pool, page_table, prefix_lengths, words,
             union, query_rows=1, group=total, page_size=page_size, scale=scale, num_splits=num_splits,
-            interpret=interpret, partial_dtype=out_dtype, window=window, heads_io=heads_io, persistent=persistent)
+            interpret=interpret, partial_dtype=out_dtype, window=window, heads_io=heads_io, persistent=persistent,
+            config=mgpu_config, merge_config=merge_config)
         return (out if heads_io else rows_to_heads(out, r, hq)).astype(q.dtype)
     if unfused_heads:  # unfused_heads_io, resolved by the caller (the flags are read outside the jit)
         # Head layout throughout: q, the prefix partial and the output are never transposed.
         prefix_out, prefix_lse2 = prefix_decode_mgpu_row_layout(
             q, k_pool, v_pool, page_table, prefix_lengths, query_rows=1, group=r * group, page_size=page_size,
             scale=scale, num_splits=num_splits, interpret=interpret, partial_dtype=partial_dtype,
-            persistent=persistent, merge=False, heads_io=True)
+            persistent=persistent, merge=False, heads_io=True, config=mgpu_config)
         return tree_window_row_layout(
             q, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2, query_rows=r, group=group,
             window=window, page_size=page_size, scale=scale, causal_prefix=False, value_dim=d, interpret=interpret,
@@ -322,12 +337,12 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
         prefix_out, prefix_lse2 = prefix_decode_mgpu_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, **prefix_rows, page_size=page_size,
             scale=scale, num_splits=num_splits, interpret=interpret, partial_dtype=partial_dtype,
-            persistent=persistent, merge=not window_merges)
+            persistent=persistent, merge=not window_merges, config=mgpu_config, merge_config=merge_config)
     else:
         prefix_out, prefix_lse2 = prefix_decode_row_layout(
             qr, k_pool, v_pool, page_table, prefix_lengths, **prefix_rows, page_size=page_size,
             scale=scale, num_splits=num_splits, interpret=interpret, fp8_score_dot=fp8_score_dot,
-            partial_dtype=partial_dtype, merge=not window_merges)
+            partial_dtype=partial_dtype, merge=not window_merges, merge_config=merge_config)
     # The window kernel writes [B, R, Hq, D] itself where its row tiles allow (no output transpose).
     return tree_window_row_layout(
         qr, k_pool, v_pool, page_table, prefix_lengths, mask, prefix_out, prefix_lse2,

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention.mla_decode import FP8, MlaDecodeConfig, mla_decode, quantize_query
-from pallas_kernels.attention.mla_decode_mgpu import (EXCHANGES, SCHEDULES, check_mla_mgpu_inputs, default_schedule,
-                                                       mla_decode_mgpu, mla_mgpu_input_errors)
+from pallas_kernels.attention.mla_decode_mgpu import (EXCHANGES, SCHEDULES, MlaMgpuConfig, check_mla_mgpu_inputs,
+                                                       default_schedule, mla_decode_mgpu, mla_mgpu_input_errors)
 from pallas_kernels.common import resolve_backend
 from pallas_kernels.attention.tree_window import tree_window_attention
 from treespec_jax.attention.cascade import covers_tail, lane_window, mosaic_only_errors, optional_flag_errors
@@ -54,23 +54,21 @@ class MlaCascadeConfig:
     # Tiling of the prefix half's latent decode.
     decode: MlaDecodeConfig = MlaDecodeConfig()
     # Prefix-half kernel. "auto": "mosaic_gpu" wherever it runs compiled (a GPU, 16-bit or FP8
-    # latent cache, page a multiple of 64; on the H200 at DeepSeek-V3 widths its cascade is 1.49x
-    # (bf16, device time) and 4.2x (FP8, per call) faster than with the Triton latent decode,
-    # session 11, benchmarks/RESULTS.md),
-    # else "triton". "triton": Pallas Triton, every
+    # latent cache, page a multiple of 64: its cascade is faster than with the Triton latent decode
+    # for both cache dtypes; results: mla-mosaic), else "triton". "triton": Pallas Triton, every
     # cache dtype. "mosaic_gpu": wgmma/TMA over whole pages (the window kernel covers the partial
     # last page), refused where it cannot run. See pallas_kernels.attention.mla_decode_mgpu.
     prefix_kernel: str = "auto"
     # As CascadeConfig.prefix_covers_tail: the latent decode runs every row to P (its whole-page
     # bound under "mosaic_gpu"), so the window kernel reads the window (and the partial last page)
     # but no causal tail of committed rows. Same result. None: True under the Mosaic latent decode
-    # (1.02x bf16, 1.04x FP8 on the H200, session 12, benchmarks/RESULTS.md), else False.
+    # (the faster there; results: prefix-covers-tail), else False.
     prefix_covers_tail: bool | None = None
     # How the Mosaic latent decode's two compute warpgroups share a step: "seesaw" (they score
     # alternate steps whole and hand each step's P to the other), "split" (each scores half of the
     # keys, P exchanged), "turns" or "together" (both score every key, taking turns on the tensor
-    # cores or not). None: mla_decode_mgpu.default_schedule (seesaw, the fastest on the H200 for
-    # bf16 and FP8 caches since session 19).
+    # cores or not). None: mla_decode_mgpu.default_schedule ("seesaw", the fastest for bf16 and FP8
+    # caches; results: mla-schedule).
     schedule: str | None = None
     # Fuse the tree window into the Mosaic latent decode (prefix_kernel "mosaic_gpu", schedule
     # "seesaw" or "split"): one kernel gives every row the keys [0, P + window), window key j under bit
@@ -78,11 +76,13 @@ class MlaCascadeConfig:
     # kernel). Over an FP8 cache its window keys are scored as its prefix's are, the FP8 query by the
     # FP8 rows on the tensor cores (the window kernel widens both, exactly, and accumulates in
     # float32; the values are the same, the accumulation is the FP8 wgmma's). None: fused under those
-    # schedules with prefix_covers_tail not False (`fuses_window`), over 16-bit and FP8 caches. On
-    # the H200 (B=32, P=8192, N=16, 128 heads, session 21, benchmarks/RESULTS.md) the fused cascade
-    # took 2.218 vs 2.315 ms over FP8 and 2.343 vs 2.462 ms over bf16. True demands it
-    # (prefix_kernel "mosaic_gpu"); False keeps the window kernel.
+    # schedules with prefix_covers_tail not False (`fuses_window`), over 16-bit and FP8 caches (the
+    # fused cascade is faster over both; results: mla-fuse-window). True demands it (prefix_kernel
+    # "mosaic_gpu"); False keeps the window kernel.
     fuse_window: bool | None = None
+    # The Mosaic latent decode's default rules (`mla_decode_mgpu.MlaMgpuConfig`: P handed over in
+    # the ring, wgmma descriptors built in the key loop); None: `mla_decode_mgpu.default_config()`.
+    decode_mgpu: MlaMgpuConfig | None = None
 
     def __post_init__(self):
         """Every bad field at once."""
@@ -103,6 +103,8 @@ class MlaCascadeConfig:
         errors += optional_flag_errors(self, "prefix_covers_tail")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             errors.append(f"MlaCascadeConfig.schedule must be None or one of {SCHEDULES}, got {self.schedule!r}")
+        if self.decode_mgpu is not None and not isinstance(self.decode_mgpu, MlaMgpuConfig):
+            errors.append(f"MlaCascadeConfig.decode_mgpu must be None or a MlaMgpuConfig, got {self.decode_mgpu!r}")
         errors += optional_flag_errors(self, "fuse_window") or mosaic_only_errors(
             self, "fuse_window", "the window is fused into that kernel")
         if self.fuse_window is True:
@@ -141,8 +143,8 @@ def uses_mosaic_latent_decode(config: MlaCascadeConfig, kind: str, q, latent_poo
     if config.prefix_kernel == "mosaic_gpu":
         check_mla_mgpu_inputs(q, latent_pool, config.kv_lora_rank, config.page_size, MLA_MGPU_BLOCK_K)
         return True
-    # FP8 caches too: on the H200 the Mosaic FP8 cascade took 3.00 ms against Triton's 12.31 ms
-    # (B=32, P=8k, N=16, benchmarks/RESULTS.md, 07:36 UTC).
+    # FP8 caches too: the Mosaic FP8 cascade is several times faster than the Triton one (results:
+    # mla-mosaic).
     return (kind == "compiled"
             and not mla_mgpu_input_errors(q, latent_pool, config.kv_lora_rank, config.page_size, MLA_MGPU_BLOCK_K))
 
@@ -179,7 +181,8 @@ def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.
         out, _ = mla_decode_mgpu(
             q, latent_pool, page_table, prefix_lengths, mask, kv_lora_rank=config.kv_lora_rank,
             page_size=config.page_size, scale=config.scale, block_k=MLA_MGPU_BLOCK_K, schedule=config.schedule,
-            window=window, out_dtype=model, interpret=resolve_backend(config.backend) == "interpret")
+            window=window, out_dtype=model, interpret=resolve_backend(config.backend) == "interpret",
+            config=config.decode_mgpu)
         return out
     covers = covers_tail(config.prefix_covers_tail, mosaic)
     q_dec = q.reshape(b, 1, r * hq, c) if covers else q
@@ -187,7 +190,8 @@ def mla_cascade_attention(q: jax.Array, latent_pool: jax.Array, page_table: jax.
         prefix_out, prefix_lse2 = mla_decode_mgpu(
             q_dec, latent_pool, page_table, prefix_lengths, kv_lora_rank=config.kv_lora_rank,
             page_size=config.page_size, scale=config.scale, block_k=MLA_MGPU_BLOCK_K,
-            schedule=config.schedule, interpret=resolve_backend(config.backend) == "interpret")
+            schedule=config.schedule, interpret=resolve_backend(config.backend) == "interpret",
+            config=config.decode_mgpu)
     else:
         prefix_out, prefix_lse2 = mla_decode(
             q_dec, latent_pool, page_table, prefix_lengths, kv_lora_rank=config.kv_lora_rank,
