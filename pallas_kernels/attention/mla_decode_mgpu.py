@@ -101,30 +101,29 @@ SCHEDULES = ("split", "seesaw", "turns", "together")
 # Schedules whose warpgroups hand P and the row maxima to each other through shared memory (the
 # exchange buffers, and the output staged in the ring's memory once the key loop is done).
 EXCHANGES = ("split", "seesaw")
-# "seesaw" is the fastest schedule for 16-bit and FP8 caches alike; three other step orders of it
-# conformed and lost: both warpgroups' score matmuls in flight at once keep the tensor cores
-# busiest (results: mla-schedule).
+# "seesaw" is the fastest schedule for 16-bit and FP8 caches alike: both warpgroups' score matmuls
+# in flight at once keep the tensor cores busiest (results: mla-schedule).
 DEFAULT_SCHEDULE_16BIT = "seesaw"
 DEFAULT_SCHEDULE_FP8 = "seesaw"
 
 
 # The (compute, memory) warpgroups' `setmaxnreg` budgets `registers=None` stands for. The seesaw
 # compute warpgroups spill under the GQA kernel's (232, 40), and the memory warpgroup only issues
-# copies, so it gives 16 registers to each; (240, 24) ran every form faster (results:
+# copies, so it gives 16 registers to each; (240, 24) is faster for every form (results:
 # mla-registers).
 MLA_REGISTERS = (240, 24)
 # Value channels an FP8 step's warpgroup widens to fp16 per piece (`widen_cols`; where this does
 # not divide kv_lora_rank / 2 in swizzle-aligned pieces, the whole half is one piece). A piece is
 # loaded in the WGMMA layout, widened and stored before the next is loaded, so its registers (a
 # [64, 64] piece: 8 of FP8 and 16 of fp16 per thread) are all that sits beside the 128-register
-# accumulator and P. Pieces of 64 were the fastest, the same output bits (results: mla-widen-cols).
+# accumulator and P. Pieces of 64 are the fastest, the same output bits (results: mla-widen-cols).
 MLA_WIDEN_COLS = 64
 # Row tiles of one (request, split) per cluster (`cluster_tiles`): the cluster's CTAs read the same
 # latent steps, so each copies 1 / cluster_tiles of a step and TMA multicasts it to all of them,
 # cutting the L2-to-SM traffic by that factor (at B=32, P=8192, N=16, 128 heads the 32 tiles of a
-# request read each page from L2 32 times). It lost at 2 and 4 tiles per cluster, the same bits: a
-# cluster's tiles move in lockstep (a slot is refilled once every CTA of it has released it), and
-# L2 was not what bound the step (results: cluster-tiles).
+# request read each page from L2 32 times). Off (1): 2 and 4 tiles per cluster are slower, the same
+# bits: a cluster's tiles move in lockstep (a slot is refilled once every CTA of it has released
+# it), and L2 is not what bounds the step (results: cluster-tiles).
 MLA_CLUSTER_TILES = 1
 
 
@@ -388,7 +387,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
     `tiles_adjacent`: launch the row tiles of one (request, split), which read the same latent
     pages, next to each other (Mosaic GPU runs the grid's last axis fastest; the grid in the order
     (tiles, splits, batch) puts them B CTAs apart, so each latent page is read from HBM once per
-    tile). Side by side ran faster for both cache dtypes, so it is the default (results: grid-order)."""
+    tile). Side by side is faster for both cache dtypes, so it is the default (results: grid-order)."""
     check_mla_mgpu_inputs(q, latent_pool, kv_lora_rank, page_size, block_k)
     split_scores, pingpong, seesaw = schedule == "split", schedule == "turns", schedule == "seesaw"
     exchanges = schedule in EXCHANGES

@@ -117,8 +117,8 @@ WIDEN_ROWS = 64
 REGISTERS = (232, 40)
 LAUNCH_REGISTERS = 168
 # The budgets where the memory warpgroup widens FP8 V (`memory_widens_values`): its widening is
-# register-starved at 40 (ptxas spills); these ran the widened FP8 prefix faster at every shape
-# timed (results: registers).
+# register-starved at 40 (ptxas spills); these run the widened FP8 prefix faster (results:
+# registers).
 REGISTERS_MEMORY_WIDENS = (224, 56)
 
 
@@ -252,8 +252,8 @@ def warpgroup_layout(total_rows: int, key_split: bool | None = None, itemsize: i
     `key_split` both warpgroups take the same 64 rows and alternate key steps, taking turns on the
     tensor cores, and their two partials of the same rows merge by LSE inside the CTA (one partial
     per CTA, merged with the other key splits').
-    None: on for 64-row heads of FP8 pools only, where it ran the cascade faster; the bf16 one ran
-    slower (results: key-split). `key_split=True` forces it on 128-row heads too (64-row CTAs)."""
+    None: on for 64-row heads of FP8 pools only, where it runs the cascade faster; bf16 runs
+    slower with it (results: key-split). `key_split=True` forces it on 128-row heads too (64-row CTAs)."""
     fills_two = total_rows % ROWS_PER_CTA == 0
     if key_split is None:
         key_split = not fills_two and itemsize == 1
