@@ -138,7 +138,7 @@ def device_events(trace_dir: str) -> list[tuple[str, float, float]]:
 
 # Seconds the device idles before each traced run (`traced_chain`). The H200 lowers its clocks at
 # its power cap under sustained load and raises them after an idle moment, and every kernel and the
-# matmul ceiling move with them (results: timer, benchmarks/power_state.py: the bf16 matmul runs
+# matmul ceiling move with them (results: timer, benchmarks/tools/power_state.py: the bf16 matmul runs
 # 819-820 TFLOP/s traced after 1 s idle, 694-741 after 2 s of load; the B=64 cascade 0.476-0.488 and
 # 0.529-0.534 ms). Timing every kernel and the ceiling after the same idle pause makes a ratio
 # compare like with like, in the state that repeats best (the three boost matmuls agreed to 0.1%).

@@ -322,7 +322,7 @@ def test_cluster_split_forms_lower_to_mosaic_gpu(r, splits, heads_io, pool_dtype
     """The fused kernel whose key splits merge inside one cluster (`cluster_splits`: pieces and
     lse2 stored into the other CTAs' shared memory) lowers on the CPU, in head and row layout, with
     one row-owning warpgroup (64-row heads) and with two (R=64, G=4: 128-row CTAs); the H200 checks
-    the first kind against the merge-kernel form and dense fp32 (benchmarks/fused_window_cost.py,
+    the first kind against the merge-kernel form and dense fp32 (benchmarks/tools/fused_window_cost.py,
     bench_cascade)."""
     # Four FP8 splits' inbox (48 KB), or two row owners' (48 KB), fits beside one page per step only.
     test_fused_kernel_lowers_to_mosaic_gpu(r, 4, splits, heads_io, pool_dtype,

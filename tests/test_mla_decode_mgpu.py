@@ -1,7 +1,7 @@
 """The Mosaic GPU MLA latent decode (experimental) in Pallas' GPU interpreter, against fp32 references.
 
 As for the GQA prefix half: the interpreter checks indexing, page-table reads, masking and the
-barrier protocol on the CPU; the compiled kernel runs only in benchmarks/mgpu_prefix_check.py --mla.
+barrier protocol on the CPU; the compiled kernel runs only in benchmarks/tools/mgpu_prefix_check.py --mla.
 """
 
 import jax

@@ -2,7 +2,7 @@
 
 The interpreter simulates shared memory, TMA copies, barriers and wgmma on the CPU, so these tests
 check the kernel's indexing, page-table reads, masking and synchronisation. They cannot check the
-compiled kernel (benchmarks/mgpu_prefix_check.py does that on the GPU).
+compiled kernel (benchmarks/tools/mgpu_prefix_check.py does that on the GPU).
 """
 
 import jax.numpy as jnp

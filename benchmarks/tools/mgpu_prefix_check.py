@@ -363,11 +363,12 @@ def interleaved_forms(args, window, registers, kw, smoke, name, flop, flops_rate
     under its defaults, each of the `registers` budgets and, over a 16-bit cache, `p_in_ring`
     flipped, compared with the default (same bits expected; within 1e-3 relative is timed), then
     timed in two interleaved rounds (such an option moves it by about the spread between rounds)."""
-    from pallas_kernels.attention.mla_decode_mgpu import P_IN_RING_BY_DEFAULT, mla_decode_mgpu
+    from pallas_kernels.attention.mla_decode_mgpu import default_config, mla_decode_mgpu
 
     forms = {"default": {}, **{f"registers {c}/{m}": dict(registers=(c, m)) for c, m in registers}}
     if jnp.dtype(args[0].dtype).itemsize == 2:
-        forms[f"p_in_ring {not P_IN_RING_BY_DEFAULT}"] = dict(p_in_ring=not P_IN_RING_BY_DEFAULT)
+        flipped = not default_config().p_in_ring
+        forms[f"p_in_ring {flipped}"] = dict(p_in_ring=flipped)
     fns = {label: jax.jit(lambda *a, o=o: mla_decode_mgpu(*a, window=window, interpret=smoke, **o, **kw))
            for label, o in forms.items()}
     what = "fused decode (the cascade's kernel)"

@@ -13,7 +13,7 @@ in a conditional backward branch; the wait-retry branches Mosaic's barrier waits
 kernel's code are unconditional and not loops), its instruction count and its local stores (STL),
 local loads (LDL), wgmma instructions (HGMMA) and exp2s (MUFU.EX2). A key loop that reloads hoisted
 wgmma descriptors from local memory every step shows here as LDLs before its HGMMAs (what
-`mla_decode_mgpu.LOOP_DESCRIPTORS_BY_DEFAULT` prevents; results: loop-descriptors).
+`MlaMgpuConfig.loop_descriptors` prevents; results: loop-descriptors).
 """
 
 from __future__ import annotations

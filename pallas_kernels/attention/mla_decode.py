@@ -47,23 +47,23 @@ class MlaDecodeConfig:
     block_q: int = 32
     # Keys per inner step; power of two >= 16 (capped at the page size: a step never crosses a page).
     # None: 64 for 16-bit caches, 32 for FP8 (64 FP8 keys with the FP8 dot spill registers).
-    # results: mla-triton-launch.
+    # results: mla.
     block_k: int | None = None
     # Key-axis splits merged by LSE; None picks enough to give the GPU ~2 programs per SM.
     num_splits: int | None = None
     # Streaming multiprocessors to fill when num_splits is None (132: an H200's).
     num_sms: int = 132
     # Triton warps and software-pipeline stages per program (32 rows / 4 warps run as fast as 64 / 8).
-    # results: mla-triton-launch.
+    # results: mla.
     num_warps: int = 4
     num_stages: int = 2
     # Under an FP8 cache: multiply FP8 query x FP8 latent natively (Hopper FP8 MMA); False widens
     # both to bf16 first. Same values either way (FP8 is exact in bf16); native is faster.
-    # results: mla-triton-launch.
+    # results: mla.
     fp8_score_dot: bool = True
     # Run the key blocks every row of the tile fully sees without masks, reading the next block's
     # page id while the current one computes (faster for both cache dtypes at 2 stages; 3 stages is
-    # slower for bf16). results: mla-triton-launch.
+    # slower for bf16). results: mla.
     prefetch_page_ids: bool = True
 
     def __post_init__(self):

@@ -466,7 +466,7 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
             # loops: held across them, a [64, 64] int32 array costs 32 registers per thread for the
             # whole loop, beside a 128-register accumulator. With the column and row-bound arrays
             # built up front, ptxas spilled 1.45-1.6 KB per thread; what this form spills is
-            # measured by `benchmarks/ptxas_report.py`.
+            # measured by `benchmarks/tools/ptxas_report.py`.
             def key_index(i):
                 return plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (key_off + i * block_k)
 

@@ -1,7 +1,7 @@
 """The prefix half on Mosaic GPU (Hopper wgmma + TMA, warp-specialised): the default on GPUs.
 
 It runs compiled on Hopper over bf16 and FP8 E4M3 pools, one and two pages per step (compiled
-conformance: `benchmarks/mgpu_prefix_check.py`). Its cascade is faster than the Triton one, so
+conformance: `benchmarks/tools/mgpu_prefix_check.py`). Its cascade is faster than the Triton one, so
 `CascadeConfig(prefix_kernel="auto")` takes it wherever `mgpu_input_errors` is empty (results:
 prefix-kernel). A KV head's row tiles launch side by side (`tiles_adjacent`;
 results: grid-order). On the CPU its logic (page-table TMA copies, the buffer ring and its
@@ -112,7 +112,7 @@ FUSED_FP8_SPLIT_RING = (4, 1)
 # of the warpgroup).
 WIDEN_ROWS = 64
 # Register budgets per thread (`setmaxnreg`) of a compute warpgroup and of the memory warpgroup: the
-# CTA is launched with 168 per thread (ptxas, `benchmarks/ptxas_report.py`), and two compute
+# CTA is launched with 168 per thread (ptxas, `benchmarks/tools/ptxas_report.py`), and two compute
 # warpgroups plus the memory one must fit in that (2 * 232 + 40 = 3 * 168).
 REGISTERS = (232, 40)
 LAUNCH_REGISTERS = 168
