@@ -9,6 +9,7 @@ module directly, so a Mosaic GPU or jax-triton backend can slot in here later.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -44,3 +45,11 @@ def resolve_backend(backend: str | None) -> str:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (Triton block shapes must be powers of two)."""
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def require_bool_fields(config) -> None:
+    """Raises naming every field of the dataclass `config` that is not True or False (the
+    switch-only kernel configs: a truthy int or string would pick a variant silently)."""
+    bad = [f.name for f in dataclasses.fields(config) if not isinstance(getattr(config, f.name), bool)]
+    if bad:
+        raise ValueError(f"{type(config).__name__}: {', '.join(bad)} must be True or False")

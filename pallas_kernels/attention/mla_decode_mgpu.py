@@ -71,7 +71,7 @@ from pallas_kernels.attention.prefix_decode_mgpu import (_smem_transforms, cta_k
                                                          log2_of, online_softmax_update, register_budget_errors,
                                                          whole_page_bound, window_visible)
 from pallas_kernels.attention.split_merge import merge_splits, out_dtype_errors
-from pallas_kernels.common import LOG2E, MAX_SMEM_BYTES
+from pallas_kernels.common import LOG2E, MAX_SMEM_BYTES, require_bool_fields
 from pallas_kernels.tree_masks import MAX_TREE_NODES
 
 F8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -149,9 +149,7 @@ class MlaMgpuConfig:
     loop_descriptors: bool = True
 
     def __post_init__(self):
-        bad = [f.name for f in dataclasses.fields(self) if not isinstance(getattr(self, f.name), bool)]
-        if bad:
-            raise ValueError(f"MlaMgpuConfig: {', '.join(bad)} must be True or False")
+        require_bool_fields(self)
 
 
 def default_config() -> MlaMgpuConfig:

@@ -62,7 +62,7 @@ from pallas_kernels.attention.prefix_decode import check_partial_dtype, num_sms
 from pallas_kernels.attention.reference import quantize_query_for_pool
 from pallas_kernels.attention.split_merge import (HEAD_IO_TILE, MergeConfig, head_io_rows, head_io_rows_errors,
                                                   merge_splits, split_weights)
-from pallas_kernels.common import LOG2E, MAX_SMEM_BYTES
+from pallas_kernels.common import LOG2E, MAX_SMEM_BYTES, require_bool_fields
 
 F8 = jnp.dtype(jnp.float8_e4m3fn)
 F8_MAX = float(jnp.finfo(F8).max)  # 448: the FP8 query saturates here (`quantize_query_for_pool`)
@@ -196,9 +196,7 @@ class PrefixMgpuConfig:
     memory_widens_fused: bool = False
 
     def __post_init__(self):
-        bad = [f.name for f in dataclasses.fields(self) if not isinstance(getattr(self, f.name), bool)]
-        if bad:
-            raise ValueError(f"PrefixMgpuConfig: {', '.join(bad)} must be True or False")
+        require_bool_fields(self)
 
 
 def default_config() -> PrefixMgpuConfig:
