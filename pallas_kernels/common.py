@@ -53,3 +53,18 @@ def require_bool_fields(config) -> None:
     bad = [f.name for f in dataclasses.fields(config) if not isinstance(getattr(config, f.name), bool)]
     if bad:
         raise ValueError(f"{type(config).__name__}: {', '.join(bad)} must be True or False")
+
+
+def require_power_of_two(config, name: str, minimum: int = 1) -> None:
+    """Raises naming `config`'s field `name` unless it is an int power of two >= `minimum` (launch
+    block sizes and warp counts: Triton tiles and warp groups come only in powers of two)."""
+    val = getattr(config, name)
+    if isinstance(val, bool) or not isinstance(val, int) or val < minimum or val & (val - 1):
+        bound = f" >= {minimum}" if minimum > 1 else ""
+        raise ValueError(f"{type(config).__name__}.{name} must be a power of two{bound}, got {val}")
+
+
+def with_overrides(config, **fields):
+    """`config` with each field given as not None replaced (the entry points' older loose launch
+    keywords override the config they are given or default to)."""
+    return dataclasses.replace(config, **{name: val for name, val in fields.items() if val is not None})

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import next_pow2, resolve_backend
+from pallas_kernels.common import next_pow2, require_power_of_two, resolve_backend, with_overrides
 from pallas_kernels.linear.mamba2_reference import conv_tree_update_reference
 
 WALKS = ("precomputed", "parents")
@@ -51,9 +51,7 @@ class ConvTreeConfig:
     num_warps: int = 4  # Triton warps per program
 
     def __post_init__(self):
-        if isinstance(self.block_d, bool) or not isinstance(self.block_d, int) or self.block_d < 1 or (
-                self.block_d & (self.block_d - 1)):
-            raise ValueError(f"ConvTreeConfig.block_d must be a power of two, got {self.block_d}")
+        require_power_of_two(self, "block_d")
 
 
 def default_config(channels: int) -> ConvTreeConfig:
@@ -179,8 +177,7 @@ def conv_tree_update(x, conv_pool, state_slots, weight, bias=None, parents=None,
     if node_states is not None and node_states.shape != (nb, T, W - 1, D):
         raise ValueError(f"node_states must be [B, T, W-1, D] = {(nb, T, W - 1, D)}, got {node_states.shape}")
     config = default_config(D) if config is None else config
-    loose = (("block_d", block_d), ("num_warps", num_warps))
-    config = dataclasses.replace(config, **{name: val for name, val in loose if val is not None})
+    config = with_overrides(config, block_d=block_d, num_warps=num_warps)
     if walk not in WALKS:
         raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
     if lags is not None:

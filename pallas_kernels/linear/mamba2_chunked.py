@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import next_pow2, resolve_backend
+from pallas_kernels.common import next_pow2, require_power_of_two, resolve_backend, with_overrides
 from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES, load_ancestor_tile
 from pallas_kernels.linear.mamba2_reference import mamba2_tree_scan_reference, softplus
 from pallas_kernels.linear.mamba2_tree import _check, launch_head_tiles, program_coords
@@ -109,12 +109,8 @@ class Mamba2ChunkedConfig:
     num_warps: int = 4  # Triton warps per program (power of two)
 
     def __post_init__(self):
-        if isinstance(self.block_p, bool) or not isinstance(self.block_p, int) or self.block_p < 16 or (
-                self.block_p & (self.block_p - 1)):
-            raise ValueError(f"Mamba2ChunkedConfig.block_p must be a power of two >= 16, got {self.block_p}")
-        if (isinstance(self.num_warps, bool) or not isinstance(self.num_warps, int) or self.num_warps < 1
-                or self.num_warps & (self.num_warps - 1)):
-            raise ValueError(f"Mamba2ChunkedConfig.num_warps must be a power of two, got {self.num_warps}")
+        require_power_of_two(self, "block_p", minimum=16)
+        require_power_of_two(self, "num_warps")
 
 
 def default_config(headdim: int) -> Mamba2ChunkedConfig:
@@ -150,8 +146,7 @@ def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots,
     if mask.shape != (nb, T, 2) or mask.dtype != jnp.uint32:
         raise ValueError(f"mamba2_tree_chunked: mask must be [B={nb}, T={T}, 2] uint32, got {mask.shape} {mask.dtype}")
     config = default_config(P) if config is None else config
-    loose = (("block_p", block_p), ("num_warps", num_warps))
-    config = dataclasses.replace(config, **{name: val for name, val in loose if val is not None})
+    config = with_overrides(config, block_p=block_p, num_warps=num_warps)
     if fp32_dots not in FP32_DOTS:
         raise ValueError(f"mamba2_tree_chunked: fp32_dots must be one of {tuple(FP32_DOTS)}, got {fp32_dots!r}")
     kind = resolve_backend(backend)

@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import next_pow2, resolve_backend
+from pallas_kernels.common import next_pow2, require_power_of_two, resolve_backend, with_overrides
 from pallas_kernels.linear.mamba2_reference import (
     Mamba2PayloadLayout,
     mamba2_tree_scan_reference,
@@ -69,10 +69,8 @@ class Mamba2ScanConfig:
     unroll: bool = False  # emit the node loop as straight-line code (same results)
 
     def __post_init__(self):
-        for name in ("block_p", "num_warps"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1 or val & (val - 1):
-                raise ValueError(f"Mamba2ScanConfig.{name} must be a power of two, got {val}")
+        require_power_of_two(self, "block_p")
+        require_power_of_two(self, "num_warps")
         if not isinstance(self.unroll, bool):
             raise ValueError(f"Mamba2ScanConfig.unroll must be a bool, got {self.unroll!r}")
 
@@ -338,8 +336,7 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
             raise ValueError("plan given without parents: a chain (parents=None) takes no plan")
         check_plan(plan, nb, T)
     config = default_config(P, B.shape[3]) if config is None else config
-    loose = (("block_p", block_p), ("num_warps", num_warps), ("unroll", unroll))
-    config = dataclasses.replace(config, **{name: val for name, val in loose if val is not None})
+    config = with_overrides(config, block_p=block_p, num_warps=num_warps, unroll=unroll)
     kind = resolve_backend(backend)
     if kind == "reference":
         y, states = mamba2_tree_scan_reference(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z)
