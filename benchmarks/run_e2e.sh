@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The end-to-end tables on the device machine, each step under its own time limit so that one
+# slow step leaves the others' results (every step tees its log and JSON into OUT).
+#
+#   bash benchmarks/run_e2e.sh llama8b OUT [BATCHES]          # (c): needs no model file
+#   bash benchmarks/run_e2e.sh serve GGUF HEAD OUT [BATCHES] [TEMPS] [SHAPES] [PROMPTS] [TOKENS]
+#                                                              # HF equality + peer, then (a)
+#   bash benchmarks/run_e2e.sh breakdown GGUF HEAD OUT [BATCH]  # (b)
+#
+# GGUF comes from `benchmarks/stage_gguf.sh join /root/gguf`; the gguf package from a carried
+# .whl (the call installs it into /tmp/site first). Steps log with PYTHONUNBUFFERED so that a
+# step killed at its limit still leaves what it printed.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+
+step() {  # step NAME SECONDS CMD...: runs CMD under a limit, tees its output to OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit} s): $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"
+}
+
+case "${1:-}" in
+llama8b)
+    OUT=$2
+    step llama8b "${LIMIT:-420}" "$PY" benchmarks/bench_e2e.py llama8b --batches "${3:-1,8,32,64}" --out "$OUT"
+    ;;
+serve)
+    GGUF=$2 HEAD=$3 OUT=$4
+    step hf_compare "${HF_LIMIT:-200}" "$PY" benchmarks/hf_compare.py --gguf "$GGUF" --new-tokens 32 --out "$OUT"
+    step serve "${LIMIT:-380}" "$PY" benchmarks/bench_e2e.py serve --gguf "$GGUF" --head "$HEAD" \
+        --batches "${5:-1}" --temperatures "${6:-0}" --shapes "${7:-plain,chain-s5,tree-k4s5n16,tree-k8s6n64}" \
+        --prompts "${8:-32}" --new-tokens "${9:-96}" --out "$OUT"
+    ;;
+breakdown)
+    GGUF=$2 HEAD=$3 OUT=$4
+    step breakdown "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py breakdown --gguf "$GGUF" --head "$HEAD" \
+        --batch "${5:-1}" --out "$OUT"
+    ;;
+*)
+    sed -n '2,10p' "${BASH_SOURCE[0]}" >&2
+    exit 2
+    ;;
+esac
