@@ -710,7 +710,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     # Interpreted, a clustered launch's splits merge through merge_splits (no clusters there).
     clustered = bool(cluster_splits) and not interpret
     # Under a warpgroup key split warpgroup 1 hands its (out, lse2) to warpgroup 0, which merges the
-    # two and writes one partial per CTA (see the epilogue), so a CTA split writes one partial; a
+    # two and writes one partial per CTA (`_merge_key_split`), so a CTA split writes one partial; a
     # clustered launch's splits merge among themselves and write the output once.
     parts = 1 if clustered else splits
     if fused and parts > 1:
@@ -726,9 +726,6 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     # its memory with the widened V (a RefUnion: K's tile is read by the scores before V is written).
     kw_dtype = q_wide.dtype if q_wide is not None else None
     scale2 = float(scale) * LOG2E
-    in_tf = _smem_transforms(d, dtype)
-    pv_tf = _smem_transforms(d, pv_dtype)
-    out_tf = _smem_transforms(out_chunk, partial_dtype)
 
     # A clustered launch's splits are its cluster axis "csplit", not a grid axis.
     sizes, order = grid_in_order(dict(batch=b, heads=hkv, tiles=tiles, splits=1 if clustered else splits),
@@ -768,639 +765,20 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                          f"stages={stages}, head dim {d} needs {need} bytes of shared memory, more than "
                          f"{MAX_SMEM_BYTES}")
 
-    def body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, qw_gmem, out_gmem, lse_gmem,
-             scoped):
-        if clustered:  # cluster_splits: each row owner's inbox of the other splits' pieces and LSEs
-            *scoped, (inbox, inbox_lse, inbox_ready) = scoped
-        (q_smem, k_smem, v_smem, o_smem, lse_smem, *extra), (q_ready, k_ready, v_ready), (k_free, v_free), turn, \
-            *tail = scoped
-        vw_ready, vw_free = tail[:2] if memory_widens_values else (None, None)
-        # Key split: the output staging in the partial's dtype and, over the same memory, in fp32 for
-        # warpgroup 1's hand-over (each slot is used through one view only); its (ready, free) barriers.
-        o_smem, x_smem = o_smem if key_split else (o_smem, None)
-        x_ready, x_free = tail[-2:] if key_split else (None, None)
-        wide = extra[:1] if fp8 else []
-        if q_wide is not None:  # (widened V, widened K): one RefUnion, or the V ring and K's own tile
-            wide, k_wide = [extra[0][0]], extra[0][1]
-        if fused:
-            words_smem, words_ready = extra[1 if fp8 else 0:][:2]
-        if stages_wide:
-            qw_smem, qw_ready = extra[-2:]
-        wg = lax.axis_index("wg")
-
-        def widen_page(dst, slot, clean=None):
-            # The FP8 V page in ring `slot` into the 16-bit tile `dst`, widen_rows rows at a time
-            # (only a piece's registers live at once); `clean(piece, first_row)` zeroes unseen rows.
-            for r in range(0, block, widen_rows):
-                rows = pl.ds(r, widen_rows)
-                piece = plgpu.load(v_smem.at[slot, rows], layout=plgpu.Layout.WGMMA).astype(pv_dtype)
-                dst.at[rows][...] = piece if clean is None else clean(piece, r)
-
-        def work_item(split, bi, head, tile, role: str, nxt=None):
-            """One (split, request, KV head, row tile): the whole CTA program of the gridded launch
-            (`role` "cta": every warpgroup, setting its registers), or under a persistent launch
-            one side of it, "compute" or "memory", run by warpgroups already on that side. `nxt`
-            (`prefetch_query`): (this CTA's item count so far, whether a next item exists, its
-            (request, KV head, row tile)), whose query tile is loaded while this item runs."""
-            length = len_gmem[bi]
-            cta_row0 = tile * rows_per_cta
-            if fused:
-                # Every row reads [0, P + window): committed keys and the window under its mask bits.
-                # Pages from cdiv(P + window, page) on may be unmapped (the memory warpgroup repeats a
-                # step's first page there); V rows no row may see are zeroed before P V.
-                lo, hi = fused_key_blocks(length, window, block, split, steps_per_split)
-                page_limit = lax.div(length + window + page_size - 1, jnp.int32(page_size))
-            else:
-                whole, lo, hi = cta_key_blocks(length, page_size, query_rows, group, cta_row0, rows_per_cta, block,
-                                               split, steps_per_split)
-                page_limit = lax.div(whole, jnp.int32(page_size))
-
-            def take_turn():
-                plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(turn)
-
-            def slot_of(i):
-                if not key_split:
-                    return lax.rem(i - lo, jnp.int32(stages))
-                # Each warpgroup owns half of the ring: a barrier's phase is tracked by each thread that
-                # waits on it, so a buffer waited on by both warpgroups in turn would desynchronise their
-                # phases (reads of stale pages, then a hang; the GPU interpreter does not show this).
-                rel = i - lo
-                half = stages // 2
-                return lax.rem(rel, jnp.int32(2)) * half + lax.rem(lax.div(rel, jnp.int32(2)), jnp.int32(half))
-
-            def _compute():
-                if role == "cta":
-                    plgpu.set_max_registers(regs_compute, action="increase")
-                row0 = cta_row0 if key_split else cta_row0 + wg * ROWS_PER_WG
-                # This warpgroup's steps: i = first + k * stride for k in [0, mine(hi)).
-                first = lo + wg if key_split else lo
-
-                def mine(end):
-                    return lax.div(jnp.maximum(end - first, 0) + stride - 1, jnp.int32(stride))
-
-                # This item's first query row of the warpgroup's boxes in head layout (its output's).
-                r0 = lax.div(row0, jnp.int32(ROWS_PER_WG)) * rows_io if heads_io else None
-
-                def load_query(src, dst, ready, bi_x, head_x, row0_x):
-                    # This warpgroup's 64 query rows into `dst`: under heads_io G boxes of rows_io
-                    # query rows, one per head of this KV head's group. row0 is a multiple of 64:
-                    # written as (row0 / 64) * rows_io, the box start's known divisibility lets
-                    # Mosaic GPU prove a head-layout transfer lands on whole smem tile rows.
-                    if heads_io:
-                        r0 = lax.div(row0_x, jnp.int32(ROWS_PER_WG)) * rows_io
-                        for g in range(group_io):
-                            plgpu.copy_gmem_to_smem(src.at[bi_x, pl.ds(r0, rows_io), head_x * group_io + g],
-                                                    dst.at[pl.ds(g * rows_io, rows_io)], ready)
-                    else:
-                        plgpu.copy_gmem_to_smem(src.at[bi_x, head_x, pl.ds(row0_x, ROWS_PER_WG)], dst, ready)
-
-                def issue_loads(bi_x, head_x, tile_x, buf):
-                    # An item's query tile (and fused, its rows' mask words) into buffer `buf`.
-                    row0_x = tile_x * rows_per_cta + (0 if key_split else wg * ROWS_PER_WG)
-                    if not cast_query:  # else cast from the unquantised tile (below)
-                        load_query(q_gmem, q_smem.at[buf], q_ready.at[buf], bi_x, head_x, row0_x)
-                    if fused:
-                        plgpu.copy_gmem_to_smem(words_gmem.at[bi_x, :, pl.ds(row0_x, ROWS_PER_WG)],
-                                                words_smem.at[buf], words_ready.at[buf])
-
-                if nxt is None:
-                    qb = wg
-                    issue_loads(bi, head, tile, qb)
-                else:
-                    # Prefetching: this item's loads were issued during the previous item (or now,
-                    # for a CTA's first); the next item's go into the other buffer at once.
-                    k, has_next, (bi_n, head_n, tile_n) = nxt
-                    qb = lax.rem(k, jnp.int32(2)) * wgs + wg
-                    pl.when(k == 0)(lambda: issue_loads(bi, head, tile, qb))
-                    pl.when(has_next)(lambda: issue_loads(bi_n, head_n, tile_n,
-                                                          lax.rem(k + 1, jnp.int32(2)) * wgs + wg))
-                # The unquantised query tile: the fused window's for each item; the unfused cast's
-                # under prefetch_query for a CTA's first item here, each next one's once this one's
-                # is cast (below).
-                prefetches_wide = wide_query and nxt is not None
-                if prefetches_wide:
-                    pl.when(nxt[0] == 0)(lambda: load_query(qw_gmem, qw_smem.at[wg], qw_ready.at[wg], bi, head, row0))
-                elif stages_wide:
-                    load_query(qw_gmem, qw_smem.at[wg], qw_ready.at[wg], bi, head, row0)
-                shape = (ROWS_PER_WG, block)
-                col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-                if fused:
-                    plgpu.barrier_wait(words_ready.at[qb])
-                    # [64] per word, broadcast over the keys only inside a masked step (two [64, block]
-                    # arrays live across the key loop would cost the unmasked steps registers).
-                    row_words = [plgpu.load(words_smem.at[qb, w], layout=plgpu.Layout.WGMMA.reduce(1))
-                                 for w in range(2)]
-                    union = (union_gmem[bi, 0], union_gmem[bi, 1])
-                    # Steps wholly below P are seen by every row.
-                    open_end = jnp.clip(lax.div(length, jnp.int32(block)), lo, hi)
-
-                    def visible(i):
-                        words = [lax.broadcast_in_dim(w, shape, [0]) for w in row_words]
-                        return window_visible(col + i * block, length, window, words)
-                else:
-                    row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
-                    row_hi = whole_page_bound(length, query_rows, group, row, whole)  # [rows, block]
-                    # Keys below the first row's bound are seen by every row of this warpgroup.
-                    first_hi = jnp.maximum(whole_page_bound(length, query_rows, group, row0, whole), 0)
-                    open_end = jnp.clip(lax.div(first_hi, jnp.int32(block)), lo, hi)
-
-                    def visible(i):
-                        return col + i * block < row_hi
-                if not cast_query:
-                    plgpu.barrier_wait(q_ready.at[qb])
-                if stages_wide:
-                    plgpu.barrier_wait(qw_ready.at[wg])
-                if cast_query:
-                    # The prefix steps' FP8 query from the unquantised tile (through fp32, whose
-                    # convert to E4M3 saturates; clipped first so the interpreter agrees). Nothing reads
-                    # this buffer any more: the last item's scores were waited on.
-                    wide_q = plgpu.load(qw_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-                    q_smem.at[qb][...] = jnp.clip(wide_q, -F8_MAX, F8_MAX).astype(F8)
-                    plgpu.commit_smem()  # also: every thread has read the staging tile
-                    if prefetches_wide:
-                        _, has_next, (bi_n, head_n, tile_n) = nxt
-                        row0_n = tile_n * rows_per_cta + (0 if key_split else wg * ROWS_PER_WG)
-                        pl.when(has_next)(lambda: load_query(qw_gmem, qw_smem.at[wg], qw_ready.at[wg], bi_n, head_n,
-                                                             row0_n))
-
-                def clean_values(v, i, r0=0):
-                    # V rows of step i (from its row r0) that no row of the request may see (past P +
-                    # window, or window slots outside every row's mask) may hold NaN / inf, which a zero
-                    # softmax weight would still spread: zero them. Only fused masked steps reach this.
-                    key = (plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
-                           + i * block + r0)
-                    return jnp.where(window_visible(key, length, window, union), v, jnp.zeros_like(v))
-
-                def issue_scores(s_ref, slot):
-                    # Q K^T of the keys in `slot` into s_ref, asynchronous on the GPU (wgmma).
-                    plgpu.wgmma(s_ref, q_smem.at[qb], k_smem.at[slot].transpose((1, 0)))
-
-                def add_values(acc, p, v_tile, while_in_flight=lambda: None):
-                    # acc + P V (V in shared memory), waited; `while_in_flight` runs after the wgmma is
-                    # issued and before it is waited on. The GPU interpreter can neither run run_state
-                    # nor store into an accumulator, so interpreted runs add P V with a plain dot on
-                    # the same shared-memory tile.
-                    if interpret:
-                        acc = acc + jnp.dot(p, v_tile[...], preferred_element_type=jnp.float32)
-                        while_in_flight()
-                        return acc
-
-                    def values(acc_ref):
-                        plgpu.wgmma(acc_ref, p, v_tile)
-                        while_in_flight()
-                    return pl.run_state(values)(plgpu.ACC.init(acc))
-
-                def wait_next_keys(i):
-                    # This warpgroup's next K wait is taken while step i's P V product runs (the first
-                    # step's before the loop), so a late TMA copy hides behind tensor-core work.
-                    @pl.when(i + stride < hi)
-                    def _():
-                        plgpu.barrier_wait(k_ready.at[slot_of(i + stride)])
-
-                def step(k, carry, masked: bool):
-                    acc, m, l = carry
-                    i = first + k * stride
-                    slot = slot_of(i)
-
-                    # A fused window step under an FP8 pool scores the unquantised query against this
-                    # warpgroup's widened copy of K (the tile V is widened into after the scores land).
-                    widens_keys = q_wide is not None and masked
-                    if widens_keys:
-                        # No native E4M3 -> bf16 convert on Hopper: through f32 (one step per CTA).
-                        k_wide.at[wg][...] = k_smem.at[slot][...].astype(jnp.float32).astype(kw_dtype)
-                        plgpu.commit_smem()
-
-                    def scores(acc_ref):
-                        if widens_keys:
-                            plgpu.wgmma(acc_ref, qw_smem.at[wg], k_wide.at[wg].transpose((1, 0)))
-                        else:
-                            issue_scores(acc_ref, slot)
-                        if pingpong:
-                            take_turn()  # the other warpgroup's matmuls go next
-                        return acc_ref[...]
-
-                    s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    p, _, m_new, l, acc = online_softmax_update(s, m, l, acc, scale2, visible(i) if masked else None)
-                    p16 = p.astype(pv_dtype)
-                    if fence_softmax and not interpret:
-                        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                    if pingpong:
-                        plgpu.barrier_arrive(turn)  # softmax done
-                    cleans = fused and masked
-                    if memory_widens_values:
-                        # The memory warpgroup widened this step's V page into the 16-bit ring.
-                        plgpu.barrier_wait(vw_ready.at[slot])
-                        v_tile = wide[0].at[slot]
-                        if cleans:  # in place, as 16-bit pools do (both warpgroups write the same)
-                            v_tile[...] = clean_values(plgpu.load(v_tile, layout=plgpu.Layout.WGMMA), i)
-                            plgpu.commit_smem()
-                    elif fp8:
-                        plgpu.barrier_wait(v_ready.at[slot])
-                        # Widen this warpgroup's copy of the V page (CUDA cores, while the other
-                        # warpgroup holds the tensor cores); the FP8 buffer is free right after.
-                        v_tile = wide[0].at[wg]
-                        widen_page(v_tile, slot, (lambda piece, r: clean_values(piece, i, r)) if cleans else None)
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(v_free.at[slot])
-                    else:
-                        plgpu.barrier_wait(v_ready.at[slot])
-                        v_tile = v_smem.at[slot]
-                        if cleans:
-                            # In place: both warpgroups may clean the same buffer, but each writes
-                            # exactly what the other does (kept rows unchanged, the others zero), so
-                            # whichever order the writes land in, a reader sees clean rows.
-                            v_tile[...] = clean_values(plgpu.load(v_tile, layout=plgpu.Layout.WGMMA), i)
-                            plgpu.commit_smem()
-                    if pingpong:
-                        plgpu.barrier_wait(turn)  # the tensor cores are ours again
-
-                    acc = add_values(acc, p16, v_tile, lambda: wait_next_keys(i))
-                    if memory_widens_values:
-                        plgpu.barrier_arrive(vw_free.at[slot])
-                    elif not fp8:
-                        plgpu.barrier_arrive(v_free.at[slot])
-                    return acc, m_new, l
-
-                def overlapped_steps(acc, m, l, n_open, n_all):
-                    # Step 0's scores alone; then each step k >= 1 issues Q K_k^T and step k-1's P V
-                    # together, runs step k's softmax once the scores land (P V still in flight), and
-                    # rescales the output after P V lands; the last P V closes. Step k = i - first.
-                    def scores_now(slot):
-                        def scores(s_ref):
-                            issue_scores(s_ref, slot)
-                            return s_ref[...]
-                        return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
-
-                    def softmax(s, m, l, i, masked):  # P stays fp32 here (see in_flight)
-                        p, alpha, m, l, _ = online_softmax_update(s, m, l, None, scale2, visible(i) if masked else None)
-                        return p, alpha, m, l
-
-                    def step(k, carry, masked: bool):
-                        acc, m, l, p_prev = carry
-                        i = first + k
-                        slot_k, slot_v = slot_of(i), slot_of(i - 1)
-                        if interpret:
-                            # The interpreter cannot store into an accumulator: the same order of
-                            # barrier waits and releases, with P V as a plain dot.
-                            s = scores_now(slot_k)
-                            plgpu.barrier_wait(v_ready.at[slot_v])
-                            plgpu.barrier_arrive(k_free.at[slot_k])
-                            p, alpha, m, l = softmax(s, m, l, i, masked)
-                            wait_next_keys(i)
-                            acc = add_values(acc, p_prev, v_smem.at[slot_v])  # v_ready already waited
-                        else:
-                            def in_flight(o_ref, s_ref):
-                                o_ref[...] = acc
-                                issue_scores(s_ref, slot_k)
-                                plgpu.barrier_wait(v_ready.at[slot_v])
-                                plgpu.wgmma(o_ref, p_prev, v_smem.at[slot_v])
-                                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # scores in, P V in flight
-                                plgpu.barrier_arrive(k_free.at[slot_k])
-                                p, alpha, m_new, l_new = softmax(s, m, l, i, masked)
-                                wait_next_keys(i)
-                                o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
-                                # P V read p_prev from registers until the wait: passing it through a
-                                # barrier here keeps those registers from being reused before, and P
-                                # is narrowed only now, so the new P never overwrites them in flight.
-                                o, _ = lax.optimization_barrier((o, p_prev))
-                                return o, p, alpha, m_new, l_new
-
-                            acc, p, alpha, m, l = pl.run_scoped(
-                                in_flight, plgpu.ACC((ROWS_PER_WG, d), jnp.float32), plgpu.ACC(shape, jnp.float32))
-                        plgpu.barrier_arrive(v_free.at[slot_v])
-                        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, p.astype(pv_dtype)
-
-                    def run(acc, m, l):
-                        # Step 0 (masked: it may be the CTA's only, partly visible step).
-                        s = scores_now(slot_of(first))
-                        plgpu.barrier_arrive(k_free.at[slot_of(first)])
-                        p, _, m, l = softmax(s, m, l, first, True)
-                        wait_next_keys(first)
-                        carry = (acc, m, l, p.astype(pv_dtype))
-                        carry = lax.fori_loop(1, jnp.maximum(n_open, 1), functools.partial(step, masked=False), carry)
-                        acc, m, l, p16 = lax.fori_loop(jnp.maximum(n_open, 1), n_all,
-                                                       functools.partial(step, masked=True), carry)
-                        last = slot_of(first + n_all - 1)
-                        plgpu.barrier_wait(v_ready.at[last])
-                        acc = add_values(acc, p16, v_smem.at[last])
-                        plgpu.barrier_arrive(v_free.at[last])
-                        return acc, m, l
-
-                    # No step at all: the running state stays as it is.
-                    return lax.cond(n_all > 0, run, lambda *c: c, acc, m, l)
-
-                m = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-                l = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-                acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, d), jnp.float32), plgpu.Layout.WGMMA)
-                @pl.when(first < hi)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[slot_of(first)])  # this warpgroup's first keys
-
-                if pingpong:
-                    pl.when(wg == 1)(take_turn)  # start half a step behind warpgroup 0
-                n_open, n_all = mine(open_end), mine(hi)
-                if overlap_softmax:
-                    acc, m, l = overlapped_steps(acc, m, l, n_open, n_all)
-                else:
-                    carry = lax.fori_loop(0, n_open, functools.partial(step, masked=False), (acc, m, l))
-                    acc, m, l = lax.fori_loop(n_open, n_all, functools.partial(step, masked=True), carry)
-                if pingpong and key_split:
-                    # An odd step count leaves warpgroup 1 one step short: it still takes that step's
-                    # two turns, or warpgroup 0 would wait on the turn barrier forever.
-                    @pl.when(n_all < lax.div(hi - lo + 1, jnp.int32(2)))
-                    def _():
-                        take_turn()
-                        take_turn()
-                if pingpong:
-                    pl.when(wg == 0)(take_turn)
-                seen = l > 0
-                l_safe = jnp.where(seen, l, 1.0)
-                out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]),
-                                acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
-                lse = jnp.where(seen, m + log2_of(l_safe), -jnp.inf)
-                pieces = d // out_chunk
-
-                def write_partial(lse, piece, first=0, count=pieces, with_lse=True):
-                    # This CTA's partial (split; clustered, the merged output), out piece by piece:
-                    # `piece(j)` gives output columns [(first + j) * out_chunk, ...) in fp32. It leaves
-                    # through a small staging tile (a whole [64, D] fp32 tile per warpgroup would cost
-                    # the K/V ring a stage).
-                    part = 0 if clustered else split
-                    if persistent:
-                        plgpu.wait_smem_to_gmem(0)  # the previous item's last copies have read the staging
-                    if with_lse:
-                        lse_smem.at[wg][...] = lse
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(lse_smem.at[wg],
-                                                lse_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG)])
-                    for j in range(count):
-                        chunk = piece(j).astype(partial_dtype)
-                        plgpu.wait_smem_to_gmem(0)  # the previous piece has been read out
-                        o_smem.at[wg][...] = chunk
-                        plgpu.commit_smem()
-                        cols = pl.ds((first + j) * out_chunk, out_chunk)
-                        if heads_out:
-                            for g in range(group_io):
-                                plgpu.copy_smem_to_gmem(
-                                    o_smem.at[wg, pl.ds(g * rows_io, rows_io)],
-                                    out_gmem.at[part, bi, pl.ds(r0, rows_io), head * group_io + g, cols])
-                        else:
-                            plgpu.copy_smem_to_gmem(o_smem.at[wg],
-                                                    out_gmem.at[part, bi, head, pl.ds(row0, ROWS_PER_WG), cols])
-                    if not persistent:  # persistent: the next item's epilogue (or the kernel's end) waits
-                        plgpu.wait_smem_to_gmem(0)
-
-                def merge_in_cluster(lse, piece):
-                    # cluster_splits: the partial of split t (of S, this CTA's "csplit") owns output
-                    # columns block t (`inbox_pieces` pieces). It sends every other split u its pieces of
-                    # block u and its lse2 (broadcast over a piece's columns) into u's inbox, at slot
-                    # t - (t > u), each store completing u's inbox barrier; then it waits for the
-                    # S - 1 partials of its own block, merges them by LSE in split order (every CTA
-                    # weighs the same way) and writes the block; split 0 also writes the lse2.
-                    mine = [piece(j) for j in range(pieces)]  # in order: under a key split they arrive so
-                    own = 0 if key_split else wg
-                    lse_piece = lax.broadcast_in_dim(lse, (ROWS_PER_WG, OUT_CHUNK), [0])
-                    me = lax.axis_index("csplit")
-                    for t in range(splits):
-                        @pl.when(me == t)
-                        def _as_split(t=t):
-                            for u in (u for u in range(splits) if u != t):
-                                slot = t - (t > u)
-                                for jj in range(inbox_pieces):
-                                    plgpu.async_store_smem(mine[u * inbox_pieces + jj], inbox.at[own, slot, jj],
-                                                           inbox_ready.at[own], cluster_idx=u, cluster_dim="csplit")
-                                plgpu.async_store_smem(lse_piece, inbox_lse.at[own, slot], inbox_ready.at[own],
-                                                       cluster_idx=u, cluster_dim="csplit")
-                            plgpu.barrier_wait(inbox_ready.at[own])
-                            lses = [lse if u == t else jnp.max(plgpu.load(
-                                inbox_lse.at[own, u - (u > t)], layout=plgpu.Layout.WGMMA), axis=1)
-                                for u in range(splits)]
-                            weights, merged = merge_weights(lses)
-                            shape = (ROWS_PER_WG, OUT_CHUNK)
-                            weights = [lax.broadcast_in_dim(w, shape, [0]) for w in weights]
-
-                            def merged_piece(jj):
-                                terms = [(mine[t * inbox_pieces + jj] if u == t else plgpu.load(
-                                    inbox.at[own, u - (u > t), jj], layout=plgpu.Layout.WGMMA)) * weights[u]
-                                    for u in range(splits)]
-                                return functools.reduce(lambda a, x: a + x, terms)
-
-                            write_partial(merged, merged_piece, first=t * inbox_pieces, count=inbox_pieces,
-                                          with_lse=t == 0)
-
-                finish = merge_in_cluster if clustered else write_partial
-
-                def columns(x, j):
-                    return x[:, j * out_chunk:(j + 1) * out_chunk]
-
-                if not key_split:
-                    finish(lse, lambda j: columns(out, j))
-                else:
-                    # The two warpgroups' partials of the same rows merge here by LSE (as merge_splits
-                    # does, in fp32), so no partial per warpgroup reaches memory: warpgroup 1 hands its
-                    # lse2 and its output, piece by piece, through its own staging slot to warpgroup 0.
-                    @pl.when(wg == 1)
-                    def _hand_over():
-                        lse_smem.at[1][...] = lse
-                        for j in range(pieces):
-                            if j:
-                                plgpu.barrier_wait(x_free)  # warpgroup 0 has read the last piece
-                            x_smem.at[1][...] = columns(out, j)
-                            plgpu.barrier_arrive(x_ready)
-                        plgpu.barrier_wait(x_free)
-
-                    @pl.when(wg == 0)
-                    def _merge():
-                        plgpu.barrier_wait(x_ready)
-                        other_lse = plgpu.load(lse_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
-                        (w_own, w_other), merged = merge_weights([lse, other_lse])  # both unseen: 0, out 0
-                        shape = (ROWS_PER_WG, out_chunk)
-                        c_own = lax.broadcast_in_dim(w_own, shape, [0])
-                        c_other = lax.broadcast_in_dim(w_other, shape, [0])
-
-                        def piece(j):
-                            if j:
-                                plgpu.barrier_wait(x_ready)
-                            theirs = plgpu.load(x_smem.at[1], layout=plgpu.Layout.WGMMA)
-                            plgpu.barrier_arrive(x_free)
-                            return columns(out, j) * c_own + theirs * c_other
-
-                        finish(merged, piece)
-
-            def _memory():
-                if role == "cta":
-                    plgpu.set_max_registers(regs_memory, action="decrease")
-
-                def page_rows(i, j):
-                    # A step's later page past the last one read (the last whole page, or fused the
-                    # last mapped one) repeats the step's first page instead: its keys are masked, and
-                    # (unfused) finite V rows keep the zero softmax weights from turning into NaN (the
-                    # partial page may hold anything).
-                    page = i * pps + j
-                    page = jnp.where(page < page_limit, page, i * pps) if j else page
-                    return pl.ds(pt_gmem[bi, page] * page_size, page_size)
-
-                def widen_values(i):
-                    # Step i's FP8 V page into the 16-bit ring (slot i's last readers, step i - stages's
-                    # P V, have released it); then the FP8 buffer is released (to this warpgroup's own
-                    # next copy into it).
-                    slot = slot_of(i)
-                    plgpu.barrier_wait(v_ready.at[slot])
-
-                    @pl.when(i - lo >= stages)
-                    def _():
-                        plgpu.barrier_wait(vw_free.at[slot])
-
-                    widen_page(wide[0].at[slot], slot)
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(vw_ready.at[slot])
-                    plgpu.barrier_arrive(v_free.at[slot])
-
-                @pl.loop(lo, hi)
-                def _fetch(i):
-                    slot = slot_of(i)
-
-                    @pl.when(i - lo >= stages)
-                    def _():
-                        plgpu.barrier_wait(k_free.at[slot])
-
-                    for j in range(pps):  # one TMA copy (one arrival on the step's barrier) per page
-                        plgpu.copy_gmem_to_smem(k_gmem.at[page_rows(i, j), head],
-                                                k_smem.at[slot, pl.ds(j * page_size, page_size)], k_ready.at[slot])
-
-                    @pl.when(i - lo >= stages)
-                    def _():
-                        plgpu.barrier_wait(v_free.at[slot])
-
-                    for j in range(pps):
-                        plgpu.copy_gmem_to_smem(v_gmem.at[page_rows(i, j), head],
-                                                v_smem.at[slot, pl.ds(j * page_size, page_size)], v_ready.at[slot])
-
-                    if memory_widens_values:  # the previous step's V, while this step's pages fly
-                        pl.when(i > lo)(lambda: widen_values(i - 1))
-
-                if memory_widens_values:
-                    pl.when(hi > lo)(lambda: widen_values(hi - 1))
-
-                # Observe the last release of every buffer used, so no barrier phase is left unseen
-                # when the scope ends (the GPU interpreter checks this).
-                @pl.loop(jnp.maximum(hi - stages, lo), hi)
-                def _drain(i):
-                    slot = slot_of(i)
-                    plgpu.barrier_wait(k_free.at[slot])
-                    plgpu.barrier_wait(v_free.at[slot])
-                    if memory_widens_values:
-                        plgpu.barrier_wait(vw_free.at[slot])
-
-            if role == "cta":
-                pl.when(wg < wgs)(_compute)
-                pl.when(wg == wgs)(_memory)
-            else:
-                (_compute if role == "compute" else _memory)()
-
-        if not persistent:
-            work_item(lax.axis_index("csplit" if clustered else "splits"), lax.axis_index("batch"),
-                      lax.axis_index("heads"), lax.axis_index("tiles"), role="cta")
-            return
-        # Persistent: CTA c takes work items c, c + ctas, ... in the gridded launch order, so while one
-        # item's epilogue runs the memory warpgroup already fetches the next item's first pages. Each
-        # item balances every barrier's arrivals and waits (the memory warpgroup drains its ring),
-        # so the ring restarts clean at slot 0. Each side loops inside its own register budget
-        # (set once, in the same branch as the loop, where the register allocator sees it).
-
-        def item_axes(t):
-            axis = {}
-            for name, size in zip(order[::-1], sizes[::-1]):  # the last axis runs fastest
-                axis[name] = lax.rem(t, jnp.int32(size))
-                t = lax.div(t, jnp.int32(size))
-            return axis
-
-        def items_of_this_cta(role: str):
-            cta = lax.axis_index("ctas")
-
-            @pl.loop(cta, items, step=ctas)
-            def _(t):
-                axis = item_axes(t)
-                nxt = None
-                if prefetch_query and role == "compute":
-                    following = item_axes(jnp.minimum(t + ctas, items - 1))
-                    nxt = (lax.div(t - cta, jnp.int32(ctas)), t + ctas < items,
-                           (following["batch"], following["heads"], following["tiles"]))
-                work_item(axis["splits"], axis["batch"], axis["heads"], axis["tiles"], role=role, nxt=nxt)
-
-        @pl.when(wg < wgs)
-        def _compute_items():
-            plgpu.set_max_registers(regs_compute, action="increase")
-            items_of_this_cta("compute")
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(wg == wgs)
-        def _memory_items():
-            plgpu.set_max_registers(regs_memory, action="decrease")
-            items_of_this_cta("memory")
-
-    readers = 1 if key_split else wgs  # compute warpgroups that read each step's K and V
-
-    # FP8: widened V (the memory warpgroup's ring, or each compute warpgroup's tile); fused, with
-    # widened K beside it, or sharing its memory (K's tile is read before V is written).
-    wide_smem = ()
-    if fp8:
-        wide_smem = plgpu.SMEM((stages if memory_widens_values else wgs, block, d), pv_dtype, transforms=pv_tf)
-        if fused_fp8:
-            k_tile = plgpu.SMEM((wgs, block, d), kw_dtype, transforms=_smem_transforms(d, kw_dtype))
-            wide_smem = (wide_smem, k_tile) if memory_widens_values else plgpu.RefUnion(wide_smem, k_tile)
-        wide_smem = (wide_smem,)
-
-    out_staging = plgpu.SMEM((wgs, ROWS_PER_WG, out_chunk), partial_dtype, transforms=out_tf)
-    x_tf = _smem_transforms(OUT_CHUNK, jnp.float32)  # fp32 pieces handed between warpgroups or CTAs
-    owners = 1 if key_split else wgs  # warpgroups that write rows (under a key split warpgroup 0)
-    inbox_pieces = d // splits // OUT_CHUNK  # cluster_splits: OUT_CHUNK-column pieces of a split's block
-
-    def entry(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, *rest):
-        words_gmem, union_gmem = rest[:2] if fused else (None, None)
-        qw_gmem = rest[2] if q_wide is not None and not cast_query else None
-        if cast_query:  # one query input, the unquantised one
-            q_gmem, qw_gmem = None, q_gmem
-        out_gmem, lse_gmem = rest[-2:]
-        pl.run_scoped(
-            lambda *scoped: body(q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, qw_gmem,
-                                 out_gmem, lse_gmem, scoped),
-            (plgpu.SMEM((qbufs * wgs, ROWS_PER_WG, d), dtype, transforms=in_tf),
-             plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
-             plgpu.SMEM((stages, block, d), dtype, transforms=in_tf),
-             plgpu.RefUnion(out_staging, plgpu.SMEM((wgs, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=x_tf))
-             if key_split else out_staging,
-             plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32))
-            + wide_smem
-            + ((plgpu.SMEM((qbufs * wgs, 2, ROWS_PER_WG), jnp.int32), plgpu.Barrier(num_barriers=qbufs * wgs))
-               if fused else ())
-            + ((plgpu.SMEM((wgs, ROWS_PER_WG, d), qw_dtype, transforms=_smem_transforms(d, qw_dtype)),
-                plgpu.Barrier(num_arrivals=group_io or 1, num_barriers=wgs)) if stages_wide else ()),
-            (plgpu.Barrier(num_arrivals=group_io or 1, num_barriers=qbufs * wgs),
-             plgpu.Barrier(num_arrivals=pps, num_barriers=stages),
-             plgpu.Barrier(num_arrivals=pps, num_barriers=stages)),
-            # A step's buffers are released by every warpgroup that reads them: both, or under a
-            # key split the one warpgroup that owns the step (the FP8 V page by the memory warpgroup
-            # when it widens it).
-            (plgpu.Barrier(num_arrivals=readers, num_barriers=stages),
-             plgpu.Barrier(num_arrivals=1 if memory_widens_values else readers, num_barriers=stages)),
-            plgpu.Barrier(num_arrivals=wgs),
-            # memory_widens_values: the 16-bit V ring's (ready, free) barriers.
-            *((plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-               plgpu.Barrier(num_arrivals=readers, num_barriers=stages)) if memory_widens_values else ()),
-            # Key split: warpgroup 1's hand-over pieces (ready, free).
-            *((plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)) if key_split else ()),
-            # cluster_splits: each row owner's inbox (the other splits' pieces of this CTA's column
-            # block, their lse2 broadcast over a piece) and its barrier, which each of those stores
-            # completes (one warpgroup arrival per store).
-            *(((plgpu.SMEM((owners, splits - 1, inbox_pieces, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=x_tf),
-                plgpu.SMEM((owners, splits - 1, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=x_tf),
-                plgpu.Barrier(num_arrivals=(splits - 1) * (inbox_pieces + 1), num_barriers=owners)),)
-              if clustered else ()),
-            collective_axes="wg",
-        )
+    plan = _Plan(
+        d=d, page_size=page_size, pps=pps, block=block, stages=stages, steps_per_split=steps_per_split,
+        window=window, query_rows=query_rows, group=group, dtype=dtype, pv_dtype=pv_dtype, kw_dtype=kw_dtype,
+        qw_dtype=qw_dtype, partial_dtype=partial_dtype, fp8=fp8, fused=fused, fused_fp8=fused_fp8,
+        cast_query=cast_query, wide_query=wide_query, stages_wide=stages_wide,
+        memory_widens_values=memory_widens_values, widen_rows=widen_rows, wgs=wgs, rows_per_cta=rows_per_cta,
+        key_split=key_split, stride=stride, pingpong=pingpong, overlap_softmax=overlap_softmax,
+        fence_softmax=fence_softmax, scale2=scale2, registers=(regs_compute, regs_memory), heads_io=heads_io,
+        heads_out=heads_out, group_io=group_io, rows_io=rows_io, persistent=persistent,
+        prefetch_query=prefetch_query, qbufs=qbufs, items=items, ctas=ctas, sizes=sizes, order=order,
+        splits=splits, clustered=clustered, out_chunk=out_chunk, interpret=interpret)
+
+    def entry(*refs):  # the kernel takes its name from this function
+        _kernel(plan, *refs)
 
     out, lse = plgpu.kernel(
         entry,
@@ -1429,3 +807,935 @@ def heads_io_errors(query_rows: int, group: int) -> list[str]:
     """Why the kernel cannot read q and write its output in head layout (empty: it can): each
     warpgroup's 64 rows are one tile of the `head_io_rows` order (`head_io_rows_errors`)."""
     return head_io_rows_errors(query_rows, group, "prefix_decode_mgpu: heads_io")
+
+
+# The kernel, one function a stage. A CTA runs `_kernel` -> `_kernel_body` -> one `_work_item` per
+# (split, request, KV head, row tile) (under a persistent launch, `_persistent_items` loops over
+# them). In a work item the memory warpgroup runs `_fetch_pages`; each compute warpgroup runs
+# `_compute_item`, whose stages read top to bottom: query tile loads (`_issue_query_loads`), the
+# per-step key masks (`_key_masks`), the query tile made ready (`_ready_query`), the key loop
+# (`_key_steps`: `_turn_taking_step` = `_step_scores`, the online softmax, `_value_tile`,
+# `_add_values`; or `_overlapped_steps`), the normalised partial (`_normalised`) and the epilogue
+# (`_epilogue`: `_write_partial`, or first `_merge_key_split` / `_merge_in_cluster`). Python function
+# boundaries vanish under tracing: the order of the calls is the order of the kernel's operations.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The static choices of one launch of the prefix kernel (what `prefix_decode_mgpu_row_layout`
+    decided from its shapes, knobs and config), read by every stage."""
+    d: int  # head dim D
+    page_size: int
+    pps: int  # pages per key step
+    block: int  # keys per step: pps * page_size
+    stages: int  # K/V ring buffers
+    steps_per_split: int
+    window: int  # fused tree window (0: unfused)
+    query_rows: int
+    group: int
+    dtype: object  # the query tile's and the K/V ring's dtype
+    pv_dtype: object  # P V operands (fp16 over FP8 pools)
+    kw_dtype: object  # the fused FP8 window's widened K (None elsewhere)
+    qw_dtype: object  # the unquantised query tile's (None where the kernel stages none)
+    partial_dtype: object  # the dtype the kernel writes `out` in
+    fp8: bool
+    fused: bool
+    fused_fp8: bool  # fused over an FP8 pool: window steps score the unquantised query
+    cast_query: bool
+    wide_query: bool  # unfused in-kernel cast: each compute warpgroup stages the unquantised tile
+    stages_wide: bool  # some unquantised query tile is staged (fused_fp8 or wide_query)
+    memory_widens_values: bool
+    widen_rows: int
+    wgs: int  # compute warpgroups
+    rows_per_cta: int
+    key_split: bool
+    stride: int  # a compute warpgroup's key steps are every stride-th of the CTA's
+    pingpong: bool
+    overlap_softmax: bool
+    fence_softmax: bool
+    scale2: float  # softmax scale times log2(e)
+    registers: tuple[int, int]  # (compute, memory) setmaxnreg budgets
+    heads_io: bool
+    heads_out: bool  # the output leaves in head layout
+    group_io: int  # heads_io: G, heads per KV head (else 0)
+    rows_io: int  # heads_io: query rows per box (else 0)
+    persistent: bool
+    prefetch_query: bool
+    qbufs: int  # query tiles per compute warpgroup
+    items: int  # work items (split, request, KV head, row tile)
+    ctas: int  # persistent launch: CTAs
+    sizes: tuple[int, ...]  # the gridded launch's axis sizes, in `order`
+    order: tuple[str, ...]
+    splits: int
+    clustered: bool
+    out_chunk: int  # output columns per staging piece
+    interpret: bool
+
+    @property
+    def inbox_pieces(self) -> int:
+        """cluster_splits: OUT_CHUNK-column pieces of one split's column block."""
+        return self.d // self.splits // OUT_CHUNK
+
+    @property
+    def pieces(self) -> int:
+        """out_chunk-column pieces of a [64, D] output tile."""
+        return self.d // self.out_chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class _Buffers:
+    """The kernel's refs: its inputs and outputs in global memory, its shared-memory buffers and
+    barriers (None where the launch has none). Ring buffers are [stages, block, D], a compute
+    warpgroup's tiles [64, D] at its index."""
+    q: object  # [B, Hkv, T, D] FP8 or 16-bit (heads_io: [B, R, Hq, D]); None under cast_query
+    k: object  # [S, Hkv, D]
+    v: object
+    page_table: object  # [B, maxp] int32
+    lengths: object  # [B] int32
+    words: object  # fused: [B, 2, T] int32
+    union: object  # fused: [B, 2] int32
+    q_wide: object  # the unquantised query (fused FP8 or cast_query), shaped as q
+    out: object  # [parts, B, Hkv, T, D] (heads_out: [parts, B, R, Hq, D])
+    lse: object  # [parts, B, Hkv, T] f32
+    q_smem: object  # [qbufs * wgs, 64, D]
+    k_smem: object
+    v_smem: object
+    o_smem: object  # [wgs, 64, out_chunk] output staging in partial_dtype
+    x_smem: object  # key split: the same memory as [wgs, 64, OUT_CHUNK] f32 for the hand-over
+    lse_smem: object  # [wgs, 64] f32
+    v_wide: object  # FP8: widened V, [stages or wgs, block, D] fp16
+    k_wide: object  # fused FP8: widened K, [wgs, block, D]
+    words_smem: object  # fused: [qbufs * wgs, 2, 64] int32
+    qw_smem: object  # [wgs, 64, D] unquantised query tiles
+    q_ready: object
+    k_ready: object
+    v_ready: object
+    k_free: object
+    v_free: object
+    turn: object
+    vw_ready: object
+    vw_free: object
+    x_ready: object
+    x_free: object
+    words_ready: object
+    qw_ready: object
+    inbox: object  # clustered: [owners, S - 1, inbox_pieces, 64, OUT_CHUNK] f32
+    inbox_lse: object  # clustered: [owners, S - 1, 64, OUT_CHUNK] f32
+    inbox_ready: object
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+    """One work item (split, request `bi`, KV head, row tile) and its key steps [lo, hi)."""
+    split: object
+    bi: object
+    head: object
+    tile: object
+    length: object  # P, the request's committed keys
+    cta_row0: object  # the CTA's first row of T
+    whole: object  # unfused: (P // page_size) * page_size (None fused)
+    lo: object
+    hi: object
+    page_limit: object  # pages from here on are not read (a step's later page repeats its first)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """One compute warpgroup's share of a work item."""
+    wg: object  # the warpgroup's index
+    row0: object  # its first row of T (the kernel's row layout)
+    first: object  # its first key step; it takes every `stride`-th from there
+    r0: object  # heads_io: its first query row in head layout (its boxes' start); else None
+    qb: object  # its query tile's buffer of the qbufs * wgs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Masks:
+    """Which keys a compute warpgroup's rows see in a step."""
+    visible: object  # visible(i) -> [64, block] bool for step i
+    open_end: object  # steps [lo, open_end) are seen whole by every row (no mask)
+    union: object  # fused: (word 0, word 1) of the window slots some row sees; else None
+
+
+def _scratch(plan: _Plan) -> tuple:
+    """The shared-memory buffers and barriers of one CTA, in `_buffers`' order (run_scoped's
+    arguments)."""
+    d, block, stages, wgs, qbufs = plan.d, plan.block, plan.stages, plan.wgs, plan.qbufs
+    in_tf = _smem_transforms(d, plan.dtype)
+    readers = 1 if plan.key_split else wgs  # compute warpgroups that read each step's K and V
+    # FP8: widened V (the memory warpgroup's ring, or each compute warpgroup's tile); fused, with
+    # widened K beside it, or sharing its memory (K's tile is read before V is written).
+    wide_smem = ()
+    if plan.fp8:
+        wide_smem = plgpu.SMEM((stages if plan.memory_widens_values else wgs, block, d), plan.pv_dtype,
+                               transforms=_smem_transforms(d, plan.pv_dtype))
+        if plan.fused_fp8:
+            k_tile = plgpu.SMEM((wgs, block, d), plan.kw_dtype, transforms=_smem_transforms(d, plan.kw_dtype))
+            wide_smem = (wide_smem, k_tile) if plan.memory_widens_values else plgpu.RefUnion(wide_smem, k_tile)
+        wide_smem = (wide_smem,)
+
+    out_staging = plgpu.SMEM((wgs, ROWS_PER_WG, plan.out_chunk), plan.partial_dtype,
+                             transforms=_smem_transforms(plan.out_chunk, plan.partial_dtype))
+    x_tf = _smem_transforms(OUT_CHUNK, jnp.float32)  # fp32 pieces handed between warpgroups or CTAs
+    owners = 1 if plan.key_split else wgs  # warpgroups that write rows (under a key split warpgroup 0)
+    splits, inbox_pieces = plan.splits, plan.inbox_pieces
+    return (
+        (plgpu.SMEM((qbufs * wgs, ROWS_PER_WG, d), plan.dtype, transforms=in_tf),
+         plgpu.SMEM((stages, block, d), plan.dtype, transforms=in_tf),
+         plgpu.SMEM((stages, block, d), plan.dtype, transforms=in_tf),
+         plgpu.RefUnion(out_staging, plgpu.SMEM((wgs, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=x_tf))
+         if plan.key_split else out_staging,
+         plgpu.SMEM((wgs, ROWS_PER_WG), jnp.float32))
+        + wide_smem
+        + ((plgpu.SMEM((qbufs * wgs, 2, ROWS_PER_WG), jnp.int32), plgpu.Barrier(num_barriers=qbufs * wgs))
+           if plan.fused else ())
+        + ((plgpu.SMEM((wgs, ROWS_PER_WG, d), plan.qw_dtype, transforms=_smem_transforms(d, plan.qw_dtype)),
+            plgpu.Barrier(num_arrivals=plan.group_io or 1, num_barriers=wgs)) if plan.stages_wide else ()),
+        (plgpu.Barrier(num_arrivals=plan.group_io or 1, num_barriers=qbufs * wgs),
+         plgpu.Barrier(num_arrivals=plan.pps, num_barriers=stages),
+         plgpu.Barrier(num_arrivals=plan.pps, num_barriers=stages)),
+        # A step's buffers are released by every warpgroup that reads them: both, or under a
+        # key split the one warpgroup that owns the step (the FP8 V page by the memory warpgroup
+        # when it widens it).
+        (plgpu.Barrier(num_arrivals=readers, num_barriers=stages),
+         plgpu.Barrier(num_arrivals=1 if plan.memory_widens_values else readers, num_barriers=stages)),
+        plgpu.Barrier(num_arrivals=wgs),
+        # memory_widens_values: the 16-bit V ring's (ready, free) barriers.
+        *((plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+           plgpu.Barrier(num_arrivals=readers, num_barriers=stages)) if plan.memory_widens_values else ()),
+        # Key split: warpgroup 1's hand-over pieces (ready, free).
+        *((plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)) if plan.key_split else ()),
+        # cluster_splits: each row owner's inbox (the other splits' pieces of this CTA's column
+        # block, their lse2 broadcast over a piece) and its barrier, which each of those stores
+        # completes (one warpgroup arrival per store).
+        *(((plgpu.SMEM((owners, splits - 1, inbox_pieces, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=x_tf),
+            plgpu.SMEM((owners, splits - 1, ROWS_PER_WG, OUT_CHUNK), jnp.float32, transforms=x_tf),
+            plgpu.Barrier(num_arrivals=(splits - 1) * (inbox_pieces + 1), num_barriers=owners)),)
+          if plan.clustered else ()),
+    )
+
+
+def _kernel(plan: _Plan, q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, *rest):
+    """The kernel's global-memory refs (inputs, then out and lse2), in `plgpu.kernel`'s order: q
+    (or, under cast_query, the unquantised query in its place), the pools, the page table, the
+    lengths, fused the mask words and their union, the unquantised query where both are read."""
+    words_gmem, union_gmem = rest[:2] if plan.fused else (None, None)
+    qw_gmem = rest[2] if plan.fused_fp8 and not plan.cast_query else None
+    if plan.cast_query:  # one query input, the unquantised one
+        q_gmem, qw_gmem = None, q_gmem
+    out_gmem, lse_gmem = rest[-2:]
+    gmem = (q_gmem, k_gmem, v_gmem, pt_gmem, len_gmem, words_gmem, union_gmem, qw_gmem, out_gmem, lse_gmem)
+    pl.run_scoped(lambda *scoped: _kernel_body(plan, gmem, scoped), *_scratch(plan), collective_axes="wg")
+
+
+def _buffers(plan: _Plan, gmem: tuple, scoped: tuple) -> _Buffers:
+    """Names the global refs `gmem` and the allocations `scoped` (`_scratch`'s order)."""
+    inbox = (None, None, None)
+    if plan.clustered:  # cluster_splits: each row owner's inbox of the other splits' pieces and LSEs
+        *scoped, inbox = scoped
+    (q_smem, k_smem, v_smem, o_smem, lse_smem, *extra), (q_ready, k_ready, v_ready), (k_free, v_free), turn, \
+        *tail = scoped
+    vw_ready, vw_free = tail[:2] if plan.memory_widens_values else (None, None)
+    # Key split: the output staging in the partial's dtype and, over the same memory, in fp32 for
+    # warpgroup 1's hand-over (each slot is used through one view only); its (ready, free) barriers.
+    o_smem, x_smem = o_smem if plan.key_split else (o_smem, None)
+    x_ready, x_free = tail[-2:] if plan.key_split else (None, None)
+    v_wide = extra[0] if plan.fp8 else None
+    k_wide = None
+    if plan.fused_fp8:  # (widened V, widened K): one RefUnion, or the V ring and K's own tile
+        v_wide, k_wide = extra[0][0], extra[0][1]
+    words_smem, words_ready = extra[1 if plan.fp8 else 0:][:2] if plan.fused else (None, None)
+    qw_smem, qw_ready = extra[-2:] if plan.stages_wide else (None, None)
+    q, k, v, page_table, lengths, words, union, q_wide, out, lse = gmem
+    return _Buffers(q=q, k=k, v=v, page_table=page_table, lengths=lengths, words=words, union=union, q_wide=q_wide,
+                    out=out, lse=lse, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, o_smem=o_smem, x_smem=x_smem,
+                    lse_smem=lse_smem, v_wide=v_wide, k_wide=k_wide, words_smem=words_smem, qw_smem=qw_smem,
+                    q_ready=q_ready, k_ready=k_ready, v_ready=v_ready, k_free=k_free, v_free=v_free, turn=turn,
+                    vw_ready=vw_ready, vw_free=vw_free, x_ready=x_ready, x_free=x_free, words_ready=words_ready,
+                    qw_ready=qw_ready, inbox=inbox[0], inbox_lse=inbox[1], inbox_ready=inbox[2])
+
+
+def _kernel_body(plan: _Plan, gmem: tuple, scoped: tuple):
+    """One CTA: its work item (gridded), or its share of them (persistent)."""
+    bufs = _buffers(plan, gmem, scoped)
+    wg = lax.axis_index("wg")
+    if not plan.persistent:
+        _work_item(plan, bufs, wg, lax.axis_index("csplit" if plan.clustered else "splits"),
+                   lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("tiles"), role="cta")
+        return
+    _persistent_items(plan, bufs, wg)
+
+
+def _persistent_items(plan: _Plan, bufs: _Buffers, wg):
+    """Persistent: CTA c takes work items c, c + ctas, ... in the gridded launch order, so while one
+    item's epilogue runs the memory warpgroup already fetches the next item's first pages. Each
+    item balances every barrier's arrivals and waits (the memory warpgroup drains its ring), so
+    the ring restarts clean at slot 0. Each side loops inside its own register budget (set once,
+    in the same branch as the loop, where the register allocator sees it)."""
+
+    def item_axes(t):
+        axis = {}
+        for name, size in zip(plan.order[::-1], plan.sizes[::-1]):  # the last axis runs fastest
+            axis[name] = lax.rem(t, jnp.int32(size))
+            t = lax.div(t, jnp.int32(size))
+        return axis
+
+    def items_of_this_cta(role: str):
+        cta = lax.axis_index("ctas")
+
+        @pl.loop(cta, plan.items, step=plan.ctas)
+        def _(t):
+            axis = item_axes(t)
+            nxt = None
+            if plan.prefetch_query and role == "compute":
+                following = item_axes(jnp.minimum(t + plan.ctas, plan.items - 1))
+                nxt = (lax.div(t - cta, jnp.int32(plan.ctas)), t + plan.ctas < plan.items,
+                       (following["batch"], following["heads"], following["tiles"]))
+            _work_item(plan, bufs, wg, axis["splits"], axis["batch"], axis["heads"], axis["tiles"], role=role,
+                       nxt=nxt)
+
+    @pl.when(wg < plan.wgs)
+    def _compute_items():
+        plgpu.set_max_registers(plan.registers[0], action="increase")
+        items_of_this_cta("compute")
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == plan.wgs)
+    def _memory_items():
+        plgpu.set_max_registers(plan.registers[1], action="decrease")
+        items_of_this_cta("memory")
+
+
+def _work_item(plan: _Plan, bufs: _Buffers, wg, split, bi, head, tile, role: str, nxt=None):
+    """One (split, request, KV head, row tile): the whole CTA program of the gridded launch
+    (`role` "cta": every warpgroup, setting its registers), or under a persistent launch one side
+    of it, "compute" or "memory", run by warpgroups already on that side. `nxt`
+    (`prefetch_query`): (this CTA's item count so far, whether a next item exists, its (request,
+    KV head, row tile)), whose query tile is loaded while this item runs."""
+    item = _item_keys(plan, bufs, split, bi, head, tile)
+    if role == "cta":
+        pl.when(wg < plan.wgs)(lambda: _compute_item(plan, bufs, item, wg, role, nxt))
+        pl.when(wg == plan.wgs)(lambda: _fetch_pages(plan, bufs, item, role))
+    elif role == "compute":
+        _compute_item(plan, bufs, item, wg, role, nxt)
+    else:
+        _fetch_pages(plan, bufs, item, role)
+
+
+def _item_keys(plan: _Plan, bufs: _Buffers, split, bi, head, tile) -> _Item:
+    """The work item's key steps [lo, hi) and the pages its memory warpgroup may read."""
+    length = bufs.lengths[bi]
+    cta_row0 = tile * plan.rows_per_cta
+    whole = None
+    if plan.fused:
+        # Every row reads [0, P + window): committed keys and the window under its mask bits.
+        # Pages from cdiv(P + window, page) on may be unmapped (the memory warpgroup repeats a
+        # step's first page there); V rows no row may see are zeroed before P V.
+        lo, hi = fused_key_blocks(length, plan.window, plan.block, split, plan.steps_per_split)
+        page_limit = lax.div(length + plan.window + plan.page_size - 1, jnp.int32(plan.page_size))
+    else:
+        whole, lo, hi = cta_key_blocks(length, plan.page_size, plan.query_rows, plan.group, cta_row0,
+                                       plan.rows_per_cta, plan.block, split, plan.steps_per_split)
+        page_limit = lax.div(whole, jnp.int32(plan.page_size))
+    return _Item(split, bi, head, tile, length, cta_row0, whole, lo, hi, page_limit)
+
+
+def _slot_of(plan: _Plan, item: _Item, i):
+    """The K/V ring buffer of key step i."""
+    if not plan.key_split:
+        return lax.rem(i - item.lo, jnp.int32(plan.stages))
+    # Each warpgroup owns half of the ring: a barrier's phase is tracked by each thread that waits
+    # on it, so a buffer waited on by both warpgroups in turn would desynchronise their phases
+    # (reads of stale pages, then a hang; the GPU interpreter does not show this).
+    rel = i - item.lo
+    half = plan.stages // 2
+    return lax.rem(rel, jnp.int32(2)) * half + lax.rem(lax.div(rel, jnp.int32(2)), jnp.int32(half))
+
+
+def _take_turn(bufs: _Buffers):
+    """Hands the tensor cores to the other compute warpgroup and waits for them back."""
+    plgpu.barrier_arrive(bufs.turn)
+    plgpu.barrier_wait(bufs.turn)
+
+
+def _widen_page(plan: _Plan, bufs: _Buffers, dst, slot, clean=None):
+    """The FP8 V page [block, D] in ring `slot` into the 16-bit tile `dst`, widen_rows rows at a
+    time (only a piece's registers live at once); `clean(piece, first_row)` zeroes unseen rows."""
+    for r in range(0, plan.block, plan.widen_rows):
+        rows = pl.ds(r, plan.widen_rows)
+        piece = plgpu.load(bufs.v_smem.at[slot, rows], layout=plgpu.Layout.WGMMA).astype(plan.pv_dtype)
+        dst.at[rows][...] = piece if clean is None else clean(piece, r)
+
+
+# The memory warpgroup.
+
+def _fetch_pages(plan: _Plan, bufs: _Buffers, item: _Item, role: str):
+    """The memory warpgroup's side of a work item: one TMA copy a page of K and of V per step into
+    the ring (waiting until its readers released the buffer), FP8 V widened into the 16-bit ring
+    under `memory_widens_values`, then the ring drained."""
+    if role == "cta":
+        plgpu.set_max_registers(plan.registers[1], action="decrease")
+    lo, hi, stages = item.lo, item.hi, plan.stages
+
+    @pl.loop(lo, hi)
+    def _fetch(i):
+        slot = _slot_of(plan, item, i)
+
+        @pl.when(i - lo >= stages)
+        def _():
+            plgpu.barrier_wait(bufs.k_free.at[slot])
+
+        for j in range(plan.pps):  # one TMA copy (one arrival on the step's barrier) per page
+            plgpu.copy_gmem_to_smem(bufs.k.at[_page_rows(plan, bufs, item, i, j), item.head],
+                                    bufs.k_smem.at[slot, pl.ds(j * plan.page_size, plan.page_size)],
+                                    bufs.k_ready.at[slot])
+
+        @pl.when(i - lo >= stages)
+        def _():
+            plgpu.barrier_wait(bufs.v_free.at[slot])
+
+        for j in range(plan.pps):
+            plgpu.copy_gmem_to_smem(bufs.v.at[_page_rows(plan, bufs, item, i, j), item.head],
+                                    bufs.v_smem.at[slot, pl.ds(j * plan.page_size, plan.page_size)],
+                                    bufs.v_ready.at[slot])
+
+        if plan.memory_widens_values:  # the previous step's V, while this step's pages fly
+            pl.when(i > lo)(lambda: _widen_ring_values(plan, bufs, item, i - 1))
+
+    if plan.memory_widens_values:
+        pl.when(hi > lo)(lambda: _widen_ring_values(plan, bufs, item, hi - 1))
+
+    # Observe the last release of every buffer used, so no barrier phase is left unseen when the
+    # scope ends (the GPU interpreter checks this).
+    @pl.loop(jnp.maximum(hi - stages, lo), hi)
+    def _drain(i):
+        slot = _slot_of(plan, item, i)
+        plgpu.barrier_wait(bufs.k_free.at[slot])
+        plgpu.barrier_wait(bufs.v_free.at[slot])
+        if plan.memory_widens_values:
+            plgpu.barrier_wait(bufs.vw_free.at[slot])
+
+
+def _page_rows(plan: _Plan, bufs: _Buffers, item: _Item, i, j):
+    """The pool rows of page j of step i. A step's later page past the last one read (the last
+    whole page, or fused the last mapped one) repeats the step's first page instead: its keys are
+    masked, and (unfused) finite V rows keep the zero softmax weights from turning into NaN (the
+    partial page may hold anything)."""
+    page = i * plan.pps + j
+    page = jnp.where(page < item.page_limit, page, i * plan.pps) if j else page
+    return pl.ds(bufs.page_table[item.bi, page] * plan.page_size, plan.page_size)
+
+
+def _widen_ring_values(plan: _Plan, bufs: _Buffers, item: _Item, i):
+    """Step i's FP8 V page into the 16-bit ring (slot i's last readers, step i - stages's P V, have
+    released it); then the FP8 buffer is released (to this warpgroup's own next copy into it)."""
+    slot = _slot_of(plan, item, i)
+    plgpu.barrier_wait(bufs.v_ready.at[slot])
+
+    @pl.when(i - item.lo >= plan.stages)
+    def _():
+        plgpu.barrier_wait(bufs.vw_free.at[slot])
+
+    _widen_page(plan, bufs, bufs.v_wide.at[slot], slot)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(bufs.vw_ready.at[slot])
+    plgpu.barrier_arrive(bufs.v_free.at[slot])
+
+
+# A compute warpgroup, stage by stage.
+
+def _compute_item(plan: _Plan, bufs: _Buffers, item: _Item, wg, role: str, nxt):
+    """A compute warpgroup's side of a work item: its 64 query rows' online softmax over the
+    item's key steps, written out as a partial (out [64, D], lse2 [64])."""
+    if role == "cta":
+        plgpu.set_max_registers(plan.registers[0], action="increase")
+    row0 = item.cta_row0 if plan.key_split else item.cta_row0 + wg * ROWS_PER_WG
+    # This warpgroup's steps: i = first + k * stride for k in [0, n) (`_key_steps`).
+    first = item.lo + wg if plan.key_split else item.lo
+    # This item's first query row of the warpgroup's boxes in head layout (its output's).
+    r0 = lax.div(row0, jnp.int32(ROWS_PER_WG)) * plan.rows_io if plan.heads_io else None
+    qb = _issue_query_loads(plan, bufs, item, wg, row0, nxt)
+    rows = _Rows(wg, row0, first, r0, qb)
+    masks = _key_masks(plan, bufs, item, rows)
+    _ready_query(plan, bufs, rows, nxt)
+    acc, m, l = _key_steps(plan, bufs, item, rows, masks)
+    out, lse = _normalised(acc, m, l)
+    _epilogue(plan, bufs, item, rows, out, lse)
+
+
+def _query_row0(plan: _Plan, wg, tile):
+    """Compute warpgroup `wg`'s first row of T in row tile `tile`."""
+    return tile * plan.rows_per_cta + (0 if plan.key_split else wg * ROWS_PER_WG)
+
+
+def _load_query(plan: _Plan, src, dst, ready, bi, head, row0):
+    """A warpgroup's 64 query rows from `src` into `dst` [64, D]: under heads_io G boxes of rows_io
+    query rows, one per head of this KV head's group. row0 is a multiple of 64: written as
+    (row0 / 64) * rows_io, the box start's known divisibility lets Mosaic GPU prove a head-layout
+    transfer lands on whole smem tile rows."""
+    if plan.heads_io:
+        r0 = lax.div(row0, jnp.int32(ROWS_PER_WG)) * plan.rows_io
+        for g in range(plan.group_io):
+            plgpu.copy_gmem_to_smem(src.at[bi, pl.ds(r0, plan.rows_io), head * plan.group_io + g],
+                                    dst.at[pl.ds(g * plan.rows_io, plan.rows_io)], ready)
+    else:
+        plgpu.copy_gmem_to_smem(src.at[bi, head, pl.ds(row0, ROWS_PER_WG)], dst, ready)
+
+
+def _issue_query_loads(plan: _Plan, bufs: _Buffers, item: _Item, wg, row0, nxt):
+    """Issues the copies of this item's query tile (and fused, its rows' mask words), under
+    prefetch_query the next item's, and the unquantised query tile where one is staged; returns
+    the buffer this item's tile lands in."""
+
+    def issue_loads(bi_x, head_x, tile_x, buf):
+        # An item's query tile (and fused, its rows' mask words) into buffer `buf`.
+        row0_x = _query_row0(plan, wg, tile_x)
+        if not plan.cast_query:  # else cast from the unquantised tile (`_ready_query`)
+            _load_query(plan, bufs.q, bufs.q_smem.at[buf], bufs.q_ready.at[buf], bi_x, head_x, row0_x)
+        if plan.fused:
+            plgpu.copy_gmem_to_smem(bufs.words.at[bi_x, :, pl.ds(row0_x, ROWS_PER_WG)],
+                                    bufs.words_smem.at[buf], bufs.words_ready.at[buf])
+
+    if nxt is None:
+        qb = wg
+        issue_loads(item.bi, item.head, item.tile, qb)
+    else:
+        # Prefetching: this item's loads were issued during the previous item (or now, for a CTA's
+        # first); the next item's go into the other buffer at once.
+        k, has_next, (bi_n, head_n, tile_n) = nxt
+        qb = lax.rem(k, jnp.int32(2)) * plan.wgs + wg
+        pl.when(k == 0)(lambda: issue_loads(item.bi, item.head, item.tile, qb))
+        pl.when(has_next)(lambda: issue_loads(bi_n, head_n, tile_n, lax.rem(k + 1, jnp.int32(2)) * plan.wgs + wg))
+    # The unquantised query tile: the fused window's for each item; the unfused cast's under
+    # prefetch_query for a CTA's first item here, each next one's once this one's is cast
+    # (`_ready_query`).
+    if plan.wide_query and nxt is not None:
+        pl.when(nxt[0] == 0)(lambda: _load_query(plan, bufs.q_wide, bufs.qw_smem.at[wg], bufs.qw_ready.at[wg],
+                                                 item.bi, item.head, row0))
+    elif plan.stages_wide:
+        _load_query(plan, bufs.q_wide, bufs.qw_smem.at[wg], bufs.qw_ready.at[wg], item.bi, item.head, row0)
+    return qb
+
+
+def _key_masks(plan: _Plan, bufs: _Buffers, item: _Item, rows: _Rows) -> _Masks:
+    """Which keys of each step the warpgroup's rows see: fused, the committed keys and the window
+    slots under each row's mask words; unfused, each row's whole-page bound."""
+    shape = (ROWS_PER_WG, plan.block)
+    col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+    if plan.fused:
+        plgpu.barrier_wait(bufs.words_ready.at[rows.qb])
+        # [64] per word, broadcast over the keys only inside a masked step (two [64, block] arrays
+        # live across the key loop would cost the unmasked steps registers).
+        row_words = [plgpu.load(bufs.words_smem.at[rows.qb, w], layout=plgpu.Layout.WGMMA.reduce(1))
+                     for w in range(2)]
+        union = (bufs.union[item.bi, 0], bufs.union[item.bi, 1])
+        # Steps wholly below P are seen by every row.
+        open_end = jnp.clip(lax.div(item.length, jnp.int32(plan.block)), item.lo, item.hi)
+
+        def visible(i):
+            words = [lax.broadcast_in_dim(w, shape, [0]) for w in row_words]
+            return window_visible(col + i * plan.block, item.length, plan.window, words)
+        return _Masks(visible, open_end, union)
+    row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + rows.row0
+    row_hi = whole_page_bound(item.length, plan.query_rows, plan.group, row, item.whole)  # [64, block]
+    # Keys below the first row's bound are seen by every row of this warpgroup.
+    first_hi = jnp.maximum(whole_page_bound(item.length, plan.query_rows, plan.group, rows.row0, item.whole), 0)
+    open_end = jnp.clip(lax.div(first_hi, jnp.int32(plan.block)), item.lo, item.hi)
+
+    def visible(i):
+        return col + i * plan.block < row_hi
+    return _Masks(visible, open_end, None)
+
+
+def _ready_query(plan: _Plan, bufs: _Buffers, rows: _Rows, nxt):
+    """Waits for the warpgroup's query tile [64, D] (and unquantised tile); under cast_query casts
+    the FP8 tile from the unquantised one and, prefetching, fetches the next item's unquantised
+    tile into the freed staging tile."""
+    wg, qb = rows.wg, rows.qb
+    if not plan.cast_query:
+        plgpu.barrier_wait(bufs.q_ready.at[qb])
+    if plan.stages_wide:
+        plgpu.barrier_wait(bufs.qw_ready.at[wg])
+    if plan.cast_query:
+        # The prefix steps' FP8 query from the unquantised tile (through fp32, whose convert to
+        # E4M3 saturates; clipped first so the interpreter agrees). Nothing reads this buffer any
+        # more: the last item's scores were waited on.
+        wide_q = plgpu.load(bufs.qw_smem.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        bufs.q_smem.at[qb][...] = jnp.clip(wide_q, -F8_MAX, F8_MAX).astype(F8)
+        plgpu.commit_smem()  # also: every thread has read the staging tile
+        if plan.wide_query and nxt is not None:
+            _, has_next, (bi_n, head_n, tile_n) = nxt
+            row0_n = _query_row0(plan, wg, tile_n)
+            pl.when(has_next)(lambda: _load_query(plan, bufs.q_wide, bufs.qw_smem.at[wg], bufs.qw_ready.at[wg],
+                                                  bi_n, head_n, row0_n))
+
+
+def _key_steps(plan: _Plan, bufs: _Buffers, item: _Item, rows: _Rows, masks: _Masks):
+    """The warpgroup's online softmax over its key steps (unmasked steps first, then the masked
+    ones); returns the running (acc [64, D], m [64], l [64]), fp32."""
+    wg, first, stride, hi = rows.wg, rows.first, plan.stride, item.hi
+
+    def mine(end):  # this warpgroup's steps below step `end`
+        return lax.div(jnp.maximum(end - first, 0) + stride - 1, jnp.int32(stride))
+
+    m = plgpu.layout_cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, plan.d), jnp.float32), plgpu.Layout.WGMMA)
+
+    @pl.when(first < hi)
+    def _():
+        plgpu.barrier_wait(bufs.k_ready.at[_slot_of(plan, item, first)])  # this warpgroup's first keys
+
+    # One function for both turns taken outside the loop: the two branches share one trace.
+    take_turn = functools.partial(_take_turn, bufs)
+    if plan.pingpong:
+        pl.when(wg == 1)(take_turn)  # start half a step behind warpgroup 0
+    n_open, n_all = mine(masks.open_end), mine(hi)
+    if plan.overlap_softmax:
+        acc, m, l = _overlapped_steps(plan, bufs, item, rows, masks, acc, m, l, n_open, n_all)
+    else:
+        step = functools.partial(_turn_taking_step, plan, bufs, item, rows, masks)
+        carry = lax.fori_loop(0, n_open, functools.partial(step, masked=False), (acc, m, l))
+        acc, m, l = lax.fori_loop(n_open, n_all, functools.partial(step, masked=True), carry)
+    if plan.pingpong and plan.key_split:
+        # An odd step count leaves warpgroup 1 one step short: it still takes that step's two
+        # turns, or warpgroup 0 would wait on the turn barrier forever.
+        @pl.when(n_all < lax.div(hi - item.lo + 1, jnp.int32(2)))
+        def _():
+            take_turn()
+            take_turn()
+    if plan.pingpong:
+        pl.when(wg == 0)(take_turn)
+    return acc, m, l
+
+
+def _turn_taking_step(plan: _Plan, bufs: _Buffers, item: _Item, rows: _Rows, masks: _Masks, k, carry,
+                      masked: bool):
+    """The warpgroup's k-th key step: scores (handing the tensor cores over once issued), the
+    online softmax, the step's V tile, P V (taking them back first); carry (acc, m, l)."""
+    acc, m, l = carry
+    i = rows.first + k * plan.stride
+    slot = _slot_of(plan, item, i)
+    s = _step_scores(plan, bufs, rows, slot, widens_keys=plan.fused_fp8 and masked)
+    plgpu.barrier_arrive(bufs.k_free.at[slot])
+    p, _, m_new, l, acc = online_softmax_update(s, m, l, acc, plan.scale2, masks.visible(i) if masked else None)
+    p16 = p.astype(plan.pv_dtype)
+    if plan.fence_softmax and not plan.interpret:
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+    if plan.pingpong:
+        plgpu.barrier_arrive(bufs.turn)  # softmax done
+    v_tile = _value_tile(plan, bufs, item, rows, masks, slot, i, cleans=plan.fused and masked)
+    if plan.pingpong:
+        plgpu.barrier_wait(bufs.turn)  # the tensor cores are ours again
+
+    acc = _add_values(plan, acc, p16, v_tile, lambda: _wait_next_keys(plan, bufs, item, i))
+    if plan.memory_widens_values:
+        plgpu.barrier_arrive(bufs.vw_free.at[slot])
+    elif not plan.fp8:
+        plgpu.barrier_arrive(bufs.v_free.at[slot])
+    return acc, m_new, l
+
+
+def _issue_scores(bufs: _Buffers, qb, s_ref, slot):
+    """Q K^T of the keys in ring `slot` into the accumulator s_ref [64, block], asynchronous on
+    the GPU (wgmma)."""
+    plgpu.wgmma(s_ref, bufs.q_smem.at[qb], bufs.k_smem.at[slot].transpose((1, 0)))
+
+
+def _step_scores(plan: _Plan, bufs: _Buffers, rows: _Rows, slot, widens_keys: bool):
+    """The step's raw scores [64, block] fp32; under pingpong the other warpgroup's matmuls go next.
+    `widens_keys` (a fused window step under an FP8 pool): the unquantised query against this
+    warpgroup's widened copy of K (the tile V is widened into after the scores land)."""
+    wg = rows.wg
+    if widens_keys:
+        # No native E4M3 -> bf16 convert on Hopper: through f32 (one step per CTA).
+        bufs.k_wide.at[wg][...] = bufs.k_smem.at[slot][...].astype(jnp.float32).astype(plan.kw_dtype)
+        plgpu.commit_smem()
+
+    def scores(acc_ref):
+        if widens_keys:
+            plgpu.wgmma(acc_ref, bufs.qw_smem.at[wg], bufs.k_wide.at[wg].transpose((1, 0)))
+        else:
+            _issue_scores(bufs, rows.qb, acc_ref, slot)
+        if plan.pingpong:
+            _take_turn(bufs)  # the other warpgroup's matmuls go next
+        return acc_ref[...]
+
+    return pl.run_scoped(scores, plgpu.ACC((ROWS_PER_WG, plan.block), jnp.float32))
+
+
+def _value_tile(plan: _Plan, bufs: _Buffers, item: _Item, rows: _Rows, masks: _Masks, slot, i, cleans: bool):
+    """The 16-bit V tile [block, D] of step i for P V, waited for: the memory warpgroup's widened
+    ring slot, this warpgroup's own widened copy (FP8; the FP8 buffer is released at once), or the
+    ring slot itself; `cleans` (fused masked steps): rows no row of the request sees are zeroed."""
+    if plan.memory_widens_values:
+        # The memory warpgroup widened this step's V page into the 16-bit ring.
+        plgpu.barrier_wait(bufs.vw_ready.at[slot])
+        v_tile = bufs.v_wide.at[slot]
+        if cleans:  # in place, as 16-bit pools do (both warpgroups write the same)
+            _clean_in_place(plan, item, masks, v_tile, i)
+    elif plan.fp8:
+        plgpu.barrier_wait(bufs.v_ready.at[slot])
+        # Widen this warpgroup's copy of the V page (CUDA cores, while the other warpgroup holds
+        # the tensor cores); the FP8 buffer is free right after.
+        v_tile = bufs.v_wide.at[rows.wg]
+        _widen_page(plan, bufs, v_tile, slot,
+                    (lambda piece, r: _clean_values(plan, item, masks, piece, i, r)) if cleans else None)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(bufs.v_free.at[slot])
+    else:
+        plgpu.barrier_wait(bufs.v_ready.at[slot])
+        v_tile = bufs.v_smem.at[slot]
+        if cleans:
+            # In place: both warpgroups may clean the same buffer, but each writes exactly what the
+            # other does (kept rows unchanged, the others zero), so whichever order the writes land
+            # in, a reader sees clean rows.
+            _clean_in_place(plan, item, masks, v_tile, i)
+    return v_tile
+
+
+def _clean_values(plan: _Plan, item: _Item, masks: _Masks, v, i, r0=0):
+    """`v` [rows, D], V rows of step i from its row r0, with the rows no row of the request may see
+    (past P + window, or window slots outside every row's mask) zeroed: they may hold NaN / inf,
+    which a zero softmax weight would still spread. Only fused masked steps reach this."""
+    key = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA) + i * plan.block + r0
+    return jnp.where(window_visible(key, item.length, plan.window, masks.union), v, jnp.zeros_like(v))
+
+
+def _clean_in_place(plan: _Plan, item: _Item, masks: _Masks, v_tile, i):
+    """`_clean_values` on the 16-bit V tile [block, D] of step i in shared memory."""
+    v_tile[...] = _clean_values(plan, item, masks, plgpu.load(v_tile, layout=plgpu.Layout.WGMMA), i)
+    plgpu.commit_smem()
+
+
+def _add_values(plan: _Plan, acc, p, v_tile, while_in_flight=lambda: None):
+    """acc [64, D] + P [64, block] V [block, D] (V in shared memory), waited; `while_in_flight`
+    runs after the wgmma is issued and before it is waited on. The GPU interpreter can neither run
+    run_state nor store into an accumulator, so interpreted runs add P V with a plain dot on the
+    same shared-memory tile."""
+    if plan.interpret:
+        acc = acc + jnp.dot(p, v_tile[...], preferred_element_type=jnp.float32)
+        while_in_flight()
+        return acc
+
+    def values(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_tile)
+        while_in_flight()
+    return pl.run_state(values)(plgpu.ACC.init(acc))
+
+
+def _wait_next_keys(plan: _Plan, bufs: _Buffers, item: _Item, i):
+    """Waits for the warpgroup's next K (after step i), taken while step i's P V product runs (the
+    first step's before the loop), so a late TMA copy hides behind tensor-core work."""
+    @pl.when(i + plan.stride < item.hi)
+    def _():
+        plgpu.barrier_wait(bufs.k_ready.at[_slot_of(plan, item, i + plan.stride)])
+
+
+def _overlapped_steps(plan: _Plan, bufs: _Buffers, item: _Item, rows: _Rows, masks: _Masks, acc, m, l,
+                      n_open, n_all):
+    """`overlap_softmax`'s key loop: step 0's scores alone; then each step k >= 1 issues Q K_k^T
+    and step k-1's P V together, runs step k's softmax once the scores land (P V still in flight),
+    and rescales the output after P V lands; the last P V closes. Step k = i - first."""
+    first = rows.first
+    shape = (ROWS_PER_WG, plan.block)
+
+    def slot_of(i):
+        return _slot_of(plan, item, i)
+
+    def scores_now(slot):
+        def scores(s_ref):
+            _issue_scores(bufs, rows.qb, s_ref, slot)
+            return s_ref[...]
+        return pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+
+    def softmax(s, m, l, i, masked):  # P stays fp32 here (see in_flight)
+        p, alpha, m, l, _ = online_softmax_update(s, m, l, None, plan.scale2, masks.visible(i) if masked else None)
+        return p, alpha, m, l
+
+    def step(k, carry, masked: bool):
+        acc, m, l, p_prev = carry
+        i = first + k
+        slot_k, slot_v = slot_of(i), slot_of(i - 1)
+        if plan.interpret:
+            # The interpreter cannot store into an accumulator: the same order of barrier waits and
+            # releases, with P V as a plain dot.
+            s = scores_now(slot_k)
+            plgpu.barrier_wait(bufs.v_ready.at[slot_v])
+            plgpu.barrier_arrive(bufs.k_free.at[slot_k])
+            p, alpha, m, l = softmax(s, m, l, i, masked)
+            _wait_next_keys(plan, bufs, item, i)
+            acc = _add_values(plan, acc, p_prev, bufs.v_smem.at[slot_v])  # v_ready already waited
+        else:
+            def in_flight(o_ref, s_ref):
+                o_ref[...] = acc
+                _issue_scores(bufs, rows.qb, s_ref, slot_k)
+                plgpu.barrier_wait(bufs.v_ready.at[slot_v])
+                plgpu.wgmma(o_ref, p_prev, bufs.v_smem.at[slot_v])
+                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # scores in, P V in flight
+                plgpu.barrier_arrive(bufs.k_free.at[slot_k])
+                p, alpha, m_new, l_new = softmax(s, m, l, i, masked)
+                _wait_next_keys(plan, bufs, item, i)
+                o = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+                # P V read p_prev from registers until the wait: passing it through a barrier here
+                # keeps those registers from being reused before, and P is narrowed only now, so
+                # the new P never overwrites them in flight.
+                o, _ = lax.optimization_barrier((o, p_prev))
+                return o, p, alpha, m_new, l_new
+
+            acc, p, alpha, m, l = pl.run_scoped(
+                in_flight, plgpu.ACC((ROWS_PER_WG, plan.d), jnp.float32), plgpu.ACC(shape, jnp.float32))
+        plgpu.barrier_arrive(bufs.v_free.at[slot_v])
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, p.astype(plan.pv_dtype)
+
+    def run(acc, m, l):
+        # Step 0 (masked: it may be the CTA's only, partly visible step).
+        s = scores_now(slot_of(first))
+        plgpu.barrier_arrive(bufs.k_free.at[slot_of(first)])
+        p, _, m, l = softmax(s, m, l, first, True)
+        _wait_next_keys(plan, bufs, item, first)
+        carry = (acc, m, l, p.astype(plan.pv_dtype))
+        carry = lax.fori_loop(1, jnp.maximum(n_open, 1), functools.partial(step, masked=False), carry)
+        acc, m, l, p16 = lax.fori_loop(jnp.maximum(n_open, 1), n_all, functools.partial(step, masked=True), carry)
+        last = slot_of(first + n_all - 1)
+        plgpu.barrier_wait(bufs.v_ready.at[last])
+        acc = _add_values(plan, acc, p16, bufs.v_smem.at[last])
+        plgpu.barrier_arrive(bufs.v_free.at[last])
+        return acc, m, l
+
+    # No step at all: the running state stays as it is.
+    return lax.cond(n_all > 0, run, lambda *c: c, acc, m, l)
+
+
+def _normalised(acc, m, l):
+    """(out [64, D], lse2 [64]) from the running state: acc / l, and rows that saw no key 0 with
+    lse2 -inf."""
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    out = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]), acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), 0.0)
+    lse = jnp.where(seen, m + log2_of(l_safe), -jnp.inf)
+    return out, lse
+
+
+def _columns(plan: _Plan, x, j):
+    """Output piece j (columns [j * out_chunk, (j + 1) * out_chunk)) of x [64, D]."""
+    return x[:, j * plan.out_chunk:(j + 1) * plan.out_chunk]
+
+
+def _epilogue(plan: _Plan, bufs: _Buffers, item: _Item, rows: _Rows, out, lse):
+    """Writes the warpgroup's partial (out [64, D], lse2 [64]): merged first with the other
+    warpgroup's under a key split, and clustered with the other splits' of its column block."""
+    finish = functools.partial(_merge_in_cluster if plan.clustered else _write_partial, plan, bufs, item, rows)
+    if not plan.key_split:
+        finish(lse, lambda j: _columns(plan, out, j))
+    else:
+        _merge_key_split(plan, bufs, rows, out, lse, finish)
+
+
+def _write_partial(plan: _Plan, bufs: _Buffers, item: _Item, rows: _Rows, lse, piece, first=0, count=None,
+                   with_lse=True):
+    """This CTA's partial (split; clustered, the merged output), out piece by piece: `piece(j)`
+    gives output columns [(first + j) * out_chunk, ...) in fp32 ([64, out_chunk]; `count` pieces,
+    None: all). It leaves through a small staging tile (a whole [64, D] fp32 tile per warpgroup
+    would cost the K/V ring a stage)."""
+    wg, row0, rows_io, group_io = rows.wg, rows.row0, plan.rows_io, plan.group_io
+    count = plan.pieces if count is None else count
+    part = 0 if plan.clustered else item.split
+    if plan.persistent:
+        plgpu.wait_smem_to_gmem(0)  # the previous item's last copies have read the staging
+    if with_lse:
+        bufs.lse_smem.at[wg][...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(bufs.lse_smem.at[wg], bufs.lse.at[part, item.bi, item.head, pl.ds(row0, ROWS_PER_WG)])
+    for j in range(count):
+        chunk = piece(j).astype(plan.partial_dtype)
+        plgpu.wait_smem_to_gmem(0)  # the previous piece has been read out
+        bufs.o_smem.at[wg][...] = chunk
+        plgpu.commit_smem()
+        cols = pl.ds((first + j) * plan.out_chunk, plan.out_chunk)
+        if plan.heads_out:
+            for g in range(group_io):
+                plgpu.copy_smem_to_gmem(bufs.o_smem.at[wg, pl.ds(g * rows_io, rows_io)],
+                                        bufs.out.at[part, item.bi, pl.ds(rows.r0, rows_io), item.head * group_io + g,
+                                                    cols])
+        else:
+            plgpu.copy_smem_to_gmem(bufs.o_smem.at[wg],
+                                    bufs.out.at[part, item.bi, item.head, pl.ds(row0, ROWS_PER_WG), cols])
+    if not plan.persistent:  # persistent: the next item's epilogue (or the kernel's end) waits
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _merge_key_split(plan: _Plan, bufs: _Buffers, rows: _Rows, out, lse, finish):
+    """Under a warpgroup key split the two warpgroups' partials of the same rows merge here by LSE
+    (as merge_splits does, in fp32), so no partial per warpgroup reaches memory: warpgroup 1 hands
+    its lse2 and its output, piece by piece, through its own staging slot to warpgroup 0, which
+    `finish`es the merged partial."""
+    wg = rows.wg
+
+    @pl.when(wg == 1)
+    def _hand_over():
+        bufs.lse_smem.at[1][...] = lse
+        for j in range(plan.pieces):
+            if j:
+                plgpu.barrier_wait(bufs.x_free)  # warpgroup 0 has read the last piece
+            bufs.x_smem.at[1][...] = _columns(plan, out, j)
+            plgpu.barrier_arrive(bufs.x_ready)
+        plgpu.barrier_wait(bufs.x_free)
+
+    @pl.when(wg == 0)
+    def _merge():
+        plgpu.barrier_wait(bufs.x_ready)
+        other_lse = plgpu.load(bufs.lse_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
+        (w_own, w_other), merged = merge_weights([lse, other_lse])  # both unseen: 0, out 0
+        shape = (ROWS_PER_WG, plan.out_chunk)
+        c_own = lax.broadcast_in_dim(w_own, shape, [0])
+        c_other = lax.broadcast_in_dim(w_other, shape, [0])
+
+        def piece(j):
+            if j:
+                plgpu.barrier_wait(bufs.x_ready)
+            theirs = plgpu.load(bufs.x_smem.at[1], layout=plgpu.Layout.WGMMA)
+            plgpu.barrier_arrive(bufs.x_free)
+            return _columns(plan, out, j) * c_own + theirs * c_other
+
+        finish(merged, piece)
+
+
+def _merge_in_cluster(plan: _Plan, bufs: _Buffers, item: _Item, rows: _Rows, lse, piece):
+    """cluster_splits: the partial of split t (of S, this CTA's "csplit") owns output columns block
+    t (`inbox_pieces` pieces). It sends every other split u its pieces of block u and its lse2
+    (broadcast over a piece's columns) into u's inbox, at slot t - (t > u), each store completing
+    u's inbox barrier; then it waits for the S - 1 partials of its own block, merges them by LSE in
+    split order (every CTA weighs the same way) and writes the block; split 0 also writes the
+    lse2."""
+    splits, inbox_pieces = plan.splits, plan.inbox_pieces
+    mine = [piece(j) for j in range(plan.pieces)]  # in order: under a key split they arrive so
+    own = 0 if plan.key_split else rows.wg
+    lse_piece = lax.broadcast_in_dim(lse, (ROWS_PER_WG, OUT_CHUNK), [0])
+    me = lax.axis_index("csplit")
+    for t in range(splits):
+        @pl.when(me == t)
+        def _as_split(t=t):
+            for u in (u for u in range(splits) if u != t):
+                slot = t - (t > u)
+                for jj in range(inbox_pieces):
+                    plgpu.async_store_smem(mine[u * inbox_pieces + jj], bufs.inbox.at[own, slot, jj],
+                                           bufs.inbox_ready.at[own], cluster_idx=u, cluster_dim="csplit")
+                plgpu.async_store_smem(lse_piece, bufs.inbox_lse.at[own, slot], bufs.inbox_ready.at[own],
+                                       cluster_idx=u, cluster_dim="csplit")
+            plgpu.barrier_wait(bufs.inbox_ready.at[own])
+            lses = [lse if u == t else jnp.max(plgpu.load(
+                bufs.inbox_lse.at[own, u - (u > t)], layout=plgpu.Layout.WGMMA), axis=1)
+                for u in range(splits)]
+            weights, merged = merge_weights(lses)
+            shape = (ROWS_PER_WG, OUT_CHUNK)
+            weights = [lax.broadcast_in_dim(w, shape, [0]) for w in weights]
+
+            def merged_piece(jj):
+                terms = [(mine[t * inbox_pieces + jj] if u == t else plgpu.load(
+                    bufs.inbox.at[own, u - (u > t), jj], layout=plgpu.Layout.WGMMA)) * weights[u]
+                    for u in range(splits)]
+                return functools.reduce(lambda a, x: a + x, terms)
+
+            _write_partial(plan, bufs, item, rows, merged, merged_piece, first=t * inbox_pieces, count=inbox_pieces,
+                           with_lse=t == 0)
