@@ -745,6 +745,8 @@ def test_pick_launch_defaults_and_refusals():
                        ("value_major", 1)):
         with pytest.raises(ValueError, match=f"{field}="):
             GdnKernelConfig(**{field: bad})
+    with pytest.raises(ValueError, match="GdnKernelConfig.fp32_dots must be one of .*got 'tf32'"):
+        GdnKernelConfig(fp32_dots="tf32")
     with pytest.raises(ValueError, match="num_warps=64"):
         pick_launch(qwen(32), GdnKernelConfig(num_warps=64))
     with pytest.raises(ValueError, match="num_warps=3"):
@@ -789,7 +791,9 @@ def _qwen_specs(bsz, t, h=16, hv=32, dk=128, dv=128):
 
 def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
     """Qwen3-Next dims lower Pallas -> Triton IR in both store modes and as a chain, key- and
-    value-major (no GPU needed; compiling to PTX and running is benchmarks/bench_gdn.py's conformance)."""
+    value-major, and in the chunked forms under both fp32 product modes (set by the config's field
+    or by the keyword that overrides it); no GPU needed; compiling to PTX and running is
+    benchmarks/bench_gdn.py's conformance."""
 
     _fake_sm90(monkeypatch)
     sd = jax.ShapeDtypeStruct
@@ -822,6 +826,20 @@ def test_tree_kernel_lowers_to_triton_for_sm90(monkeypatch):
         names = (("gdn_chunked_p_factor", "gdn_chunked_apply_keys") if keys else
                  ("gdn_chunked_factor", "gdn_chunked_apply") if two_pass else ("gdn_chunked_verify",))
         assert "__gpu$xla.gpu.triton" in text and all(n in text for n in names), (fp32_dots, two_pass, keys)
+
+    # The config's fp32_dots sets the chunked products ("ieee" by default); the keyword overrides it.
+    def fused(**kw):
+        def chunked(*a):
+            return gdn_chunked_verify(*a, two_pass=False, **kw)
+        return jax.jit(chunked, donate_argnums=(10,)).trace(
+            *ins, sd((bsz, t, 2), jnp.uint32), sd((bsz, t, width), jnp.bfloat16)).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    ieee, tf32 = fused(fp32_dots="ieee"), fused(fp32_dots="tf32x3")
+    assert ieee != tf32
+    assert fused() == ieee
+    assert fused(config=GdnKernelConfig(fp32_dots="tf32x3")) == tf32
+    assert fused(config=GdnKernelConfig(fp32_dots="tf32x3"), fp32_dots="ieee") == ieee
 
 
 def test_default_form_follows_the_grid_in_the_sm90_lowering(monkeypatch):

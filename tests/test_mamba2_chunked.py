@@ -94,22 +94,36 @@ def test_chunked_refusals_name_the_value():
 
 def test_chunked_lowers_to_triton_for_sm90(monkeypatch):
     """Pallas -> Triton IR for sm_90 without a GPU at Nemotron-H-like head dims (the PTX compile and
-    the numbers are the GPU bench's)."""
+    the numbers are the GPU bench's), for both fp32 product modes, set by the config's field or by
+    the keyword that overrides it."""
+    import dataclasses
+
+    from pallas_kernels.linear.mamba2_chunked import default_config
     args = pretend_sm90_with_nemotron_args(monkeypatch)
 
-    for fp32_dots in ("ieee", "tf32x3"):
-        def f(x, dt, al, B, C, D, dtb, pool, sl, par, pay, fp32_dots=fp32_dots):
-            return mamba2_tree_chunked(x, dt, al, B, C, D, dtb, pool, sl, par, z=x, mode="replay", payload=pay,
-                                       fp32_dots=fp32_dots)
+    def lowered(**kw):
+        def f(x, dt, al, B, C, D, dtb, pool, sl, par, pay):
+            return mamba2_tree_chunked(x, dt, al, B, C, D, dtb, pool, sl, par, z=x, mode="replay", payload=pay, **kw)
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    texts = {fp32_dots: lowered(fp32_dots=fp32_dots) for fp32_dots in ("ieee", "tf32x3")}
+    for fp32_dots, text in texts.items():
         assert "__gpu$xla.gpu.triton" in text, fp32_dots
+    assert texts["ieee"] != texts["tf32x3"]
+    # The config's field sets the products ("ieee" by default); the keyword overrides it.
+    tf32 = dataclasses.replace(default_config(args[0].shape[-1]), fp32_dots="tf32x3")
+    assert lowered() == texts["ieee"]
+    assert lowered(config=tf32) == texts["tf32x3"]
+    assert lowered(config=tf32, fp32_dots="ieee") == texts["ieee"]
 
 
 def test_chunked_default_config_rule():
-    """`default_config(P)`: next_pow2(P) channels per program, clamped to [16, 64], 4 warps."""
+    """`default_config(P)`: next_pow2(P) channels per program, clamped to [16, 64], 4 warps, IEEE
+    fp32 products."""
     from pallas_kernels.linear.mamba2_chunked import Mamba2ChunkedConfig, default_config
     assert [default_config(p).block_p for p in (4, 16, 24, 64, 128)] == [16, 16, 32, 64, 64]
-    assert default_config(64) == Mamba2ChunkedConfig(block_p=64, num_warps=4)
+    assert default_config(64) == Mamba2ChunkedConfig(block_p=64, num_warps=4, fp32_dots="ieee")
+    with pytest.raises(ValueError, match="Mamba2ChunkedConfig.fp32_dots must be one of .*got 'bf16'"):
+        Mamba2ChunkedConfig(block_p=16, fp32_dots="bf16")
     with pytest.raises(ValueError, match="num_warps must be a power of two, got 3"):
         Mamba2ChunkedConfig(block_p=16, num_warps=3)

@@ -12,9 +12,9 @@ form (`parents=None`) computes the parent as t-1 instead of loading it.
 The hops are precomputed once per step (`conv_lag_sources(parents, W) -> [B, T, W-1] int32`, tiny
 XLA work shared by every conv layer of the step), so a node's W-1 column loads all issue at once
 instead of each waiting on the previous hop's parent load. Source `c >= 0` is node c's input;
-`c < 0` is committed column W - 1 + c (-1 the newest). `walk="parents"` keeps the earlier in-kernel
-pointer chase; both give the same windows bit for bit. The table is the default: it ties the pointer
-chase at small batches and wins at large ones (results: conv-lag-table).
+`c < 0` is committed column W - 1 + c (-1 the newest). `walk="parents"` reads the parents instead
+and chases the pointers in the kernel; both give the same windows bit for bit. The table is the
+default: it ties the pointer chase at small batches and wins at large ones (results: conv-lag-table).
 
 Layouts: `x [B, T, D]`, `conv_pool [S, W-1, D]` (oldest column first; one column is contiguous
 over channels), `weight [D, W]`, `bias [D]`, `parents [B, T] int32` (-1 <= parents[t] < t; a
@@ -155,9 +155,12 @@ def conv_tree_update(x, conv_pool, state_slots, weight, bias=None, parents=None,
     Shapes: `x [B, T, D]`, `conv_pool [S, W-1, D]`, `state_slots [B] int32`, `weight [D, W]`,
     `bias [D]` or None, `parents [B, T] int32` or None (the chain), `node_states [B, T, W-1, D]` or
     None, `lags [B, T, W-1] int32` = `conv_lag_sources(parents, W)` (computed here when None; pass
-    it to share one table across layers), `walk` "precomputed" (default, reads `lags`) or
-    "parents" (the in-kernel pointer chase; ignores `lags`). `config`: launch knobs (`ConvTreeConfig`);
-    None = `default_config(D)`; `block_d` and `num_warps`, when given, override its fields. Returns `(y [B, T, D] in x.dtype, node_states or
+    it to share one table across layers). `walk` selects which input form of the tree the kernel
+    reads: "precomputed" (default) the lag table `lags`, "parents" the parent pointers themselves
+    (the in-kernel pointer chase; ignores `lags`); both give the same windows bit for bit. It is
+    part of the call's input contract, not a launch knob, so it stays out of `ConvTreeConfig`.
+    `config`: launch knobs (`ConvTreeConfig`); None = `default_config(D)`; `block_d` and
+    `num_warps`, when given, override its fields. Returns `(y [B, T, D] in x.dtype, node_states or
     None)`. The committed pool is only read.
     """
     if x.ndim != 3:

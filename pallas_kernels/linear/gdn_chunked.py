@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import next_pow2, resolve_backend
+from pallas_kernels.common import next_pow2, resolve_backend, with_overrides
 from pallas_kernels.linear.chunked_common import FP32_DOTS, MAX_CHUNKED_NODES, load_ancestor_tile
 from pallas_kernels.linear.gdn_common import default_scale, gates, gdn_dims, l2_norm_factor
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
@@ -303,7 +303,7 @@ def _apply_kernel(slots_ref, qf_ref, p_ref, v_ref, pool_ref, _payload_in_ref, o_
 
 def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, ancestor_mask, payload,
                        *, use_qk_l2norm: bool = True, scale: float | None = None,
-                       config: GdnKernelConfig | None = None, fp32_dots: str = "ieee",
+                       config: GdnKernelConfig | None = None, fp32_dots: str | None = None,
                        two_pass: bool | None = None, factor_warps: int | None = None,
                        apply_reads_keys: bool | None = None, input_dtype_grams: bool | None = None,
                        backend: str | None = None):
@@ -312,7 +312,8 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     ancestor_mask: `[B, T, 2] uint32` packed ancestor-or-self rows (`tree.masks.ancestor_mask`),
     node order with parents before children. payload: `[B, T, width]` buffer for the replay payload
     rows, written in place. Returns `(out [B, T, HV, dv], payload)`. The committed pool is only read.
-    `fp32_dots`: "ieee" or "tf32x3" (see FP32_DOTS).
+    `fp32_dots`: "ieee" or "tf32x3" (see FP32_DOTS); None: `config.fp32_dots` ("ieee" by default),
+    given: overrides that field.
     `two_pass`: one kernel per (request, value head) folds everything that does not touch v or the
     state into Q' [T, dk] and P [T, T] (fp32, `_factor_kernel`), then one per dv tile computes
     out = Q' h0 + P v (`_apply_kernel`): the key-side work is done once instead of per dv tile and
@@ -332,8 +333,6 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
     multiplying the normalised fp32 rows with `fp32_dots` (three passes under "tf32x3"); None
     (default) = `default_input_dtype_grams(q.dtype, k.dtype)`, on for 16-bit q and k.
     """
-    if fp32_dots not in FP32_DOTS:
-        raise ValueError(f"gdn_chunked_verify: fp32_dots must be one of {tuple(FP32_DOTS)}, got {fp32_dots!r}")
     if input_dtype_grams is None:
         input_dtype_grams = default_input_dtype_grams(q.dtype, k.dtype)
     elif input_dtype_grams and not default_input_dtype_grams(q.dtype, k.dtype):
@@ -346,7 +345,7 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
         raise ValueError(f"ancestor_mask must be uint32 [B, T, 2] = {(dims.batch, dims.nodes, 2)}; got "
                          f"{ancestor_mask.dtype} {ancestor_mask.shape}")
     layout = check_payload(dims, payload, k, v, a, b)
-    config = default_config(dims) if config is None else config
+    config = with_overrides(default_config(dims) if config is None else config, fp32_dots=fp32_dots)
     scale = default_scale(dims.head_k_dim) if scale is None else float(scale)
     kind = resolve_backend(backend)
     if kind == "reference":
@@ -355,7 +354,7 @@ def gdn_chunked_verify(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, a
                                        use_qk_l2norm=use_qk_l2norm, scale=scale)
         return out.astype(v.dtype), pack_payload(k, v, a, b)
     chunk = chunk_rows(dims.nodes)
-    precision = FP32_DOTS["ieee" if kind == "interpret" else fp32_dots]
+    precision = FP32_DOTS["ieee" if kind == "interpret" else config.fp32_dots]
     if two_pass is False and apply_reads_keys:
         raise ValueError("gdn_chunked_verify: apply_reads_keys=True is a two-pass form, but two_pass=False "
                          "runs the fused kernel")

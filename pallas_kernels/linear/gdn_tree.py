@@ -39,6 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import next_pow2, resolve_backend
 from pallas_kernels.linear.branch_slots import branch_points
+from pallas_kernels.linear.chunked_common import FP32_DOTS
 from pallas_kernels.linear.gdn_common import GdnDims, default_scale, gates, gdn_dims, l2_normalize
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_reference import gdn_tree_verify_reference
@@ -69,10 +70,19 @@ class GdnKernelConfig:
     # 16 rows it runs on every grid, and smaller grids at 16 rows keep the fused kernel.
     # results: gdn-two-pass
     two_pass_min_programs: int = 256
+    # The chunked forms' fp32 products (`FP32_DOTS`; the recurrent kernels and the replay commit
+    # ignore it): "ieee" (exact fp32 on the FMA units) or "tf32x3" (three TF32 tensor-core passes,
+    # about fp32 accuracy; compiled runs only, interpreted runs stay IEEE). The kernel keeps the
+    # exact products by default; the GDN layer passes its `GdnLayerConfig.chunked_fp32_dots`
+    # ("tf32x3", 4.5x faster; results: gdn-tf32x3) as `gdn_chunked_verify`'s `fp32_dots`, which
+    # overrides this field.
+    fp32_dots: str = "ieee"
 
     def __post_init__(self):
         if self.value_major is not None and not isinstance(self.value_major, bool):
             raise ValueError(f"GdnKernelConfig.value_major={self.value_major!r} must be a bool or None")
+        if self.fp32_dots not in FP32_DOTS:
+            raise ValueError(f"GdnKernelConfig.fp32_dots must be one of {tuple(FP32_DOTS)}, got {self.fp32_dots!r}")
         for name in ("block_v", "num_warps", "num_stages", "two_pass_min_programs"):
             val = getattr(self, name)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
@@ -102,9 +112,10 @@ class GdnVerifyResult(NamedTuple):
 
 def default_config(dims: GdnDims) -> GdnKernelConfig:
     """The config a GDN entry point runs when given none: value-major state tiles exactly when
-    B * HV >= MIN_PROGRAMS (read by the recurrent verify kernels only), two_pass_min_programs at its
-    field default, and block_v / num_warps / num_stages None, which each launch resolves by its own
-    rule (they differ between the recurrent, fused chunked and two-pass kernels; see `pick_launch`)."""
+    B * HV >= MIN_PROGRAMS (read by the recurrent verify kernels only), two_pass_min_programs and
+    fp32_dots at their field defaults, and block_v / num_warps / num_stages None, which each launch
+    resolves by its own rule (they differ between the recurrent, fused chunked and two-pass kernels;
+    see `pick_launch`)."""
     return GdnKernelConfig(value_major=dims.batch * dims.num_v_heads >= MIN_PROGRAMS)
 
 

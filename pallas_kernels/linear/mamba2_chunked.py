@@ -107,20 +107,28 @@ class Mamba2ChunkedConfig:
 
     block_p: int  # channels per program (power of two >= 16: a Triton dot operand dim)
     num_warps: int = 4  # Triton warps per program (power of two)
+    # fp32 products (`FP32_DOTS`): "ieee" (exact fp32 on the FMA units) or "tf32x3" (three TF32
+    # tensor-core passes, about fp32 accuracy; compiled runs only, interpreted runs stay IEEE). The
+    # kernel keeps the exact products by default; the Mamba2 layer passes its
+    # `Mamba2CommitConfig.fp32_dots` ("tf32x3", faster; results: mamba2-chunked) as
+    # `mamba2_tree_chunked`'s `fp32_dots`, which overrides this field.
+    fp32_dots: str = "ieee"
 
     def __post_init__(self):
         require_power_of_two(self, "block_p", minimum=16)
         require_power_of_two(self, "num_warps")
+        if self.fp32_dots not in FP32_DOTS:
+            raise ValueError(f"Mamba2ChunkedConfig.fp32_dots must be one of {tuple(FP32_DOTS)}, got {self.fp32_dots!r}")
 
 
 def default_config(headdim: int) -> Mamba2ChunkedConfig:
     """The chunked form's config when given none: next_pow2(headdim) channels per program, at least
-    16 (dot operands) and at most 64, and 4 warps."""
+    16 (dot operands) and at most 64, 4 warps and IEEE fp32 products."""
     return Mamba2ChunkedConfig(block_p=min(max(16, next_pow2(headdim)), 64))
 
 
 def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents=None, *, mask=None,
-                        z=None, mode="outputs", payload=None, block_p=None, num_warps=None, fp32_dots="ieee",
+                        z=None, mode="outputs", payload=None, block_p=None, num_warps=None, fp32_dots=None,
                         config=None, backend=None):
     """Chunked Mamba2 tree verify; see the module docstring.
 
@@ -129,9 +137,9 @@ def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots,
     `parents [B, T] int32` (None: the chain), `z [B, T, H, P]`. `mask [B, T, 2] uint32`: the packed
     ancestor-or-self rows (`tree.masks.ancestor_mask(parents)`; pass the one attention already uses
     to build it once per step). `mode`: "outputs" or "replay" (payload rows `[B | x | dt]` into
-    `payload [B, T, width]`, aliased). `fp32_dots`: "ieee" or "tf32x3" (compiled runs only; see
-    FP32_DOTS). `config`: launch knobs (`Mamba2ChunkedConfig`); None = `default_config(P)`; `block_p`
-    and `num_warps`, when given, override the config's field of that name.
+    `payload [B, T, width]`, aliased). `config`: launch knobs (`Mamba2ChunkedConfig`); None =
+    `default_config(P)`; `block_p`, `num_warps` and `fp32_dots` ("ieee" or "tf32x3", compiled runs
+    only; see FP32_DOTS), when given, override the config's field of that name.
     Returns `(y [B, T, H, P] in x.dtype, payload or None)`.
     """
     if mode not in CHUNKED_MODES:
@@ -146,9 +154,7 @@ def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots,
     if mask.shape != (nb, T, 2) or mask.dtype != jnp.uint32:
         raise ValueError(f"mamba2_tree_chunked: mask must be [B={nb}, T={T}, 2] uint32, got {mask.shape} {mask.dtype}")
     config = default_config(P) if config is None else config
-    config = with_overrides(config, block_p=block_p, num_warps=num_warps)
-    if fp32_dots not in FP32_DOTS:
-        raise ValueError(f"mamba2_tree_chunked: fp32_dots must be one of {tuple(FP32_DOTS)}, got {fp32_dots!r}")
+    config = with_overrides(config, block_p=block_p, num_warps=num_warps, fp32_dots=fp32_dots)
     kind = resolve_backend(backend)
     if kind == "reference":
         y, _ = mamba2_tree_scan_reference(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, parents, z)
@@ -165,7 +171,7 @@ def mamba2_tree_chunked(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots,
     inputs += ([z] if z is not None else []) + [state_pool]
     kernel = functools.partial(_chunked_kernel, T=T, TP=TP, H=H, P=P, N=N, G=G, BP=BP, NP=NP,
                                has_z=z is not None, mode=mode, layout=layout,
-                               precision=FP32_DOTS["ieee" if kind == "interpret" else fp32_dots])
+                               precision=FP32_DOTS["ieee" if kind == "interpret" else config.fp32_dots])
     return launch_head_tiles(kernel, inputs, x, payload if mode == "replay" else None,
                              grid=(nb, H, pl.cdiv(P, BP)), num_warps=config.num_warps, interpret=kind == "interpret",
                              name="mamba2_tree_chunked")

@@ -318,8 +318,10 @@ def mamba2_tree_scan(x, dt, A_log, B, C, D, dt_bias, state_pool, state_slots, pa
     (-1 <= parents[t] < t; None: the chain, compiled without any parent test; a parent outside that
     range is read as a root, so that node and its descendants get unspecified values but nothing
     hangs or reads out of bounds), `z [B, T, H, P]`.
-    `walk` picks the replay at a branch ("parents", the default: the pointer chase, which needs
-    no plan and ignores one; or "precomputed": the ancestor list). `plan` is
+    `walk` selects which input form of the tree the replay at a branch reads: "parents" (the
+    default) the parent pointers (the pointer chase, which needs no plan and ignores one),
+    "precomputed" the plan's ancestor list (`Mamba2ScanPlan.paths`). It is part of the call's
+    input contract, not a launch knob, so it stays out of `Mamba2ScanConfig`. `plan` is
     `mamba2_scan_plan(parents)`, computed here when the precomputed walk needs it and None is
     given (pass it to share one plan across layers). Plan and walk change speed only.
     `config`: launch knobs (`Mamba2ScanConfig`); None = `default_config(P, N)`. `block_p` (power of
