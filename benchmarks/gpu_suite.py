@@ -37,7 +37,9 @@ def run_gpu_tests(argv) -> int:
 
 # name -> (module or callable taking argv, quick-mode flags, flags that send its markdown section to a file)
 SUITES = {
-    "tests": (run_gpu_tests, ["-m", "gpu and not sweep"], lambda md: ["--junitxml", str(Path(md).with_suffix(".xml"))]),
+    # addopts' -q is cleared so that each case's outcome prints as it finishes (benchmarks/gpu_tier.sh
+    # runs the same tier in parallel workers under a time limit).
+    "tests": (run_gpu_tests, ["-o", "addopts=", "-v", "-rfE", "-m", "gpu and not sweep"], lambda md: ["--junitxml", str(Path(md).with_suffix(".xml"))]),
     "cascade": ("benchmarks.bench_cascade", ["--quick"], lambda md: ["--markdown", md, "--no-results"]),
     "mla": ("benchmarks.bench_mla", [], lambda md: ["--markdown", md]),
     "gdn": ("benchmarks.bench_gdn", ["--quick", "--no-fla"], lambda md: ["--markdown", md, "--no-results"]),
@@ -57,12 +59,15 @@ SUITES = {
     "ptxas": ("benchmarks.tools.ptxas_report", ["--mla-only"], lambda md: ["--ptx-dir", str(Path(md).parent / "ptx")]),
 }
 # Flags a module gets in the full (not --quick) run beyond its defaults.
-FULL_ARGS = {"tests": ["-m", "gpu"], "mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
+FULL_ARGS = {"tests": ["-o", "addopts=", "-v", "-rfE", "-m", "gpu"], "mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
              "launches": ["--launches", "--shapes", "64x4096x64,32x32768x64"]}
 
 # What is still owed (`--owed`), suite name -> that module's arguments: whoever builds what they
 # cannot run lists the runs here (benchmarks/RESULTS.md records each payment).
-OWED: dict[str, list[str]] = {}
+OWED: dict[str, list[str]] = {
+    # 2026-12-04: the tier was cut at its limit twice with 3-4 unnamed failures (archive/2026-12-04.md).
+    "tests": ["-o", "addopts=", "-v", "-rfE", "-m", "gpu and not sweep"],
+}
 
 
 def main(argv=None) -> int:
