@@ -84,6 +84,24 @@ def test_kernel_path_matches_reference(plain_greedy):
     assert _tokens(tree, reqs) == plain_greedy[:3]
 
 
+def test_dense_attention_off_gpu_moves_rows_with_xla(plain_greedy):
+    """Dense attention off a GPU compacts with XLA's row move, not the interpreted Pallas kernel
+    (seconds a round on a CPU), and the rounds are unchanged: a tree (rows really move) emits the
+    interpreted kernel's tokens with the same acceptance histogram."""
+    from pallas_kernels.common import on_gpu
+
+    reqs = mixed_requests()[:3]
+    fast = cached_engine(serve_config("EAGLE3", 4, 3, 10, slots=2), noise=1.0)
+    assert fast.round.move_backend == (None if on_gpu() else "reference")
+    slow = cached_engine(serve_config("EAGLE3", 4, 3, 10, kernel="interpret", slots=2), noise=1.0)
+    assert slow.round.move_backend == "interpret"
+    fast_tokens = _tokens(fast, reqs)
+    fast_hist = list(fast.last_run.histogram)
+    assert _tokens(slow, reqs) == fast_tokens == plain_greedy[:3]
+    assert list(slow.last_run.histogram) == fast_hist
+    assert fast.last_run.mean_accept_length > 1.0  # paths past the root: compaction moved rows
+
+
 def test_fp8_kv_tree_equals_chain():
     reqs = mixed_requests()[:3]
     chain = _tokens(cached_engine(serve_config("EAGLE3", 1, 3, None, kv="fp8_e4m3")), reqs)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.common import on_gpu
 from treespec_jax.cache.pools import BufferSpec, CacheGroupSpec, LayerKV
 from treespec_jax.cache.routing import CompactionRouter
 from treespec_jax.config import ConfigError, ServeConfig
@@ -97,6 +98,17 @@ def _kv_dtype(config: ServeConfig) -> str:
     return KV_DTYPES[config.kv_dtype]
 
 
+def move_backend_for(attention) -> str | None:
+    """Backend of the round's row moves (KV compaction, feature rows): the attention's kernel
+    backend, except that the dense attention off a GPU moves rows with XLA's gather / scatter
+    (`move_rows_reference`, the same rows bit for bit) instead of interpreting the Pallas kernel,
+    which there re-writes every pool once per request and costs seconds a round on a CPU. An
+    explicit "interpret" or "reference" is kept."""
+    if attention.kind == "dense" and attention.kernel_backend is None and not on_gpu():
+        return "reference"
+    return attention.kernel_backend
+
+
 def _head_dim_problems(name: str, cfg, kind: str) -> list[str]:
     d = cfg.head_dim
     if kind == "cascade" and (d < 16 or d & (d - 1)):
@@ -152,7 +164,7 @@ class Engine:
         self.chunk = min(config.scheduler.chunked_prefill_size, 256)
 
         self.attention = attention_for(config)
-        backend = self.attention.kernel_backend
+        backend = move_backend_for(self.attention)
         if drafter is not None and getattr(drafter, "attention", self.attention) != self.attention:
             raise ConfigError([f"drafter attention {drafter.attention} differs from the target's {self.attention}"])
         # Tensor parallelism (`treespec_jax.parallel`): a "tp" mesh, attention under shard_map in
