@@ -220,3 +220,14 @@ def test_stats_describe_the_rounds():
     assert all(a >= b for a, b in zip(by_depth, by_depth[1:]))  # reaching d+1 implies reaching d
     assert abs(run.mean_accept_length - (1 + sum(by_depth))) < 1e-9
     assert abs(sum(run.acceptance_by_rank) - 1.0) < 1e-9
+    # S = 4 draft steps: depths 1..4 exist, however many of the N = 12 nodes a level holds.
+    assert len(by_depth) == len(run.per_position_rate) == 4
+    assert run.histogram[4 + 2:].sum() == 0
+
+
+def test_stats_refuse_a_depth_past_the_nodes():
+    from treespec_jax.engine.stats import RequestStats
+
+    with pytest.raises(ValueError, match="max_depth must lie in \\[0, num_nodes - 1 = 5\\], got 6"):
+        RequestStats(6, 6)
+    assert RequestStats(6).per_position_rate == [0.0] * 5  # a chain of 6 nodes: depths 1..5

@@ -152,6 +152,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.target_cfg = target_cfg
         self.num_nodes = sp.verify_tokens if sp.enabled else 1
+        # Each draft step adds one tree level: no accepted path is deeper than S.
+        self.max_depth = min(sp.steps, self.num_nodes - 1) if sp.enabled else 0
         self.page_size = config.kv_cache.page_size
         self.slots = config.scheduler.max_running_requests
         self.context = context
@@ -398,7 +400,7 @@ class Engine:
     def stream(self, requests: Sequence[Request], progress=None) -> Iterator[StreamEvent]:
         """Serves `requests` with continuous batching, yielding each request's text as it commits."""
         requests = list(requests)
-        run_stats = RunStats(num_nodes=self.num_nodes)
+        run_stats = RunStats(num_nodes=self.num_nodes, max_depth=self.max_depth)
         queue: collections.deque[_Running] = collections.deque()
         for i, req in enumerate(requests):
             try:
@@ -407,12 +409,12 @@ class Engine:
             except ValueError as err:
                 prompt, reason = [], str(err)
             if reason is not None:
-                done = Completion([], "", "refused", len(prompt), RequestStats(self.num_nodes), error=reason)
+                done = Completion([], "", "refused", len(prompt), RequestStats(self.num_nodes, self.max_depth), error=reason)
                 yield StreamEvent(i, "", [], finished=done)
                 continue
             limit = len(prompt) + req.max_new_tokens
             queue.append(_Running(i, req, prompt, [], limit, self._stop_ids(req),
-                                  stats=RequestStats(self.num_nodes)))
+                                  stats=RequestStats(self.num_nodes, self.max_depth)))
         running: dict[int, _Running] = {}
         free_slots = list(range(self.slots - 1, -1, -1))
         t_start = time.perf_counter()

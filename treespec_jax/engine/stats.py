@@ -2,8 +2,8 @@
 
 Per decode round a request commits `accept_len` tokens (accepted drafts + the bonus). From the
 rounds we keep: the accept-length histogram (its mean is the mean accept length); acceptance by
-tree depth (rounds whose path reached depth d, d = 1..N-1) and the per-position rate (reached d
-given reached d-1); and the sibling rank of every accepted node (0 = its parent's best-scored
+tree depth (rounds whose path reached depth d, d = 1..D, D the deepest draft: S draft steps give
+depth S at most, whatever N) and the per-position rate (reached d given reached d-1); and the sibling rank of every accepted node (0 = its parent's best-scored
 child, DFS numbering puts it first): mass at high ranks says K pays, deep acceptance says S does.
 """
 
@@ -19,6 +19,7 @@ class RequestStats:
     """Acceptance of one request's decode rounds (or of a whole run)."""
 
     num_nodes: int  # N: longest possible accept length
+    max_depth: int | None = None  # D: deepest draft node (S draft steps); None = N - 1 (a chain of N)
     rounds: int = 0  # decode rounds run
     histogram: np.ndarray = None  # [N + 1] rounds by accept length
     by_rank: np.ndarray = None  # [N] accepted nodes by sibling rank
@@ -28,6 +29,11 @@ class RequestStats:
             self.histogram = np.zeros(self.num_nodes + 1, np.int64)
         if self.by_rank is None:
             self.by_rank = np.zeros(max(self.num_nodes, 1), np.int64)
+        if self.max_depth is None:
+            self.max_depth = self.num_nodes - 1
+        if not 0 <= self.max_depth <= self.num_nodes - 1:
+            raise ValueError(f"max_depth must lie in [0, num_nodes - 1 = {self.num_nodes - 1}], "
+                             f"got {self.max_depth}")
 
     def record(self, accept_len: int, ranks) -> None:
         """One round: `accept_len` committed tokens, `ranks` of its accepted draft nodes."""
@@ -49,15 +55,15 @@ class RequestStats:
 
     @property
     def acceptance_by_depth(self) -> list[float]:
-        """Fraction of rounds accepting a draft at depth d, d = 1..N-1."""
+        """Fraction of rounds accepting a draft at depth d, d = 1..D (no deeper node exists)."""
         reach = self.reached_depth
-        return [float(reach[d] / self.rounds) if self.rounds else 0.0 for d in range(1, reach.size)]
+        return [float(reach[d] / self.rounds) if self.rounds else 0.0 for d in range(1, self.max_depth + 1)]
 
     @property
     def per_position_rate(self) -> list[float]:
-        """P(depth d accepted | depth d-1 accepted), d = 1..N-1."""
+        """P(depth d accepted | depth d-1 accepted), d = 1..D (no deeper node exists)."""
         reach = self.reached_depth
-        return [float(reach[d] / reach[d - 1]) if reach[d - 1] else 0.0 for d in range(1, reach.size)]
+        return [float(reach[d] / reach[d - 1]) if reach[d - 1] else 0.0 for d in range(1, self.max_depth + 1)]
 
     @property
     def acceptance_by_rank(self) -> list[float]:
