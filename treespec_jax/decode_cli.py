@@ -116,8 +116,8 @@ def _resolve(args, config: ServeConfig, fill_tree: bool = True):
         config = config.replace(speculative=dataclasses.replace(GPU_TREE if gpu else CPU_TREE,
                                                                 draft_model_path=str(draft)))
         if not gpu:
-            note = ("on a CPU a verify of N nodes costs about N decode steps, so speculation does not pay here; "
-                    "the tree is kept small (K=2, S=3, N=6). On a GPU the default is K=4, S=5, N=16")
+            note = ("on a CPU a verify of N nodes costs nearly N decode steps, so the tree is kept small (K=2, S=3, "
+                    "N=6) and speculation gains little here, or loses; on a GPU the default is K=4, S=5, N=16")
     if not _on_gpu() and config.backends.attention_backend == "auto":
         # The kernels run in interpret mode on a CPU; XLA's dense attention is the fast path there.
         config = config.replace(backends=dataclasses.replace(config.backends, attention_backend="dense"))
@@ -198,8 +198,9 @@ def run_decode(args) -> int:
     if "plain" in results and len(results) > 1:
         spec, plain = results[first][1], results["plain"][1]
         if plain.decode_tokens_per_s:
-            rows.append(("speedup", f"{spec.decode_tokens_per_s / plain.decode_tokens_per_s:.2f}x decode tokens/s "
-                                    f"vs plain decoding, same run"))
+            ratio = spec.decode_tokens_per_s / plain.decode_tokens_per_s
+            verdict = "" if ratio >= 1 else ": speculation did not pay in this run"
+            rows.append(("speedup", f"{ratio:.2f}x decode tokens/s vs plain decoding, same run{verdict}"))
         same = all(a.tokens == b.tokens for a, b in zip(results[first][0], results["plain"][0]))
         if all(r.temperature in (None, 0) for r in requests) and config.sampling.temperature == 0:
             rows.append(("same tokens as plain", "yes" if same else "NO (see benchmarks/RESULTS.md on bf16 ties)"))
