@@ -35,11 +35,13 @@ def run_gpu_tests(argv) -> int:
     return subprocess.call([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *argv], cwd=root)
 
 
+# The pytest tier's flags: addopts' -q is cleared so that each case's outcome prints as it finishes
+# (benchmarks/gpu_tier.sh runs the same tier in parallel workers under a time limit).
+TIER_FLAGS = ["-o", "addopts=", "-v", "-rfE"]
+
 # name -> (module or callable taking argv, quick-mode flags, flags that send its markdown section to a file)
 SUITES = {
-    # addopts' -q is cleared so that each case's outcome prints as it finishes (benchmarks/gpu_tier.sh
-    # runs the same tier in parallel workers under a time limit).
-    "tests": (run_gpu_tests, ["-o", "addopts=", "-v", "-rfE", "-m", "gpu and not sweep"], lambda md: ["--junitxml", str(Path(md).with_suffix(".xml"))]),
+    "tests": (run_gpu_tests, [*TIER_FLAGS, "-m", "gpu and not sweep"], lambda md: ["--junitxml", str(Path(md).with_suffix(".xml"))]),
     "cascade": ("benchmarks.bench_cascade", ["--quick"], lambda md: ["--markdown", md, "--no-results"]),
     "mla": ("benchmarks.bench_mla", [], lambda md: ["--markdown", md]),
     "gdn": ("benchmarks.bench_gdn", ["--quick", "--no-fla"], lambda md: ["--markdown", md, "--no-results"]),
@@ -59,14 +61,14 @@ SUITES = {
     "ptxas": ("benchmarks.tools.ptxas_report", ["--mla-only"], lambda md: ["--ptx-dir", str(Path(md).parent / "ptx")]),
 }
 # Flags a module gets in the full (not --quick) run beyond its defaults.
-FULL_ARGS = {"tests": ["-o", "addopts=", "-v", "-rfE", "-m", "gpu"], "mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
+FULL_ARGS = {"tests": [*TIER_FLAGS, "-m", "gpu"], "mosaic": ["--fp8", "--mla"], "mla": ["--fuse-window"],
              "launches": ["--launches", "--shapes", "64x4096x64,32x32768x64"]}
 
 # What is still owed (`--owed`), suite name -> that module's arguments: whoever builds what they
 # cannot run lists the runs here (benchmarks/RESULTS.md records each payment).
 OWED: dict[str, list[str]] = {
     # 2026-12-04: the tier was cut at its limit twice with 3-4 unnamed failures (archive/2026-12-04.md).
-    "tests": ["-o", "addopts=", "-v", "-rfE", "-m", "gpu and not sweep"],
+    "tests": [*TIER_FLAGS, "-m", "gpu and not sweep"],
 }
 
 

@@ -393,6 +393,10 @@ class Engine:
                 text = text[:at]
         return text
 
+    def _new_stats(self, kind=RequestStats):
+        """Empty acceptance statistics (a request's, or with `kind=RunStats` a run's) of this tree shape."""
+        return kind(num_nodes=self.num_nodes, max_depth=self.max_depth)
+
     def _completion(self, run: _Running) -> Completion:
         return Completion(tokens=list(run.tokens), text=self._final_text(run), finish_reason=run.finish,
                           prompt_tokens=len(run.prompt), stats=run.stats)
@@ -400,7 +404,7 @@ class Engine:
     def stream(self, requests: Sequence[Request], progress=None) -> Iterator[StreamEvent]:
         """Serves `requests` with continuous batching, yielding each request's text as it commits."""
         requests = list(requests)
-        run_stats = RunStats(num_nodes=self.num_nodes, max_depth=self.max_depth)
+        run_stats = self._new_stats(RunStats)
         queue: collections.deque[_Running] = collections.deque()
         for i, req in enumerate(requests):
             try:
@@ -409,12 +413,12 @@ class Engine:
             except ValueError as err:
                 prompt, reason = [], str(err)
             if reason is not None:
-                done = Completion([], "", "refused", len(prompt), RequestStats(self.num_nodes, self.max_depth), error=reason)
+                done = Completion([], "", "refused", len(prompt), self._new_stats(), error=reason)
                 yield StreamEvent(i, "", [], finished=done)
                 continue
             limit = len(prompt) + req.max_new_tokens
             queue.append(_Running(i, req, prompt, [], limit, self._stop_ids(req),
-                                  stats=RequestStats(self.num_nodes, self.max_depth)))
+                                  stats=self._new_stats()))
         running: dict[int, _Running] = {}
         free_slots = list(range(self.slots - 1, -1, -1))
         t_start = time.perf_counter()

@@ -3,8 +3,9 @@
 Per decode round a request commits `accept_len` tokens (accepted drafts + the bonus). From the
 rounds we keep: the accept-length histogram (its mean is the mean accept length); acceptance by
 tree depth (rounds whose path reached depth d, d = 1..D, D the deepest draft: S draft steps give
-depth S at most, whatever N) and the per-position rate (reached d given reached d-1); and the sibling rank of every accepted node (0 = its parent's best-scored
-child, DFS numbering puts it first): mass at high ranks says K pays, deep acceptance says S does.
+depth S at most, whatever N) and the per-position rate (reached d given reached d-1); and the
+sibling rank of every accepted node (0 = its parent's best-scored child, DFS numbering puts it
+first): mass at high ranks says K pays, deep acceptance says S does.
 """
 
 from __future__ import annotations
