@@ -640,8 +640,10 @@ def test_layer_verify_dispatch_and_modes_agree(backend):
     assert rel_err(replay.out, ref_out) < TOL
     assert rel_err(staged.out, replay.out) < TOL
     assert np.isnan(np.asarray(replay.node_states)).all()  # the chunked form keeps no node states
-    # On this small grid the default form is the fused kernel, bit for bit.
-    fused, _ = gdn_chunked_verify(*_args(x), mask, _nan_payload(t), two_pass=False, backend=backend)
+    # On this small grid the default form is the fused kernel, bit for bit (at the layer's fp32 dot
+    # algorithm: compiled, the kernel's own default is exact fp32 products and the layer's TF32x3).
+    fused, _ = gdn_chunked_verify(*_args(x), mask, _nan_payload(t), two_pass=False,
+                                  fp32_dots=replay_cfg.chunked_fp32_dots, backend=backend)
     np.testing.assert_array_equal(np.asarray(replay.out), np.asarray(fused))
 
 

@@ -1,6 +1,7 @@
 """Pure-jnp fp32 references for GDN tree verify, the chunked tree form and the replay commit.
 
-Shapes as in `gdn_common`. Every reference works on fp32 copies of its inputs and returns fp32.
+Shapes as in `gdn_common`. Every reference works on fp32 copies of its inputs and returns fp32, and
+contracts at HIGHEST precision: XLA's default on a GPU would multiply fp32 operands in TF32.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.linear.gdn_common import default_scale, gates, l2_normalize
 from pallas_kernels.tree_masks import chain_parents
+
+HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _prepare(q, k, v, a, b, A_log, dt_bias, use_qk_l2norm, scale):
@@ -31,9 +34,9 @@ def _prepare(q, k, v, a, b, A_log, dt_bias, use_qk_l2norm, scale):
 def _node_update(h, q, k, v, g, beta):
     """One delta-rule step for every (request, value head). `h [B, HV, dk, dv]`, vectors `[B, HV, *]`."""
     h = h * jnp.exp(g)[..., None, None]
-    delta = beta[..., None] * (v - jnp.einsum("bhkv,bhk->bhv", h, k))
+    delta = beta[..., None] * (v - jnp.einsum("bhkv,bhk->bhv", h, k, precision=HIGHEST))
     h = h + k[..., :, None] * delta[..., None, :]
-    return h, jnp.einsum("bhkv,bhk->bhv", h, q)
+    return h, jnp.einsum("bhkv,bhk->bhv", h, q, precision=HIGHEST)
 
 
 def gdn_tree_verify_reference(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots, parents=None,
@@ -78,17 +81,18 @@ def gdn_chunked_reference(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots
     # Work head-major: [B, HV, T, ...].
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
     g, beta = g.transpose(0, 2, 1), beta.transpose(0, 2, 1)
-    big_g = jnp.einsum("bhts,bhs->bht", jnp.broadcast_to(anc, anc.shape[:1] + g.shape[1:2] + anc.shape[2:]), g)
+    big_g = jnp.einsum("bhts,bhs->bht", jnp.broadcast_to(anc, anc.shape[:1] + g.shape[1:2] + anc.shape[2:]), g,
+                       precision=HIGHEST)
     d = anc * jnp.exp(jnp.minimum(big_g[..., :, None] - big_g[..., None, :], 0.0))
     strict = anc * (1.0 - jnp.eye(t, dtype=jnp.float32))
-    m = beta[..., :, None] * strict * d * jnp.einsum("bhtk,bhsk->bhts", k, k)
+    m = beta[..., :, None] * strict * d * jnp.einsum("bhtk,bhsk->bhts", k, k, precision=HIGHEST)
     decay = jnp.exp(big_g)[..., None]
-    rhs = beta[..., None] * (v - decay * jnp.einsum("bhtk,bhkv->bhtv", k, h0))
+    rhs = beta[..., None] * (v - decay * jnp.einsum("bhtk,bhkv->bhtv", k, h0, precision=HIGHEST))
     u = jax.scipy.linalg.solve_triangular(jnp.eye(t, dtype=jnp.float32) + m, rhs, lower=True,
                                           unit_diagonal=True)
-    out = decay * jnp.einsum("bhtk,bhkv->bhtv", q, h0) + jnp.einsum(
-        "bhts,bhtk,bhsk,bhsv->bhtv", d, q, k, u)
-    states = decay[..., None] * h0[:, :, None] + jnp.einsum("bhts,bhsk,bhsv->bhtkv", d, k, u)
+    out = decay * jnp.einsum("bhtk,bhkv->bhtv", q, h0, precision=HIGHEST) + jnp.einsum(
+        "bhts,bhtk,bhsk,bhsv->bhtv", d, q, k, u, precision=HIGHEST)
+    states = decay[..., None] * h0[:, :, None] + jnp.einsum("bhts,bhsk,bhsv->bhtkv", d, k, u, precision=HIGHEST)
     return out.transpose(0, 2, 1, 3), states.transpose(0, 2, 1, 3, 4)
 
 
