@@ -231,3 +231,31 @@ def test_stats_refuse_a_depth_past_the_nodes():
     with pytest.raises(ValueError, match="max_depth must lie in \\[0, num_nodes - 1 = 5\\], got 6"):
         RequestStats(6, 6)
     assert RequestStats(6).per_position_rate == [0.0] * 5  # a chain of 6 nodes: depths 1..5
+
+
+def test_requests_admitted_together_prefill_together():
+    """A prefill budget of four 256-token chunks (`chunked_prefill_size=1024`) prefills up to four
+    requests per batch, over prompts longer and shorter than a chunk: a group of four, then those
+    that join one by one, then a group of three beside a padding row. Every greedy token is the
+    argmax of one causal forward over the prompt and the tokens before it; the pools start
+    poisoned; one-at-a-time prefill and tree decoding emit the same tokens."""
+    cfg, params = tiny_target()
+    rng = np.random.default_rng(12)
+    shapes = [(300, 8), (12, 10), (270, 6), (40, 9), (5, 7), (257, 5)]
+    reqs = [Request(prompt=rng.integers(0, cfg.vocab_size, size=n).tolist(), max_new_tokens=m, seed=i)
+            for i, (n, m) in enumerate(shapes)]
+    together = oracle_engine(serve_config(slots=4, chunk=1024))
+    assert (together.chunk, together.prefill_rows) == (256, 4)
+    together.state = together.state.replace(
+        target_pools={k: jnp.full_like(v, jnp.nan) for k, v in together.state.target_pools.items()})
+    got = _tokens(together, reqs)
+    for req, tokens in zip(reqs, got):
+        logits = dense_forward(cfg, params, np.asarray(req.prompt + tokens[:-1]))
+        assert logits[len(req.prompt) - 1:].argmax(-1).tolist() == tokens
+    assert _tokens(together, reqs[:3]) == got[:3]
+    alone = oracle_engine(serve_config(slots=4, chunk=256))
+    assert alone.prefill_rows == 1
+    assert _tokens(alone, reqs) == got
+    tree = oracle_engine(serve_config("EAGLE3", 2, 3, 6, slots=4, chunk=1024))
+    assert tree.prefill_rows == 4
+    assert _tokens(tree, reqs) == got

@@ -235,7 +235,9 @@ class SchedulerConfig:
     """Request scheduling and the serving features that interact with speculation."""
 
     max_running_requests: int = opt(32, "--max-running-requests", "decode batch size B (static shapes)")
-    chunked_prefill_size: int = opt(8192, "--chunked-prefill-size", "prompt tokens per prefill chunk")
+    chunked_prefill_size: int = opt(8192, "--chunked-prefill-size",
+                                    "prompt tokens per prefill step: chunks of min(this, 256) tokens, "
+                                    "this // chunk requests prefilled together (at most B)")
     enable_mixed_chunk: bool = opt(False, "--enable-mixed-chunk",
                                    "mix prefill chunks into decode batches")
     grammar_backend: str = opt("none", "--grammar-backend",

@@ -6,7 +6,8 @@ models know (head sizes the kernels need, drafter / target fit, context against 
 all reported together as one `ConfigError`.
 
 `decode(requests)` runs continuous batching over B static slots: a request joins when a slot
-and its pages are free (prefill runs as its own steps, never mixed into a decode batch), the
+and its pages are free (prefill runs as its own steps, never mixed into a decode batch; the
+requests admitted together prefill together, `prefill_rows` at a time), the
 jitted round advances every running request, and the host reads one `StepOutput` per step,
 appends the committed tokens, and finishes requests on max_new_tokens, stop tokens / strings or
 EOS, releasing their slot and pages. `stream(requests)` yields text as it commits.
@@ -164,6 +165,10 @@ class Engine:
             num_pages = self.slots * self.table_width + 1
         self.num_pages = num_pages
         self.chunk = min(config.scheduler.chunked_prefill_size, 256)
+        # Requests prefilled in one batch, at most: as many chunks as the prefill token budget holds,
+        # at most the slots. A batch's rows are padded to a power of two (padding rows prefill
+        # nothing): a few compiled shapes, and a lone admission does not pay for a full batch.
+        self.prefill_rows = max(1, min(self.slots, config.scheduler.chunked_prefill_size // self.chunk))
 
         self.attention = attention_for(config)
         backend = move_backend_for(self.attention)
@@ -328,40 +333,64 @@ class Engine:
 
     # ---- the serving loop -----------------------------------------------------------------
 
-    def _start(self, run: _Running, slot: int, run_stats: RunStats) -> None:
-        """Prefill (target, then drafter), draw the first token, admit into `slot`."""
+    def _start(self, group: list[tuple[_Running, int]], run_stats: RunStats) -> None:
+        """Prefills up to `prefill_rows` admitted requests together (target, then drafter), draws
+        their first tokens and admits request i of `group` into its slot.
+
+        Row i of the `[rows, chunk]` batches holds request i, rows = the group's size rounded up
+        to a power of two (at most `prefill_rows`); rows past the group are padding (valid 0,
+        scratch-page tables). Chunk j covers prompt positions [j * chunk, (j + 1)
+        * chunk); a request whose prompt ended before it takes part with valid 0 and its own length
+        as start, so it writes nothing and reads only its own keys.
+        """
         t0 = time.perf_counter()
-        prompt = run.prompt
-        row = table_row(run.pages, self.table_width)[None]
-        table = jnp.asarray(row)
-        c = self.chunk
+        rows, c = min(1 << (len(group) - 1).bit_length(), self.prefill_rows), self.chunk
+        tables = np.zeros((rows, self.table_width), np.int32)
+        lengths = np.zeros((rows,), np.int32)
+        for i, (run, _) in enumerate(group):
+            tables[i] = table_row(run.pages, self.table_width)
+            lengths[i] = len(run.prompt)
+        table = jnp.asarray(tables)
         chunks = []
         logits = None
-        for start in range(0, len(prompt), c):
-            piece = prompt[start:start + c]
-            toks = np.zeros((1, c), np.int32)
-            toks[0, :len(piece)] = piece
-            self.state, logits, features = self._prefill(self.params, self.state, jnp.asarray(toks), table,
-                                                         jnp.array([start], jnp.int32), jnp.array([len(piece)], jnp.int32))
-            chunks.append((start, toks, len(piece), features))
-        temperature, top_k, top_p, seed = self._sampling_of(run.request)
-        params = SamplingParams.create(jnp.array([temperature]), jnp.array([top_k]), jnp.array([top_p]))
-        first = int(self._first_token(logits, jnp.array([seed], jnp.int32), jnp.array([len(prompt)], jnp.int32),
-                                      params)[0])
+        for start in range(0, int(lengths.max()), c):
+            toks = np.zeros((rows, c), np.int32)
+            for i, (run, _) in enumerate(group):
+                piece = run.prompt[start:start + c]
+                toks[i, :len(piece)] = piece
+            starts = np.minimum(start, lengths)
+            valid = np.clip(lengths - start, 0, c).astype(np.int32)
+            self.state, chunk_logits, features = self._prefill(self.params, self.state, jnp.asarray(toks), table,
+                                                               jnp.asarray(starts), jnp.asarray(valid))
+            # Each request's next-token logits come from the chunk holding its last prompt token.
+            ends_here = jnp.asarray((lengths > start) & (lengths <= start + c))[:, None]
+            logits = chunk_logits if logits is None else jnp.where(ends_here, chunk_logits, logits)
+            chunks.append((toks, starts, valid, features))
+        sampling = [self._sampling_of(run.request) for run, _ in group]
+        sampling += [(0.0, 0, 1.0, 0)] * (rows - len(group))  # padding rows draw greedily, unused
+        temperature, top_k, top_p, seed = (list(col) for col in zip(*sampling))
+        params = SamplingParams.create(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
+                                       jnp.asarray(top_p, jnp.float32))
+        first = np.asarray(self._first_token(logits, jnp.asarray(seed, jnp.int32), jnp.asarray(lengths), params))
         if self.drafter is not None:
-            shifted = list(prompt[1:]) + [first]
-            for start, toks, valid, features in chunks:
-                nxt = np.zeros((1, c), np.int32)
-                nxt[0, :valid] = shifted[start:start + valid]
+            # The drafter's row t pairs prompt token t with the token after it (the first drawn one
+            # after the last prompt token).
+            shifted = [list(run.prompt[1:]) + [int(first[i])] for i, (run, _) in enumerate(group)]
+            for toks, starts, valid, features in chunks:
+                nxt = np.zeros((rows, c), np.int32)
+                for i in range(len(group)):
+                    nxt[i, :valid[i]] = shifted[i][starts[i]:starts[i] + valid[i]]
                 self.state = self._draft_prefill(self.params, self.state, jnp.asarray(toks), jnp.asarray(nxt),
-                                                 features, table, jnp.array([start], jnp.int32),
-                                                 jnp.array([valid], jnp.int32))
-        self.state = self._admit(self.state, slot, jnp.asarray(row[0]), len(prompt), jnp.int32(first), seed,
-                                 jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+                                                 features, table, jnp.asarray(starts), jnp.asarray(valid))
+        for i, (run, slot) in enumerate(group):
+            self.state = self._admit(self.state, slot, jnp.asarray(tables[i]), int(lengths[i]), jnp.int32(first[i]),
+                                     seed[i], jnp.float32(temperature[i]), jnp.int32(top_k[i]),
+                                     jnp.float32(top_p[i]))
         jax.block_until_ready(self.state.lengths)
         run_stats.prefill_s += time.perf_counter() - t0
-        run_stats.prompt_tokens += len(prompt)
-        run_stats.generated_tokens += len(self._append(run, [first]))
+        for i, (run, _) in enumerate(group):
+            run_stats.prompt_tokens += len(run.prompt)
+            run_stats.generated_tokens += len(self._append(run, [int(first[i])]))
 
     def _append(self, run: _Running, tokens: list[int]) -> list[int]:
         """Adds committed tokens up to the first stop / the limit; returns those kept."""
@@ -423,21 +452,29 @@ class Engine:
         free_slots = list(range(self.slots - 1, -1, -1))
         t_start = time.perf_counter()
         while queue or running:
-            # Admission: first come, first served; a request whose pages are not free waits.
-            while queue and free_slots:
-                need = pages_needed(queue[0].limit, self.num_nodes, self.page_size)
-                if need > self.allocator.free_pages:
-                    if not running:
-                        raise RuntimeError(f"request {queue[0].index} needs {need} pages and none will free up")
+            # Admission: first come, first served; a request whose pages are not free waits. The
+            # requests admitted together prefill together, `prefill_rows` at a time.
+            blocked = False
+            while queue and free_slots and not blocked:
+                group = []
+                while queue and free_slots and len(group) < self.prefill_rows:
+                    need = pages_needed(queue[0].limit, self.num_nodes, self.page_size)
+                    if need > self.allocator.free_pages:
+                        if not running and not group:
+                            raise RuntimeError(f"request {queue[0].index} needs {need} pages and none will free up")
+                        blocked = True
+                        break
+                    run = queue.popleft()
+                    run.pages = self.allocator.allocate(need)
+                    group.append((run, free_slots.pop()))
+                if not group:
                     break
-                run = queue.popleft()
-                run.pages = self.allocator.allocate(need)
-                slot = free_slots.pop()
-                self._start(run, slot, run_stats)
-                running[slot] = run
-                yield from self._emit(run, run.tokens[:], progress)
-                if run.finish is not None:
-                    yield from self._finish(slot, running, free_slots, progress)
+                self._start(group, run_stats)
+                for run, slot in group:
+                    running[slot] = run
+                    yield from self._emit(run, run.tokens[:], progress)
+                    if run.finish is not None:
+                        yield from self._finish(slot, running, free_slots, progress)
             if not running:
                 continue
             t0 = time.perf_counter()
