@@ -45,7 +45,7 @@ def _config(spec, batch, sampler="greedy", temperature=0.0, attention="auto"):
 
     return ServeConfig(model=ModelConfig(dtype="bf16"), speculative=spec,
                        kv_cache=KVCacheConfig(page_size=64, max_total_tokens=max(batch, 8) * 2048),
-                       scheduler=SchedulerConfig(max_running_requests=batch, chunked_prefill_size=256),
+                       scheduler=SchedulerConfig(max_running_requests=batch),
                        sampling=SamplingConfig(backend=sampler, temperature=temperature),
                        backends=BackendsConfig(attention_backend=attention), seed=1)
 
@@ -103,13 +103,18 @@ def serve(args):
                 n = max(batch, min(len(prompts), args.prompts))
                 reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=args.new_tokens, seed=i,
                                 temperature=temp) for i in range(n)]
-                engine.decode(reqs[:batch])  # compiles every shape the run uses
+                # Compiles every shape the run uses: the step, and a prefill batch of each row count
+                # (requests admitted together prefill together, rows padded to a power of two).
+                for group in sorted({min(1 << (k - 1).bit_length(), engine.prefill_rows) for k in range(1, batch + 1)}):
+                    engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:group]])
+                engine.decode(reqs[:batch])
                 engine.decode(reqs)
                 run = engine.last_run
                 rows.append({"batch": batch, "temperature": temp, "shape": name,
                              "mean_accept_length": run.mean_accept_length,
                              "decode_tok_s": run.decode_tokens_per_s, "tok_s": run.tokens_per_s,
                              "per_position": run.per_position_rate[:8], "steps": run.steps,
+                             "prefill_s": run.prefill_s, "decode_s": run.decode_s, "wall_s": run.wall_s,
                              "requests": n})
                 print(json.dumps(rows[-1]), flush=True)
     return {"table": "serve", "rows": rows}

@@ -73,8 +73,9 @@ MAX_NUM_STEPS = 10
 # Draft steps when an algorithm is chosen but num_steps is not given.
 DEFAULT_NUM_STEPS = 3
 
-# Seeds key jax.random (uint32 words); a larger seed would wrap silently.
-MAX_SEED = 2**32 - 1
+# Seeds ride in int32 arrays (DecodeState.seeds) and key jax.random: the engine refuses a request
+# seed outside [0, 2^31), so the config's default seed is held to the same range at startup.
+MAX_SEED = 2**31 - 1
 
 SPECULATIVE_ALGORITHMS = DRAFTER_ALGORITHMS + ("NONE",)
 TREE_ALGORITHMS = DRAFTER_ALGORITHMS
@@ -407,7 +408,7 @@ def _check_ranges(cfg: ServeConfig, out: list[str]) -> None:
     at_least("scheduler.max_running_requests", sch.max_running_requests, 1)
     at_least("scheduler.chunked_prefill_size", sch.chunked_prefill_size, 1)
     if not 0 <= cfg.seed <= MAX_SEED:
-        out.append(f"seed = {cfg.seed} is outside 0..{MAX_SEED} (2^32 - 1)")
+        out.append(f"seed = {cfg.seed} is outside 0..{MAX_SEED} (2^31 - 1)")
 
 
 def _check_speculative(sp: SpeculativeConfig, out: list[str]) -> None:

@@ -29,7 +29,7 @@ import numpy as np
 from pallas_kernels.common import on_gpu
 from treespec_jax.cache.pools import BufferSpec, CacheGroupSpec, LayerKV
 from treespec_jax.cache.routing import CompactionRouter
-from treespec_jax.config import ConfigError, ServeConfig
+from treespec_jax.config import MAX_SEED, ConfigError, ServeConfig
 from treespec_jax.drafter.base import Drafter
 from treespec_jax.engine.loading import attention_for
 from treespec_jax.engine.round import DecodeState, Round, RoundShape, bootstrap_tree
@@ -308,7 +308,7 @@ class Engine:
             reasons.append(f"temperature={temperature} under the greedy sampling backend (use gumbel or rejection)")
         if not 0 < top_p <= 1:
             reasons.append(f"top_p={top_p} must lie in (0, 1]")
-        if not 0 <= seed < 2**31:
+        if not 0 <= seed <= MAX_SEED:
             reasons.append(f"seed={seed} must lie in [0, 2^31)")
         limit = len(prompt) + req.max_new_tokens
         if limit > self.context:
