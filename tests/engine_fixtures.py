@@ -98,9 +98,3 @@ def dense_forward(cfg: LlamaConfig, params: dict, tokens: np.ndarray) -> np.ndar
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return np.asarray((x @ head)[0], np.float32)
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.isfinite(a).all() and np.isfinite(b).all(), "non-finite values"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

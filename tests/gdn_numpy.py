@@ -100,10 +100,3 @@ def branch_rows(parents: np.ndarray) -> np.ndarray:
             if p >= 0 and c != p + 1:
                 res[bi, p] = True
     return res
-
-
-def rel_err(out, ref) -> float:
-    out = np.asarray(out, np.float64)
-    ref = np.asarray(ref, np.float64)
-    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
-    return float("inf") if not np.isfinite(err) else float(err)

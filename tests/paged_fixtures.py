@@ -26,14 +26,6 @@ def poisoned_paged_pools(rng, batch, max_len, hkv, width, page, dtype, live_fn, 
     return jnp.asarray(k).astype(dtype), jnp.asarray(v).astype(dtype), jnp.asarray(table, jnp.int32)
 
 
-def rel_err(out, ref):
-    """||out - ref|| / ||ref||; any non-finite output fails (poison leaked or an element unwritten)."""
-    out = np.asarray(jnp.asarray(out, jnp.float32))
-    ref = np.asarray(jnp.asarray(ref, jnp.float32))
-    assert np.all(np.isfinite(out)), "non-finite output: poison leaked or an element was not written"
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-
-
 # A compiled kernel multiplies fp32 operands on the tensor cores in TF32 (Mosaic GPU's WGMMA has no
 # fp32 form; Triton's dot takes TF32 by default): the operands keep 10 mantissa bits, so its fp32
 # output agrees with the HIGHEST-precision reference to about 1e-3 relative (at most 4e-4 on the

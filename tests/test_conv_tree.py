@@ -5,6 +5,7 @@ precomputed lag-source table (shared per step) vs the in-kernel parent walk; Tri
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import rel_err
 from trees import random_parents
 
 from pallas_kernels.linear.conv_tree import conv_lag_sources, conv_tree_update
@@ -48,12 +49,6 @@ def run(inp, slots, parents, **kw):
     return conv_tree_update(jnp.asarray(inp["x"]), jnp.asarray(inp["conv_pool"]), jnp.asarray(slots),
                             jnp.asarray(inp["weight"]), None if inp["bias"] is None else jnp.asarray(inp["bias"]),
                             None if parents is None else jnp.asarray(parents), **kw)
-
-
-def rel_err(out, ref):
-    out = np.asarray(out, np.float64)
-    assert not np.isnan(out).any(), "NaN in output"
-    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
 # (T, D, W, block_d, silu, bias): every T the issue lists, channel tails (D not a multiple of the

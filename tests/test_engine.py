@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import rel_err
 
-from engine_fixtures import (PAGE, cached_engine, dense_forward, mixed_requests, oracle_engine, rel_err, serve_config, tiny_config,
+from engine_fixtures import (PAGE, cached_engine, dense_forward, mixed_requests, oracle_engine, serve_config, tiny_config,
                              tiny_target)
 from treespec_jax.config import ConfigError
 from treespec_jax.engine import Engine, Request

@@ -5,8 +5,9 @@ numpy recurrence along the accepted path."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import rel_err
 
-from gdn_numpy import B, DK, DV, H, HV, per_path_numpy, random_inputs, random_path, random_tree, rel_err
+from gdn_numpy import B, DK, DV, H, HV, per_path_numpy, random_inputs, random_path, random_tree
 from tiers import cases
 from pallas_kernels.linear.gdn_payload import GdnPayloadLayout, pack_payload
 from pallas_kernels.linear.gdn_replay import gdn_replay_commit

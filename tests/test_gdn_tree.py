@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import rel_err
 
-from gdn_numpy import B, DK, DV, H, HV, branch_rows, chain, per_path_numpy, random_inputs, random_tree, rel_err
+from gdn_numpy import B, DK, DV, H, HV, branch_rows, chain, per_path_numpy, random_inputs, random_tree
 from tiers import cases, sweep
 from pallas_kernels.linear.gdn_chunked import (MAX_CHUNKED_NODES, _invert_unit_lower, default_two_pass,
                                               gdn_chunked_verify, two_pass_block_v)

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_mamba2_tree import H, N, _j, mamba2_inputs, np_mamba2, pretend_sm90_with_nemotron_args, rel_err
+from numerics import rel_err
+from test_mamba2_tree import H, N, _j, mamba2_inputs, np_mamba2, pretend_sm90_with_nemotron_args
 from trees import random_parents
 
 from pallas_kernels.linear.mamba2_chunked import MAX_CHUNKED_NODES, mamba2_tree_chunked

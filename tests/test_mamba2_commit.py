@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import rel_err
 from test_conv_tree import np_conv
-from test_mamba2_tree import H, N, S, _j, mamba2_inputs, np_mamba2, path_to, rel_err, scan
+from test_mamba2_tree import H, N, S, _j, mamba2_inputs, np_mamba2, path_to, scan
 from tiers import cases
 from trees import random_parents
 

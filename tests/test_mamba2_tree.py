@@ -6,6 +6,7 @@ per-step plan shared by layers, and the Triton lowering for sm_90."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import rel_err
 from tiers import sweep
 from trees import random_parents
 
@@ -64,12 +65,6 @@ def np_mamba2(inp, slots, parents):
                 out = out * zz / (1 + np.exp(-zz))
             y[b, t], states[b, t] = out, h
     return y, states
-
-
-def rel_err(out, ref):
-    out = np.asarray(out, np.float64)
-    assert not np.isnan(out).any(), "NaN in output"
-    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
 def _j(inp):

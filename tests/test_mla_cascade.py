@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import rel_err
 from paged_fixtures import TF32_LSE_TOL, attention_triton_calls, fp32_tol
 from tiers import cases
 
@@ -23,13 +24,6 @@ from treespec_jax.tree.masks import ancestor_mask, pack_mask_rows
 H, LORA, ROPE, PAGE = 8, 64, 16, 16
 SCALE = 0.11
 FP8 = jnp.float8_e4m3fn
-
-
-def rel_err(out, ref) -> float:
-    out = np.asarray(out, np.float64)
-    ref = np.asarray(ref, np.float64)
-    assert np.all(np.isfinite(out)), "non-finite output"
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 def make_pool(rng, table: np.ndarray, readable: np.ndarray, dtype, num_slots: int) -> jax.Array:

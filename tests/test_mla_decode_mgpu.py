@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_fixtures import poisoned_paged_pools, rel_err, schedule_options
+from numerics import rel_err
+from paged_fixtures import poisoned_paged_pools, schedule_options
 from tiers import cases, sweep
 from trees import random_parents
 

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_fixtures import poisoned_paged_pools, rel_err, schedule_options
+from numerics import rel_err
+from paged_fixtures import poisoned_paged_pools, schedule_options
 from test_cascade_gqa import lane_masks
 from tiers import cases
 from trees import random_parents

@@ -6,7 +6,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_fixtures import TF32_LSE_TOL, fp32_tol, poisoned_paged_pools, rel_err
+from numerics import rel_err
+from paged_fixtures import TF32_LSE_TOL, fp32_tol, poisoned_paged_pools
 
 from pallas_kernels.attention.prefix_decode import default_num_splits, prefix_decode
 

@@ -8,7 +8,8 @@ compiled kernel (benchmarks/tools/mgpu_prefix_check.py does that on the GPU).
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_fixtures import rel_err, verify_case
+from numerics import rel_err
+from paged_fixtures import verify_case
 from tiers import cases, sweep
 
 from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_fixtures import rel_err
+from numerics import rel_err
 
 from pallas_kernels.attention import split_merge
 from pallas_kernels.attention.split_merge import MergeConfig, default_config, head_io_rows, merge_splits, rows_per_program

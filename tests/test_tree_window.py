@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_fixtures import fp32_tol, poisoned_paged_pools, rel_err, verify_case
+from numerics import rel_err
+from paged_fixtures import fp32_tol, poisoned_paged_pools, verify_case
 from tiers import cases, sweep
 from trees import random_parents
 
