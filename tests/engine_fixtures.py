@@ -51,13 +51,13 @@ def cached_engine(config: ServeConfig, noise: float = 1.0) -> Engine:
     return oracle_engine(config, noise=noise)
 
 
-def oracle_engine(config: ServeConfig, family="llama", vocab=64, noise=1.0, seed=0) -> Engine:
+def oracle_engine(config: ServeConfig, family="llama", vocab=64, noise=1.0, seed=0, tokenizer=None) -> Engine:
     """An engine whose drafter is the target itself (noise > 0: the noisy oracle), or plain."""
     cfg, params = tiny_target(family, vocab, seed)
     drafter = None
     if config.speculative.enabled:
         drafter = ModelDrafter(LlamaModel(cfg, attention_for(config)), noise=noise, noise_seed=seed + 1)
-    return Engine(config, cfg, params, drafter, params if drafter else None)
+    return Engine(config, cfg, params, drafter, params if drafter else None, tokenizer=tokenizer)
 
 
 def mixed_requests(vocab=64, seed=0, **kw) -> list[Request]:

@@ -260,3 +260,50 @@ def test_requests_admitted_together_prefill_together():
     tree = oracle_engine(serve_config("EAGLE3", 2, 3, 6, slots=4, chunk=1024))
     assert tree.prefill_rows == 4
     assert _tokens(tree, reqs) == got
+
+
+def test_streamed_text_and_stop_strings(tmp_path):
+    """A random target over a tiny byte-level vocabulary (its byte tokens split UTF-8 characters):
+    the streamed pieces add up to the completion's text, the tokens' decode. A stop string taken
+    from that text ends the reply at the token that completes it, the same tokens under tree
+    speculation (which commits several tokens a round), with the text cut before it and no piece
+    showing any part of it."""
+    import json
+
+    from test_tokenizer import tiny_backend
+    from treespec_jax.tokenizer import Tokenizer
+
+    tiny_backend().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    tok = Tokenizer.from_dir(tmp_path)
+    sampling = dict(sampler="gumbel", temperature=1.0)
+    plain = oracle_engine(serve_config(**sampling), vocab=tok.vocab_size, tokenizer=tok)
+    tree = oracle_engine(serve_config("EAGLE3", 2, 3, 6, **sampling), vocab=tok.vocab_size, tokenizer=tok)
+    rng = np.random.default_rng(5)
+    reqs = [Request(prompt=rng.integers(3, tok.vocab_size, 6).tolist(), max_new_tokens=48, seed=i, ignore_eos=True)
+            for i in range(2)]
+
+    def run(engine, requests):
+        pieces, done = {}, {}
+        for ev in engine.stream(requests):
+            pieces[ev.index] = pieces.get(ev.index, "") + ev.text
+            if ev.finished is not None:
+                done[ev.index] = ev.finished
+        assert all(pieces.get(i, "") == done[i].text for i in done)
+        return [done[i] for i in range(len(requests))], pieces
+
+    full, _ = run(plain, reqs)
+    for c in full:
+        assert c.finish_reason == "length" and c.text == tok.decode(c.tokens)
+    text = full[0].text
+    mid = len(text) // 2
+    stop = next(text[i:i + 2] for i in range(mid, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+    stopped = [dataclasses.replace(reqs[0], stop=[stop]), reqs[1]]
+    got, pieces = run(plain, stopped)
+    assert got[0].finish_reason == "stop" and got[0].text == text[:text.find(stop)]
+    assert got[0].tokens == full[0].tokens[:len(got[0].tokens)]
+    assert stop in tok.decode(got[0].tokens) and stop not in tok.decode(got[0].tokens[:-1])
+    assert got[1].tokens == full[1].tokens
+    spec, _ = run(tree, stopped)
+    assert [c.tokens for c in spec] == [c.tokens for c in got] and spec[0].text == got[0].text
+    assert tree.last_run.mean_accept_length > 1.0

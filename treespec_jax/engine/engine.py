@@ -93,10 +93,24 @@ class _Running:
     stats: RequestStats = None
     emitted_text: str = ""
     finish: str | None = None
+    # The reply's text so far, decoded a few tokens at a time (None without a tokenizer): the host
+    # never re-decodes a whole reply per step.
+    detok: Any = None
 
 
 def _kv_dtype(config: ServeConfig) -> str:
     return KV_DTYPES[config.kv_dtype]
+
+
+def _completes_stop(text: str, seen: int, stops: Sequence[str]) -> bool:
+    """Whether a stop string occurs in `text` ending past its first `seen` characters."""
+    return any(s and text.find(s, max(0, seen - len(s) + 1)) >= 0 for s in stops)
+
+
+def _stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """The longest end of `text` that begins some stop string (0 when none does)."""
+    return max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])),
+               default=0)
 
 
 def move_backend_for(attention) -> str | None:
@@ -393,22 +407,28 @@ class Engine:
             run_stats.generated_tokens += len(self._append(run, [int(first[i])]))
 
     def _append(self, run: _Running, tokens: list[int]) -> list[int]:
-        """Adds committed tokens up to the first stop / the limit; returns those kept."""
+        """Adds committed tokens up to the first stop / the limit; returns those kept.
+
+        Token by token, so a request keeps the same tokens whether a round commits one token or
+        several: none past the one that ends it (a stop token, the limit, or the token that
+        completes a stop string).
+        """
         kept = []
         for t in tokens:
             if run.finish is not None:
                 break
-            run.tokens.append(int(t))
-            kept.append(int(t))
-            if int(t) in run.stops:
-                run.finish = "eos" if int(t) not in run.request.stop_token_ids else "stop"
+            t = int(t)
+            run.tokens.append(t)
+            kept.append(t)
+            if t in run.stops:
+                run.finish = "eos" if t not in run.request.stop_token_ids else "stop"
             elif len(run.tokens) >= run.request.max_new_tokens:
                 run.finish = "length"
-        if run.request.stop and self.tokenizer is not None:
-            text = self._text(run.tokens)
-            hits = [text.find(s) for s in run.request.stop if s and text.find(s) >= 0]
-            if hits:
-                run.finish = "stop"
+            if run.detok is not None:
+                seen = len(run.detok.text)
+                run.detok.push([t])
+                if run.finish in (None, "length") and _completes_stop(run.detok.text, seen, run.request.stop):
+                    run.finish = "stop"
         return kept
 
     def _final_text(self, run: _Running) -> str:
@@ -446,8 +466,8 @@ class Engine:
                 yield StreamEvent(i, "", [], finished=done)
                 continue
             limit = len(prompt) + req.max_new_tokens
-            queue.append(_Running(i, req, prompt, [], limit, self._stop_ids(req),
-                                  stats=self._new_stats()))
+            queue.append(_Running(i, req, prompt, [], limit, self._stop_ids(req), stats=self._new_stats(),
+                                  detok=self.tokenizer.detokenizer() if self.tokenizer is not None else None))
         running: dict[int, _Running] = {}
         free_slots = list(range(self.slots - 1, -1, -1))
         t_start = time.perf_counter()
@@ -500,10 +520,13 @@ class Engine:
             progress(len(kept))
         if not kept:
             return
-        text = self._final_text(run) if run.finish else self._text(run.tokens)
-        # Text that could still become a stop string or an incomplete character is held back.
-        if run.finish is None and text.endswith("\ufffd"):
-            return
+        if run.finish:
+            text = self._final_text(run)
+        else:
+            # An unfinished character is not in the decoded text yet; text that could still
+            # become a stop string is held back too.
+            text = run.detok.text if run.detok is not None else ""
+            text = text[:len(text) - _stop_prefix_len(text, run.request.stop)]
         new = text[len(run.emitted_text):] if text.startswith(run.emitted_text) else ""
         run.emitted_text = text if text.startswith(run.emitted_text) else run.emitted_text
         yield StreamEvent(run.index, new, kept)
