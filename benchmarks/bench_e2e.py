@@ -104,9 +104,9 @@ def serve(args):
                 reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=args.new_tokens, seed=i,
                                 temperature=temp) for i in range(n)]
                 # Compiles every shape the run uses: the step, and a prefill batch of each row count
-                # (requests admitted together prefill together, rows padded to a power of two).
-                for group in sorted({min(1 << (k - 1).bit_length(), engine.prefill_rows) for k in range(1, batch + 1)}):
-                    engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:group]])
+                # (requests admitted together prefill together).
+                for rows_in in sorted({engine.prefill_batch_rows(k) for k in range(1, batch + 1)}):
+                    engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:rows_in]])
                 engine.decode(reqs[:batch])
                 engine.decode(reqs)
                 run = engine.last_run

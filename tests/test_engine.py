@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from numerics import rel_err
+from test_tokenizer import ckpt_dir  # noqa: F401  (the tiny byte-level tokenizer's directory)
 
 from engine_fixtures import (PAGE, cached_engine, dense_forward, mixed_requests, oracle_engine, serve_config, tiny_config,
                              tiny_target)
@@ -262,20 +263,15 @@ def test_requests_admitted_together_prefill_together():
     assert _tokens(tree, reqs) == got
 
 
-def test_streamed_text_and_stop_strings(tmp_path):
+def test_streamed_text_and_stop_strings(ckpt_dir):
     """A random target over a tiny byte-level vocabulary (its byte tokens split UTF-8 characters):
     the streamed pieces add up to the completion's text, the tokens' decode. A stop string taken
     from that text ends the reply at the token that completes it, the same tokens under tree
     speculation (which commits several tokens a round), with the text cut before it and no piece
     showing any part of it."""
-    import json
-
-    from test_tokenizer import tiny_backend
     from treespec_jax.tokenizer import Tokenizer
 
-    tiny_backend().save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-    tok = Tokenizer.from_dir(tmp_path)
+    tok = Tokenizer.from_dir(ckpt_dir)
     sampling = dict(sampler="gumbel", temperature=1.0)
     plain = oracle_engine(serve_config(**sampling), vocab=tok.vocab_size, tokenizer=tok)
     tree = oracle_engine(serve_config("EAGLE3", 2, 3, 6, **sampling), vocab=tok.vocab_size, tokenizer=tok)

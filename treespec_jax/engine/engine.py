@@ -347,18 +347,22 @@ class Engine:
 
     # ---- the serving loop -----------------------------------------------------------------
 
+    def prefill_batch_rows(self, requests: int) -> int:
+        """Rows of the prefill batch that `requests` admitted together run in: their count rounded
+        up to a power of two, at most `prefill_rows`."""
+        return min(1 << (requests - 1).bit_length(), self.prefill_rows)
+
     def _start(self, group: list[tuple[_Running, int]], run_stats: RunStats) -> None:
         """Prefills up to `prefill_rows` admitted requests together (target, then drafter), draws
         their first tokens and admits request i of `group` into its slot.
 
-        Row i of the `[rows, chunk]` batches holds request i, rows = the group's size rounded up
-        to a power of two (at most `prefill_rows`); rows past the group are padding (valid 0,
-        scratch-page tables). Chunk j covers prompt positions [j * chunk, (j + 1)
+        Row i of the `[rows, chunk]` batches holds request i, rows = `prefill_batch_rows(len(group))`;
+        rows past the group are padding (valid 0, scratch-page tables). Chunk j covers prompt positions [j * chunk, (j + 1)
         * chunk); a request whose prompt ended before it takes part with valid 0 and its own length
         as start, so it writes nothing and reads only its own keys.
         """
         t0 = time.perf_counter()
-        rows, c = min(1 << (len(group) - 1).bit_length(), self.prefill_rows), self.chunk
+        rows, c = self.prefill_batch_rows(len(group)), self.chunk
         tables = np.zeros((rows, self.table_width), np.int32)
         lengths = np.zeros((rows,), np.int32)
         for i, (run, _) in enumerate(group):
