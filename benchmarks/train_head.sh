@@ -5,7 +5,7 @@
 #   benchmarks/train_head.sh train  ROOT [MINUTES] [ARGS]  # train -> ROOT/run, resumes from its newest checkpoint
 #   benchmarks/train_head.sh first  ROOT [DATA_MIN] [TOTAL_MIN]  # data, then train in what is left of one call
 #   benchmarks/train_head.sh export ROOT                   # ROOT/run/head (bf16 HF layout), loss.png, metrics.json
-#   benchmarks/train_head.sh pack   ROOT DEST              # head + logs (+ data) as <= 15 MiB parts in DEST ($OUT)
+#   benchmarks/train_head.sh pack   ROOT DEST [data]       # head + logs (+ the shards) as <= 15 MiB parts in DEST ($OUT)
 #   benchmarks/train_head.sh unpack DIR DEST               # here: join DIR's parts and extract into DEST
 #
 # ROOT must outlive the calls of one warm machine (e.g. /root/eagle3); $OUT is emptied before each
@@ -73,7 +73,7 @@ export)
     "$PY" -m treespec_jax.train.eagle3 export --run "$ROOT/run" --data "$ROOT/data" "$@"
     ;;
 pack)
-    ROOT="${1:?ROOT}"; DEST="${2:?DEST}"
+    ROOT="${1:?ROOT}"; DEST="${2:?DEST}"; WITH_DATA="${3:-}"
     mkdir -p "$DEST"
     items=()
     [[ -d "$ROOT/run/head" ]] && items+=("run/head")
@@ -83,12 +83,14 @@ pack)
     [[ -f "$ROOT/data/summary.json" ]] && items+=("data/summary.json")
     [[ -f "$ROOT/run/loss.png" ]] && cp "$ROOT/run/loss.png" "$DEST/loss.png"
     [[ -f "$ROOT/run/metrics.json" ]] && cp "$ROOT/run/metrics.json" "$DEST/metrics.json"
-    # The shards come too while the parts stay within the 6 left (8 files back, 2 taken above).
-    shards=$(cd "$ROOT" && ls data/shard_*.npz 2>/dev/null | grep -v '\.tmp\.' || true)
+    # The shards come only when asked, and only while everything stays within 4 parts (8 files and
+    # 64 MiB come back; the two copies above and the caller's own files take the rest).
+    shards=""
+    [[ "$WITH_DATA" == data ]] && shards=$(cd "$ROOT" && ls data/shard_*.npz 2>/dev/null | grep -v '\.tmp\.' || true)
     size_items=$(cd "$ROOT" && du -cb "${items[@]}" 2>/dev/null | tail -1 | cut -f1)
     size_data=0
     [[ -n "$shards" ]] && size_data=$(cd "$ROOT" && du -cb $shards | tail -1 | cut -f1)
-    if [[ -n "$shards" ]] && (( size_items + size_data < 6 * 15 * 1048576 )); then
+    if [[ -n "$shards" ]] && (( size_items + size_data < 4 * 15 * 1048576 )); then
         items+=($shards)
     elif [[ -n "$shards" ]]; then
         echo "train_head: data shards ($size_data bytes) left out of the pack (too large)" >&2
