@@ -365,7 +365,8 @@ def test_layer_routes_by_explicit_bounds_knobs_and_dtype(backend):
         layer = gdn_verify(cfg, *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=tree,
                            backend=backend)
         direct[keys], _ = gdn_chunked_verify(*_args(x), tree.ancestor_mask, _nan_payload(t), two_pass=True,
-                                             apply_reads_keys=keys, backend=backend)
+                                             apply_reads_keys=keys, fp32_dots=cfg.chunked_fp32_dots,
+                                             backend=backend)
         np.testing.assert_array_equal(np.asarray(layer.out), np.asarray(direct[keys]))
         assert rel_err(layer.out, ref_out) < TOL, keys
     assert not np.array_equal(np.asarray(direct[True]), np.asarray(direct[False]))
@@ -486,7 +487,7 @@ def test_chain_ranges_of_the_two_pass_form(t, want_chunked, backend):
         assert _kernel_names(functools.partial(layer, forced), *args16) == {"gdn_chunked_factor",
                                                                              "gdn_chunked_apply"}
         fused16, _ = gdn_chunked_verify(*args16, chain_mask, _nan_payload(t, bf16), two_pass=False,
-                                        input_dtype_grams=True, backend=backend)
+                                        input_dtype_grams=True, fp32_dots=default.chunked_fp32_dots, backend=backend)
         np.testing.assert_array_equal(np.asarray(res16.out), np.asarray(fused16))
         assert np.isnan(np.asarray(res16.node_states)).all() and rel_err(res16.out, ref_out) < 1e-2
     large_grid = GdnKernelConfig(two_pass_min_programs=B * HV)
@@ -514,7 +515,8 @@ def test_chain_ranges_of_the_two_pass_form(t, want_chunked, backend):
     assert rel_err(res.out, ref_out) < TOL
     np.testing.assert_array_equal(np.asarray(res.payload), np.asarray(pack_payload(*_args(x)[1:5])))
     assert np.isnan(np.asarray(res.node_states)).all()  # neither form writes workspace rows for a chain
-    two, _ = gdn_chunked_verify(*_args(x), chain_mask, _nan_payload(t), two_pass=True, backend=backend)
+    two, _ = gdn_chunked_verify(*_args(x), chain_mask, _nan_payload(t), two_pass=True,
+                                fp32_dots=default.chunked_fp32_dots, backend=backend)
     recurrent = gdn_verify(GdnLayerConfig(H, HV, DK, DV, kernel=large_grid, chunked_chain_verify=False),
                            *_args(x), node_states=_nan_states(t), payload=_nan_payload(t), tree=None, backend=backend)
     assert not np.array_equal(np.asarray(two), np.asarray(recurrent.out))  # the two routes are told apart

@@ -70,14 +70,17 @@ SHAPES = [(4, 16, 16, jnp.bfloat16), (1, 64, 64, jnp.bfloat16), (8, 16, 64, FP8)
 SHAPE_IDS = [f"g{g}-n{n}-page{p}-{jnp.dtype(t).name}" for g, n, p, t in SHAPES]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("splits,fp8_dot", [(None, False), (3, False), (None, True)],
-                         ids=["splits-auto", "splits-3", "fp8-dot"])
+PREFIX_FORMS = {"splits-auto": (None, False), "splits-3": (3, False), "fp8-dot": (None, True)}
+
+
+# The FP8 score dot takes FP8 pools: its bf16 combinations are not cases.
+@pytest.mark.parametrize("shape,splits,fp8_dot", [
+    pytest.param(shape, splits, fp8_dot, id=f"{form}-{sid}")
+    for form, (splits, fp8_dot) in PREFIX_FORMS.items() for shape, sid in zip(SHAPES, SHAPE_IDS)
+    if not fp8_dot or shape[3] == FP8])
 def test_prefix_decode(shape, splits, fp8_dot):
     """The Triton paged prefix decode against the fp32 reference (output and base-2 LSE)."""
     group, n, page, dtype = shape
-    if fp8_dot and dtype != FP8:
-        pytest.skip("the FP8 score dot takes FP8 pools")
     q, k, v, table, lengths, _ = gqa_case(1, n, page, dtype, hq=HKV * group)
     out, lse = prefix_decode(q, k, v, table, lengths, page_size=page, num_splits=splits, fp8_score_dot=fp8_dot,
                              poison_outputs=True)
@@ -114,16 +117,20 @@ CASCADES = {
 }
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("form", list(CASCADES))
+def cascade_applies(fields: dict, shape) -> bool:
+    """The Mosaic prefix reads 64- or 128-token pages; the FP8 score dot takes FP8 pools."""
+    _, _, page, dtype = shape
+    return ((fields.get("prefix_kernel") != "mosaic_gpu" or page in (64, 128))
+            and (not fields.get("fp8_score_dot") or dtype == FP8))
+
+
+@pytest.mark.parametrize("shape,form", [
+    pytest.param(shape, form, id=f"{form}-{sid}")
+    for form, fields in CASCADES.items() for shape, sid in zip(SHAPES, SHAPE_IDS) if cascade_applies(fields, shape)])
 def test_verify_cascade(shape, form):
     """`verify_attention` through each cascade form against one dense fp32 attention."""
     group, n, page, dtype = shape
     fields = CASCADES[form]
-    if fields.get("prefix_kernel") == "mosaic_gpu" and page not in (64, 128):
-        pytest.skip("the Mosaic prefix reads 64- or 128-token pages")
-    if fields.get("fp8_score_dot") and dtype != FP8:
-        pytest.skip("the FP8 score dot takes FP8 pools")
     q, k, v, table, lengths, mask = gqa_case(3, n, page, dtype, hq=HKV * group)
     out = verify_attention(q, k, v, table, lengths, mask, config=CascadeConfig(page_size=page, **fields))
     assert out.dtype == q.dtype
@@ -193,13 +200,14 @@ MLA_DECODES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("form", list(MLA_DECODES))
+# The widened FP8 score dot is a form of FP8 caches: it has no bf16 case.
+@pytest.mark.parametrize("dtype,form", [
+    pytest.param(dtype, form, id=f"{form}-{dname}")
+    for form in MLA_DECODES for dtype, dname in ((jnp.bfloat16, "bf16"), (FP8, "fp8"))
+    if form != "triton-widened-fp8" or dtype == FP8])
 def test_mla_decode(dtype, form):
     """The latent decode (Triton, or the Mosaic GPU kernel over whole pages) against its fp32 reference."""
     kernel, option = MLA_DECODES[form]
-    if form == "triton-widened-fp8" and dtype != FP8:
-        pytest.skip("the widened FP8 score dot is a form of FP8 caches")
     q, pool, table, lengths, _ = mla_case(6, 16, dtype)
     if kernel == "triton":
         out, lse = mla_decode(q, pool, table, lengths, kv_lora_rank=LORA, page_size=PAGE, scale=MLA_SCALE,
