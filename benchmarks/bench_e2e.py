@@ -207,7 +207,7 @@ def llama8b(args):
         pools = {n: jnp.zeros((num_pages * 64, 8, 128), jnp.bfloat16) for kv in kv_buffer_names(32) for n in kv}
         table = jnp.asarray(1 + np.arange(batch * pages, dtype=np.int32).reshape(batch, pages))
         lengths = jnp.full((batch,), context, jnp.int32)
-        for n in (1, 16, 64):
+        for n in [int(x) for x in args.nodes.split(",")]:
             tokens = jnp.zeros((batch, n), jnp.int32)
             parents = chain_parents(batch, n) if n == 1 else jnp.asarray(
                 np.concatenate([[-1], np.arange(n - 1) // 3]).astype(np.int32)[None].repeat(batch, 0))
@@ -215,6 +215,10 @@ def llama8b(args):
             positions = lengths[:, None] + jnp.arange(n)[None]
             fn = jax.jit(model.verify, donate_argnums=(1,))
             holder = {"pools": pools}
+            if args.out and args.hlo:  # the compiled program, to count its kernels
+                args.out.mkdir(parents=True, exist_ok=True)
+                text = fn.lower(params, pools, tokens, positions, mask, table, lengths).compile().as_text()
+                (args.out / f"llama8b_b{batch}_n{n}.hlo.txt").write_text(text)
 
             def call():
                 _, _, holder["pools"] = fn(params, holder["pools"], tokens, positions, mask, table, lengths)
@@ -226,7 +230,7 @@ def llama8b(args):
                          "x_floor": sec / floor})
             print(json.dumps(rows[-1]), flush=True)
         for r in rows:
-            if r["batch"] == batch and r["nodes"] > 1:
+            if r["batch"] == batch and r["nodes"] > 1 and any(x["batch"] == batch and x["nodes"] == 1 for x in rows):
                 plain = next(x for x in rows if x["batch"] == batch and x["nodes"] == 1)
                 r["x_plain"] = r["ms"] / plain["ms"]
         del pools
@@ -241,6 +245,8 @@ def main():
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--shape", default="tree-k4s5n16")
+    ap.add_argument("--nodes", default="1,16,64", help="llama8b: verify widths (1 = the plain decode step)")
+    ap.add_argument("--hlo", action="store_true", help="llama8b: write each compiled program's HLO into --out")
     ap.add_argument("--shapes", default="plain,chain-s5,tree-k4s5n16,tree-k8s6n64")
     ap.add_argument("--temperatures", default="0,0.8")
     ap.add_argument("--prompts", type=int, default=64)
