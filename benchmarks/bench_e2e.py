@@ -229,9 +229,9 @@ def llama8b(args):
             rows.append({"batch": batch, "nodes": n, "ms": sec * 1e3, "floor_ms": floor * 1e3,
                          "x_floor": sec / floor})
             print(json.dumps(rows[-1]), flush=True)
+        plain = next((x for x in rows if x["batch"] == batch and x["nodes"] == 1), None)
         for r in rows:
-            if r["batch"] == batch and r["nodes"] > 1 and any(x["batch"] == batch and x["nodes"] == 1 for x in rows):
-                plain = next(x for x in rows if x["batch"] == batch and x["nodes"] == 1)
+            if plain is not None and r["batch"] == batch and r["nodes"] > 1:
                 r["x_plain"] = r["ms"] / plain["ms"]
         del pools
     return {"table": "llama8b", "weight_bytes": weight_bytes, "copy_bw": bw, "context": context, "rows": rows}

@@ -19,10 +19,9 @@ cd "$ROOT"
 marker=(-m gpu)
 for a in "$@"; do [[ $a == -m ]] && marker=(); done
 PY="${PYTHON:-python3}"
-if ! "$PY" -c 'import gguf' 2>/dev/null && ls .whl/gguf-*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/gguf-*.whl
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# shellcheck source=need_gguf.sh
+source "$ROOT/benchmarks/need_gguf.sh"
+need_gguf "$PY" "$ROOT" || echo "gpu_tier: the GGUF tests will not import" >&2
 # Several workers share the GPU: none may take most of its memory up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 parallel=(); (( WORKERS > 0 )) && parallel=(-n "$WORKERS")

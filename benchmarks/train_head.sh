@@ -30,15 +30,8 @@ usage() {
     exit 2
 }
 
-need_gguf() {
-    if ! "$PY" -c 'import gguf' 2>/dev/null; then
-        local whl
-        whl=$(ls "$ROOT_DIR"/.whl/gguf-*.whl 2>/dev/null | head -1 || true)
-        [[ -n "$whl" ]] || { echo "train_head: no gguf package and no .whl/gguf-*.whl carried" >&2; exit 1; }
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$whl"
-        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-    fi
-}
+# shellcheck source=need_gguf.sh
+source "$ROOT_DIR/benchmarks/need_gguf.sh"
 
 jax_cache() {
     # Compiled programs persist across the runs of one machine: a resumed run skips the compile.
@@ -51,17 +44,17 @@ cmd="${1:-}"; shift || true
 case "$cmd" in
 data)
     ROOT="${1:?ROOT}"; MIN="${2:-4}"; shift 2 || shift $#
-    need_gguf; jax_cache "$ROOT"
+    need_gguf "$PY" "$ROOT_DIR" || exit 1; jax_cache "$ROOT"
     "$PY" -m treespec_jax.train.data --out "$ROOT/data" --max-minutes "$MIN" "$@"
     ;;
 train)
     ROOT="${1:?ROOT}"; MIN="${2:-9}"; shift 2 || shift $#
-    need_gguf; jax_cache "$ROOT"
+    need_gguf "$PY" "$ROOT_DIR" || exit 1; jax_cache "$ROOT"
     "$PY" -m treespec_jax.train.eagle3 train --data "$ROOT/data" --run "$ROOT/run" --max-minutes "$MIN" "$@"
     ;;
 first)
     ROOT="${1:?ROOT}"; DMIN="${2:-4}"; TOTAL="${3:-9.3}"
-    need_gguf; jax_cache "$ROOT"
+    need_gguf "$PY" "$ROOT_DIR" || exit 1; jax_cache "$ROOT"
     t0=$(date +%s)
     "$PY" -m treespec_jax.train.data --out "$ROOT/data" --max-minutes "$DMIN"
     left=$("$PY" -c "import time; print(max(0.5, $TOTAL - (time.time() - $t0) / 60))")
@@ -69,7 +62,7 @@ first)
     ;;
 export)
     ROOT="${1:?ROOT}"; shift || true
-    need_gguf; jax_cache "$ROOT"
+    need_gguf "$PY" "$ROOT_DIR" || exit 1; jax_cache "$ROOT"
     "$PY" -m treespec_jax.train.eagle3 export --run "$ROOT/run" --data "$ROOT/data" "$@"
     ;;
 pack)
