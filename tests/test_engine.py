@@ -268,7 +268,7 @@ def test_streamed_text_and_stop_strings(ckpt_dir):
     the streamed pieces add up to the completion's text, the tokens' decode. A stop string taken
     from that text ends the reply at the token that completes it, the same tokens under tree
     speculation (which commits several tokens a round), with the text cut before it and no piece
-    showing any part of it."""
+    showing any part of it. A finished reply is decoded whole once."""
     from treespec_jax.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(ckpt_dir)
@@ -288,7 +288,12 @@ def test_streamed_text_and_stop_strings(ckpt_dir):
         assert all(pieces.get(i, "") == done[i].text for i in done)
         return [done[i] for i in range(len(requests))], pieces
 
+    whole_decodes = []
+    decode_whole = plain._text
+    plain._text = lambda tokens: whole_decodes.append(len(tokens)) or decode_whole(tokens)
     full, _ = run(plain, reqs)
+    del plain._text
+    assert len(whole_decodes) == len(reqs), "a finished reply is decoded whole once, not per use"
     for c in full:
         assert c.finish_reason == "length" and c.text == tok.decode(c.tokens)
     text = full[0].text

@@ -96,6 +96,8 @@ class _Running:
     # The reply's text so far, decoded a few tokens at a time (None without a tokenizer): the host
     # never re-decodes a whole reply per step.
     detok: Any = None
+    # The finished reply's text, decoded once: both the last stream event and the completion use it.
+    final_text: str | None = None
 
 
 def _kv_dtype(config: ServeConfig) -> str:
@@ -436,6 +438,11 @@ class Engine:
         return kept
 
     def _final_text(self, run: _Running) -> str:
+        if run.final_text is None:
+            run.final_text = self._decode_final_text(run)
+        return run.final_text
+
+    def _decode_final_text(self, run: _Running) -> str:
         tokens = run.tokens
         if run.finish == "eos" or (run.finish == "stop" and tokens and tokens[-1] in run.stops):
             tokens = tokens[:-1]
