@@ -405,7 +405,8 @@ def test_layer_routes_by_explicit_bounds_knobs_and_dtype(backend):
     default16 = gdn_verify(GdnLayerConfig(H, HV, DK, DV), *args16, node_states=_nan_states(t),
                            payload=_nan_payload(t, bf16), tree=tree, backend=backend)
     direct16, _ = gdn_chunked_verify(*args16, tree.ancestor_mask, _nan_payload(t, bf16), two_pass=True,
-                                     apply_reads_keys=True, input_dtype_grams=True, backend=backend)
+                                     apply_reads_keys=True, input_dtype_grams=True,
+                                     fp32_dots=GdnLayerConfig(H, HV, DK, DV).chunked_fp32_dots, backend=backend)
     np.testing.assert_array_equal(np.asarray(default16.out), np.asarray(direct16))
     assert np.isnan(np.asarray(default16.node_states)).all() and rel_err(default16.out, ref_out) < 2e-2
     # q bf16 with k fp32: no input-dtype grams by default (the fp32 route), refused when forced.
@@ -429,7 +430,7 @@ def test_default_runs_two_pass_past_16_rows_on_every_grid(backend):
     args16 = [a.astype(bf16) if i < 5 else a for i, a in enumerate(_args(x))]
     default = GdnLayerConfig(H, HV, DK, DV)
     two, _ = gdn_chunked_verify(*args16, tree.ancestor_mask, _nan_payload(t, bf16), two_pass=True,
-                                input_dtype_grams=True, backend=backend)
+                                input_dtype_grams=True, fp32_dots=default.chunked_fp32_dots, backend=backend)
     assert default.chunked_route(B, jnp.float32) == (12, 64, {32: 33, 64: 48})
     assert default.chunked_route(B, bf16) == (8, 64, {32: 17, 64: 33})
     large = GdnLayerConfig(H, HV, DK, DV, kernel=GdnKernelConfig(two_pass_min_programs=B * HV))
