@@ -13,7 +13,8 @@
 # The target is the default GGUF, found under $TREESPEC_CACHE (default /root/gguf, where
 # stage_gguf.sh's `join /root/gguf` puts it). The gguf package is installed from a carried
 # .whl/gguf-*.whl when the machine lacks it (only the target loading imports it).
-# Extra arguments after MINUTES go to the Python command (e.g. --set train.steps=3000).
+# Extra arguments after MINUTES go to the Python command (e.g. --set train.steps=3000; a new run that
+# goes on from the shipped head: --set head.init_from=treespec_jax/data/smollm2-eagle3).
 set -euo pipefail
 
 ROOT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

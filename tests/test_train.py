@@ -260,6 +260,43 @@ def test_resume_matches_uninterrupted_run_and_export_loads(tmp_path, target_para
     assert (tmp_path / "split" / "metrics.json").exists()
 
 
+def test_run_starts_from_an_exported_head(tmp_path, target_params):
+    """head.init_from: a new run starts from an exported head's (bf16) weights and keeps its draft
+    vocabulary, so its first loss is the trained head's, not a fresh one's; a head that does not
+    fit the config is refused naming each misfit, a missing one at config time."""
+    data = synthetic_shards(tmp_path / "data", seed=3)
+    quiet = lambda m: None
+    target = (TARGET, target_params)
+    cfg = tiny_config()
+    trained = trainer_mod.train(cfg, data, tmp_path / "a", stop_after=6, export=True, target=target, log=quiet)
+    head_dir = tmp_path / "a" / "head"
+    warm_cfg = cfg.replace(head={"init_from": str(head_dir)})
+    trainer_mod.train(warm_cfg, data, tmp_path / "b", stop_after=1, target=target, log=quiet)
+    trainer_mod.train(cfg, data, tmp_path / "c", stop_after=1, target=target, log=quiet)
+    first_loss = lambda run: float(trainer_mod.read_loss_csv(tmp_path / run / "loss.csv")[0]["loss"])
+    trained_loss = float(trainer_mod.read_loss_csv(tmp_path / "a" / "loss.csv")[-1]["loss"])
+    assert first_loss("b") < 0.8 * first_loss("c"), (first_loss("b"), first_loss("c"), trained_loss)
+    np.testing.assert_array_equal(np.load(tmp_path / "b" / "vocab.npz")["draft_ids"],
+                                  np.load(tmp_path / "a" / "vocab.npz")["draft_ids"])
+    # Zero steps: the checkpoint holds the exported weights exactly.
+    trainer_mod.train(warm_cfg, data, tmp_path / "d", stop_after=0, target=target, log=quiet)
+    like = trainer_mod.init_head(target_params, TARGET, trainer_mod.head_config(TARGET, cfg, 24), np.arange(24),
+                                 jax.random.key(1))
+    params, _, meta = trainer_mod.load_checkpoint(trainer_mod.checkpoints(tmp_path / "d")[-1], like,
+                                                  trainer_mod.make_optimizer(cfg).init(like))
+    from treespec_jax.models.hf import load_eagle3
+    _, loaded = load_eagle3(head_dir, "fp32", target=TARGET)
+    assert meta["step"] == 0 and trained.step == 6
+    for k, v in _flat(trainer_mod.head_params_of(loaded)).items():
+        np.testing.assert_array_equal(_flat(params)[k], v, err_msg=k)
+
+    misfit = warm_cfg.replace(head={"intermediate_size": 44}, vocab={"draft_vocab_size": 20})
+    with pytest.raises(ValueError, match=r"intermediate_size 40 \(this config: 44\).*draft_vocab_size 24"):
+        trainer_mod.train(misfit, data, tmp_path / "e", stop_after=1, target=target, log=quiet)
+    with pytest.raises(TrainConfigError, match="head.init_from = 'no/such/head': no config.json"):
+        load_config(overrides={"head.init_from": "no/such/head"})
+
+
 # ---------------------------------------------------------------------------------------------
 # Data
 # ---------------------------------------------------------------------------------------------

@@ -88,10 +88,20 @@ class HeadConfig:
     intermediate_size: int = 0  # SwiGLU width F; 0 = the target's
     num_heads: int = 0  # query heads; 0 = the target's
     num_kv_heads: int = 0  # KV heads; 0 = the target's
+    # An exported head directory (config.json + safetensors; relative to the repo root) whose weights
+    # and draft vocabulary a new run starts from, so training goes on from a shipped head; "" = fresh.
+    init_from: str = ""
 
     def problems(self) -> list[str]:
-        return [f"head.{n} = {getattr(self, n)} must be >= 0 (0 = the target's)"
-                for n in ("intermediate_size", "num_heads", "num_kv_heads") if getattr(self, n) < 0]
+        out = [f"head.{n} = {getattr(self, n)} must be >= 0 (0 = the target's)"
+               for n in ("intermediate_size", "num_heads", "num_kv_heads") if getattr(self, n) < 0]
+        if self.init_from and not (self.init_path() / "config.json").is_file():
+            out.append(f"head.init_from = {self.init_from!r}: no config.json in {self.init_path()}")
+        return out
+
+    def init_path(self) -> Path:
+        p = Path(self.init_from)
+        return p if p.is_absolute() else REPO_ROOT / p
 
 
 @dataclasses.dataclass(frozen=True)

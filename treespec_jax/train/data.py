@@ -275,9 +275,20 @@ def build_vocab(reply_tokens: np.ndarray, vocab_size: int, draft_vocab_size: int
     coverage (the share of reply tokens inside the draft vocabulary).
     """
     vd = vocab_size if draft_vocab_size <= 0 or draft_vocab_size >= vocab_size else draft_vocab_size
-    counts = np.bincount(reply_tokens, minlength=vocab_size)[:vocab_size].astype(np.int64)
+    counts = token_counts(reply_tokens, vocab_size)
     order = np.lexsort((np.arange(vocab_size), -counts))  # count desc, then id asc
-    draft_ids = np.sort(order[:vd]).astype(np.int64)
+    return vocab_of(order[:vd], counts)
+
+
+def token_counts(reply_tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    return np.bincount(reply_tokens, minlength=vocab_size)[:vocab_size].astype(np.int64)
+
+
+def vocab_of(draft_ids: np.ndarray, counts: np.ndarray) -> dict:
+    """The vocabulary dict of `build_vocab` for given draft ids (a head's own, to go on training
+    it), with `counts` `[V]` of the training reply tokens."""
+    draft_ids = np.sort(np.asarray(draft_ids)).astype(np.int64)
+    vocab_size, vd = len(counts), len(draft_ids)
     t2d = np.zeros(vocab_size, bool)
     t2d[draft_ids] = True
     total = int(counts.sum())

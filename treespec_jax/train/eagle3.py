@@ -17,6 +17,8 @@ resolution.
 Initialisation: lm_head is the target's (tied) embedding rows of the draft vocabulary and the
 head's final norm the target's final norm, so step 0 starts by reading its hidden state as the
 target's last layer would be read; fc and the decoder layer are random, the input norms ones.
+With `head.init_from` a new run starts instead from an exported head's weights (bf16, cast to
+fp32 masters) and keeps its draft vocabulary, so training on fresh data goes on improving it.
 
 A run directory holds `config.json` (the config of its first run), `vocab.npz` (the draft
 vocabulary, fixed for the run's life), `loss.csv` (one row per `log_every` steps), `eval.csv`
@@ -201,12 +203,47 @@ def _device(batch: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def ensure_vocab(run: Path, train_seqs: data_mod.Sequences, vocab_size: int, cfg: TrainConfig, log) -> dict:
+def start_head(cfg: TrainConfig, target_cfg: LlamaConfig) -> dict | None:
+    """fp32 params (with its `d2t`) of the exported head `head.init_from`, or None (fresh weights).
+
+    The head must be the one this config would build: a misfit is refused naming each field."""
+    if not cfg.head.init_from:
+        return None
+    from treespec_jax.models.hf import load_eagle3
+
+    hc, loaded = load_eagle3(cfg.head.init_path(), "fp32", target=target_cfg)
+    want = head_config(target_cfg, cfg, hc.draft_vocab_size)
+    diff = [f"{f.name} {getattr(hc, f.name)!r} (this config: {getattr(want, f.name)!r})"
+            for f in dataclasses.fields(want) if getattr(hc, f.name) != getattr(want, f.name)]
+    if cfg.vocab.draft_vocab_size != hc.draft_vocab_size:
+        diff.append(f"draft_vocab_size {hc.draft_vocab_size} (this config's vocab.draft_vocab_size: "
+                    f"{cfg.vocab.draft_vocab_size})")
+    if diff:
+        raise ValueError(f"head.init_from = {cfg.head.init_from!r} does not fit this config: " + "; ".join(diff))
+    params = head_params_of(loaded)
+    params["d2t"] = np.asarray(loaded["d2t"])
+    return params
+
+
+def head_params_of(loaded: dict) -> dict:
+    """The trainable fp32 params of a loaded head (`models.hf.load_eagle3`'s dict)."""
+    return {k: jnp.asarray(loaded[k], jnp.float32) if k != "layer" else
+            {n: jnp.asarray(v, jnp.float32) for n, v in loaded["layer"].items()} for k in HEAD_PARAM_KEYS}
+
+
+def ensure_vocab(run: Path, train_seqs: data_mod.Sequences, vocab_size: int, cfg: TrainConfig, log,
+                 d2t: np.ndarray | None = None) -> dict:
+    """The run's draft vocabulary: as saved, else `d2t`'s (a start head's), else the most frequent
+    training reply tokens."""
     path = run / "vocab.npz"
     if path.exists():
         with np.load(path) as z:
             return {k: z[k] for k in z.files}
-    vocab = data_mod.build_vocab(train_seqs.reply_tokens(), vocab_size, cfg.vocab.draft_vocab_size)
+    if d2t is not None:
+        draft_ids = np.arange(len(d2t)) + np.asarray(d2t, np.int64)
+        vocab = data_mod.vocab_of(draft_ids, data_mod.token_counts(train_seqs.reply_tokens(), vocab_size))
+    else:
+        vocab = data_mod.build_vocab(train_seqs.reply_tokens(), vocab_size, cfg.vocab.draft_vocab_size)
     np.savez(path, **{k: np.asarray(v) for k, v in vocab.items()})
     log(f"draft vocabulary: {len(vocab['draft_ids'])} tokens cover {100 * vocab['coverage']:.2f}% of the "
         f"training reply tokens")
@@ -317,14 +354,20 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike, run_dir: str | os.PathL
     target_cfg, target_params = target if target is not None else _load_target(cfg)
     seqs = data_mod.read_shards(data_dir)
     train_seqs, held_seqs = seqs.split()
-    vocab = ensure_vocab(run, train_seqs, target_cfg.vocab_size, cfg, log)
+    found = checkpoints(run)
+    warm = None if found else start_head(cfg, target_cfg)
+    vocab = ensure_vocab(run, train_seqs, target_cfg.vocab_size, cfg, log,
+                         d2t=None if warm is None else warm.pop("d2t"))
     hc = head_config(target_cfg, cfg, len(vocab["draft_ids"]))
     trainer = Trainer(cfg, target_cfg, hc, vocab)
     t = cfg.train
-    params = init_head(target_params, target_cfg, hc, vocab["draft_ids"], jax.random.key(t.seed))
+    if warm is not None:
+        params = warm
+        log(f"starting from the head in {cfg.head.init_from}")
+    else:
+        params = init_head(target_params, target_cfg, hc, vocab["draft_ids"], jax.random.key(t.seed))
     opt_state = trainer.optimizer.init(params)
     step, cursor, ckpt = 0, (0, 0), None
-    found = checkpoints(run)
     if found:
         params, opt_state, meta = load_checkpoint(found[-1], params, opt_state)
         step, cursor, ckpt = meta["step"], tuple(meta["cursor"]), found[-1]
@@ -444,8 +487,7 @@ def export_head(cfg: TrainConfig, run_dir: str | os.PathLike, out: str | os.Path
         held_seqs = data_mod.read_shards(data_dir).split()[1]
     if held_seqs is not None and len(held_seqs):
         trainer = trainer or Trainer(cfg, target_cfg, hc, vocab)
-        rounded = {k: jnp.asarray(loaded[k], jnp.float32) if k != "layer" else
-                   {n: jnp.asarray(v, jnp.float32) for n, v in loaded["layer"].items()} for k in HEAD_PARAM_KEYS}
+        rounded = head_params_of(loaded)
         batches = data_mod.heldout_batches(held_seqs, cfg.train.seq_len, cfg.train.batch_rows, cfg.train.eval_batches)
         metrics.update(trainer.evaluate(rounded, target_params, batches))
         with open(run / "eval.csv", "a") as f:
