@@ -1,8 +1,9 @@
 """What one decode step's token draw costs on the GPU, by sampling setting: `sample_at` on
 `[B, V]` fp32 logits (SmolLM2's V = 49152) for greedy rows, temperature 0.8, and temperature 0.8
 with top-p 0.9, next to a plain argmax in the same run. The draw holds a device-side branch (the
-top-k / top-p sort is skipped when no row asks for it); `--no-branch` times the same draw with
-the branch resolved at trace time, to see what the branch itself costs.
+top-k / top-p sort is skipped when no row asks for it); `t0.8_no_branch` times the same draw with
+the branch resolved at trace time (a copy of `keyed._sample_rows` without it), to see what the
+branch itself costs.
 
     PYTHONPATH=. python benchmarks/tools/sampling_cost.py [--batches 1,8,64] [--vocab 49152]
 

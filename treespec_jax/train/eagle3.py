@@ -203,8 +203,8 @@ def _device(batch: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def start_head(cfg: TrainConfig, target_cfg: LlamaConfig) -> dict | None:
-    """fp32 params (with its `d2t`) of the exported head `head.init_from`, or None (fresh weights).
+def start_head(cfg: TrainConfig, target_cfg: LlamaConfig) -> tuple[dict, np.ndarray] | None:
+    """(fp32 params, draft ids `[Vd]`) of the exported head `head.init_from`, or None (fresh weights).
 
     The head must be the one this config would build: a misfit is refused naming each field."""
     if not cfg.head.init_from:
@@ -220,9 +220,7 @@ def start_head(cfg: TrainConfig, target_cfg: LlamaConfig) -> dict | None:
                     f"{cfg.vocab.draft_vocab_size})")
     if diff:
         raise ValueError(f"head.init_from = {cfg.head.init_from!r} does not fit this config: " + "; ".join(diff))
-    params = head_params_of(loaded)
-    params["d2t"] = np.asarray(loaded["d2t"])
-    return params
+    return head_params_of(loaded), np.arange(hc.draft_vocab_size) + np.asarray(loaded["d2t"], np.int64)
 
 
 def head_params_of(loaded: dict) -> dict:
@@ -232,15 +230,14 @@ def head_params_of(loaded: dict) -> dict:
 
 
 def ensure_vocab(run: Path, train_seqs: data_mod.Sequences, vocab_size: int, cfg: TrainConfig, log,
-                 d2t: np.ndarray | None = None) -> dict:
-    """The run's draft vocabulary: as saved, else `d2t`'s (a start head's), else the most frequent
-    training reply tokens."""
+                 draft_ids: np.ndarray | None = None) -> dict:
+    """The run's draft vocabulary: as saved, else `draft_ids` (a start head's), else the most
+    frequent training reply tokens."""
     path = run / "vocab.npz"
     if path.exists():
         with np.load(path) as z:
             return {k: z[k] for k in z.files}
-    if d2t is not None:
-        draft_ids = np.arange(len(d2t)) + np.asarray(d2t, np.int64)
+    if draft_ids is not None:
         vocab = data_mod.vocab_of(draft_ids, data_mod.token_counts(train_seqs.reply_tokens(), vocab_size))
     else:
         vocab = data_mod.build_vocab(train_seqs.reply_tokens(), vocab_size, cfg.vocab.draft_vocab_size)
@@ -357,12 +354,12 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike, run_dir: str | os.PathL
     found = checkpoints(run)
     warm = None if found else start_head(cfg, target_cfg)
     vocab = ensure_vocab(run, train_seqs, target_cfg.vocab_size, cfg, log,
-                         d2t=None if warm is None else warm.pop("d2t"))
+                         draft_ids=None if warm is None else warm[1])
     hc = head_config(target_cfg, cfg, len(vocab["draft_ids"]))
     trainer = Trainer(cfg, target_cfg, hc, vocab)
     t = cfg.train
     if warm is not None:
-        params = warm
+        params = warm[0]
         log(f"starting from the head in {cfg.head.init_from}")
     else:
         params = init_head(target_params, target_cfg, hc, vocab["draft_ids"], jax.random.key(t.seed))
