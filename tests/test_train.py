@@ -337,6 +337,15 @@ def test_data_generator_writes_and_resumes_shards_through_the_engine(tmp_path, t
     after = dict(np.load(data_mod.shard_path(out, 1)))
     for k in before:
         np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+    # first_shard: a later run makes only the shards from it on, each the same as a full run's.
+    later = tmp_path / "later"
+    summary = data_mod.generate(engine, tok, prompts, dataclasses.replace(cfg, first_shard=1), later,
+                                log=lambda m: None)
+    assert summary["shards_written"] == 1 and summary["shards_total"] == 1 and summary["complete"]
+    assert not data_mod.shard_path(later, 0).exists()
+    np.testing.assert_array_equal(np.load(data_mod.shard_path(later, 1))["request"], before["request"])
+    problems = dataclasses.replace(cfg, first_shard=2).problems()
+    assert problems == ["data.first_shard = 2 must lie in [0, ceil(max_requests / shard_size)) = [0, 2)"]
 
 
 def test_draft_vocabulary_and_packing_cursor(tmp_path):

@@ -40,6 +40,7 @@ class DataConfig:
 
     max_requests: int = 16384  # requests generated at most (prompts cycle with fresh seeds past the set's end)
     shard_size: int = 256  # requests per .npz shard (the unit of resumption)
+    first_shard: int = 0  # shards before it are not generated: a later run starts on requests (prompts) not yet used
     max_new_tokens: int = 512  # reply length cap
     max_prompt_tokens: int = 448  # prompts longer than this (after the chat template) are skipped
     greedy_fraction: float = 0.5  # share of first-pass requests decoded greedily; the rest sampled
@@ -55,6 +56,9 @@ class DataConfig:
     def problems(self) -> list[str]:
         out = _positive(self, "max_requests", "shard_size", "max_new_tokens", "max_prompt_tokens", "batch",
                         "page_size", "heldout_every")
+        if self.first_shard < 0 or (self.shard_size > 0 and self.first_shard * self.shard_size >= self.max_requests):
+            out.append(f"data.first_shard = {self.first_shard} must lie in [0, ceil(max_requests / shard_size)) "
+                       f"= [0, {-(-self.max_requests // max(self.shard_size, 1))})")
         if not 0.0 <= self.greedy_fraction <= 1.0:
             out.append(f"data.greedy_fraction = {self.greedy_fraction} must lie in [0, 1]")
         if not self.temperature > 0:

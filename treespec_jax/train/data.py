@@ -16,7 +16,8 @@ the gumbel backend, which samples temperature 0 as argmax) and saved as `shard_{
 `request [n]`, `prompt_index [n]`, `temperature [n]`, `heldout [n]`, `finish [n]` (index into
 FINISH). A shard is written to a temporary name and renamed, so it is whole or absent; a run
 skips the shards that exist and stops starting new ones at its `--max-minutes` deadline: runs of
-a few minutes each add up to the whole set.
+a few minutes each add up to the whole set. Shards before `first_shard` are not generated: a run
+that goes on from an exported head (`head.init_from`) trains on requests its head has not seen.
 
 Draft vocabulary (`build_vocab`): the Vd target tokens most frequent among the training replies,
 in increasing id order, as the published heads lay them out: `d2t[i]` = target id of draft id i
@@ -182,8 +183,9 @@ def generate(engine, tokenizer, prompts: Sequence[dict], cfg: DataConfig, out: s
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     num_shards = math.ceil(cfg.max_requests / cfg.shard_size)
+    shards = range(cfg.first_shard, num_shards)
     written, gen_tokens, gen_s, times = 0, 0, 0.0, []
-    for k in range(num_shards):
+    for k in shards:
         path = shard_path(out, k)
         if path.exists():
             continue
@@ -205,10 +207,10 @@ def generate(engine, tokenizer, prompts: Sequence[dict], cfg: DataConfig, out: s
         gen_s += dt
         log(f"shard {k}: {len(arrays['prompt_lens'])} requests, {n_new} reply tokens in {dt:.1f} s "
             f"({n_new / max(dt, 1e-9):.0f} tok/s)")
-    present = sum(shard_path(out, k).exists() for k in range(num_shards))
-    return {"shards_written": written, "shards_present": present, "shards_total": num_shards,
+    present = sum(shard_path(out, k).exists() for k in shards)
+    return {"shards_written": written, "shards_present": present, "shards_total": len(shards),
             "reply_tokens_written": gen_tokens, "generate_s": gen_s,
-            "tokens_per_s": gen_tokens / gen_s if gen_s else None, "complete": present == num_shards}
+            "tokens_per_s": gen_tokens / gen_s if gen_s else None, "complete": present == len(shards)}
 
 
 # ---------------------------------------------------------------------------------------------
