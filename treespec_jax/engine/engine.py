@@ -389,8 +389,7 @@ class Engine:
         sampling = [self._sampling_of(run.request) for run, _ in group]
         sampling += [(0.0, 0, 1.0, 0)] * (rows - len(group))  # padding rows draw greedily, unused
         temperature, top_k, top_p, seed = (list(col) for col in zip(*sampling))
-        params = SamplingParams.create(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
-                                       jnp.asarray(top_p, jnp.float32))
+        params = SamplingParams.create(temperature, top_k, top_p)
         first = np.asarray(self._first_token(logits, jnp.asarray(seed, jnp.int32), jnp.asarray(lengths), params))
         if self.drafter is not None:
             # The drafter's row t pairs prompt token t with the token after it (the first drawn one

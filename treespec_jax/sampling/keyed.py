@@ -46,14 +46,18 @@ class SamplingParams:
 
         Traced inputs (inside jit) skip the value checks; build params on the host to get them.
         """
-        temperature = jnp.asarray(temperature, jnp.float32)
-        top_k = jnp.zeros(temperature.shape, jnp.int32) if top_k is None else jnp.asarray(top_k, jnp.int32)
-        top_p = jnp.ones(temperature.shape, jnp.float32) if top_p is None else jnp.asarray(top_p, jnp.float32)
+        traced = any(isinstance(x, jax.core.Tracer) for x in (temperature, top_k, top_p))
+        # Host values are checked as numpy before they reach the device: reading a device array
+        # back would wait for whatever the device is still running.
+        xp = jnp if traced else np
+        temperature = xp.asarray(temperature, np.float32)
+        top_k = xp.zeros(temperature.shape, np.int32) if top_k is None else xp.asarray(top_k, np.int32)
+        top_p = xp.ones(temperature.shape, np.float32) if top_p is None else xp.asarray(top_p, np.float32)
         if not (temperature.shape == top_k.shape == top_p.shape):
             raise ValueError(
                 f"temperature, top_k and top_p need one shape, got {temperature.shape}, {top_k.shape}, {top_p.shape}")
-        if not any(isinstance(x, jax.core.Tracer) for x in (temperature, top_k, top_p)):
-            t, k, p = np.asarray(temperature), np.asarray(top_k), np.asarray(top_p)
+        if not traced:
+            t, k, p = temperature, top_k, top_p
             bad_t = ~(np.isfinite(t) & (t >= 0))
             if bad_t.any():
                 raise ValueError(f"temperature must be finite and >= 0; bad values {t[bad_t].tolist()}")
@@ -62,6 +66,7 @@ class SamplingParams:
             bad_p = ~((p > 0) & (p <= 1))
             if bad_p.any():
                 raise ValueError(f"top_p must lie in (0, 1]; bad values {p[bad_p].tolist()}")
+            temperature, top_k, top_p = jnp.asarray(t), jnp.asarray(k), jnp.asarray(p)
         return cls(temperature=temperature, top_k=top_k, top_p=top_p)
 
     @classmethod
