@@ -72,7 +72,7 @@ class SamplingParams:
     @classmethod
     def greedy(cls, batch: int) -> "SamplingParams":
         """Temperature 0 for `batch` requests."""
-        return cls.create(jnp.zeros((batch,), jnp.float32))
+        return cls.create(np.zeros((batch,), np.float32))
 
 
 def _broadcast_lead(x: jax.Array, lead_shape: tuple[int, ...], name: str) -> jax.Array:

@@ -53,12 +53,19 @@ class DataConfig:
     heldout_every: int = 50  # every n-th prompt (by index) is held out of training for the held-out loss
     seed: int = 0  # base seed of the sampled replies and the greedy/sampled split
 
+    @property
+    def num_shards(self) -> int:
+        """Shards of the whole request set (the last one may be short): ceil(max_requests / shard_size)."""
+        return -(-self.max_requests // self.shard_size)
+
     def problems(self) -> list[str]:
         out = _positive(self, "max_requests", "shard_size", "max_new_tokens", "max_prompt_tokens", "batch",
                         "page_size", "heldout_every")
-        if self.first_shard < 0 or (self.shard_size > 0 and self.first_shard * self.shard_size >= self.max_requests):
+        if self.shard_size > 0 and not 0 <= self.first_shard < self.num_shards:
             out.append(f"data.first_shard = {self.first_shard} must lie in [0, ceil(max_requests / shard_size)) "
-                       f"= [0, {-(-self.max_requests // max(self.shard_size, 1))})")
+                       f"= [0, {self.num_shards})")
+        elif self.first_shard < 0:
+            out.append(f"data.first_shard = {self.first_shard} must be >= 0")
         if not 0.0 <= self.greedy_fraction <= 1.0:
             out.append(f"data.greedy_fraction = {self.greedy_fraction} must lie in [0, 1]")
         if not self.temperature > 0:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -182,8 +181,7 @@ def generate(engine, tokenizer, prompts: Sequence[dict], cfg: DataConfig, out: s
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    num_shards = math.ceil(cfg.max_requests / cfg.shard_size)
-    shards = range(cfg.first_shard, num_shards)
+    shards = range(cfg.first_shard, cfg.num_shards)
     written, gen_tokens, gen_s, times = 0, 0, 0.0, []
     for k in shards:
         path = shard_path(out, k)
