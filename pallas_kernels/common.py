@@ -14,6 +14,11 @@ import math
 import warnings
 
 import jax
+# Importing the Pallas fuser adds a flag to JAX's trace context, and JAX imports it lazily on the
+# first Pallas lowering. Every program jitted before that import would then miss the jit cache and
+# compile again on its next call (mid-serving: a lone admission's prefill recompiled after the
+# warm-up had compiled it). Importing it with the kernels fixes the context before anything is traced.
+import jax.experimental.pallas.fuser  # noqa: F401
 
 BACKENDS = ("pallas", "interpret", "reference")
 # The kernels' softmax runs in base 2 (exp2 of scores scaled by log2(e)); lse2 outputs are base 2.

@@ -263,6 +263,43 @@ def test_requests_admitted_together_prefill_together():
     assert _tokens(tree, reqs) == got
 
 
+def test_a_warm_engine_compiles_nothing_more():
+    """Once every prefill row count and the step have run, serving more requests compiles nothing:
+    admissions mid-run (a lone request prefilled as one row, then pairs) reuse the warm-up's
+    programs. Run in a fresh process, where the first jitted programs are traced before any Pallas
+    kernel has lowered: a lazily imported module that changes JAX's trace context (the Pallas
+    fuser's flag) would make them miss the cache and compile again here."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import dataclasses, jax, numpy as np\n"
+        "from engine_fixtures import oracle_engine, serve_config\n"
+        "from treespec_jax.engine import Request\n"
+        "kw = dict(slots=4, chunk=1024, attention='cascade')\n"
+        "for config in (serve_config(**kw), serve_config('EAGLE3', 2, 2, 4, **kw)):\n"
+        "    engine = oracle_engine(config)\n"
+        "    rng = np.random.default_rng(0)\n"
+        "    reqs = [Request(prompt=rng.integers(0, 64, int(n)).tolist(), max_new_tokens=int(m), seed=i)\n"
+        "            for i, (n, m) in enumerate(zip(rng.integers(3, 40, 10), rng.integers(2, 12, 10)))]\n"
+        "    for rows in sorted({engine.prefill_batch_rows(k) for k in range(1, 5)}):\n"
+        "        engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:rows]])\n"
+        "    engine.decode(reqs[:4])\n"
+        "    compiles = []\n"
+        "    jax.monitoring.register_event_duration_secs_listener(\n"
+        "        lambda name, secs, **kw: compiles.append(name) if name.endswith('backend_compile_duration') else None)\n"
+        "    outs = engine.decode(reqs)\n"
+        "    assert all(o.finish_reason == 'length' for o in outs), [o.finish_reason for o in outs]\n"
+        "    assert engine.last_run.steps > 0\n"
+        "    assert not compiles, f'{len(compiles)} programs compiled after the warm-up ({config.speculative.algorithm})'\n"
+    )
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": f"{tests}:{tests.parent}"}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tests.parent, env=env, timeout=600)
+
+
 def test_streamed_text_and_stop_strings(ckpt_dir):
     """A random target over a tiny byte-level vocabulary (its byte tokens split UTF-8 characters):
     the streamed pieces add up to the completion's text, the tokens' decode. A stop string taken
