@@ -39,6 +39,17 @@ def _median(fn, reps=20):
     return float(np.median(times))
 
 
+def _median_fed_back(fn, carry, reps=20):
+    """Median seconds of `carry = fn(carry)`: for a call that donates its input and returns its
+    successor (a cache it writes), so every call runs on live buffers."""
+    holder = [jax.block_until_ready(fn(carry))]
+
+    def call():
+        holder[0] = jax.block_until_ready(fn(holder[0]))
+
+    return _median(call, reps)
+
+
 def _config(spec, batch, sampler="greedy", temperature=0.0, attention="auto"):
     from treespec_jax.config import (BackendsConfig, KVCacheConfig, ModelConfig, SamplingConfig, SchedulerConfig,
                                      ServeConfig)
@@ -142,36 +153,31 @@ def breakdown(args):
     rnd, p = engine.round, engine.params
     state = engine.state
 
-    @jax.jit
-    def verify(params, state):
-        return rnd.verify_stage(params, state)
+    # Every stage that writes a cache donates it and is fed its own output back, as the served step
+    # does; without donation each call would also copy the whole pool, and time that copy.
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
 
-    spec_, logits, features, positions, pools = verify(p, state)
-
-    @jax.jit
-    def walk(logits, state):
-        return rnd.walk_stage(spec_, logits, state)
-
+    verify = jax.jit(lambda params, pools, state: rnd.verify_stage(params, state.replace(target_pools=pools)),
+                     donate_argnums=(1,))
+    spec_, logits, features, positions, pools = verify(p, copy(state.target_pools), state)
+    walk = jax.jit(lambda logits, state: rnd.walk_stage(spec_, logits, state))
     path = walk(logits, state)
+    compact = jax.jit(lambda pools, features, state: rnd.compact_stage(spec_, path, pools, features, positions, state),
+                      donate_argnums=(0,))
 
-    @jax.jit
-    def compact(pools, features, state):
-        return rnd.compact_stage(spec_, path, pools, features, positions, state)
-
-    @jax.jit
-    def draft(params, state, features):
+    def draft_fn(params, draft_pools, state, features):
         _, _, roots = rnd.commit_stage(path, state)
-        return rnd.draft_stage(params, state, path, features, roots)
+        return rnd.draft_stage(params, state.replace(draft_pools=draft_pools), path, features, roots)
 
-    sync = jax.block_until_ready
+    draft = jax.jit(draft_fn, donate_argnums=(1,))
+    step = jax.jit(rnd.step, donate_argnums=(1,))
     t = {
-        "verify": _median(lambda: sync(verify(p, state))),
-        "walk": _median(lambda: sync(walk(logits, state))),
-        "compaction": _median(lambda: sync(compact(pools, features, state))),
-        "draft": _median(lambda: sync(draft(p, state, features))),
+        "verify": _median_fed_back(lambda pools: verify(p, pools, state)[4], copy(state.target_pools)),
+        "walk": _median(lambda: jax.block_until_ready(walk(logits, state))),
+        "compaction": _median_fed_back(lambda pools: compact(pools, features, state)[0], pools),
+        "draft": _median_fed_back(lambda dpools: draft(p, dpools, state, features)[0], copy(state.draft_pools)),
+        "step": _median_fed_back(lambda st: step(p, st)[0], copy(state)),
     }
-    step = jax.jit(rnd.step)
-    t["step"] = _median(lambda: sync(step(p, state)))
     served = []
     for _ in range(20):
         t0 = time.perf_counter()
