@@ -6,6 +6,10 @@
     PYTHONPATH=. python benchmarks/bench_e2e.py breakdown --gguf G --head DIR [--batch 1]
         (b) one round's time by stage: verify, walk, compaction, draft (step 0 + lanes + select),
             the whole jitted step, and the host's share of a served step
+    PYTHONPATH=. python benchmarks/bench_e2e.py prefill --gguf G [--batches 1,8,32,64]
+        (d) one 256-row prefill chunk of the held-out prompts at batch B: the attention of one layer
+            (blocked, reading the prompt's pages, against dense over the whole table) and the
+            engine's whole jitted prefill program
     PYTHONPATH=. python benchmarks/bench_e2e.py llama8b [--batches 1,8,32,64]
         (c) a Llama-3.1-8B-shaped target with random bf16 weights: plain decode step and tree
             verify at N = 16 and 64 against the weight-bytes floor (weights / copy bandwidth)
@@ -243,9 +247,55 @@ def llama8b(args):
     return {"table": "llama8b", "weight_bytes": weight_bytes, "copy_bw": bw, "context": context, "rows": rows}
 
 
+def prefill(args):
+    from treespec_jax.config import SpeculativeConfig
+    from treespec_jax.engine import Engine
+    from treespec_jax.engine.loading import load_target
+    from treespec_jax.models.attention import prefill_attention, prefill_batch
+
+    cfg, params, tok = load_target(args.gguf, "bf16")
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        engine = Engine(_config(SpeculativeConfig(algorithm="NONE"), batch), cfg, params, None, None, tok)
+        chunk, page, width = engine.chunk, engine.page_size, engine.table_width
+        lengths = np.array([min(len(p), chunk) for p in _prompts(tok, batch)] * batch, np.int32)[:batch]
+        per_row = -(-chunk // page)
+        table = np.zeros((batch, width), np.int32)
+        table[:, :per_row] = 1 + np.arange(batch * per_row).reshape(batch, per_row)
+        table, start, valid = jnp.asarray(table), jnp.zeros((batch,), jnp.int32), jnp.asarray(lengths)
+        attn = prefill_batch(table, start, valid, chunk, page)
+        slots = (1 + batch * per_row) * page
+        rng = np.random.default_rng(0)
+        hkv, d = cfg.num_kv_heads, cfg.head_dim
+        k_pool, v_pool = (jnp.asarray(rng.standard_normal((slots, hkv, d)), jnp.bfloat16) for _ in range(2))
+        q = jnp.asarray(rng.standard_normal((batch, chunk, cfg.num_heads, d)), jnp.bfloat16)
+        blocked = jax.jit(lambda q, k, v, a: prefill_attention(q, k, v, a, page, d ** -0.5))
+
+        def dense(q, k, v, a):
+            from pallas_kernels.attention.reference import dense_attention_reference
+            from treespec_jax.cache.paged import slot_of
+
+            key_pos = jnp.arange(width * page, dtype=jnp.int32)
+            at = slot_of(a.page_table, jnp.broadcast_to(key_pos, (batch, width * page)), page)
+            visible = key_pos[None, None, :] <= a.positions[:, :, None]
+            return dense_attention_reference(q, k[at], v[at], visible, d ** -0.5)[0]
+
+        dense = jax.jit(dense)
+        t_blocked = _median(lambda: jax.block_until_ready(blocked(q, k_pool, v_pool, attn)))
+        t_dense = _median(lambda: jax.block_until_ready(dense(q, k_pool, v_pool, attn)))
+        toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, chunk)), jnp.int32)
+        t_program = _median_fed_back(
+            lambda state: engine._prefill(engine.params, state, toks, table, start, valid)[0], engine.state, reps=10)
+        rows.append({"batch": batch, "chunk": chunk, "table_keys": width * page, "prompt_tokens": int(lengths.sum()),
+                     "attention_blocked_ms": t_blocked * 1e3, "attention_dense_ms": t_dense * 1e3,
+                     "dense_over_blocked": t_dense / t_blocked, "program_ms": t_program * 1e3})
+        print(json.dumps(rows[-1]), flush=True)
+    return {"table": "prefill", "rows": rows}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("table", choices=["serve", "breakdown", "llama8b"])
+    ap.add_argument("table", choices=["serve", "breakdown", "prefill", "llama8b"])
     ap.add_argument("--gguf", type=Path)
     ap.add_argument("--head", type=Path)
     ap.add_argument("--batches", default="1,8,32,64")
@@ -260,7 +310,7 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    doc = {"serve": serve, "breakdown": breakdown, "llama8b": llama8b}[args.table](args)
+    doc = {"serve": serve, "breakdown": breakdown, "prefill": prefill, "llama8b": llama8b}[args.table](args)
     doc.update(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, jax=jax.__version__)
     text = json.dumps(doc, indent=1)
     print(text)

@@ -263,22 +263,6 @@ def test_requests_admitted_together_prefill_together():
     assert _tokens(tree, reqs) == got
 
 
-def test_prefill_reads_only_the_pages_its_chunk_can_see():
-    """A prefill chunk ending before position `end` gets the table columns of positions [0, end),
-    rounded up to a power of two and never past the table: every key it needs, and for a short
-    prompt a small fraction of the context (the tests above check the tokens stay exact)."""
-    engine = cached_engine(serve_config(slots=4, chunk=1024))
-    width, page = engine.table_width, engine.page_size
-    assert width > 8
-    for end in range(1, width * page + 1):
-        pages = engine.prefill_key_pages(end)
-        assert pages * page >= end or pages == width, end
-        assert pages == width or pages & (pages - 1) == 0, (end, pages)
-        assert pages < 2 * -(-end // page), (end, pages)
-    assert engine.prefill_key_pages(1) == 1
-    assert engine.prefill_key_pages(width * page) == width
-
-
 def test_a_warm_engine_compiles_nothing_more():
     """Once every prefill row count and the step have run, serving more requests compiles nothing:
     admissions mid-run (a lone request prefilled as one row, then pairs) reuse the warm-up's

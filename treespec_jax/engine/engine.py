@@ -354,16 +354,6 @@ class Engine:
         up to a power of two, at most `prefill_rows`."""
         return min(1 << (requests - 1).bit_length(), self.prefill_rows)
 
-    def prefill_key_pages(self, end: int) -> int:
-        """Page-table columns a prefill chunk ending before position `end` passes to the model: the
-        pages holding positions [0, end), rounded up to a power of two, at most the table's width.
-
-        Prefill attention attends densely over every key position its table covers, so the full
-        table (the whole context) would cost a short prompt as much as the longest one; powers of two
-        keep the compiled widths to a few per prefill row count."""
-        pages = -(-end // self.page_size)
-        return min(1 << (pages - 1).bit_length(), self.table_width)
-
     def _start(self, group: list[tuple[_Running, int]], run_stats: RunStats) -> None:
         """Prefills up to `prefill_rows` admitted requests together (target, then drafter), draws
         their first tokens and admits request i of `group` into its slot.
@@ -380,6 +370,7 @@ class Engine:
         for i, (run, _) in enumerate(group):
             tables[i] = table_row(run.pages, self.table_width)
             lengths[i] = len(run.prompt)
+        table = jnp.asarray(tables)
         chunks = []
         logits = None
         for start in range(0, int(lengths.max()), c):
@@ -389,13 +380,12 @@ class Engine:
                 toks[i, :len(piece)] = piece
             starts = np.minimum(start, lengths)
             valid = np.clip(lengths - start, 0, c).astype(np.int32)
-            table = jnp.asarray(tables[:, :self.prefill_key_pages(start + c)])
             self.state, chunk_logits, features = self._prefill(self.params, self.state, jnp.asarray(toks), table,
                                                                jnp.asarray(starts), jnp.asarray(valid))
             # Each request's next-token logits come from the chunk holding its last prompt token.
             ends_here = jnp.asarray((lengths > start) & (lengths <= start + c))[:, None]
             logits = chunk_logits if logits is None else jnp.where(ends_here, chunk_logits, logits)
-            chunks.append((toks, starts, valid, features, table))
+            chunks.append((toks, starts, valid, features))
         sampling = [self._sampling_of(run.request) for run, _ in group]
         sampling += [(0.0, 0, 1.0, 0)] * (rows - len(group))  # padding rows draw greedily, unused
         temperature, top_k, top_p, seed = (list(col) for col in zip(*sampling))
@@ -405,7 +395,7 @@ class Engine:
             # The drafter's row t pairs prompt token t with the token after it (the first drawn one
             # after the last prompt token).
             shifted = [list(run.prompt[1:]) + [int(first[i])] for i, (run, _) in enumerate(group)]
-            for toks, starts, valid, features, table in chunks:
+            for toks, starts, valid, features in chunks:
                 nxt = np.zeros((rows, c), np.int32)
                 for i in range(len(group)):
                     nxt[i, :valid[i]] = shifted[i][starts[i]:starts[i] + valid[i]]

@@ -4,7 +4,8 @@ A forward over the paged pools is one of three kinds (`AttentionBatch.mode`, sta
 
 - "prefill": a chunk of T prompt tokens per request at positions start .. start + T - 1. Row t
   sees every key at a position <= its own (the committed prefix from the pool and the chunk's
-  causal part). Dense masked attention over the request's gathered pages (XLA), for any T.
+  causal part). Masked attention with an online softmax over blocks of the request's pages
+  (XLA, fp32), stopping at the chunk's last position (`prefill_attention`), for any T.
 - "window": T <= 64 rows written at positions P .. P + T - 1 (P = `prefix_lengths`); row t sees
   the P committed keys and window key j iff bit j of `mask[b, t]`. Plain decoding (T = 1, mask
   bit 0), tree verify (T = N, ancestor masks) and the drafter's step over accepted tokens
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallas_kernels.attention.reference import cascade_dense_reference, dense_attention_reference
+from pallas_kernels.attention.reference import cascade_dense_reference
 from treespec_jax.attention.cascade import CascadeConfig, lane_attention, verify_attention
 from treespec_jax.cache.paged import slot_of
 
@@ -139,7 +140,7 @@ class PagedAttention:
             return attend_sharded(dataclasses.replace(self, mesh=None), self.mesh, q, k_pool, v_pool, batch)
         scale = float(q.shape[-1] ** -0.5 if self.scale is None else self.scale)
         if batch.mode == "prefill":
-            return _prefill_attention(q, k_pool, v_pool, batch, self.page_size, scale).astype(q.dtype)
+            return prefill_attention(q, k_pool, v_pool, batch, self.page_size, scale).astype(q.dtype)
         if batch.mode not in ("window", "lanes"):
             raise ValueError(f"AttentionBatch.mode must be one of {MODES}, got {batch.mode!r}")
         window = q.shape[1] if batch.mode == "window" else (batch.lane_steps - 1) * q.shape[1]
@@ -154,14 +155,58 @@ class PagedAttention:
                               steps=batch.lane_steps, config=self.cascade)
 
 
-def _prefill_attention(q, k_pool, v_pool, batch: AttentionBatch, page_size: int, scale: float) -> jax.Array:
-    """Causal attention by absolute position over the request's gathered pages, fp32."""
-    b, t = q.shape[:2]
-    total = batch.page_table.shape[1] * page_size
-    key_pos = jnp.arange(total, dtype=jnp.int32)
-    slots = slot_of(batch.page_table, jnp.broadcast_to(key_pos, (b, total)), page_size)
-    k = k_pool[slots].astype(jnp.float32)
-    v = v_pool[slots].astype(jnp.float32)
-    visible = key_pos[None, None, :] <= batch.positions[:, :, None]
-    out, _ = dense_attention_reference(q.astype(jnp.float32), k, v, visible, scale)
-    return out
+PREFILL_KEY_BLOCK = 256  # keys per step of the prefill loop (rounded to whole pages)
+
+
+def prefill_key_blocks(positions: jax.Array, page_size: int, key_block: int = PREFILL_KEY_BLOCK) -> jax.Array:
+    """Key blocks `prefill_attention` reads for rows at `positions [B, T]`: through the block
+    holding the largest position (blocks of `key_block` keys rounded down to whole pages, at
+    least one page). A scalar int32, traced: the loop's trip count."""
+    block = max(1, key_block // page_size) * page_size
+    return jnp.maximum(jnp.max(positions), 0) // block + 1
+
+
+def prefill_attention(q, k_pool, v_pool, batch: AttentionBatch, page_size: int, scale: float,
+                      key_block: int = PREFILL_KEY_BLOCK) -> jax.Array:
+    """Causal attention by absolute position over the request's pages, fp32: `q [B, T, Hq, D]`
+    -> `[B, T, Hq, D]` f32, row t seeing every key at a position <= `batch.positions[b, t]`.
+
+    Keys are read a block of whole pages at a time with an online softmax, and the loop stops
+    after the block holding the batch's last position: a chunk costs what its prompt covers, not
+    the table's width (the whole context), and the program's shape does not depend on the prompt.
+    K/V rows no row of the request sees are zeroed before use (an unwritten slot may hold anything).
+    """
+    b, t, hq, d = q.shape
+    hkv = k_pool.shape[-2]
+    group = hq // hkv
+    pages = max(1, key_block // page_size)
+    width = batch.page_table.shape[1]
+    table = jnp.pad(batch.page_table, ((0, 0), (0, -width % pages)))  # scratch columns past the end
+    block = pages * page_size
+    qf = q.astype(jnp.float32).reshape(b, t, hkv, group, d) * scale
+    seen_to = jnp.max(batch.positions, axis=1)  # [B] the last key any row of the request sees
+    steps = prefill_key_blocks(batch.positions, page_size, key_block)
+
+    def one_block(i, carry):
+        m, l, acc = carry  # [B, T, Hkv, G], same, [B, T, Hkv, G, D]
+        key_pos = i * block + jnp.arange(block, dtype=jnp.int32)
+        slots = slot_of(table, jnp.broadcast_to(key_pos, (b, block)), page_size)
+        seen = (key_pos[None, :] <= seen_to[:, None])[:, :, None, None]  # [B, K, 1, 1]
+        k = jnp.where(seen, k_pool[slots].astype(jnp.float32), 0.0)
+        v = jnp.where(seen, v_pool[slots].astype(jnp.float32), 0.0)
+        s = jnp.einsum("btkgd,bskd->btkgs", qf, k, precision=jax.lax.Precision.HIGHEST)
+        visible = (key_pos[None, None, :] <= batch.positions[:, :, None])[:, :, None, None, :]
+        s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(visible, jnp.exp(s - m_safe[..., None]), 0.0)
+        rescale = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+        l = l * rescale + jnp.sum(p, axis=-1)
+        acc = acc * rescale[..., None] + jnp.einsum("btkgs,bskd->btkgd", p, v, precision=jax.lax.Precision.HIGHEST)
+        return m_new, l, acc
+
+    init = (jnp.full((b, t, hkv, group), -jnp.inf, jnp.float32), jnp.zeros((b, t, hkv, group), jnp.float32),
+            jnp.zeros((b, t, hkv, group, d), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, steps, one_block, init)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return out.reshape(b, t, hq, d)
