@@ -6,8 +6,8 @@
     PYTHONPATH=. python benchmarks/bench_e2e.py breakdown --gguf G --head DIR [--batch 1]
         (b) one round's time by stage: verify, walk, compaction, draft (step 0 + lanes + select),
             the whole jitted step, and the host's share of a served step
-    PYTHONPATH=. python benchmarks/bench_e2e.py prefill --gguf G [--batches 1,8,32,64]
-        (d) one 256-row prefill chunk of the held-out prompts at batch B: the attention of one layer
+    PYTHONPATH=. python benchmarks/bench_e2e.py prefill [--batches 1,8,32,64] [--prompt-tokens 160]
+        (d) one 256-row prefill chunk of SmolLM2-shaped prompts at batch B: the attention of one layer
             (blocked, reading the prompt's pages, against dense over the whole table) and the
             engine's whole jitted prefill program
     PYTHONPATH=. python benchmarks/bench_e2e.py llama8b [--batches 1,8,32,64]
@@ -247,18 +247,26 @@ def llama8b(args):
     return {"table": "llama8b", "weight_bytes": weight_bytes, "copy_bw": bw, "context": context, "rows": rows}
 
 
+# SmolLM2-135M's shapes: the prefill table times programs, so random weights stand in for the GGUF.
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                     num_kv_heads=3, head_dim=64, rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                     max_position_embeddings=8192)
+
+
 def prefill(args):
     from treespec_jax.config import SpeculativeConfig
     from treespec_jax.engine import Engine
-    from treespec_jax.engine.loading import load_target
     from treespec_jax.models.attention import prefill_attention, prefill_batch
+    from treespec_jax.models.config import LlamaConfig
+    from treespec_jax.models.llama import init_params
 
-    cfg, params, tok = load_target(args.gguf, "bf16")
+    cfg = LlamaConfig(**SMOLLM2_SHAPE)
+    params = jax.jit(lambda k: init_params(cfg, k, "bf16"))(jax.random.key(0))
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        engine = Engine(_config(SpeculativeConfig(algorithm="NONE"), batch), cfg, params, None, None, tok)
+        engine = Engine(_config(SpeculativeConfig(algorithm="NONE"), batch), cfg, params, None, None, None)
         chunk, page, width = engine.chunk, engine.page_size, engine.table_width
-        lengths = np.array([min(len(p), chunk) for p in _prompts(tok, batch)] * batch, np.int32)[:batch]
+        lengths = np.full((batch,), min(args.prompt_tokens, chunk), np.int32)
         per_row = -(-chunk // page)
         table = np.zeros((batch, width), np.int32)
         table[:, :per_row] = 1 + np.arange(batch * per_row).reshape(batch, per_row)
@@ -286,7 +294,7 @@ def prefill(args):
         toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, chunk)), jnp.int32)
         t_program = _median_fed_back(
             lambda state: engine._prefill(engine.params, state, toks, table, start, valid)[0], engine.state, reps=10)
-        rows.append({"batch": batch, "chunk": chunk, "table_keys": width * page, "prompt_tokens": int(lengths.sum()),
+        rows.append({"batch": batch, "chunk": chunk, "table_keys": width * page, "prompt_tokens": int(lengths[0]),
                      "attention_blocked_ms": t_blocked * 1e3, "attention_dense_ms": t_dense * 1e3,
                      "dense_over_blocked": t_dense / t_blocked, "program_ms": t_program * 1e3})
         print(json.dumps(rows[-1]), flush=True)
@@ -308,6 +316,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--prompt-tokens", type=int, default=160, help="prefill: prompt tokens of each request")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     doc = {"serve": serve, "breakdown": breakdown, "prefill": prefill, "llama8b": llama8b}[args.table](args)

@@ -6,7 +6,7 @@
 #   bash benchmarks/run_e2e.sh serve GGUF HEAD OUT [BATCHES] [TEMPS] [SHAPES] [PROMPTS] [TOKENS]
 #                                                              # HF equality + peer, then (a)
 #   bash benchmarks/run_e2e.sh breakdown GGUF HEAD OUT [BATCH]  # (b)
-#   bash benchmarks/run_e2e.sh prefill GGUF OUT [BATCHES]       # (d)
+#   bash benchmarks/run_e2e.sh prefill OUT [BATCHES]            # (d): needs no model file
 #
 # GGUF comes from `benchmarks/stage_gguf.sh join /root/gguf`; the gguf package from a carried
 # .whl (the call installs it into /tmp/site first). Steps log with PYTHONUNBUFFERED so that a
@@ -45,8 +45,8 @@ breakdown)
         --batch "${5:-1}" --out "$OUT"
     ;;
 prefill)
-    GGUF=$2 OUT=$3
-    step prefill "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py prefill --gguf "$GGUF" --batches "${4:-1,8,32}" --out "$OUT"
+    OUT=$2
+    step prefill "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py prefill --batches "${3:-1,8,32}" --out "$OUT"
     ;;
 *)
     sed -n '2,11p' "${BASH_SOURCE[0]}" >&2
