@@ -159,6 +159,35 @@ def test_requests_never_touch_other_pages():
     assert engine.allocator.free_pages == engine.num_pages - 1
 
 
+def test_the_step_after_a_finish_stays_in_the_finished_request():
+    """The engine launches a step before reading the last, so a request that has just finished
+    runs once more in its slot. One running to the context's end (limit = 512, the deepest reach
+    of that extra round) beside a longer-lived request, with a queued one taking its slot next:
+    every free page starts as NaN, each request's tokens equal its tokens decoded alone, no event
+    of a request follows its finished one, and pages no request owned keep their poison."""
+    rng = np.random.default_rng(7)
+    shapes = [(430, 82), (9, 60), (12, 20)]  # 430 + 82 = 512, the model's context
+    reqs = [Request(prompt=rng.integers(0, 64, n).tolist(), max_new_tokens=m, seed=i) for i, (n, m) in enumerate(shapes)]
+    config = serve_config("EAGLE3", 4, 3, 10, slots=2, total_tokens=80 * PAGE)
+    alone = [_tokens(cached_engine(config), [r])[0] for r in reqs]
+    engine = oracle_engine(config)
+    engine.state = engine.state.replace(
+        target_pools={k: jnp.full_like(v, jnp.nan) for k, v in engine.state.target_pools.items()},
+        draft_pools={k: jnp.full_like(v, jnp.nan) for k, v in engine.state.draft_pools.items()})
+    events = list(engine.stream(reqs))
+    finished = {ev.index: n for n, ev in enumerate(events) if ev.finished is not None}
+    assert all(n <= finished[ev.index] for n, ev in enumerate(events))
+    outs = [events[finished[i]].finished for i in range(len(reqs))]
+    assert [o.finish_reason for o in outs] == ["length"] * 3
+    assert [o.tokens for o in outs] == alone
+    owned = max(len(r.prompt) + r.max_new_tokens for r in reqs) + 3 * engine.num_nodes
+    untouched = slice((2 * -(-owned // PAGE) + 1) * PAGE, engine.num_pages * PAGE)
+    for pools in (engine.state.target_pools, engine.state.draft_pools):
+        for name, pool in pools.items():
+            assert bool(jnp.isnan(pool[untouched].astype(jnp.float32)).all()), name
+    assert engine.allocator.free_pages == engine.num_pages - 1
+
+
 def test_refusals_name_every_reason_and_spare_the_others():
     engine = cached_engine(serve_config("EAGLE3", 2, 3, 6))
     good = mixed_requests()[:2]

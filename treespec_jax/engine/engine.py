@@ -10,7 +10,9 @@ and its pages are free (prefill runs as its own steps, never mixed into a decode
 requests admitted together prefill together, `prefill_rows` at a time), the
 jitted round advances every running request, and the host reads one `StepOutput` per step,
 appends the committed tokens, and finishes requests on max_new_tokens, stop tokens / strings or
-EOS, releasing their slot and pages. `stream(requests)` yields text as it commits.
+EOS, releasing their slot and pages. The next step is launched before the host reads the last
+one, so the host's work overlaps the device's; a finished request's slot thus runs one step more,
+whose tokens are dropped. `stream(requests)` yields text as it commits.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from treespec_jax.cache.routing import CompactionRouter
 from treespec_jax.config import MAX_SEED, ConfigError, ServeConfig
 from treespec_jax.drafter.base import Drafter
 from treespec_jax.engine.loading import attention_for
-from treespec_jax.engine.round import DecodeState, Round, RoundShape, bootstrap_tree
+from treespec_jax.engine.round import DecodeState, Round, RoundShape, StepOutput, bootstrap_tree
 from treespec_jax.engine.scheduler import PageAllocator, pages_needed, table_row
 from treespec_jax.engine.stats import RequestStats, RunStats
 from treespec_jax.models.config import LlamaConfig
@@ -480,8 +482,11 @@ class Engine:
                                   detok=self.tokenizer.detokenizer() if self.tokenizer is not None else None))
         running: dict[int, _Running] = {}
         free_slots = list(range(self.slots - 1, -1, -1))
+        # The step in flight, launched before the host reads the one before it, so that the host's
+        # work on a step's tokens overlaps the device's next step: its outputs and the runs it served.
+        in_flight: tuple[StepOutput, dict[int, _Running]] | None = None
         t_start = time.perf_counter()
-        while queue or running:
+        while queue or running or in_flight is not None:
             # Admission: first come, first served; a request whose pages are not free waits. The
             # requests admitted together prefill together, `prefill_rows` at a time.
             blocked = False
@@ -505,25 +510,38 @@ class Engine:
                     yield from self._emit(run, run.tokens[:], progress)
                     if run.finish is not None:
                         yield from self._finish(slot, running, free_slots, progress)
-            if not running:
-                continue
-            t0 = time.perf_counter()
-            self.state, out = self._step(self.params, self.state)
-            out = jax.device_get(out)
-            run_stats.decode_s += time.perf_counter() - t0
-            run_stats.steps += 1
-            for slot in list(running):
-                run = running[slot]
-                a = int(out.accept_len[slot])
-                run.stats.record(a, out.sibling_rank[slot, 1:a])
-                run_stats.record(a, out.sibling_rank[slot, 1:a])
-                kept = self._append(run, out.tokens[slot, :a].tolist())
-                run_stats.generated_tokens += len(kept)
-                yield from self._emit(run, kept, progress)
-                if run.finish is not None:
-                    yield from self._finish(slot, running, free_slots, progress)
+            launched = None
+            if running:
+                t0 = time.perf_counter()
+                self.state, out = self._step(self.params, self.state)
+                run_stats.decode_s += time.perf_counter() - t0
+                run_stats.steps += 1
+                launched = (out, dict(running))
+            if in_flight is not None:
+                yield from self._take_step(*in_flight, running, free_slots, run_stats, progress)
+            in_flight = launched
         run_stats.wall_s = time.perf_counter() - t_start
         self.last_run = run_stats
+
+    def _take_step(self, out: StepOutput, served: dict[int, _Running], running: dict, free_slots: list,
+                   run_stats: RunStats, progress) -> Iterator[StreamEvent]:
+        """Commits a step's tokens to the runs it served. A run that finished on the step before
+        was still active in this one (launched before the host saw it finish): its slot ran once
+        more inside its reserved pages (`scheduler.pages_needed`), and its outputs are dropped."""
+        t0 = time.perf_counter()
+        out = jax.device_get(out)
+        run_stats.decode_s += time.perf_counter() - t0
+        for slot, run in served.items():
+            if run.finish is not None:
+                continue
+            a = int(out.accept_len[slot])
+            run.stats.record(a, out.sibling_rank[slot, 1:a])
+            run_stats.record(a, out.sibling_rank[slot, 1:a])
+            kept = self._append(run, out.tokens[slot, :a].tolist())
+            run_stats.generated_tokens += len(kept)
+            yield from self._emit(run, kept, progress)
+            if run.finish is not None:
+                yield from self._finish(slot, running, free_slots, progress)
 
     def _emit(self, run: _Running, kept: list[int], progress) -> Iterator[StreamEvent]:
         if progress is not None and kept:

@@ -1,9 +1,11 @@
 """Host-side page allocation and slot bookkeeping for continuous batching.
 
 A request's token limit is prompt + max_new_tokens. Its pages are reserved in full when it is
-admitted, covering every position a round can touch for it: the verify window reaches vc + N - 1
-with vc up to limit - 1, the drafter's step 0 rewrites the same window, and the lanes reach up to
-one more window behind it (N - 1 further slots), so `limit + 2N` positions. Reserving at admission
+admitted, covering every position a round can touch for it: the verify window reaches vc + N - 1,
+the drafter's step 0 rewrites the same window, and the lanes reach up to one more window behind it
+(N - 1 further slots). vc stays below the limit while the request runs, and the round after the
+one that finishes it (launched before the host sees the finish, `Engine.stream`) starts from at
+most limit - 1 + N, so `limit + 3N` positions. Reserving at admission
 means a running request never waits for pages and never competes with another for them; a request
 that does not fit yet waits in the queue, and one that can never fit (more pages than the pool
 has, or more than a page-table row holds) is refused with the numbers.
@@ -46,8 +48,8 @@ class PageAllocator:
 
 
 def pages_needed(limit: int, num_nodes: int, page_size: int) -> int:
-    """Pages covering positions [0, limit + 2N) (module docstring)."""
-    return -(-(limit + 2 * num_nodes) // page_size)
+    """Pages covering positions [0, limit + 3N) (module docstring)."""
+    return -(-(limit + 3 * num_nodes) // page_size)
 
 
 def table_row(pages: list[int], width: int) -> np.ndarray:
