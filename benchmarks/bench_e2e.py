@@ -3,9 +3,9 @@
     PYTHONPATH=. python benchmarks/bench_e2e.py serve --gguf G --head DIR [--batches 1,8,32,64]
         (a) SmolLM2 + its EAGLE-3 head on the held-out prompts: tokens/s and mean accept length of
             plain, chain (K=1, S=5) and trees (K=4, S=5, N=16; K=8, S=6, N=64), greedy and T=0.8
-    PYTHONPATH=. python benchmarks/bench_e2e.py breakdown --gguf G --head DIR [--batch 1]
+    PYTHONPATH=. python benchmarks/bench_e2e.py breakdown [--gguf G] --head DIR [--batch 1]
         (b) one round's time by stage: verify, walk, compaction, draft (step 0 + lanes + select),
-            the whole jitted step, and the host's share of a served step
+            the whole jitted step, and the host's share of a served step (no GGUF: random weights)
     PYTHONPATH=. python benchmarks/bench_e2e.py prefill [--batches 1,8,32,64] [--prompt-tokens 160]
         (d) one 256-row prefill chunk of SmolLM2-shaped prompts at batch B: the attention of one layer
             (blocked, reading the prompt's pages, against dense over the whole table) and the
@@ -135,6 +135,21 @@ def serve(args):
     return {"table": "serve", "rows": rows}
 
 
+# SmolLM2-135M's shapes: tables that time programs run on random weights when no GGUF is staged.
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                     num_kv_heads=3, head_dim=64, rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                     max_position_embeddings=8192)
+
+
+def _random_smollm2():
+    """A SmolLM2-135M-shaped target with random bf16 weights: (config, params)."""
+    from treespec_jax.models.config import LlamaConfig
+    from treespec_jax.models.llama import init_params
+
+    cfg = LlamaConfig(**SMOLLM2_SHAPE)
+    return cfg, jax.jit(lambda k: init_params(cfg, k, "bf16"))(jax.random.key(0))
+
+
 def breakdown(args):
     from treespec_jax.config import SpeculativeConfig
     from treespec_jax.drafter.eagle3 import Eagle3Drafter
@@ -142,13 +157,18 @@ def breakdown(args):
     from treespec_jax.engine.loading import attention_for, load_target
     from treespec_jax.models.hf import load_eagle3
 
-    cfg, params, tok = load_target(args.gguf, "bf16")
+    if args.gguf:
+        cfg, params, tok = load_target(args.gguf, "bf16")
+        prompts = _prompts(tok, args.batch)
+    else:  # stage times do not depend on the weights; acceptance (about 1 here) barely moves them
+        (cfg, params), tok = _random_smollm2(), None
+        prompts = [np.random.default_rng(i).integers(0, cfg.vocab_size, args.prompt_tokens).tolist()
+                   for i in range(args.batch)]
     hcfg, hparams = load_eagle3(args.head, "bf16")
     spec = SpeculativeConfig(**SHAPES[args.shape])
     config = _config(spec, args.batch)
     engine = Engine(config, cfg, params, Eagle3Drafter(hcfg, cfg, attention_for(config)),
                     {**hparams, "embed": params["embed"]}, tok)
-    prompts = _prompts(tok, args.batch)
     # Fill every slot with a running request, then time the stages on that state.
     reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=4096, ignore_eos=True) for i in range(args.batch)]
     stream = engine.stream(reqs)
@@ -247,21 +267,12 @@ def llama8b(args):
     return {"table": "llama8b", "weight_bytes": weight_bytes, "copy_bw": bw, "context": context, "rows": rows}
 
 
-# SmolLM2-135M's shapes: the prefill table times programs, so random weights stand in for the GGUF.
-SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                     num_kv_heads=3, head_dim=64, rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                     max_position_embeddings=8192)
-
-
 def prefill(args):
     from treespec_jax.config import SpeculativeConfig
     from treespec_jax.engine import Engine
     from treespec_jax.models.attention import prefill_attention, prefill_batch
-    from treespec_jax.models.config import LlamaConfig
-    from treespec_jax.models.llama import init_params
 
-    cfg = LlamaConfig(**SMOLLM2_SHAPE)
-    params = jax.jit(lambda k: init_params(cfg, k, "bf16"))(jax.random.key(0))
+    cfg, params = _random_smollm2()
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         engine = Engine(_config(SpeculativeConfig(algorithm="NONE"), batch), cfg, params, None, None, None)
@@ -316,7 +327,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--prompt-tokens", type=int, default=160, help="prefill: prompt tokens of each request")
+    ap.add_argument("--prompt-tokens", type=int, default=160, help="prefill, and breakdown without a GGUF: prompt tokens of each request")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     doc = {"serve": serve, "breakdown": breakdown, "prefill": prefill, "llama8b": llama8b}[args.table](args)
