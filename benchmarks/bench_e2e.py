@@ -300,11 +300,15 @@ def prefill(args):
             return dense_attention_reference(q, k[at], v[at], visible, d ** -0.5)[0]
 
         dense = jax.jit(dense)
-        t_blocked = _median(lambda: jax.block_until_ready(blocked(q, k_pool, v_pool, attn)))
-        t_dense = _median(lambda: jax.block_until_ready(dense(q, k_pool, v_pool, attn)))
+        # Each time prints as it lands, and the dense baseline takes few calls: on the GPU a call of
+        # it can take seconds, and a step killed at its limit should still leave the others.
+        t_blocked = _median(lambda: jax.block_until_ready(blocked(q, k_pool, v_pool, attn)), reps=10)
+        print(f"batch {batch}: blocked attention {t_blocked * 1e3:.3f} ms", flush=True)
         toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, chunk)), jnp.int32)
         t_program = _median_fed_back(
-            lambda state: engine._prefill(engine.params, state, toks, table, start, valid)[0], engine.state, reps=10)
+            lambda state: engine._prefill(engine.params, state, toks, table, start, valid)[0], engine.state, reps=5)
+        print(f"batch {batch}: prefill program {t_program * 1e3:.3f} ms", flush=True)
+        t_dense = _median(lambda: jax.block_until_ready(dense(q, k_pool, v_pool, attn)), reps=3)
         rows.append({"batch": batch, "chunk": chunk, "table_keys": width * page, "prompt_tokens": int(lengths[0]),
                      "attention_blocked_ms": t_blocked * 1e3, "attention_dense_ms": t_dense * 1e3,
                      "dense_over_blocked": t_dense / t_blocked, "program_ms": t_program * 1e3})
