@@ -85,7 +85,7 @@ class RunStats(RequestStats):
 
     steps: int = 0  # jitted decode steps (each advances every running request)
     prefill_s: float = 0.0  # seconds in prefill (target + drafter), first tokens included
-    decode_s: float = 0.0  # seconds in decode steps, host reads included
+    decode_s: float = 0.0  # seconds launching decode steps and waiting for their outputs
     wall_s: float = 0.0  # the whole call
     prompt_tokens: int = 0  # prompt tokens prefilled
     generated_tokens: int = 0  # tokens returned to the caller
