@@ -270,7 +270,7 @@ def llama8b(args):
 def prefill(args):
     from treespec_jax.config import SpeculativeConfig
     from treespec_jax.engine import Engine
-    from treespec_jax.models.attention import prefill_attention, prefill_batch
+    from treespec_jax.models.attention import prefill_attention, prefill_attention_reference, prefill_batch
 
     cfg, params = _random_smollm2()
     rows = []
@@ -290,16 +290,7 @@ def prefill(args):
         q = jnp.asarray(rng.standard_normal((batch, chunk, cfg.num_heads, d)), jnp.bfloat16)
         blocked = jax.jit(lambda q, k, v, a: prefill_attention(q, k, v, a, page, d ** -0.5))
 
-        def dense(q, k, v, a):
-            from pallas_kernels.attention.reference import dense_attention_reference
-            from treespec_jax.cache.paged import slot_of
-
-            key_pos = jnp.arange(width * page, dtype=jnp.int32)
-            at = slot_of(a.page_table, jnp.broadcast_to(key_pos, (batch, width * page)), page)
-            visible = key_pos[None, None, :] <= a.positions[:, :, None]
-            return dense_attention_reference(q, k[at], v[at], visible, d ** -0.5)[0]
-
-        dense = jax.jit(dense)
+        dense = jax.jit(lambda q, k, v, a: prefill_attention_reference(q, k, v, a, page, d ** -0.5))
         # Each time prints as it lands, and the dense baseline takes few calls: on the GPU a call of
         # it can take seconds, and a step killed at its limit should still leave the others.
         t_blocked = _median(lambda: jax.block_until_ready(blocked(q, k_pool, v_pool, attn)), reps=10)
@@ -331,7 +322,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--prompt-tokens", type=int, default=160, help="prefill, and breakdown without a GGUF: prompt tokens of each request")
+    ap.add_argument("--prompt-tokens", type=int, default=160,
+                    help="prefill, and breakdown without a GGUF: prompt tokens of each request")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     doc = {"serve": serve, "breakdown": breakdown, "prefill": prefill, "llama8b": llama8b}[args.table](args)

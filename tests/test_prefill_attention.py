@@ -8,19 +8,8 @@ import pytest
 from numerics import rel_err
 from paged_fixtures import poisoned_paged_pools
 
-from pallas_kernels.attention.reference import dense_attention_reference
-from treespec_jax.cache.paged import slot_of
-from treespec_jax.models.attention import prefill_attention, prefill_batch, prefill_key_blocks
-
-
-def _dense(q, k_pool, v_pool, batch, page, scale):
-    b = q.shape[0]
-    total = batch.page_table.shape[1] * page
-    key_pos = jnp.arange(total, dtype=jnp.int32)
-    slots = slot_of(batch.page_table, jnp.broadcast_to(key_pos, (b, total)), page)
-    visible = key_pos[None, None, :] <= batch.positions[:, :, None]
-    out, _ = dense_attention_reference(q, k_pool[slots], v_pool[slots], visible, scale)
-    return out
+from treespec_jax.models.attention import (prefill_attention, prefill_attention_reference, prefill_batch,
+                                           prefill_key_blocks)
 
 
 @pytest.mark.parametrize("page,key_block,group", [(4, 8, 3), (8, 8, 1), (4, 3, 2)])
@@ -39,7 +28,7 @@ def test_prefill_attention_matches_dense_attention(page, key_block, group):
     batch = prefill_batch(table, jnp.asarray(start), jnp.asarray(valid), chunk, page)
     q = jnp.asarray(rng.standard_normal((len(start), chunk, hkv * group, d)), jnp.float32)
     out = jax.jit(prefill_attention, static_argnums=(4, 5, 6))(q, k, v, batch, page, d ** -0.5, key_block)
-    ref = _dense(q, k, v, batch, page, d ** -0.5)
+    ref = prefill_attention_reference(q, k, v, batch, page, d ** -0.5)
     live = valid > 0
     assert rel_err(out[live], ref[live]) < 1e-5
     # The padding request: rows that see nothing attend to nothing.

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallas_kernels.attention.reference import cascade_dense_reference
+from pallas_kernels.attention.reference import cascade_dense_reference, dense_attention_reference
 from treespec_jax.attention.cascade import CascadeConfig, lane_attention, verify_attention
 from treespec_jax.cache.paged import slot_of
 
@@ -153,6 +153,19 @@ class PagedAttention:
                                     config=self.cascade)
         return lane_attention(q, k_pool, v_pool, batch.page_table, batch.prefix_lengths, batch.mask,
                               steps=batch.lane_steps, config=self.cascade)
+
+
+def prefill_attention_reference(q, k_pool, v_pool, batch: AttentionBatch, page_size: int, scale: float) -> jax.Array:
+    """What `prefill_attention` computes, as one dense fp32 masked attention over every key the
+    page table covers (the whole context, whatever the prompt): its tests' reference and its
+    benchmark's baseline. `q [B, T, Hq, D]` -> `[B, T, Hq, D]` f32."""
+    b = q.shape[0]
+    total = batch.page_table.shape[1] * page_size
+    key_pos = jnp.arange(total, dtype=jnp.int32)
+    slots = slot_of(batch.page_table, jnp.broadcast_to(key_pos, (b, total)), page_size)
+    visible = key_pos[None, None, :] <= batch.positions[:, :, None]
+    out, _ = dense_attention_reference(q, k_pool[slots], v_pool[slots], visible, scale)
+    return out
 
 
 PREFILL_KEY_BLOCK = 256  # keys per step of the prefill loop (rounded to whole pages)
