@@ -147,7 +147,12 @@ def _random_smollm2():
     from treespec_jax.models.llama import init_params
 
     cfg = LlamaConfig(**SMOLLM2_SHAPE)
-    return cfg, jax.jit(lambda k: init_params(cfg, k, "bf16"))(jax.random.key(0))
+    # Eager, one small program per weight shape: jitted whole, the ~280 draws made one program
+    # that XLA's GPU compiler took minutes over on the H100 (2026-12-06).
+    t0 = time.perf_counter()
+    params = jax.block_until_ready(init_params(cfg, jax.random.key(0), "bf16"))
+    print(f"random SmolLM2-shaped weights in {time.perf_counter() - t0:.1f} s", flush=True)
+    return cfg, params
 
 
 def breakdown(args):
@@ -293,6 +298,9 @@ def prefill(args):
         dense = jax.jit(lambda q, k, v, a: prefill_attention_reference(q, k, v, a, page, d ** -0.5))
         # Each time prints as it lands, and the dense baseline takes few calls: on the GPU a call of
         # it can take seconds, and a step killed at its limit should still leave the others.
+        t0 = time.perf_counter()
+        blocked = blocked.lower(q, k_pool, v_pool, attn).compile()
+        print(f"batch {batch}: blocked attention compiled in {time.perf_counter() - t0:.1f} s", flush=True)
         t_blocked = _median(lambda: jax.block_until_ready(blocked(q, k_pool, v_pool, attn)), reps=10)
         print(f"batch {batch}: blocked attention {t_blocked * 1e3:.3f} ms", flush=True)
         toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, chunk)), jnp.int32)

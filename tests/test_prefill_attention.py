@@ -45,3 +45,29 @@ def test_prefill_reads_through_the_block_of_its_last_position_only():
     # A block holds whole pages, at least one.
     assert int(prefill_key_blocks(jnp.asarray([[9]]), 4, 3)) == 9 // 4 + 1
     assert int(prefill_key_blocks(jnp.asarray([[-1]]), 4, 8)) == 1
+
+
+def test_rows_that_write_nowhere_leave_every_slot_alone():
+    """Prefill padding rows and empty batch slots (an all-scratch table row) are dropped by the
+    K/V scatter, not piled onto the scratch page: the request's real rows land in its own slots,
+    and every other slot, the scratch page's included, keeps what it held."""
+    from treespec_jax.models.attention import NO_SLOT, SCRATCH_PAGE, window_batch, write_kv
+
+    rng = np.random.default_rng(7)
+    page, chunk, hkv, d, pages = 4, 8, 2, 16, 6
+    table = jnp.asarray(np.array([[3, 5, 0, 0], [0, 0, 0, 0]], np.int32))  # row 1: an empty slot
+    start, valid = jnp.array([2, 0], jnp.int32), jnp.array([5, 0], jnp.int32)
+    before = jnp.asarray(rng.standard_normal((pages * page, hkv, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, chunk, hkv, d)), jnp.float32) for _ in range(2))
+    batch = prefill_batch(table, start, valid, chunk, page)
+    k_pool, _ = write_kv(before, before, k, v, batch.write_slots)
+    want = np.asarray(before).copy()
+    for t in range(5):  # request 0 at positions 2..6: pages 3 and 5
+        pos = 2 + t
+        want[[3, 5][pos // page] * page + pos % page] = np.asarray(k[0, t])
+    np.testing.assert_array_equal(np.asarray(k_pool), want)
+    assert (np.asarray(batch.write_slots)[0, 5:] == NO_SLOT).all() and (np.asarray(batch.write_slots)[1] == NO_SLOT).all()
+    # A window forward of the empty slot writes nowhere either.
+    window = window_batch(table, jnp.array([0, 3], jnp.int32), jnp.array([[0], [3]], jnp.int32),
+                          jnp.ones((2, 1, 2), jnp.uint32), page)
+    assert int(window.write_slots[1, 0]) == NO_SLOT and int(window.write_slots[0, 0]) != SCRATCH_PAGE * page

@@ -122,8 +122,13 @@ def _sample_rows(logits, seeds, positions, temperature, top_k, top_p):
     wants_mask = sampled_row & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
     scaled = jax.lax.cond(jnp.any(wants_mask), lambda x: jax.vmap(filter_logits)(x, top_k, top_p),
                           lambda x: x, scaled)
-    noise = jax.vmap(gumbel_noise, in_axes=(0, 0, None))(seeds, positions, vocab)
-    sampled = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+
+    def draw(x):
+        noise = jax.vmap(gumbel_noise, in_axes=(0, 0, None))(seeds, positions, vocab)
+        return jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
+
+    # The noise costs R x V uniforms and two logs; an all-greedy batch skips it (a real branch).
+    sampled = jax.lax.cond(jnp.any(sampled_row), draw, lambda x: greedy, scaled)
     return jnp.where(sampled_row, sampled, greedy)
 
 
