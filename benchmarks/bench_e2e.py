@@ -10,6 +10,11 @@
         (d) one 256-row prefill chunk of SmolLM2-shaped prompts at batch B: the attention of one layer
             (blocked, reading the prompt's pages, against dense over the whole table) and the
             engine's whole jitted prefill program
+    PYTHONPATH=. python benchmarks/bench_e2e.py churn [--batches 1,256] [--temperatures 0,0.8]
+        (e) plain decoding as the self-distillation data run serves it (`train.data.make_engine`),
+            random SmolLM2-shaped weights: requests of random prompt and reply lengths joining and
+            leaving; the served loop's steps, prefill and decode seconds, tok/s, against the jitted
+            step alone on full slots
     PYTHONPATH=. python benchmarks/bench_e2e.py llama8b [--batches 1,8,32,64]
         (c) a Llama-3.1-8B-shaped target with random bf16 weights: plain decode step and tree
             verify at N = 16 and 64 against the weight-bytes floor (weights / copy bandwidth)
@@ -315,9 +320,52 @@ def prefill(args):
     return {"table": "prefill", "rows": rows}
 
 
+def churn(args):
+    from treespec_jax.engine import Request
+    from treespec_jax.train.config import DataConfig
+    from treespec_jax.train.data import make_engine
+
+    cfg, params = _random_smollm2()
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for temp in [float(t) for t in args.temperatures.split(",")]:
+            data_cfg = DataConfig(batch=batch, max_new_tokens=args.new_tokens)
+            engine = make_engine(cfg, params, None, data_cfg)
+            rng = np.random.default_rng(0)
+            n = args.prompts if args.prompts > 0 else max(8, 2 * batch)
+            # Reply lengths spread as chat replies do: most short, a tail at the cap.
+            reqs = [Request(prompt=rng.integers(0, cfg.vocab_size, int(rng.integers(40, 300))).tolist(),
+                            max_new_tokens=int(min(args.new_tokens, 8 + rng.exponential(args.new_tokens / 2))),
+                            ignore_eos=True, seed=i, temperature=temp) for i in range(n)]
+            t0 = time.perf_counter()
+            for rows_in in sorted({engine.prefill_batch_rows(k) for k in range(1, batch + 1)}):
+                engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:rows_in]])
+            compile_s = time.perf_counter() - t0
+            groups = []
+            start = engine._start
+            engine._start = lambda group, stats: (groups.append(len(group)), start(group, stats))[1]
+            engine.decode(reqs)
+            engine._start = start
+            run = engine.last_run
+            # The jitted step alone, every slot decoding (the stream is left unfinished).
+            stream = engine.stream([dataclasses.replace(r, max_new_tokens=args.new_tokens) for r in reqs[:batch]])
+            for _ in range(batch + 3):
+                next(stream)
+            t_step = _median_fed_back(lambda st: engine._step(engine.params, st)[0],
+                                      jax.tree.map(jnp.copy, engine.state))
+            rows.append({"batch": batch, "temperature": temp, "requests": n, "compile_s": compile_s,
+                         "generated_tokens": run.generated_tokens, "steps": run.steps,
+                         "prefill_groups": len(groups), "mean_group": float(np.mean(groups)),
+                         "prefill_s": run.prefill_s, "decode_s": run.decode_s, "wall_s": run.wall_s,
+                         "tok_s": run.tokens_per_s, "served_step_ms": run.decode_s / max(run.steps, 1) * 1e3,
+                         "jitted_step_ms": t_step * 1e3})
+            print(json.dumps(rows[-1]), flush=True)
+    return {"table": "churn", "rows": rows}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("table", choices=["serve", "breakdown", "prefill", "llama8b"])
+    ap.add_argument("table", choices=["serve", "breakdown", "prefill", "llama8b", "churn"])
     ap.add_argument("--gguf", type=Path)
     ap.add_argument("--head", type=Path)
     ap.add_argument("--batches", default="1,8,32,64")
@@ -334,7 +382,7 @@ def main():
                     help="prefill, and breakdown without a GGUF: prompt tokens of each request")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    doc = {"serve": serve, "breakdown": breakdown, "prefill": prefill, "llama8b": llama8b}[args.table](args)
+    doc = {"serve": serve, "breakdown": breakdown, "prefill": prefill, "llama8b": llama8b, "churn": churn}[args.table](args)
     doc.update(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, jax=jax.__version__)
     text = json.dumps(doc, indent=1)
     print(text)
