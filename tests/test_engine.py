@@ -239,6 +239,33 @@ def test_stream_yields_what_decode_returns():
     assert [finals[i] for i in range(3)] == _tokens(cached_engine(serve_config()), reqs)
 
 
+def test_stream_reads_requests_as_slots_free():
+    """A generator of requests is read one request per free slot, never ahead: the third request
+    of a two-slot engine is read only once one of the first two has finished, a refused one is
+    answered when read, and a generator that stops early ends the stream with what it gave."""
+    engine = cached_engine(serve_config("EAGLE3", 2, 3, 6))
+    reqs = mixed_requests()[:4]
+    log = []
+
+    def arriving():
+        for i, r in enumerate(reqs[:3]):
+            log.append(("read", i))
+            yield r
+        log.append(("read", "refused"))
+        yield Request(prompt=[], max_new_tokens=4)
+
+    finals = {}
+    for ev in engine.stream(arriving()):
+        if ev.finished is not None:
+            log.append(("done", ev.index))
+            finals[ev.index] = ev.finished
+    assert log.index(("read", 2)) > min(log.index(("done", 0)), log.index(("done", 1)))
+    assert log.index(("done", 3)) == log.index(("read", "refused")) + 1
+    assert finals[3].finish_reason == "refused" and "empty" in finals[3].error
+    assert [finals[i].tokens for i in range(3)] == _tokens(cached_engine(serve_config()), reqs[:3])
+    assert engine.allocator.free_pages == engine.num_pages - 1
+
+
 def test_stats_describe_the_rounds():
     engine = cached_engine(serve_config("EAGLE3", 4, 4, 12, slots=2), noise=1.0)
     outs = engine.decode(mixed_requests())

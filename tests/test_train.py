@@ -337,6 +337,13 @@ def test_data_generator_writes_and_resumes_shards_through_the_engine(tmp_path, t
     after = dict(np.load(data_mod.shard_path(out, 1)))
     for k in before:
         np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+    # At a deadline no further shard is fed, and what was fed is written whole: a run out of time
+    # from the start still makes its first shard, the same as the full run's.
+    short = tmp_path / "short"
+    summary = data_mod.generate(engine, tok, prompts, cfg, short, max_minutes=0.0, log=lambda m: None)
+    assert summary["shards_written"] == 1 and summary["stopped_at_deadline"] and not summary["complete"]
+    np.testing.assert_array_equal(np.load(data_mod.shard_path(short, 0))["tokens"],
+                                  np.load(data_mod.shard_path(out, 0))["tokens"])
     # first_shard: a later run makes only the shards from it on, each the same as a full run's.
     later = tmp_path / "later"
     summary = data_mod.generate(engine, tok, prompts, dataclasses.replace(cfg, first_shard=1), later,

@@ -21,7 +21,7 @@ import collections
 import dataclasses
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -462,34 +462,57 @@ class Engine:
         return Completion(tokens=list(run.tokens), text=self._final_text(run), finish_reason=run.finish,
                           prompt_tokens=len(run.prompt), stats=run.stats)
 
-    def stream(self, requests: Sequence[Request], progress=None) -> Iterator[StreamEvent]:
-        """Serves `requests` with continuous batching, yielding each request's text as it commits."""
-        requests = list(requests)
+    def _read_request(self, index: int, req: Request) -> _Running | Completion:
+        """A request as read from the input: its running record, or the refusal that answers it."""
+        try:
+            prompt = self._prompt_ids(req)
+            reason = self._refusal(req, prompt)
+        except ValueError as err:
+            prompt, reason = [], str(err)
+        if reason is not None:
+            return Completion([], "", "refused", len(prompt), self._new_stats(), error=reason)
+        limit = len(prompt) + req.max_new_tokens
+        return _Running(index, req, prompt, [], limit, self._stop_ids(req), stats=self._new_stats(),
+                        detok=self.tokenizer.detokenizer() if self.tokenizer is not None else None)
+
+    def stream(self, requests: Iterable[Request], progress=None) -> Iterator[StreamEvent]:
+        """Serves `requests` with continuous batching, yielding each request's text as it commits.
+
+        `requests` is read lazily, a request at a time while slots are free, so it may be a
+        generator that produces requests as they arrive, or that stops producing them (at a
+        deadline, say): what it has produced is served to the end. A refused request is answered
+        as it is read; `StreamEvent.index` counts requests in the order they were read.
+        """
         run_stats = self._new_stats(RunStats)
+        pending = enumerate(requests)
         queue: collections.deque[_Running] = collections.deque()
-        for i, req in enumerate(requests):
-            try:
-                prompt = self._prompt_ids(req)
-                reason = self._refusal(req, prompt)
-            except ValueError as err:
-                prompt, reason = [], str(err)
-            if reason is not None:
-                done = Completion([], "", "refused", len(prompt), self._new_stats(), error=reason)
-                yield StreamEvent(i, "", [], finished=done)
-                continue
-            limit = len(prompt) + req.max_new_tokens
-            queue.append(_Running(i, req, prompt, [], limit, self._stop_ids(req), stats=self._new_stats(),
-                                  detok=self.tokenizer.detokenizer() if self.tokenizer is not None else None))
+        exhausted = False
+
+        def read(want: int) -> Iterator[StreamEvent]:
+            """Reads requests until the queue holds `want` or the input ends."""
+            nonlocal exhausted
+            while not exhausted and len(queue) < want:
+                item = next(pending, None)
+                if item is None:
+                    exhausted = True
+                    return
+                got = self._read_request(*item)
+                if isinstance(got, Completion):
+                    yield StreamEvent(item[0], "", [], finished=got)
+                else:
+                    queue.append(got)
+
         running: dict[int, _Running] = {}
         free_slots = list(range(self.slots - 1, -1, -1))
         # The step in flight, launched before the host reads the one before it, so that the host's
         # work on a step's tokens overlaps the device's next step: its outputs and the runs it served.
         in_flight: tuple[StepOutput, dict[int, _Running]] | None = None
         t_start = time.perf_counter()
-        while queue or running or in_flight is not None:
+        while queue or running or in_flight is not None or not exhausted:
             # Admission: first come, first served; a request whose pages are not free waits. The
             # requests admitted together prefill together, `prefill_rows` at a time.
             blocked = False
+            yield from read(len(free_slots))
             while queue and free_slots and not blocked:
                 group = []
                 while queue and free_slots and len(group) < self.prefill_rows:
@@ -510,6 +533,7 @@ class Engine:
                     yield from self._emit(run, run.tokens[:], progress)
                     if run.finish is not None:
                         yield from self._finish(slot, running, free_slots, progress)
+                yield from read(len(free_slots))
             launched = None
             if running:
                 t0 = time.perf_counter()

@@ -9,8 +9,9 @@ samples the rest at `temperature`, and later passes (when `max_requests` > P) sa
 seeds, so a prompt never repeats a reply. Every `heldout_every`-th prompt (and all its replies) is
 held out of training: its replies give the held-out loss.
 
-Shards. Requests are generated `shard_size` at a time through `Engine.decode` (plain decoding,
-the gumbel backend, which samples temperature 0 as argmax) and saved as `shard_{k:05d}.npz`:
+Shards. Requests are generated through one `Engine.stream` per run (plain decoding, the gumbel
+backend, which samples temperature 0 as argmax), fed shard after shard so the batch stays full,
+and each shard of `shard_size` requests is saved as `shard_{k:05d}.npz` once its replies are in:
 `tokens` (every sequence's prompt + reply ids, concatenated; uint16 where the vocabulary fits),
 `offsets [n + 1]`, `prompt_lens [n]` (the reply span of sequence i is [prompt_lens[i], length)),
 `request [n]`, `prompt_index [n]`, `temperature [n]`, `heldout [n]`, `finish [n]` (index into
@@ -131,30 +132,29 @@ def shard_path(out: Path, k: int) -> Path:
     return out / f"shard_{k:05d}.npz"
 
 
-def generate_shard(engine, tokenizer, prompts: Sequence[dict], cfg: DataConfig, k: int) -> dict:
-    """Requests [k * shard_size, (k+1) * shard_size) ∩ [0, max_requests) -> the shard's arrays."""
-    from treespec_jax.engine import Request
-
+def shard_rows(tokenizer, prompts: Sequence[dict], cfg: DataConfig, k: int) -> list[tuple[int, int, float, int, list[int]]]:
+    """Shard k's requests [k * shard_size, (k+1) * shard_size) ∩ [0, max_requests), each as
+    (request j, prompt index, temperature, seed, prompt ids)."""
     lo, hi = k * cfg.shard_size, min((k + 1) * cfg.shard_size, cfg.max_requests)
-    rows, reqs = [], []
+    rows = []
     for j in range(lo, hi):
         p, temp, seed = plan_request(j, len(prompts), cfg)
-        ids = prompt_ids(prompts[p], tokenizer)
-        rows.append((j, p, temp, ids))
-        if len(ids) <= cfg.max_prompt_tokens:
-            reqs.append(Request(prompt=ids, max_new_tokens=cfg.max_new_tokens, temperature=temp, top_p=cfg.top_p,
-                                seed=seed))
-    done = iter(engine.decode(reqs))
+        rows.append((j, p, temp, seed, prompt_ids(prompts[p], tokenizer)))
+    return rows
+
+
+def shard_arrays(rows, completions: dict, cfg: DataConfig, vocab: int) -> dict:
+    """The shard's arrays from its rows and `completions {j: Completion}` (prompts over
+    `max_prompt_tokens` have none: they are kept as prompt-only sequences marked skipped)."""
     seqs, meta = [], []
-    for j, p, temp, ids in rows:
-        if len(ids) > cfg.max_prompt_tokens:
+    for j, p, temp, _, ids in rows:
+        c = completions.get(j)
+        if c is None:
             seqs.append(np.asarray(ids, np.int64))
             meta.append((j, p, temp, len(ids), FINISH.index("skipped")))
-            continue
-        c = next(done)
-        seqs.append(np.asarray(ids + list(c.tokens), np.int64))
-        meta.append((j, p, temp, len(ids), FINISH.index(c.finish_reason)))
-    vocab = engine.target_cfg.vocab_size
+        else:
+            seqs.append(np.asarray(ids + list(c.tokens), np.int64))
+            meta.append((j, p, temp, len(ids), FINISH.index(c.finish_reason)))
     dtype = np.uint16 if vocab <= 2**16 else np.int32
     lens = np.asarray([len(s) for s in seqs], np.int64)
     return {
@@ -177,38 +177,78 @@ def write_shard(path: Path, arrays: dict) -> None:
 
 def generate(engine, tokenizer, prompts: Sequence[dict], cfg: DataConfig, out: str | os.PathLike,
              max_minutes: float | None = None, log=print) -> dict:
-    """Writes the missing shards until all exist or the deadline; returns a summary."""
+    """Writes the missing shards until all exist or the deadline; returns a summary.
+
+    Every missing shard's requests go through one `Engine.stream`, fed lazily shard after shard,
+    so the batch stays full across shard boundaries (decoding shard by shard, each shard's longest
+    replies ran on a nearly empty batch). A shard is written once its last reply is in. Near the
+    deadline no further shard is fed: one is started only while the time so far, one more shard's
+    feeding and the longest reply seen still fit; what was fed runs to the end.
+    """
+    from treespec_jax.engine import Request
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    shards = range(cfg.first_shard, cfg.num_shards)
-    written, gen_tokens, gen_s, times = 0, 0, 0.0, []
-    for k in shards:
-        path = shard_path(out, k)
-        if path.exists():
-            continue
-        elapsed = time.perf_counter() - t0
-        # A shard is started only if one as slow as the slowest so far still ends in time (the
-        # first shard of a run carries the compile, so it counts only while it is the only one).
-        slowest = max(times[1:]) if len(times) > 1 else (times[0] if times else 0.0)
-        if max_minutes is not None and elapsed + 1.2 * slowest > 60 * max_minutes:
-            log(f"deadline: {elapsed / 60:.1f} of {max_minutes} min used, next shard {k} left for the next run")
-            break
-        ts = time.perf_counter()
-        arrays = generate_shard(engine, tokenizer, prompts, cfg, k)
-        write_shard(path, arrays)
-        dt = time.perf_counter() - ts
-        times.append(dt)
+    todo = [k for k in range(cfg.first_shard, cfg.num_shards) if not shard_path(out, k).exists()]
+    fed: list[tuple[int, int]] = []  # stream index -> (shard, request j)
+    rows_of: dict[int, list] = {}
+    waiting: dict[int, int] = {}  # shard -> replies still to come
+    done: dict[int, dict] = {}
+    admitted: dict[int, float] = {}  # stream index -> when its first token came
+    longest = [0.0]  # the longest reply so far, admission to finish (seconds)
+    stopped = [False]
+
+    def feed():
+        for n, k in enumerate(todo):
+            elapsed = time.perf_counter() - t0
+            if max_minutes is not None and n > 0:
+                tail = longest[0] if longest[0] > 0 else elapsed
+                if elapsed + elapsed / n + tail > 60 * max_minutes:
+                    log(f"deadline: {elapsed / 60:.1f} of {max_minutes} min used, shard {k} left for the next run")
+                    stopped[0] = True
+                    return
+            rows = shard_rows(tokenizer, prompts, cfg, k)
+            rows_of[k], done[k] = rows, {}
+            served = [r for r in rows if len(r[4]) <= cfg.max_prompt_tokens]
+            waiting[k] = len(served)
+            if not served:
+                finish_shard(k)
+            for j, _, temp, seed, ids in served:
+                fed.append((k, j))
+                yield Request(prompt=ids, max_new_tokens=cfg.max_new_tokens, temperature=temp, top_p=cfg.top_p,
+                              seed=seed)
+
+    written, gen_tokens = [], [0]
+
+    def finish_shard(k):
+        arrays = shard_arrays(rows_of.pop(k), done.pop(k), cfg, engine.target_cfg.vocab_size)
+        write_shard(shard_path(out, k), arrays)
         n_new = int((arrays["offsets"][1:] - arrays["offsets"][:-1]).sum() - arrays["prompt_lens"].sum())
-        written += 1
-        gen_tokens += n_new
-        gen_s += dt
-        log(f"shard {k}: {len(arrays['prompt_lens'])} requests, {n_new} reply tokens in {dt:.1f} s "
-            f"({n_new / max(dt, 1e-9):.0f} tok/s)")
+        written.append(k)
+        gen_tokens[0] += n_new
+        dt = time.perf_counter() - t0
+        log(f"shard {k}: {len(arrays['prompt_lens'])} requests, {n_new} reply tokens; "
+            f"{gen_tokens[0]} in {dt:.1f} s so far ({gen_tokens[0] / dt:.0f} tok/s)")
+
+    for ev in engine.stream(feed()):
+        now = time.perf_counter()
+        admitted.setdefault(ev.index, now)
+        if ev.finished is None:
+            continue
+        longest[0] = max(longest[0], now - admitted.pop(ev.index))
+        k, j = fed[ev.index]
+        done[k][j] = ev.finished
+        waiting[k] -= 1
+        if waiting[k] == 0:
+            finish_shard(k)
+    gen_s = time.perf_counter() - t0
+    shards = range(cfg.first_shard, cfg.num_shards)
     present = sum(shard_path(out, k).exists() for k in shards)
-    return {"shards_written": written, "shards_present": present, "shards_total": len(shards),
-            "reply_tokens_written": gen_tokens, "generate_s": gen_s,
-            "tokens_per_s": gen_tokens / gen_s if gen_s else None, "complete": present == len(shards)}
+    return {"shards_written": len(written), "shards_present": present, "shards_total": len(shards),
+            "reply_tokens_written": gen_tokens[0], "generate_s": gen_s if written else 0.0,
+            "tokens_per_s": gen_tokens[0] / gen_s if written else None, "complete": present == len(shards),
+            "stopped_at_deadline": stopped[0]}
 
 
 # ---------------------------------------------------------------------------------------------
