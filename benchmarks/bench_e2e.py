@@ -327,39 +327,43 @@ def churn(args):
 
     cfg, params = _random_smollm2()
     rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
-        for temp in [float(t) for t in args.temperatures.split(",")]:
-            data_cfg = DataConfig(batch=batch, max_new_tokens=args.new_tokens)
-            engine = make_engine(cfg, params, None, data_cfg)
-            rng = np.random.default_rng(0)
-            n = args.prompts if args.prompts > 0 else max(8, 2 * batch)
-            # Reply lengths spread as chat replies do: most short, a tail at the cap.
-            reqs = [Request(prompt=rng.integers(0, cfg.vocab_size, int(rng.integers(40, 300))).tolist(),
-                            max_new_tokens=int(min(args.new_tokens, 8 + rng.exponential(args.new_tokens / 2))),
-                            ignore_eos=True, seed=i, temperature=temp) for i in range(n)]
-            t0 = time.perf_counter()
-            for rows_in in sorted({engine.prefill_batch_rows(k) for k in range(1, batch + 1)}):
-                engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:rows_in]])
-            compile_s = time.perf_counter() - t0
-            groups = []
-            start = engine._start
-            engine._start = lambda group, stats: (groups.append(len(group)), start(group, stats))[1]
-            engine.decode(reqs)
-            engine._start = start
-            run = engine.last_run
-            # The jitted step alone, every slot decoding (the stream is left unfinished).
-            stream = engine.stream([dataclasses.replace(r, max_new_tokens=args.new_tokens) for r in reqs[:batch]])
-            for _ in range(batch + 3):
-                next(stream)
-            t_step = _median_fed_back(lambda st: engine._step(engine.params, st)[0],
-                                      jax.tree.map(jnp.copy, engine.state))
-            rows.append({"batch": batch, "temperature": temp, "requests": n, "compile_s": compile_s,
-                         "generated_tokens": run.generated_tokens, "steps": run.steps,
-                         "prefill_groups": len(groups), "mean_group": float(np.mean(groups)),
-                         "prefill_s": run.prefill_s, "decode_s": run.decode_s, "wall_s": run.wall_s,
-                         "tok_s": run.tokens_per_s, "served_step_ms": run.decode_s / max(run.steps, 1) * 1e3,
-                         "jitted_step_ms": t_step * 1e3})
-            print(json.dumps(rows[-1]), flush=True)
+    settings = [(int(b), float(t), d) for b in args.batches.split(",") for t in args.temperatures.split(",")
+                for d in args.draws.split(",")]
+    for batch, temp, draws in settings:
+        data_cfg = DataConfig(batch=batch, max_new_tokens=args.new_tokens)
+        engine = make_engine(cfg, params, None, data_cfg)
+        if draws == "device":  # the baseline: every step decides its draw with a device-side branch
+            engine._draw_of = lambda runs: "auto"
+        rng = np.random.default_rng(0)
+        n = args.prompts if args.prompts > 0 else max(8, 2 * batch)
+        # Reply lengths spread as chat replies do: most short, a tail at the cap.
+        reqs = [Request(prompt=rng.integers(0, cfg.vocab_size, int(rng.integers(40, 300))).tolist(),
+                        max_new_tokens=int(min(args.new_tokens, 8 + rng.exponential(args.new_tokens / 2))),
+                        ignore_eos=True, seed=i, temperature=temp) for i in range(n)]
+        t0 = time.perf_counter()
+        for rows_in in sorted({engine.prefill_batch_rows(k) for k in range(1, batch + 1)}):
+            engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:rows_in]])
+        compile_s = time.perf_counter() - t0
+        groups = []
+        start = engine._start
+        engine._start = lambda group, stats: (groups.append(len(group)), start(group, stats))[1]
+        engine.decode(reqs)
+        engine._start = start
+        run = engine.last_run
+        # The jitted step alone, every slot decoding (the stream is left unfinished).
+        stream = engine.stream([dataclasses.replace(r, max_new_tokens=args.new_tokens) for r in reqs[:batch]])
+        for _ in range(batch + 3):
+            next(stream)
+        draw = "auto" if draws == "device" else "gumbel" if temp > 0 else "argmax"  # what the run's steps ran
+        t_step = _median_fed_back(lambda st: engine._step(engine.params, st, draw=draw)[0],
+                                  jax.tree.map(jnp.copy, engine.state))
+        rows.append({"batch": batch, "temperature": temp, "draws": draws, "requests": n, "compile_s": compile_s,
+                     "generated_tokens": run.generated_tokens, "steps": run.steps,
+                     "prefill_groups": len(groups), "mean_group": float(np.mean(groups)),
+                     "prefill_s": run.prefill_s, "decode_s": run.decode_s, "wall_s": run.wall_s,
+                     "tok_s": run.tokens_per_s, "served_step_ms": run.decode_s / max(run.steps, 1) * 1e3,
+                     "jitted_step_ms": t_step * 1e3})
+        print(json.dumps(rows[-1]), flush=True)
     return {"table": "churn", "rows": rows}
 
 
@@ -380,6 +384,8 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--prompt-tokens", type=int, default=160,
                     help="prefill, and breakdown without a GGUF: prompt tokens of each request")
+    ap.add_argument("--draws", default="host,device",
+                    help="churn: who picks a step's sampling computation (host: the engine; device: lax.cond)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     doc = {"serve": serve, "breakdown": breakdown, "prefill": prefill, "llama8b": llama8b, "churn": churn}[args.table](args)

@@ -266,6 +266,22 @@ def test_stream_reads_requests_as_slots_free():
     assert engine.allocator.free_pages == engine.num_pages - 1
 
 
+def test_a_served_step_holds_no_device_branch():
+    """The host knows what its requests' draws need, so the step it launches has no `lax.cond`
+    (on the GPU each one makes the host wait for the device mid-step)."""
+    engine = cached_engine(serve_config("EAGLE3", 2, 3, 6, sampler="gumbel"))
+    runs = {name: engine._read_request(0, Request(prompt=[1, 2], max_new_tokens=4, **kw)) for name, kw in
+            (("argmax", dict(temperature=0.0)), ("gumbel", dict(temperature=0.8)),
+             ("filtered", dict(temperature=0.8, top_p=0.9)))}
+    assert {name: run.draw for name, run in runs.items()} == {n: n for n in runs}
+    assert engine._draw_of([runs["argmax"], runs["filtered"], runs["gumbel"]]) == "filtered"
+    assert engine._draw_of([runs["argmax"], runs["gumbel"]]) == "gumbel"
+    lowered = lambda draw: engine._step.lower(engine.params, engine.state, draw=draw).as_text()  # noqa: E731
+    assert "stablehlo.case" in lowered("auto")
+    for draw in ("argmax", "gumbel", "filtered"):
+        assert "stablehlo.case" not in lowered(draw), draw
+
+
 def test_stats_describe_the_rounds():
     engine = cached_engine(serve_config("EAGLE3", 4, 4, 12, slots=2), noise=1.0)
     outs = engine.decode(mixed_requests())

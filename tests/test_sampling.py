@@ -138,3 +138,32 @@ def test_target_probs_is_the_distribution_sample_at_draws_from():
         else:
             want = np_filtered_probs(logits[row], temp, top_k, top_p)
         np.testing.assert_allclose(got[row], want, atol=1e-5)
+
+
+def test_host_known_draws_equal_the_device_branch():
+    """`draw_for` names the least computation that is exact for the rows, and `sample_at` with it
+    draws what the device-side branch ("auto") draws; a draw too weak for a row is visibly wrong."""
+    rng = np.random.default_rng(7)
+    rows, vocab = 12, 40
+    logits = jnp.asarray(rng.normal(0, 2.0, (rows, vocab)), jnp.float32)
+    seeds, positions = jnp.arange(rows, dtype=jnp.int32) + 5, jnp.arange(rows, dtype=jnp.int32) * 3
+    greedy = np.zeros(rows)
+    mixed = np.where(np.arange(rows) % 2, 0.9, 0.0)
+    cases = {"argmax": (greedy, np.zeros(rows, int), np.ones(rows)),
+             "gumbel": (mixed, np.zeros(rows, int), np.ones(rows)),
+             "filtered": (mixed, np.where(np.arange(rows) % 4 == 1, 3, 0), np.where(np.arange(rows) % 4 == 3, 0.5, 1.0))}
+    draw = jax.jit(sample_at, static_argnames=("draw",))
+    for name, (t, k, p) in cases.items():
+        assert keyed.draw_for(t, k, p, vocab) == name
+        params = SamplingParams.create(t, k, p)
+        auto = np.asarray(draw(logits, seeds, positions, params))
+        np.testing.assert_array_equal(np.asarray(draw(logits, seeds, positions, params, draw=name)), auto, err_msg=name)
+        assert (auto[t == 0] == np.argmax(np.asarray(logits), -1)[t == 0]).all()
+    # Too weak a draw: "argmax" for sampled rows and "gumbel" for masked rows change tokens.
+    t, k, p = cases["filtered"]
+    params = SamplingParams.create(t, k, p)
+    auto = np.asarray(draw(logits, seeds, positions, params))
+    assert (np.asarray(draw(logits, seeds, positions, params, draw="argmax")) != auto).any()
+    assert (np.asarray(draw(logits, seeds, positions, params, draw="gumbel")) != auto).any()
+    with pytest.raises(ValueError, match="draw must be one of"):
+        sample_at(logits, seeds, positions, params, draw="fast")

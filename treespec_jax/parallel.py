@@ -265,8 +265,8 @@ class Placement:
         from treespec_jax.engine.round import DecodeState
 
         @functools.wraps(fn)
-        def wrapped(*args):
-            out = fn(*args)
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
             if isinstance(out, DecodeState):
                 return self.constrain(out)
             if isinstance(out, tuple) and out and isinstance(out[0], DecodeState):
@@ -308,12 +308,12 @@ def sharded_round_class():
             # checks see the local row [Hkv / T, D].
             self.local_router = local_router(self.router, tp_size_of(mesh))
 
-        def walk_stage(self, spec, logits, state):
+        def walk_stage(self, spec, logits, state, draw="auto"):
             if self.shape.sampler == "greedy":
                 predicts = sharded_argmax(logits, self.mesh)
                 return agree(greedy_walk, self.mesh)(state.tree_tokens, spec.parents, predicts)
             return agree(lambda s, lg, st: sampler.accept(self.shape.sampler, lg, st.tree_tokens, s.parents,
-                                                          s.depths, st.seeds, st.lengths, st.sampling),
+                                                          s.depths, st.seeds, st.lengths, st.sampling, draw),
                          self.mesh)(spec, logits, state)
 
         def compact_stage(self, spec, path, pools, features, positions, state):

@@ -39,7 +39,7 @@ from treespec_jax.engine.scheduler import PageAllocator, pages_needed, table_row
 from treespec_jax.engine.stats import RequestStats, RunStats
 from treespec_jax.models.config import LlamaConfig
 from treespec_jax.models.llama import LlamaModel, kv_buffer_names
-from treespec_jax.sampling.keyed import SamplingParams, sample_at
+from treespec_jax.sampling.keyed import DRAWS, SamplingParams, draw_for, sample_at
 
 KV_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn"}
 FINISH_REASONS = ("length", "stop", "eos", "refused")
@@ -100,6 +100,9 @@ class _Running:
     detok: Any = None
     # The finished reply's text, decoded once: both the last stream event and the completion use it.
     final_text: str | None = None
+    # What drawing this request's tokens needs computed (`sampling.keyed.DRAWS`); a step computes
+    # what its most demanding running request needs.
+    draw: str = "auto"
 
 
 def _kv_dtype(config: ServeConfig) -> str:
@@ -225,12 +228,17 @@ class Engine:
         if self.placement is not None:
             self.state = self.placement.state(self.state)
         self.allocator = PageAllocator(num_pages)
-        self._step = jax.jit(keep(self.round.step), donate_argnums=(1,))
+        self._step = jax.jit(keep(self.round.step), donate_argnums=(1,), static_argnames=("draw",))
         self._prefill = jax.jit(keep(self._prefill_chunk), donate_argnums=(1,))
         self._draft_prefill = jax.jit(keep(self._draft_prefill_chunk), donate_argnums=(1,))
         self._admit = jax.jit(keep(self._admit_slot), donate_argnums=(0,))
         self._release = jax.jit(keep(self._release_slot), donate_argnums=(0,))
-        self._first_token = jax.jit(sample_at if mesh is None else parallel.agree(sample_at, mesh))
+
+        def first_token(logits, seeds, positions, params, draw):
+            fn = functools.partial(sample_at, draw=draw)
+            return (fn if mesh is None else parallel.agree(fn, mesh))(logits, seeds, positions, params)
+
+        self._first_token = jax.jit(first_token, static_argnames=("draw",))
         self.last_run: RunStats | None = None
 
     # ---- construction from checkpoints -------------------------------------------------
@@ -392,7 +400,9 @@ class Engine:
         sampling += [(0.0, 0, 1.0, 0)] * (rows - len(group))  # padding rows draw greedily, unused
         temperature, top_k, top_p, seed = (list(col) for col in zip(*sampling))
         params = SamplingParams.create(temperature, top_k, top_p)
-        first = np.asarray(self._first_token(logits, jnp.asarray(seed, jnp.int32), jnp.asarray(lengths), params))
+        draw = draw_for(temperature, top_k, top_p, self.target_cfg.vocab_size)
+        first = np.asarray(self._first_token(logits, jnp.asarray(seed, jnp.int32), jnp.asarray(lengths), params,
+                                             draw=draw))
         if self.drafter is not None:
             # The drafter's row t pairs prompt token t with the token after it (the first drawn one
             # after the last prompt token).
@@ -472,8 +482,18 @@ class Engine:
         if reason is not None:
             return Completion([], "", "refused", len(prompt), self._new_stats(), error=reason)
         limit = len(prompt) + req.max_new_tokens
+        temperature, top_k, top_p, _ = self._sampling_of(req)
         return _Running(index, req, prompt, [], limit, self._stop_ids(req), stats=self._new_stats(),
-                        detok=self.tokenizer.detokenizer() if self.tokenizer is not None else None)
+                        detok=self.tokenizer.detokenizer() if self.tokenizer is not None else None,
+                        draw=draw_for([temperature], [top_k], [top_p], self.target_cfg.vocab_size))
+
+    def _draw_of(self, runs) -> str:
+        """The step's `draw` for these running requests: known here, so the step holds no
+        device-side branch (each one the GPU runtime resolves by waiting on the device). Only the
+        gumbel backend uses it; the others always pass "auto" and keep one compiled step."""
+        if self.config.sampling.backend != "gumbel":
+            return "auto"
+        return DRAWS[max((DRAWS.index(r.draw) for r in runs), default=DRAWS.index("argmax"))]
 
     def stream(self, requests: Iterable[Request], progress=None) -> Iterator[StreamEvent]:
         """Serves `requests` with continuous batching, yielding each request's text as it commits.
@@ -537,7 +557,7 @@ class Engine:
             launched = None
             if running:
                 t0 = time.perf_counter()
-                self.state, out = self._step(self.params, self.state)
+                self.state, out = self._step(self.params, self.state, draw=self._draw_of(running.values()))
                 run_stats.decode_s += time.perf_counter() - t0
                 run_stats.steps += 1
                 launched = (out, dict(running))

@@ -102,9 +102,9 @@ class Round:
                                                      state.lengths)
         return spec, logits, features, positions, pools
 
-    def walk_stage(self, spec: TreeSpec, logits, state: DecodeState) -> AcceptedPath:
+    def walk_stage(self, spec: TreeSpec, logits, state: DecodeState, draw: str = "auto") -> AcceptedPath:
         return sampler.accept(self.shape.sampler, logits, state.tree_tokens, spec.parents, spec.depths, state.seeds,
-                              state.lengths, state.sampling)
+                              state.lengths, state.sampling, draw)
 
     def compact_stage(self, spec: TreeSpec, path: AcceptedPath, pools, features, positions, state: DecodeState):
         """KV rows of every target layer (one move per buffer of the cache group), then the
@@ -142,9 +142,11 @@ class Round:
 
     # ---- the round ----------------------------------------------------------------------
 
-    def step(self, params, state: DecodeState) -> tuple[DecodeState, StepOutput]:
+    def step(self, params, state: DecodeState, draw: str = "auto") -> tuple[DecodeState, StepOutput]:
+        """One round. `draw` (static, `sampling.keyed.DRAWS`): what the active slots' sampling
+        needs, known to the host that admitted them; "auto" decides on the device."""
         spec, logits, features, positions, target_pools = self.verify_stage(params, state)
-        path = self.walk_stage(spec, logits, state)
+        path = self.walk_stage(spec, logits, state, draw)
         target_pools, features = self.compact_stage(spec, path, target_pools, features, positions, state)
         accept_len, lengths, roots = self.commit_stage(path, state)
         draft_pools, tokens, parents = self.draft_stage(params, state, path, features, roots)

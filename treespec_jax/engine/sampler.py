@@ -23,13 +23,14 @@ BACKENDS = ("greedy", "gumbel", "rejection")
 
 
 def accept(backend: str, logits: jax.Array, tokens: jax.Array, parents: jax.Array, depths: jax.Array,
-           seeds: jax.Array, lengths: jax.Array, params: SamplingParams) -> AcceptedPath:
+           seeds: jax.Array, lengths: jax.Array, params: SamplingParams, draw: str = "auto") -> AcceptedPath:
     """`logits [B, N, V]` f32 at the tree's nodes, `tokens / parents / depths [B, N]`,
-    `seeds / lengths [B]` (lengths = vc, the root's position) -> AcceptedPath."""
+    `seeds / lengths [B]` (lengths = vc, the root's position) -> AcceptedPath. `draw` (static,
+    `sampling.keyed.DRAWS`) says what the gumbel backend's draws need computed."""
     if backend == "greedy":
         return greedy_walk(tokens, parents, jnp.argmax(logits, axis=-1).astype(jnp.int32))
     if backend == "gumbel":
-        return keyed_sample_walk(logits, tokens, parents, seeds, lengths, params, depths)
+        return keyed_sample_walk(logits, tokens, parents, seeds, lengths, params, depths, draw)
     if backend == "rejection":
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, lengths)
         return rejection_walk(target_probs(logits, params), tokens, parents, keys)

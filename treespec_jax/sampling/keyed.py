@@ -110,25 +110,53 @@ def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     return jnp.where(keep, scaled, -jnp.inf)
 
 
-def _sample_rows(logits, seeds, positions, temperature, top_k, top_p):
-    """Flat rows: `logits [R, V]`, the rest `[R]` -> `[R]` int32 tokens."""
+# What a batch's draw has to compute, when the caller knows its rows' parameters (the engine does,
+# on the host): "argmax" when no row samples, "gumbel" when rows sample but none masks, "filtered"
+# when some row asks for top-k or top-p. "auto" decides both on the device with `lax.cond`, which
+# XLA's GPU runtime resolves by copying the predicate to the host and waiting for it: the host
+# then cannot run ahead of the device, so a serving loop passes what it knows instead.
+DRAWS = ("auto", "argmax", "gumbel", "filtered")
+
+
+def draw_for(temperature, top_k, top_p, vocab: int) -> str:
+    """The least `draw` that is exact for host rows with these parameters (numpy or lists)."""
+    t, k, p = (np.asarray(x) for x in (temperature, top_k, top_p))
+    sampled = t > 0
+    if not sampled.any():
+        return "argmax"
+    masks = sampled & (((k > 0) & (k < vocab)) | (p < 1.0))
+    return "filtered" if masks.any() else "gumbel"
+
+
+def _sample_rows(logits, seeds, positions, temperature, top_k, top_p, draw: str = "auto"):
+    """Flat rows: `logits [R, V]`, the rest `[R]` -> `[R]` int32 tokens. `draw` (one of DRAWS)
+    must cover every row: "argmax" returns the argmax of sampled rows too."""
+    if draw not in DRAWS:
+        raise ValueError(f"draw must be one of {DRAWS}, got {draw!r}")
     vocab = logits.shape[-1]
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if draw == "argmax":
+        return greedy
     sampled_row = temperature > 0
     scaled = logits / jnp.where(sampled_row, temperature, 1.0)[:, None]
-    # The masks need a per-row sort over the vocabulary; skip it (for the whole batch, so the
-    # branch is a real one under jit) when no sampled row asks for top-k or top-p.
-    wants_mask = sampled_row & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
-    scaled = jax.lax.cond(jnp.any(wants_mask), lambda x: jax.vmap(filter_logits)(x, top_k, top_p),
-                          lambda x: x, scaled)
+    # The masks need a per-row sort over the vocabulary: only when some sampled row asks for them.
+    filtered = lambda x: jax.vmap(filter_logits)(x, top_k, top_p)  # noqa: E731
+    if draw == "filtered":
+        scaled = filtered(scaled)
+    elif draw == "auto":
+        wants_mask = sampled_row & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+        scaled = jax.lax.cond(jnp.any(wants_mask), filtered, lambda x: x, scaled)
 
-    def draw(x):
+    def noisy(x):
         noise = jax.vmap(gumbel_noise, in_axes=(0, 0, None))(seeds, positions, vocab)
         return jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
 
-    # The noise costs R x V uniforms and two logs; an all-greedy batch skips it (a real branch).
-    sampled = jax.lax.cond(jnp.any(sampled_row), draw, lambda x: greedy, scaled)
+    # The noise costs R x V uniforms and two logs; "auto" skips it for an all-greedy batch.
+    if draw == "auto":
+        sampled = jax.lax.cond(jnp.any(sampled_row), noisy, lambda x: greedy, scaled)
+    else:
+        sampled = noisy(scaled)
     return jnp.where(sampled_row, sampled, greedy)
 
 
@@ -151,12 +179,15 @@ def target_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return probs.reshape(logits.shape)
 
 
-def sample_at(logits: jax.Array, seeds: jax.Array, positions: jax.Array, params: SamplingParams) -> jax.Array:
+def sample_at(logits: jax.Array, seeds: jax.Array, positions: jax.Array, params: SamplingParams,
+              draw: str = "auto") -> jax.Array:
     """Keyed draw for every row of `logits [..., V]` -> tokens `[...]` int32.
 
     `positions [...]` int32 is the absolute position of the token being decided (for a verify node
     at depth d: vc + d + 1). `seeds` and the fields of `params` are per request: their shape is a
     prefix of `logits.shape[:-1]` (e.g. `[B]` for `[B, N, V]`) and they broadcast over the rest.
+    `draw` (static, one of DRAWS) is what the rows need computed, from `draw_for` where the
+    parameters are known on the host; the default decides on the device.
     """
     lead = logits.shape[:-1]
     positions = jnp.asarray(positions, jnp.int32)
@@ -170,7 +201,7 @@ def sample_at(logits: jax.Array, seeds: jax.Array, positions: jax.Array, params:
         _broadcast_lead(params.top_p, lead, "params.top_p"),
     ]
     flat = [c.reshape(-1) for c in cols]
-    tokens = _sample_rows(logits.reshape((-1, logits.shape[-1])), *flat)
+    tokens = _sample_rows(logits.reshape((-1, logits.shape[-1])), *flat, draw=draw)
     return tokens.reshape(lead)
 
 

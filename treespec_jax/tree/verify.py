@@ -95,26 +95,26 @@ def node_sample_positions(parents: jax.Array, verified_len: jax.Array, depths: j
 
 
 def keyed_targets(node_logits: jax.Array, parents: jax.Array, seeds: jax.Array, verified_len: jax.Array,
-                  params: SamplingParams, depths: jax.Array | None = None) -> jax.Array:
+                  params: SamplingParams, depths: jax.Array | None = None, draw: str = "auto") -> jax.Array:
     """Target draw after every node: `node_logits [B, N, V]` -> `[B, N]` int32.
 
     Node i draws with its request's seed and parameters at position vc + depth[i] + 1, i.e. exactly
-    what plain decoding would draw for that position given the same logits.
+    what plain decoding would draw for that position given the same logits. `draw`: `sample_at`'s.
     """
-    return sample_at(node_logits, seeds, node_sample_positions(parents, verified_len, depths), params)
+    return sample_at(node_logits, seeds, node_sample_positions(parents, verified_len, depths), params, draw)
 
 
 def keyed_sample_walk(node_logits: jax.Array, node_tokens: jax.Array, parents: jax.Array, seeds: jax.Array,
                       verified_len: jax.Array, params: SamplingParams,
-                      depths: jax.Array | None = None) -> AcceptedPath:
+                      depths: jax.Array | None = None, draw: str = "auto") -> AcceptedPath:
     """Sampled verify: keyed draws at every node (`keyed_targets`), then the greedy walk over them.
 
     node_logits `[B, N, V]`, node_tokens / parents `[B, N]`, seeds / verified_len `[B]`, params per
-    request `[B]`, optional depths `[B, N]`. Temperature-0 requests reduce to `greedy_walk` over
-    the argmax.
+    request `[B]`, optional depths `[B, N]`, `draw` as in `sample_at`. Temperature-0 requests
+    reduce to `greedy_walk` over the argmax.
     """
     _check_tree(node_tokens, parents)
-    targets = keyed_targets(node_logits, parents, seeds, verified_len, params, depths)
+    targets = keyed_targets(node_logits, parents, seeds, verified_len, params, depths, draw)
     return greedy_walk(node_tokens, parents, targets)
 
 
