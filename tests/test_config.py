@@ -180,6 +180,7 @@ def test_every_problem_is_reported_at_once():
         (dict(parallel=ParallelConfig(tp_size=3, dp_size=2, enable_dp_attention=True)), "tp_size = 3, dp_size = 2"),
         (dict(model=ModelConfig(dtype="int8")), "model.dtype = 'int8' is not one of"),
         (dict(scheduler=SchedulerConfig(max_running_requests=0)), "max_running_requests = 0"),
+        (dict(scheduler=SchedulerConfig(max_running_requests=8, min_prefill_group=9)), "min_prefill_group = 9"),
         (dict(seed=2**31), "seed = 2147483648 is outside"),
         (dict(seed=-1), "seed = -1 is outside"),
         (dict(backends=BackendsConfig(prefix_kernel="mosaic_gpu"), kv_cache=KVCacheConfig(page_size=32)),

@@ -335,6 +335,29 @@ def test_requests_admitted_together_prefill_together():
     assert _tokens(tree, reqs) == got
 
 
+def test_admissions_wait_for_a_group_while_others_decode():
+    """With `min_prefill_group = 4`, requests that wait while others decode are admitted four at
+    a time (the last group takes what is left); the tokens are those of one-at-a-time admission,
+    whose groups do shrink under the same churn."""
+    cfg, _ = tiny_target()
+    rng = np.random.default_rng(3)
+    reqs = [Request(prompt=rng.integers(0, cfg.vocab_size, size=int(rng.integers(4, 40))).tolist(),
+                    max_new_tokens=int(rng.integers(2, 12)), seed=i) for i in range(14)]
+
+    def groups_and_tokens(min_group):
+        config = serve_config(slots=8, chunk=1024)
+        config = config.replace(scheduler=dataclasses.replace(config.scheduler, min_prefill_group=min_group))
+        engine = oracle_engine(config)
+        sizes, start = [], engine._start
+        engine._start = lambda group, stats: (sizes.append(len(group)), start(group, stats))[1]
+        return sizes, _tokens(engine, reqs)
+
+    grouped, tokens = groups_and_tokens(4)
+    assert grouped[:-1] == [4] * (len(grouped) - 1) and sum(grouped) == len(reqs), grouped
+    single, alone = groups_and_tokens(1)
+    assert min(single) < 4 and tokens == alone, single
+
+
 def test_a_warm_engine_compiles_nothing_more():
     """Once every prefill row count and the step have run, serving more requests compiles nothing:
     admissions mid-run (a lone request prefilled as one row, then pairs) reuse the warm-up's

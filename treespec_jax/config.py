@@ -239,6 +239,10 @@ class SchedulerConfig:
     chunked_prefill_size: int = opt(8192, "--chunked-prefill-size",
                                     "prompt tokens per prefill step: chunks of min(this, 256) tokens, "
                                     "this // chunk requests prefilled together (at most B)")
+    min_prefill_group: int = opt(0, "--min-prefill-group",
+                                 "while requests decode, waiting ones are admitted only once this many slots "
+                                 "are free (or all that wait fit): a prefill costs far less per request in a "
+                                 "group, and a decode step the same with a few slots idle; 0 = B // 8, at least 1")
     enable_mixed_chunk: bool = opt(False, "--enable-mixed-chunk",
                                    "mix prefill chunks into decode batches")
     grammar_backend: str = opt("none", "--grammar-backend",
@@ -407,6 +411,9 @@ def _check_ranges(cfg: ServeConfig, out: list[str]) -> None:
                        f"kv_cache.page_size 64 or 128, got {kv.page_size}")
     at_least("scheduler.max_running_requests", sch.max_running_requests, 1)
     at_least("scheduler.chunked_prefill_size", sch.chunked_prefill_size, 1)
+    if not 0 <= sch.min_prefill_group <= sch.max_running_requests:
+        out.append(f"scheduler.min_prefill_group = {sch.min_prefill_group} must lie in [0, max_running_requests = "
+                   f"{sch.max_running_requests}] (0 = max_running_requests // 8)")
     if not 0 <= cfg.seed <= MAX_SEED:
         out.append(f"seed = {cfg.seed} is outside 0..{MAX_SEED} (2^31 - 1)")
 

@@ -7,7 +7,8 @@ all reported together as one `ConfigError`.
 
 `decode(requests)` runs continuous batching over B static slots: a request joins when a slot
 and its pages are free (prefill runs as its own steps, never mixed into a decode batch; the
-requests admitted together prefill together, `prefill_rows` at a time), the
+requests admitted together prefill together, `prefill_rows` at a time, and while others decode
+admissions wait for `min_prefill_group` free slots), the
 jitted round advances every running request, and the host reads one `StepOutput` per step,
 appends the committed tokens, and finishes requests on max_new_tokens, stop tokens / strings or
 EOS, releasing their slot and pages. The next step is launched before the host reads the last
@@ -190,6 +191,10 @@ class Engine:
         # at most the slots. A batch's rows are padded to a power of two (padding rows prefill
         # nothing): a few compiled shapes, and a lone admission does not pay for a full batch.
         self.prefill_rows = max(1, min(self.slots, config.scheduler.chunked_prefill_size // self.chunk))
+        # While others decode, admissions wait for this many free slots: under churn (one request
+        # finishing every step or two) they would otherwise prefill one or two at a time, and at
+        # B = 256 such groups took most of the run (RESULTS.md, e2e).
+        self.min_prefill_group = config.scheduler.min_prefill_group or max(1, self.slots // 8)
 
         self.attention = attention_for(config)
         backend = move_backend_for(self.attention)
@@ -533,6 +538,11 @@ class Engine:
             # requests admitted together prefill together, `prefill_rows` at a time.
             blocked = False
             yield from read(len(free_slots))
+            # Decoding goes on meanwhile, so admissions wait for a group's worth of free slots,
+            # unless everything still waiting fits now.
+            group_ready = len(free_slots) >= min(self.min_prefill_group, len(queue) if exhausted else self.slots)
+            if running and not group_ready:
+                blocked = True
             while queue and free_slots and not blocked:
                 group = []
                 while queue and free_slots and len(group) < self.prefill_rows:
