@@ -14,7 +14,8 @@
         (e) plain decoding as the self-distillation data run serves it (`train.data.make_engine`),
             random SmolLM2-shaped weights: requests of random prompt and reply lengths joining and
             leaving; the served loop's steps, prefill and decode seconds, tok/s, against the jitted
-            step alone on full slots
+            step alone on full slots; --draws host,device and --min-groups 0,1 compare the step's
+            draw picked on the host or on the device, and admission groups
     PYTHONPATH=. python benchmarks/bench_e2e.py llama8b [--batches 1,8,32,64]
         (c) a Llama-3.1-8B-shaped target with random bf16 weights: plain decode step and tree
             verify at N = 16 and 64 against the weight-bytes floor (weights / copy bandwidth)
@@ -327,11 +328,12 @@ def churn(args):
 
     cfg, params = _random_smollm2()
     rows = []
-    settings = [(int(b), float(t), d) for b in args.batches.split(",") for t in args.temperatures.split(",")
-                for d in args.draws.split(",")]
-    for batch, temp, draws in settings:
+    settings = [(int(b), float(t), d, int(g)) for b in args.batches.split(",") for t in args.temperatures.split(",")
+                for d in args.draws.split(",") for g in args.min_groups.split(",")]
+    for batch, temp, draws, min_group in settings:
         data_cfg = DataConfig(batch=batch, max_new_tokens=args.new_tokens)
         engine = make_engine(cfg, params, None, data_cfg)
+        engine.min_prefill_group = min_group or engine.min_prefill_group
         if draws == "device":  # the baseline: every step decides its draw with a device-side branch
             engine._draw_of = lambda runs: "auto"
         rng = np.random.default_rng(0)
@@ -357,7 +359,8 @@ def churn(args):
         draw = "auto" if draws == "device" else "gumbel" if temp > 0 else "argmax"  # what the run's steps ran
         t_step = _median_fed_back(lambda st: engine._step(engine.params, st, draw=draw)[0],
                                   jax.tree.map(jnp.copy, engine.state))
-        rows.append({"batch": batch, "temperature": temp, "draws": draws, "requests": n, "compile_s": compile_s,
+        rows.append({"batch": batch, "temperature": temp, "draws": draws, "min_prefill_group": engine.min_prefill_group,
+                     "requests": n, "compile_s": compile_s,
                      "generated_tokens": run.generated_tokens, "steps": run.steps,
                      "prefill_groups": len(groups), "mean_group": float(np.mean(groups)),
                      "prefill_s": run.prefill_s, "decode_s": run.decode_s, "wall_s": run.wall_s,
@@ -386,6 +389,8 @@ def main():
                     help="prefill, and breakdown without a GGUF: prompt tokens of each request")
     ap.add_argument("--draws", default="host,device",
                     help="churn: who picks a step's sampling computation (host: the engine; device: lax.cond)")
+    ap.add_argument("--min-groups", default="0",
+                    help="churn: scheduler.min_prefill_group values to compare (0 = the engine's default)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     doc = {"serve": serve, "breakdown": breakdown, "prefill": prefill, "llama8b": llama8b, "churn": churn}[args.table](args)
