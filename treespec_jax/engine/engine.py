@@ -236,7 +236,7 @@ class Engine:
         self._step = jax.jit(keep(self.round.step), donate_argnums=(1,), static_argnames=("draw",))
         self._prefill = jax.jit(keep(self._prefill_chunk), donate_argnums=(1,))
         self._draft_prefill = jax.jit(keep(self._draft_prefill_chunk), donate_argnums=(1,))
-        self._admit = jax.jit(keep(self._admit_slot), donate_argnums=(0,))
+        self._admit = jax.jit(keep(self._admit_slots), donate_argnums=(0,))
         self._release = jax.jit(keep(self._release_slot), donate_argnums=(0,))
 
         def first_token(logits, seeds, positions, params, draw):
@@ -283,15 +283,19 @@ class Engine:
                                      start, valid)
         return state.replace(draft_pools=pools)
 
-    def _admit_slot(self, state: DecodeState, slot, row, length, root, seed, temperature, top_k, top_p):
-        tokens, parents = bootstrap_tree(root[None], self.num_nodes)
+    def _admit_slots(self, state: DecodeState, slots, rows, lengths, roots, seeds, sampling: SamplingParams):
+        """A prefill group's requests into their slots, one program for the group: `slots [R]`
+        (rows past the group name slot B, out of range, and are dropped), `rows [R, W]` page
+        tables, `lengths / roots / seeds [R]`, `sampling` per row."""
+        tokens, parents = bootstrap_tree(roots, self.num_nodes)
+        put = lambda a, v: a.at[slots].set(v.astype(a.dtype), mode="drop")  # noqa: E731
         sp = state.sampling
         return state.replace(
-            page_table=state.page_table.at[slot].set(row), lengths=state.lengths.at[slot].set(length),
-            tree_tokens=state.tree_tokens.at[slot].set(tokens[0]), tree_parents=state.tree_parents.at[slot].set(parents[0]),
-            active=state.active.at[slot].set(True), seeds=state.seeds.at[slot].set(seed),
-            sampling=SamplingParams(sp.temperature.at[slot].set(temperature), sp.top_k.at[slot].set(top_k),
-                                    sp.top_p.at[slot].set(top_p)))
+            page_table=put(state.page_table, rows), lengths=put(state.lengths, lengths),
+            tree_tokens=put(state.tree_tokens, tokens), tree_parents=put(state.tree_parents, parents),
+            active=put(state.active, jnp.ones(slots.shape, bool)), seeds=put(state.seeds, seeds),
+            sampling=SamplingParams(put(sp.temperature, sampling.temperature), put(sp.top_k, sampling.top_k),
+                                    put(sp.top_p, sampling.top_p)))
 
     def _release_slot(self, state: DecodeState, slot):
         return state.replace(page_table=state.page_table.at[slot].set(0), active=state.active.at[slot].set(False),
@@ -418,10 +422,10 @@ class Engine:
                     nxt[i, :valid[i]] = shifted[i][starts[i]:starts[i] + valid[i]]
                 self.state = self._draft_prefill(self.params, self.state, jnp.asarray(toks), jnp.asarray(nxt),
                                                  features, table, jnp.asarray(starts), jnp.asarray(valid))
-        for i, (run, slot) in enumerate(group):
-            self.state = self._admit(self.state, slot, jnp.asarray(tables[i]), int(lengths[i]), jnp.int32(first[i]),
-                                     seed[i], jnp.float32(temperature[i]), jnp.int32(top_k[i]),
-                                     jnp.float32(top_p[i]))
+        slots = np.full((rows,), self.slots, np.int32)  # padding rows name no slot: their writes drop
+        slots[:len(group)] = [slot for _, slot in group]
+        self.state = self._admit(self.state, jnp.asarray(slots), table, jnp.asarray(lengths), jnp.asarray(first),
+                                 jnp.asarray(seed, jnp.int32), params)
         jax.block_until_ready(self.state.lengths)
         run_stats.prefill_s += time.perf_counter() - t0
         for i, (run, _) in enumerate(group):
