@@ -16,6 +16,10 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Compiled programs persist on the machine: the engines of one table share their prefill
+# programs (a setting differs from the last in its step only), and a later call reuses them all.
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/treespec_jax_cache}"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
 PY="${PYTHON:-python3}"
 
 step() {  # step NAME SECONDS CMD...: runs CMD under a limit, tees its output to OUT/NAME.log
