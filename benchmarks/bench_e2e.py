@@ -323,6 +323,7 @@ def prefill(args):
 
 def churn(args):
     from treespec_jax.engine import Request
+    from treespec_jax.sampling.keyed import draw_for
     from treespec_jax.train.config import DataConfig
     from treespec_jax.train.data import make_engine
 
@@ -356,7 +357,7 @@ def churn(args):
         stream = engine.stream([dataclasses.replace(r, max_new_tokens=args.new_tokens) for r in reqs[:batch]])
         for _ in range(batch + 3):
             next(stream)
-        draw = "auto" if draws == "device" else "gumbel" if temp > 0 else "argmax"  # what the run's steps ran
+        draw = "auto" if draws == "device" else draw_for([temp], [0], [1.0], cfg.vocab_size)  # as the run's steps
         t_step = _median_fed_back(lambda st: engine._step(engine.params, st, draw=draw)[0],
                                   jax.tree.map(jnp.copy, engine.state))
         rows.append({"batch": batch, "temperature": temp, "draws": draws, "min_prefill_group": engine.min_prefill_group,

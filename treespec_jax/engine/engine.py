@@ -540,13 +540,11 @@ class Engine:
         while queue or running or in_flight is not None or not exhausted:
             # Admission: first come, first served; a request whose pages are not free waits. The
             # requests admitted together prefill together, `prefill_rows` at a time.
-            blocked = False
             yield from read(len(free_slots))
             # Decoding goes on meanwhile, so admissions wait for a group's worth of free slots,
             # unless everything still waiting fits now.
-            group_ready = len(free_slots) >= min(self.min_prefill_group, len(queue) if exhausted else self.slots)
-            if running and not group_ready:
-                blocked = True
+            enough = min(self.min_prefill_group, len(queue)) if exhausted else self.min_prefill_group
+            blocked = bool(running) and len(free_slots) < enough
             while queue and free_slots and not blocked:
                 group = []
                 while queue and free_slots and len(group) < self.prefill_rows:

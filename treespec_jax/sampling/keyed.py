@@ -118,14 +118,18 @@ def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
 DRAWS = ("auto", "argmax", "gumbel", "filtered")
 
 
+def _asks_for_mask(top_k, top_p, vocab: int):
+    """Rows whose top-k or top-p masks anything (numpy or jax arrays, elementwise)."""
+    return ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
+
+
 def draw_for(temperature, top_k, top_p, vocab: int) -> str:
     """The least `draw` that is exact for host rows with these parameters (numpy or lists)."""
     t, k, p = (np.asarray(x) for x in (temperature, top_k, top_p))
     sampled = t > 0
     if not sampled.any():
         return "argmax"
-    masks = sampled & (((k > 0) & (k < vocab)) | (p < 1.0))
-    return "filtered" if masks.any() else "gumbel"
+    return "filtered" if (sampled & _asks_for_mask(k, p, vocab)).any() else "gumbel"
 
 
 def _sample_rows(logits, seeds, positions, temperature, top_k, top_p, draw: str = "auto"):
@@ -145,7 +149,7 @@ def _sample_rows(logits, seeds, positions, temperature, top_k, top_p, draw: str 
     if draw == "filtered":
         scaled = filtered(scaled)
     elif draw == "auto":
-        wants_mask = sampled_row & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+        wants_mask = sampled_row & _asks_for_mask(top_k, top_p, vocab)
         scaled = jax.lax.cond(jnp.any(wants_mask), filtered, lambda x: x, scaled)
 
     def noisy(x):

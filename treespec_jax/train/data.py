@@ -196,17 +196,30 @@ def generate(engine, tokenizer, prompts: Sequence[dict], cfg: DataConfig, out: s
     waiting: dict[int, int] = {}  # shard -> replies still to come
     done: dict[int, dict] = {}
     admitted: dict[int, float] = {}  # stream index -> when its first token came
-    longest = [0.0]  # the longest reply so far, admission to finish (seconds)
-    stopped = [False]
+    longest = 0.0  # the longest reply so far, admission to finish (seconds)
+    stopped = False
+    written, gen_tokens = [], 0
+
+    def finish_shard(k):
+        nonlocal gen_tokens
+        arrays = shard_arrays(rows_of.pop(k), done.pop(k), cfg, engine.target_cfg.vocab_size)
+        write_shard(shard_path(out, k), arrays)
+        n_new = int((arrays["offsets"][1:] - arrays["offsets"][:-1]).sum() - arrays["prompt_lens"].sum())
+        written.append(k)
+        gen_tokens += n_new
+        dt = time.perf_counter() - t0
+        log(f"shard {k}: {len(arrays['prompt_lens'])} requests, {n_new} reply tokens; "
+            f"{gen_tokens} in {dt:.1f} s so far ({gen_tokens / dt:.0f} tok/s)")
 
     def feed():
+        nonlocal stopped
         for n, k in enumerate(todo):
             elapsed = time.perf_counter() - t0
             if max_minutes is not None and n > 0:
-                tail = longest[0] if longest[0] > 0 else elapsed
+                tail = longest if longest > 0 else elapsed
                 if elapsed + elapsed / n + tail > 60 * max_minutes:
                     log(f"deadline: {elapsed / 60:.1f} of {max_minutes} min used, shard {k} left for the next run")
-                    stopped[0] = True
+                    stopped = True
                     return
             rows = shard_rows(tokenizer, prompts, cfg, k)
             rows_of[k], done[k] = rows, {}
@@ -219,24 +232,12 @@ def generate(engine, tokenizer, prompts: Sequence[dict], cfg: DataConfig, out: s
                 yield Request(prompt=ids, max_new_tokens=cfg.max_new_tokens, temperature=temp, top_p=cfg.top_p,
                               seed=seed)
 
-    written, gen_tokens = [], [0]
-
-    def finish_shard(k):
-        arrays = shard_arrays(rows_of.pop(k), done.pop(k), cfg, engine.target_cfg.vocab_size)
-        write_shard(shard_path(out, k), arrays)
-        n_new = int((arrays["offsets"][1:] - arrays["offsets"][:-1]).sum() - arrays["prompt_lens"].sum())
-        written.append(k)
-        gen_tokens[0] += n_new
-        dt = time.perf_counter() - t0
-        log(f"shard {k}: {len(arrays['prompt_lens'])} requests, {n_new} reply tokens; "
-            f"{gen_tokens[0]} in {dt:.1f} s so far ({gen_tokens[0] / dt:.0f} tok/s)")
-
     for ev in engine.stream(feed()):
         now = time.perf_counter()
         admitted.setdefault(ev.index, now)
         if ev.finished is None:
             continue
-        longest[0] = max(longest[0], now - admitted.pop(ev.index))
+        longest = max(longest, now - admitted.pop(ev.index))
         k, j = fed[ev.index]
         done[k][j] = ev.finished
         waiting[k] -= 1
@@ -246,9 +247,9 @@ def generate(engine, tokenizer, prompts: Sequence[dict], cfg: DataConfig, out: s
     shards = range(cfg.first_shard, cfg.num_shards)
     present = sum(shard_path(out, k).exists() for k in shards)
     return {"shards_written": len(written), "shards_present": present, "shards_total": len(shards),
-            "reply_tokens_written": gen_tokens[0], "generate_s": gen_s if written else 0.0,
-            "tokens_per_s": gen_tokens[0] / gen_s if written else None, "complete": present == len(shards),
-            "stopped_at_deadline": stopped[0]}
+            "reply_tokens_written": gen_tokens, "generate_s": gen_s if written else 0.0,
+            "tokens_per_s": gen_tokens / gen_s if written else None, "complete": present == len(shards),
+            "stopped_at_deadline": stopped}
 
 
 # ---------------------------------------------------------------------------------------------
