@@ -5,12 +5,14 @@
 #   bash benchmarks/run_e2e.sh llama8b OUT [BATCHES]          # (c): needs no model file
 #   bash benchmarks/run_e2e.sh serve GGUF HEAD OUT [BATCHES] [TEMPS] [SHAPES] [PROMPTS] [TOKENS]
 #                                                              # HF equality + peer, then (a)
+#   bash benchmarks/run_e2e.sh heads GGUF HEAD_A HEAD_B OUT [SHAPES] [PROMPTS] [TOKENS]
+#                                                              # acceptance of two heads, b1 greedy
 #   bash benchmarks/run_e2e.sh breakdown GGUF HEAD OUT [BATCH]  # (b)
 #   bash benchmarks/run_e2e.sh prefill OUT [BATCHES]            # (d): needs no model file
 #
 # GGUF comes from `benchmarks/stage_gguf.sh join /root/gguf`; the gguf package from a carried
-# .whl (the call installs it into /tmp/site first). Steps log with PYTHONUNBUFFERED so that a
-# step killed at its limit still leaves what it printed.
+# .whl (need_gguf.sh installs it into /tmp/site when the machine lacks it). Steps log with
+# PYTHONUNBUFFERED so that a step killed at its limit still leaves what it printed.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -21,6 +23,9 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/treespec_jax_cache}"
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
 PY="${PYTHON:-python3}"
+# shellcheck source=need_gguf.sh
+source "$ROOT/benchmarks/need_gguf.sh"
+case "${1:-}" in serve | heads | breakdown) need_gguf "$PY" "$ROOT" || exit 1 ;; esac
 
 step() {  # step NAME SECONDS CMD...: runs CMD under a limit, tees its output to OUT/NAME.log
     local name=$1 limit=$2
@@ -43,6 +48,17 @@ serve)
         --batches "${5:-1}" --temperatures "${6:-0}" --shapes "${7:-plain,chain-s5,tree-k4s5n16,tree-k8s6n64}" \
         --prompts "${8:-32}" --new-tokens "${9:-96}" --out "$OUT"
     ;;
+heads)
+    # One process per head, same prompts and shapes: whether a newly trained head accepts more.
+    GGUF=$2 OUT=$5
+    for which in a b; do
+        head=$3; [[ $which == b ]] && head=$4
+        mkdir -p "$OUT/head_$which"
+        step "head_$which" "${LIMIT:-150}" "$PY" benchmarks/bench_e2e.py serve --gguf "$GGUF" --head "$head" \
+            --batches 1 --temperatures 0 --shapes "${6:-chain-s5,tree-k4s5n16}" --prompts "${7:-64}" \
+            --new-tokens "${8:-128}" --out "$OUT/head_$which"
+    done
+    ;;
 breakdown)
     GGUF=$2 HEAD=$3 OUT=$4
     step breakdown "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py breakdown --gguf "$GGUF" --head "$HEAD" \
@@ -53,7 +69,7 @@ prefill)
     step prefill "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py prefill --batches "${3:-1,8,32}" --out "$OUT"
     ;;
 *)
-    sed -n '2,11p' "${BASH_SOURCE[0]}" >&2
+    sed -n '2,13p' "${BASH_SOURCE[0]}" >&2
     exit 2
     ;;
 esac
