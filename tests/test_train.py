@@ -166,14 +166,15 @@ def tiny_config(**train) -> TrainConfig:
                       "head": {"intermediate_size": 40}, "train": base})
 
 
-def synthetic_shards(path, count=24, seed=0):
-    """Shards of sequences a tiny model can learn: prompt, then a reply cycling through words."""
+def synthetic_shards(path, count=24, seed=0, first_word=4):
+    """Shards of sequences a tiny model can learn: prompt, then a reply cycling through the 12
+    words from id `first_word` on."""
     rng = np.random.default_rng(seed)
     seqs, plens = [], []
     for i in range(count):
         prompt = [1] + list(rng.integers(4, VOCAB, 4))
         start = int(rng.integers(0, 8))
-        reply = [4 + (start + k) % 12 for k in range(int(rng.integers(6, 14)))] + [2]
+        reply = [first_word + (start + k) % 12 for k in range(int(rng.integers(6, 14)))] + [2]
         seqs.append(np.asarray(prompt + reply))
         plens.append(len(prompt))
     path.mkdir(parents=True, exist_ok=True)
@@ -295,6 +296,46 @@ def test_run_starts_from_an_exported_head(tmp_path, target_params):
         trainer_mod.train(misfit, data, tmp_path / "e", stop_after=1, target=target, log=quiet)
     with pytest.raises(TrainConfigError, match="head.init_from = 'no/such/head': no config.json"):
         load_config(overrides={"head.init_from": "no/such/head"})
+
+
+def test_run_from_a_head_can_draw_its_vocabulary_from_the_data(tmp_path, target_params):
+    """head.init_vocab = "data": the run's draft vocabulary comes from its own replies (any size);
+    a token the start head also drafts keeps that head's lm_head column, a new one starts from the
+    target's embedding row as a fresh head does, and every other weight is the start head's."""
+    from treespec_jax.models.hf import load_eagle3
+
+    quiet = lambda m: None
+    target = (TARGET, target_params)
+    cfg = tiny_config()
+    trainer_mod.train(cfg, synthetic_shards(tmp_path / "a_data", seed=3), tmp_path / "a", stop_after=4, export=True,
+                      target=target, log=quiet)
+    _, loaded = load_eagle3(tmp_path / "a" / "head", "fp32", target=TARGET)
+    old_ids = np.load(tmp_path / "a" / "vocab.npz")["draft_ids"]
+    # Replies in other words: the new vocabulary shares some tokens with the old one, not all.
+    data = synthetic_shards(tmp_path / "b_data", seed=4, first_word=24)
+    warm = cfg.replace(head={"init_from": str(tmp_path / "a" / "head"), "init_vocab": "data"},
+                       vocab={"draft_vocab_size": 20})
+    trainer_mod.train(warm, data, tmp_path / "b", stop_after=0, target=target, log=quiet)
+    ids = np.load(tmp_path / "b" / "vocab.npz")["draft_ids"]
+    train_seqs, _ = data_mod.read_shards(data).split()
+    np.testing.assert_array_equal(ids, data_mod.build_vocab(train_seqs.reply_tokens(), VOCAB, 20)["draft_ids"])
+    shared = np.isin(ids, old_ids)
+    assert 0 < shared.sum() < len(ids), ids
+    like = trainer_mod.init_head(target_params, TARGET, trainer_mod.head_config(TARGET, warm, 20), ids,
+                                 jax.random.key(1))
+    params, _, _ = trainer_mod.load_checkpoint(trainer_mod.checkpoints(tmp_path / "b")[-1], like,
+                                               trainer_mod.make_optimizer(warm).init(like))
+    lm_head, old_head = np.asarray(params["lm_head"]), np.asarray(loaded["lm_head"])
+    embed = np.asarray(target_params["embed"], np.float32)
+    for col, token in enumerate(ids):
+        want = old_head[:, np.searchsorted(old_ids, token)] if shared[col] else embed[token]
+        np.testing.assert_array_equal(lm_head[:, col], want, err_msg=f"draft token {token}")
+    start = _flat(trainer_mod.head_params_of(loaded))
+    for k, v in _flat(params).items():
+        if k != "['lm_head']":
+            np.testing.assert_array_equal(v, start[k], err_msg=k)
+    with pytest.raises(TrainConfigError, match="head.init_vocab = 'fresh' must be one of"):
+        load_config(overrides={"head.init_vocab": "fresh"})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -92,6 +92,9 @@ class VocabConfig:
         return []
 
 
+INIT_VOCABS = ("inherit", "data")
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
     """The head's decoder layer; widths and RoPE follow the target where left at 0."""
@@ -100,14 +103,20 @@ class HeadConfig:
     num_heads: int = 0  # query heads; 0 = the target's
     num_kv_heads: int = 0  # KV heads; 0 = the target's
     # An exported head directory (config.json + safetensors; relative to the repo root) whose weights
-    # and draft vocabulary a new run starts from, so training goes on from a shipped head; "" = fresh.
+    # a new run starts from, so training goes on from a shipped head; "" = fresh.
     init_from: str = ""
+    # The draft vocabulary of a run started from `init_from`: "inherit" keeps the start head's;
+    # "data" draws it from this run's replies (`vocab.draft_vocab_size` tokens), carrying over the
+    # start head's lm_head column of every token the two share (new tokens start as fresh runs do).
+    init_vocab: str = "inherit"
 
     def problems(self) -> list[str]:
         out = [f"head.{n} = {getattr(self, n)} must be >= 0 (0 = the target's)"
                for n in ("intermediate_size", "num_heads", "num_kv_heads") if getattr(self, n) < 0]
         if self.init_from and not (self.init_path() / "config.json").is_file():
             out.append(f"head.init_from = {self.init_from!r}: no config.json in {self.init_path()}")
+        if self.init_vocab not in INIT_VOCABS:
+            out.append(f"head.init_vocab = {self.init_vocab!r} must be one of {INIT_VOCABS}")
         return out
 
     def init_path(self) -> Path:

@@ -18,7 +18,9 @@ Initialisation: lm_head is the target's (tied) embedding rows of the draft vocab
 head's final norm the target's final norm, so step 0 starts by reading its hidden state as the
 target's last layer would be read; fc and the decoder layer are random, the input norms ones.
 With `head.init_from` a new run starts instead from an exported head's weights (bf16, cast to
-fp32 masters) and keeps its draft vocabulary, so training on fresh data goes on improving it.
+fp32 masters), so training on fresh data goes on improving it. It keeps the start head's draft
+vocabulary, or with `head.init_vocab = "data"` draws a new one from its replies: a token both
+vocabularies hold keeps its lm_head column, a new one starts from the target's row as above.
 
 A run directory holds `config.json` (the config of its first run), `vocab.npz` (the draft
 vocabulary, fixed for the run's life), `loss.csv` (one row per `log_every` steps), `eval.csv`
@@ -91,10 +93,7 @@ def init_head(target_params: dict, target_cfg: LlamaConfig, hc: Eagle3Config, dr
     keys = iter(jax.random.split(key, 8))
     mat = lambda shape: jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(shape[0])
     ones = lambda n: jnp.ones((n,), jnp.float32)
-    if target_cfg.tie_word_embeddings:
-        lm_head = jnp.asarray(target_params["embed"], jnp.float32)[jnp.asarray(draft_ids)].T
-    else:
-        lm_head = jnp.asarray(target_params["lm_head"], jnp.float32)[:, jnp.asarray(draft_ids)]
+    lm_head = target_lm_head(target_params, target_cfg, draft_ids)
     return {
         "fc": mat((3 * hc.target_hidden_size, H)), "input_norm": ones(H), "hidden_norm": ones(H),
         "layer": {"wq": mat((2 * H, lc.q_width)), "wk": mat((2 * H, lc.kv_width)), "wv": mat((2 * H, lc.kv_width)),
@@ -103,6 +102,25 @@ def init_head(target_params: dict, target_cfg: LlamaConfig, hc: Eagle3Config, dr
         "norm": jnp.array(target_params["norm"], jnp.float32, copy=True),  # a buffer of its own: params are donated
         "lm_head": lm_head,
     }
+
+
+def target_lm_head(target_params: dict, target_cfg: LlamaConfig, draft_ids: np.ndarray) -> jax.Array:
+    """`[H, Vd]` fp32: the target's output projection restricted to the draft vocabulary, where a
+    fresh head's lm_head starts."""
+    if target_cfg.tie_word_embeddings:
+        return jnp.asarray(target_params["embed"], jnp.float32)[jnp.asarray(draft_ids)].T
+    return jnp.asarray(target_params["lm_head"], jnp.float32)[:, jnp.asarray(draft_ids)]
+
+
+def carry_lm_head(params: dict, old_ids: np.ndarray, new_ids: np.ndarray, fresh: jax.Array) -> dict:
+    """`params` with lm_head re-laid for the draft vocabulary `new_ids` (increasing target ids): a
+    token the old vocabulary `old_ids` (increasing) holds keeps its column; any other takes its
+    column of `fresh` `[H, len(new_ids)]`."""
+    old_ids, new_ids = np.asarray(old_ids), np.asarray(new_ids)
+    at = np.minimum(np.searchsorted(old_ids, new_ids), len(old_ids) - 1)
+    shared = old_ids[at] == new_ids
+    lm_head = jnp.where(jnp.asarray(shared)[None, :], params["lm_head"][:, jnp.asarray(at)], fresh)
+    return {**params, "lm_head": lm_head}
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -215,7 +233,7 @@ def start_head(cfg: TrainConfig, target_cfg: LlamaConfig) -> tuple[dict, np.ndar
     want = head_config(target_cfg, cfg, hc.draft_vocab_size)
     diff = [f"{f.name} {getattr(hc, f.name)!r} (this config: {getattr(want, f.name)!r})"
             for f in dataclasses.fields(want) if getattr(hc, f.name) != getattr(want, f.name)]
-    if cfg.vocab.draft_vocab_size != hc.draft_vocab_size:
+    if cfg.head.init_vocab == "inherit" and cfg.vocab.draft_vocab_size != hc.draft_vocab_size:
         diff.append(f"draft_vocab_size {hc.draft_vocab_size} (this config's vocab.draft_vocab_size: "
                     f"{cfg.vocab.draft_vocab_size})")
     if diff:
@@ -353,13 +371,18 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike, run_dir: str | os.PathL
     train_seqs, held_seqs = seqs.split()
     found = checkpoints(run)
     warm = None if found else start_head(cfg, target_cfg)
-    vocab = ensure_vocab(run, train_seqs, target_cfg.vocab_size, cfg, log,
-                         draft_ids=None if warm is None else warm[1])
+    inherit = warm is not None and cfg.head.init_vocab == "inherit"
+    vocab = ensure_vocab(run, train_seqs, target_cfg.vocab_size, cfg, log, draft_ids=warm[1] if inherit else None)
     hc = head_config(target_cfg, cfg, len(vocab["draft_ids"]))
     trainer = Trainer(cfg, target_cfg, hc, vocab)
     t = cfg.train
     if warm is not None:
         params = warm[0]
+        if not inherit:
+            ids = vocab["draft_ids"]
+            params = carry_lm_head(params, warm[1], ids, target_lm_head(target_params, target_cfg, ids))
+            log(f"draft vocabulary drawn from the data: {np.isin(ids, warm[1]).sum()} of its {len(ids)} tokens "
+                f"keep the start head's lm_head columns")
         log(f"starting from the head in {cfg.head.init_from}")
     else:
         params = init_head(target_params, target_cfg, hc, vocab["draft_ids"], jax.random.key(t.seed))
