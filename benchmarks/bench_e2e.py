@@ -6,6 +6,10 @@
     PYTHONPATH=. python benchmarks/bench_e2e.py breakdown [--gguf G] --head DIR [--batch 1]
         (b) one round's time by stage: verify, walk, compaction, draft (step 0 + lanes + select),
             the whole jitted step, and the host's share of a served step (no GGUF: random weights)
+    PYTHONPATH=. python benchmarks/bench_e2e.py kernels [--gguf G] --head DIR --shapes plain,tree-k4s5n16 [--batch 1]
+        (b') the device kernels of `--steps` served steps, traced: per step the span, the time
+            kernels ran (the rest the device idled, waiting for the host or between launches), how
+            many, and the `--top` kernels by device time
     PYTHONPATH=. python benchmarks/bench_e2e.py prefill [--batches 1,8,32,64] [--prompt-tokens 160]
         (d) one 256-row prefill chunk of SmolLM2-shaped prompts at batch B: the attention of one layer
             (blocked, reading the prompt's pages, against dense over the whole table) and the
@@ -18,7 +22,8 @@
             draw picked on the host or on the device, and admission groups
     PYTHONPATH=. python benchmarks/bench_e2e.py llama8b [--batches 1,8,32,64]
         (c) a Llama-3.1-8B-shaped target with random bf16 weights: plain decode step and tree
-            verify at N = 16 and 64 against the weight-bytes floor (weights / copy bandwidth)
+            verify at N = 16 and 64 against the weight-bytes floor (weights / copy bandwidth);
+            --profile adds each setting's kernels, as the kernels table lists them
 
 Every time is a median of repeated calls after warm-up in the same process; ratios compare
 numbers measured in the same run. Results print as JSON (and go to --out/NAME.json).
@@ -161,30 +166,65 @@ def _random_smollm2():
     return cfg, params
 
 
-def breakdown(args):
-    from treespec_jax.config import SpeculativeConfig
-    from treespec_jax.drafter.eagle3 import Eagle3Drafter
-    from treespec_jax.engine import Engine, Request
-    from treespec_jax.engine.loading import attention_for, load_target
-    from treespec_jax.models.hf import load_eagle3
+def _target_and_prompts(args, count):
+    """The target (the GGUF, else random SmolLM2-shaped weights: stage and kernel times do not
+    depend on the weights) and `count` prompts: (cfg, params, tokenizer, prompts)."""
+    from treespec_jax.engine.loading import load_target
 
     if args.gguf:
         cfg, params, tok = load_target(args.gguf, "bf16")
-        prompts = _prompts(tok, args.batch)
-    else:  # stage times do not depend on the weights; acceptance (about 1 here) barely moves them
-        (cfg, params), tok = _random_smollm2(), None
-        prompts = [np.random.default_rng(i).integers(0, cfg.vocab_size, args.prompt_tokens).tolist()
-                   for i in range(args.batch)]
-    hcfg, hparams = load_eagle3(args.head, "bf16")
-    spec = SpeculativeConfig(**SHAPES[args.shape])
+        return cfg, params, tok, _prompts(tok, count)
+    cfg, params = _random_smollm2()
+    prompts = [np.random.default_rng(i).integers(0, cfg.vocab_size, args.prompt_tokens).tolist() for i in range(count)]
+    return cfg, params, None, prompts
+
+
+def _filled_engine(args, shape, cfg, params, tok, prompts):
+    """An engine of `shape` (SHAPES) at `args.batch` slots, every slot decoding a request that never
+    ends, and the unfinished stream serving them: (engine, stream)."""
+    from treespec_jax.config import SpeculativeConfig
+    from treespec_jax.drafter.eagle3 import Eagle3Drafter
+    from treespec_jax.engine import Engine, Request
+    from treespec_jax.engine.loading import attention_for
+    from treespec_jax.models.hf import load_eagle3
+
+    spec = SpeculativeConfig(**SHAPES[shape])
     config = _config(spec, args.batch)
-    engine = Engine(config, cfg, params, Eagle3Drafter(hcfg, cfg, attention_for(config)),
-                    {**hparams, "embed": params["embed"]}, tok)
-    # Fill every slot with a running request, then time the stages on that state.
+    drafter = dparams = None
+    if spec.enabled:
+        hcfg, hparams = load_eagle3(args.head, "bf16")
+        drafter, dparams = Eagle3Drafter(hcfg, cfg, attention_for(config)), {**hparams, "embed": params["embed"]}
+    engine = Engine(config, cfg, params, drafter, dparams, tok)
     reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=4096, ignore_eos=True) for i in range(args.batch)]
     stream = engine.stream(reqs)
-    for _ in range(args.batch + 3):
-        next(stream)
+    _serve_steps(engine, stream, 3)
+    return engine, stream
+
+
+def _serve_steps(engine, stream, steps: int) -> float:
+    """Serves `steps` more steps of `stream` (an `Engine.stream` left unfinished), the host's work
+    included; returns the seconds a step took. Steps are counted at their launch: one step yields
+    an event per running request, so events do not count steps."""
+    launched = [0]
+    step = engine._step
+
+    def counting_step(*a, **kw):
+        launched[0] += 1
+        return step(*a, **kw)
+
+    engine._step = counting_step
+    try:
+        t0 = time.perf_counter()
+        while launched[0] < steps:
+            next(stream)
+        return (time.perf_counter() - t0) / steps
+    finally:
+        engine._step = step
+
+
+def breakdown(args):
+    cfg, params, tok, prompts = _target_and_prompts(args, args.batch)
+    engine, stream = _filled_engine(args, args.shape, cfg, params, tok, prompts)
     rnd, p = engine.round, engine.params
     state = engine.state
 
@@ -213,14 +253,68 @@ def breakdown(args):
         "draft": _median_fed_back(lambda dpools: draft(p, dpools, state, features)[0], copy(state.draft_pools)),
         "step": _median_fed_back(lambda st: step(p, st)[0], copy(state)),
     }
-    served = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        next(stream)
-        served.append(time.perf_counter() - t0)
-    t["served_step"] = float(np.median(served))
+    _serve_steps(engine, stream, 5)
+    t["served_step"] = _serve_steps(engine, stream, 20)
     t["host"] = t["served_step"] - t["step"]
     return {"table": "breakdown", "batch": args.batch, "shape": args.shape, "seconds": t}
+
+
+def _kernel_summary(launch, calls: int, top: int, finish) -> dict:
+    """The device kernels of `calls` calls of `launch()`, back to back, then `finish()` (which waits
+    for the device), traced: per call the span from the first kernel's start to the last one's end,
+    the time kernels ran (the rest the device idled: waiting for the host, or between launches),
+    how many ran, and the `top` kernels by device time."""
+    import tempfile
+    from collections import defaultdict
+
+    from benchmarks.timing import device_events
+
+    trace = tempfile.mkdtemp(prefix="treespec_trace")
+    with jax.profiler.trace(trace):
+        for _ in range(calls):
+            launch()
+        finish()
+    events = device_events(trace)
+    if not events:
+        raise RuntimeError(f"the profiler recorded no device kernels on {jax.default_backend()}")
+    by_name = defaultdict(lambda: [0, 0.0])
+    for name, _, dur in events:
+        by_name[name][0] += 1
+        by_name[name][1] += dur
+    span = max(s + d for _, s, d in events) - min(s for _, s, _ in events)
+    busy = sum(d for _, _, d in events)
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"traced_span_ms": span / calls / 1e6, "kernel_busy_ms": busy / calls / 1e6,
+            "device_idle_share": 1 - busy / span, "kernels_per_call": len(events) / calls,
+            "distinct_kernels": len(by_name),
+            "top": [{"name": name[:120], "per_call": c / calls, "us_per_call": d / calls / 1e3}
+                    for name, (c, d) in ranked]}
+
+
+def kernels(args):
+    """Where a step's device time goes, traced two ways: `--steps` steps as the engine serves them
+    (its host work overlapping the device), and the jitted step alone, launched back to back with
+    its state fed back (the device's idle share there is inside the program)."""
+    cfg, params, tok, prompts = _target_and_prompts(args, args.batch)
+    rows = []
+    for shape in args.shapes.split(","):
+        engine, stream = _filled_engine(args, shape, cfg, params, tok, prompts)
+        _serve_steps(engine, stream, 10)
+        served_s = _serve_steps(engine, stream, args.steps)
+        served = _kernel_summary(lambda: _serve_steps(engine, stream, 1), args.steps, args.top,
+                                 lambda: jax.block_until_ready(engine.state))
+        holder = [jax.tree.map(jnp.copy, engine.state)]
+
+        def launch():
+            holder[0] = engine._step(engine.params, holder[0])[0]
+
+        launch()
+        jax.block_until_ready(holder[0])
+        alone = _kernel_summary(launch, args.steps, args.top, lambda: jax.block_until_ready(holder[0]))
+        rows.append({"shape": shape, "batch": args.batch, "steps": args.steps, "served_step_ms": served_s * 1e3,
+                     "served": served, "jitted_alone": alone})
+        print(json.dumps(rows[-1]), flush=True)
+    return {"table": "kernels", "rows": rows}
 
 
 def llama8b(args):
@@ -266,9 +360,14 @@ def llama8b(args):
                 jax.block_until_ready(holder["pools"]["k0"])
 
             sec = _median(call, reps=10)
-            pools = holder["pools"]
             rows.append({"batch": batch, "nodes": n, "ms": sec * 1e3, "floor_ms": floor * 1e3,
                          "x_floor": sec / floor})
+            if args.profile:
+                launch = lambda: holder.update(pools=fn(params, holder["pools"], tokens, positions, mask, table,  # noqa: E731
+                                                        lengths)[2])
+                rows[-1]["kernels"] = _kernel_summary(launch, 5, args.top,
+                                                      lambda: jax.block_until_ready(holder["pools"]["k0"]))
+            pools = holder["pools"]
             print(json.dumps(rows[-1]), flush=True)
         plain = next((x for x in rows if x["batch"] == batch and x["nodes"] == 1), None)
         for r in rows:
@@ -373,7 +472,7 @@ def churn(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("table", choices=["serve", "breakdown", "prefill", "llama8b", "churn"])
+    ap.add_argument("table", choices=["serve", "breakdown", "kernels", "prefill", "llama8b", "churn"])
     ap.add_argument("--gguf", type=Path)
     ap.add_argument("--head", type=Path)
     ap.add_argument("--batches", default="1,8,32,64")
@@ -392,9 +491,14 @@ def main():
                     help="churn: who picks a step's sampling computation (host: the engine; device: lax.cond)")
     ap.add_argument("--min-groups", default="0",
                     help="churn: scheduler.min_prefill_group values to compare (0 = the engine's default)")
+    ap.add_argument("--steps", type=int, default=20, help="kernels: served steps traced")
+    ap.add_argument("--top", type=int, default=25, help="kernels, llama8b --profile: the kernels listed, by device time")
+    ap.add_argument("--profile", action="store_true", help="llama8b: trace each setting's kernels too")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    doc = {"serve": serve, "breakdown": breakdown, "prefill": prefill, "llama8b": llama8b, "churn": churn}[args.table](args)
+    tables = {"serve": serve, "breakdown": breakdown, "kernels": kernels, "prefill": prefill, "llama8b": llama8b,
+              "churn": churn}
+    doc = tables[args.table](args)
     doc.update(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, jax=jax.__version__)
     text = json.dumps(doc, indent=1)
     print(text)

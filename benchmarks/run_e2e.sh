@@ -8,6 +8,7 @@
 #   bash benchmarks/run_e2e.sh heads GGUF HEAD_A HEAD_B OUT [SHAPES] [PROMPTS] [TOKENS]
 #                                                              # acceptance of two heads, b1 greedy
 #   bash benchmarks/run_e2e.sh breakdown GGUF HEAD OUT [BATCH]  # (b)
+#   bash benchmarks/run_e2e.sh kernels HEAD OUT [BATCH] [SHAPES]  # a step's kernels, traced; random weights
 #   bash benchmarks/run_e2e.sh prefill OUT [BATCHES]            # (d): needs no model file
 #
 # GGUF comes from `benchmarks/stage_gguf.sh join /root/gguf`; the gguf package from a carried
@@ -59,6 +60,11 @@ heads)
             --new-tokens "${8:-128}" --out "$OUT/head_$which"
     done
     ;;
+kernels)
+    HEAD=$2 OUT=$3
+    step kernels "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py kernels --head "$HEAD" --batch "${4:-1}" \
+        --shapes "${5:-plain,tree-k4s5n16}" --out "$OUT"
+    ;;
 breakdown)
     GGUF=$2 HEAD=$3 OUT=$4
     step breakdown "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py breakdown --gguf "$GGUF" --head "$HEAD" \
@@ -69,7 +75,7 @@ prefill)
     step prefill "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py prefill --batches "${3:-1,8,32}" --out "$OUT"
     ;;
 *)
-    sed -n '2,13p' "${BASH_SOURCE[0]}" >&2
+    sed -n '2,14p' "${BASH_SOURCE[0]}" >&2
     exit 2
     ;;
 esac
