@@ -3,7 +3,7 @@
 #
 #   benchmarks/train_head.sh data   ROOT [MINUTES]        # self-distillation shards -> ROOT/data (resumable)
 #   benchmarks/train_head.sh train  ROOT [MINUTES] [ARGS]  # train -> ROOT/run, resumes from its newest checkpoint
-#   benchmarks/train_head.sh first  ROOT [DATA_MIN] [TOTAL_MIN]  # data, then train in what is left of one call
+#   benchmarks/train_head.sh first  ROOT [DATA_MIN] [TOTAL_MIN] [--set K=V ...]  # data, then train, in one call
 #   benchmarks/train_head.sh export ROOT                   # ROOT/run/head (bf16 HF layout), loss.png, metrics.json
 #   benchmarks/train_head.sh pack   ROOT DEST [data]       # head + logs (+ the shards) as <= 15 MiB parts in DEST ($OUT)
 #   benchmarks/train_head.sh unpack DIR DEST               # here: join DIR's parts and extract into DEST
@@ -14,7 +14,8 @@
 # stage_gguf.sh's `join /root/gguf` puts it). The gguf package is installed from a carried
 # .whl/gguf-*.whl when the machine lacks it (only the target loading imports it).
 # Extra arguments after MINUTES go to the Python command (e.g. --set train.steps=3000; a new run that
-# goes on from the shipped head: --set head.init_from=treespec_jax/data/smollm2-eagle3).
+# goes on from the shipped head: --set head.init_from=treespec_jax/data/smollm2-eagle3); `first`
+# passes them to both steps, which read the same config.
 set -euo pipefail
 
 ROOT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -54,12 +55,12 @@ train)
     "$PY" -m treespec_jax.train.eagle3 train --data "$ROOT/data" --run "$ROOT/run" --max-minutes "$MIN" "$@"
     ;;
 first)
-    ROOT="${1:?ROOT}"; DMIN="${2:-4}"; TOTAL="${3:-9.3}"
+    ROOT="${1:?ROOT}"; DMIN="${2:-4}"; TOTAL="${3:-9.3}"; shift 3 || shift $#
     need_gguf "$PY" "$ROOT_DIR" || exit 1; jax_cache "$ROOT"
     t0=$(date +%s)
-    "$PY" -m treespec_jax.train.data --out "$ROOT/data" --max-minutes "$DMIN"
+    "$PY" -m treespec_jax.train.data --out "$ROOT/data" --max-minutes "$DMIN" "$@"
     left=$("$PY" -c "import time; print(max(0.5, $TOTAL - (time.time() - $t0) / 60))")
-    "$PY" -m treespec_jax.train.eagle3 train --data "$ROOT/data" --run "$ROOT/run" --max-minutes "$left"
+    "$PY" -m treespec_jax.train.eagle3 train --data "$ROOT/data" --run "$ROOT/run" --max-minutes "$left" "$@"
     ;;
 export)
     ROOT="${1:?ROOT}"; shift || true
