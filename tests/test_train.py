@@ -300,8 +300,8 @@ def test_run_starts_from_an_exported_head(tmp_path, target_params):
 
 def test_run_from_a_head_can_draw_its_vocabulary_from_the_data(tmp_path, target_params):
     """head.init_vocab = "data": the run's draft vocabulary comes from its own replies (any size);
-    a token the start head also drafts keeps that head's lm_head column, a new one starts from the
-    target's embedding row as a fresh head does, and every other weight is the start head's."""
+    a token the start head also drafts keeps that head's lm_head column, a new one gets its column
+    from `carry_lm_head` (tested below), and every other weight is the start head's."""
     from treespec_jax.models.hf import load_eagle3
 
     quiet = lambda m: None
@@ -327,15 +327,31 @@ def test_run_from_a_head_can_draw_its_vocabulary_from_the_data(tmp_path, target_
                                                trainer_mod.make_optimizer(warm).init(like))
     lm_head, old_head = np.asarray(params["lm_head"]), np.asarray(loaded["lm_head"])
     embed = np.asarray(target_params["embed"], np.float32)
-    for col, token in enumerate(ids):
-        want = old_head[:, np.searchsorted(old_ids, token)] if shared[col] else embed[token]
-        np.testing.assert_array_equal(lm_head[:, col], want, err_msg=f"draft token {token}")
+    for col in np.flatnonzero(shared):
+        np.testing.assert_array_equal(lm_head[:, col], old_head[:, np.searchsorted(old_ids, ids[col])])
+    new = lm_head[:, ~shared]
+    assert np.all(np.isfinite(new)) and not np.allclose(new, embed[ids[~shared]].T, atol=1e-3)
     start = _flat(trainer_mod.head_params_of(loaded))
     for k, v in _flat(params).items():
         if k != "['lm_head']":
             np.testing.assert_array_equal(v, start[k], err_msg=k)
     with pytest.raises(TrainConfigError, match="head.init_vocab = 'fresh' must be one of"):
         load_config(overrides={"head.init_vocab": "fresh"})
+
+
+def test_new_draft_tokens_take_the_map_the_head_learned():
+    """A head whose columns are a linear map M of the target's (plus nothing) gives a new token the
+    column M would: the map is recovered from the shared tokens, not assumed to be the identity."""
+    rng = np.random.default_rng(5)
+    h, v = 6, 40
+    target_head = rng.standard_normal((h, v))
+    m = rng.standard_normal((h, h))
+    old_ids = np.sort(rng.choice(v, 16, replace=False))
+    params = {"fc": np.ones(3), "lm_head": jnp.asarray(m @ target_head[:, old_ids], jnp.float32)}
+    new_ids = np.sort(np.concatenate([old_ids[:10], rng.choice(np.setdiff1d(np.arange(v), old_ids), 7, replace=False)]))
+    out = trainer_mod.carry_lm_head(params, old_ids, new_ids, jnp.asarray(target_head, jnp.float32))
+    np.testing.assert_allclose(np.asarray(out["lm_head"]), m @ target_head[:, new_ids], rtol=1e-4, atol=1e-4)
+    assert out["fc"] is params["fc"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ class HeadConfig:
     init_from: str = ""
     # The draft vocabulary of a run started from `init_from`: "inherit" keeps the start head's;
     # "data" draws it from this run's replies (`vocab.draft_vocab_size` tokens), carrying over the
-    # start head's lm_head column of every token the two share (new tokens start as fresh runs do).
+    # start head's lm_head column of every token the two share (`train.eagle3.carry_lm_head`).
     init_vocab: str = "inherit"
 
     def problems(self) -> list[str]:

@@ -20,7 +20,8 @@ target's last layer would be read; fc and the decoder layer are random, the inpu
 With `head.init_from` a new run starts instead from an exported head's weights (bf16, cast to
 fp32 masters), so training on fresh data goes on improving it. It keeps the start head's draft
 vocabulary, or with `head.init_vocab = "data"` draws a new one from its replies: a token both
-vocabularies hold keeps its lm_head column, a new one starts from the target's row as above.
+vocabularies hold keeps its lm_head column, a new one starts from its target row taken through the
+linear map the head's trained columns have made of theirs (`carry_lm_head`).
 
 A run directory holds `config.json` (the config of its first run), `vocab.npz` (the draft
 vocabulary, fixed for the run's life), `loss.csv` (one row per `log_every` steps), `eval.csv`
@@ -112,15 +113,21 @@ def target_lm_head(target_params: dict, target_cfg: LlamaConfig, draft_ids: np.n
     return jnp.asarray(target_params["lm_head"], jnp.float32)[:, jnp.asarray(draft_ids)]
 
 
-def carry_lm_head(params: dict, old_ids: np.ndarray, new_ids: np.ndarray, fresh: jax.Array) -> dict:
+def carry_lm_head(params: dict, old_ids: np.ndarray, new_ids: np.ndarray, target_head: jax.Array) -> dict:
     """`params` with lm_head re-laid for the draft vocabulary `new_ids` (increasing target ids): a
-    token the old vocabulary `old_ids` (increasing) holds keeps its column; any other takes its
-    column of `fresh` `[H, len(new_ids)]`."""
+    token the old vocabulary `old_ids` (increasing) holds keeps its column. Any other starts from
+    its column of the target's output projection `target_head [H, V]`, mapped by the linear map
+    that best takes the old vocabulary's target columns to the head's trained ones (least squares):
+    the head's columns have moved away from the target's together, and a new column left where a
+    fresh head starts would outscore the trained ones on tokens it has never been trained against."""
     old_ids, new_ids = np.asarray(old_ids), np.asarray(new_ids)
+    trained = np.asarray(params["lm_head"], np.float64)  # [H, Vo]
+    target = np.asarray(target_head, np.float64)
+    to_head, *_ = np.linalg.lstsq(target[:, old_ids].T, trained.T, rcond=None)  # [H, H]
     at = np.minimum(np.searchsorted(old_ids, new_ids), len(old_ids) - 1)
     shared = old_ids[at] == new_ids
-    lm_head = jnp.where(jnp.asarray(shared)[None, :], params["lm_head"][:, jnp.asarray(at)], fresh)
-    return {**params, "lm_head": lm_head}
+    lm_head = np.where(shared[None, :], trained[:, at], (target[:, new_ids].T @ to_head).T)
+    return {**params, "lm_head": jnp.asarray(lm_head, jnp.float32)}
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -380,7 +387,8 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike, run_dir: str | os.PathL
         params = warm[0]
         if not inherit:
             ids = vocab["draft_ids"]
-            params = carry_lm_head(params, warm[1], ids, target_lm_head(target_params, target_cfg, ids))
+            params = carry_lm_head(params, warm[1], ids,
+                                   target_lm_head(target_params, target_cfg, np.arange(target_cfg.vocab_size)))
             log(f"draft vocabulary drawn from the data: {np.isin(ids, warm[1]).sum()} of its {len(ids)} tokens "
                 f"keep the start head's lm_head columns")
         log(f"starting from the head in {cfg.head.init_from}")
