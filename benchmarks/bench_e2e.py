@@ -19,7 +19,8 @@
             random SmolLM2-shaped weights: requests of random prompt and reply lengths joining and
             leaving; the served loop's steps, prefill and decode seconds, tok/s, against the jitted
             step alone on full slots; --draws host,device and --min-groups 0,1 compare the step's
-            draw picked on the host or on the device, and admission groups
+            draw picked on the host or on the device, and admission groups; --trace-admission N
+            lists the kernels of the N-th admission (the in-flight decode step included)
     PYTHONPATH=. python benchmarks/bench_e2e.py llama8b [--batches 1,8,32,64]
         (c) a Llama-3.1-8B-shaped target with random bf16 weights: plain decode step and tree
             verify at N = 16 and 64 against the weight-bytes floor (weights / copy bandwidth);
@@ -446,9 +447,18 @@ def churn(args):
         for rows_in in sorted({engine.prefill_batch_rows(k) for k in range(1, batch + 1)}):
             engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:rows_in]])
         compile_s = time.perf_counter() - t0
-        groups = []
+        groups, traced = [], {}
         start = engine._start
-        engine._start = lambda group, stats: (groups.append(len(group)), start(group, stats))[1]
+
+        def admit(group, stats):
+            groups.append(len(group))
+            if len(groups) != args.trace_admission:
+                return start(group, stats)
+            # This admission's kernels, the decode step still in flight when it began included.
+            traced.update(group=len(group), **_kernel_summary(lambda: start(group, stats), 1, args.top,
+                                                               lambda: jax.block_until_ready(engine.state)))
+
+        engine._start = admit
         engine.decode(reqs)
         engine._start = start
         run = engine.last_run
@@ -466,6 +476,8 @@ def churn(args):
                      "prefill_s": run.prefill_s, "decode_s": run.decode_s, "wall_s": run.wall_s,
                      "tok_s": run.tokens_per_s, "served_step_ms": run.decode_s / max(run.steps, 1) * 1e3,
                      "jitted_step_ms": t_step * 1e3})
+        if traced:
+            rows[-1]["admission_trace"] = traced
         print(json.dumps(rows[-1]), flush=True)
     return {"table": "churn", "rows": rows}
 
@@ -494,6 +506,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20, help="kernels: served steps traced")
     ap.add_argument("--top", type=int, default=25, help="kernels, llama8b --profile: the kernels listed, by device time")
     ap.add_argument("--profile", action="store_true", help="llama8b: trace each setting's kernels too")
+    ap.add_argument("--trace-admission", type=int, default=0,
+                    help="churn: trace the kernels of the N-th admission group (0: none)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     tables = {"serve": serve, "breakdown": breakdown, "kernels": kernels, "prefill": prefill, "llama8b": llama8b,
