@@ -105,12 +105,12 @@ def init_head(target_params: dict, target_cfg: LlamaConfig, hc: Eagle3Config, dr
     }
 
 
-def target_lm_head(target_params: dict, target_cfg: LlamaConfig, draft_ids: np.ndarray) -> jax.Array:
-    """`[H, Vd]` fp32: the target's output projection restricted to the draft vocabulary, where a
-    fresh head's lm_head starts."""
+def target_lm_head(target_params: dict, target_cfg: LlamaConfig, ids: np.ndarray) -> jax.Array:
+    """`[H, len(ids)]` fp32: the target's output projection at the token ids `ids` (at the draft
+    vocabulary: where a fresh head's lm_head starts)."""
     if target_cfg.tie_word_embeddings:
-        return jnp.asarray(target_params["embed"], jnp.float32)[jnp.asarray(draft_ids)].T
-    return jnp.asarray(target_params["lm_head"], jnp.float32)[:, jnp.asarray(draft_ids)]
+        return jnp.asarray(target_params["embed"], jnp.float32)[jnp.asarray(ids)].T
+    return jnp.asarray(target_params["lm_head"], jnp.float32)[:, jnp.asarray(ids)]
 
 
 def carry_lm_head(params: dict, old_ids: np.ndarray, new_ids: np.ndarray, target_head: jax.Array) -> dict:
