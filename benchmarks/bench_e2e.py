@@ -181,8 +181,8 @@ def _target_and_prompts(args, count):
 
 
 def _filled_engine(args, shape, cfg, params, tok, prompts):
-    """An engine of `shape` (SHAPES) at `args.batch` slots, every slot decoding a request that never
-    ends, and the unfinished stream serving them: (engine, stream)."""
+    """An engine of `shape` (SHAPES) at `args.batch` slots, every slot decoding a request that does
+    not end while it is measured, and the unfinished stream serving them: (engine, stream)."""
     from treespec_jax.config import SpeculativeConfig
     from treespec_jax.drafter.eagle3 import Eagle3Drafter
     from treespec_jax.engine import Engine, Request
@@ -196,7 +196,9 @@ def _filled_engine(args, shape, cfg, params, tok, prompts):
         hcfg, hparams = load_eagle3(args.head, "bf16")
         drafter, dparams = Eagle3Drafter(hcfg, cfg, attention_for(config)), {**hparams, "embed": params["embed"]}
     engine = Engine(config, cfg, params, drafter, dparams, tok)
-    reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=4096, ignore_eos=True) for i in range(args.batch)]
+    # 1,024 new tokens outlast the measured steps, and every request's pages fit the KV budget
+    # (`_config`: 2,048 tokens a slot), so all `batch` slots decode.
+    reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=1024, ignore_eos=True) for i in range(args.batch)]
     stream = engine.stream(reqs)
     _serve_steps(engine, stream, 3)
     return engine, stream
