@@ -6,7 +6,8 @@
     PYTHONPATH=. python benchmarks/bench_e2e.py breakdown [--gguf G] --head DIR [--batch 1]
         (b) one round's time by stage: verify, walk, compaction, draft (step 0 + lanes + select),
             the whole jitted step, and the host's share of a served step (no GGUF: random weights)
-    PYTHONPATH=. python benchmarks/bench_e2e.py kernels [--gguf G] --head DIR --shapes plain,tree-k4s5n16 [--batch 1]
+    PYTHONPATH=. python benchmarks/bench_e2e.py kernels [--gguf G] --head DIR --shapes plain,tree-k4s5n16
+        [--batch 1] [--temperatures 0]
         (b') the device kernels of `--steps` served steps, traced: per step the span, the time
             kernels ran (the rest the device idled, waiting for the host or between launches), how
             many, and the `--top` kernels by device time
@@ -180,9 +181,10 @@ def _target_and_prompts(args, count):
     return cfg, params, None, prompts
 
 
-def _filled_engine(args, shape, cfg, params, tok, prompts):
+def _filled_engine(args, shape, cfg, params, tok, prompts, temperature=0.0):
     """An engine of `shape` (SHAPES) at `args.batch` slots, every slot decoding a request that does
-    not end while it is measured, and the unfinished stream serving them: (engine, stream)."""
+    not end while it is measured (at `temperature`: the gumbel backend above 0), and the unfinished
+    stream serving them: (engine, stream)."""
     from treespec_jax.config import SpeculativeConfig
     from treespec_jax.drafter.eagle3 import Eagle3Drafter
     from treespec_jax.engine import Engine, Request
@@ -190,7 +192,7 @@ def _filled_engine(args, shape, cfg, params, tok, prompts):
     from treespec_jax.models.hf import load_eagle3
 
     spec = SpeculativeConfig(**SHAPES[shape])
-    config = _config(spec, args.batch)
+    config = _config(spec, args.batch, "gumbel" if temperature > 0 else "greedy", temperature)
     drafter = dparams = None
     if spec.enabled:
         hcfg, hparams = load_eagle3(args.head, "bf16")
@@ -198,7 +200,8 @@ def _filled_engine(args, shape, cfg, params, tok, prompts):
     engine = Engine(config, cfg, params, drafter, dparams, tok)
     # 1,024 new tokens outlast the measured steps, and every request's pages fit the KV budget
     # (`_config`: 2,048 tokens a slot), so all `batch` slots decode.
-    reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=1024, ignore_eos=True) for i in range(args.batch)]
+    reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=1024, ignore_eos=True, temperature=temperature)
+            for i in range(args.batch)]
     stream = engine.stream(reqs)
     _serve_steps(engine, stream, 3)
     return engine, stream
@@ -298,24 +301,27 @@ def kernels(args):
     """Where a step's device time goes, traced two ways: `--steps` steps as the engine serves them
     (its host work overlapping the device), and the jitted step alone, launched back to back with
     its state fed back (the device's idle share there is inside the program)."""
+    from treespec_jax.sampling.keyed import draw_for
+
     cfg, params, tok, prompts = _target_and_prompts(args, args.batch)
     rows = []
-    for shape in args.shapes.split(","):
-        engine, stream = _filled_engine(args, shape, cfg, params, tok, prompts)
+    for shape, temp in [(s, float(t)) for s in args.shapes.split(",") for t in args.temperatures.split(",")]:
+        engine, stream = _filled_engine(args, shape, cfg, params, tok, prompts, temp)
         _serve_steps(engine, stream, 10)
         served_s = _serve_steps(engine, stream, args.steps)
         served = _kernel_summary(lambda: _serve_steps(engine, stream, 1), args.steps, args.top,
                                  lambda: jax.block_until_ready(engine.state))
         holder = [jax.tree.map(jnp.copy, engine.state)]
+        draw = draw_for([temp], [0], [1.0], cfg.vocab_size) if temp > 0 else "auto"  # as the engine picks it
 
         def launch():
-            holder[0] = engine._step(engine.params, holder[0])[0]
+            holder[0] = engine._step(engine.params, holder[0], draw=draw)[0]
 
         launch()
         jax.block_until_ready(holder[0])
         alone = _kernel_summary(launch, args.steps, args.top, lambda: jax.block_until_ready(holder[0]))
-        rows.append({"shape": shape, "batch": args.batch, "steps": args.steps, "served_step_ms": served_s * 1e3,
-                     "served": served, "jitted_alone": alone})
+        rows.append({"shape": shape, "batch": args.batch, "temperature": temp, "steps": args.steps,
+                     "served_step_ms": served_s * 1e3, "served": served, "jitted_alone": alone})
         print(json.dumps(rows[-1]), flush=True)
     return {"table": "kernels", "rows": rows}
 

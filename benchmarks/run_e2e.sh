@@ -8,7 +8,7 @@
 #   bash benchmarks/run_e2e.sh heads GGUF HEAD_A HEAD_B OUT [SHAPES] [PROMPTS] [TOKENS]
 #                                                              # acceptance of two heads, b1 greedy
 #   bash benchmarks/run_e2e.sh breakdown GGUF HEAD OUT [BATCH]  # (b)
-#   bash benchmarks/run_e2e.sh kernels HEAD OUT [BATCH] [SHAPES]  # a step's kernels, traced; random weights
+#   bash benchmarks/run_e2e.sh kernels HEAD OUT [BATCH] [SHAPES] [TEMPS]  # a step's kernels; random weights
 #   bash benchmarks/run_e2e.sh prefill OUT [BATCHES]            # (d): needs no model file
 #
 # GGUF comes from `benchmarks/stage_gguf.sh join /root/gguf`; the gguf package from a carried
@@ -63,7 +63,7 @@ heads)
 kernels)
     HEAD=$2 OUT=$3
     step kernels "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py kernels --head "$HEAD" --batch "${4:-1}" \
-        --shapes "${5:-plain,tree-k4s5n16}" --out "$OUT"
+        --shapes "${5:-plain,tree-k4s5n16}" --temperatures "${6:-0}" --out "$OUT"
     ;;
 breakdown)
     GGUF=$2 HEAD=$3 OUT=$4
