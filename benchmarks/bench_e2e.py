@@ -102,13 +102,12 @@ def _prompts(tok, limit):
 
 def serve(args):
     from treespec_jax.config import SpeculativeConfig
-    from treespec_jax.engine import Engine, Request
+    from treespec_jax.engine import Request
     from treespec_jax.engine.loading import load_target
 
     cfg, params, tok = load_target(args.gguf, "bf16")
     head = None
     if args.head:
-        from treespec_jax.drafter.eagle3 import Eagle3Drafter
         from treespec_jax.models.hf import load_eagle3
 
         head = load_eagle3(args.head, "bf16")
@@ -117,17 +116,9 @@ def serve(args):
     for batch in [int(b) for b in args.batches.split(",")]:
         for temp in [float(t) for t in args.temperatures.split(",")]:
             for name in args.shapes.split(","):
-                spec = SpeculativeConfig(**SHAPES[name])
-                if spec.enabled and head is None:
+                if SpeculativeConfig(**SHAPES[name]).enabled and head is None:
                     continue
-                config = _config(spec, batch, "gumbel" if temp > 0 else "greedy", temp)
-                drafter = dparams = None
-                if spec.enabled:
-                    from treespec_jax.engine.loading import attention_for
-
-                    drafter = Eagle3Drafter(head[0], cfg, attention_for(config))
-                    dparams = {**head[1], "embed": params["embed"]}
-                engine = Engine(config, cfg, params, drafter, dparams, tok)
+                engine = _engine(name, batch, temp, cfg, params, tok, head)
                 n = max(batch, min(len(prompts), args.prompts))
                 reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=args.new_tokens, seed=i,
                                 temperature=temp) for i in range(n)]
@@ -170,34 +161,43 @@ def _random_smollm2():
 
 def _target_and_prompts(args, count):
     """The target (the GGUF, else random SmolLM2-shaped weights: stage and kernel times do not
-    depend on the weights) and `count` prompts: (cfg, params, tokenizer, prompts)."""
+    depend on the weights), `count` prompts and `--head` loaded (or None):
+    (cfg, params, tokenizer, prompts, head)."""
     from treespec_jax.engine.loading import load_target
-
-    if args.gguf:
-        cfg, params, tok = load_target(args.gguf, "bf16")
-        return cfg, params, tok, _prompts(tok, count)
-    cfg, params = _random_smollm2()
-    prompts = [np.random.default_rng(i).integers(0, cfg.vocab_size, args.prompt_tokens).tolist() for i in range(count)]
-    return cfg, params, None, prompts
-
-
-def _filled_engine(args, shape, cfg, params, tok, prompts, temperature=0.0):
-    """An engine of `shape` (SHAPES) at `args.batch` slots, every slot decoding a request that does
-    not end while it is measured (at `temperature`: the gumbel backend above 0), and the unfinished
-    stream serving them: (engine, stream)."""
-    from treespec_jax.config import SpeculativeConfig
-    from treespec_jax.drafter.eagle3 import Eagle3Drafter
-    from treespec_jax.engine import Engine, Request
-    from treespec_jax.engine.loading import attention_for
     from treespec_jax.models.hf import load_eagle3
 
+    head = load_eagle3(args.head, "bf16") if args.head else None
+    if args.gguf:
+        cfg, params, tok = load_target(args.gguf, "bf16")
+        return cfg, params, tok, _prompts(tok, count), head
+    cfg, params = _random_smollm2()
+    prompts = [np.random.default_rng(i).integers(0, cfg.vocab_size, args.prompt_tokens).tolist() for i in range(count)]
+    return cfg, params, None, prompts, head
+
+
+def _engine(shape, batch, temperature, cfg, params, tok, head):
+    """An engine of `shape` (SHAPES) at `batch` slots for requests at `temperature` (the gumbel
+    backend above 0); `head`: a loaded EAGLE-3 head (`models.hf.load_eagle3`), used when the shape
+    drafts."""
+    from treespec_jax.config import SpeculativeConfig
+    from treespec_jax.drafter.eagle3 import Eagle3Drafter
+    from treespec_jax.engine import Engine
+    from treespec_jax.engine.loading import attention_for
+
     spec = SpeculativeConfig(**SHAPES[shape])
-    config = _config(spec, args.batch, "gumbel" if temperature > 0 else "greedy", temperature)
+    config = _config(spec, batch, "gumbel" if temperature > 0 else "greedy", temperature)
     drafter = dparams = None
     if spec.enabled:
-        hcfg, hparams = load_eagle3(args.head, "bf16")
-        drafter, dparams = Eagle3Drafter(hcfg, cfg, attention_for(config)), {**hparams, "embed": params["embed"]}
-    engine = Engine(config, cfg, params, drafter, dparams, tok)
+        drafter, dparams = Eagle3Drafter(head[0], cfg, attention_for(config)), {**head[1], "embed": params["embed"]}
+    return Engine(config, cfg, params, drafter, dparams, tok)
+
+
+def _filled_engine(args, shape, cfg, params, tok, prompts, head, temperature=0.0):
+    """`_engine` at `args.batch` slots, every slot decoding a request that does not end while it is
+    measured (at `temperature`), and the unfinished stream serving them: (engine, stream)."""
+    from treespec_jax.engine import Request
+
+    engine = _engine(shape, args.batch, temperature, cfg, params, tok, head)
     # 1,024 new tokens outlast the measured steps, and every request's pages fit the KV budget
     # (`_config`: 2,048 tokens a slot), so all `batch` slots decode.
     reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=1024, ignore_eos=True, temperature=temperature)
@@ -229,8 +229,8 @@ def _serve_steps(engine, stream, steps: int) -> float:
 
 
 def breakdown(args):
-    cfg, params, tok, prompts = _target_and_prompts(args, args.batch)
-    engine, stream = _filled_engine(args, args.shape, cfg, params, tok, prompts)
+    cfg, params, tok, prompts, head = _target_and_prompts(args, args.batch)
+    engine, stream = _filled_engine(args, args.shape, cfg, params, tok, prompts, head)
     rnd, p = engine.round, engine.params
     state = engine.state
 
@@ -303,10 +303,10 @@ def kernels(args):
     its state fed back (the device's idle share there is inside the program)."""
     from treespec_jax.sampling.keyed import draw_for
 
-    cfg, params, tok, prompts = _target_and_prompts(args, args.batch)
+    cfg, params, tok, prompts, head = _target_and_prompts(args, args.batch)
     rows = []
     for shape, temp in [(s, float(t)) for s in args.shapes.split(",") for t in args.temperatures.split(",")]:
-        engine, stream = _filled_engine(args, shape, cfg, params, tok, prompts, temp)
+        engine, stream = _filled_engine(args, shape, cfg, params, tok, prompts, head, temp)
         _serve_steps(engine, stream, 10)
         served_s = _serve_steps(engine, stream, args.steps)
         served = _kernel_summary(lambda: _serve_steps(engine, stream, 1), args.steps, args.top,
