@@ -330,12 +330,15 @@ def llama8b(args):
     from benchmarks.timing import measure_copy_bandwidth
     from treespec_jax.engine.loading import attention_for
     from treespec_jax.models.config import LlamaConfig
-    from treespec_jax.models.llama import LlamaModel, init_params, kv_buffer_names
+    from treespec_jax.models.llama import LlamaModel, fuse_projections, init_params, kv_buffer_names
     from treespec_jax.tree.masks import ancestor_mask, chain_parents
 
     cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                       num_kv_heads=8, head_dim=128, rope_theta=5e5, max_position_embeddings=8192)
+    # The layout the engine serves (`fuse_projections`); `--separate` keeps the loaders' layout.
     params = jax.jit(lambda k: init_params(cfg, k, "bf16", scale=0.5))(jax.random.key(0))
+    if not args.separate:
+        params = jax.jit(lambda p: fuse_projections(p, cfg))(params)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     bw = measure_copy_bandwidth()
     floor = weight_bytes / bw
@@ -383,7 +386,8 @@ def llama8b(args):
             if plain is not None and r["batch"] == batch and r["nodes"] > 1:
                 r["x_plain"] = r["ms"] / plain["ms"]
         del pools
-    return {"table": "llama8b", "weight_bytes": weight_bytes, "copy_bw": bw, "context": context, "rows": rows}
+    return {"table": "llama8b", "layout": "separate" if args.separate else "fused", "weight_bytes": weight_bytes,
+            "copy_bw": bw, "context": context, "rows": rows}
 
 
 def prefill(args):
@@ -514,6 +518,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20, help="kernels: served steps traced")
     ap.add_argument("--top", type=int, default=25, help="kernels, llama8b --profile: the kernels listed, by device time")
     ap.add_argument("--profile", action="store_true", help="llama8b: trace each setting's kernels too")
+    ap.add_argument("--separate", action="store_true",
+                    help="llama8b: separate q/k/v and gate/up weights (the loaders' layout), not the served fused one")
     ap.add_argument("--trace-admission", type=int, default=0,
                     help="churn: trace the kernels of the N-th admission group (0: none)")
     ap.add_argument("--out", type=Path)

@@ -21,7 +21,7 @@ from engine_fixtures import (PAGE, cached_engine, dense_forward, mixed_requests,
 from treespec_jax.config import ConfigError
 from treespec_jax.engine import Engine, Request
 from treespec_jax.engine.loading import attention_for
-from treespec_jax.models.llama import LlamaModel, init_params, kv_buffer_names
+from treespec_jax.models.llama import LlamaModel, fuse_projections, init_params, kv_buffer_names
 
 
 def _tokens(engine, requests):
@@ -112,12 +112,18 @@ def test_fp8_kv_tree_equals_chain():
 
 
 # The kernel path is the same code for every family, so one family covers it.
-@pytest.mark.parametrize("family,kind", [("llama", "dense"), ("qwen2", "dense"), ("qwen3", "dense"),
-                                         ("llama", "cascade")])
-def test_prefill_then_decode_equals_full_forward(family, kind):
+# Fused: the model reads `fuse_projections` of the params (as the engine serves them), the
+# reference the separate weights, so a wrong column grouping (q heads against the wrong KV head, a
+# gate column against another's up) or a lost bias cannot pass.
+@pytest.mark.parametrize("family,kind,fused", [("llama", "dense", False), ("qwen2", "dense", False),
+                                               ("qwen3", "dense", False), ("llama", "dense", True),
+                                               ("qwen2", "dense", True), ("qwen3", "dense", True),
+                                               ("llama", "cascade", True)])
+def test_prefill_then_decode_equals_full_forward(family, kind, fused):
     """Chunked prefill (chunk 8 over 21 tokens) then 3 decode steps give the logits of one causal
     forward over the same tokens; the pools start poisoned with NaN."""
-    cfg, params = tiny_target(family)
+    cfg, reference_params = tiny_target(family)
+    params = fuse_projections(reference_params, cfg) if fused else reference_params
     att = attention_for(serve_config(attention=kind, kernel="interpret"))
     model = LlamaModel(cfg, att)
     slots = 8 * PAGE
@@ -136,8 +142,27 @@ def test_prefill_then_decode_equals_full_forward(family, kind):
     for pos in range(21, 24):
         logits, _, pools = model.decode(params, pools, jnp.asarray(tokens[pos:pos + 1]), table, jnp.array([pos]))
         got.append(logits[0, 0])
-    want = dense_forward(cfg, params, tokens)[20:24]
+    want = dense_forward(cfg, reference_params, tokens)[20:24]
     assert rel_err(np.stack(got), want) < 1e-5
+
+
+def test_engine_serves_the_fused_layout():
+    """The engine's target params are the fused layout: no separate q/k/v or gate/up weight is left
+    to read, and the fused ones hold exactly the given weights' columns."""
+    cfg, params = tiny_target("qwen2")
+    engine = Engine(serve_config(), cfg, params)
+    rep, d = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    for i in range(cfg.num_layers):
+        got, given = engine.params["target"][f"layers_{i}"], params[f"layers_{i}"]
+        assert not {"wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up"} & set(got)
+        qkv = np.asarray(got["wqkv"]).reshape(cfg.hidden_size, cfg.num_kv_heads, rep + 2, d)
+        np.testing.assert_array_equal(qkv[:, :, :rep].reshape(cfg.hidden_size, -1), np.asarray(given["wq"]))
+        np.testing.assert_array_equal(qkv[:, :, rep].reshape(cfg.hidden_size, -1), np.asarray(given["wk"]))
+        np.testing.assert_array_equal(qkv[:, :, rep + 1].reshape(cfg.hidden_size, -1), np.asarray(given["wv"]))
+        np.testing.assert_array_equal(np.asarray(got["bqkv"]).reshape(cfg.num_kv_heads, rep + 2, d)[:, rep],
+                                      np.asarray(given["bk"]).reshape(cfg.num_kv_heads, d))
+        np.testing.assert_array_equal(np.asarray(got["w_gate_up"])[:, 1::2], np.asarray(given["w_up"]))
+        assert got["w_down"] is given["w_down"]
 
 
 def test_requests_never_touch_other_pages():

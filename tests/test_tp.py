@@ -278,8 +278,9 @@ def test_forward_compiles_sharded():
     and the agreed path, never a weight, a pool or the logits."""
     cfg = tiny_cfg(layers=2)
     eng = Engine(serve_config("plain", 2), cfg, init_params(cfg, jax.random.key(0)))
-    w = eng.params["target"]["layers_0"]["w_gate"]
-    assert w.addressable_shards[0].data.shape == (32, 32)
+    layer = eng.params["target"]["layers_0"]  # served fused: whole KV-head groups / gate, up pairs a shard
+    assert layer["w_gate_up"].addressable_shards[0].data.shape == (32, 64)
+    assert layer["wqkv"].addressable_shards[0].data.shape == (32, (cfg.q_width + 2 * cfg.kv_width) // 2)
     assert eng.params["target"]["lm_head"].addressable_shards[0].data.shape == (32, VOCAB // 2)
     pool = eng.state.target_pools["k0"]
     assert pool.sharding.spec == P(None, "tp", None)

@@ -5,7 +5,9 @@ to XLA's SPMD partitioner for every jnp part of the forward:
 
 - column-parallel `wq / wk / wv` (and their biases) on their output dim: with T dividing the KV
   heads (hence the query heads), shard t holds query heads [t Hq/T, (t+1) Hq/T) and exactly the
-  KV heads they read, so GQA stays local; `w_gate / w_up` likewise on the MLP columns;
+  KV heads they read, so GQA stays local; `w_gate / w_up` likewise on the MLP columns; the fused
+  `wqkv / w_gate_up` that the engine serves with split the same way (their column order keeps
+  each KV head's group and each gate, up pair together);
 - row-parallel `wo / w_down` on their input dim: one all-reduce after attention and one after
   the MLP per layer;
 - the embedding and the LM head by vocabulary (the lookup and the logits are partitioned);
@@ -47,8 +49,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 AXIS = "tp"
 
 # Parameter leaves by name: column-parallel (output dim), row-parallel (input dim), vocabulary.
-COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
-BIAS = ("bq", "bk", "bv")
+# `wqkv` / `w_gate_up` are the fused layout (`models.llama.fuse_projections`): their columns are
+# grouped per KV head / interleaved gate, up pairs, so a column shard of whole groups / pairs is the
+# same split as the separate weights'.
+COLUMN = ("wq", "wk", "wv", "w_gate", "w_up", "wqkv", "w_gate_up")
+BIAS = ("bq", "bk", "bv", "bqkv")
 ROW = ("wo", "w_down")
 EMBED = ("embed",)
 HEAD = ("lm_head", "lm_head_target")
@@ -105,6 +110,8 @@ def _leaf_spec(name: str, shape: tuple[int, ...], t: int) -> P:
             return P()
         return P(*([None] * dim + [AXIS] + [None] * (len(shape) - dim - 1)))
 
+    if name == "w_gate_up" and len(shape) == 2 and shape[1] % (2 * t):
+        return P()  # a shard would split a gate, up pair
     if name in COLUMN and len(shape) == 2:
         return on(1)
     if name in BIAS and len(shape) == 1:
@@ -129,10 +136,10 @@ def param_specs(params, tp_size: int):
             return P()
         out = {k: walk(v) if isinstance(v, dict) else _leaf_spec(k, tuple(np.shape(v)), tp_size)
                for k, v in tree.items()}
-        if "w_down" in out and (out.get("w_gate") == P() or out.get("w_up") == P()):
-            out.update(w_gate=P(), w_up=P(), w_down=P())
-        if "wo" in out and out.get("wq") == P():
-            out.update({k: P() for k in ("wq", "wk", "wv", "wo", "bq", "bk", "bv") if k in out})
+        if "w_down" in out and P() in (out.get(k) for k in ("w_gate", "w_up", "w_gate_up") if k in out):
+            out.update({k: P() for k in ("w_gate", "w_up", "w_gate_up", "w_down") if k in out})
+        if "wo" in out and P() in (out.get(k) for k in ("wq", "wqkv") if k in out):
+            out.update({k: P() for k in ("wq", "wk", "wv", "wqkv", "wo", "bq", "bk", "bv", "bqkv") if k in out})
         return out
 
     return walk(params)

@@ -39,7 +39,7 @@ from treespec_jax.engine.round import DecodeState, Round, RoundShape, StepOutput
 from treespec_jax.engine.scheduler import PageAllocator, pages_needed, table_row
 from treespec_jax.engine.stats import RequestStats, RunStats
 from treespec_jax.models.config import LlamaConfig
-from treespec_jax.models.llama import LlamaModel, kv_buffer_names
+from treespec_jax.models.llama import LlamaModel, fuse_projections, kv_buffer_names
 from treespec_jax.sampling.keyed import DRAWS, SamplingParams, draw_for, sample_at
 
 KV_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn"}
@@ -211,7 +211,9 @@ class Engine:
         feature_layers = drafter.feature_layers if drafter is not None else ()
         self.target = LlamaModel(target_cfg, self.attention, feature_layers)
         self.drafter = drafter
-        self.params = {"target": target_params, "draft": draft_params}
+        # The target serves with fused q/k/v and gate/up projections (`fuse_projections`: fewer,
+        # wider matmuls read its weights nearer copy bandwidth at decode batch sizes).
+        self.params = {"target": fuse_projections(target_params, target_cfg), "draft": draft_params}
         if self.placement is not None:
             self.params = self.placement.params(self.params)
         names = kv_buffer_names(target_cfg.num_layers)

@@ -12,6 +12,10 @@ dict per decoder layer under `layers_{i}`:
     embed [V, H]; layers_{i}: attn_norm [H], wq [H, Hq*D], wk [H, Hkv*D], wv [H, Hkv*D],
     wo [Hq*D, H], bq/bk/bv (Qwen2), q_norm/k_norm [D] (Qwen3), mlp_norm [H], w_gate [H, F],
     w_up [H, F], w_down [F, H]; norm [H]; lm_head [H, V] (absent when tied to embed).
+
+Loaders produce this layout. The engine serves `fuse_projections` of it: per layer one
+`wqkv [H, Hkv*(Hq/Hkv + 2)*D]` (with `bqkv`) and one `w_gate_up [H, 2F]` in place of the five
+separate weights (column order: `treespec_jax.models.llama`); the forward reads either.
 """
 
 from __future__ import annotations

@@ -66,36 +66,97 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention_block(p: dict, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array, batch: AttentionBatch,
-                    attention: PagedAttention, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Self-attention on normed input `x [B, T, Hin]` (Hin = H, or 2H in an EAGLE-3 head).
-
-    Projects q/k/v (biases, q/k norms where the config has them), applies RoPE at the batch's
-    positions, writes k/v into the pools at the batch's slots, attends -> (`[B, T, H]`, pools).
-    """
+def project_qkv(p: dict, x: jax.Array, positions: jax.Array, cfg: LlamaConfig):
+    """q `[B, T, Hq, D]`, k / v `[B, T, Hkv, D]` of normed input `x [B, T, Hin]` at `positions
+    [B, T]`: separate or fused projections, biases and q/k norms where the config has them, RoPE."""
     b, t, _ = x.shape
-    q = x @ p["wq"]
-    k = x @ p["wk"]
-    v = x @ p["wv"]
-    if "bq" in p:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if "wqkv" in p:
+        qkv = x @ p["wqkv"]
+        if "bqkv" in p:
+            qkv = qkv + p["bqkv"]
+        q, k, v = split_qkv(qkv, cfg)
+    else:
+        q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
+        if "bq" in p:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if "q_norm" in p:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    q = apply_rope(q, batch.positions, inv_freq)
-    k = apply_rope(k, batch.positions, inv_freq)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def attention_block(p: dict, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array, batch: AttentionBatch,
+                    attention: PagedAttention, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Self-attention on normed input `x [B, T, Hin]` (Hin = H, or 2H in an EAGLE-3 head).
+
+    Projects q/k/v (`project_qkv`) at the batch's positions, writes k/v into the pools at the
+    batch's slots, attends -> (`[B, T, H]`, pools).
+    """
+    b, t, _ = x.shape
+    q, k, v = project_qkv(p, x, batch.positions, cfg)
     k_pool, v_pool = write_kv(k_pool, v_pool, k, v, batch.write_slots)
     out = attention.attend(q, k_pool, v_pool, batch)
     return out.reshape(b, t, cfg.q_width) @ p["wo"], k_pool, v_pool
 
 
 def mlp_block(p: dict, x: jax.Array) -> jax.Array:
-    """SwiGLU: `(silu(x W_gate) * x W_up) W_down`."""
-    return (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+    """SwiGLU: `(silu(x W_gate) * x W_up) W_down`, from `w_gate` / `w_up` or one `w_gate_up`."""
+    if "w_gate_up" in p:
+        gate_up = (x @ p["w_gate_up"]).reshape(*x.shape[:-1], -1, 2)
+        gate, up = gate_up[..., 0], gate_up[..., 1]
+    else:
+        gate, up = x @ p["w_gate"], x @ p["w_up"]
+    return (jax.nn.silu(gate) * up) @ p["w_down"]
+
+
+# Fused projections. At decode (one row per request) XLA runs each small matmul as its own kernel,
+# and the narrow k / v ones as reductions that read well below copy bandwidth: on the H100 the
+# 8B-shaped projections alone took 1.31x their weight floor at batch 1 as seven matmuls a layer and
+# 1.04x as five (benchmarks/tools/gemv_probe.py, RESULTS.md). The fused columns are grouped so that
+# any split of the KV heads (tensor parallelism shards whole groups) and of the MLP width keeps each
+# device's q, k, v and gate, up columns together:
+#   wqkv [H, Hkv * (rep + 2) * D]: per KV head g, the rep = Hq / Hkv query heads that read it
+#     (heads g * rep ... g * rep + rep - 1), then k_g, then v_g; bqkv [Hkv * (rep + 2) * D] alike;
+#   w_gate_up [H, 2F]: gate column j then up column j, for j = 0 .. F - 1.
+
+
+def split_qkv(qkv: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`[B, T, Hkv * (rep + 2) * D]` fused projections -> q `[B, T, Hq, D]`, k and v `[B, T, Hkv, D]`."""
+    b, t, _ = qkv.shape
+    rep = cfg.num_heads // cfg.num_kv_heads
+    grouped = qkv.reshape(b, t, cfg.num_kv_heads, rep + 2, cfg.head_dim)
+    q = grouped[:, :, :, :rep].reshape(b, t, cfg.num_heads, cfg.head_dim)
+    return q, grouped[:, :, :, rep], grouped[:, :, :, rep + 1]
+
+
+def fuse_projections(params: dict, cfg: LlamaConfig) -> dict:
+    """`params` (the documented layout) with each decoder layer's wq / wk / wv (and bq / bk / bv)
+    replaced by one `wqkv` (`bqkv`) and w_gate / w_up by one `w_gate_up`, in the grouped column
+    order above; every other leaf is the same array. Layers already fused pass through. The forward
+    reads either layout and computes the same function."""
+    rep, d, hkv = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, cfg.num_kv_heads
+
+    def grouped(q, k, v):  # [..., Hq * D], [..., Hkv * D] x2 -> [..., Hkv * (rep + 2) * D]
+        lead = q.shape[:-1]
+        parts = [q.reshape(*lead, hkv, rep, d), k.reshape(*lead, hkv, 1, d), v.reshape(*lead, hkv, 1, d)]
+        return jnp.concatenate(parts, axis=-2).reshape(*lead, hkv * (rep + 2) * d)
+
+    out = dict(params)
+    for i in range(cfg.num_layers):
+        layer = dict(params[f"layers_{i}"])
+        if "wq" in layer:
+            layer["wqkv"] = grouped(layer.pop("wq"), layer.pop("wk"), layer.pop("wv"))
+        if "bq" in layer:
+            layer["bqkv"] = grouped(layer.pop("bq"), layer.pop("bk"), layer.pop("bv"))
+        if "w_gate" in layer:
+            gate, up = layer.pop("w_gate"), layer.pop("w_up")
+            layer["w_gate_up"] = jnp.stack([gate, up], axis=-1).reshape(gate.shape[0], 2 * gate.shape[1])
+        out[f"layers_{i}"] = layer
+    return out
 
 
 def _dense_init(scale: float):
@@ -112,22 +173,29 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, k_pool, v_pool, batch: AttentionBatch):
         c = self.cfg
         h, f, qw, kw = c.hidden_size, c.intermediate_size, c.q_width, c.kv_width
-        ones = nn.initializers.ones
+        ones, zeros = nn.initializers.ones, nn.initializers.zeros
+        # Params made by `fuse_projections` are read as they are; init makes the documented layout.
+        fused = self.has_variable("params", "wqkv")
         p = {"attn_norm": self.param("attn_norm", ones, (h,)),
-             "wq": self.param("wq", _dense_init(1.0), (h, qw)),
-             "wk": self.param("wk", _dense_init(1.0), (h, kw)),
-             "wv": self.param("wv", _dense_init(1.0), (h, kw)),
              "wo": self.param("wo", _dense_init(1.0), (qw, h))}
-        if c.attention_bias:
-            zeros = nn.initializers.zeros
-            p.update(bq=self.param("bq", zeros, (qw,)), bk=self.param("bk", zeros, (kw,)),
-                     bv=self.param("bv", zeros, (kw,)))
+        if fused:
+            p["wqkv"] = self.param("wqkv", _dense_init(1.0), (h, qw + 2 * kw))
+            if c.attention_bias:
+                p["bqkv"] = self.param("bqkv", zeros, (qw + 2 * kw,))
+        else:
+            p.update(wq=self.param("wq", _dense_init(1.0), (h, qw)), wk=self.param("wk", _dense_init(1.0), (h, kw)),
+                     wv=self.param("wv", _dense_init(1.0), (h, kw)))
+            if c.attention_bias:
+                p.update(bq=self.param("bq", zeros, (qw,)), bk=self.param("bk", zeros, (kw,)),
+                         bv=self.param("bv", zeros, (kw,)))
         if c.qk_norm:
             p.update(q_norm=self.param("q_norm", ones, (c.head_dim,)), k_norm=self.param("k_norm", ones, (c.head_dim,)))
-        p.update(mlp_norm=self.param("mlp_norm", ones, (h,)),
-                 w_gate=self.param("w_gate", _dense_init(1.0), (h, f)),
-                 w_up=self.param("w_up", _dense_init(1.0), (h, f)),
-                 w_down=self.param("w_down", _dense_init(1.0), (f, h)))
+        p.update(mlp_norm=self.param("mlp_norm", ones, (h,)), w_down=self.param("w_down", _dense_init(1.0), (f, h)))
+        if self.has_variable("params", "w_gate_up"):
+            p["w_gate_up"] = self.param("w_gate_up", _dense_init(1.0), (h, 2 * f))
+        else:
+            p.update(w_gate=self.param("w_gate", _dense_init(1.0), (h, f)),
+                     w_up=self.param("w_up", _dense_init(1.0), (h, f)))
         a, k_pool, v_pool = attention_block(p, rms_norm(x, p["attn_norm"], c.rms_norm_eps), k_pool, v_pool, batch,
                                             self.attention, c)
         x = x + a

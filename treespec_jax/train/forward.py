@@ -5,7 +5,7 @@ the sequence of each token (-1 = padding) and `positions [B, T]` restarting at 0
 sequence, so every sequence is computed exactly as if it were alone at the start of a request.
 
 Target (`target_forward`): the decoder of `treespec_jax.models.llama` without a KV cache. It
-reuses that module's `rms_norm`, `apply_rope`, `rope_inv_freq` and `mlp_block`; attention is one
+reuses that module's `rms_norm`, `project_qkv` and `mlp_block`; attention is one
 masked softmax per layer in which a token sees the tokens of its own sequence at or before it
 (fp32 scores and weights, as the engine's prefill attention computes them). It returns the
 inputs of the feature layers (concatenated, the engine's `features`) and the logits.
@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from treespec_jax.models.config import Eagle3Config, LlamaConfig
-from treespec_jax.models.llama import apply_rope, mlp_block, rms_norm, rope_inv_freq
+from treespec_jax.models.llama import mlp_block, project_qkv, rms_norm
 
 HIGHEST = jax.lax.Precision.HIGHEST
 HEAD_PARAM_KEYS = ("fc", "input_norm", "hidden_norm", "layer", "norm", "lm_head")
@@ -62,24 +62,6 @@ def sequence_mask(segments: jax.Array) -> jax.Array:
 def _grouped(q: jax.Array, num_kv: int) -> jax.Array:
     b, t, hq, d = q.shape
     return q.reshape(b, t, num_kv, hq // num_kv, d)
-
-
-def _project_qkv(p: dict, x: jax.Array, positions: jax.Array, cfg: LlamaConfig):
-    """q `[B, T, Hq, D]`, k / v `[B, T, Hkv, D]` of normed input x, RoPE applied (as `attention_block`)."""
-    b, t, _ = x.shape
-    q = x @ p["wq"]
-    k = x @ p["wk"]
-    v = x @ p["wv"]
-    if "bq" in p:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    if "q_norm" in p:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, extra_k=(), extra_v=()) -> jax.Array:
@@ -121,7 +103,7 @@ def target_forward(params: dict, cfg: LlamaConfig, tokens: jax.Array, positions:
         if i in feature_layers:
             captured[i] = x
         p = params[f"layers_{i}"]
-        q, k, v = _project_qkv(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, cfg)
+        q, k, v = project_qkv(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, cfg)
         a = _attend(q, k, v, visible)
         x = x + a.reshape(a.shape[0], a.shape[1], cfg.q_width) @ p["wo"]
         x = x + mlp_block(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps))
@@ -183,7 +165,7 @@ class HeadStep:
         e = embed[tokens].astype(h.dtype)
         x = jnp.concatenate([rms_norm(e, params["input_norm"], c.rms_norm_eps),
                              rms_norm(h, params["hidden_norm"], c.rms_norm_eps)], -1)
-        return _project_qkv(params["layer"], x, positions, self.lc)
+        return project_qkv(params["layer"], x, positions, self.lc)
 
     def finish(self, params, h, attn):
         """(logits `[B, T, Vd]` f32, t `[B, T, H]`) from the step's input h and attention output."""
