@@ -2,7 +2,8 @@
 # The end-to-end tables on the device machine, each step under its own time limit so that one
 # slow step leaves the others' results (every step tees its log and JSON into OUT).
 #
-#   bash benchmarks/run_e2e.sh llama8b OUT [BATCHES]          # (c): needs no model file
+#   bash benchmarks/run_e2e.sh llama8b OUT [BATCHES] [ARGS]   # (c): needs no model file; ARGS e.g.
+#                                                              # --separate --profile --nodes 1
 #   bash benchmarks/run_e2e.sh serve GGUF HEAD OUT [BATCHES] [TEMPS] [SHAPES] [PROMPTS] [TOKENS]
 #                                                              # HF equality + peer, then (a)
 #   bash benchmarks/run_e2e.sh heads GGUF HEAD_A HEAD_B OUT [SHAPES] [PROMPTS] [TOKENS]
@@ -40,7 +41,7 @@ step() {  # step NAME SECONDS CMD...: runs CMD under a limit, tees its output to
 case "${1:-}" in
 llama8b)
     OUT=$2
-    step llama8b "${LIMIT:-420}" "$PY" benchmarks/bench_e2e.py llama8b --batches "${3:-1,8,32,64}" --out "$OUT"
+    step llama8b "${LIMIT:-420}" "$PY" benchmarks/bench_e2e.py llama8b --batches "${3:-1,8,32,64}" --out "$OUT" "${@:4}"
     ;;
 serve)
     GGUF=$2 HEAD=$3 OUT=$4
@@ -75,7 +76,7 @@ prefill)
     step prefill "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py prefill --batches "${3:-1,8,32}" --out "$OUT"
     ;;
 *)
-    sed -n '2,14p' "${BASH_SOURCE[0]}" >&2
+    sed -n '2,15p' "${BASH_SOURCE[0]}" >&2
     exit 2
     ;;
 esac

@@ -14,6 +14,10 @@ appends the committed tokens, and finishes requests on max_new_tokens, stop toke
 EOS, releasing their slot and pages. The next step is launched before the host reads the last
 one, so the host's work overlaps the device's; a finished request's slot thus runs one step more,
 whose tokens are dropped. `stream(requests)` yields text as it commits.
+
+The target's params may come in either layout of `models.config`; the engine keeps its own
+fused copy of the q/k/v and gate/up weights (`fuse_projections`), so a caller that keeps its
+separate ones holds both (drop them, or pass params already fused, to hold one).
 """
 
 from __future__ import annotations
