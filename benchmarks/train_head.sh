@@ -3,7 +3,7 @@
 #
 #   benchmarks/train_head.sh data   ROOT [MINUTES]        # self-distillation shards -> ROOT/data (resumable)
 #   benchmarks/train_head.sh train  ROOT [MINUTES] [ARGS]  # train -> ROOT/run, resumes from its newest checkpoint
-#   benchmarks/train_head.sh first  ROOT [DATA_MIN] [TOTAL_MIN] [--set K=V ...]  # data, then train, in one call
+#   benchmarks/train_head.sh first  ROOT [DATA_MIN] [TOTAL_MIN] [--set K=V ...] [--export]  # data, then train, in one call
 #   benchmarks/train_head.sh export ROOT                   # ROOT/run/head (bf16 HF layout), loss.png, metrics.json
 #   benchmarks/train_head.sh pack   ROOT DEST [data]       # head + logs (+ the shards) as <= 15 MiB parts in DEST ($OUT)
 #   benchmarks/train_head.sh unpack DIR DEST               # here: join DIR's parts and extract into DEST
@@ -58,7 +58,10 @@ first)
     ROOT="${1:?ROOT}"; DMIN="${2:-4}"; TOTAL="${3:-9.3}"; shift 3 || shift $#
     need_gguf "$PY" "$ROOT_DIR" || exit 1; jax_cache "$ROOT"
     t0=$(date +%s)
-    "$PY" -m treespec_jax.train.data --out "$ROOT/data" --max-minutes "$DMIN" "$@"
+    # --export is the training step's alone; every other argument goes to both steps.
+    data_args=()
+    for a in "$@"; do [[ "$a" == --export ]] || data_args+=("$a"); done
+    "$PY" -m treespec_jax.train.data --out "$ROOT/data" --max-minutes "$DMIN" "${data_args[@]}"
     left=$("$PY" -c "import time; print(max(0.5, $TOTAL - (time.time() - $t0) / 60))")
     "$PY" -m treespec_jax.train.eagle3 train --data "$ROOT/data" --run "$ROOT/run" --max-minutes "$left" "$@"
     ;;
