@@ -359,6 +359,25 @@ def test_new_draft_tokens_take_the_map_the_head_learned():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fraction", [0.3, 0.5])
+def test_second_pass_gives_each_prompt_one_greedy_reply(fraction):
+    """With `greedy_second_pass` every prompt has exactly one greedy request among its first two
+    passes, the first pass is planned as without it, and later passes sample; without it the
+    second pass samples too."""
+    n = 40
+    on = dataclasses.replace(TrainConfig().data, greedy_fraction=fraction, greedy_second_pass=True, seed=3)
+    off = dataclasses.replace(on, greedy_second_pass=False)
+    for p in range(n):
+        plans = [data_mod.plan_request(p + r * n, n, on) for r in range(3)]
+        assert all(prompt == p for prompt, _, _ in plans)
+        assert [t == 0.0 for _, t, _ in plans[:2]].count(True) == 1
+        assert plans[2][1] == on.temperature
+        assert plans[0] == data_mod.plan_request(p, n, off)
+        assert data_mod.plan_request(p + n, n, off)[1] == off.temperature
+    first_pass_greedy = sum(data_mod.plan_request(p, n, on)[1] == 0.0 for p in range(n))
+    assert 0 < first_pass_greedy < n
+
+
 def test_data_generator_writes_and_resumes_shards_through_the_engine(tmp_path, target_params):
     tok = tiny_tokenizer()
     prompts = [{"messages": [{"role": "user", "content": c}]} for c in

@@ -44,6 +44,9 @@ class DataConfig:
     max_new_tokens: int = 512  # reply length cap
     max_prompt_tokens: int = 448  # prompts longer than this (after the chat template) are skipped
     greedy_fraction: float = 0.5  # share of first-pass requests decoded greedily; the rest sampled
+    # The second pass decodes greedily the prompts that the first pass sampled, so every prompt has
+    # one greedy reply within two passes (off: every pass after the first samples).
+    greedy_second_pass: bool = False
     temperature: float = 0.8  # sampling temperature of the sampled replies
     top_p: float = 1.0  # nucleus mass of the sampled replies (1 = off)
     batch: int = 64  # engine decode batch (max_running_requests)

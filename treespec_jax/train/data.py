@@ -76,6 +76,9 @@ def plan_request(j: int, num_prompts: int, cfg: DataConfig) -> tuple[int, float,
     prompt, rnd = j % num_prompts, j // num_prompts
     u = np.random.default_rng([cfg.seed, j]).random()
     greedy = rnd == 0 and u < cfg.greedy_fraction
+    if rnd == 1 and cfg.greedy_second_pass:
+        # The prompt's first-pass request is request `prompt`: greedy here where it was sampled there.
+        greedy = np.random.default_rng([cfg.seed, prompt]).random() >= cfg.greedy_fraction
     seed = (cfg.seed * 1_000_003 + j) % (2**31 - 1)
     return prompt, 0.0 if greedy else cfg.temperature, seed
 
