@@ -10,6 +10,7 @@
 #                                                              # acceptance of two heads, b1 greedy
 #   bash benchmarks/run_e2e.sh breakdown GGUF HEAD OUT [BATCH]  # (b)
 #   bash benchmarks/run_e2e.sh kernels HEAD OUT [BATCH] [SHAPES] [TEMPS]  # a step's kernels; random weights
+#   bash benchmarks/run_e2e.sh kernels-flags HEAD OUT [BATCH] [SHAPES] [TEMPS]  # the same, CUDA graphs on/off/min 1
 #   bash benchmarks/run_e2e.sh prefill OUT [BATCHES]            # (d): needs no model file
 #
 # GGUF comes from `benchmarks/stage_gguf.sh join /root/gguf`; the gguf package from a carried
@@ -66,6 +67,22 @@ kernels)
     step kernels "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py kernels --head "$HEAD" --batch "${4:-1}" \
         --shapes "${5:-plain,tree-k4s5n16}" --temperatures "${6:-0}" --out "$OUT"
     ;;
+kernels-flags)
+    # The same kernels table under XLA's CUDA-graph settings, one process each (XLA_FLAGS is read
+    # once per process): whether launches are what a launch-bound step pays for.
+    HEAD=$2 OUT=$3
+    for variant in default graphs-off graphs-min1; do
+        case $variant in
+        default) flags="" ;;
+        graphs-off) flags="--xla_gpu_enable_command_buffer=" ;;
+        graphs-min1) flags="--xla_gpu_graph_min_graph_size=1" ;;
+        esac
+        mkdir -p "$OUT/$variant"
+        XLA_FLAGS="$flags${XLA_FLAGS:+ $XLA_FLAGS}" step "kernels_$variant" "${LIMIT:-150}" "$PY" benchmarks/bench_e2e.py \
+            kernels --head "$HEAD" --batch "${4:-1}" --shapes "${5:-plain,tree-k4s5n16}" --temperatures "${6:-0}" \
+            --out "$OUT/$variant"
+    done
+    ;;
 breakdown)
     GGUF=$2 HEAD=$3 OUT=$4
     step breakdown "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py breakdown --gguf "$GGUF" --head "$HEAD" \
@@ -76,7 +93,7 @@ prefill)
     step prefill "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py prefill --batches "${3:-1,8,32}" --out "$OUT"
     ;;
 *)
-    sed -n '2,15p' "${BASH_SOURCE[0]}" >&2
+    sed -n '2,16p' "${BASH_SOURCE[0]}" >&2
     exit 2
     ;;
 esac
