@@ -46,6 +46,16 @@ import numpy as np
 HELDOUT = Path(__file__).resolve().parent.parent / "treespec_jax" / "data" / "heldout_prompts.jsonl"
 
 
+def _emit(args, row: dict) -> None:
+    """Prints a table row as it lands and appends it to OUT/<table>.rows.jsonl: a run killed at
+    its time limit keeps every finished row in OUT, whatever became of its stdout."""
+    print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / f"{args.table}.rows.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def _median(fn, reps=20):
     fn()
     times = []
@@ -135,7 +145,7 @@ def serve(args):
                              "per_position": run.per_position_rate[:8], "steps": run.steps,
                              "prefill_s": run.prefill_s, "decode_s": run.decode_s, "wall_s": run.wall_s,
                              "requests": n})
-                print(json.dumps(rows[-1]), flush=True)
+                _emit(args, rows[-1])
     return {"table": "serve", "rows": rows}
 
 
@@ -322,7 +332,7 @@ def kernels(args):
         alone = _kernel_summary(launch, args.steps, args.top, lambda: jax.block_until_ready(holder[0]))
         rows.append({"shape": shape, "batch": args.batch, "temperature": temp, "steps": args.steps,
                      "served_step_ms": served_s * 1e3, "served": served, "jitted_alone": alone})
-        print(json.dumps(rows[-1]), flush=True)
+        _emit(args, rows[-1])
     return {"table": "kernels", "rows": rows}
 
 
@@ -380,7 +390,7 @@ def llama8b(args):
                 rows[-1]["kernels"] = _kernel_summary(launch, 5, args.top,
                                                       lambda: jax.block_until_ready(holder["pools"]["k0"]))
             pools = holder["pools"]
-            print(json.dumps(rows[-1]), flush=True)
+            _emit(args, rows[-1])
         plain = next((x for x in rows if x["batch"] == batch and x["nodes"] == 1), None)
         for r in rows:
             if plain is not None and r["batch"] == batch and r["nodes"] > 1:
@@ -429,7 +439,7 @@ def prefill(args):
         rows.append({"batch": batch, "chunk": chunk, "table_keys": width * page, "prompt_tokens": int(lengths[0]),
                      "attention_blocked_ms": t_blocked * 1e3, "attention_dense_ms": t_dense * 1e3,
                      "dense_over_blocked": t_dense / t_blocked, "program_ms": t_program * 1e3})
-        print(json.dumps(rows[-1]), flush=True)
+        _emit(args, rows[-1])
     return {"table": "prefill", "rows": rows}
 
 
@@ -490,7 +500,7 @@ def churn(args):
                      "jitted_step_ms": t_step * 1e3})
         if traced:
             rows[-1]["admission_trace"] = traced
-        print(json.dumps(rows[-1]), flush=True)
+        _emit(args, rows[-1])
     return {"table": "churn", "rows": rows}
 
 

@@ -46,10 +46,18 @@ llama8b)
     ;;
 serve)
     GGUF=$2 HEAD=$3 OUT=$4
-    step hf_compare "${HF_LIMIT:-200}" "$PY" benchmarks/hf_compare.py --gguf "$GGUF" --new-tokens 32 --out "$OUT"
-    step serve "${LIMIT:-380}" "$PY" benchmarks/bench_e2e.py serve --gguf "$GGUF" --head "$HEAD" \
-        --batches "${5:-1}" --temperatures "${6:-0}" --shapes "${7:-plain,chain-s5,tree-k4s5n16,tree-k8s6n64}" \
-        --prompts "${8:-32}" --new-tokens "${9:-96}" --out "$OUT"
+    # HF_LIMIT=0 skips the transformers comparison (recorded in RESULTS.md; it costs minutes).
+    [[ "${HF_LIMIT:-200}" == 0 ]] || step hf_compare "${HF_LIMIT:-200}" "$PY" benchmarks/hf_compare.py --gguf "$GGUF" \
+        --new-tokens 32 --out "$OUT"
+    # One process per batch under its own limit (LIMIT s each): a slow compile at one batch cannot
+    # cost the others' rows.
+    IFS=, read -ra batches <<< "${5:-1}"
+    for b in "${batches[@]}"; do
+        mkdir -p "$OUT/b$b"
+        step "serve_b$b" "${LIMIT:-380}" "$PY" benchmarks/bench_e2e.py serve --gguf "$GGUF" --head "$HEAD" \
+            --batches "$b" --temperatures "${6:-0}" --shapes "${7:-plain,chain-s5,tree-k4s5n16,tree-k8s6n64}" \
+            --prompts "${8:-32}" --new-tokens "${9:-96}" --out "$OUT/b$b"
+    done
     ;;
 heads)
     # One process per head, same prompts and shapes: whether a newly trained head accepts more.
