@@ -329,6 +329,10 @@ def kernels(args):
 
         launch()
         jax.block_until_ready(holder[0])
+        if args.out and args.hlo:  # the compiled step, to map the kernels' fusion names to its ops
+            args.out.mkdir(parents=True, exist_ok=True)
+            text = engine._step.lower(engine.params, holder[0], draw=draw).compile().as_text()
+            (args.out / f"kernels_{shape}_t{temp:g}_b{args.batch}.hlo.txt").write_text(text)
         alone = _kernel_summary(launch, args.steps, args.top, lambda: jax.block_until_ready(holder[0]))
         rows.append({"shape": shape, "batch": args.batch, "temperature": temp, "steps": args.steps,
                      "served_step_ms": served_s * 1e3, "served": served, "jitted_alone": alone})
@@ -513,7 +517,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--shape", default="tree-k4s5n16")
     ap.add_argument("--nodes", default="1,16,64", help="llama8b: verify widths (1 = the plain decode step)")
-    ap.add_argument("--hlo", action="store_true", help="llama8b: write each compiled program's HLO into --out")
+    ap.add_argument("--hlo", action="store_true", help="llama8b, kernels: write each compiled program's HLO into --out")
     ap.add_argument("--shapes", default="plain,chain-s5,tree-k4s5n16,tree-k8s6n64")
     ap.add_argument("--temperatures", default="0,0.8")
     ap.add_argument("--prompts", type=int, default=64)
