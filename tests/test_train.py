@@ -101,9 +101,12 @@ def test_target_forward_matches_engine_prefill(target_params):
     np.testing.assert_allclose(logits_p[:, 5:], logits, atol=2e-4)
 
 
-def test_unrolled_head_matches_serving_step0_and_lanes(target_params):
+@pytest.mark.parametrize("served", [False, True])
+def test_unrolled_head_matches_serving_step0_and_lanes(target_params, served):
     """Step 0 at anchor p = the drafter's prefill of [0, s) + step0 over accepted rows s..p; step i
-    = the lanes call of draft step i with one lane fed the data's token (K = 1)."""
+    = the lanes call of draft step i with one lane fed the data's token (K = 1). `served`: the
+    drafter runs the layout the engine serves (`serving_params`: fused projections) while training
+    reads the separate weights, so a wrong fused column order fails here."""
     T, S = 14, 3
     rng = np.random.default_rng(1)
     seq = rng.integers(0, VOCAB, T)
@@ -125,6 +128,9 @@ def test_unrolled_head_matches_serving_step0_and_lanes(target_params):
     step0 = jax.jit(drafter.step0)
     lanes = jax.jit(drafter.lanes, static_argnums=(6, 7))
     dparams = {**head, "embed": target_params["embed"]}
+    if served:
+        dparams = drafter.serving_params(dparams)
+        assert "wqkv" in dparams["layer"] and "w_gate_up" in dparams["layer"]
     table = jnp.arange(1, 9, dtype=jnp.int32)[None]
     toks = jnp.asarray(seq, jnp.int32)[None]
     nxt = jnp.concatenate([toks[:, 1:], jnp.zeros((1, 1), jnp.int32)], 1)

@@ -86,6 +86,11 @@ class Drafter(abc.ABC):
         """`score_candidates` with this drafter's vocabulary map."""
         return score_candidates(logits, topk)
 
+    def serving_params(self, params):
+        """`params` as the engine serves them (a drafter may fuse or re-lay its weights; the
+        function it computes stays the same). Default: as given."""
+        return params
+
 
 def draft_tree(drafter: Drafter, params, pools, root_logits, root_feature, frontier, root_tokens, page_table, *,
                topk: int, num_steps: int, num_nodes: int) -> tuple[dict, DraftTree]:

@@ -5,7 +5,9 @@ hidden_norm(h)]` (width 2H), with `h = fc(target features)` (the inputs of targe
 L-3, concatenated to 3Ht) on rows that come from the target, or the head's own previous output
 on lane rows. The residual stream starts at h: `s = h + attn(.)`, `t = s + mlp(mlp_norm(s))`;
 `t` (before the final norm) is the recurrent feature the next step continues from, and
-`lm_head(norm(t))` scores the draft vocabulary, whose id i is target id i + d2t[i].
+`lm_head(norm(t))` scores the draft vocabulary, whose id i is target id i + d2t[i]. The layer is
+loaded and trained with separate q/k/v and gate/up weights and served fused
+(`Eagle3Drafter.serving_params`, the target's column order: `models.llama.fuse_layer`).
 
 Draft position p holds the row (feature of target token p, token p + 1): so step 0 over the
 accepted path puts row d (feature of path node d, the target's token after it) at vc + d, and
@@ -26,7 +28,7 @@ import numpy as np
 from treespec_jax.drafter.base import AcceptedRows, Drafter, score_candidates
 from treespec_jax.models.attention import PagedAttention, lanes_batch, prefill_batch, window_batch
 from treespec_jax.models.config import Eagle3Config, LlamaConfig
-from treespec_jax.models.llama import DTYPES, DecoderLayer, attention_block, mlp_block, rms_norm
+from treespec_jax.models.llama import DTYPES, DecoderLayer, attention_block, fuse_layer, mlp_block, rms_norm
 from treespec_jax.tree.masks import ancestor_mask, chain_parents
 
 DRAFT_K, DRAFT_V = "draft_k0", "draft_v0"
@@ -54,10 +56,18 @@ class Eagle3Head(nn.Module):
         fc = self.param("fc", init, (3 * c.target_hidden_size, H))
         input_norm = self.param("input_norm", ones, (H,))
         hidden_norm = self.param("hidden_norm", ones, (H,))
-        layer = {"wq": self.param("wq", init, (2 * H, qw)), "wk": self.param("wk", init, (2 * H, kw)),
-                 "wv": self.param("wv", init, (2 * H, kw)), "wo": self.param("wo", init, (qw, H)),
-                 "mlp_norm": self.param("mlp_norm", ones, (H,)), "w_gate": self.param("w_gate", init, (H, F)),
-                 "w_up": self.param("w_up", init, (H, F)), "w_down": self.param("w_down", init, (F, H))}
+        layer = {"wo": self.param("wo", init, (qw, H)), "mlp_norm": self.param("mlp_norm", ones, (H,)),
+                 "w_down": self.param("w_down", init, (F, H))}
+        # Serving reads the fused layer (`Eagle3Drafter.serving_params`); init and training the separate one.
+        if self.has_variable("params", "wqkv"):
+            layer["wqkv"] = self.param("wqkv", init, (2 * H, qw + 2 * kw))
+        else:
+            layer.update(wq=self.param("wq", init, (2 * H, qw)), wk=self.param("wk", init, (2 * H, kw)),
+                         wv=self.param("wv", init, (2 * H, kw)))
+        if self.has_variable("params", "w_gate_up"):
+            layer["w_gate_up"] = self.param("w_gate_up", init, (H, 2 * F))
+        else:
+            layer.update(w_gate=self.param("w_gate", init, (H, F)), w_up=self.param("w_up", init, (H, F)))
         norm = self.param("norm", ones, (H,))
         lm_head = self.param("lm_head", init, (H, c.draft_vocab_size))
         if self.project:
@@ -139,6 +149,11 @@ class Eagle3Drafter(_HeadDrafter):
         self.feature_width = cfg.hidden_size
         self.module = Eagle3Head(cfg, attention, True)
         self.lane_module = Eagle3Head(cfg, attention, False)
+
+    def serving_params(self, params):
+        """The head's layer with fused q/k/v and gate/up projections (`models.llama.fuse_layer`):
+        each draft step runs two matmuls fewer."""
+        return {**params, "layer": fuse_layer(params["layer"], self.head_cfg)}
 
     def _run(self, params, pools, tokens, h, batch, project):
         module = self.module if project else self.lane_module

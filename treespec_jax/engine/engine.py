@@ -216,7 +216,10 @@ class Engine:
         self.target = LlamaModel(target_cfg, self.attention, feature_layers)
         self.drafter = drafter
         # The target serves with fused q/k/v and gate/up projections (`fuse_projections`: fewer,
-        # wider matmuls read its weights nearer copy bandwidth at decode batch sizes).
+        # wider matmuls read its weights nearer copy bandwidth at decode batch sizes), and a
+        # drafter with its own serving layout (`Drafter.serving_params`: the EAGLE-3 head fuses too).
+        if drafter is not None and draft_params is not None:
+            draft_params = drafter.serving_params(draft_params)
         self.params = {"target": fuse_projections(target_params, target_cfg), "draft": draft_params}
         if self.placement is not None:
             self.params = self.placement.params(self.params)

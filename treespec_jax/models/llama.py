@@ -133,11 +133,10 @@ def split_qkv(qkv: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array, j
     return q, grouped[:, :, :, rep], grouped[:, :, :, rep + 1]
 
 
-def fuse_projections(params: dict, cfg: LlamaConfig) -> dict:
-    """`params` (the documented layout) with each decoder layer's wq / wk / wv (and bq / bk / bv)
-    replaced by one `wqkv` (`bqkv`) and w_gate / w_up by one `w_gate_up`, in the grouped column
-    order above; every other leaf is the same array. Layers already fused pass through. The forward
-    reads either layout and computes the same function."""
+def fuse_layer(layer: dict, cfg: LlamaConfig) -> dict:
+    """One layer's params with wq / wk / wv (and bq / bk / bv) replaced by one `wqkv` (`bqkv`) and
+    w_gate / w_up by one `w_gate_up`, in the grouped column order above (`cfg`: the layer's heads);
+    every other leaf is the same array, and a layer already fused passes through."""
     rep, d, hkv = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, cfg.num_kv_heads
 
     def grouped(q, k, v):  # [..., Hq * D], [..., Hkv * D] x2 -> [..., Hkv * (rep + 2) * D]
@@ -145,17 +144,23 @@ def fuse_projections(params: dict, cfg: LlamaConfig) -> dict:
         parts = [q.reshape(*lead, hkv, rep, d), k.reshape(*lead, hkv, 1, d), v.reshape(*lead, hkv, 1, d)]
         return jnp.concatenate(parts, axis=-2).reshape(*lead, hkv * (rep + 2) * d)
 
+    layer = dict(layer)
+    if "wq" in layer:
+        layer["wqkv"] = grouped(layer.pop("wq"), layer.pop("wk"), layer.pop("wv"))
+    if "bq" in layer:
+        layer["bqkv"] = grouped(layer.pop("bq"), layer.pop("bk"), layer.pop("bv"))
+    if "w_gate" in layer:
+        gate, up = layer.pop("w_gate"), layer.pop("w_up")
+        layer["w_gate_up"] = jnp.stack([gate, up], axis=-1).reshape(gate.shape[0], 2 * gate.shape[1])
+    return layer
+
+
+def fuse_projections(params: dict, cfg: LlamaConfig) -> dict:
+    """`params` (the documented layout) with every decoder layer fused (`fuse_layer`). The forward
+    reads either layout and computes the same function."""
     out = dict(params)
     for i in range(cfg.num_layers):
-        layer = dict(params[f"layers_{i}"])
-        if "wq" in layer:
-            layer["wqkv"] = grouped(layer.pop("wq"), layer.pop("wk"), layer.pop("wv"))
-        if "bq" in layer:
-            layer["bqkv"] = grouped(layer.pop("bq"), layer.pop("bk"), layer.pop("bv"))
-        if "w_gate" in layer:
-            gate, up = layer.pop("w_gate"), layer.pop("w_up")
-            layer["w_gate_up"] = jnp.stack([gate, up], axis=-1).reshape(gate.shape[0], 2 * gate.shape[1])
-        out[f"layers_{i}"] = layer
+        out[f"layers_{i}"] = fuse_layer(params[f"layers_{i}"], cfg)
     return out
 
 
