@@ -6,7 +6,7 @@ A Llama-3.1-8B-shaped stack of projections only (no attention, norms or RoPE: th
 weights): per layer q/k/v, o, gate/up and down, then the 128k lm_head, with random bf16 weights, in
 two layouts:
   - separate: seven matmuls per layer, the model's layout (`wq`, `wk`, `wv`, `w_gate`, `w_up`);
-  - fused: q/k/v in one `[H, Q + 2 KV]` matmul and gate/up in one `[H, 2F]` matmul (five per layer).
+  - fused: q/k/v in one `[H, Q + 2 KV]` matmul and gate/up in one `[H, 2F]` matmul (four per layer).
 Each is traced as a jitted chain of passes (`benchmarks.timing.traced_chain`) and reported as
 device ms per pass, against its floor (weight bytes / measured copy bandwidth), with the kernels
 that took the time. If the separate stack is well above its floor and the fused one is not, the

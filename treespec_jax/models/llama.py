@@ -116,7 +116,7 @@ def mlp_block(p: dict, x: jax.Array) -> jax.Array:
 # Fused projections. At decode (one row per request) XLA runs each small matmul as its own kernel,
 # and the narrow k / v ones as reductions that read well below copy bandwidth: on the H100 the
 # 8B-shaped projections alone took 1.31x their weight floor at batch 1 as seven matmuls a layer and
-# 1.04x as five (benchmarks/tools/gemv_probe.py, RESULTS.md). The fused columns are grouped so that
+# 1.04x as four (benchmarks/tools/gemv_probe.py, RESULTS.md). The fused columns are grouped so that
 # any split of the KV heads (tensor parallelism shards whole groups) and of the MLP width keeps each
 # device's q, k, v and gate, up columns together:
 #   wqkv [H, Hkv * (rep + 2) * D]: per KV head g, the rep = Hq / Hkv query heads that read it
