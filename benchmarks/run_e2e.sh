@@ -70,26 +70,28 @@ heads)
             --new-tokens "${8:-128}" --out "$OUT/head_$which"
     done
     ;;
-kernels)
+kernels | kernels-flags)
     HEAD=$2 OUT=$3
-    step kernels "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py kernels --head "$HEAD" --batch "${4:-1}" \
-        --shapes "${5:-plain,tree-k4s5n16}" --temperatures "${6:-0}" --out "$OUT"
-    ;;
-kernels-flags)
-    # The same kernels table under XLA's CUDA-graph settings, one process each (XLA_FLAGS is read
-    # once per process): whether launches are what a launch-bound step pays for.
-    HEAD=$2 OUT=$3
-    for variant in default graphs-off graphs-min1; do
-        case $variant in
-        default) flags="" ;;
-        graphs-off) flags="--xla_gpu_enable_command_buffer=" ;;
-        graphs-min1) flags="--xla_gpu_graph_min_graph_size=1" ;;
-        esac
-        mkdir -p "$OUT/$variant"
-        XLA_FLAGS="$flags${XLA_FLAGS:+ $XLA_FLAGS}" step "kernels_$variant" "${LIMIT:-150}" "$PY" benchmarks/bench_e2e.py \
-            kernels --head "$HEAD" --batch "${4:-1}" --shapes "${5:-plain,tree-k4s5n16}" --temperatures "${6:-0}" \
-            --out "$OUT/$variant"
-    done
+    kernels_step() {  # kernels_step NAME LIMIT DIR: the kernels table of HEAD into DIR
+        step "$1" "$2" "$PY" benchmarks/bench_e2e.py kernels --head "$HEAD" --batch "${BATCH}" \
+            --shapes "${SHAPES}" --temperatures "${TEMPS}" --out "$3"
+    }
+    BATCH=${4:-1} SHAPES=${5:-plain,tree-k4s5n16} TEMPS=${6:-0}
+    if [[ $1 == kernels ]]; then
+        kernels_step kernels "${LIMIT:-240}" "$OUT"
+    else
+        # The same table under XLA's CUDA-graph settings, one process each (XLA_FLAGS is read once
+        # per process): whether launches are what a launch-bound step pays for.
+        for variant in default graphs-off graphs-min1; do
+            case $variant in
+            default) flags="" ;;
+            graphs-off) flags="--xla_gpu_enable_command_buffer=" ;;
+            graphs-min1) flags="--xla_gpu_graph_min_graph_size=1" ;;
+            esac
+            mkdir -p "$OUT/$variant"
+            XLA_FLAGS="$flags${XLA_FLAGS:+ $XLA_FLAGS}" kernels_step "kernels_$variant" "${LIMIT:-150}" "$OUT/$variant"
+        done
+    fi
     ;;
 breakdown)
     GGUF=$2 HEAD=$3 OUT=$4

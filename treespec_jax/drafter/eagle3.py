@@ -28,7 +28,8 @@ import numpy as np
 from treespec_jax.drafter.base import AcceptedRows, Drafter, score_candidates
 from treespec_jax.models.attention import PagedAttention, lanes_batch, prefill_batch, window_batch
 from treespec_jax.models.config import Eagle3Config, LlamaConfig
-from treespec_jax.models.llama import DTYPES, DecoderLayer, attention_block, fuse_layer, mlp_block, rms_norm
+from treespec_jax.models.llama import (DTYPES, DecoderLayer, attention_block, fuse_layer, mlp_block,
+                                       projection_params, rms_norm)
 from treespec_jax.tree.masks import ancestor_mask, chain_parents
 
 DRAFT_K, DRAFT_V = "draft_k0", "draft_v0"
@@ -50,7 +51,7 @@ class Eagle3Head(nn.Module):
     def __call__(self, embed, tokens, h, k_pool, v_pool, batch):
         c = self.cfg
         lc = c.as_layer_config()
-        H, F, qw, kw = c.hidden_size, c.intermediate_size, lc.q_width, lc.kv_width
+        H, F, qw = c.hidden_size, c.intermediate_size, lc.q_width
         init = lambda key, shape: jax.random.normal(key, shape) / np.sqrt(shape[0])
         ones = nn.initializers.ones
         fc = self.param("fc", init, (3 * c.target_hidden_size, H))
@@ -59,15 +60,7 @@ class Eagle3Head(nn.Module):
         layer = {"wo": self.param("wo", init, (qw, H)), "mlp_norm": self.param("mlp_norm", ones, (H,)),
                  "w_down": self.param("w_down", init, (F, H))}
         # Serving reads the fused layer (`Eagle3Drafter.serving_params`); init and training the separate one.
-        if self.has_variable("params", "wqkv"):
-            layer["wqkv"] = self.param("wqkv", init, (2 * H, qw + 2 * kw))
-        else:
-            layer.update(wq=self.param("wq", init, (2 * H, qw)), wk=self.param("wk", init, (2 * H, kw)),
-                         wv=self.param("wv", init, (2 * H, kw)))
-        if self.has_variable("params", "w_gate_up"):
-            layer["w_gate_up"] = self.param("w_gate_up", init, (H, 2 * F))
-        else:
-            layer.update(w_gate=self.param("w_gate", init, (H, F)), w_up=self.param("w_up", init, (H, F)))
+        layer.update(projection_params(self, init, 2 * H, H, F, lc))
         norm = self.param("norm", ones, (H,))
         lm_head = self.param("lm_head", init, (H, c.draft_vocab_size))
         if self.project:

@@ -164,6 +164,31 @@ def fuse_projections(params: dict, cfg: LlamaConfig) -> dict:
     return out
 
 
+def projection_params(module: nn.Module, init, attn_in: int, mlp_in: int, f: int, cfg: LlamaConfig) -> dict:
+    """The q/k/v (and their biases where `cfg.attention_bias`) and gate/up weights of a layer,
+    declared on `module` inside its compact call: fused (`wqkv`, `bqkv`, `w_gate_up`) where the
+    params hold them (`fuse_layer`), else separate, the documented layout, which init makes.
+    `attn_in` / `mlp_in`: the width q/k/v / gate/up read; `f`: the MLP width."""
+    qw, kw = cfg.q_width, cfg.kv_width
+    zeros = nn.initializers.zeros
+    out = {}
+    if module.has_variable("params", "wqkv"):
+        out["wqkv"] = module.param("wqkv", init, (attn_in, qw + 2 * kw))
+        if cfg.attention_bias:
+            out["bqkv"] = module.param("bqkv", zeros, (qw + 2 * kw,))
+    else:
+        out.update(wq=module.param("wq", init, (attn_in, qw)), wk=module.param("wk", init, (attn_in, kw)),
+                   wv=module.param("wv", init, (attn_in, kw)))
+        if cfg.attention_bias:
+            out.update(bq=module.param("bq", zeros, (qw,)), bk=module.param("bk", zeros, (kw,)),
+                       bv=module.param("bv", zeros, (kw,)))
+    if module.has_variable("params", "w_gate_up"):
+        out["w_gate_up"] = module.param("w_gate_up", init, (mlp_in, 2 * f))
+    else:
+        out.update(w_gate=module.param("w_gate", init, (mlp_in, f)), w_up=module.param("w_up", init, (mlp_in, f)))
+    return out
+
+
 def _dense_init(scale: float):
     return lambda key, shape, dtype=jnp.float32: scale * jax.random.normal(key, shape, dtype) / np.sqrt(shape[0])
 
@@ -177,30 +202,14 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, k_pool, v_pool, batch: AttentionBatch):
         c = self.cfg
-        h, f, qw, kw = c.hidden_size, c.intermediate_size, c.q_width, c.kv_width
-        ones, zeros = nn.initializers.ones, nn.initializers.zeros
-        # Params made by `fuse_projections` are read as they are; init makes the documented layout.
-        fused = self.has_variable("params", "wqkv")
+        h, f, qw = c.hidden_size, c.intermediate_size, c.q_width
+        ones = nn.initializers.ones
         p = {"attn_norm": self.param("attn_norm", ones, (h,)),
              "wo": self.param("wo", _dense_init(1.0), (qw, h))}
-        if fused:
-            p["wqkv"] = self.param("wqkv", _dense_init(1.0), (h, qw + 2 * kw))
-            if c.attention_bias:
-                p["bqkv"] = self.param("bqkv", zeros, (qw + 2 * kw,))
-        else:
-            p.update(wq=self.param("wq", _dense_init(1.0), (h, qw)), wk=self.param("wk", _dense_init(1.0), (h, kw)),
-                     wv=self.param("wv", _dense_init(1.0), (h, kw)))
-            if c.attention_bias:
-                p.update(bq=self.param("bq", zeros, (qw,)), bk=self.param("bk", zeros, (kw,)),
-                         bv=self.param("bv", zeros, (kw,)))
+        p.update(projection_params(self, _dense_init(1.0), h, h, f, c))
         if c.qk_norm:
             p.update(q_norm=self.param("q_norm", ones, (c.head_dim,)), k_norm=self.param("k_norm", ones, (c.head_dim,)))
         p.update(mlp_norm=self.param("mlp_norm", ones, (h,)), w_down=self.param("w_down", _dense_init(1.0), (f, h)))
-        if self.has_variable("params", "w_gate_up"):
-            p["w_gate_up"] = self.param("w_gate_up", _dense_init(1.0), (h, 2 * f))
-        else:
-            p.update(w_gate=self.param("w_gate", _dense_init(1.0), (h, f)),
-                     w_up=self.param("w_up", _dense_init(1.0), (h, f)))
         a, k_pool, v_pool = attention_block(p, rms_norm(x, p["attn_norm"], c.rms_norm_eps), k_pool, v_pool, batch,
                                             self.attention, c)
         x = x + a
