@@ -336,12 +336,15 @@ def test_default_gguf_errors_name_the_failed_step(tmp_path, fake_default):
 def test_shipped_head_fits_the_default_target():
     """The EAGLE-3 head in the package loads through the normal loader for SmolLM2-135M-Instruct's
     shape (the GGUF's own metadata is checked by the tests above): widths, vocabulary and d2t pass
-    the loader's checks, and every weight is finite."""
+    the loader's checks, every weight is finite, and the file stays within the 32 MiB the repo allows."""
+    from pathlib import Path
+
     from treespec_jax.decode_cli import DEFAULT_HEAD
 
     smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                           num_kv_heads=3, head_dim=64, rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=True)
     cfg, params = hf.load_eagle3(DEFAULT_HEAD, "fp32", target=smollm2)
-    assert cfg.draft_vocab_size == 8192
+    assert cfg.draft_vocab_size == 16384
+    assert (Path(DEFAULT_HEAD) / "model.safetensors").stat().st_size <= 32 * 2**20
     floats = [np.asarray(x) for x in jax.tree.leaves(params) if np.issubdtype(np.asarray(x).dtype, np.floating)]
     assert floats and all(np.isfinite(x).all() for x in floats)
