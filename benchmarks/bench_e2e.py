@@ -77,7 +77,7 @@ def _median_fed_back(fn, carry, reps=20):
     return _median(call, reps)
 
 
-def _config(spec, batch, sampler="greedy", temperature=0.0, attention="auto"):
+def _config(spec, batch, sampler="greedy", temperature=0.0, attention="auto", graphs="auto"):
     from treespec_jax.config import (BackendsConfig, KVCacheConfig, ModelConfig, SamplingConfig, SchedulerConfig,
                                      ServeConfig)
 
@@ -85,7 +85,7 @@ def _config(spec, batch, sampler="greedy", temperature=0.0, attention="auto"):
                        kv_cache=KVCacheConfig(page_size=64, max_total_tokens=max(batch, 8) * 2048),
                        scheduler=SchedulerConfig(max_running_requests=batch),
                        sampling=SamplingConfig(backend=sampler, temperature=temperature),
-                       backends=BackendsConfig(attention_backend=attention), seed=1)
+                       backends=BackendsConfig(attention_backend=attention, cuda_graphs=graphs), seed=1)
 
 
 SHAPES = {
@@ -125,10 +125,10 @@ def serve(args):
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         for temp in [float(t) for t in args.temperatures.split(",")]:
-            for name in args.shapes.split(","):
+            for name, graphs in [(n, g) for n in args.shapes.split(",") for g in args.cuda_graphs.split(",")]:
                 if SpeculativeConfig(**SHAPES[name]).enabled and head is None:
                     continue
-                engine = _engine(name, batch, temp, cfg, params, tok, head)
+                engine = _engine(name, batch, temp, cfg, params, tok, head, graphs)
                 n = max(batch, min(len(prompts), args.prompts))
                 reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=args.new_tokens, seed=i,
                                 temperature=temp) for i in range(n)]
@@ -140,7 +140,7 @@ def serve(args):
                 engine.decode(reqs)
                 run = engine.last_run
                 rows.append({"batch": batch, "temperature": temp, "shape": name,
-                             "mean_accept_length": run.mean_accept_length,
+                             "cuda_graphs": engine_graphs(engine), "mean_accept_length": run.mean_accept_length,
                              "decode_tok_s": run.decode_tokens_per_s, "tok_s": run.tokens_per_s,
                              "per_position": run.per_position_rate[:8], "steps": run.steps,
                              "prefill_s": run.prefill_s, "decode_s": run.decode_s, "wall_s": run.wall_s,
@@ -185,7 +185,7 @@ def _target_and_prompts(args, count):
     return cfg, params, None, prompts, head
 
 
-def _engine(shape, batch, temperature, cfg, params, tok, head):
+def _engine(shape, batch, temperature, cfg, params, tok, head, graphs="auto"):
     """An engine of `shape` (SHAPES) at `batch` slots for requests at `temperature` (the gumbel
     backend above 0); `head`: a loaded EAGLE-3 head (`models.hf.load_eagle3`), used when the shape
     drafts."""
@@ -195,19 +195,19 @@ def _engine(shape, batch, temperature, cfg, params, tok, head):
     from treespec_jax.engine.loading import attention_for
 
     spec = SpeculativeConfig(**SHAPES[shape])
-    config = _config(spec, batch, "gumbel" if temperature > 0 else "greedy", temperature)
+    config = _config(spec, batch, "gumbel" if temperature > 0 else "greedy", temperature, graphs=graphs)
     drafter = dparams = None
     if spec.enabled:
         drafter, dparams = Eagle3Drafter(head[0], cfg, attention_for(config)), {**head[1], "embed": params["embed"]}
     return Engine(config, cfg, params, drafter, dparams, tok)
 
 
-def _filled_engine(args, shape, cfg, params, tok, prompts, head, temperature=0.0):
+def _filled_engine(args, shape, cfg, params, tok, prompts, head, temperature=0.0, graphs="auto"):
     """`_engine` at `args.batch` slots, every slot decoding a request that does not end while it is
     measured (at `temperature`), and the unfinished stream serving them: (engine, stream)."""
     from treespec_jax.engine import Request
 
-    engine = _engine(shape, args.batch, temperature, cfg, params, tok, head)
+    engine = _engine(shape, args.batch, temperature, cfg, params, tok, head, graphs)
     # 1,024 new tokens outlast the measured steps, and every request's pages fit the KV budget
     # (`_config`: 2,048 tokens a slot), so all `batch` slots decode.
     reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=1024, ignore_eos=True, temperature=temperature)
@@ -215,6 +215,13 @@ def _filled_engine(args, shape, cfg, params, tok, prompts, head, temperature=0.0
     stream = engine.stream(reqs)
     _serve_steps(engine, stream, 3)
     return engine, stream
+
+
+def engine_graphs(engine) -> str:
+    """The engine's decode-step CUDA-graph setting, "auto" resolved (`engine.compile_options`)."""
+    from treespec_jax.engine.compile_options import step_graphs
+
+    return step_graphs(engine.config)
 
 
 def _serve_steps(engine, stream, steps: int) -> float:
@@ -315,8 +322,10 @@ def kernels(args):
 
     cfg, params, tok, prompts, head = _target_and_prompts(args, args.batch)
     rows = []
-    for shape, temp in [(s, float(t)) for s in args.shapes.split(",") for t in args.temperatures.split(",")]:
-        engine, stream = _filled_engine(args, shape, cfg, params, tok, prompts, head, temp)
+    settings = [(s, float(t), g) for s in args.shapes.split(",") for t in args.temperatures.split(",")
+                for g in args.cuda_graphs.split(",")]
+    for shape, temp, graphs in settings:
+        engine, stream = _filled_engine(args, shape, cfg, params, tok, prompts, head, temp, graphs)
         _serve_steps(engine, stream, 10)
         served_s = _serve_steps(engine, stream, args.steps)
         served = _kernel_summary(lambda: _serve_steps(engine, stream, 1), args.steps, args.top,
@@ -332,10 +341,10 @@ def kernels(args):
         if args.out and args.hlo:  # the compiled step, to map the kernels' fusion names to its ops
             args.out.mkdir(parents=True, exist_ok=True)
             text = engine._step.lower(engine.params, holder[0], draw=draw).compile().as_text()
-            (args.out / f"kernels_{shape}_t{temp:g}_b{args.batch}.hlo.txt").write_text(text)
+            (args.out / f"kernels_{shape}_t{temp:g}_b{args.batch}_{graphs}.hlo.txt").write_text(text)
         alone = _kernel_summary(launch, args.steps, args.top, lambda: jax.block_until_ready(holder[0]))
-        rows.append({"shape": shape, "batch": args.batch, "temperature": temp, "steps": args.steps,
-                     "served_step_ms": served_s * 1e3, "served": served, "jitted_alone": alone})
+        rows.append({"shape": shape, "batch": args.batch, "temperature": temp, "cuda_graphs": engine_graphs(engine),
+                     "steps": args.steps, "served_step_ms": served_s * 1e3, "served": served, "jitted_alone": alone})
         _emit(args, rows[-1])
     return {"table": "kernels", "rows": rows}
 
@@ -374,34 +383,48 @@ def llama8b(args):
                 np.concatenate([[-1], np.arange(n - 1) // 3]).astype(np.int32)[None].repeat(batch, 0))
             mask = ancestor_mask(parents)
             positions = lengths[:, None] + jnp.arange(n)[None]
-            fn = jax.jit(model.verify, donate_argnums=(1,))
-            holder = {"pools": pools}
-            if args.out and args.hlo:  # the compiled program, to count its kernels
-                args.out.mkdir(parents=True, exist_ok=True)
-                text = fn.lower(params, pools, tokens, positions, mask, table, lengths).compile().as_text()
-                (args.out / f"llama8b_b{batch}_n{n}.hlo.txt").write_text(text)
-
-            def call():
-                _, _, holder["pools"] = fn(params, holder["pools"], tokens, positions, mask, table, lengths)
-                jax.block_until_ready(holder["pools"]["k0"])
-
-            sec = _median(call, reps=10)
-            rows.append({"batch": batch, "nodes": n, "ms": sec * 1e3, "floor_ms": floor * 1e3,
-                         "x_floor": sec / floor})
-            if args.profile:
-                launch = lambda: holder.update(pools=fn(params, holder["pools"], tokens, positions, mask, table,  # noqa: E731
-                                                        lengths)[2])
-                rows[-1]["kernels"] = _kernel_summary(launch, 5, args.top,
-                                                      lambda: jax.block_until_ready(holder["pools"]["k0"]))
-            pools = holder["pools"]
-            _emit(args, rows[-1])
-        plain = next((x for x in rows if x["batch"] == batch and x["nodes"] == 1), None)
+            for graphs in args.cuda_graphs.split(","):
+                pools = _time_verify(args, rows, model, params, pools, (tokens, positions, mask, table, lengths),
+                                     batch, n, graphs, floor)
+        plain = {x["cuda_graphs"]: x for x in rows if x["batch"] == batch and x["nodes"] == 1}
         for r in rows:
-            if plain is not None and r["batch"] == batch and r["nodes"] > 1:
-                r["x_plain"] = r["ms"] / plain["ms"]
+            if r["batch"] == batch and r["nodes"] > 1 and r["cuda_graphs"] in plain:
+                r["x_plain"] = r["ms"] / plain[r["cuda_graphs"]]["ms"]
         del pools
     return {"table": "llama8b", "layout": "separate" if args.separate else "fused", "weight_bytes": weight_bytes,
             "copy_bw": bw, "context": context, "rows": rows}
+
+
+def _time_verify(args, rows, model, params, pools, inputs, batch, n, graphs, floor):
+    """Times `model.verify` of `n` nodes a request compiled under the CUDA-graph setting `graphs`
+    as the engine resolves it (`engine.compile_options`: n = 1 is the plain step, n > 1 a
+    speculative round's verify), appends its row and returns the pools it was handed back."""
+    from treespec_jax.config import SpeculativeConfig
+    from treespec_jax.engine.compile_options import step_compiler_options, step_graphs
+
+    config = _config(SpeculativeConfig(**SHAPES["plain" if n == 1 else "tree-k4s5n16"]), batch, graphs=graphs)
+    resolved = step_graphs(config)
+    fn = jax.jit(model.verify, donate_argnums=(1,), compiler_options=step_compiler_options(config))
+    holder = {"pools": pools}
+    if args.out and args.hlo:  # the compiled program, to count its kernels
+        args.out.mkdir(parents=True, exist_ok=True)
+        text = fn.lower(params, pools, *inputs).compile().as_text()
+        (args.out / f"llama8b_b{batch}_n{n}_{resolved}.hlo.txt").write_text(text)
+
+    def launch():
+        holder["pools"] = fn(params, holder["pools"], *inputs)[2]
+
+    def call():
+        launch()
+        jax.block_until_ready(holder["pools"]["k0"])
+
+    sec = _median(call, reps=10)
+    rows.append({"batch": batch, "nodes": n, "cuda_graphs": graphs, "resolved": resolved, "ms": sec * 1e3, "floor_ms": floor * 1e3,
+                 "x_floor": sec / floor})
+    if args.profile:
+        rows[-1]["kernels"] = _kernel_summary(launch, 5, args.top, lambda: jax.block_until_ready(holder["pools"]["k0"]))
+    _emit(args, rows[-1])
+    return holder["pools"]
 
 
 def prefill(args):
@@ -532,6 +555,9 @@ def main():
     ap.add_argument("--steps", type=int, default=20, help="kernels: served steps traced")
     ap.add_argument("--top", type=int, default=25, help="kernels, llama8b --profile: the kernels listed, by device time")
     ap.add_argument("--profile", action="store_true", help="llama8b: trace each setting's kernels too")
+    ap.add_argument("--cuda-graphs", default="auto",
+                    help="serve, kernels, llama8b: the decode step's CUDA-graph settings to compare, e.g. auto,xla "
+                         "(treespec_jax.engine.compile_options; llama8b resolves auto as the engine does)")
     ap.add_argument("--separate", action="store_true",
                     help="llama8b: separate q/k/v and gate/up weights (the loaders' layout), not the served fused one")
     ap.add_argument("--trace-admission", type=int, default=0,

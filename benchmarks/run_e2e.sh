@@ -10,9 +10,13 @@
 #                                                              # acceptance of two heads, b1 greedy
 #   bash benchmarks/run_e2e.sh breakdown GGUF HEAD OUT [BATCH]  # (b)
 #   bash benchmarks/run_e2e.sh kernels HEAD OUT [BATCH] [SHAPES] [TEMPS]  # a step's kernels; random weights
-#   bash benchmarks/run_e2e.sh kernels-flags HEAD OUT [BATCH] [SHAPES] [TEMPS]  # the same, CUDA graphs on/off/min 1
+#   bash benchmarks/run_e2e.sh kernels-graphs HEAD OUT [BATCH] [SHAPES] [TEMPS]  # the same at each CUDA-graph setting
 #   bash benchmarks/run_e2e.sh prefill OUT [BATCHES]            # (d): needs no model file
 #
+# GRAPHS (default auto) is the decode step's CUDA-graph settings to compare, e.g. GRAPHS=auto,xla
+# (`backends.cuda_graphs`; serve and kernels; llama8b takes `--cuda-graphs` among its ARGS).
+# Only 8 files come back from the device's OUT, so when OUT holds more they are packed into
+# OUT/e2e.tar.gz at the end (`tar xzf` it here).
 # GGUF comes from `benchmarks/stage_gguf.sh join /root/gguf`; the gguf package from a carried
 # .whl (need_gguf.sh installs it into /tmp/site when the machine lacks it). Steps log with
 # PYTHONUNBUFFERED so that a step killed at its limit still leaves what it printed.
@@ -56,7 +60,7 @@ serve)
         mkdir -p "$OUT/b$b"
         step "serve_b$b" "${LIMIT:-380}" "$PY" benchmarks/bench_e2e.py serve --gguf "$GGUF" --head "$HEAD" \
             --batches "$b" --temperatures "${6:-0}" --shapes "${7:-plain,chain-s5,tree-k4s5n16,tree-k8s6n64}" \
-            --prompts "${8:-32}" --new-tokens "${9:-96}" --out "$OUT/b$b"
+            --prompts "${8:-32}" --new-tokens "${9:-96}" --cuda-graphs "${GRAPHS:-auto}" --out "$OUT/b$b"
     done
     ;;
 heads)
@@ -70,28 +74,13 @@ heads)
             --new-tokens "${8:-128}" --out "$OUT/head_$which"
     done
     ;;
-kernels | kernels-flags)
+kernels | kernels-graphs)
     HEAD=$2 OUT=$3
-    kernels_step() {  # kernels_step NAME LIMIT DIR: the kernels table of HEAD into DIR
-        step "$1" "$2" "$PY" benchmarks/bench_e2e.py kernels --head "$HEAD" --batch "${BATCH}" \
-            --shapes "${SHAPES}" --temperatures "${TEMPS}" --out "$3"
-    }
-    BATCH=${4:-1} SHAPES=${5:-plain,tree-k4s5n16} TEMPS=${6:-0}
-    if [[ $1 == kernels ]]; then
-        kernels_step kernels "${LIMIT:-240}" "$OUT"
-    else
-        # The same table under XLA's CUDA-graph settings, one process each (XLA_FLAGS is read once
-        # per process): whether launches are what a launch-bound step pays for.
-        for variant in default graphs-off graphs-min1; do
-            case $variant in
-            default) flags="" ;;
-            graphs-off) flags="--xla_gpu_enable_command_buffer=" ;;
-            graphs-min1) flags="--xla_gpu_graph_min_graph_size=1" ;;
-            esac
-            mkdir -p "$OUT/$variant"
-            XLA_FLAGS="$flags${XLA_FLAGS:+ $XLA_FLAGS}" kernels_step "kernels_$variant" "${LIMIT:-150}" "$OUT/$variant"
-        done
-    fi
+    # kernels-graphs: every CUDA-graph setting in one process (they are per program, not per
+    # process): how much of a launch-bound step's time goes to launches.
+    graphs=${GRAPHS:-auto}; [[ $1 == kernels-graphs ]] && graphs=${GRAPHS:-xla,all,off}
+    step "$1" "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py kernels --head "$HEAD" --batch "${4:-1}" \
+        --shapes "${5:-plain,tree-k4s5n16}" --temperatures "${6:-0}" --cuda-graphs "$graphs" --out "$OUT"
     ;;
 breakdown)
     GGUF=$2 HEAD=$3 OUT=$4
@@ -103,7 +92,11 @@ prefill)
     step prefill "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py prefill --batches "${3:-1,8,32}" --out "$OUT"
     ;;
 *)
-    sed -n '2,16p' "${BASH_SOURCE[0]}" >&2
+    sed -n '2,20p' "${BASH_SOURCE[0]}" >&2
     exit 2
     ;;
 esac
+if [[ -n "${OUT:-}" && -d "$OUT" ]] && (($(find "$OUT" -type f | wc -l) > 8)); then
+    tar czf /tmp/e2e.tar.gz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/e2e.tar.gz "$OUT/e2e.tar.gz"
+    echo "== $(tar tzf "$OUT/e2e.tar.gz" | grep -c '[^/]$') files packed into $OUT/e2e.tar.gz"
+fi

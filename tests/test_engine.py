@@ -307,6 +307,30 @@ def test_a_served_step_holds_no_device_branch():
         assert "stablehlo.case" not in lowered(draw), draw
 
 
+def test_cuda_graph_settings_reach_the_compiled_step(plain_greedy, monkeypatch):
+    """`backends.cuda_graphs` resolves per program, and its XLA options are the step's own: each
+    setting compiles (XLA refuses an option it does not know) and changes no token, and an option
+    put in its place reaches the compiler."""
+    from treespec_jax.engine import compile_options
+    from treespec_jax.engine.compile_options import GRAPH_OPTIONS, step_compiler_options, step_graphs
+
+    plain, tree = serve_config(), serve_config("EAGLE3", 2, 3, 6)
+    assert (step_graphs(plain), step_graphs(tree)) == ("all", "xla")
+    with_graphs = lambda cfg, mode: dataclasses.replace(  # noqa: E731
+        cfg, backends=dataclasses.replace(cfg.backends, cuda_graphs=mode))
+    assert step_compiler_options(with_graphs(tree, "all")) == {"xla_gpu_graph_min_graph_size": 1}
+    assert step_graphs(with_graphs(plain, "xla")) == "xla"
+    with pytest.raises(ConfigError, match="backends.cuda_graphs = 'sometimes'"):
+        with_graphs(plain, "sometimes").validate()
+    reqs = mixed_requests()[:2]
+    off = with_graphs(plain, "off")
+    assert _tokens(oracle_engine(off), reqs) == plain_greedy[:2]
+    monkeypatch.setitem(compile_options.GRAPH_OPTIONS, "off", {"xla_no_such_option": 1})
+    assert GRAPH_OPTIONS["off"] == {"xla_no_such_option": 1}
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        oracle_engine(off).decode(reqs)
+
+
 def test_stats_describe_the_rounds():
     engine = cached_engine(serve_config("EAGLE3", 4, 4, 12, slots=2), noise=1.0)
     outs = engine.decode(mixed_requests())

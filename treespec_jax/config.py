@@ -90,6 +90,9 @@ KERNEL_BACKENDS = ("pallas", "interpret", "reference")
 # "auto" takes "mosaic_gpu" where it runs compiled (GPU, page 64/128; MLA: 16-bit KV), else "triton";
 # an explicit "mosaic_gpu" also takes FP8 MLA caches (that path is not timed yet).
 PREFIX_KERNELS = ("auto", "triton", "mosaic_gpu")
+# CUDA graphs of the decode step (treespec_jax.engine.compile_options.GRAPH_OPTIONS): "auto" picks per
+# program, "xla" keeps XLA's defaults, "all" graphs runs from one kernel up, "off" graphs nothing.
+CUDA_GRAPHS = ("auto", "xla", "all", "off")
 GRAMMAR_BACKENDS = ("none", "xgrammar", "outlines", "llguidance")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
@@ -267,6 +270,10 @@ class BackendsConfig:
                              "prefix half of the attention cascades: auto (mosaic_gpu where it runs, else "
                              "triton), triton, or mosaic_gpu (page size 64 or 128)",
                              PREFIX_KERNELS)
+    cuda_graphs: str = opt("auto", "--cuda-graphs",
+                           "CUDA graphs of the decode step: auto (every kernel run in the plain step, XLA's "
+                           "default in a speculative round), xla (XLA's default: runs of a few kernels up), "
+                           "all (runs from one kernel up), off (every kernel launched alone)", CUDA_GRAPHS)
 
 
 SECTIONS: dict[str, type] = {

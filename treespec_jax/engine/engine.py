@@ -38,6 +38,7 @@ from treespec_jax.cache.pools import BufferSpec, CacheGroupSpec, LayerKV
 from treespec_jax.cache.routing import CompactionRouter
 from treespec_jax.config import MAX_SEED, ConfigError, ServeConfig
 from treespec_jax.drafter.base import Drafter
+from treespec_jax.engine.compile_options import step_compiler_options
 from treespec_jax.engine.loading import attention_for
 from treespec_jax.engine.round import DecodeState, Round, RoundShape, StepOutput, bootstrap_tree
 from treespec_jax.engine.scheduler import PageAllocator, pages_needed, table_row
@@ -242,7 +243,9 @@ class Engine:
         if self.placement is not None:
             self.state = self.placement.state(self.state)
         self.allocator = PageAllocator(num_pages)
-        self._step = jax.jit(keep(self.round.step), donate_argnums=(1,), static_argnames=("draw",))
+        # Only the decode step runs often enough for its launch gaps to matter (`compile_options`).
+        self._step = jax.jit(keep(self.round.step), donate_argnums=(1,), static_argnames=("draw",),
+                             compiler_options=step_compiler_options(config))
         self._prefill = jax.jit(keep(self._prefill_chunk), donate_argnums=(1,))
         self._draft_prefill = jax.jit(keep(self._draft_prefill_chunk), donate_argnums=(1,))
         self._admit = jax.jit(keep(self._admit_slots), donate_argnums=(0,))
