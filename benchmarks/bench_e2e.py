@@ -24,7 +24,9 @@
             lists the kernels of the N-th admission (the in-flight decode step included)
     PYTHONPATH=. python benchmarks/bench_e2e.py llama8b [--batches 1,8,32,64]
         (c) a Llama-3.1-8B-shaped target with random bf16 weights: plain decode step and tree
-            verify at N = 16 and 64 against the weight-bytes floor (weights / copy bandwidth);
+            verify at N = 16 and 64 against the floor of the bytes a step reads (every weight but
+            the embedding table, whose rows it gathers, and the KV at --context) over the measured
+            copy bandwidth; --cuda-graphs auto,xla compares the step's CUDA-graph settings;
             --profile adds each setting's kernels, as the kernels table lists them
 
 Every time is a median of repeated calls after warm-up in the same process; ratios compare
@@ -364,13 +366,21 @@ def llama8b(args):
         params = jax.jit(lambda p: fuse_projections(p, cfg))(params)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     bw = measure_copy_bandwidth()
-    floor = weight_bytes / bw
+    context = args.context
+
+    def floor_s(batch: int, n: int) -> float:
+        """The bytes a step must read over the copy bandwidth: every weight but the embedding
+        table, of which it gathers only its B x N rows (the lm_head is its own weight), and each
+        request's keys and values at `context`."""
+        row = params["embed"].dtype.itemsize * cfg.hidden_size
+        kv = context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 keys and values
+        return (weight_bytes - params["embed"].size * params["embed"].dtype.itemsize + batch * n * row
+                + batch * kv) / bw
     from treespec_jax.config import SpeculativeConfig
 
     att = attention_for(_config(SpeculativeConfig(), 1))
     model = LlamaModel(cfg, att)
     rows = []
-    context = args.context
     for batch in [int(b) for b in args.batches.split(",")]:
         pages = -(-(context + 128) // 64)
         num_pages = batch * pages + 1
@@ -385,7 +395,7 @@ def llama8b(args):
             positions = lengths[:, None] + jnp.arange(n)[None]
             for graphs in args.cuda_graphs.split(","):
                 pools = _time_verify(args, rows, model, params, pools, (tokens, positions, mask, table, lengths),
-                                     batch, n, graphs, floor)
+                                     batch, n, graphs, floor_s(batch, n))
         plain = {x["cuda_graphs"]: x for x in rows if x["batch"] == batch and x["nodes"] == 1}
         for r in rows:
             if r["batch"] == batch and r["nodes"] > 1 and r["cuda_graphs"] in plain:
