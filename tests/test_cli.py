@@ -114,9 +114,18 @@ def test_bad_toml_key_and_missing_file(tmp_path, capsys):
     assert code == 2 and "does not exist" in err
 
 
+def test_bad_choices_are_refused_with_every_other_problem(capsys):
+    """A flag outside its choices is a config problem like any other: one refusal lists them all."""
+    code, _, err = run(capsys, "--speculative-algorithm", "EAGLE", "--kv-cache-dtype", "fp8_e5m2",
+                       "--cuda-graphs", "sometimes", "--page-size", "0")
+    assert code == 2, err
+    for fragment in ("speculative.algorithm = 'EAGLE' is not one of", "kv_cache.dtype = 'fp8_e5m2' is not one of",
+                     "backends.cuda_graphs = 'sometimes' is not one of", "page_size"):
+        assert fragment in err, (fragment, err)
+    assert "4 problem(s)" in err, err
+
+
 @pytest.mark.parametrize("argv,fragment", [
-    (["--speculative-algorithm", "EAGLE"], "invalid choice: 'EAGLE'"),
-    (["--kv-cache-dtype", "fp8_e5m2"], "invalid choice: 'fp8_e5m2'"),
     (["--speculative-eagle-topk", "four"], "invalid int value: 'four'"),
     (["--speculative-num-draft-tokens", "lots"], "expected int or 'none', got 'lots'"),
 ])

@@ -69,11 +69,13 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             parser.add_argument(f.metadata["flag"], action=argparse.BooleanOptionalAction, **common)
         else:
+            # Choices are checked with the config's other rules (`ServeConfig.problems`), not by
+            # argparse, which would stop at the first bad flag: a refusal lists every problem.
+            choices = f.metadata.get("choices")
             parser.add_argument(
                 f.metadata["flag"],
                 type=_optional(kind) if optional else kind,
-                choices=f.metadata.get("choices"),
-                metavar=None if f.metadata.get("choices") else kind.__name__.upper(),
+                metavar="{" + ",".join(map(str, choices)) + "}" if choices else kind.__name__.upper(),
                 **common,
             )
     parser.add_argument("--random-seed", dest=flag_dest(None, "seed"), type=int, default=argparse.SUPPRESS, metavar="INT",
