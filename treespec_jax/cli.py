@@ -42,16 +42,18 @@ def flag_dest(section: str | None, name: str) -> str:
     return f"cfg__{section or ''}__{name}"
 
 
-def _optional(kind: type):
-    """Parses a value of `kind`, or "none" for an optional field left unset."""
+def _value_of(kind: type, optional: bool):
+    """Parses a flag's text as `kind` ("none" leaves an optional field unset). Text that does not
+    parse is passed on as it is, for `ServeConfig.from_dict` to name with every other bad value:
+    argparse would stop at the first."""
 
     def parse(text: str):
-        if text.lower() == "none":
+        if optional and text.lower() == "none":
             return None
         try:
             return kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {kind.__name__} or 'none', got {text!r}") from None
+            return text
 
     parse.__name__ = kind.__name__
     return parse
@@ -74,7 +76,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             choices = f.metadata.get("choices")
             parser.add_argument(
                 f.metadata["flag"],
-                type=_optional(kind) if optional else kind,
+                type=_value_of(kind, optional),
                 metavar="{" + ",".join(map(str, choices)) + "}" if choices else kind.__name__.upper(),
                 **common,
             )
