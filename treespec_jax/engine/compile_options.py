@@ -2,10 +2,10 @@
 
 XLA on the GPU records runs of consecutive kernels into CUDA graphs (command buffers), so that a
 run costs one launch. By default it only records runs of at least a few kernels. A decode step at
-batch 1 is mostly small kernels, and the gaps between their launches are nearly half its time, so how
-much is graphed decides its speed. The right setting differs by program, and the options are
-passed per program (`jax.jit(..., compiler_options=...)`), so no other program in the process sees
-them. Off the GPU, XLA accepts the options and they change nothing.
+batch 1 is mostly small kernels, and the gaps between their launches are nearly half its time,
+so how much is graphed decides its speed. The right setting differs by program, and the options
+are passed per program (`jax.jit(..., compiler_options=...)`), so no other program in the process
+sees them. Off the GPU, XLA accepts the options and they change nothing.
 """
 
 from __future__ import annotations
