@@ -1,0 +1,38 @@
+"""The engine's decode step compiled on the GPU under each CUDA-graph setting.
+
+`backends.cuda_graphs` changes how XLA launches the step's kernels on the GPU (graphed runs or
+one by one), and off the GPU it changes nothing, so only here can it be checked: every setting
+must emit the same tokens, plain and speculative, and speculation must equal plain decoding.
+Dense attention keeps the step pure XLA, so what differs between settings is the launching alone.
+
+    python -m pytest -m gpu tests/gpu/test_gpu_engine.py      # on a CUDA machine
+"""
+
+import dataclasses
+
+import pytest
+
+from engine_fixtures import mixed_requests, oracle_engine, serve_config
+
+pytestmark = pytest.mark.gpu
+
+
+def _with_graphs(config, mode):
+    return dataclasses.replace(config, backends=dataclasses.replace(config.backends, cuda_graphs=mode))
+
+
+def _tokens(config, requests):
+    outs = oracle_engine(config, noise=1.0).decode(requests)
+    assert all(o.finish_reason == "length" for o in outs), [(o.finish_reason, o.error) for o in outs]
+    return [o.tokens for o in outs]
+
+
+def test_cuda_graph_settings_emit_the_same_tokens():
+    requests = mixed_requests()[:4]
+    plain = serve_config(attention="dense", slots=2)
+    tree = serve_config("EAGLE3", 4, 3, 10, attention="dense", slots=2)
+    expected = _tokens(_with_graphs(plain, "xla"), requests)
+    for mode in ("auto", "all", "off"):
+        assert _tokens(_with_graphs(plain, mode), requests) == expected, f"plain, cuda_graphs={mode}"
+    for mode in ("auto", "all", "off"):
+        assert _tokens(_with_graphs(tree, mode), requests) == expected, f"tree, cuda_graphs={mode}"
