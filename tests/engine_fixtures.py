@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -42,6 +43,11 @@ def serve_config(algorithm="NONE", topk=1, steps=3, nodes=None, *, sampler="gree
         scheduler=SchedulerConfig(max_running_requests=slots, chunked_prefill_size=chunk),
         sampling=SamplingConfig(backend=sampler, temperature=temperature, top_p=top_p),
         backends=BackendsConfig(attention_backend=attention, kernel_backend=kernel))
+
+
+def with_cuda_graphs(config: ServeConfig, mode: str) -> ServeConfig:
+    """`config` with `backends.cuda_graphs = mode`."""
+    return config.replace(backends=dataclasses.replace(config.backends, cuda_graphs=mode))
 
 
 @functools.lru_cache(maxsize=None)

@@ -130,7 +130,8 @@ def test_malformed_values_are_refused_together(capsys):
     code, _, err = run(capsys, "--speculative-eagle-topk", "four", "--speculative-num-draft-tokens", "lots",
                        "--seed", "1.5")
     assert code == 2, err
-    for fragment in ("speculative.topk = 'four' must be int", "num_draft_tokens = 'lots' must be int", "seed = '1.5' must be int"):
+    for fragment in ("speculative.topk = 'four' must be int", "num_draft_tokens = 'lots' must be int",
+                     "seed = '1.5' must be int"):
         assert fragment in err, (fragment, err)
     code, out, err = run(capsys, "--speculative-algorithm", "EAGLE3", "--speculative-num-draft-tokens", "none")
     assert code == 0, err

@@ -17,7 +17,7 @@ from numerics import rel_err
 from test_tokenizer import ckpt_dir  # noqa: F401  (the tiny byte-level tokenizer's directory)
 
 from engine_fixtures import (PAGE, cached_engine, dense_forward, mixed_requests, oracle_engine, serve_config, tiny_config,
-                             tiny_target)
+                             tiny_target, with_cuda_graphs)
 from treespec_jax.config import ConfigError
 from treespec_jax.engine import Engine, Request
 from treespec_jax.engine.loading import attention_for
@@ -316,14 +316,12 @@ def test_cuda_graph_settings_reach_the_compiled_step(plain_greedy, monkeypatch):
 
     plain, tree = serve_config(), serve_config("EAGLE3", 2, 3, 6)
     assert (step_graphs(plain), step_graphs(tree)) == ("all", "xla")
-    with_graphs = lambda cfg, mode: dataclasses.replace(  # noqa: E731
-        cfg, backends=dataclasses.replace(cfg.backends, cuda_graphs=mode))
-    assert step_compiler_options(with_graphs(tree, "all")) == {"xla_gpu_graph_min_graph_size": 1}
-    assert step_graphs(with_graphs(plain, "xla")) == "xla"
+    assert step_compiler_options(with_cuda_graphs(tree, "all")) == {"xla_gpu_graph_min_graph_size": 1}
+    assert step_graphs(with_cuda_graphs(plain, "xla")) == "xla"
     with pytest.raises(ConfigError, match="backends.cuda_graphs = 'sometimes'"):
-        with_graphs(plain, "sometimes").validate()
+        with_cuda_graphs(plain, "sometimes").validate()
     reqs = mixed_requests()[:2]
-    off = with_graphs(plain, "off")
+    off = with_cuda_graphs(plain, "off")
     assert _tokens(oracle_engine(off), reqs) == plain_greedy[:2]
     monkeypatch.setitem(compile_options.GRAPH_OPTIONS, "off", {"xla_no_such_option": 1})
     assert GRAPH_OPTIONS["off"] == {"xla_no_such_option": 1}

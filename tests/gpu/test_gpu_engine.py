@@ -8,17 +8,11 @@ Dense attention keeps the step pure XLA, so what differs between settings is the
     python -m pytest -m gpu tests/gpu/test_gpu_engine.py      # on a CUDA machine
 """
 
-import dataclasses
-
 import pytest
 
-from engine_fixtures import mixed_requests, oracle_engine, serve_config
+from engine_fixtures import mixed_requests, oracle_engine, serve_config, with_cuda_graphs
 
 pytestmark = pytest.mark.gpu
-
-
-def _with_graphs(config, mode):
-    return dataclasses.replace(config, backends=dataclasses.replace(config.backends, cuda_graphs=mode))
 
 
 def _tokens(config, requests):
@@ -31,8 +25,8 @@ def test_cuda_graph_settings_emit_the_same_tokens():
     requests = mixed_requests()[:4]
     plain = serve_config(attention="dense", slots=2)
     tree = serve_config("EAGLE3", 4, 3, 10, attention="dense", slots=2)
-    expected = _tokens(_with_graphs(plain, "xla"), requests)
+    expected = _tokens(with_cuda_graphs(plain, "xla"), requests)
     for mode in ("auto", "all", "off"):
-        assert _tokens(_with_graphs(plain, mode), requests) == expected, f"plain, cuda_graphs={mode}"
+        assert _tokens(with_cuda_graphs(plain, mode), requests) == expected, f"plain, cuda_graphs={mode}"
     for mode in ("auto", "all", "off"):
-        assert _tokens(_with_graphs(tree, mode), requests) == expected, f"tree, cuda_graphs={mode}"
+        assert _tokens(with_cuda_graphs(tree, mode), requests) == expected, f"tree, cuda_graphs={mode}"
