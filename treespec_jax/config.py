@@ -271,8 +271,8 @@ class BackendsConfig:
                              "triton), triton, or mosaic_gpu (page size 64 or 128)",
                              PREFIX_KERNELS)
     cuda_graphs: str = opt("auto", "--cuda-graphs",
-                           "CUDA graphs of the decode step: auto (every kernel run in the plain step, XLA's "
-                           "default in a speculative round), xla (XLA's default: runs of a few kernels up), "
+                           "CUDA graphs of the decode step: auto (the measured best per program, XLA's default for "
+                           "both), xla (XLA's default: runs of a few kernels up), "
                            "all (runs from one kernel up), off (every kernel launched alone)", CUDA_GRAPHS)
 
 

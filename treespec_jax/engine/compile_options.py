@@ -2,8 +2,7 @@
 
 XLA on the GPU records runs of consecutive kernels into CUDA graphs (command buffers), so that a
 run costs one launch. By default it only records runs of at least a few kernels. A decode step at
-batch 1 is mostly small kernels, and the gaps between their launches are nearly half its time,
-so how much is graphed decides its speed. The right setting differs by program, and the options
+batch 1 is mostly small kernels, so how much of it is graphed can decide its speed. The right setting differs by program, and the options
 are passed per program (`jax.jit(..., compiler_options=...)`), so no other program in the process
 sees them. Off the GPU, XLA accepts the options and they change nothing.
 """
@@ -23,14 +22,14 @@ GRAPH_OPTIONS = {
 def step_graphs(config: ServeConfig) -> str:
     """The `cuda_graphs` setting of the decode step: "auto" resolved.
 
-    "auto" graphs every run of kernels in the plain step, and keeps XLA's defaults for a
-    speculative round. Measured on the H100 at batch 1 (results: cuda-graphs): graphing every run
-    took the SmolLM2 plain step from 2.36 to 1.62 ms, but the K4 S5 N16 round from 2.28 to 2.55 ms.
+    "auto" keeps XLA's defaults, plain and speculative. Compared in one process on the H100 at
+    batch 1 (results: cuda-graphs), graphing every run of kernels made both programs slower: the
+    SmolLM2 plain step served in 2.41 ms against 1.84, the K4 S5 N16 round in 2.24 against 2.05
+    (a lone kernel launched as a graph costs more than launched alone). It stays a per-program
+    rule so that a model or device where another setting wins can get it here.
     """
     mode = config.backends.cuda_graphs
-    if mode != "auto":
-        return mode
-    return "xla" if config.speculative.enabled else "all"
+    return "xla" if mode == "auto" else mode
 
 
 def step_compiler_options(config: ServeConfig) -> dict:
