@@ -132,6 +132,7 @@ def serve(args):
             for name, graphs in [(n, g) for n in args.shapes.split(",") for g in args.cuda_graphs.split(",")]:
                 if SpeculativeConfig(**SHAPES[name]).enabled and head is None:
                     continue
+                t0 = time.perf_counter()
                 engine = _engine(name, batch, temp, cfg, params, tok, head, graphs)
                 n = max(batch, min(len(prompts), args.prompts))
                 reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=args.new_tokens, seed=i,
@@ -141,6 +142,7 @@ def serve(args):
                 for rows_in in sorted({engine.prefill_batch_rows(k) for k in range(1, batch + 1)}):
                     engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:rows_in]])
                 engine.decode(reqs[:batch])
+                warmup_s = time.perf_counter() - t0  # building and compiling: the seconds a new shape costs
                 engine.decode(reqs)
                 run = engine.last_run
                 rows.append({"batch": batch, "temperature": temp, "shape": name,
@@ -148,7 +150,7 @@ def serve(args):
                              "decode_tok_s": run.decode_tokens_per_s, "tok_s": run.tokens_per_s,
                              "per_position": run.per_position_rate[:8], "steps": run.steps,
                              "prefill_s": run.prefill_s, "decode_s": run.decode_s, "wall_s": run.wall_s,
-                             "requests": n})
+                             "requests": n, "warmup_s": round(warmup_s, 1)})
                 _emit(args, rows[-1])
     return {"table": "serve", "rows": rows}
 

@@ -60,7 +60,7 @@ serve)
         mkdir -p "$OUT/b$b"
         step "serve_b$b" "${LIMIT:-380}" "$PY" benchmarks/bench_e2e.py serve --gguf "$GGUF" --head "$HEAD" \
             --batches "$b" --temperatures "${6:-0}" --shapes "${7:-plain,chain-s5,tree-k4s5n16,tree-k8s6n64}" \
-            --prompts "${8:-32}" --new-tokens "${9:-96}" --cuda-graphs "${GRAPHS:-auto}" --out "$OUT/b$b"
+            --prompts "${8:-64}" --new-tokens "${9:-96}" --cuda-graphs "${GRAPHS:-auto}" --out "$OUT/b$b"
     done
     ;;
 heads)
