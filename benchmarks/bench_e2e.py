@@ -26,7 +26,8 @@
         (c) a Llama-3.1-8B-shaped target with random bf16 weights: plain decode step and tree
             verify at N = 16 and 64 against the floor of the bytes a step reads (every weight but
             the embedding table, whose rows it gathers, and the KV at --context) over the measured
-            copy bandwidth. `ms` is the device time a step of calls launched back to back, as the
+            copy bandwidth; --prefix-kernels auto,triton compares the attention's prefix kernels.
+            `ms` is the device time a step of calls launched back to back, as the
             engine launches them (traced); `sync_ms` one call waited on alone, host dispatch
             included. --cuda-graphs auto,xla compares the step's CUDA-graph settings; --profile
             adds each setting's kernels, as the kernels table lists them
@@ -81,7 +82,7 @@ def _median_fed_back(fn, carry, reps=20):
     return _median(call, reps)
 
 
-def _config(spec, batch, sampler="greedy", temperature=0.0, attention="auto", graphs="auto"):
+def _config(spec, batch, sampler="greedy", temperature=0.0, attention="auto", graphs="auto", prefix="auto"):
     from treespec_jax.config import (BackendsConfig, KVCacheConfig, ModelConfig, SamplingConfig, SchedulerConfig,
                                      ServeConfig)
 
@@ -89,7 +90,8 @@ def _config(spec, batch, sampler="greedy", temperature=0.0, attention="auto", gr
                        kv_cache=KVCacheConfig(page_size=64, max_total_tokens=max(batch, 8) * 2048),
                        scheduler=SchedulerConfig(max_running_requests=batch),
                        sampling=SamplingConfig(backend=sampler, temperature=temperature),
-                       backends=BackendsConfig(attention_backend=attention, cuda_graphs=graphs), seed=1)
+                       backends=BackendsConfig(attention_backend=attention, cuda_graphs=graphs, prefix_kernel=prefix),
+                       seed=1)
 
 
 SHAPES = {
@@ -402,8 +404,10 @@ def llama8b(args):
                 + batch * kv) / bw
     from treespec_jax.config import SpeculativeConfig
 
-    att = attention_for(_config(SpeculativeConfig(), 1))
-    model = LlamaModel(cfg, att)
+    # The attention cascade's prefix kernel (`backends.prefix_kernel`): at batch 1 a plain step's
+    # few query rows are padded to a Mosaic tile, so the choice may differ from the verify's.
+    models = {p: LlamaModel(cfg, attention_for(_config(SpeculativeConfig(), 1, prefix=p)))
+              for p in args.prefix_kernels.split(",")}
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         pages = -(-(context + 128) // 64)
@@ -417,22 +421,25 @@ def llama8b(args):
                 np.concatenate([[-1], np.arange(n - 1) // 3]).astype(np.int32)[None].repeat(batch, 0))
             mask = ancestor_mask(parents)
             positions = lengths[:, None] + jnp.arange(n)[None]
-            for graphs in args.cuda_graphs.split(","):
-                pools = _time_verify(args, rows, model, params, pools, (tokens, positions, mask, table, lengths),
-                                     batch, n, graphs, floor_s(batch, n))
-        plain = {x["cuda_graphs"]: x for x in rows if x["batch"] == batch and x["nodes"] == 1}
+            for prefix, model in models.items():
+                for graphs in args.cuda_graphs.split(","):
+                    pools = _time_verify(args, rows, model, params, pools, (tokens, positions, mask, table, lengths),
+                                         batch, n, graphs, floor_s(batch, n), prefix)
+        plain = {(x["cuda_graphs"], x["prefix_kernel"]): x for x in rows if x["batch"] == batch and x["nodes"] == 1}
         for r in rows:
-            if r["batch"] == batch and r["nodes"] > 1 and r["cuda_graphs"] in plain:
-                r["x_plain"] = r["ms"] / plain[r["cuda_graphs"]]["ms"]
+            setting = (r["cuda_graphs"], r["prefix_kernel"])
+            if r["batch"] == batch and r["nodes"] > 1 and setting in plain:
+                r["x_plain"] = r["ms"] / plain[setting]["ms"]
         del pools
     return {"table": "llama8b", "layout": "separate" if args.separate else "fused", "weight_bytes": weight_bytes,
             "copy_bw": bw, "context": context, "rows": rows}
 
 
-def _time_verify(args, rows, model, params, pools, inputs, batch, n, graphs, floor):
+def _time_verify(args, rows, model, params, pools, inputs, batch, n, graphs, floor, prefix="auto"):
     """Times `model.verify` of `n` nodes a request compiled under the CUDA-graph setting `graphs`
     as the engine resolves it (`engine.compile_options`: n = 1 is the plain step, n > 1 a
-    speculative round's verify), appends its row and returns the pools it was handed back."""
+    speculative round's verify), appends its row and returns the pools it was handed back.
+    `prefix`: the prefix kernel `model`'s attention runs (`backends.prefix_kernel`), for the row."""
     from treespec_jax.config import SpeculativeConfig
     from treespec_jax.engine.compile_options import step_compiler_options, step_graphs
 
@@ -443,7 +450,7 @@ def _time_verify(args, rows, model, params, pools, inputs, batch, n, graphs, flo
     if args.out and args.hlo:  # the compiled program, to count its kernels
         args.out.mkdir(parents=True, exist_ok=True)
         text = fn.lower(params, pools, *inputs).compile().as_text()
-        (args.out / f"llama8b_b{batch}_n{n}_{resolved}.hlo.txt").write_text(text)
+        (args.out / f"llama8b_b{batch}_n{n}_{resolved}_{prefix}.hlo.txt").write_text(text)
 
     def launch():
         holder["pools"] = fn(params, holder["pools"], *inputs)[2]
@@ -463,7 +470,8 @@ def _time_verify(args, rows, model, params, pools, inputs, batch, n, graphs, flo
     # dispatch (a few hundred arrays) overlaps the device. Traced over back-to-back calls.
     traced = _kernel_summary(launch, 10, args.top if args.profile else 0, finish)
     sec = traced["traced_span_ms"] / 1e3
-    rows.append({"batch": batch, "nodes": n, "cuda_graphs": graphs, "resolved": resolved, "ms": sec * 1e3,
+    rows.append({"batch": batch, "nodes": n, "cuda_graphs": graphs, "resolved": resolved, "prefix_kernel": prefix,
+                 "ms": sec * 1e3,
                  "floor_ms": floor * 1e3, "x_floor": sec / floor, "sync_ms": sync_s * 1e3,
                  "first_call_s": round(first_s, 1)})
     if args.profile:
@@ -599,6 +607,9 @@ def main():
                     help="churn: scheduler.min_prefill_group values to compare (0 = the engine's default)")
     ap.add_argument("--steps", type=int, default=20, help="kernels: served steps traced")
     ap.add_argument("--top", type=int, default=25, help="kernels, llama8b --profile: the kernels listed, by device time")
+    ap.add_argument("--prefix-kernels", default="auto",
+                    help="llama8b: the attention cascade's prefix kernels to compare, e.g. auto,triton "
+                         "(backends.prefix_kernel)")
     ap.add_argument("--profile", action="store_true", help="llama8b: trace each setting's kernels too")
     ap.add_argument("--cuda-graphs", default="auto",
                     help="serve, kernels, llama8b: the decode step's CUDA-graph settings to compare, e.g. auto,xla "
