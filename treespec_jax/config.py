@@ -93,6 +93,9 @@ PREFIX_KERNELS = ("auto", "triton", "mosaic_gpu")
 # CUDA graphs of the decode step (treespec_jax.engine.compile_options.GRAPH_OPTIONS): "auto" picks per
 # program, "xla" keeps XLA's defaults, "all" graphs runs from one kernel up, "off" graphs nothing.
 CUDA_GRAPHS = ("auto", "xla", "all", "off")
+# RMSNorm with its residual add (treespec_jax.models.llama.NORM_KERNELS): "auto" = the Pallas kernel
+# on a GPU without tensor parallelism, "pallas" forces it, "xla" leaves the norms to XLA's fusions.
+NORM_KERNELS = ("auto", "pallas", "xla")
 GRAMMAR_BACKENDS = ("none", "xgrammar", "outlines", "llguidance")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
@@ -274,6 +277,9 @@ class BackendsConfig:
                            "CUDA graphs of the decode step: auto (the measured best per program, XLA's default for "
                            "both), xla (XLA's default: runs of a few kernels up), "
                            "all (runs from one kernel up), off (every kernel launched alone)", CUDA_GRAPHS)
+    norm_kernel: str = opt("auto", "--norm-kernel",
+                           "the target's RMSNorms with their residual adds: auto (the Pallas kernel on a GPU "
+                           "without tensor parallelism, else XLA), pallas, xla", NORM_KERNELS)
 
 
 SECTIONS: dict[str, type] = {

@@ -199,7 +199,8 @@ class MtpHead(nn.Module):
         norm = self.param("norm", ones, (H,))
         e = embed[tokens].astype(h.dtype)
         x = jnp.concatenate([rms_norm(e, enorm, c.rms_norm_eps), rms_norm(h, hnorm, c.rms_norm_eps)], -1) @ eh_proj
-        t, k_pool, v_pool = DecoderLayer(c, self.attention, name="layer")(x, k_pool, v_pool, batch)
+        mid, mlp_out, k_pool, v_pool = DecoderLayer(c, self.attention, name="layer")(x, k_pool, v_pool, batch)
+        t = mid + mlp_out
         logits = rms_norm(t, norm, c.rms_norm_eps) @ lm_head
         return logits.astype(jnp.float32), t, k_pool, v_pool
 

@@ -25,10 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.rms_norm import add_rms_norm
 from treespec_jax.models.attention import AttentionBatch, PagedAttention, prefill_batch, window_batch, write_kv
 from treespec_jax.models.config import LlamaConfig, RopeScaling
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
+# How a layer's RMSNorms (with the residual add before each) run: "auto" = the Pallas kernel on a
+# GPU without tensor parallelism, else XLA; "pallas" (interpret mode off the GPU); "xla".
+NORM_KERNELS = ("auto", "pallas", "xla")
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -36,6 +40,17 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def norm_backend(norm_kernel: str, attention: PagedAttention) -> str:
+    """The `add_rms_norm` backend for a `NORM_KERNELS` choice. "auto" takes the kernel only on a
+    GPU and without a mesh: the SPMD partitioner cannot split a custom call, and XLA's own fusion
+    is as fast once a step has many rows (it is the few-row decode step that the kernel is for)."""
+    if norm_kernel not in NORM_KERNELS:
+        raise ValueError(f"norm_kernel must be one of {NORM_KERNELS}, got {norm_kernel!r}")
+    if norm_kernel == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and attention.mesh is None else "reference"
+    return "pallas" if norm_kernel == "pallas" else "reference"
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,13 +209,20 @@ def _dense_init(scale: float):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)).
+
+    The layer's input is `x + delta` (`delta` None: `x`), and it returns the last residual add
+    undone, `(x_mid, mlp_out, pools)` with output `x_mid + mlp_out`: each add is done by the norm
+    that reads its sum (`add_rms_norm`, one kernel for both), so a caller adds the last pair itself
+    or hands it to the next layer as its `(x, delta)`.
+    """
 
     cfg: LlamaConfig
     attention: PagedAttention
+    norm_kernel: str = "auto"  # NORM_KERNELS
 
     @nn.compact
-    def __call__(self, x, k_pool, v_pool, batch: AttentionBatch):
+    def __call__(self, x, k_pool, v_pool, batch: AttentionBatch, delta=None):
         c = self.cfg
         h, f, qw = c.hidden_size, c.intermediate_size, c.q_width
         ones = nn.initializers.ones
@@ -210,11 +232,11 @@ class DecoderLayer(nn.Module):
         if c.qk_norm:
             p.update(q_norm=self.param("q_norm", ones, (c.head_dim,)), k_norm=self.param("k_norm", ones, (c.head_dim,)))
         p.update(mlp_norm=self.param("mlp_norm", ones, (h,)), w_down=self.param("w_down", _dense_init(1.0), (f, h)))
-        a, k_pool, v_pool = attention_block(p, rms_norm(x, p["attn_norm"], c.rms_norm_eps), k_pool, v_pool, batch,
-                                            self.attention, c)
-        x = x + a
-        x = x + mlp_block(p, rms_norm(x, p["mlp_norm"], c.rms_norm_eps))
-        return x, k_pool, v_pool
+        backend = norm_backend(self.norm_kernel, self.attention)
+        x, normed = add_rms_norm(x, delta, p["attn_norm"], c.rms_norm_eps, backend=backend)
+        a, k_pool, v_pool = attention_block(p, normed, k_pool, v_pool, batch, self.attention, c)
+        x, normed = add_rms_norm(x, a, p["mlp_norm"], c.rms_norm_eps, backend=backend)
+        return x, mlp_block(p, normed), k_pool, v_pool
 
 
 class Llama(nn.Module):
@@ -224,26 +246,31 @@ class Llama(nn.Module):
     cfg: LlamaConfig
     attention: PagedAttention
     feature_layers: tuple[int, ...] = ()
+    norm_kernel: str = "auto"  # NORM_KERNELS
 
     @nn.compact
     def __call__(self, tokens, pools, batch: AttentionBatch, logit_rows=None):
         c = self.cfg
         embed = self.param("embed", nn.initializers.normal(1.0), (c.vocab_size, c.hidden_size))
-        x = embed[tokens]
+        # The residual stream is x + delta: each layer adds its predecessor's MLP output inside its
+        # first norm (DecoderLayer), and a captured feature makes the sum it needs itself.
+        x, delta = embed[tokens], None
         pools = dict(pools)
         captured = {}
         for i in range(c.num_layers):
             if i in self.feature_layers:
-                captured[i] = x
-            x, pools[f"k{i}"], pools[f"v{i}"] = DecoderLayer(c, self.attention, name=f"layers_{i}")(
-                x, pools[f"k{i}"], pools[f"v{i}"], batch)
+                captured[i] = x if delta is None else x + delta
+            x, delta, pools[f"k{i}"], pools[f"v{i}"] = DecoderLayer(c, self.attention, self.norm_kernel,
+                                                                    name=f"layers_{i}")(
+                x, pools[f"k{i}"], pools[f"v{i}"], batch, delta)
         if c.num_layers in self.feature_layers:
-            captured[c.num_layers] = x
+            captured[c.num_layers] = x + delta
         features = jnp.concatenate([captured[i] for i in self.feature_layers], -1) if self.feature_layers else None
         norm = self.param("norm", nn.initializers.ones, (c.hidden_size,))
         if logit_rows is not None:
             x = jnp.take_along_axis(x, logit_rows[:, :, None], axis=1)
-        x = rms_norm(x, norm, c.rms_norm_eps)
+            delta = jnp.take_along_axis(delta, logit_rows[:, :, None], axis=1)
+        _, x = add_rms_norm(x, delta, norm, c.rms_norm_eps, backend=norm_backend(self.norm_kernel, self.attention))
         if c.tie_word_embeddings:
             logits = x @ embed.T.astype(x.dtype)
         else:
@@ -294,14 +321,17 @@ class LlamaModel:
     engine jits and donates around them.
     """
 
-    def __init__(self, cfg: LlamaConfig, attention: PagedAttention, feature_layers: tuple[int, ...] = ()):
+    def __init__(self, cfg: LlamaConfig, attention: PagedAttention, feature_layers: tuple[int, ...] = (),
+                 norm_kernel: str = "auto"):
         bad = [i for i in feature_layers if not 0 <= i <= cfg.num_layers]
         if bad:
             raise ValueError(f"feature_layers {bad} outside 0..{cfg.num_layers} for a {cfg.num_layers}-layer model")
+        norm_backend(norm_kernel, attention)  # refuses an unknown choice here, not at the first trace
         self.cfg = cfg
         self.attention = attention
         self.feature_layers = tuple(feature_layers)
-        self.module = Llama(cfg, attention, self.feature_layers)
+        self.norm_kernel = norm_kernel  # NORM_KERNELS
+        self.module = Llama(cfg, attention, self.feature_layers, norm_kernel)
 
     @property
     def page_size(self) -> int:
