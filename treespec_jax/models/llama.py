@@ -44,8 +44,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def norm_backend(norm_kernel: str, attention: PagedAttention) -> str:
     """The `add_rms_norm` backend for a `NORM_KERNELS` choice. "auto" takes the kernel only on a
-    GPU and without a mesh: the SPMD partitioner cannot split a custom call, and XLA's own fusion
-    is as fast once a step has many rows (it is the few-row decode step that the kernel is for)."""
+    GPU and without a mesh (the SPMD partitioner cannot split a custom call); elsewhere the kernel
+    would run interpreted."""
     if norm_kernel not in NORM_KERNELS:
         raise ValueError(f"norm_kernel must be one of {NORM_KERNELS}, got {norm_kernel!r}")
     if norm_kernel == "auto":
