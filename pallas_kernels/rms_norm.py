@@ -58,8 +58,11 @@ def _kernel(*refs, eps: float, width: int, block: int, has_delta: bool):
     cols = jnp.arange(block, dtype=jnp.int32)
     mask = cols < width
     tile = pl.ds(0, block)
+    # Every load is issued before the reduction: at one row a program is a chain of memory
+    # latencies, and a weight load placed after the sum would add one.
     x = plgpu.load(x_ref.at[row, tile], mask=mask, other=0)
     dtype = x.dtype
+    w = plgpu.load(w_ref.at[tile], mask=mask, other=0).astype(dtype)
     if has_delta:
         d = plgpu.load(delta_ref.at[row, tile], mask=mask, other=0)
         x = (x.astype(jnp.float32) + d.astype(jnp.float32)).astype(dtype)
@@ -68,7 +71,6 @@ def _kernel(*refs, eps: float, width: int, block: int, has_delta: bool):
     # Masked columns load as 0, so the sum of squares covers exactly the row's H values.
     mean_square = jnp.sum(xf * xf) / width
     scaled = (xf * jax.lax.rsqrt(mean_square + eps)).astype(dtype)
-    w = plgpu.load(w_ref.at[tile], mask=mask, other=0).astype(dtype)
     plgpu.store(out_ref.at[row, tile], (w.astype(jnp.float32) * scaled.astype(jnp.float32)).astype(dtype),
                 mask=mask)
 
