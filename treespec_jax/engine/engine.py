@@ -385,6 +385,48 @@ class Engine:
         up to a power of two, at most `prefill_rows`."""
         return min(1 << (requests - 1).bit_length(), self.prefill_rows)
 
+    def compile(self, requests: Sequence[Request] = (), workers: int | None = None) -> float:
+        """Compiles every program a run of `requests` can launch, several at once; returns the
+        seconds it took. Each program otherwise compiles when a run first needs it, one after the
+        other (on the H100 a batch-8 SmolLM2 engine took 70 s to serve its first requests).
+
+        Compiled: for each prefill row count (`prefill_batch_rows`), the target's and drafter's
+        prefill, the first-token draw and the admission; the decode step; the slot release. The
+        draws are every one up to the most demanding that `requests` ask for (greedy when none
+        are given), since a step's draw is that of its most demanding running request. Each
+        program is lowered with inputs of the types `_start` and `stream` pass, so the run finds
+        it in the jit cache; nothing runs and no state changes. `workers`: compiling threads
+        (default: one a program).
+        """
+        import concurrent.futures
+
+        t0 = time.perf_counter()
+        most = max((DRAWS.index(self._request_draw(r)) for r in requests), default=DRAWS.index("argmax"))
+        draws = DRAWS[DRAWS.index("argmax"):most + 1]
+        step_draws = draws if self.config.sampling.backend == "gumbel" else ("auto",)
+        jobs = [functools.partial(self._step.lower, self.params, self.state, draw=d) for d in step_draws]
+        jobs.append(functools.partial(self._release.lower, self.state, 0))
+        for rows in sorted({self.prefill_batch_rows(k) for k in range(1, self.slots + 1)}):
+            ints = lambda *shape: jnp.asarray(np.zeros(shape, np.int32))  # noqa: E731
+            table, toks, lengths = ints(rows, self.table_width), ints(rows, self.chunk), ints(rows)
+            prefill = functools.partial(self._prefill.lower, self.params, self.state, toks, table, lengths, lengths)
+            jobs.append(prefill)
+            logits, features = jax.eval_shape(self._prefill, self.params, self.state, toks, table, lengths,
+                                              lengths)[1:]
+            params = SamplingParams.create([0.0] * rows, [0] * rows, [1.0] * rows)
+            logits = jnp.zeros(logits.shape, logits.dtype)
+            jobs += [functools.partial(self._first_token.lower, logits, lengths, lengths, params, draw=d)
+                     for d in draws]
+            if self.drafter is not None:
+                jobs.append(functools.partial(self._draft_prefill.lower, self.params, self.state, toks, toks,
+                                              None if features is None else jnp.zeros(features.shape, features.dtype),
+                                              table, lengths, lengths))
+            jobs.append(functools.partial(self._admit.lower, self.state, lengths, table, lengths, lengths, lengths,
+                                          params))
+        with concurrent.futures.ThreadPoolExecutor(workers or len(jobs)) as pool:
+            list(pool.map(lambda job: job().compile(), jobs))
+        return time.perf_counter() - t0
+
     def _start(self, group: list[tuple[_Running, int]], run_stats: RunStats) -> None:
         """Prefills up to `prefill_rows` admitted requests together (target, then drafter), draws
         their first tokens and admits request i of `group` into its slot.
@@ -503,10 +545,14 @@ class Engine:
         if reason is not None:
             return Completion([], "", "refused", len(prompt), self._new_stats(), error=reason)
         limit = len(prompt) + req.max_new_tokens
-        temperature, top_k, top_p, _ = self._sampling_of(req)
         return _Running(index, req, prompt, [], limit, self._stop_ids(req), stats=self._new_stats(),
                         detok=self.tokenizer.detokenizer() if self.tokenizer is not None else None,
-                        draw=draw_for([temperature], [top_k], [top_p], self.target_cfg.vocab_size))
+                        draw=self._request_draw(req))
+
+    def _request_draw(self, req: Request) -> str:
+        """The least draw that is exact for `req`'s sampling parameters (`draw_for`)."""
+        temperature, top_k, top_p, _ = self._sampling_of(req)
+        return draw_for([temperature], [top_k], [top_p], self.target_cfg.vocab_size)
 
     def _draw_of(self, runs) -> str:
         """The step's `draw` for these running requests: known here, so the step holds no
