@@ -386,17 +386,21 @@ class Engine:
         return min(1 << (requests - 1).bit_length(), self.prefill_rows)
 
     def compile(self, requests: Sequence[Request] = (), workers: int | None = None) -> float:
-        """Compiles every program a run of `requests` can launch, several at once; returns the
-        seconds it took. Each program otherwise compiles when a run first needs it, one after the
-        other (on the H100 a batch-8 SmolLM2 engine took 70 s to serve its first requests).
+        """Compiles every program a run of `requests` can launch before it starts; returns the
+        seconds it took. Each program otherwise compiles when a run first needs it, which stalls
+        every running request (a new prefill row count mid-run), and on the H100 a batch-8 SmolLM2
+        engine took 70 s to serve its first requests.
 
         Compiled: for each prefill row count (`prefill_batch_rows`), the target's and drafter's
         prefill, the first-token draw and the admission; the decode step; the slot release. The
         draws are every one up to the most demanding that `requests` ask for (greedy when none
         are given), since a step's draw is that of its most demanding running request. Each
         program is lowered with inputs of the types `_start` and `stream` pass, so the run finds
-        it in the jit cache; nothing runs and no state changes. `workers`: compiling threads
-        (default: one a program).
+        it in the jit cache; nothing runs and no state changes.
+
+        `workers`: compiling threads. Default: one on a GPU, where XLA's autotuner times candidate
+        kernels on the device and programs compiled side by side would disturb each other's
+        timings; elsewhere one a program.
         """
         import concurrent.futures
 
@@ -423,7 +427,8 @@ class Engine:
                                               table, lengths, lengths))
             jobs.append(functools.partial(self._admit.lower, self.state, lengths, table, lengths, lengths, lengths,
                                           params))
-        with concurrent.futures.ThreadPoolExecutor(workers or len(jobs)) as pool:
+        workers = workers or (1 if on_gpu() else len(jobs))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             list(pool.map(lambda job: job().compile(), jobs))
         return time.perf_counter() - t0
 
