@@ -139,7 +139,7 @@ def serve(args):
                 n = max(batch, min(len(prompts), args.prompts))
                 reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=args.new_tokens, seed=i,
                                 temperature=temp) for i in range(n)]
-                # Compiles every program the run uses, several at once (`Engine.compile`), then runs
+                # Compiles every program the run uses (`Engine.compile`, one at a time on a GPU), then runs
                 # each prefill row count once (requests admitted together prefill together) for what
                 # compiles only when it first runs (the host's small eager ops).
                 compile_s = engine.compile(reqs)
