@@ -116,8 +116,8 @@ def _resolve(args, config: ServeConfig, fill_tree: bool = True):
         config = config.replace(speculative=dataclasses.replace(GPU_TREE if gpu else CPU_TREE,
                                                                 draft_model_path=str(draft)))
         if not gpu:
-            note = ("on a CPU a verify of N nodes costs nearly N decode steps, so the tree is kept small (K=2, S=3, "
-                    "N=6) and speculation gains little here, or loses; on a GPU the default is K=4, S=5, N=16")
+            note = ("on a CPU the default tree is small (K=2, S=3, N=6): there a verify costs more the more "
+                    "nodes it holds; on a GPU the default is K=4, S=5, N=16")
     if not _on_gpu() and config.backends.attention_backend == "auto":
         # The kernels run in interpret mode on a CPU; XLA's dense attention is the fast path there.
         config = config.replace(backends=dataclasses.replace(config.backends, attention_backend="dense"))
@@ -168,6 +168,10 @@ def run_decode(args) -> int:
                                      engine.tokenizer)))
     for name, eng in runs:
         total = sum(r.max_new_tokens for r in requests)
+        # Compiled ahead, so that no compile lands inside the timed decode steps.
+        seconds = eng.compile(requests)
+        if not args.json:
+            print(f"{name}: compiled in {seconds:.1f} s", file=sys.stderr)
         outs = _decode_with_progress(eng, requests, total, name, quiet=args.json)
         results[name] = (outs, eng.last_run)
     if args.json:
