@@ -97,6 +97,7 @@ def run_experiment(args) -> int:
         requests = _requests(ns, engine.tokenizer)
         if exp.get("limit"):
             requests = requests[: int(exp["limit"])]
+        engine.compile(requests)  # no compile inside the timed run: settings compare by their steps
         outs = engine.decode(requests)
         run = engine.last_run
         rows.append({"label": label, "algorithm": cfg.speculative.algorithm, "topk": cfg.speculative.topk,
