@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,32 @@ from treespec_jax.models.config import LlamaConfig
 from treespec_jax.models.llama import LlamaModel, apply_rope, init_params, mlp_block, rms_norm, rope_inv_freq
 
 PAGE = 16
+# The jitted programs an `Engine` launches, as JAX's compile log names them.
+ENGINE_PROGRAMS = ("jit(step)", "jit(_prefill_chunk)", "jit(_draft_prefill_chunk)", "jit(_admit_slots)",
+                   "jit(_release_slot)", "jit(first_token)")
+
+
+@contextlib.contextmanager
+def engine_programs_lowered():
+    """Yields a list that collects the engine programs (`ENGINE_PROGRAMS`) lowered while the block
+    runs: JAX logs a program each time it lowers it for a new signature, a cache miss."""
+    lowered = []
+
+    class Compiles(logging.Handler):
+        def emit(self, record):
+            words = record.getMessage().split(" ")
+            if words[0] == "Compiling" and len(words) > 1 and words[1] in ENGINE_PROGRAMS:
+                lowered.append(words[1])
+
+    logger, handler, level = logging.getLogger("jax"), Compiles(), logging.getLogger("jax").level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        with jax.log_compiles(True):
+            yield lowered
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def tiny_config(family: str = "llama", vocab: int = 64, layers: int = 2, **kw) -> LlamaConfig:

@@ -16,8 +16,8 @@ import pytest
 from numerics import rel_err
 from test_tokenizer import ckpt_dir  # noqa: F401  (the tiny byte-level tokenizer's directory)
 
-from engine_fixtures import (PAGE, cached_engine, dense_forward, mixed_requests, oracle_engine, serve_config, tiny_config,
-                             tiny_target, with_cuda_graphs)
+from engine_fixtures import (ENGINE_PROGRAMS, PAGE, cached_engine, dense_forward, engine_programs_lowered,
+                             mixed_requests, oracle_engine, serve_config, tiny_config, tiny_target, with_cuda_graphs)
 from treespec_jax.config import ConfigError
 from treespec_jax.engine import Engine, Request
 from treespec_jax.engine.loading import attention_for
@@ -442,45 +442,22 @@ def test_a_warm_engine_compiles_nothing_more():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tests.parent, env=env, timeout=600)
 
 
-ENGINE_PROGRAMS = {"jit(step)", "jit(_prefill_chunk)", "jit(_draft_prefill_chunk)", "jit(_admit_slots)",
-                   "jit(_release_slot)", "jit(first_token)"}
-
-
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "tree"])
 def test_compile_leaves_the_run_nothing_to_compile(speculative):
     """`Engine.compile(requests)` lowers every program a run of them can launch with the inputs
     the run passes: serving them then lowers none of the engine's programs again (a missed row
     count, draw or input type would), and the tokens are those of an engine never compiled ahead."""
-    import logging
-
     kw = dict(attention="dense", slots=4, sampler="gumbel")
     config = serve_config("EAGLE3", 4, 3, 10, **kw) if speculative else serve_config(**kw)
     requests = [dataclasses.replace(r, temperature=0.8 if i % 2 else 0.0) for i, r in enumerate(mixed_requests())]
-    lowered = []
-
-    class Compiles(logging.Handler):
-        def emit(self, record):
-            words = record.getMessage().split(" ")
-            if words[0] == "Compiling" and words[1] in ENGINE_PROGRAMS:
-                lowered.append(words[1])
-
-    logger, handler = logging.getLogger("jax"), Compiles()
     engine = oracle_engine(config)
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.DEBUG)
-    try:
-        with jax.log_compiles(True):
-            engine.compile(requests)
-            ahead = sorted(set(lowered))
-            lowered.clear()
-            outs = engine.decode(requests)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    expected = ENGINE_PROGRAMS - ({"jit(_draft_prefill_chunk)"} if not speculative else set())
+    with engine_programs_lowered() as ahead:
+        engine.compile(requests)
+    with engine_programs_lowered() as again:
+        outs = engine.decode(requests)
+    expected = set(ENGINE_PROGRAMS) - ({"jit(_draft_prefill_chunk)"} if not speculative else set())
     assert set(ahead) == expected, ahead
-    assert not lowered, f"lowered again while serving: {lowered}"
+    assert not again, f"lowered again while serving: {again}"
     assert all(o.finish_reason == "length" for o in outs), [(o.finish_reason, o.error) for o in outs]
     assert [o.tokens for o in outs] == [o.tokens for o in oracle_engine(config).decode(requests)]
 

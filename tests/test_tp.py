@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from engine_fixtures import engine_programs_lowered
 from treespec_jax import parallel
 from treespec_jax.config import (BackendsConfig, ConfigError, KVCacheConfig, ModelConfig, ParallelConfig,
                                  SamplingConfig, SchedulerConfig, ServeConfig, SpeculativeConfig)
@@ -308,9 +309,15 @@ DEFAULT = {(4, "tree", "gumbel"), (4, "chain", "greedy"), (2, "plain", "gumbel")
     [c if c in DEFAULT else pytest.param(*c, marks=pytest.mark.sweep) for c in CASES],
     ids=[f"tp{t}-{m}-{s}" for t, m, s in CASES])
 def test_tp_emits_tp1_tokens(tp, mode, sampler):
+    """Compiled ahead (`Engine.compile`): serving then lowers nothing again, the sharded prefill's
+    outputs included."""
     kw = GUMBEL if sampler == "gumbel" else {}
     eng = engine(serve_config(mode, tp, **kw))
-    assert tokens(eng) == reference(sampler)
+    eng.compile(requests())
+    with engine_programs_lowered() as again:
+        out = tokens(eng)
+    assert not again, f"lowered again while serving: {again}"
+    assert out == reference(sampler)
     if mode == "tree":
         assert 1.0 < eng.last_run.mean_accept_length  # drafts are accepted: the trees are verified
 
