@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from chi_square import P_MIN, chi_square_p
-from engine_fixtures import dense_forward, mixed_requests, serve_config, tiny_target
+from engine_fixtures import dense_forward, engine_programs_lowered, mixed_requests, serve_config, tiny_target
 from treespec_jax import cli
 from treespec_jax.drafter.eagle3 import Eagle3Drafter, MtpDrafter, init_eagle3_params, init_mtp_params
 from treespec_jax.engine import Engine, Request
@@ -44,7 +44,10 @@ def test_from_pretrained_eagle3_is_lossless(checkpoint_pair):
     tree_cfg = serve_config("EAGLE3", 4, 3, 10)
     engine = Engine.from_pretrained(target, head, tree_cfg)
     assert isinstance(engine.drafter, Eagle3Drafter)
-    tree = [o.tokens for o in engine.decode(reqs)]
+    engine.compile(reqs)  # the head's prefill reads the target's features: typed as the run's
+    with engine_programs_lowered() as again:
+        tree = [o.tokens for o in engine.decode(reqs)]
+    assert not again, f"lowered again while serving: {again}"
     plain = [o.tokens for o in Engine.from_pretrained(target, None, serve_config()).decode(reqs)]
     assert tree == plain
     # Plain decoding from the checkpoint is the causal forward's argmax, token by token.
@@ -81,7 +84,11 @@ def test_mtp_drafter_is_lossless():
     head.update(embed=params["embed"], lm_head_target=params["lm_head"])
     drafter = MtpDrafter(cfg, attention_for(config))
     reqs = mixed_requests()[:3]
-    tree = [o.tokens for o in Engine(config, cfg, params, drafter, head).decode(reqs)]
+    engine = Engine(config, cfg, params, drafter, head)
+    engine.compile(reqs)
+    with engine_programs_lowered() as again:
+        tree = [o.tokens for o in engine.decode(reqs)]
+    assert not again, f"lowered again while serving: {again}"
     plain = [o.tokens for o in Engine(serve_config(), cfg, params).decode(reqs)]
     assert tree == plain
 
