@@ -96,6 +96,10 @@ CUDA_GRAPHS = ("auto", "xla", "all", "off")
 # RMSNorm with its residual add (treespec_jax.models.llama.NORM_KERNELS): "auto" = the Pallas kernel
 # on a GPU without tensor parallelism, "pallas" forces it, "xla" leaves the norms to XLA's fusions.
 NORM_KERNELS = ("auto", "pallas", "xla")
+# RoPE of q/k with the K/V write (treespec_jax.models.llama.ROPE_KERNELS): "xla" until the Pallas
+# kernel is measured end to end; "pallas" takes it where it applies (fused projections, no q/k norm,
+# power-of-two head_dim, 16/32-bit pools, tp_size 1).
+ROPE_KERNELS = ("xla", "pallas")
 GRAMMAR_BACKENDS = ("none", "xgrammar", "outlines", "llguidance")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
@@ -280,6 +284,9 @@ class BackendsConfig:
     norm_kernel: str = opt("auto", "--norm-kernel",
                            "the target's RMSNorms with their residual adds: auto (the Pallas kernel on a GPU "
                            "without tensor parallelism, else XLA), pallas, xla", NORM_KERNELS)
+    rope_kernel: str = opt("xla", "--rope-kernel",
+                           "the target's RoPE and K/V write: xla, or pallas (one kernel a token and KV head; "
+                           "not yet measured end to end)", ROPE_KERNELS)
 
 
 SECTIONS: dict[str, type] = {
@@ -418,6 +425,9 @@ def _check_ranges(cfg: ServeConfig, out: list[str]) -> None:
             f"parallel.enable_dp_attention needs tp_size divisible by dp_size, got "
             f"tp_size = {par.tp_size}, dp_size = {par.dp_size}"
         )
+    if cfg.backends.rope_kernel == "pallas" and par.tp_size > 1:
+        out.append(f"backends.rope_kernel = 'pallas' writes whole pools, which tensor parallelism shards by KV "
+                   f"head; it needs parallel.tp_size 1, got {par.tp_size}")
     if cfg.backends.prefix_kernel == "mosaic_gpu":
         if kv.page_size not in (64, 128):
             out.append(f"backends.prefix_kernel = 'mosaic_gpu' copies whole pages by TMA and needs "

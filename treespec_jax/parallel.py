@@ -229,7 +229,8 @@ def with_attention(drafter, attention):
         if isinstance(value, PagedAttention):
             setattr(out, name, attention)
         elif isinstance(value, LlamaModel):
-            setattr(out, name, LlamaModel(value.cfg, attention, value.feature_layers, value.norm_kernel))
+            setattr(out, name, LlamaModel(value.cfg, attention, value.feature_layers, value.norm_kernel,
+                                          value.rope_kernel))
         elif isinstance(value, nn.Module) and isinstance(getattr(value, "attention", None), PagedAttention):
             setattr(out, name, value.clone(attention=attention))
     return out

@@ -214,7 +214,8 @@ class Engine:
             self.attention = dataclasses.replace(self.attention, mesh=mesh)
             drafter = parallel.with_attention(drafter, self.attention)
         feature_layers = drafter.feature_layers if drafter is not None else ()
-        self.target = LlamaModel(target_cfg, self.attention, feature_layers, config.backends.norm_kernel)
+        self.target = LlamaModel(target_cfg, self.attention, feature_layers, config.backends.norm_kernel,
+                                 config.backends.rope_kernel)
         self.drafter = drafter
         # The target serves with fused q/k/v and gate/up projections (`fuse_projections`: fewer,
         # wider matmuls read its weights nearer copy bandwidth at decode batch sizes), and a

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.rms_norm import add_rms_norm
+from pallas_kernels.rope_kv import kernel_problems as rope_kernel_problems, rope_write_kv
 from treespec_jax.models.attention import AttentionBatch, PagedAttention, prefill_batch, window_batch, write_kv
 from treespec_jax.models.config import LlamaConfig, RopeScaling
 
@@ -33,6 +34,9 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 # How a layer's RMSNorms (with the residual add before each) run: "auto" = the Pallas kernel on a
 # GPU without tensor parallelism, else XLA; "pallas" (interpret mode off the GPU); "xla".
 NORM_KERNELS = ("auto", "pallas", "xla")
+# How a layer's RoPE and K/V write run: "xla", or "pallas" (`pallas_kernels.rope_kv`) where it
+# applies (fused projections, no q/k norm, power-of-two head_dim, 16/32-bit pools, no mesh).
+ROPE_KERNELS = ("xla", "pallas")
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -105,15 +109,27 @@ def project_qkv(p: dict, x: jax.Array, positions: jax.Array, cfg: LlamaConfig):
 
 
 def attention_block(p: dict, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array, batch: AttentionBatch,
-                    attention: PagedAttention, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    attention: PagedAttention, cfg: LlamaConfig,
+                    rope_kernel: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
     """Self-attention on normed input `x [B, T, Hin]` (Hin = H, or 2H in an EAGLE-3 head).
 
     Projects q/k/v (`project_qkv`) at the batch's positions, writes k/v into the pools at the
-    batch's slots, attends -> (`[B, T, H]`, pools).
+    batch's slots, attends -> (`[B, T, H]`, pools). `rope_kernel` (ROPE_KERNELS) "pallas" does the
+    rotation and the write in one kernel where it applies (`pallas_kernels.rope_kv`).
     """
     b, t, _ = x.shape
-    q, k, v = project_qkv(p, x, batch.positions, cfg)
-    k_pool, v_pool = write_kv(k_pool, v_pool, k, v, batch.write_slots)
+    if rope_kernel not in ROPE_KERNELS:
+        raise ValueError(f"rope_kernel must be one of {ROPE_KERNELS}, got {rope_kernel!r}")
+    if (rope_kernel == "pallas" and "wqkv" in p and not cfg.qk_norm and attention.mesh is None
+            and not rope_kernel_problems(p["wqkv"].shape[-1], cfg.num_kv_heads, cfg.head_dim, k_pool.dtype)):
+        qkv = x @ p["wqkv"]
+        if "bqkv" in p:
+            qkv = qkv + p["bqkv"]
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        q, k_pool, v_pool = rope_write_kv(qkv, batch.positions, batch.write_slots, k_pool, v_pool, inv_freq)
+    else:
+        q, k, v = project_qkv(p, x, batch.positions, cfg)
+        k_pool, v_pool = write_kv(k_pool, v_pool, k, v, batch.write_slots)
     out = attention.attend(q, k_pool, v_pool, batch)
     return out.reshape(b, t, cfg.q_width) @ p["wo"], k_pool, v_pool
 
@@ -220,6 +236,7 @@ class DecoderLayer(nn.Module):
     cfg: LlamaConfig
     attention: PagedAttention
     norm_kernel: str = "auto"  # NORM_KERNELS
+    rope_kernel: str = "xla"  # ROPE_KERNELS
 
     @nn.compact
     def __call__(self, x, k_pool, v_pool, batch: AttentionBatch, delta=None):
@@ -234,7 +251,7 @@ class DecoderLayer(nn.Module):
         p.update(mlp_norm=self.param("mlp_norm", ones, (h,)), w_down=self.param("w_down", _dense_init(1.0), (f, h)))
         backend = norm_backend(self.norm_kernel, self.attention)
         x, normed = add_rms_norm(x, delta, p["attn_norm"], c.rms_norm_eps, backend=backend)
-        a, k_pool, v_pool = attention_block(p, normed, k_pool, v_pool, batch, self.attention, c)
+        a, k_pool, v_pool = attention_block(p, normed, k_pool, v_pool, batch, self.attention, c, self.rope_kernel)
         x, normed = add_rms_norm(x, a, p["mlp_norm"], c.rms_norm_eps, backend=backend)
         return x, mlp_block(p, normed), k_pool, v_pool
 
@@ -247,6 +264,7 @@ class Llama(nn.Module):
     attention: PagedAttention
     feature_layers: tuple[int, ...] = ()
     norm_kernel: str = "auto"  # NORM_KERNELS
+    rope_kernel: str = "xla"  # ROPE_KERNELS
 
     @nn.compact
     def __call__(self, tokens, pools, batch: AttentionBatch, logit_rows=None):
@@ -261,7 +279,7 @@ class Llama(nn.Module):
             if i in self.feature_layers:
                 captured[i] = x if delta is None else x + delta
             x, delta, pools[f"k{i}"], pools[f"v{i}"] = DecoderLayer(c, self.attention, self.norm_kernel,
-                                                                    name=f"layers_{i}")(
+                                                                    self.rope_kernel, name=f"layers_{i}")(
                 x, pools[f"k{i}"], pools[f"v{i}"], batch, delta)
         if c.num_layers in self.feature_layers:
             captured[c.num_layers] = x + delta
@@ -322,16 +340,19 @@ class LlamaModel:
     """
 
     def __init__(self, cfg: LlamaConfig, attention: PagedAttention, feature_layers: tuple[int, ...] = (),
-                 norm_kernel: str = "auto"):
+                 norm_kernel: str = "auto", rope_kernel: str = "xla"):
         bad = [i for i in feature_layers if not 0 <= i <= cfg.num_layers]
         if bad:
             raise ValueError(f"feature_layers {bad} outside 0..{cfg.num_layers} for a {cfg.num_layers}-layer model")
         norm_backend(norm_kernel, attention)  # refuses an unknown choice here, not at the first trace
+        if rope_kernel not in ROPE_KERNELS:
+            raise ValueError(f"rope_kernel must be one of {ROPE_KERNELS}, got {rope_kernel!r}")
         self.cfg = cfg
         self.attention = attention
         self.feature_layers = tuple(feature_layers)
         self.norm_kernel = norm_kernel  # NORM_KERNELS
-        self.module = Llama(cfg, attention, self.feature_layers, norm_kernel)
+        self.rope_kernel = rope_kernel  # ROPE_KERNELS
+        self.module = Llama(cfg, attention, self.feature_layers, norm_kernel, rope_kernel)
 
     @property
     def page_size(self) -> int:
