@@ -431,7 +431,9 @@ def llama8b(args):
                 for graphs in args.cuda_graphs.split(","):
                     pools = _time_verify(args, rows, model, params, pools, (tokens, positions, mask, table, lengths),
                                          batch, n, graphs, floor_s(batch, n), prefix, norm, rope)
-        setting_of = lambda r: (r["cuda_graphs"], r["prefix_kernel"], r["norm_kernel"], r["rope_kernel"])  # noqa: E731
+        def setting_of(r):
+            return r["cuda_graphs"], r["prefix_kernel"], r["norm_kernel"], r["rope_kernel"]
+
         plain = {setting_of(x): x for x in rows if x["batch"] == batch and x["nodes"] == 1}
         for r in rows:
             setting = setting_of(r)
@@ -480,8 +482,8 @@ def _time_verify(args, rows, model, params, pools, inputs, batch, n, graphs, flo
     traced = _kernel_summary(launch, 10, args.top if args.profile else 0, finish)
     ms = traced["traced_span_ms"]
     rows.append({"batch": batch, "nodes": n, "cuda_graphs": graphs, "resolved": resolved, "prefix_kernel": prefix,
-                 "norm_kernel": norm, "rope_kernel": rope, "ms": ms, "floor_ms": floor * 1e3, "x_floor": ms / (floor * 1e3), "sync_ms": sync_s * 1e3,
-                 "first_call_s": round(first_s, 1)})
+                 "norm_kernel": norm, "rope_kernel": rope, "ms": ms, "floor_ms": floor * 1e3,
+                 "x_floor": ms / (floor * 1e3), "sync_ms": sync_s * 1e3, "first_call_s": round(first_s, 1)})
     if args.profile:
         rows[-1]["kernels"] = traced
     _emit(args, rows[-1])
@@ -622,7 +624,8 @@ def main():
                     help="llama8b: the RMSNorm kernels to compare, e.g. auto,xla (backends.norm_kernel)")
     ap.add_argument("--rope-kernels", default="xla",
                     help="llama8b: the RoPE + K/V write kernels to compare, e.g. xla,pallas (backends.rope_kernel)")
-    ap.add_argument("--profile", action="store_true", help="llama8b: list each setting's kernels in its row (every row's time is traced)")
+    ap.add_argument("--profile", action="store_true",
+                    help="llama8b: list each setting's kernels in its row (every row's time is traced)")
     ap.add_argument("--cuda-graphs", default="auto",
                     help="serve, kernels, llama8b: the decode step's CUDA-graph settings to compare, e.g. auto,xla "
                          "(treespec_jax.engine.compile_options; llama8b resolves auto as the engine does)")

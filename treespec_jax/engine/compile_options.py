@@ -4,7 +4,8 @@ XLA on the GPU records runs of consecutive kernels into CUDA graphs (command buf
 run costs one launch. By default it only records runs of at least a few kernels. A decode step at
 batch 1 is mostly small kernels, so how much of it is graphed can decide its speed. The options
 are passed per program (`jax.jit(..., compiler_options=...)`), so no other program in the process
-sees them, and the plain step and a speculative round can each get their own. Off the GPU, XLA accepts the options and they change nothing.
+sees them, and the plain step and a speculative round can each get their own. Off the GPU, XLA
+accepts the options and they change nothing.
 """
 
 from __future__ import annotations

@@ -409,38 +409,38 @@ class Engine:
         most = max((DRAWS.index(self._request_draw(r)) for r in requests), default=DRAWS.index("argmax"))
         draws = DRAWS[DRAWS.index("argmax"):most + 1]
         step_draws = draws if self.config.sampling.backend == "gumbel" else ("auto",)
-        pool = concurrent.futures.ThreadPoolExecutor(workers or (1 if on_gpu() else 16))
-        compiled = lambda lower: pool.submit(lambda: lower().compile())  # noqa: E731
-        jobs = [compiled(functools.partial(self._step.lower, self.params, self.state, draw=d)) for d in step_draws]
-        jobs.append(compiled(functools.partial(self._release.lower, self.state, 0)))
-        ints = lambda *shape: jnp.asarray(np.zeros(shape, np.int32))  # noqa: E731
-        prefills = {}
-        for rows in sorted({self.prefill_batch_rows(k) for k in range(1, self.slots + 1)}):
-            inputs = (ints(rows, self.table_width), ints(rows, self.chunk), ints(rows))
-            prefills[rows] = inputs, compiled(functools.partial(self._prefill.lower, self.params, self.state,
-                                                                inputs[1], inputs[0], inputs[2], inputs[2]))
-        # The first-token draw and the drafter's prefill read the target prefill's logits and
-        # features: placeholders of their shapes, typed as the run's will be. Under tensor
-        # parallelism the inputs are placed, so the prefill's outputs are too (sharded as its
-        # compiled program says); on one device nothing is placed, and neither are its outputs.
-        placed = self.placement is not None
-        for rows, ((table, toks, lengths), prefill) in prefills.items():
-            program = prefill.result()
-            _, logits, features = jax.tree.map(
-                lambda info, sharding: (jax.device_put(jnp.zeros(info.shape, info.dtype), sharding) if placed
-                                        else jnp.zeros(info.shape, info.dtype)),
-                program.out_info, program.output_shardings)
-            params = SamplingParams.create([0.0] * rows, [0] * rows, [1.0] * rows)
-            jobs += [compiled(functools.partial(self._first_token.lower, logits, lengths, lengths, params, draw=d))
-                     for d in draws]
-            if self.drafter is not None:
-                jobs.append(compiled(functools.partial(self._draft_prefill.lower, self.params, self.state, toks, toks,
-                                                       features, table, lengths, lengths)))
-            jobs.append(compiled(functools.partial(self._admit.lower, self.state, lengths, table, lengths, lengths,
-                                                   lengths, params)))
-        for job in jobs:
-            job.result()
-        pool.shutdown()
+        with concurrent.futures.ThreadPoolExecutor(workers or (1 if on_gpu() else 16)) as pool:
+            compiled = lambda lower: pool.submit(lambda: lower().compile())  # noqa: E731
+            jobs = [compiled(functools.partial(self._step.lower, self.params, self.state, draw=d))
+                    for d in step_draws]
+            jobs.append(compiled(functools.partial(self._release.lower, self.state, 0)))
+            ints = lambda *shape: jnp.asarray(np.zeros(shape, np.int32))  # noqa: E731
+            prefills = {}
+            for rows in sorted({self.prefill_batch_rows(k) for k in range(1, self.slots + 1)}):
+                inputs = (ints(rows, self.table_width), ints(rows, self.chunk), ints(rows))
+                prefills[rows] = inputs, compiled(functools.partial(self._prefill.lower, self.params, self.state,
+                                                                    inputs[1], inputs[0], inputs[2], inputs[2]))
+            # The first-token draw and the drafter's prefill read the target prefill's logits and
+            # features: placeholders of their shapes, typed as the run's will be. Under tensor
+            # parallelism the inputs are placed, so the prefill's outputs are too (sharded as its
+            # compiled program says); on one device nothing is placed, and neither are its outputs.
+            placed = self.placement is not None
+            for rows, ((table, toks, lengths), prefill) in prefills.items():
+                program = prefill.result()
+                _, logits, features = jax.tree.map(
+                    lambda info, sharding: (jax.device_put(jnp.zeros(info.shape, info.dtype), sharding) if placed
+                                            else jnp.zeros(info.shape, info.dtype)),
+                    program.out_info, program.output_shardings)
+                params = SamplingParams.create([0.0] * rows, [0] * rows, [1.0] * rows)
+                jobs += [compiled(functools.partial(self._first_token.lower, logits, lengths, lengths, params,
+                                                    draw=d)) for d in draws]
+                if self.drafter is not None:
+                    jobs.append(compiled(functools.partial(self._draft_prefill.lower, self.params, self.state, toks,
+                                                           toks, features, table, lengths, lengths)))
+                jobs.append(compiled(functools.partial(self._admit.lower, self.state, lengths, table, lengths, lengths,
+                                                       lengths, params)))
+            for job in jobs:
+                job.result()
         return time.perf_counter() - t0
 
     def _start(self, group: list[tuple[_Running, int]], run_stats: RunStats) -> None:

@@ -85,15 +85,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def fused_qkv(p: dict, x: jax.Array) -> jax.Array:
+    """The fused projections `[B, T, Hkv * (rep + 2) * D]` of `x [B, T, Hin]` (`wqkv`, plus `bqkv`
+    where the layer has biases), in `fuse_layer`'s grouped column order."""
+    qkv = x @ p["wqkv"]
+    return qkv + p["bqkv"] if "bqkv" in p else qkv
+
+
 def project_qkv(p: dict, x: jax.Array, positions: jax.Array, cfg: LlamaConfig):
     """q `[B, T, Hq, D]`, k / v `[B, T, Hkv, D]` of normed input `x [B, T, Hin]` at `positions
     [B, T]`: separate or fused projections, biases and q/k norms where the config has them, RoPE."""
     b, t, _ = x.shape
     if "wqkv" in p:
-        qkv = x @ p["wqkv"]
-        if "bqkv" in p:
-            qkv = qkv + p["bqkv"]
-        q, k, v = split_qkv(qkv, cfg)
+        q, k, v = split_qkv(fused_qkv(p, x), cfg)
     else:
         q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
         if "bq" in p:
@@ -122,11 +126,9 @@ def attention_block(p: dict, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         raise ValueError(f"rope_kernel must be one of {ROPE_KERNELS}, got {rope_kernel!r}")
     if (rope_kernel == "pallas" and "wqkv" in p and not cfg.qk_norm and attention.mesh is None
             and not rope_kernel_problems(p["wqkv"].shape[-1], cfg.num_kv_heads, cfg.head_dim, k_pool.dtype)):
-        qkv = x @ p["wqkv"]
-        if "bqkv" in p:
-            qkv = qkv + p["bqkv"]
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        q, k_pool, v_pool = rope_write_kv(qkv, batch.positions, batch.write_slots, k_pool, v_pool, inv_freq)
+        q, k_pool, v_pool = rope_write_kv(fused_qkv(p, x), batch.positions, batch.write_slots, k_pool, v_pool,
+                                          inv_freq)
     else:
         q, k, v = project_qkv(p, x, batch.positions, cfg)
         k_pool, v_pool = write_kv(k_pool, v_pool, k, v, batch.write_slots)
