@@ -320,7 +320,7 @@ def tune_prefix(q, kp, vp, table, lengths):
 
 def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_covers_tail=False, lean=False,
                checks=None, partial_bf16=False, fuse_window=False, mosaic_small=False, persistent=False,
-               host_clock=False):
+               host_clock=False, splits=()):
     """One table row. `flip_covers_tail`: also the cascade with `prefix_covers_tail` opposite to its
     default here; `partial_bf16`: also with `prefix_partial_dtype="bfloat16"`; `fuse_window`: also
     with `fuse_window` flipped from its default (`cascade.fuses_window`; Mosaic prefix only);
@@ -329,7 +329,8 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     where the default pads to the Mosaic one, else the padded Mosaic one); each checked against
     the default cascade's output first (a row in `checks`, so a mismatch fails the run); `lean`: no
     per-call, Triton-prefix or dense baselines; `host_clock`: also the host-clock chains
-    (`timing.chained_time`), the timer before the traced one."""
+    (`timing.chained_time`), the timer before the traced one; `splits`: also the cascade at each of
+    these key-split counts (`CascadeConfig.num_splits`; the default's own rule picks one per shape)."""
     bw, flops = ceilings
     kp, vp, table = make_paged(key, rng, b, p + n, HKV, D, PAGE, dtype, poison=False)
     q = jax.random.normal(jax.random.fold_in(key, 7), (b, n, HQ, D), jnp.float32).astype(jnp.bfloat16)
@@ -413,6 +414,9 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
     other = "triton" if mosaic else "mosaic_gpu"
     t_cas_small_other = (alternative(f"prefix_kernel={other} (under 64 rows)", prefix_kernel=other)
                          if mosaic_small and padded_rows(n * group) < 64 else float("nan"))
+    # Forced key splits: whether the default split rule (`default_mgpu_num_splits` or the Triton
+    # one) leaves time at this shape, e.g. few (request, KV head) programs over a short prefix.
+    t_cas_splits = {f"cascade_splits{s}_ms": alternative(f"num_splits={s}", num_splits=s) * 1e3 for s in splits}
     if lean:
         t_cas_triton = float("nan")
     elif mosaic:
@@ -445,7 +449,7 @@ def time_shape(b, p, n, dtype, ceilings, tune, rng, key, fp8_dot_too, flip_cover
                byte_floor_ms=byte_floor * 1e3, flop_floor_ms=flop_floor * 1e3,
                vs_floor=t_cas / floor, cascade_query_fed_ms=t_cas_qfed * 1e3,
                query_fed_vs_floor=t_cas_qfed / floor, window_overhead=(t_cas - t_pre) / t_pre,
-               prefix_tbps=kv_read / t_pre / 1e12, dense_speedup=t_dense / t_cas)
+               prefix_tbps=kv_read / t_pre / 1e12, dense_speedup=t_dense / t_cas, **t_cas_splits)
     print("  " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     del kp, vp
     return row
@@ -509,6 +513,12 @@ def table_markdown(rows, ceilings, tune):
                      f"| {r['vs_floor']:.2f}x | {r['cascade_query_fed_ms']:.3f} | {r['query_fed_vs_floor']:.2f}x "
                      f"| {100 * r['window_overhead']:.1f}% | {r['prefix_tbps']:.2f} "
                      f"| {r['dense_ms']:.3f} ({r['dense_impl']}) | {r['dense_speedup']:.2f}x |")
+    for r in rows:  # --splits: the cascade at forced key-split counts, beside the default's
+        forced = [(k.removeprefix("cascade_splits").removesuffix("_ms"), v) for k, v in r.items()
+                  if k.startswith("cascade_splits")]
+        if forced:
+            lines.append(f"\n{r['shape']} {r['kv']}, cascade ms at forced key splits: "
+                         + ", ".join(f"{s}: {v:.4f}" for s, v in forced) + f" (default {r['cascade_ms']:.4f})")
     return "\n".join(lines)
 
 
@@ -529,6 +539,8 @@ def main(argv=None):
     ap.add_argument("--mosaic-small", action="store_true",
                     help="at fewer than 64 rows per KV head, also time the other prefix kernel (the default "
                          "pads them to the Mosaic one)")
+    ap.add_argument("--splits", default="",
+                    help="also time the cascade at these key-split counts, e.g. 1,2,4,8,16 (CascadeConfig.num_splits)")
     ap.add_argument("--host-clock", action="store_true",
                     help="also time the cascade by the host-clock chains (timing.chained_time), the earlier timer")
     ap.add_argument("--lean", action="store_true",
@@ -600,7 +612,8 @@ def main(argv=None):
                                            fp8_dot_too=dtype == FP8, flip_covers_tail=args.flip_covers_tail,
                                            lean=args.lean, checks=checks, partial_bf16=args.partial_bf16,
                                            fuse_window=args.fuse_window, mosaic_small=args.mosaic_small,
-                                           persistent=args.persistent, host_clock=args.host_clock))
+                                           persistent=args.persistent, host_clock=args.host_clock,
+                                           splits=[int(x) for x in args.splits.split(",") if x]))
                 except Exception as exc:
                     print(f"  timing failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
     mla = {}
