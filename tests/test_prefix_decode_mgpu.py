@@ -15,7 +15,7 @@ from tiers import cases, sweep
 from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads
 from pallas_kernels.attention.prefix_decode_mgpu import (check_mgpu_inputs, default_mgpu_num_splits,
                                                          default_pages_per_step, prefix_decode_mgpu_row_layout,
-                                                         warpgroup_layout)
+                                                         split_key_blocks, warpgroup_layout)
 from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference
 from pallas_kernels.attention.tree_window import tree_window_row_layout
 
@@ -91,6 +91,24 @@ def check_prefix_and_cascade(r, g, lengths, splits, pingpong, dtype, pps, stages
     dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=r, page_size=PAGE, scale=d ** -0.5)
     # Under FP8 the dense reference scores the unquantised query everywhere, the prefix half the FP8 one.
     assert rel_err(rows_to_heads(win, r, hkv * g), dense) < (3e-2 if dtype == FP8 else 1e-2)
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3, 8, 9, 64])
+@pytest.mark.parametrize("splits", [1, 2, 3, 16])
+def test_key_split_shares_follow_the_length(steps, splits):
+    """The splits' shares partition the request's own key blocks [0, steps), in order, each at most
+    cdiv(steps, splits) long: a short prefix in a wide page table still spreads over the splits."""
+    shares = [tuple(int(x) for x in split_key_blocks(jnp.int32(steps), jnp.int32(i), splits)) for i in range(splits)]
+    covered = [blk for lo, hi in shares for blk in range(lo, hi)]
+    assert covered == list(range(steps))
+    assert max(hi - lo for lo, hi in shares) == -(-steps // splits)
+
+
+def test_mgpu_prefix_spreads_a_short_prefix_over_its_splits(interpret):
+    """Four key splits over a table sized for 600 keys: the request at P = 200 (3 whole pages) now
+    gives one page to each of three splits and none to the fourth, where fixed shares of the table
+    put all three in split 0; both requests still match dense attention."""
+    check_prefix_and_cascade(16, 4, [600, 200], 4, True, jnp.bfloat16, 1, None, None, interpret=interpret)
 
 
 def test_mgpu_prefix_refuses_unsupported_shapes():

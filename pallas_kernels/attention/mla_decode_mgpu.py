@@ -410,7 +410,6 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
     splits = num_splits or default_num_splits(b, 1, tiles, max_blocks)
     # The dtype the kernel writes: the asked one where its output is final, else float32 partials.
     write_dtype = jnp.dtype(out_dtype) if splits == 1 else jnp.dtype(jnp.float32)
-    blocks_per_split = -(-max_blocks // splits)
     scale2 = float(scale) * LOG2E
     qf = jnp.pad(q.reshape(b, rows, c), ((0, 0), (0, rows_pad - rows), (0, 0)))
     fused = window > 0
@@ -444,13 +443,13 @@ def _mla_decode_mgpu(q, latent_pool, page_table, prefix_len, window_mask, *, kv_
         if fused:
             # Every row reads [0, P + window): the committed keys and the window under its mask
             # bits. The page table maps every position below P + window, so each step's page does.
-            lo, hi = fused_key_blocks(length, window, block_k, split, blocks_per_split)
+            lo, hi = fused_key_blocks(length, window, block_k, split, splits)
         else:
             # A cluster's CTAs step through the same keys (one multicast copy feeds them all): the
             # steps of its last tile's rows; an earlier tile masks the keys past its rows' bounds.
             cluster_row0 = (tile - lax.rem(tile, jnp.int32(cluster_tiles))) * ROWS
             whole, lo, hi = cta_key_blocks(length, page_size, r, hq, cluster_row0, ROWS * cluster_tiles, block_k,
-                                           split, blocks_per_split)
+                                           split, splits)
 
         def compute(w: int):
             plgpu.set_max_registers(registers[0], action="increase")

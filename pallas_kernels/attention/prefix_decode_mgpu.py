@@ -307,29 +307,36 @@ def grid_in_order(sizes: dict[str, int], tiles_adjacent: bool) -> tuple[tuple[in
     return tuple(sizes[name] for name in order), order
 
 
+def split_key_blocks(steps, split, splits: int):
+    """[lo, hi): split `split` of `splits`' share of the `steps` key blocks a work item reads.
+
+    The shares follow the request's own length, not the page table's width: a short prefix in a wide
+    table still spreads over every split (cdiv(steps, splits) blocks each; trailing splits may get
+    none), where fixed shares of the table left all its keys to the first split or two."""
+    per_split = lax.div(steps + splits - 1, jnp.int32(splits))
+    lo = split * per_split
+    return lo, jnp.maximum(jnp.minimum(lo + per_split, steps), lo)
+
+
 def cta_key_blocks(length, page_size: int, query_rows: int, group: int, row0, rows_per_cta: int,
-                   block: int, split, per_split: int):
+                   block: int, split, splits: int):
     """(whole, lo, hi) for a CTA owning rows [row0, row0 + rows_per_cta) of the R * G real ones:
     `whole` = (P // page_size) * page_size, and [lo, hi) this split's `block`-key blocks of the
-    cdiv(cta_hi, block) the CTA reads, cta_hi being its last real row's whole-page bound (a trailing
-    split may get none; per-row bounds are masked in the loop). Every page below cta_hi <= whole
+    cdiv(cta_hi, block) the CTA reads (`split_key_blocks`), cta_hi being its last real row's
+    whole-page bound (per-row bounds are masked in the loop). Every page below cta_hi <= whole
     holds finite keys (a multi-page block straddling it is the caller's to fill; see
     prefix_decode_mgpu). Shared by the GQA prefix and the MLA latent decode."""
     whole = lax.div(length, jnp.int32(page_size)) * page_size
     last_real = jnp.minimum(row0 + rows_per_cta - 1, query_rows * group - 1)
     cta_hi = jnp.maximum(whole_page_bound(length, query_rows, group, last_real, whole), 0)
-    steps = lax.div(cta_hi + block - 1, jnp.int32(block))
-    lo = split * per_split
-    return whole, lo, jnp.maximum(jnp.minimum(lo + per_split, steps), lo)
+    return (whole, *split_key_blocks(lax.div(cta_hi + block - 1, jnp.int32(block)), split, splits))
 
 
-def fused_key_blocks(length, window: int, block: int, split, per_split: int):
-    """(lo, hi): this split's `block`-key steps under a fused window, where every row reads
-    [0, P + window), i.e. cdiv(P + window, block) steps in all (a trailing split may get none).
-    Shared by the GQA prefix and the MLA latent decode."""
-    steps = lax.div(length + window + block - 1, jnp.int32(block))
-    lo = split * per_split
-    return lo, jnp.maximum(jnp.minimum(lo + per_split, steps), lo)
+def fused_key_blocks(length, window: int, block: int, split, splits: int):
+    """(lo, hi): this split's `block`-key steps (`split_key_blocks`) under a fused window, where
+    every row reads [0, P + window), i.e. cdiv(P + window, block) steps in all. Shared by the GQA
+    prefix and the MLA latent decode."""
+    return split_key_blocks(lax.div(length + window + block - 1, jnp.int32(block)), split, splits)
 
 
 def window_visible(key, length, window: int, words):
@@ -692,7 +699,6 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     steps = -(-max_pages // pps)  # key steps of a full page table
     splits = num_splits or default_mgpu_num_splits(b, hkv, tiles, steps)
     block = page_size * pps
-    steps_per_split = -(-steps // splits)
     merged_dtype = partial_dtype if fused else jnp.dtype(jnp.float32)
     items = b * hkv * tiles * splits
     persistent = runs_persistent(items, persistent, itemsize, memory_widens_values, config)
@@ -766,7 +772,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                          f"{MAX_SMEM_BYTES}")
 
     plan = _Plan(
-        d=d, page_size=page_size, pps=pps, block=block, stages=stages, steps_per_split=steps_per_split,
+        d=d, page_size=page_size, pps=pps, block=block, stages=stages,
         window=window, query_rows=query_rows, group=group, dtype=dtype, pv_dtype=pv_dtype, kw_dtype=kw_dtype,
         qw_dtype=qw_dtype, partial_dtype=partial_dtype, fp8=fp8, fused=fused, fused_fp8=fused_fp8,
         cast_query=cast_query, wide_query=wide_query, stages_wide=stages_wide,
@@ -829,7 +835,6 @@ class _Plan:
     pps: int  # pages per key step
     block: int  # keys per step: pps * page_size
     stages: int  # K/V ring buffers
-    steps_per_split: int
     window: int  # fused tree window (0: unfused)
     query_rows: int
     group: int
@@ -1131,11 +1136,11 @@ def _item_keys(plan: _Plan, bufs: _Buffers, split, bi, head, tile) -> _Item:
         # Every row reads [0, P + window): committed keys and the window under its mask bits.
         # Pages from cdiv(P + window, page) on may be unmapped (the memory warpgroup repeats a
         # step's first page there); V rows no row may see are zeroed before P V.
-        lo, hi = fused_key_blocks(length, plan.window, plan.block, split, plan.steps_per_split)
+        lo, hi = fused_key_blocks(length, plan.window, plan.block, split, plan.splits)
         page_limit = lax.div(length + plan.window + plan.page_size - 1, jnp.int32(plan.page_size))
     else:
         whole, lo, hi = cta_key_blocks(length, plan.page_size, plan.query_rows, plan.group, cta_row0,
-                                       plan.rows_per_cta, plan.block, split, plan.steps_per_split)
+                                       plan.rows_per_cta, plan.block, split, plan.splits)
         page_limit = lax.div(whole, jnp.int32(plan.page_size))
     return _Item(split, bi, head, tile, length, cta_row0, whole, lo, hi, page_limit)
 
