@@ -12,10 +12,10 @@ from numerics import rel_err
 from paged_fixtures import verify_case
 from tiers import cases, sweep
 
-from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads
+from pallas_kernels.attention.prefix_decode import heads_to_rows, padded_rows, rows_to_heads, split_key_blocks
 from pallas_kernels.attention.prefix_decode_mgpu import (check_mgpu_inputs, default_mgpu_num_splits,
                                                          default_pages_per_step, prefix_decode_mgpu_row_layout,
-                                                         split_key_blocks, warpgroup_layout)
+                                                         warpgroup_layout)
 from pallas_kernels.attention.reference import cascade_dense_reference, prefix_decode_reference
 from pallas_kernels.attention.tree_window import tree_window_row_layout
 

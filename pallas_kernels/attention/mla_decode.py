@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.attention.prefix_decode import split_key_blocks
 from pallas_kernels.attention.reference import is_fp8, quantize_query_for_pool
 from pallas_kernels.attention.split_merge import merge_splits
 from pallas_kernels.common import LOG2E, next_pow2, resolve_backend
@@ -184,7 +185,7 @@ def mla_decode_reference(q, latent_pool, page_table, prefix_len, *, kv_lora_rank
 
 def _mla_kernel(pt_ref, plen_ref, ql_ref, qr_ref, lat_ref, o_ref, lse_ref, *, rows_per_req: int, heads: int,
                 lora: int, rope: int, block_l: int, block_r: int, block_q: int, block_k: int, page_size: int,
-                blocks_per_split: int, qk_dtype, pv_dtype, scale_log2: float, prefetch_page_ids: bool):
+                splits: int, qk_dtype, pv_dtype, scale_log2: float, prefetch_page_ids: bool):
     tile = pl.program_id(0)
     split = pl.program_id(1)
     b = pl.program_id(2)
@@ -201,8 +202,7 @@ def _mla_kernel(pt_ref, plen_ref, ql_ref, qr_ref, lat_ref, o_ref, lse_ref, *, ro
     lat_cols_ok = (lat_cols < lora)[None, :] if block_l != lora else True
     rope_cols_ok = (rope_cols < rope)[None, :] if block_r != rope else True
 
-    lo = split * blocks_per_split
-    hi = jnp.minimum(lo + blocks_per_split, pl.cdiv(plen, block_k))
+    lo, hi = split_key_blocks(pl.cdiv(plen, block_k), split, splits)
 
     def body(j, carry, masked: bool = True, page=None):
         m, l, acc = carry
@@ -292,7 +292,6 @@ def _mla_decode_pallas(q, latent_pool, page_table, prefix_len, *, kv_lora_rank, 
     block_r = next_pow2(rope) if rope else 16
     max_blocks = pl.cdiv(page_table.shape[1] * page_size, block_k)
     splits = _num_splits(config, tiles * b, max_blocks)
-    blocks_per_split = pl.cdiv(max_blocks, splits)
 
     # The query enters in the QK operand dtype (FP8 under an FP8 cache): half the bytes, one cast.
     qf = quantize_query(q.reshape(b, rows, c), latent_pool.dtype)
@@ -304,7 +303,7 @@ def _mla_decode_pallas(q, latent_pool, page_table, prefix_len, *, kv_lora_rank, 
 
     kernel = functools.partial(
         _mla_kernel, rows_per_req=r, heads=hq, lora=lora, rope=rope, block_l=block_l, block_r=block_r,
-        block_q=block_q, block_k=block_k, page_size=page_size, blocks_per_split=blocks_per_split,
+        block_q=block_q, block_k=block_k, page_size=page_size, splits=splits,
         qk_dtype=_qk_dtype(latent_pool.dtype, config.fp8_score_dot), pv_dtype=_pv_dtype(latent_pool.dtype),
         scale_log2=float(scale) * LOG2E, prefetch_page_ids=config.prefetch_page_ids)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)

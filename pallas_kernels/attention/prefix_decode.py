@@ -185,13 +185,25 @@ def default_num_splits(batch: int, kv_heads: int, row_tiles: int, max_pages: int
     return max(1, min(want, max_pages // _MIN_PAGES_PER_SPLIT))
 
 
+def split_key_blocks(steps, split, splits: int):
+    """[lo, hi): split `split` of `splits`' share of the `steps` key blocks a work item reads.
+
+    The shares follow the request's own length, not the page table's width: a short prefix in a wide
+    table still spreads over every split (cdiv(steps, splits) blocks each; trailing splits may get
+    none, lse2 = -inf, dropped by the merge), where fixed shares of the table left all its keys to
+    the first split or two. Shared by the Triton and Mosaic prefixes and the Mosaic MLA decode."""
+    per_split = lax.div(steps + splits - 1, jnp.int32(splits))
+    lo = split * per_split
+    return lo, jnp.maximum(jnp.minimum(lo + per_split, steps), lo)
+
+
 # --------------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------------
 
 def _prefix_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *,
                    query_rows: int, group: int, block_rows: int, page_size: int, pages_per_step: int,
-                   steps_per_split: int, scale2: float, sliding_window: int | None,
+                   splits: int, scale2: float, sliding_window: int | None,
                    dot_dtype, fp8_score_dot: bool, prefetch_page_ids: bool):
     tile = pl.program_id(0)
     split = pl.program_id(1)
@@ -212,9 +224,11 @@ def _prefix_kernel(lengths_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, ls
     all_lo = jnp.max(jnp.where(real_row, lo, 0))
     all_hi = jnp.min(jnp.where(real_row, hi, tile_hi))
 
-    # A step is `pages_per_step` consecutive pages; splits hold whole steps, so no step straddles two.
-    first_step = jnp.maximum(split * steps_per_split, tile_lo // step_keys)
-    end_step = jnp.minimum((split + 1) * steps_per_split, (tile_hi + step_keys - 1) // step_keys)
+    # A step is `pages_per_step` consecutive pages; splits hold whole steps of the tile's own range,
+    # so no step straddles two.
+    tile_first = tile_lo // step_keys
+    first_step, end_step = split_key_blocks((tile_hi + step_keys - 1) // step_keys - tile_first, split, splits)
+    first_step, end_step = first_step + tile_first, end_step + tile_first
     full_first = jnp.clip((all_lo + step_keys - 1) // step_keys, first_step, end_step)
     full_end = jnp.clip(all_hi // step_keys, full_first, end_step)
     # Pages of an edge step may lie outside the tile's coverage (past the request's last page, or
@@ -344,8 +358,6 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
     pps = check_pages_per_step(default_pages_per_step(page_size, launch.pages_per_step)
                                if pages_per_step is None else pages_per_step, page_size, "prefix_decode")
     splits = num_splits or default_num_splits(b, hkv, tiles, max_pages)
-    # Splits hold whole steps; a trailing split may then be empty (lse2 = -inf, dropped by the merge).
-    steps_per_split = -(-(-(-max_pages // splits)) // pps)
 
     fp8 = is_fp8(k_pool.dtype)
     qr = quantize_query_for_pool(qr, k_pool.dtype)
@@ -355,7 +367,7 @@ def prefix_decode_row_layout(qr, k_pool, v_pool, page_table, lengths, *, query_r
 
     kernel = functools.partial(
         _prefix_kernel, query_rows=query_rows, group=group, block_rows=block, page_size=page_size,
-        pages_per_step=pps, steps_per_split=steps_per_split, scale2=float(scale) * LOG2E, sliding_window=sliding_window,
+        pages_per_step=pps, splits=splits, scale2=float(scale) * LOG2E, sliding_window=sliding_window,
         dot_dtype=dot_dtype, fp8_score_dot=fp8_score_dot and fp8 and not interpret,
         prefetch_page_ids=launch.prefetch_page_ids if prefetch_page_ids is None else bool(prefetch_page_ids))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)

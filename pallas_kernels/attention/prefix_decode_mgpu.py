@@ -58,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention.prefix_decode import check_partial_dtype, num_sms
+from pallas_kernels.attention.prefix_decode import check_partial_dtype, num_sms, split_key_blocks
 from pallas_kernels.attention.reference import quantize_query_for_pool
 from pallas_kernels.attention.split_merge import (HEAD_IO_TILE, MergeConfig, head_io_rows, head_io_rows_errors,
                                                   merge_splits, split_weights)
@@ -305,17 +305,6 @@ def grid_in_order(sizes: dict[str, int], tiles_adjacent: bool) -> tuple[tuple[in
     others = tuple(name for name in sizes if name not in ("tiles", "splits"))
     order = others + ("splits", "tiles") if tiles_adjacent else ("tiles", "splits") + others[::-1]
     return tuple(sizes[name] for name in order), order
-
-
-def split_key_blocks(steps, split, splits: int):
-    """[lo, hi): split `split` of `splits`' share of the `steps` key blocks a work item reads.
-
-    The shares follow the request's own length, not the page table's width: a short prefix in a wide
-    table still spreads over every split (cdiv(steps, splits) blocks each; trailing splits may get
-    none), where fixed shares of the table left all its keys to the first split or two."""
-    per_split = lax.div(steps + splits - 1, jnp.int32(splits))
-    lo = split * per_split
-    return lo, jnp.maximum(jnp.minimum(lo + per_split, steps), lo)
 
 
 def cta_key_blocks(length, page_size: int, query_rows: int, group: int, row0, rows_per_cta: int,
