@@ -622,8 +622,8 @@ def main():
                          "(backends.prefix_kernel)")
     ap.add_argument("--norm-kernels", default="auto",
                     help="llama8b: the RMSNorm kernels to compare, e.g. auto,xla (backends.norm_kernel)")
-    ap.add_argument("--rope-kernels", default="xla",
-                    help="llama8b: the RoPE + K/V write kernels to compare, e.g. xla,pallas (backends.rope_kernel)")
+    ap.add_argument("--rope-kernels", default="auto",
+                    help="llama8b: the RoPE + K/V write kernels to compare, e.g. xla,auto (backends.rope_kernel)")
     ap.add_argument("--profile", action="store_true",
                     help="llama8b: list each setting's kernels in its row (every row's time is traced)")
     ap.add_argument("--cuda-graphs", default="auto",

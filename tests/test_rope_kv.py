@@ -91,11 +91,29 @@ def test_forward_with_the_rope_kernel_equals_xla():
         assert rel_err(got, want) < 1e-5
 
 
+def test_rope_kernel_choice_is_resolved():
+    from treespec_jax.config import ROPE_KERNELS as CONFIGURED
+    from treespec_jax.models.attention import PagedAttention
+    from treespec_jax.models.llama import ROPE_KERNELS, rope_backend
+
+    assert CONFIGURED == ROPE_KERNELS
+    attention = PagedAttention(16, kind="dense")
+    assert rope_backend("xla", attention) == "xla"
+    assert rope_backend("pallas", attention) == "pallas"
+    # Off the GPU "auto" leaves RoPE and the write to XLA (the kernel would run interpreted).
+    assert rope_backend("auto", attention) == ("pallas" if jax.default_backend() == "gpu" else "xla")
+    with pytest.raises(ValueError, match="'fused'"):
+        rope_backend("fused", attention)
+
+
 def test_rope_kernel_with_tensor_parallelism_is_refused():
     from treespec_jax.config import BackendsConfig, ParallelConfig, ServeConfig
 
     problems = ServeConfig(backends=BackendsConfig(rope_kernel="pallas"), parallel=ParallelConfig(tp_size=2)).problems()
     assert any("backends.rope_kernel = 'pallas'" in p and "tp_size 1, got 2" in p for p in problems), problems
+    # "auto" (the default) resolves to XLA's path under a mesh instead of refusing.
+    problems = ServeConfig(parallel=ParallelConfig(tp_size=2)).problems()
+    assert not any("rope_kernel" in p for p in problems), problems
     with pytest.raises(ValueError, match="'fused'"):
         LlamaModel(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
                                num_kv_heads=1, head_dim=8), None, (), rope_kernel="fused")

@@ -96,10 +96,11 @@ CUDA_GRAPHS = ("auto", "xla", "all", "off")
 # RMSNorm with its residual add (treespec_jax.models.llama.NORM_KERNELS): "auto" = the Pallas kernel
 # on a GPU without tensor parallelism, "pallas" forces it, "xla" leaves the norms to XLA's fusions.
 NORM_KERNELS = ("auto", "pallas", "xla")
-# RoPE of q/k with the K/V write (treespec_jax.models.llama.ROPE_KERNELS): "xla" until the Pallas
-# kernel is measured end to end; "pallas" takes it where it applies (fused projections, no q/k norm,
-# power-of-two head_dim, 16/32-bit pools, tp_size 1).
-ROPE_KERNELS = ("xla", "pallas")
+# RoPE of q/k with the K/V write (treespec_jax.models.llama.ROPE_KERNELS): "auto" = the Pallas kernel
+# on a GPU without tensor parallelism (faster than XLA's at every 8B-shaped batch timed; results:
+# rope-kernel), else XLA; "pallas" forces it (refused with tp_size > 1); "xla". The kernel runs where
+# it applies (fused projections, no q/k norm, power-of-two head_dim, 16/32-bit pools).
+ROPE_KERNELS = ("auto", "xla", "pallas")
 GRAMMAR_BACKENDS = ("none", "xgrammar", "outlines", "llguidance")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
@@ -284,9 +285,9 @@ class BackendsConfig:
     norm_kernel: str = opt("auto", "--norm-kernel",
                            "the target's RMSNorms with their residual adds: auto (the Pallas kernel on a GPU "
                            "without tensor parallelism, else XLA), pallas, xla", NORM_KERNELS)
-    rope_kernel: str = opt("xla", "--rope-kernel",
-                           "the target's RoPE and K/V write: xla, or pallas (one kernel a token and KV head; "
-                           "not yet measured end to end)", ROPE_KERNELS)
+    rope_kernel: str = opt("auto", "--rope-kernel",
+                           "the target's RoPE and K/V write: auto (the Pallas kernel, one program a token and "
+                           "KV head, on a GPU without tensor parallelism, else XLA), pallas, xla", ROPE_KERNELS)
 
 
 SECTIONS: dict[str, type] = {

@@ -4,8 +4,9 @@
 one by one), and off the GPU it changes nothing, so only here can it be checked: every setting
 must emit the same tokens, plain and speculative, and speculation must equal plain decoding.
 Dense attention keeps the step pure XLA, so what differs between settings is the launching alone.
-`backends.norm_kernel` "auto" runs the Pallas add + RMSNorm kernel only here; the fp32 forward
-with it computes the XLA one's function, so both emit the same tokens, plain and speculative.
+`backends.norm_kernel` and `rope_kernel` "auto" run the Pallas add + RMSNorm and RoPE + K/V-write
+kernels only here; the fp32 forward with them computes the XLA one's function, so both emit the
+same tokens, plain and speculative.
 
     python -m pytest -m gpu tests/gpu/test_gpu_engine.py      # on a CUDA machine
 """
@@ -36,14 +37,16 @@ def test_cuda_graph_settings_emit_the_same_tokens():
         assert _tokens(with_cuda_graphs(tree, mode), requests) == expected, f"tree, cuda_graphs={mode}"
 
 
-def test_norm_kernel_settings_emit_the_same_tokens():
+@pytest.mark.parametrize("field", ["norm_kernel", "rope_kernel"])
+def test_kernel_settings_emit_the_same_tokens(field):
+    """`backends.norm_kernel` / `rope_kernel` "auto" (the Pallas kernel here) against "xla"."""
     requests = mixed_requests()[:4]
 
-    def with_norm(config, kernel):
-        return config.replace(backends=dataclasses.replace(config.backends, norm_kernel=kernel))
+    def with_kernel(config, kernel):
+        return config.replace(backends=dataclasses.replace(config.backends, **{field: kernel}))
 
     plain = serve_config(attention="dense", slots=2)
     tree = serve_config("EAGLE3", 4, 3, 10, attention="dense", slots=2)
-    expected = _tokens(with_norm(plain, "xla"), requests)
-    assert _tokens(with_norm(plain, "auto"), requests) == expected, "plain, norm_kernel=auto"
-    assert _tokens(with_norm(tree, "auto"), requests) == expected, "tree, norm_kernel=auto"
+    expected = _tokens(with_kernel(plain, "xla"), requests)
+    assert _tokens(with_kernel(plain, "auto"), requests) == expected, f"plain, {field}=auto"
+    assert _tokens(with_kernel(tree, "auto"), requests) == expected, f"tree, {field}=auto"

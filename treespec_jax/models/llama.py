@@ -34,9 +34,10 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 # How a layer's RMSNorms (with the residual add before each) run: "auto" = the Pallas kernel on a
 # GPU without tensor parallelism, else XLA; "pallas" (interpret mode off the GPU); "xla".
 NORM_KERNELS = ("auto", "pallas", "xla")
-# How a layer's RoPE and K/V write run: "xla", or "pallas" (`pallas_kernels.rope_kv`) where it
-# applies (fused projections, no q/k norm, power-of-two head_dim, 16/32-bit pools, no mesh).
-ROPE_KERNELS = ("xla", "pallas")
+# How a layer's RoPE and K/V write run: "auto" = the Pallas kernel (`pallas_kernels.rope_kv`) on a
+# GPU without a mesh, else XLA; "pallas" (interpret mode off the GPU); "xla". The kernel runs only
+# where it applies (fused projections, no q/k norm, power-of-two head_dim, 16/32-bit pools).
+ROPE_KERNELS = ("auto", "xla", "pallas")
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -55,6 +56,16 @@ def norm_backend(norm_kernel: str, attention: PagedAttention) -> str:
     if norm_kernel == "auto":
         return "pallas" if jax.default_backend() == "gpu" and attention.mesh is None else "reference"
     return "pallas" if norm_kernel == "pallas" else "reference"
+
+
+def rope_backend(rope_kernel: str, attention: PagedAttention) -> str:
+    """"pallas" or "xla" for a `ROPE_KERNELS` choice; "auto" takes the kernel only on a GPU and
+    without a mesh (the kernel writes whole pools, which a mesh shards by KV head)."""
+    if rope_kernel not in ROPE_KERNELS:
+        raise ValueError(f"rope_kernel must be one of {ROPE_KERNELS}, got {rope_kernel!r}")
+    if rope_kernel == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and attention.mesh is None else "xla"
+    return rope_kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,13 +129,14 @@ def attention_block(p: dict, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     """Self-attention on normed input `x [B, T, Hin]` (Hin = H, or 2H in an EAGLE-3 head).
 
     Projects q/k/v (`project_qkv`) at the batch's positions, writes k/v into the pools at the
-    batch's slots, attends -> (`[B, T, H]`, pools). `rope_kernel` (ROPE_KERNELS) "pallas" does the
-    rotation and the write in one kernel where it applies (`pallas_kernels.rope_kv`).
+    batch's slots, attends -> (`[B, T, H]`, pools). `rope_kernel` (ROPE_KERNELS, resolved by
+    `rope_backend`) does the rotation and the write in one kernel where it applies
+    (`pallas_kernels.rope_kv`); the default keeps XLA's path for callers that do not choose (the
+    EAGLE-3 head's layer).
     """
     b, t, _ = x.shape
-    if rope_kernel not in ROPE_KERNELS:
-        raise ValueError(f"rope_kernel must be one of {ROPE_KERNELS}, got {rope_kernel!r}")
-    if (rope_kernel == "pallas" and "wqkv" in p and not cfg.qk_norm and attention.mesh is None
+    if (rope_backend(rope_kernel, attention) == "pallas" and "wqkv" in p and not cfg.qk_norm
+            and attention.mesh is None
             and not rope_kernel_problems(p["wqkv"].shape[-1], cfg.num_kv_heads, cfg.head_dim, k_pool.dtype)):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         q, k_pool, v_pool = rope_write_kv(fused_qkv(p, x), batch.positions, batch.write_slots, k_pool, v_pool,
@@ -238,7 +250,7 @@ class DecoderLayer(nn.Module):
     cfg: LlamaConfig
     attention: PagedAttention
     norm_kernel: str = "auto"  # NORM_KERNELS
-    rope_kernel: str = "xla"  # ROPE_KERNELS
+    rope_kernel: str = "auto"  # ROPE_KERNELS
 
     @nn.compact
     def __call__(self, x, k_pool, v_pool, batch: AttentionBatch, delta=None):
@@ -266,7 +278,7 @@ class Llama(nn.Module):
     attention: PagedAttention
     feature_layers: tuple[int, ...] = ()
     norm_kernel: str = "auto"  # NORM_KERNELS
-    rope_kernel: str = "xla"  # ROPE_KERNELS
+    rope_kernel: str = "auto"  # ROPE_KERNELS
 
     @nn.compact
     def __call__(self, tokens, pools, batch: AttentionBatch, logit_rows=None):
@@ -342,13 +354,12 @@ class LlamaModel:
     """
 
     def __init__(self, cfg: LlamaConfig, attention: PagedAttention, feature_layers: tuple[int, ...] = (),
-                 norm_kernel: str = "auto", rope_kernel: str = "xla"):
+                 norm_kernel: str = "auto", rope_kernel: str = "auto"):
         bad = [i for i in feature_layers if not 0 <= i <= cfg.num_layers]
         if bad:
             raise ValueError(f"feature_layers {bad} outside 0..{cfg.num_layers} for a {cfg.num_layers}-layer model")
         norm_backend(norm_kernel, attention)  # refuses an unknown choice here, not at the first trace
-        if rope_kernel not in ROPE_KERNELS:
-            raise ValueError(f"rope_kernel must be one of {ROPE_KERNELS}, got {rope_kernel!r}")
+        rope_backend(rope_kernel, attention)  # likewise
         self.cfg = cfg
         self.attention = attention
         self.feature_layers = tuple(feature_layers)
