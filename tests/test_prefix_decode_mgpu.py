@@ -140,13 +140,15 @@ def test_mgpu_prefix_refuses_unsupported_shapes():
 
 def test_default_mgpu_num_splits_fills_one_wave():
     """One CTA per SM in one wave: B=1, Hkv=8, two row tiles (16 programs) on 132 SMs take 8 splits;
-    a grid that already fills the SMs takes none; short prefixes keep >= 4 steps per split."""
+    a grid that already fills the SMs takes none; a short table gives each split >= 2 of its steps."""
     assert default_mgpu_num_splits(1, 8, 2, 257, sms=132) == 8
     assert default_mgpu_num_splits(8, 8, 1, 65, sms=132) == 2
     assert default_mgpu_num_splits(32, 8, 2, 257, sms=132) == 1
     assert default_mgpu_num_splits(200, 1, 1, 257, sms=132) == 1
-    assert default_mgpu_num_splits(1, 8, 2, 13, sms=132) == 3
-    assert default_mgpu_num_splits(1, 8, 2, 3, sms=132) == 1
+    assert default_mgpu_num_splits(1, 8, 2, 13, sms=132) == 7
+    assert default_mgpu_num_splits(1, 8, 2, 3, sms=132) == 2
+    assert default_mgpu_num_splits(1, 8, 1, 9, sms=132) == 5  # B=1 decode over a 1k prefix
+    assert default_mgpu_num_splits(1, 8, 2, 1, sms=132) == 1
 
 
 def test_warpgroup_layout_splits_keys_of_64_row_heads():

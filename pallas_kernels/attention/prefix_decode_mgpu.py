@@ -79,20 +79,25 @@ SMEM_OVERHEAD = 4096
 # Keys per step the default aims for: two 64-token pages per step (128-key matmuls) rather than one.
 # results: pages-per-step.
 STEP_KEYS = 128
-# A split of fewer key steps than this costs more in its merge and pipeline fill than it saves.
-MIN_STEPS_PER_SPLIT = 4
+# Key steps of the page table per split the default count allows (the shares themselves follow each
+# request's length, `split_key_blocks`). At B=1 over a 1k prefix (9 steps) the decode cascade took
+# 15 us at the 2 splits a four-step minimum gave, 13 at 4 splits (three steps each), 11 at 8 (five
+# splits of two steps, three empty) and 13 at 16 (one step each); two steps a split gives 5 there,
+# the 8-split shares without the empty CTAs (results: mgpu-short-splits).
+MIN_STEPS_PER_SPLIT = 2
 
 
 def default_mgpu_num_splits(batch: int, kv_heads: int, tiles: int, steps: int, sms: int | None = None) -> int:
     """Key splits of the Mosaic prefix: the most that still fit one wave (one CTA per SM; a CTA
-    holds most of an SM's shared memory), and 1 once (B, Hkv, row tiles) fills the SMs.
+    holds most of an SM's shared memory), at most one per MIN_STEPS_PER_SPLIT of the table's `steps`,
+    and 1 once (B, Hkv, row tiles) fills the SMs.
 
     A CTA pays a fixed pipeline fill and output write, so a second wave of half-length splits loses.
     results: mgpu-num-splits.
     """
     sms = sms or num_sms()
     programs = batch * kv_heads * tiles
-    return max(1, min(sms // programs, steps // MIN_STEPS_PER_SPLIT))
+    return max(1, min(sms // programs, -(-steps // MIN_STEPS_PER_SPLIT)))
 
 
 # Key splits one cluster may hold: a power of two up to the portable cluster size (8).
