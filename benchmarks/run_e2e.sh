@@ -13,6 +13,8 @@
 #   bash benchmarks/run_e2e.sh kernels-graphs HEAD OUT [BATCH] [SHAPES] [TEMPS]  # the same at each CUDA-graph setting
 #   bash benchmarks/run_e2e.sh prefill OUT [BATCHES]            # (d): needs no model file
 #
+# XLA_SETS (llama8b) runs one process per ";"-separated set of XLA_FLAGS ("default": none), e.g. whether
+# cuBLAS GEMVs without XLA's split-K reductions beat them at B=1.
 # GRAPHS (default auto) is the decode step's CUDA-graph settings to compare, e.g. GRAPHS=auto,xla
 # (`backends.cuda_graphs`; serve and kernels; llama8b takes `--cuda-graphs` among its ARGS).
 # Only 8 files come back from the device's OUT, so when OUT holds more they are packed into
@@ -46,7 +48,21 @@ step() {  # step NAME SECONDS CMD...: runs CMD under a limit, tees its output to
 case "${1:-}" in
 llama8b)
     OUT=$2
-    step llama8b "${LIMIT:-420}" "$PY" benchmarks/bench_e2e.py llama8b --batches "${3:-1,8,32,64}" --out "$OUT" "${@:4}"
+    if [[ -z "${XLA_SETS:-}" ]]; then
+        step llama8b "${LIMIT:-420}" "$PY" benchmarks/bench_e2e.py llama8b --batches "${3:-1,8,32,64}" --out "$OUT" \
+            "${@:4}"
+    else
+        # XLA_SETS="default;--xla_gpu_enable_triton_gemm=false": one process per set of XLA flags
+        # (read once, when XLA starts), one after the other on the same machine, "default" = none.
+        IFS=';' read -ra sets <<< "$XLA_SETS"
+        for i in "${!sets[@]}"; do
+            flags=${sets[$i]}; [[ $flags == default ]] && flags=
+            mkdir -p "$OUT/xla$i"
+            echo "== XLA_FLAGS set $i: ${flags:-none}" | tee "$OUT/xla$i/flags.txt"
+            XLA_FLAGS="$flags" step "llama8b_xla$i" "${LIMIT:-420}" "$PY" benchmarks/bench_e2e.py llama8b \
+                --batches "${3:-1,8,32,64}" --out "$OUT/xla$i" "${@:4}"
+        done
+    fi
     ;;
 serve)
     GGUF=$2 HEAD=$3 OUT=$4
