@@ -136,7 +136,10 @@ def serve(args):
                     continue
                 t0 = time.perf_counter()
                 engine = _engine(name, batch, temp, cfg, params, tok, head, graphs)
-                n = max(batch, min(len(prompts), args.prompts))
+                # The held-out prompts over and over until the batch fills `--waves` times, so a wide
+                # batch's decode is timed over more than one short wave (at T=0 a repeated prompt
+                # repeats its reply; seeds differ per request).
+                n = max(batch * args.waves, min(len(prompts), args.prompts))
                 reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=args.new_tokens, seed=i,
                                 temperature=temp) for i in range(n)]
                 # Compiles every program the run uses (`Engine.compile`, one at a time on a GPU), then runs
@@ -607,6 +610,8 @@ def main():
     ap.add_argument("--shapes", default="plain,chain-s5,tree-k4s5n16,tree-k8s6n64")
     ap.add_argument("--temperatures", default="0,0.8")
     ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--waves", type=int, default=4,
+                    help="serve: at least this many batches' worth of requests (prompts repeated)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--prompt-tokens", type=int, default=160,
