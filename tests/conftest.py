@@ -16,6 +16,9 @@ import pytest
 # so with fewer of them than warpgroups a kernel can deadlock: on one core (taskset) a fused-window
 # test that passes in 4 s hung until 8 devices were set.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The CLI turns on JAX's persistent compilation cache (`cli.use_compile_cache`); tests that run it
+# must neither write into the user's cache nor find programs a previous run left there.
+os.environ["TREESPEC_COMPILE_CACHE"] = "off"
 # Synchronous CPU dispatch: Pallas' Mosaic GPU interpreter runs the kernel through callbacks that
 # dispatch JAX work of their own, and with asynchronous dispatch the test's next eager op (its
 # dense reference) raced them; a worker once deadlocked there on 2 cores (callback thread and main

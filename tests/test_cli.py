@@ -141,3 +141,27 @@ def test_malformed_values_are_refused_together(capsys):
 def test_no_command_exits_2(capsys):
     assert cli.main([]) == 2
     assert "check-config" in capsys.readouterr().err
+
+
+def test_decode_and_run_use_a_persistent_compile_cache(monkeypatch, tmp_path):
+    """`treespec decode` / `run` keep compiled programs across runs: under the user's
+    JAX_COMPILATION_CACHE_DIR if set, else TREESPEC_COMPILE_CACHE; "off" leaves JAX's cache off."""
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        monkeypatch.setenv("TREESPEC_COMPILE_CACHE", "off")
+        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+        assert cli.use_compile_cache() is None
+        assert jax.config.jax_compilation_cache_dir == before
+        monkeypatch.setenv("TREESPEC_COMPILE_CACHE", str(tmp_path / "xla"))
+        assert cli.use_compile_cache() == str(tmp_path / "xla")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "own"))
+        assert cli.use_compile_cache() == str(tmp_path / "own")
+        monkeypatch.delenv("TREESPEC_COMPILE_CACHE")
+        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+        monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "models"))
+        assert cli.use_compile_cache() == str(tmp_path / "models" / "xla")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

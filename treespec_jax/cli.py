@@ -173,6 +173,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def use_compile_cache() -> str | None:
+    """Turns on JAX's persistent compilation cache for `decode` and `run`, so a second run reuses
+    the programs the first compiled (a GPU engine compiles for tens of seconds). Where: the
+    directory JAX_COMPILATION_CACHE_DIR names if set (the user's own cache wins), else
+    $TREESPEC_COMPILE_CACHE, else `xla/` under the model cache (`models.default.resolve_cache_dir`);
+    TREESPEC_COMPILE_CACHE=off leaves it off. Returns the directory in use, or None."""
+    import os
+
+    import jax
+
+    from treespec_jax.models.default import resolve_cache_dir
+
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]  # JAX reads it itself
+    where = os.environ.get("TREESPEC_COMPILE_CACHE", "")
+    if where.lower() == "off":
+        return None
+    where = where or str(resolve_cache_dir() / "xla")
+    jax.config.update("jax_compilation_cache_dir", where)
+    return where
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
@@ -187,10 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "decode":
         from treespec_jax.decode_cli import run_decode
 
+        use_compile_cache()
         return run_decode(args)
     if args.command == "run":
         from treespec_jax.experiment import run_experiment
 
+        use_compile_cache()
         return run_experiment(args)
     parser.print_help(sys.stderr)
     return EXIT_REFUSED
