@@ -190,8 +190,8 @@ def split_key_blocks(steps, split, splits: int):
 
     The shares follow the request's own length, not the page table's width: a short prefix in a wide
     table still spreads over every split (cdiv(steps, splits) blocks each; trailing splits may get
-    none, lse2 = -inf, dropped by the merge), where fixed shares of the table left all its keys to
-    the first split or two. Shared by the prefix and MLA decodes, Triton and Mosaic."""
+    none, lse2 = -inf, dropped by the merge); fixed shares of the table would leave a short prefix
+    to the first split or two. Shared by the prefix and MLA decodes, Triton and Mosaic."""
     per_split = lax.div(steps + splits - 1, jnp.int32(splits))
     lo = split * per_split
     return lo, jnp.maximum(jnp.minimum(lo + per_split, steps), lo)
