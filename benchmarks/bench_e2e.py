@@ -447,8 +447,7 @@ def llama8b(args):
             "copy_bw": bw, "context": context, "rows": rows}
 
 
-def _time_verify(args, rows, model, params, pools, inputs, batch, n, graphs, floor, prefix="auto", norm="auto",
-                 rope="xla"):
+def _time_verify(args, rows, model, params, pools, inputs, batch, n, graphs, floor, prefix, norm, rope):
     """Times `model.verify` of `n` nodes a request compiled under the CUDA-graph setting `graphs`
     as the engine resolves it (`engine.compile_options`: n = 1 is the plain step, n > 1 a
     speculative round's verify), appends its row and returns the pools it was handed back.

@@ -47,25 +47,25 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * xf.astype(x.dtype)
 
 
+def _kernel_backend(name: str, choice: str, choices: tuple[str, ...], attention: PagedAttention) -> str:
+    """"pallas" or "xla" for a `*_kernel` choice. "auto" takes the kernel only on a GPU (elsewhere
+    it would run interpreted) and without a mesh (the SPMD partitioner cannot split a custom call,
+    and a kernel that writes whole pools would write a shard's)."""
+    if choice not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {choice!r}")
+    if choice == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and attention.mesh is None else "xla"
+    return choice
+
+
 def norm_backend(norm_kernel: str, attention: PagedAttention) -> str:
-    """The `add_rms_norm` backend for a `NORM_KERNELS` choice. "auto" takes the kernel only on a
-    GPU and without a mesh (the SPMD partitioner cannot split a custom call); elsewhere the kernel
-    would run interpreted."""
-    if norm_kernel not in NORM_KERNELS:
-        raise ValueError(f"norm_kernel must be one of {NORM_KERNELS}, got {norm_kernel!r}")
-    if norm_kernel == "auto":
-        return "pallas" if jax.default_backend() == "gpu" and attention.mesh is None else "reference"
-    return "pallas" if norm_kernel == "pallas" else "reference"
+    """The `add_rms_norm` backend ("pallas" or "reference") for a `NORM_KERNELS` choice."""
+    return "pallas" if _kernel_backend("norm_kernel", norm_kernel, NORM_KERNELS, attention) == "pallas" else "reference"
 
 
 def rope_backend(rope_kernel: str, attention: PagedAttention) -> str:
-    """"pallas" or "xla" for a `ROPE_KERNELS` choice; "auto" takes the kernel only on a GPU and
-    without a mesh (the kernel writes whole pools, which a mesh shards by KV head)."""
-    if rope_kernel not in ROPE_KERNELS:
-        raise ValueError(f"rope_kernel must be one of {ROPE_KERNELS}, got {rope_kernel!r}")
-    if rope_kernel == "auto":
-        return "pallas" if jax.default_backend() == "gpu" and attention.mesh is None else "xla"
-    return rope_kernel
+    """"pallas" or "xla" for a `ROPE_KERNELS` choice."""
+    return _kernel_backend("rope_kernel", rope_kernel, ROPE_KERNELS, attention)
 
 
 @functools.lru_cache(maxsize=None)
