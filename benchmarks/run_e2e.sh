@@ -70,13 +70,15 @@ serve)
     [[ "${HF_LIMIT:-200}" == 0 ]] || step hf_compare "${HF_LIMIT:-200}" "$PY" benchmarks/hf_compare.py --gguf "$GGUF" \
         --new-tokens 32 --out "$OUT"
     # One process per batch under its own limit (LIMIT s each): a slow compile at one batch cannot
-    # cost the others' rows.
+    # cost the others' rows. 128 new tokens, as `heads` and bench_e2e's own default, so the table's
+    # accept lengths compare with the head's measurement; the engines' compiles, not their decode
+    # windows, take most of a row's time.
     IFS=, read -ra batches <<< "${5:-1}"
     for b in "${batches[@]}"; do
         mkdir -p "$OUT/b$b"
         step "serve_b$b" "${LIMIT:-380}" "$PY" benchmarks/bench_e2e.py serve --gguf "$GGUF" --head "$HEAD" \
             --batches "$b" --temperatures "${6:-0}" --shapes "${7:-plain,chain-s5,tree-k4s5n16,tree-k8s6n64}" \
-            --prompts "${8:-64}" --new-tokens "${9:-96}" --cuda-graphs "${GRAPHS:-auto}" --out "$OUT/b$b"
+            --prompts "${8:-64}" --new-tokens "${9:-128}" --cuda-graphs "${GRAPHS:-auto}" --out "$OUT/b$b"
     done
     ;;
 heads)
