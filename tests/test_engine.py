@@ -219,15 +219,20 @@ def test_refusals_name_every_reason_and_spare_the_others():
     bad = [Request(prompt=[1, 2, 3], max_new_tokens=600),  # exceeds the context (512)
            Request(prompt=[1, 2, 3], max_new_tokens=4, temperature=0.7),  # greedy backend
            Request(prompt=[], max_new_tokens=4),
-           Request(prompt=[70, 2], max_new_tokens=0)]
-    outs = engine.decode(good[:1] + bad + good[1:])
-    assert [o.finish_reason for o in outs] == ["length", "refused", "refused", "refused", "refused", "length"]
+           Request(prompt=[70, 2], max_new_tokens=0),
+           Request(prompt=[1, 2, 3], max_new_tokens=4, temperature=-1.0)]  # invalid under any backend
+    reqs = good[:1] + bad + good[1:]
+    outs = engine.decode(reqs)
+    assert [o.finish_reason for o in outs] == ["length"] + ["refused"] * 5 + ["length"]
     assert "exceeds the context length 512" in outs[1].error
     assert "greedy" in outs[2].error
     assert "empty" in outs[3].error
     assert "outside [0, 64)" in outs[4].error and "max_new_tokens=0" in outs[4].error
+    assert outs[5].error == "temperature=-1.0 must be finite and >= 0"
+    # The public check answers as the serving loop does, without serving anything.
+    assert [engine.refusal(r) for r in reqs] == [o.error for o in outs]
     alone = _tokens(cached_engine(serve_config("EAGLE3", 2, 3, 6)), good)
-    assert [outs[0].tokens, outs[5].tokens] == alone
+    assert [outs[0].tokens, outs[6].tokens] == alone
 
 
 def test_startup_refusal_lists_every_blocker():

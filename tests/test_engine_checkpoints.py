@@ -75,6 +75,17 @@ def test_decode_command_on_checkpoints(checkpoint_pair, tmp_path, capsys):
     assert cli.main(["decode", "--model", str(target), "--speculative-eagle-topk", "4"] + flags) == cli.EXIT_REFUSED
     err = capsys.readouterr().err
     assert "refused" in err and "topk" in err
+    # Requests none of which can be served are refused before anything compiles, each with its reasons.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": [1, 2, 3], "max_new_tokens": 0}) + "\n"
+                   + json.dumps({"prompt": [1, 2], "temperature": -1.0}) + "\n")
+    base = [f for f in flags if f not in ("--json", "--prompts-file", str(prompts))]
+    with engine_programs_lowered() as lowered:
+        assert cli.main(["decode", "--model", str(target), "--prompts-file", str(bad)] + base) == cli.EXIT_REFUSED
+    assert not lowered, f"compiled for requests it refused: {lowered}"
+    err = capsys.readouterr().err
+    assert "no request can be served" in err
+    assert "max_new_tokens=0 must be >= 1" in err and "temperature=-1.0 must be finite" in err
 
 
 def test_mtp_drafter_is_lossless():

@@ -159,6 +159,15 @@ def run_decode(args) -> int:
     except (ConfigError, ValueError) as err:
         print(f"treespec decode: refused: {err}", file=sys.stderr)
         return EXIT_REFUSED
+    # Checked before anything compiles: when no request can be served the run is refused at once,
+    # naming every request's reasons; otherwise the refused ones are answered in the output.
+    refusals = [engine.refusal(r) for r in requests]
+    if all(refusals):
+        print("treespec decode: refused: no request can be served", file=sys.stderr)
+        for req, why in zip(requests, refusals):
+            print(f"  - {_prompt_text(req)[:60]!r}: {why}", file=sys.stderr)
+        return EXIT_REFUSED
+    served = [r for r, why in zip(requests, refusals) if why is None]
     compare = args.compare_plain or (args.model_dir is None and config.speculative.enabled)
     results = {}
     runs = [("speculative" if config.speculative.enabled else "plain", engine)]
@@ -167,9 +176,9 @@ def run_decode(args) -> int:
         runs.append(("plain", Engine(plain_cfg, engine.target_cfg, engine.params["target"], None, None,
                                      engine.tokenizer)))
     for name, eng in runs:
-        total = sum(r.max_new_tokens for r in requests)
+        total = sum(r.max_new_tokens for r in served)
         # Compiled ahead, so that no compile lands inside the timed decode steps.
-        seconds = eng.compile(requests)
+        seconds = eng.compile(served)
         if not args.json:
             print(f"{name}: compiled in {seconds:.1f} s", file=sys.stderr)
         outs = _decode_with_progress(eng, requests, total, name, quiet=args.json)
@@ -183,8 +192,7 @@ def run_decode(args) -> int:
     first = next(iter(results))
     outs, run = results[first]
     for req, out in zip(requests, outs):
-        prompt = req.prompt if req.prompt is not None else req.messages[-1]["content"]
-        print(f"\n>>> {prompt}")
+        print(f"\n>>> {_prompt_text(req)}")
         if out.finish_reason == "refused":
             print(f"[refused: {out.error}]")
         else:
@@ -212,6 +220,11 @@ def run_decode(args) -> int:
         rows.append(("note", note))
     print(_table(rows))
     return 0
+
+
+def _prompt_text(req) -> str:
+    """What the user wrote for `req`: its prompt, or its last chat message."""
+    return str(req.prompt if req.prompt is not None else req.messages[-1]["content"])
 
 
 def _describe(config: ServeConfig) -> str:

@@ -352,7 +352,7 @@ class Engine:
             reasons.append(f"prompt token ids {bad[:5]} outside [0, {vocab})")
         if not (np.isfinite(temperature) and temperature >= 0):
             reasons.append(f"temperature={temperature} must be finite and >= 0")
-        if self.config.sampling.backend == "greedy" and temperature != 0:
+        elif self.config.sampling.backend == "greedy" and temperature > 0:
             reasons.append(f"temperature={temperature} under the greedy sampling backend (use gumbel or rejection)")
         if not 0 < top_p <= 1:
             reasons.append(f"top_p={top_p} must lie in (0, 1]")
@@ -551,13 +551,23 @@ class Engine:
         return Completion(tokens=list(run.tokens), text=self._final_text(run), finish_reason=run.finish,
                           prompt_tokens=len(run.prompt), stats=run.stats)
 
-    def _read_request(self, index: int, req: Request) -> _Running | Completion:
-        """A request as read from the input: its running record, or the refusal that answers it."""
+    def refusal(self, req: Request) -> str | None:
+        """Why `decode` / `stream` would refuse `req` (every reason, in one string), or None: the
+        check they make when they read it, so a caller can sort out requests before it compiles
+        or serves anything. Nothing runs on the device."""
+        return self._checked(req)[1]
+
+    def _checked(self, req: Request) -> tuple[list[int], str | None]:
+        """(prompt ids, refusal or None) of `req`."""
         try:
             prompt = self._prompt_ids(req)
-            reason = self._refusal(req, prompt)
+            return prompt, self._refusal(req, prompt)
         except ValueError as err:
-            prompt, reason = [], str(err)
+            return [], str(err)
+
+    def _read_request(self, index: int, req: Request) -> _Running | Completion:
+        """A request as read from the input: its running record, or the refusal that answers it."""
+        prompt, reason = self._checked(req)
         if reason is not None:
             return Completion([], "", "refused", len(prompt), self._new_stats(), error=reason)
         limit = len(prompt) + req.max_new_tokens
