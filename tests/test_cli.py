@@ -165,3 +165,28 @@ def test_decode_and_run_use_a_persistent_compile_cache(monkeypatch, tmp_path):
         assert cli.use_compile_cache() == str(tmp_path / "models" / "xla")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_decode_refuses_bad_prompts_and_config_together_before_loading_a_model(capsys, tmp_path, monkeypatch):
+    """Every problem of the prompts file (missing; or its bad lines, each by line) and of the
+    configuration is named at once, and no model is loaded or fetched for a run that is refused."""
+    from treespec_jax.engine import Engine
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a refused run loaded a model")
+
+    monkeypatch.setattr(Engine, "from_pretrained", no_model)
+    monkeypatch.setattr("treespec_jax.decode_cli._resolve", no_model)
+    missing = tmp_path / "missing.jsonl"
+    assert cli.main(["decode", "--prompts-file", str(missing), "--speculative-eagle-topk", "0"]) == cli.EXIT_REFUSED
+    err = capsys.readouterr().err
+    assert f"prompts file {missing}: No such file or directory" in err and "topk = 0" in err
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": \n"just a string"\n\n{"prompt": "x", "temprature": 0.5}\n')
+    assert cli.main(["decode", "--prompts-file", str(bad)]) == cli.EXIT_REFUSED
+    err = capsys.readouterr().err
+    assert f"{bad}:2: not JSON" in err
+    assert f"{bad}:3: a request is a JSON object, got str" in err
+    assert f"{bad}:5: request fields ['temprature']" in err
+    assert f"{bad}:1" not in err

@@ -61,29 +61,50 @@ def add_decode_parser(sub) -> argparse.ArgumentParser:
 PROMPT_LABELS = frozenset({"id", "kind"})
 
 
-def _requests(args, tokenizer):
+def read_entries(prompts_file, prompts) -> list[dict]:
+    """A run's request entries (JSON objects as a prompts file holds them), read before any model
+    loads: the file's lines, then each `prompts` text; the built-in prompts when both are empty.
+    Raises ValueError naming the file and line of every bad entry."""
+    from treespec_jax.engine import Request
+
+    known = {f.name for f in dataclasses.fields(Request)} | PROMPT_LABELS
+    entries, problems = [], []
+    if prompts_file:
+        try:
+            lines = Path(prompts_file).read_text().splitlines()
+        except OSError as err:
+            raise ValueError(f"prompts file {prompts_file}: {err.strerror or err}") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError as err:
+                problems.append(f"{prompts_file}:{n}: not JSON ({err})")
+                continue
+            if not isinstance(entry, dict):
+                problems.append(f"{prompts_file}:{n}: a request is a JSON object, got {type(entry).__name__}")
+                continue
+            unknown = sorted(set(entry) - known)
+            if unknown:
+                problems.append(f"{prompts_file}:{n}: request fields {unknown} are not among {sorted(known)}")
+                continue
+            entries.append(entry)
+    if problems:
+        raise ValueError("; ".join(problems))
+    entries += [{"prompt": text} for text in prompts or ()]
+    return entries or [{"prompt": t} for t in BUILTIN_PROMPTS]
+
+
+def _requests(entries: list[dict], args, tokenizer):
+    """`entries` (`read_entries`) as Requests: `args.max_new_tokens` where an entry sets none, text
+    prompts in the tokenizer's chat template unless `args.raw`."""
     from treespec_jax.engine import Request
 
     default_new = 64 if args.max_new_tokens is None else args.max_new_tokens
-    entries = []
-    if args.prompts_file:
-        for n, line in enumerate(Path(args.prompts_file).read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    entries.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{args.prompts_file}:{n}: not JSON ({err})") from None
-    for text in args.prompt or ():
-        entries.append({"prompt": text})
-    if not entries:
-        entries = [{"prompt": t} for t in BUILTIN_PROMPTS]
     chat = not args.raw and tokenizer is not None and getattr(tokenizer, "chat_template", None)
-    known = {f.name for f in dataclasses.fields(Request)}
     out = []
     for e in entries:
-        unknown = sorted(set(e) - known - PROMPT_LABELS)
-        if unknown:
-            raise ValueError(f"request fields {unknown} are not among {sorted(known | PROMPT_LABELS)}")
         e = {k: v for k, v in e.items() if k not in PROMPT_LABELS}
         e.setdefault("max_new_tokens", default_new)
         if chat and isinstance(e.get("prompt"), str):
@@ -151,13 +172,26 @@ def run_decode(args) -> int:
     from treespec_jax.cli import EXIT_REFUSED, config_from_args
     from treespec_jax.engine import Engine
 
+    # The configuration and the prompts are both checked before any model loads, and every
+    # problem of either is named.
+    problems, config, entries = [], None, None
     try:
-        config = config_from_args(args)
-        target, draft, config, note = _resolve(args, config)
-        engine = Engine.from_pretrained(target, draft, config)
-        requests = _requests(args, engine.tokenizer)
+        config = config_from_args(args).validate()
+    except ConfigError as err:
+        problems.append(str(err))
+    try:
+        entries = read_entries(args.prompts_file, args.prompt)
+    except ValueError as err:
+        problems.append(str(err))
+    try:
+        if not problems:
+            target, draft, config, note = _resolve(args, config)
+            engine = Engine.from_pretrained(target, draft, config)
+            requests = _requests(entries, args, engine.tokenizer)
     except (ConfigError, ValueError) as err:
-        print(f"treespec decode: refused: {err}", file=sys.stderr)
+        problems.append(str(err))
+    if problems:
+        print("\n".join(f"treespec decode: refused: {p}" for p in problems), file=sys.stderr)
         return EXIT_REFUSED
     # Checked before anything compiles: when no request can be served the run is refused at once,
     # naming every request's reasons; otherwise the refused ones are answered in the output.

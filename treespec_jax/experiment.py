@@ -76,12 +76,13 @@ def load_experiment(path: Path) -> tuple[ServeConfig, dict, list[tuple[str, Serv
 
 def run_experiment(args) -> int:
     from treespec_jax.cli import EXIT_REFUSED
-    from treespec_jax.decode_cli import _requests, _resolve
+    from treespec_jax.decode_cli import _requests, _resolve, read_entries
     from treespec_jax.engine import Engine
 
     try:
         _, exp, runs = load_experiment(args.config)
-    except ConfigError as err:
+        entries = read_entries(exp.get("prompts") or None, None)  # before any setting runs
+    except (ConfigError, ValueError) as err:
         print(f"treespec run: refused: {err}", file=sys.stderr)
         return EXIT_REFUSED
     name = exp.get("name", args.config.stem)
@@ -94,7 +95,7 @@ def run_experiment(args) -> int:
         if not cfg.speculative.enabled:
             draft = None
         engine = Engine.from_pretrained(target, draft, cfg)
-        requests = _requests(ns, engine.tokenizer)
+        requests = _requests(entries, ns, engine.tokenizer)
         if exp.get("limit"):
             requests = requests[: int(exp["limit"])]
         engine.compile(requests)  # no compile inside the timed run: settings compare by their steps
