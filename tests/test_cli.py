@@ -190,3 +190,13 @@ def test_decode_refuses_bad_prompts_and_config_together_before_loading_a_model(c
     assert f"{bad}:3: a request is a JSON object, got str" in err
     assert f"{bad}:5: request fields ['temprature']" in err
     assert f"{bad}:1" not in err
+
+
+def test_a_temperature_alone_samples_by_default(capsys):
+    """The default sampling backend (gumbel) takes a temperature without further flags; the greedy
+    backend, asked for by name, refuses it."""
+    code, out, err = run(capsys, *TREE, "--temperature", "0.8")
+    assert code == 0, err
+    assert printed_config(out).sampling.backend == "gumbel"
+    code, _, err = run(capsys, *TREE, "--temperature", "0.8", "--sampling-backend", "greedy")
+    assert code == 2 and "'greedy' takes argmax" in err

@@ -176,7 +176,7 @@ def test_every_problem_is_reported_at_once():
         (dict(sampling=SamplingConfig(backend="gumbel", top_p=0.0)), "top_p = 0.0"),
         (dict(sampling=SamplingConfig(backend="gumbel", top_k=0)), "top_k = 0"),
         (dict(sampling=SamplingConfig(backend="gumbel", temperature=math.nan)), "temperature = nan"),
-        (dict(sampling=SamplingConfig(temperature=0.7)), "'greedy' takes argmax"),
+        (dict(sampling=SamplingConfig(backend="greedy", temperature=0.7)), "'greedy' takes argmax"),
         (dict(parallel=ParallelConfig(tp_size=3, dp_size=2, enable_dp_attention=True)), "tp_size = 3, dp_size = 2"),
         (dict(model=ModelConfig(dtype="int8")), "model.dtype = 'int8' is not one of"),
         (dict(scheduler=SchedulerConfig(max_running_requests=0)), "max_running_requests = 0"),

@@ -223,9 +223,12 @@ class KVCacheConfig:
 class SamplingConfig:
     """Target-side sampling and acceptance, and the default per-request sampling parameters."""
 
-    backend: str = opt("greedy", "--sampling-backend",
-                       "acceptance: greedy argmax, keyed Gumbel-max (gumbel), tree rejection sampling",
-                       SAMPLING_BACKENDS)
+    # "gumbel" by default: it serves greedy and sampled requests side by side, each token for token
+    # what plain decoding with its seed gives, and a batch of greedy requests costs what "greedy"
+    # costs (its step draws argmax only, `Engine._draw_of`). "greedy" refuses any temperature > 0.
+    backend: str = opt("gumbel", "--sampling-backend",
+                       "acceptance: keyed Gumbel-max (gumbel; argmax at temperature 0), greedy argmax only, "
+                       "tree rejection sampling", SAMPLING_BACKENDS)
     temperature: float = opt(0.0, "--temperature", "default temperature; 0 = argmax (greedy backend requires 0)")
     top_k: int = opt(-1, "--top-k", "default top-k; -1 = off")
     top_p: float = opt(1.0, "--top-p", "default nucleus mass in (0, 1]; 1 = off")

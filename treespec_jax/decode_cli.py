@@ -248,7 +248,10 @@ def run_decode(args) -> int:
             verdict = "" if ratio >= 1 else ": speculation did not pay in this run"
             rows.append(("speedup", f"{ratio:.2f}x decode tokens/s vs plain decoding, same run{verdict}"))
         same = all(a.tokens == b.tokens for a, b in zip(results[first][0], results["plain"][0]))
-        if all(r.temperature in (None, 0) for r in requests) and config.sampling.temperature == 0:
+        # Greedy requests, and under the gumbel backend sampled ones too, give plain decoding's
+        # tokens; rejection sampling is exact in distribution only.
+        greedy = all(r.temperature in (None, 0) for r in requests) and config.sampling.temperature == 0
+        if greedy or config.sampling.backend == "gumbel":
             rows.append(("same tokens as plain", "yes" if same else "NO (see benchmarks/RESULTS.md on bf16 ties)"))
     if note:
         rows.append(("note", note))
