@@ -20,7 +20,7 @@ from engine_fixtures import (ENGINE_PROGRAMS, PAGE, cached_engine, dense_forward
                              mixed_requests, oracle_engine, serve_config, tiny_config, tiny_target, with_cuda_graphs)
 from treespec_jax.config import ConfigError
 from treespec_jax.engine import Engine, Request
-from treespec_jax.engine.loading import attention_for
+from treespec_jax.engine.loading import attention_for, attention_kind
 from treespec_jax.models.llama import LlamaModel, fuse_projections, init_params, kv_buffer_names
 
 
@@ -112,6 +112,21 @@ def test_fp8_kv_tree_equals_chain():
 
 
 # The kernel path is the same code for every family, so one family covers it.
+@pytest.mark.parametrize("choice,kernel,gpu,kind", [
+    ("auto", "pallas", False, "dense"), ("auto", "pallas", True, "cascade"),
+    ("auto", "interpret", False, "cascade"), ("auto", "reference", False, "cascade"),
+    ("cascade", "pallas", False, "cascade"), ("dense", "pallas", True, "dense")])
+def test_auto_attention_takes_the_kernels_where_they_compile(monkeypatch, choice, kernel, gpu, kind):
+    """"auto" runs the cascade kernels on a GPU and XLA's dense attention elsewhere (where the
+    kernels would run interpreted), unless an interpret / reference kernel path is asked for."""
+    import pallas_kernels.common
+
+    monkeypatch.setattr(pallas_kernels.common, "on_gpu", lambda: gpu)
+    config = serve_config(attention=choice, kernel=kernel)
+    assert attention_kind(config) == kind
+    assert attention_for(config).kind == kind
+
+
 # Fused: the model reads `fuse_projections` of the params (as the engine serves them), the
 # reference the separate weights, so a wrong column grouping (q heads against the wrong KV head, a
 # gate column against another's up) or a lost bias cannot pass.

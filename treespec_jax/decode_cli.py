@@ -139,9 +139,6 @@ def _resolve(args, config: ServeConfig, fill_tree: bool = True):
         if not gpu:
             note = ("on a CPU the default tree is small (K=2, S=3, N=6): there a verify costs more the more "
                     "nodes it holds; on a GPU the default is K=4, S=5, N=16")
-    if not _on_gpu() and config.backends.attention_backend == "auto":
-        # The kernels run in interpret mode on a CPU; XLA's dense attention is the fast path there.
-        config = config.replace(backends=dataclasses.replace(config.backends, attention_backend="dense"))
     if config.model.dtype == "bf16" and not _on_gpu():
         config = config.replace(model=dataclasses.replace(config.model, dtype="fp32"))
     config = _sized(config, target_given=args.model_dir is not None)
@@ -267,7 +264,9 @@ def _prompt_text(req) -> str:
 def _describe(config: ServeConfig) -> str:
     from treespec_jax.cli import describe
 
-    return f"{describe(config)}; {config.model.dtype}, {config.backends.attention_backend} attention"
+    from treespec_jax.engine.loading import attention_kind
+
+    return f"{describe(config)}; {config.model.dtype}, {attention_kind(config)} attention"
 
 
 def _decode_with_progress(engine, requests, total, name, quiet):

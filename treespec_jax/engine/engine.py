@@ -39,7 +39,7 @@ from treespec_jax.cache.routing import CompactionRouter
 from treespec_jax.config import MAX_SEED, ConfigError, ServeConfig
 from treespec_jax.drafter.base import Drafter
 from treespec_jax.engine.compile_options import step_compiler_options
-from treespec_jax.engine.loading import attention_for
+from treespec_jax.engine.loading import attention_for, attention_kind
 from treespec_jax.engine.round import DecodeState, Round, RoundShape, StepOutput, bootstrap_tree
 from treespec_jax.engine.scheduler import PageAllocator, pages_needed, table_row
 from treespec_jax.engine.stats import RequestStats, RunStats
@@ -159,7 +159,7 @@ class Engine:
         except ConfigError as err:
             problems += err.problems
         sp = config.speculative
-        kind = "dense" if config.backends.attention_backend == "dense" else "cascade"
+        kind = attention_kind(config)
         problems += _head_dim_problems("target", target_cfg, kind)
         if sp.enabled and drafter is None:
             problems.append(f"speculative algorithm {sp.algorithm} needs a drafter (a draft model directory)")

@@ -16,9 +16,23 @@ from treespec_jax.models.attention import PagedAttention
 DEFAULT_TREE = SpeculativeConfig(algorithm="EAGLE3", topk=4, num_steps=5, num_draft_tokens=16)
 
 
+def attention_kind(config: ServeConfig) -> str:
+    """The attention a run's layers take (`PagedAttention.kind`): "cascade" (the Pallas kernels)
+    or "dense" (XLA over the gathered pages, fp32 softmax). `attention_backend = "auto"` takes the
+    kernels on a GPU, where they compile, and XLA elsewhere: off the GPU the kernels run in Pallas'
+    interpreter, exact but far too slow to serve a real model (a CPU test asks for "cascade", or
+    for an "interpret" / "reference" kernel backend, to run them there)."""
+    choice = config.backends.attention_backend
+    if choice == "auto":
+        from pallas_kernels.common import on_gpu
+
+        return "cascade" if on_gpu() or config.backends.kernel_backend != "pallas" else "dense"
+    return "dense" if choice == "dense" else "cascade"
+
+
 def attention_for(config: ServeConfig) -> PagedAttention:
     """The attention every layer of a run uses (target and drafter share it)."""
-    kind = "dense" if config.backends.attention_backend == "dense" else "cascade"
+    kind = attention_kind(config)
     backend = None if config.backends.kernel_backend == "pallas" else config.backends.kernel_backend
     return PagedAttention(config.kv_cache.page_size, kind=kind, kernel_backend=backend,
                           prefix_kernel=config.backends.prefix_kernel)
