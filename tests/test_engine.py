@@ -8,6 +8,8 @@ the Pallas kernels in interpret mode. The drafter is the target itself with seed
 """
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,8 @@ from engine_fixtures import (ENGINE_PROGRAMS, PAGE, cached_engine, dense_forward
                              mixed_requests, oracle_engine, serve_config, tiny_config, tiny_target, with_cuda_graphs)
 from treespec_jax.config import ConfigError
 from treespec_jax.engine import Engine, Request
+from treespec_jax.engine import engine as engine_module
+from treespec_jax.engine.scheduler import pool_pages
 from treespec_jax.engine.loading import attention_for, attention_kind
 from treespec_jax.models.llama import LlamaModel, fuse_projections, init_params, kv_buffer_names
 
@@ -261,6 +265,39 @@ def test_startup_refusal_lists_every_blocker():
     text = str(err.value)
     for needle in ("head_dim 12", "needs a drafter", "tp_size=3", "temperature 0"):
         assert needle in text, (needle, text)
+
+
+def test_pool_pages_rule():
+    """Explicit tokens win; otherwise every slot's full context, cut to what the memory fraction
+    holds after the weights, and refused with the numbers below one full-context request."""
+    rule = functools.partial(pool_pages, slots=4, table_width=10, page_size=16, page_bytes=1000,
+                             mem_fraction=0.5, weight_bytes=2000)
+    assert rule(max_total_tokens=100, device_bytes=10 ** 9) == (8, [])  # 7 pages of 16 + scratch
+    assert rule(max_total_tokens=None, device_bytes=None) == (41, [])  # no memory reported: full
+    assert rule(max_total_tokens=None, device_bytes=10 ** 9) == (41, [])  # room for all of it
+    assert rule(max_total_tokens=None, device_bytes=2 * (2000 + 26 * 1000)) == (26, [])  # 25 pages + scratch
+    pages, problems = rule(max_total_tokens=None, device_bytes=2 * (2000 + 10 * 1000))
+    assert len(problems) == 1 and "9 pages of 16 tokens" in problems[0] and "needs 10" in problems[0]
+
+
+def test_pools_sized_from_the_device_memory(monkeypatch):
+    """Without max_total_tokens the engine sizes its pools from `mem_fraction_static` of what the
+    device reports (the CPU reports nothing: a fake report stands in) and still serves; a device
+    too small for one request refuses the run naming the fraction."""
+    cfg, params = tiny_target()
+    config = serve_config(total_tokens=None, slots=4)
+    full = Engine(config, cfg, params)
+    weights = sum(x.nbytes for x in jax.tree.leaves(params))
+    page_bytes = PAGE * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K and V
+    room = full.table_width + 4  # pages the fake device holds after the weights, the scratch page included
+    monkeypatch.setattr(engine_module, "_device_bytes", lambda devices: math.ceil((weights + room * page_bytes) / 0.85))
+    cut = Engine(config, cfg, params)
+    assert (full.num_pages, cut.num_pages) == (4 * full.table_width + 1, room)
+    reqs = mixed_requests()[:3]
+    assert _tokens(cut, reqs) == _tokens(full, reqs)
+    monkeypatch.setattr(engine_module, "_device_bytes", lambda devices: weights)
+    with pytest.raises(ConfigError, match="mem_fraction_static = 0.85"):
+        Engine(config, cfg, params)
 
 
 def test_waiting_for_pages():

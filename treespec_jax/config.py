@@ -214,9 +214,11 @@ class KVCacheConfig:
     dtype: str = opt("auto", "--kv-cache-dtype", "KV pool dtype; auto = the model dtype", KV_CACHE_DTYPES)
     page_size: int = opt(64, "--page-size", "tokens per page (a power of two; kernels tile by it)")
     mem_fraction_static: float = opt(0.85, "--mem-fraction-static",
-                                     "fraction of device memory for weights plus KV pools")
+                                     "fraction of device memory for weights plus KV pools (where the device "
+                                     "reports its memory; a CPU does not)")
     max_total_tokens: int | None = opt(None, "--max-total-tokens",
-                                       "KV pool capacity in tokens; omitted: sized from mem_fraction_static")
+                                       "KV pool capacity in tokens; omitted: every slot's full context, cut to "
+                                       "what mem_fraction_static holds")
 
 
 @dataclass(frozen=True)

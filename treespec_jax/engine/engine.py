@@ -41,7 +41,7 @@ from treespec_jax.drafter.base import Drafter
 from treespec_jax.engine.compile_options import step_compiler_options
 from treespec_jax.engine.loading import attention_for, attention_kind
 from treespec_jax.engine.round import DecodeState, Round, RoundShape, StepOutput, bootstrap_tree
-from treespec_jax.engine.scheduler import PageAllocator, pages_needed, table_row
+from treespec_jax.engine.scheduler import PageAllocator, pages_needed, pool_pages, table_row
 from treespec_jax.engine.stats import RequestStats, RunStats
 from treespec_jax.models.config import LlamaConfig
 from treespec_jax.models.llama import LlamaModel, fuse_projections, kv_buffer_names
@@ -115,6 +115,29 @@ def _kv_dtype(config: ServeConfig) -> str:
     return KV_DTYPES[config.kv_dtype]
 
 
+def _token_bytes(config: ServeConfig, target_cfg: LlamaConfig, drafter: Drafter | None) -> int:
+    """KV bytes one token position takes across every pool: the target's K and V of each layer,
+    and the drafter's buffers (`Drafter.pool_specs`)."""
+    item = jnp.dtype(_kv_dtype(config)).itemsize
+    rows = [(target_cfg.num_kv_heads, target_cfg.head_dim)] * (2 * target_cfg.num_layers)
+    if drafter is not None:
+        rows += [row for row, _ in drafter.pool_specs().values()]
+    return item * sum(int(np.prod(row)) for row in rows)
+
+
+def _nbytes(*trees) -> int:
+    """Bytes of the arrays in `trees`, each array once (the drafter shares the target's embedding)."""
+    unique = {id(x): x for x in jax.tree.leaves(trees)}
+    return sum(int(getattr(x, "nbytes", 0)) for x in unique.values())
+
+
+def _device_bytes(devices: Sequence[jax.Device] | None) -> int | None:
+    """The memory the first device lets JAX allocate (`memory_stats()["bytes_limit"]`), or None
+    where it reports none (a CPU)."""
+    stats = (list(devices) if devices else jax.devices())[0].memory_stats()
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
 def _completes_stop(text: str, seen: int, stops: Sequence[str]) -> bool:
     """Whether a stop string occurs in `text` ending past its first `seen` characters."""
     return any(s and text.find(s, max(0, seen - len(s) + 1)) >= 0 for s in stops)
@@ -173,23 +196,30 @@ class Engine:
             problems.append(f"context_length {context} exceeds the model's {target_cfg.max_position_embeddings}")
         if config.sampling.backend == "greedy" and config.sampling.temperature != 0:
             problems.append(f"sampling backend greedy needs temperature 0, the default is {config.sampling.temperature}")
+        slots = config.scheduler.max_running_requests
+        num_nodes = sp.verify_tokens if sp.enabled else 1
+        table_width = pages_needed(context, num_nodes, config.kv_cache.page_size)
+        # Under tensor parallelism the pools and weights are sharded: sized in full, as off a GPU.
+        device_bytes = _device_bytes(devices) if config.parallel.tp_size == 1 else None
+        num_pages, pool_problems = pool_pages(
+            slots=slots, table_width=table_width, page_size=config.kv_cache.page_size,
+            page_bytes=config.kv_cache.page_size * _token_bytes(config, target_cfg, drafter),
+            max_total_tokens=config.kv_cache.max_total_tokens, mem_fraction=config.kv_cache.mem_fraction_static,
+            weight_bytes=_nbytes(target_params, draft_params), device_bytes=device_bytes)
+        problems += pool_problems
         if problems:
             raise ConfigError(problems)
 
         self.config = config
         self.tokenizer = tokenizer
         self.target_cfg = target_cfg
-        self.num_nodes = sp.verify_tokens if sp.enabled else 1
+        self.num_nodes = num_nodes
         # Each draft step adds one tree level: no accepted path is deeper than S.
         self.max_depth = min(sp.steps, self.num_nodes - 1) if sp.enabled else 0
         self.page_size = config.kv_cache.page_size
-        self.slots = config.scheduler.max_running_requests
+        self.slots = slots
         self.context = context
-        self.table_width = pages_needed(context, self.num_nodes, self.page_size)
-        if config.kv_cache.max_total_tokens is not None:
-            num_pages = -(-config.kv_cache.max_total_tokens // self.page_size) + 1
-        else:
-            num_pages = self.slots * self.table_width + 1
+        self.table_width = table_width
         self.num_pages = num_pages
         self.chunk = min(config.scheduler.chunked_prefill_size, 256)
         # Requests prefilled in one batch, at most: as many chunks as the prefill token budget holds,

@@ -57,3 +57,31 @@ def table_row(pages: list[int], width: int) -> np.ndarray:
     row = np.full((width,), SCRATCH_PAGE, np.int32)
     row[: len(pages)] = pages
     return row
+
+
+def pool_pages(*, slots: int, table_width: int, page_size: int, page_bytes: int, max_total_tokens: int | None,
+               mem_fraction: float, weight_bytes: int, device_bytes: int | None) -> tuple[int, list[str]]:
+    """(pages of the KV pools, the scratch page included; the problems that refuse that size).
+
+    `max_total_tokens` given: that many tokens, in whole pages. Otherwise every slot's full context
+    (`slots * table_width` pages, so no admission ever waits for pages), cut to what
+    `mem_fraction` of the device's memory (`device_bytes`) holds after the weights, at
+    `page_bytes` a page across every pool (target and drafter). A device that reports no memory
+    (`device_bytes` None: a CPU) gets the full size. Fewer pages than one request of the full
+    context needs refuse the run, with the numbers.
+    """
+    if max_total_tokens is not None:
+        return -(-max_total_tokens // page_size) + 1, []
+    full = slots * table_width
+    if device_bytes is None:
+        return full + 1, []
+    budget = int(mem_fraction * device_bytes) - weight_bytes
+    fit = max(budget, 0) // page_bytes - 1  # less the scratch page
+    if fit < table_width:
+        gib = 2 ** 30
+        return full + 1, [
+            f"KV pools: kv_cache.mem_fraction_static = {mem_fraction} of {device_bytes / gib:.2f} GiB leaves "
+            f"{budget / gib:.2f} GiB after {weight_bytes / gib:.2f} GiB of weights, {max(fit, 0)} pages of "
+            f"{page_size} tokens ({page_bytes} bytes each); one request of the full context needs {table_width} "
+            f"(raise mem_fraction_static, or set kv_cache.max_total_tokens or model.context_length)"]
+    return min(full, fit) + 1, []
