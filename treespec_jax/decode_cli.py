@@ -263,7 +263,6 @@ def _prompt_text(req) -> str:
 
 def _describe(config: ServeConfig) -> str:
     from treespec_jax.cli import describe
-
     from treespec_jax.engine.loading import attention_kind
 
     return f"{describe(config)}; {config.model.dtype}, {attention_kind(config)} attention"
