@@ -23,8 +23,8 @@ from engine_fixtures import (ENGINE_PROGRAMS, PAGE, cached_engine, dense_forward
 from treespec_jax.config import ConfigError
 from treespec_jax.engine import Engine, Request
 from treespec_jax.engine import engine as engine_module
-from treespec_jax.engine.scheduler import pool_pages
 from treespec_jax.engine.loading import attention_for, attention_kind
+from treespec_jax.engine.scheduler import pool_pages
 from treespec_jax.models.llama import LlamaModel, fuse_projections, init_params, kv_buffer_names
 
 
@@ -115,7 +115,6 @@ def test_fp8_kv_tree_equals_chain():
     assert tree == chain
 
 
-# The kernel path is the same code for every family, so one family covers it.
 @pytest.mark.parametrize("choice,kernel,gpu,kind", [
     ("auto", "pallas", False, "dense"), ("auto", "pallas", True, "cascade"),
     ("auto", "interpret", False, "cascade"), ("auto", "reference", False, "cascade"),
@@ -131,6 +130,7 @@ def test_auto_attention_takes_the_kernels_where_they_compile(monkeypatch, choice
     assert attention_for(config).kind == kind
 
 
+# The kernel path is the same code for every family, so one family covers it.
 # Fused: the model reads `fuse_projections` of the params (as the engine serves them), the
 # reference the separate weights, so a wrong column grouping (q heads against the wrong KV head, a
 # gate column against another's up) or a lost bias cannot pass.

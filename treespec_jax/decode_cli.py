@@ -180,13 +180,13 @@ def run_decode(args) -> int:
         entries = read_entries(args.prompts_file, args.prompt)
     except ValueError as err:
         problems.append(str(err))
-    try:
-        if not problems:
+    if not problems:
+        try:
             target, draft, config, note = _resolve(args, config)
             engine = Engine.from_pretrained(target, draft, config)
             requests = _requests(entries, args, engine.tokenizer)
-    except (ConfigError, ValueError) as err:
-        problems.append(str(err))
+        except (ConfigError, ValueError) as err:
+            problems.append(str(err))
     if problems:
         print("\n".join(f"treespec decode: refused: {p}" for p in problems), file=sys.stderr)
         return EXIT_REFUSED
