@@ -6,6 +6,7 @@
 #                                                              # --separate --profile --nodes 1
 #   bash benchmarks/run_e2e.sh serve GGUF HEAD OUT [BATCHES] [TEMPS] [SHAPES] [PROMPTS] [TOKENS]
 #                                                              # HF equality + peer, then (a)
+#   bash benchmarks/run_e2e.sh peer GGUF OUT [BATCHES] [TOKENS]  # transformers' generate tok/s alone
 #   bash benchmarks/run_e2e.sh heads GGUF HEAD_A HEAD_B OUT [SHAPES] [PROMPTS] [TOKENS]
 #                                                              # acceptance of two heads, b1 greedy
 #   bash benchmarks/run_e2e.sh breakdown GGUF HEAD OUT [BATCH]  # (b)
@@ -34,7 +35,7 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENT
 PY="${PYTHON:-python3}"
 # shellcheck source=need_gguf.sh
 source "$ROOT/benchmarks/need_gguf.sh"
-case "${1:-}" in serve | heads | breakdown) need_gguf "$PY" "$ROOT" || exit 1 ;; esac
+case "${1:-}" in serve | peer | heads | breakdown) need_gguf "$PY" "$ROOT" || exit 1 ;; esac
 
 step() {  # step NAME SECONDS CMD...: runs CMD under a limit, tees its output to OUT/NAME.log
     local name=$1 limit=$2
@@ -80,6 +81,12 @@ serve)
             --batches "$b" --temperatures "${6:-0}" --shapes "${7:-plain,chain-s5,tree-k4s5n16,tree-k8s6n64}" \
             --prompts "${8:-64}" --new-tokens "${9:-128}" --cuda-graphs "${GRAPHS:-auto}" --out "$OUT/b$b"
     done
+    ;;
+peer)
+    # The serve table's peer at every batch it has (hf_compare measures b1 and b8 beside its equality check).
+    GGUF=$2 OUT=$3
+    step hf_peer "${LIMIT:-240}" "$PY" benchmarks/hf_compare.py --gguf "$GGUF" --peer-only \
+        --peer-batches "${4:-1,8,32,64}" --new-tokens "${5:-128}" --out "$OUT"
     ;;
 heads)
     # One process per head, same prompts and shapes: whether a newly trained head accepts more.

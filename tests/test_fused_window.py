@@ -416,3 +416,49 @@ def test_default_ring_of_the_fused_fp8_key_split():
     assert default_ring(128, 128, FP8, 64, True, None, None) == (2, None)  # two row-owning warpgroups
     assert default_ring(64, 128, jnp.bfloat16, 64, True, None, None) == (2, None)  # 16-bit pools
     assert default_ring(64, 128, FP8, 128, True, None, None) == (2, None)  # a page is a whole step
+
+
+def test_head_layout_rows_pads_only_what_the_fused_kernel_would_transpose():
+    """`cascade.head_layout_rows`: the rows a query written by its layer should carry, so that the
+    fused kernel reads it in head layout: R * G padded to the kernel's tile, over G."""
+    from treespec_jax.attention.cascade import head_layout_rows
+
+    pool = jax.ShapeDtypeStruct((PAGE * 8, 8, 128), jnp.bfloat16)
+    mosaic = CascadeConfig(page_size=PAGE, prefix_kernel="mosaic_gpu")
+    rows = {r: head_layout_rows((2, r, 32, 128), jnp.bfloat16, pool, mosaic) for r in (1, 5, 16, 17, 32)}
+    assert rows == {1: 16, 5: 16, 16: 16, 17: 32, 32: 32}
+    # A group of 3 has no head layout; the Triton prefix and an unfused cascade transpose anyway.
+    assert head_layout_rows((2, 1, 9, 128), jnp.bfloat16, jax.ShapeDtypeStruct((512, 3, 128), jnp.bfloat16),
+                            mosaic) == 1
+    triton = CascadeConfig(page_size=PAGE, prefix_kernel="triton")
+    assert head_layout_rows((2, 1, 32, 128), jnp.bfloat16, pool, triton) == 1
+    unfused = CascadeConfig(page_size=PAGE, prefix_kernel="mosaic_gpu", fuse_window=False)
+    assert head_layout_rows((2, 1, 32, 128), jnp.bfloat16, pool, unfused) == 1
+
+
+@pytest.mark.parametrize("n,lengths", cases([(1, [70, 200]), (5, [3, 129]), (17, [64, 10])], default=(0,)))
+def test_padded_query_reads_in_head_layout(monkeypatch, n, lengths, backend):
+    """A window forward's query handed to `PagedAttention.attend` with the rows of `query_rows`
+    (rows past N poisoned with NaN: they are read, and must reach no real row) runs the fused
+    kernel in head layout and equals dense attention over the N real rows."""
+    from treespec_jax.models.attention import AttentionBatch, PagedAttention
+
+    seen = spy_on_kernels(monkeypatch)
+    d, group = 64, 4
+    q, k, v, table, lens, mask = verify_case(np.random.default_rng(n + 40), lengths, n, 2, group, d, PAGE,
+                                             jnp.bfloat16)
+    attention = PagedAttention(PAGE, kind="cascade", kernel_backend=backend, prefix_kernel="mosaic_gpu")
+    rows = attention.query_rows(q.shape, q.dtype, k, "window")
+    assert rows == (16 if n <= 16 else 32)
+    assert attention.query_rows(q.shape, q.dtype, k, "lanes") == n
+    padded = jnp.concatenate([q, jnp.full((q.shape[0], rows - n) + q.shape[2:], jnp.nan, q.dtype)], axis=1)
+    positions = lens[:, None] + jnp.arange(n, dtype=jnp.int32)[None]
+    batch = AttentionBatch(positions=positions, write_slots=positions, page_table=table, prefix_lengths=lens,
+                           mask=mask, mode="window")
+    out = attention.attend(padded, k, v, batch)
+    dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=n, page_size=PAGE, scale=d ** -0.5)
+    assert out.shape == q.shape and np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, dense) < 1e-2
+    assert seen == {"prefix": [(n, True)], "window_kernel": 0}
+    with pytest.raises(ValueError, match="q has 16 rows for a 'lanes' forward"):
+        attention.attend(padded[:, :16], k, v, batch.replace(mode="lanes", lane_steps=2))

@@ -117,3 +117,64 @@ def test_rope_kernel_with_tensor_parallelism_is_refused():
     with pytest.raises(ValueError, match="'fused'"):
         LlamaModel(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
                                num_kv_heads=1, head_dim=8), None, (), rope_kernel="fused")
+
+
+@pytest.mark.parametrize("b,t,hkv,rep,d,q_rows", [(2, 1, 2, 4, 64, 16), (2, 3, 1, 8, 16, 8)])
+def test_rope_write_kv_pads_the_query_with_zero_rows(backend, b, t, hkv, rep, d, q_rows):
+    # `q_rows`: the query written straight into the attention's head-layout rows. Rows past T are
+    # zero (the output buffer is not: the interpreter fills it with NaN), the rest as unpadded.
+    rng = np.random.default_rng(t * 10 + rep)
+    qkv, positions, slots, (k_pool, v_pool) = _inputs(rng, b, t, hkv, rep, d, jnp.bfloat16, jnp.bfloat16)
+    inv_freq = rope_inv_freq(d, 1e4, None)
+    q, k_out, v_out = rope_write_kv(qkv, positions, slots, k_pool, v_pool, inv_freq, backend=backend, q_rows=q_rows)
+    want_q, want_k, want_v = rope_write_kv(qkv, positions, slots, k_pool, v_pool, inv_freq, backend=backend)
+    assert q.shape == (b, q_rows, hkv * rep, d)
+    np.testing.assert_array_equal(np.asarray(q[:, :t], np.float32), np.asarray(want_q, np.float32))
+    np.testing.assert_array_equal(np.asarray(q[:, t:], np.float32), 0.0)
+    for got, want in ((k_out, want_k), (v_out, want_v)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    ref_q, _, _ = rope_write_kv_reference(qkv, positions, slots, k_pool, v_pool, inv_freq, q_rows=q_rows)
+    np.testing.assert_array_equal(np.asarray(ref_q[:, t:], np.float32), 0.0)
+    with pytest.raises(ValueError, match=f"q_rows {t - 1} is fewer than the T={t} rows"):
+        rope_write_kv(qkv, positions, slots, k_pool, v_pool, inv_freq, backend=backend, q_rows=t - 1)
+
+
+def test_verify_with_the_query_written_in_head_layout(monkeypatch):
+    # 8B-like heads (G = 4) under the fused Mosaic cascade (interpreted): the RoPE kernel writes a
+    # plain step's and a 5-node verify's query zero-padded to 16 rows (`PagedAttention.query_rows`),
+    # and the forward equals the one whose query XLA rotates unpadded.
+    import pallas_kernels.rope_kv as rope_module
+    from treespec_jax.models import llama as llama_module
+    from treespec_jax.models.attention import PagedAttention
+    from treespec_jax.tree.masks import ancestor_mask, chain_parents
+
+    written = []
+    real = rope_module.rope_write_kv
+
+    def spy(*args, **kwargs):
+        written.append(kwargs.get("q_rows"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llama_module, "rope_write_kv", spy)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=8,
+                      num_kv_heads=2, head_dim=64, rope_theta=1e4, tie_word_embeddings=False)
+    params = fuse_projections(init_params(cfg, jax.random.PRNGKey(5), dtype="bf16"), cfg)
+    attention = PagedAttention(64, kind="cascade", kernel_backend="interpret", prefix_kernel="mosaic_gpu")
+    table = jnp.asarray([[1, 2]], jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (1, 75)), jnp.int32)
+    lengths = jnp.full((1,), 70, jnp.int32)
+    out = {}
+    for kind in ("xla", "pallas"):
+        model = LlamaModel(cfg, attention, (0, cfg.num_layers), rope_kernel=kind)
+        pools = {n: jnp.asarray(np.random.default_rng(2).standard_normal((3 * 64, 2, 64)), jnp.bfloat16)
+                 for n in ("k0", "v0")}
+        _, _, pools = model.prefill(params, pools, tokens[:, :70], table, jnp.zeros((1,), jnp.int32), lengths)
+        step_logits, _, _ = model.decode(params, pools, tokens[:, 70], table, lengths)
+        mask = ancestor_mask(chain_parents(1, 5))
+        verify_logits, _, _ = model.verify(params, pools, tokens[:, 70:], lengths[:, None] + jnp.arange(5)[None],
+                                           mask, table, lengths)
+        out[kind] = (step_logits, verify_logits)
+    assert written == [70, 16, 16]  # a prefill chunk keeps its own rows
+    for got, want in zip(out["pallas"], out["xla"]):
+        assert np.isfinite(np.asarray(got, np.float32)).all()
+        assert rel_err(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 1e-2
