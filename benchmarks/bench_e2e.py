@@ -413,13 +413,10 @@ def llama8b(args):
     # few query rows are padded to a Mosaic tile, so the choice may differ from the verify's. The
     # norm and RoPE kernels (`backends.norm_kernel`, `rope_kernel`): a few-row step's norms, rotations
     # and K/V writes are launches more than bytes.
-    # Whether the RoPE kernel writes a plain step's query in the cascade's head layout
-    # (`PagedAttention.head_layout_query`), or the cascade pads and transposes it.
-    models = {(p, nk, rk, hl): LlamaModel(cfg, dataclasses.replace(
-                  attention_for(_config(SpeculativeConfig(), 1, prefix=p)), head_layout_query=hl == "on"),
-                  norm_kernel=nk, rope_kernel=rk)
+    models = {(p, nk, rk): LlamaModel(cfg, attention_for(_config(SpeculativeConfig(), 1, prefix=p)), norm_kernel=nk,
+                                      rope_kernel=rk)
               for p in args.prefix_kernels.split(",") for nk in args.norm_kernels.split(",")
-              for rk in args.rope_kernels.split(",") for hl in args.head_layout_query.split(",")}
+              for rk in args.rope_kernels.split(",")}
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         pages = -(-(context + 128) // 64)
@@ -433,15 +430,12 @@ def llama8b(args):
                 np.concatenate([[-1], np.arange(n - 1) // 3]).astype(np.int32)[None].repeat(batch, 0))
             mask = ancestor_mask(parents)
             positions = lengths[:, None] + jnp.arange(n)[None]
-            for (prefix, norm, rope, head_layout), model in models.items():
-                setting = {"prefix_kernel": prefix, "norm_kernel": norm, "rope_kernel": rope,
-                           "head_layout_query": head_layout}
+            for (prefix, norm, rope), model in models.items():
                 for graphs in args.cuda_graphs.split(","):
                     pools = _time_verify(args, rows, model, params, pools, (tokens, positions, mask, table, lengths),
-                                         batch, n, graphs, floor_s(batch, n), setting)
+                                         batch, n, graphs, floor_s(batch, n), prefix, norm, rope)
         def setting_of(r):
-            return (r["cuda_graphs"], r["prefix_kernel"], r["norm_kernel"], r["rope_kernel"],
-                    r.get("head_layout_query"))
+            return r["cuda_graphs"], r["prefix_kernel"], r["norm_kernel"], r["rope_kernel"]
 
         plain = {setting_of(x): x for x in rows if x["batch"] == batch and x["nodes"] == 1}
         for r in rows:
@@ -453,12 +447,12 @@ def llama8b(args):
             "copy_bw": bw, "context": context, "rows": rows}
 
 
-def _time_verify(args, rows, model, params, pools, inputs, batch, n, graphs, floor, setting):
+def _time_verify(args, rows, model, params, pools, inputs, batch, n, graphs, floor, prefix, norm, rope):
     """Times `model.verify` of `n` nodes a request compiled under the CUDA-graph setting `graphs`
     as the engine resolves it (`engine.compile_options`: n = 1 is the plain step, n > 1 a
     speculative round's verify), appends its row and returns the pools it was handed back.
-    `setting`: the row's names of what `model` runs (`backends.prefix_kernel`, `norm_kernel`,
-    `rope_kernel`, `PagedAttention.head_layout_query`)."""
+    `prefix`, `norm`, `rope`: the prefix, norm and RoPE kernels `model` runs (`backends.prefix_kernel`,
+    `norm_kernel`, `rope_kernel`), for the row."""
     from treespec_jax.config import SpeculativeConfig
     from treespec_jax.engine.compile_options import step_compiler_options, step_graphs
 
@@ -469,8 +463,7 @@ def _time_verify(args, rows, model, params, pools, inputs, batch, n, graphs, flo
     if args.out and args.hlo:  # the compiled program, to count its kernels
         args.out.mkdir(parents=True, exist_ok=True)
         text = fn.lower(params, pools, *inputs).compile().as_text()
-        names = "_".join(setting.values())
-        (args.out / f"llama8b_b{batch}_n{n}_{resolved}_{names}.hlo.txt").write_text(text)
+        (args.out / f"llama8b_b{batch}_n{n}_{resolved}_{prefix}_{norm}_{rope}.hlo.txt").write_text(text)
 
     def launch():
         holder["pools"] = fn(params, holder["pools"], *inputs)[2]
@@ -490,8 +483,8 @@ def _time_verify(args, rows, model, params, pools, inputs, batch, n, graphs, flo
     # dispatch (a few hundred arrays) overlaps the device. Traced over back-to-back calls.
     traced = _kernel_summary(launch, 10, args.top if args.profile else 0, finish)
     ms = traced["traced_span_ms"]
-    rows.append({"batch": batch, "nodes": n, "cuda_graphs": graphs, "resolved": resolved, **setting,
-                 "ms": ms, "floor_ms": floor * 1e3,
+    rows.append({"batch": batch, "nodes": n, "cuda_graphs": graphs, "resolved": resolved, "prefix_kernel": prefix,
+                 "norm_kernel": norm, "rope_kernel": rope, "ms": ms, "floor_ms": floor * 1e3,
                  "x_floor": ms / (floor * 1e3), "sync_ms": sync_s * 1e3, "first_call_s": round(first_s, 1)})
     if args.profile:
         rows[-1]["kernels"] = traced
@@ -635,9 +628,6 @@ def main():
                     help="llama8b: the RMSNorm kernels to compare, e.g. auto,xla (backends.norm_kernel)")
     ap.add_argument("--rope-kernels", default="auto",
                     help="llama8b: the RoPE + K/V write kernels to compare, e.g. xla,auto (backends.rope_kernel)")
-    ap.add_argument("--head-layout-query", default="on",
-                    help="llama8b: on,off compares the query written in the cascade's head layout by the RoPE "
-                         "kernel with the cascade padding and transposing it (PagedAttention.head_layout_query)")
     ap.add_argument("--profile", action="store_true",
                     help="llama8b: list each setting's kernels in its row (every row's time is traced)")
     ap.add_argument("--cuda-graphs", default="auto",

@@ -5,10 +5,7 @@
 head g: its rep query heads, then k_g, then v_g) and returns `(q, k_pool, v_pool)`: the query heads
 `[B, T, Hq, D]` rotated (rotate-half RoPE at `positions [B, T]`), and the pools `[S, Hkv, D]` with
 row `slots[b, t]` holding that token's rotated key and its value. Rows whose slot is outside the
-pool, [0, S) (`models.attention.NO_SLOT`), write nothing. With `q_rows=R >= T` the query comes out
-as `[B, R, Hq, D]`, rows T .. R-1 zero: the attention cascade's Mosaic kernel reads q in head layout
-only where R is a multiple of 64 / G, and a query written there at once needs no separate padding
-launch (`treespec_jax.attention.cascade.head_layout_rows`). Numerics of `models.llama.apply_rope` and
+pool, [0, S) (`models.attention.NO_SLOT`), write nothing. Numerics of `models.llama.apply_rope` and
 `models.attention.write_kv`: angles, cos, sin and the rotation in fp32, rounded to the input's
 dtype, then to the pool's.
 
@@ -49,7 +46,7 @@ def kernel_problems(qkv_width: int, num_kv_heads: int, head_dim: int, pool_dtype
     return out
 
 
-def _check_args(qkv, positions, slots, k_pool, v_pool, inv_freq, q_rows) -> tuple[int, int]:
+def _check_args(qkv, positions, slots, k_pool, v_pool, inv_freq) -> tuple[int, int]:
     """-> (rep, D)."""
     if qkv.ndim != 3 or positions.shape != qkv.shape[:2] or slots.shape != qkv.shape[:2]:
         raise ValueError(f"qkv must be [B, T, W] with positions and slots [B, T]; got {qkv.shape}, "
@@ -61,17 +58,15 @@ def _check_args(qkv, positions, slots, k_pool, v_pool, inv_freq, q_rows) -> tupl
     if np.shape(inv_freq) != (d // 2,):
         raise ValueError(f"inv_freq must be [D/2] = ({d // 2},), got {np.shape(inv_freq)}")
     problems = kernel_problems(qkv.shape[-1], hkv, d, k_pool.dtype)
-    if q_rows is not None and q_rows < qkv.shape[1]:
-        problems.append(f"q_rows {q_rows} is fewer than the T={qkv.shape[1]} rows of qkv")
     if problems:
         raise ValueError("rope_write_kv: " + "; ".join(problems))
     return qkv.shape[-1] // (hkv * d) - 2, d
 
 
-def rope_write_kv_reference(qkv, positions, slots, k_pool, v_pool, inv_freq, *, q_rows: int | None = None):
+def rope_write_kv_reference(qkv, positions, slots, k_pool, v_pool, inv_freq):
     """Pure-jnp reference (the model's XLA path): split, rotate, scatter with out-of-pool rows
-    dropped, q padded with zero rows to `q_rows`. Shapes as `rope_write_kv`."""
-    rep, d = _check_args(qkv, positions, slots, k_pool, v_pool, inv_freq, q_rows)
+    dropped. Shapes as `rope_write_kv`."""
+    rep, d = _check_args(qkv, positions, slots, k_pool, v_pool, inv_freq)
     b, t, _ = qkv.shape
     hkv = k_pool.shape[1]
     grouped = qkv.reshape(b, t, hkv, rep + 2, d)
@@ -87,26 +82,15 @@ def rope_write_kv_reference(qkv, positions, slots, k_pool, v_pool, inv_freq, *, 
     flat = slots.reshape(-1)
     k_pool = k_pool.at[flat].set(k.reshape(-1, hkv, d).astype(k_pool.dtype), mode="drop")
     v_pool = v_pool.at[flat].set(v.reshape(-1, hkv, d).astype(v_pool.dtype), mode="drop")
-    return jnp.pad(q, ((0, 0), (0, (q_rows or t) - t), (0, 0), (0, 0))), k_pool, v_pool
+    return q, k_pool, v_pool
 
 
 def _kernel(qkv_ref, pos_ref, slot_ref, freq_ref, k_in, v_in, q_ref, k_ref, v_ref, *, rep: int, d: int,
-            slots_in_pool: int, t: int, q_rows: int):
-    """Program (row r of B * T, KV head g); q_ref `[B * q_rows, Hq, D]`. k_ref / v_ref alias k_in /
-    v_in."""
+            slots_in_pool: int):
+    """Program (row r of B * T, KV head g). k_ref / v_ref alias k_in / v_in."""
     del k_in, v_in
     r, g = pl.program_id(0), pl.program_id(1)
     half = d // 2
-    q_row = (r // t) * q_rows + r % t
-    if q_rows > t:  # the request's first row also zeroes its padding rows of this KV head's heads
-        @pl.when(r % t == 0)
-        def _():
-            zeros = jnp.zeros((half,), q_ref.dtype)
-            for pad in range(t, q_rows):
-                for h in range(rep):
-                    for part in range(2):
-                        plgpu.store(q_ref.at[q_row + pad, g * rep + h, pl.ds(part * half, half)], zeros)
-
     group = g * (rep + 2) * d
     ang = plgpu.load(pos_ref.at[r]).astype(jnp.float32) * plgpu.load(freq_ref.at[pl.ds(0, half)])
     cos, sin = jnp.cos(ang), jnp.sin(ang)
@@ -118,8 +102,8 @@ def _kernel(qkv_ref, pos_ref, slot_ref, freq_ref, k_in, v_in, q_ref, k_ref, v_re
 
     for h in range(rep):  # static: rep query heads share the group's KV head
         lo, hi = rotated(group + h * d)
-        plgpu.store(q_ref.at[q_row, g * rep + h, pl.ds(0, half)], lo.astype(q_ref.dtype))
-        plgpu.store(q_ref.at[q_row, g * rep + h, pl.ds(half, half)], hi.astype(q_ref.dtype))
+        plgpu.store(q_ref.at[r, g * rep + h, pl.ds(0, half)], lo.astype(q_ref.dtype))
+        plgpu.store(q_ref.at[r, g * rep + h, pl.ds(half, half)], hi.astype(q_ref.dtype))
     # Keys are rounded to the projections' dtype first, as the XLA path rotates in that dtype.
     dtype = qkv_ref.dtype
     lo, hi = rotated(group + rep * d)
@@ -134,16 +118,15 @@ def _kernel(qkv_ref, pos_ref, slot_ref, freq_ref, k_in, v_in, q_ref, k_ref, v_re
         plgpu.store(v_ref.at[row, g, pl.ds(part * half, half)], value.astype(v_ref.dtype), mask=keep)
 
 
-def _rope_write_kv_pallas(qkv, positions, slots, k_pool, v_pool, inv_freq, *, interpret: bool, q_rows):
-    rep, d = _check_args(qkv, positions, slots, k_pool, v_pool, inv_freq, q_rows)
+def _rope_write_kv_pallas(qkv, positions, slots, k_pool, v_pool, inv_freq, *, interpret: bool):
+    rep, d = _check_args(qkv, positions, slots, k_pool, v_pool, inv_freq)
     b, t, width = qkv.shape
-    q_rows = q_rows or t
     s, hkv, _ = k_pool.shape
     rows = qkv.reshape(b * t, width)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     q, k_pool, v_pool = pl.pallas_call(
-        functools.partial(_kernel, rep=rep, d=d, slots_in_pool=s, t=t, q_rows=q_rows),
-        out_shape=[jax.ShapeDtypeStruct((b * q_rows, hkv * rep, d), qkv.dtype),
+        functools.partial(_kernel, rep=rep, d=d, slots_in_pool=s),
+        out_shape=[jax.ShapeDtypeStruct((b * t, hkv * rep, d), qkv.dtype),
                    jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
                    jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)],
         grid=(b * t, hkv),
@@ -155,17 +138,14 @@ def _rope_write_kv_pallas(qkv, positions, slots, k_pool, v_pool, inv_freq, *, in
         name="rope_write_kv",
     )(rows, positions.reshape(-1).astype(jnp.int32), slots.reshape(-1).astype(jnp.int32),
       jnp.asarray(inv_freq, jnp.float32), k_pool, v_pool)
-    return q.reshape(b, q_rows, hkv * rep, d), k_pool, v_pool
+    return q.reshape(b, t, hkv * rep, d), k_pool, v_pool
 
 
 def rope_write_kv(qkv: jax.Array, positions: jax.Array, slots: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-                  inv_freq, *, backend: str | None = None,
-                  q_rows: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  inv_freq, *, backend: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Entry point; see module docstring. `qkv [B, T, Hkv * (rep + 2) * D]`, `positions, slots
-    [B, T] int32`, pools `[S, Hkv, D]`, `inv_freq [D/2]` -> (q `[B, R, Hq, D]`, k_pool, v_pool),
-    R = `q_rows` (None: T; rows past T zero)."""
+    [B, T] int32`, pools `[S, Hkv, D]`, `inv_freq [D/2]` -> (q `[B, T, Hq, D]`, k_pool, v_pool)."""
     kind = resolve_backend(backend)
     if kind == "reference":
-        return rope_write_kv_reference(qkv, positions, slots, k_pool, v_pool, inv_freq, q_rows=q_rows)
-    return _rope_write_kv_pallas(qkv, positions, slots, k_pool, v_pool, inv_freq, interpret=(kind == "interpret"),
-                                 q_rows=q_rows)
+        return rope_write_kv_reference(qkv, positions, slots, k_pool, v_pool, inv_freq)
+    return _rope_write_kv_pallas(qkv, positions, slots, k_pool, v_pool, inv_freq, interpret=(kind == "interpret"))

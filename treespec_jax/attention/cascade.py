@@ -228,25 +228,6 @@ def cascade_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_t
                              q.shape, k_pool.shape[1], tail, config.window_merges_splits))
 
 
-def head_layout_rows(q_shape, q_dtype, k_pool, config: CascadeConfig) -> int:
-    """Query rows R' >= R in which a caller that writes q itself should hand the cascade its
-    `[B, R, Hq, D]` query: R unless the fused Mosaic kernel would pad R * G rows per KV head to a
-    64-row tile and transpose q into row layout (head layout needs R a multiple of 64 / G,
-    `heads_io_errors`). There R' is that tile's rows over G: q written with zero rows up to R' (as
-    `rope_write_kv(q_rows=R')` does) runs in head layout with the same tiles, and neither the
-    padding nor the transposes run as launches of their own (the 8B-shaped step at batch 1 spent
-    about 77 us a step on them; results: e2e). The caller gives `cascade_attention` its mask padded
-    with zero rows and keeps the output's first R rows. `k_pool`: array or ShapeDtypeStruct."""
-    _, r, hq, d = q_shape
-    group = hq // k_pool.shape[1]
-    padded = mosaic_rows(r * group) // group
-    if not heads_io_errors(r, group) or heads_io_errors(padded, group):
-        return r
-    q = jax.ShapeDtypeStruct((q_shape[0], padded, hq, d), q_dtype)
-    mosaic = uses_mosaic_prefix(config, resolve_backend(config.backend), q, k_pool, k_pool)
-    return padded if fuses_window(config, mosaic, covers_tail(config.prefix_covers_tail, mosaic), k_pool, q) else r
-
-
 def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool, k_pool, q) -> bool:
     """Whether the window is folded into the Mosaic prefix kernel: an explicit setting wins; None
     fuses under the Mosaic prefix with the prefix covering every row's tail and the float32

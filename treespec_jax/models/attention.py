@@ -9,7 +9,7 @@ A forward over the paged pools is one of three kinds (`AttentionBatch.mode`, sta
 - "window": T <= 64 rows written at positions P .. P + T - 1 (P = `prefix_lengths`); row t sees
   the P committed keys and window key j iff bit j of `mask[b, t]`. Plain decoding (T = 1, mask
   bit 0), tree verify (T = N, ancestor masks) and the drafter's step over accepted tokens
-  (T = N, chain masks) are all this kind, through `cascade_attention` with a window of T keys.
+  (T = N, chain masks) are all this kind, through `verify_attention`.
 - "lanes": T = K draft lanes writing lane-window slots frontier + (s-1)K + r; row r sees the
   frontier's keys and the lane-window slots its lane mask names (`lane_attention`).
 
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from pallas_kernels.attention.reference import cascade_dense_reference, dense_attention_reference
-from treespec_jax.attention.cascade import CascadeConfig, cascade_attention, head_layout_rows, lane_attention
+from treespec_jax.attention.cascade import CascadeConfig, lane_attention, verify_attention
 from treespec_jax.cache.paged import slot_of
 
 ATTENTION_KINDS = ("cascade", "dense")
@@ -133,9 +133,6 @@ class PagedAttention:
     # A jax Mesh with a "tp" axis: attend then runs per device on its local heads under shard_map
     # (the kernels are custom calls the SPMD partitioner cannot split; `treespec_jax.parallel`).
     mesh: Any = None
-    # Whether `query_rows` pads a window forward's query to the cascade's head layout (False keeps
-    # its T rows, and the cascade pads and transposes it itself: the comparison's baseline).
-    head_layout_query: bool = True
 
     def __post_init__(self):
         if self.kind not in ATTENTION_KINDS:
@@ -146,30 +143,8 @@ class PagedAttention:
         return CascadeConfig(page_size=self.page_size, scale=self.scale, backend=self.kernel_backend,
                              prefix_kernel=self.prefix_kernel)
 
-    def query_rows(self, q_shape, q_dtype, k_pool, mode: str) -> int:
-        """Rows R >= T in which a layer that writes its query itself (`rope_write_kv(q_rows=R)`)
-        should hand `attend` a `[B, T, Hq, D]` query of a `mode` forward: T, or in a window
-        forward under the cascade kernels the zero-padded rows they read in head layout
-        (`cascade.head_layout_rows`)."""
-        if mode != "window" or self.kind != "cascade" or self.mesh is not None or not self.head_layout_query:
-            return q_shape[1]
-        return head_layout_rows(q_shape, q_dtype, k_pool, self.cascade)
-
     def attend(self, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, batch: AttentionBatch) -> jax.Array:
-        """`q [B, T, Hq, D]` over pools that already hold this forward's K/V -> `[B, T, Hq, D]` in q's
-        dtype. In a window forward q may carry padding rows past the batch's T (`query_rows`): they
-        see the committed keys only, and the output is their first T rows."""
-        t = batch.mask.shape[1]
-        if q.shape[1] != t:
-            if batch.mode != "window" or q.shape[1] < t or self.mesh is not None:
-                raise ValueError(f"attend: q has {q.shape[1]} rows for a {batch.mode!r} forward of {t}; only a "
-                                 "window forward's query off a mesh may carry padding rows past its own")
-            mask = jnp.pad(batch.mask, ((0, 0), (0, q.shape[1] - t), (0, 0)))
-            batch = batch.replace(mask=mask)
-            return self._attend(q, k_pool, v_pool, batch, window=t)[:, :t]
-        return self._attend(q, k_pool, v_pool, batch)
-
-    def _attend(self, q, k_pool, v_pool, batch: AttentionBatch, window: int | None = None) -> jax.Array:
+        """`q [B, T, Hq, D]` over pools that already hold this forward's K/V -> `[B, T, Hq, D]` in q's dtype."""
         if self.mesh is not None:
             from treespec_jax.parallel import attend_sharded
 
@@ -179,15 +154,14 @@ class PagedAttention:
             return prefill_attention(q, k_pool, v_pool, batch, self.page_size, scale).astype(q.dtype)
         if batch.mode not in ("window", "lanes"):
             raise ValueError(f"AttentionBatch.mode must be one of {MODES}, got {batch.mode!r}")
-        if window is None:
-            window = q.shape[1] if batch.mode == "window" else (batch.lane_steps - 1) * q.shape[1]
+        window = q.shape[1] if batch.mode == "window" else (batch.lane_steps - 1) * q.shape[1]
         if self.kind == "dense":
             out, _ = cascade_dense_reference(q, k_pool, v_pool, batch.page_table, batch.prefix_lengths, batch.mask,
                                              window=window, page_size=self.page_size, scale=scale)
             return out.astype(q.dtype)
         if batch.mode == "window":
-            return cascade_attention(q, k_pool, v_pool, batch.page_table, batch.prefix_lengths, batch.mask,
-                                     window=window, config=self.cascade)
+            return verify_attention(q, k_pool, v_pool, batch.page_table, batch.prefix_lengths, batch.mask,
+                                    config=self.cascade)
         return lane_attention(q, k_pool, v_pool, batch.page_table, batch.prefix_lengths, batch.mask,
                               steps=batch.lane_steps, config=self.cascade)
 

@@ -139,10 +139,8 @@ def attention_block(p: dict, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
             and attention.mesh is None
             and not rope_kernel_problems(p["wqkv"].shape[-1], cfg.num_kv_heads, cfg.head_dim, k_pool.dtype)):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        # Written straight into the rows the attention reads it in (`PagedAttention.query_rows`).
-        rows = attention.query_rows((b, t, cfg.num_heads, cfg.head_dim), x.dtype, k_pool, batch.mode)
         q, k_pool, v_pool = rope_write_kv(fused_qkv(p, x), batch.positions, batch.write_slots, k_pool, v_pool,
-                                          inv_freq, q_rows=rows)
+                                          inv_freq)
     else:
         q, k, v = project_qkv(p, x, batch.positions, cfg)
         k_pool, v_pool = write_kv(k_pool, v_pool, k, v, batch.write_slots)
