@@ -99,6 +99,9 @@ SHAPES = {
     "chain-s5": dict(algorithm="EAGLE3", topk=1, num_steps=5),
     "tree-k4s5n16": dict(algorithm="EAGLE3", topk=4, num_steps=5, num_draft_tokens=16),
     "tree-k8s6n64": dict(algorithm="EAGLE3", topk=8, num_steps=6, num_draft_tokens=64),
+    # The trees with their rounds switching to the S + 1 chain above 8 running requests.
+    "tree-k4s5n16-chain8": dict(algorithm="EAGLE3", topk=4, num_steps=5, num_draft_tokens=16, chain_above_batch=8),
+    "tree-k8s6n64-chain8": dict(algorithm="EAGLE3", topk=8, num_steps=6, num_draft_tokens=64, chain_above_batch=8),
 }
 
 
@@ -154,6 +157,7 @@ def serve(args):
                 rows.append({"batch": batch, "temperature": temp, "shape": name,
                              "cuda_graphs": engine_graphs(engine), "mean_accept_length": run.mean_accept_length,
                              "decode_tok_s": run.decode_tokens_per_s, "decode_tok_s_runs": rates,
+                             "chain_steps": run.chain_steps,
                              "tok_s": run.tokens_per_s, "per_position": run.per_position_rate[:8], "steps": run.steps,
                              "prefill_s": run.prefill_s, "decode_s": run.decode_s, "wall_s": run.wall_s,
                              "requests": n, "warmup_s": round(warmup_s, 1), "compile_s": round(compile_s, 1)})

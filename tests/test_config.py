@@ -125,6 +125,16 @@ def test_mtp_depth_only_with_mtp():
     one_problem_containing(spec(1, 3, 4, mtp_depth=2), "mtp_depth = 2 applies to MTP only")
 
 
+def test_chain_above_batch_applies_to_trees_that_hold_the_chain():
+    spec(4, 5, 16, chain_above_batch=8).validate()
+    one_problem_containing(spec(4, 5, 16, chain_above_batch=0), "chain_above_batch = 0 must be >= 1")
+    one_problem_containing(spec(1, 5, None, chain_above_batch=8), "chain_above_batch = 8 applies to trees",
+                           "topk = 1")
+    one_problem_containing(spec(2, 2, 2, chain_above_batch=8), "num_steps + 1 = 3", "num_draft_tokens = 2")
+    one_problem_containing(ServeConfig(speculative=SpeculativeConfig(chain_above_batch=8)),
+                           "speculative.chain_above_batch = 8 is set but speculative.algorithm is NONE")
+
+
 def test_multi_depth_mtp_refuses_trees_but_runs_chains():
     one_problem_containing(spec(4, 5, 16, algorithm="MTP", mtp_depth=3),
                            "topk = 4", "multi-depth MTP", "mtp_depth = 3")

@@ -80,6 +80,26 @@ def test_speculation_is_lossless_gumbel():
     assert _tokens(cached_engine(serve_config(**cfg)), other) != plain
 
 
+def with_chain_above(config, batch: int):
+    return config.replace(speculative=dataclasses.replace(config.speculative, chain_above_batch=batch))
+
+
+@pytest.mark.parametrize("sampler,temperature", [("greedy", 0.0), ("gumbel", 0.8)])
+def test_rounds_switch_to_a_chain_under_load(sampler, temperature):
+    """`speculative.chain_above_batch = 1`: while two or three requests run, a round verifies a
+    chain of S + 1 nodes (the first nodes of the stored tree, a subtree); a request left alone
+    verifies trees again (a drafted chain padded with dummies first). Switching either way keeps
+    the tokens of plain decoding."""
+    cfg = dict(sampler=sampler, temperature=temperature, slots=3)
+    reqs = mixed_requests()
+    plain = _tokens(cached_engine(serve_config(**cfg)), reqs)
+    engine = oracle_engine(with_chain_above(serve_config("EAGLE3", 2, 3, 6, **cfg), 1), noise=0.5)
+    assert _tokens(engine, reqs) == plain
+    run = engine.last_run
+    assert 0 < run.chain_steps < run.steps, (run.chain_steps, run.steps)  # both kinds of round ran
+    assert 1.0 < run.mean_accept_length
+
+
 def test_kernel_path_matches_reference(plain_greedy):
     """The cascade kernels (interpret mode) and the compaction kernel, tree and plain."""
     reqs = mixed_requests()[:3]
@@ -499,24 +519,29 @@ def test_a_warm_engine_compiles_nothing_more():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tests.parent, env=env, timeout=600)
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "tree"])
+@pytest.mark.parametrize("speculative", ["plain", "tree", "tree+chain"])
 def test_compile_leaves_the_run_nothing_to_compile(speculative):
     """`Engine.compile(requests)` lowers every program a run of them can launch with the inputs
     the run passes: serving them then lowers none of the engine's programs again (a missed row
-    count, draw or input type would), and the tokens are those of an engine never compiled ahead."""
+    count, draw, input type or the chain's step under load would), and the tokens are those of an
+    engine never compiled ahead."""
     kw = dict(attention="dense", slots=4, sampler="gumbel")
-    config = serve_config("EAGLE3", 4, 3, 10, **kw) if speculative else serve_config(**kw)
+    config = serve_config("EAGLE3", 4, 3, 10, **kw) if speculative != "plain" else serve_config(**kw)
+    if speculative == "tree+chain":
+        config = with_chain_above(config, 2)
     requests = [dataclasses.replace(r, temperature=0.8 if i % 2 else 0.0) for i, r in enumerate(mixed_requests())]
     engine = oracle_engine(config)
     with engine_programs_lowered() as ahead:
         engine.compile(requests)
     with engine_programs_lowered() as again:
         outs = engine.decode(requests)
-    expected = set(ENGINE_PROGRAMS) - ({"jit(_draft_prefill_chunk)"} if not speculative else set())
+    expected = set(ENGINE_PROGRAMS) - ({"jit(_draft_prefill_chunk)"} if speculative == "plain" else set())
     assert set(ahead) == expected, ahead
     assert not again, f"lowered again while serving: {again}"
     assert all(o.finish_reason == "length" for o in outs), [(o.finish_reason, o.error) for o in outs]
     assert [o.tokens for o in outs] == [o.tokens for o in oracle_engine(config).decode(requests)]
+    if speculative == "tree+chain":
+        assert 0 < engine.last_run.chain_steps < engine.last_run.steps
 
 
 def test_streamed_text_and_stop_strings(ckpt_dir):

@@ -160,6 +160,10 @@ class SpeculativeConfig:
                                 f"S: draft steps per round; omitted: {DEFAULT_NUM_STEPS}")
     num_draft_tokens: int | None = opt(None, "--speculative-num-draft-tokens",
                                        "N: verify nodes incl. the root; required for trees, omitted chain: S + 1")
+    chain_above_batch: int | None = opt(None, "--speculative-chain-above-batch",
+                                        "rounds with more running requests than this verify a chain of S + 1 "
+                                        "nodes (K = 1) instead of the tree: wide trees stop paying at large "
+                                        "batches; omitted: always the tree")
     mtp_depth: int = opt(1, "--speculative-mtp-depth",
                          "MTP modules the drafter chains, one per depth; 1 = one module re-run every step "
                          "(can branch), >1 = multi-depth MTP (chains only)")
@@ -478,6 +482,15 @@ def _check_speculative(sp: SpeculativeConfig, out: list[str]) -> None:
             f"speculative.topk = {k} with a multi-depth MTP drafter (mtp_depth = {sp.mtp_depth}): "
             f"it drafts chains only; use topk = 1 or mtp_depth = 1"
         )
+    if sp.chain_above_batch is not None:
+        if sp.chain_above_batch < 1:
+            out.append(f"speculative.chain_above_batch = {sp.chain_above_batch} must be >= 1")
+        if k == 1:
+            out.append(f"speculative.chain_above_batch = {sp.chain_above_batch} applies to trees (topk > 1); "
+                       f"topk = 1 is a chain already")
+        elif n is not None and n < s + 1:
+            out.append(f"speculative.chain_above_batch = {sp.chain_above_batch}: the chain's num_steps + 1 = "
+                       f"{s + 1} nodes exceed the tree's num_draft_tokens = {n}")
     if n is None:
         if k > 1:
             out.append(

@@ -263,12 +263,19 @@ class Engine:
             tuple(BufferSpec(n, row, dtype) for kv in names for n in kv),
             tuple(LayerKV(i, k, v) for i, (k, v) in enumerate(names)))
         self.router = CompactionRouter([self.group])
-        shape = RoundShape(self.num_nodes, sp.topk, sp.steps, config.sampling.backend)
-        if mesh is None:
-            self.round = Round(self.target, drafter, shape, self.router, move_backend=backend)
-        else:
-            self.round = parallel.sharded_round_class()(self.target, drafter, shape, self.router,
-                                                        move_backend=backend, mesh=mesh)
+        def make_round(shape: RoundShape) -> Round:
+            if mesh is None:
+                return Round(self.target, drafter, shape, self.router, move_backend=backend)
+            return parallel.sharded_round_class()(self.target, drafter, shape, self.router, move_backend=backend,
+                                                  mesh=mesh)
+
+        self.round = make_round(RoundShape(self.num_nodes, sp.topk, sp.steps, config.sampling.backend))
+        # Under load a round may verify a chain instead (`speculative.chain_above_batch`): a step
+        # verifies every running request's tree, so at large batches a wide tree's verify costs
+        # more than its extra accepted tokens bring (RESULTS.md, e2e).
+        self.chain_above = sp.chain_above_batch
+        self.chain_round = (make_round(RoundShape(sp.steps + 1, 1, sp.steps, config.sampling.backend))
+                            if self.chain_above is not None else None)
         self.state = self._fresh_state()
         keep = self.placement.keep if self.placement is not None else (lambda fn: fn)
         if self.placement is not None:
@@ -277,6 +284,9 @@ class Engine:
         # Only the decode step runs often enough for its launch gaps to matter (`compile_options`).
         self._step = jax.jit(keep(self.round.step), donate_argnums=(1,), static_argnames=("draw",),
                              compiler_options=step_compiler_options(config))
+        self._chain_step = (jax.jit(keep(self.chain_round.step), donate_argnums=(1,), static_argnames=("draw",),
+                                    compiler_options=step_compiler_options(config))
+                            if self.chain_round is not None else None)
         self._prefill = jax.jit(keep(self._prefill_chunk), donate_argnums=(1,))
         self._draft_prefill = jax.jit(keep(self._draft_prefill_chunk), donate_argnums=(1,))
         self._admit = jax.jit(keep(self._admit_slots), donate_argnums=(0,))
@@ -423,7 +433,8 @@ class Engine:
         engine took 70 s to serve its first requests.
 
         Compiled: for each prefill row count (`prefill_batch_rows`), the target's and drafter's
-        prefill, the first-token draw and the admission; the decode step; the slot release. The
+        prefill, the first-token draw and the admission; the decode step (and the chain's, under
+        `speculative.chain_above_batch`); the slot release. The
         draws are every one up to the most demanding that `requests` ask for (greedy when none
         are given), since a step's draw is that of its most demanding running request. Each
         program is lowered with inputs of the types `_start` and `stream` pass, so the run finds
@@ -441,8 +452,9 @@ class Engine:
         step_draws = draws if self.config.sampling.backend == "gumbel" else ("auto",)
         with concurrent.futures.ThreadPoolExecutor(workers or (1 if on_gpu() else 16)) as pool:
             compiled = lambda lower: pool.submit(lambda: lower().compile())  # noqa: E731
-            jobs = [compiled(functools.partial(self._step.lower, self.params, self.state, draw=d))
-                    for d in step_draws]
+            steps = [self._step] + ([self._chain_step] if self._chain_step is not None else [])
+            jobs = [compiled(functools.partial(step.lower, self.params, self.state, draw=d))
+                    for step in steps for d in step_draws]
             jobs.append(compiled(functools.partial(self._release.lower, self.state, 0)))
             ints = lambda *shape: jnp.asarray(np.zeros(shape, np.int32))  # noqa: E731
             prefills = {}
@@ -683,9 +695,12 @@ class Engine:
             launched = None
             if running:
                 t0 = time.perf_counter()
-                self.state, out = self._step(self.params, self.state, draw=self._draw_of(running.values()))
+                chain = self.chain_above is not None and len(running) > self.chain_above
+                step = self._chain_step if chain else self._step
+                self.state, out = step(self.params, self.state, draw=self._draw_of(running.values()))
                 run_stats.decode_s += time.perf_counter() - t0
                 run_stats.steps += 1
+                run_stats.chain_steps += chain
                 launched = (out, dict(running))
             if in_flight is not None:
                 yield from self._take_step(*in_flight, running, free_slots, run_stats, progress)

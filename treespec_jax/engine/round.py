@@ -144,7 +144,23 @@ class Round:
 
     def step(self, params, state: DecodeState, draw: str = "auto") -> tuple[DecodeState, StepOutput]:
         """One round. `draw` (static, `sampling.keyed.DRAWS`): what the active slots' sampling
-        needs, known to the host that admitted them; "auto" decides on the device."""
+        needs, known to the host that admitted them; "auto" decides on the device.
+
+        The state may hold wider trees than this round's N (an engine whose rounds switch to a
+        chain under load, `speculative.chain_above_batch`): the round verifies the stored tree's
+        first N nodes, a subtree since parents come before their children, and stores its own
+        drafts padded with dummies (`extend_tree`). Either way nothing but agreed tokens is kept."""
+        stored = state.tree_tokens.shape[1]
+        if stored != self.shape.num_nodes:
+            n = self.shape.num_nodes
+            state = state.replace(tree_tokens=state.tree_tokens[:, :n], tree_parents=state.tree_parents[:, :n])
+        state, out = self._step(params, state, draw)
+        if stored != self.shape.num_nodes:
+            tokens, parents = extend_tree(state.tree_tokens, state.tree_parents, stored)
+            state = state.replace(tree_tokens=tokens, tree_parents=parents)
+        return state, out
+
+    def _step(self, params, state: DecodeState, draw: str) -> tuple[DecodeState, StepOutput]:
         spec, logits, features, positions, target_pools = self.verify_stage(params, state)
         path = self.walk_stage(spec, logits, state, draw)
         target_pools, features = self.compact_stage(spec, path, target_pools, features, positions, state)
@@ -159,6 +175,16 @@ class Round:
             tree_tokens=jnp.where(keep, tokens, state.tree_tokens),
             tree_parents=jnp.where(keep, parents, state.tree_parents))
         return state, out
+
+
+def extend_tree(tokens: jax.Array, parents: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:
+    """`[B, n]` tree -> `[B, num_nodes]`: a chain of dummy tokens (0) below its last node, as
+    `bootstrap_tree` pads a new request's; a dummy is kept only where the target agrees with it."""
+    b, n = tokens.shape
+    pad = num_nodes - n
+    return (jnp.concatenate([tokens, jnp.zeros((b, pad), tokens.dtype)], axis=1),
+            jnp.concatenate([parents, jnp.broadcast_to(jnp.arange(n - 1, num_nodes - 1, dtype=parents.dtype),
+                                                       (b, pad))], axis=1))
 
 
 def bootstrap_tree(root: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:

@@ -84,6 +84,7 @@ class RunStats(RequestStats):
     """A whole `decode` call: acceptance over every request's rounds plus times."""
 
     steps: int = 0  # jitted decode steps (each advances every running request)
+    chain_steps: int = 0  # of those, steps that verified a chain (`speculative.chain_above_batch`)
     prefill_s: float = 0.0  # seconds in prefill (target + drafter), first tokens included
     decode_s: float = 0.0  # seconds launching decode steps and waiting for their outputs
     wall_s: float = 0.0  # the whole call
@@ -103,7 +104,7 @@ class RunStats(RequestStats):
 
     def to_dict(self) -> dict:
         out = super().to_dict()
-        out.update(steps=self.steps, prefill_s=self.prefill_s, decode_s=self.decode_s, wall_s=self.wall_s,
+        out.update(steps=self.steps, chain_steps=self.chain_steps, prefill_s=self.prefill_s, decode_s=self.decode_s, wall_s=self.wall_s,
                    prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
                    tokens_per_s=self.tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
         return out
