@@ -151,6 +151,9 @@ class Round:
         first N nodes, a subtree since parents come before their children, and stores its own
         drafts padded with dummies (`extend_tree`). Either way nothing but agreed tokens is kept."""
         stored = state.tree_tokens.shape[1]
+        if stored < self.shape.num_nodes:
+            raise ValueError(f"a round of N={self.shape.num_nodes} nodes needs stored trees of at least N nodes, "
+                             f"got {stored}")
         if stored != self.shape.num_nodes:
             n = self.shape.num_nodes
             state = state.replace(tree_tokens=state.tree_tokens[:, :n], tree_parents=state.tree_parents[:, :n])
