@@ -41,6 +41,7 @@ step() {  # step NAME SECONDS CMD...: runs CMD under a limit, tees its output to
     local name=$1 limit=$2
     shift 2
     echo "== $name (limit ${limit} s): $*"
+    mkdir -p "$OUT"  # OUT may name a folder not made yet (e.g. $OUT/l8 on the device)
     local t0=$SECONDS
     timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
     echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"
