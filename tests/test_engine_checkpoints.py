@@ -64,13 +64,17 @@ def test_decode_command_on_checkpoints(checkpoint_pair, tmp_path, capsys):
     flags = ["--dtype", "fp32", "--page-size", "16", "--max-total-tokens", "2048", "--max-running-requests", "2",
              "--attention-backend", "dense", "--json", "--prompts-file", str(prompts)]
     tree_flags = ["--speculative-algorithm", "EAGLE3", "--speculative-eagle-topk", "2",
-                  "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "6", "--compare-plain"]
+                  "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "6", "--compare-plain",
+                  "--speculative-chain-above-batch", "1"]
     assert cli.main(["decode", "--model", str(target), "--draft-model", str(head)] + flags + tree_flags) == 0
     doc = json.loads(capsys.readouterr().out)
     spec = [c["tokens"] for c in doc["speculative"]["completions"]]
     assert spec == [c["tokens"] for c in doc["plain"]["completions"]]
     assert [len(t) for t in spec] == [r.max_new_tokens for r in mixed_requests()[:2]]
-    assert doc["speculative"]["run"]["mean_accept_length"] >= 1.0
+    run = doc["speculative"]["run"]
+    assert run["mean_accept_length"] >= 1.0
+    # Chains while both requests run, trees for the one left.
+    assert 0 < run["chain_steps"] < run["steps"], (run["chain_steps"], run["steps"])
     # A refused configuration exits 2 and names every problem.
     assert cli.main(["decode", "--model", str(target), "--speculative-eagle-topk", "4"] + flags) == cli.EXIT_REFUSED
     err = capsys.readouterr().err
