@@ -236,10 +236,10 @@ def run_decode(args) -> int:
                  ("per-position acceptance", " ".join(f"{x:.2f}" for x in run.per_position_rate)),
                  ("acceptance by sibling rank", " ".join(f"{x:.2f}" for x in run.acceptance_by_rank[:config.speculative.topk]))]
     for name, (_, r) in results.items():
+        chains = f", {r.chain_steps} of them chains" if r.chain_steps else ""
         rows.append((f"{name} tokens/s", f"{r.decode_tokens_per_s:.1f} in decode steps, {r.tokens_per_s:.1f} overall "
-                                         f"({r.generated_tokens} tokens, {r.steps} steps"
-                                         + (f", {r.chain_steps} of them chains" if r.chain_steps else "")
-                                         + f", prefill {r.prefill_s:.2f} s)"))
+                                         f"({r.generated_tokens} tokens, {r.steps} steps{chains}, "
+                                         f"prefill {r.prefill_s:.2f} s)"))
     if "plain" in results and len(results) > 1:
         spec, plain = results[first][1], results["plain"][1]
         if plain.decode_tokens_per_s:

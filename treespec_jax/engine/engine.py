@@ -282,11 +282,12 @@ class Engine:
             self.state = self.placement.state(self.state)
         self.allocator = PageAllocator(num_pages)
         # Only the decode step runs often enough for its launch gaps to matter (`compile_options`).
-        self._step = jax.jit(keep(self.round.step), donate_argnums=(1,), static_argnames=("draw",),
-                             compiler_options=step_compiler_options(config))
-        self._chain_step = (jax.jit(keep(self.chain_round.step), donate_argnums=(1,), static_argnames=("draw",),
-                                    compiler_options=step_compiler_options(config))
-                            if self.chain_round is not None else None)
+        def jit_step(round_: Round):
+            return jax.jit(keep(round_.step), donate_argnums=(1,), static_argnames=("draw",),
+                           compiler_options=step_compiler_options(config))
+
+        self._step = jit_step(self.round)
+        self._chain_step = jit_step(self.chain_round) if self.chain_round is not None else None
         self._prefill = jax.jit(keep(self._prefill_chunk), donate_argnums=(1,))
         self._draft_prefill = jax.jit(keep(self._draft_prefill_chunk), donate_argnums=(1,))
         self._admit = jax.jit(keep(self._admit_slots), donate_argnums=(0,))

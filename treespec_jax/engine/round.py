@@ -28,7 +28,6 @@ from treespec_jax.drafter.base import AcceptedRows, Drafter, draft_tree
 from treespec_jax.engine import sampler
 from treespec_jax.models.llama import LlamaModel
 from treespec_jax.sampling.keyed import SamplingParams
-from treespec_jax.tree.masks import chain_parents
 from treespec_jax.tree.spec import TreeSpec
 from treespec_jax.tree.verify import AcceptedPath
 
@@ -150,18 +149,15 @@ class Round:
         chain under load, `speculative.chain_above_batch`): the round verifies the stored tree's
         first N nodes, a subtree since parents come before their children, and stores its own
         drafts padded with dummies (`extend_tree`). Either way nothing but agreed tokens is kept."""
-        stored = state.tree_tokens.shape[1]
-        if stored < self.shape.num_nodes:
-            raise ValueError(f"a round of N={self.shape.num_nodes} nodes needs stored trees of at least N nodes, "
-                             f"got {stored}")
-        if stored != self.shape.num_nodes:
-            n = self.shape.num_nodes
-            state = state.replace(tree_tokens=state.tree_tokens[:, :n], tree_parents=state.tree_parents[:, :n])
+        n, stored = self.shape.num_nodes, state.tree_tokens.shape[1]
+        if stored < n:
+            raise ValueError(f"a round of N={n} nodes needs stored trees of at least N nodes, got {stored}")
+        if stored == n:
+            return self._step(params, state, draw)
+        state = state.replace(tree_tokens=state.tree_tokens[:, :n], tree_parents=state.tree_parents[:, :n])
         state, out = self._step(params, state, draw)
-        if stored != self.shape.num_nodes:
-            tokens, parents = extend_tree(state.tree_tokens, state.tree_parents, stored)
-            state = state.replace(tree_tokens=tokens, tree_parents=parents)
-        return state, out
+        tokens, parents = extend_tree(state.tree_tokens, state.tree_parents, stored)
+        return state.replace(tree_tokens=tokens, tree_parents=parents), out
 
     def _step(self, params, state: DecodeState, draw: str) -> tuple[DecodeState, StepOutput]:
         spec, logits, features, positions, target_pools = self.verify_stage(params, state)
@@ -181,18 +177,17 @@ class Round:
 
 
 def extend_tree(tokens: jax.Array, parents: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:
-    """`[B, n]` tree -> `[B, num_nodes]`: a chain of dummy tokens (0) below its last node, as
-    `bootstrap_tree` pads a new request's; a dummy is kept only where the target agrees with it."""
+    """`[B, n]` tree -> `[B, num_nodes]`: a chain of dummy tokens (0) below its last node. A dummy
+    the target happens to agree with is accepted like any draft, so output stays exact."""
     b, n = tokens.shape
     pad = num_nodes - n
+    below_last = jnp.arange(n - 1, num_nodes - 1, dtype=parents.dtype)
     return (jnp.concatenate([tokens, jnp.zeros((b, pad), tokens.dtype)], axis=1),
-            jnp.concatenate([parents, jnp.broadcast_to(jnp.arange(n - 1, num_nodes - 1, dtype=parents.dtype),
-                                                       (b, pad))], axis=1))
+            jnp.concatenate([parents, jnp.broadcast_to(below_last, (b, pad))], axis=1))
 
 
 def bootstrap_tree(root: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:
-    """A freshly admitted request's first tree: its root and a chain of dummy tokens (0). A dummy
-    the target happens to agree with is accepted like any draft, so output stays exact."""
+    """A freshly admitted request's first tree: its root `[B]` and a chain of dummies below it
+    (`extend_tree`)."""
     b = root.shape[0]
-    tokens = jnp.zeros((b, num_nodes), jnp.int32).at[:, 0].set(root.astype(jnp.int32))
-    return tokens, chain_parents(b, num_nodes)
+    return extend_tree(root.astype(jnp.int32)[:, None], jnp.full((b, 1), -1, jnp.int32), num_nodes)

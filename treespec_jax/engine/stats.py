@@ -104,7 +104,7 @@ class RunStats(RequestStats):
 
     def to_dict(self) -> dict:
         out = super().to_dict()
-        out.update(steps=self.steps, chain_steps=self.chain_steps, prefill_s=self.prefill_s, decode_s=self.decode_s, wall_s=self.wall_s,
-                   prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
+        out.update(steps=self.steps, chain_steps=self.chain_steps, prefill_s=self.prefill_s, decode_s=self.decode_s,
+                   wall_s=self.wall_s, prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
                    tokens_per_s=self.tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
         return out
