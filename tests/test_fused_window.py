@@ -23,13 +23,16 @@ PAGE = 64
 
 
 def spy_on_kernels(monkeypatch):
-    """Record the fused kernel's `heads_io` / `window` and any window-kernel call."""
+    """Record the fused kernel's `heads_io` / `window`, its `kept_rows` where set, and any
+    window-kernel call."""
     seen = {"prefix": [], "window_kernel": 0}
     real_prefix = cascade_module.prefix_decode_mgpu_row_layout
     real_window = cascade_module.tree_window_row_layout
 
     def prefix(*args, **kwargs):
         seen["prefix"].append((kwargs.get("window", 0), kwargs.get("heads_io", False)))
+        if kwargs.get("kept_rows"):
+            seen["kept_rows"] = kwargs["kept_rows"]
         return real_prefix(*args, **kwargs)
 
     def window(*args, **kwargs):
@@ -47,7 +50,8 @@ def spy_on_kernels(monkeypatch):
     (8, 8, [63, 64], None, True),  # group 8: boxes of 8 query rows; P + W crosses a page
     (20, 4, [100, 3], None, False),  # R not a multiple of 64 / G: row layout, padded rows
     (4, 4, [70, 200], None, False),  # 16 real rows padded to one 64-row tile (draft-lane sizes)
-], default=(0,)))
+    (1, 4, [70, 200], 2, False),  # a plain step: 4 real rows of 64, two key splits merged over those 4 alone
+], default=(0, 5)))
 def test_fused_window_matches_dense(monkeypatch, n, group, lengths, splits, heads_io, backend):
     """The default cascade under the Mosaic prefix on bf16 pools runs the fused kernel alone (no
     window kernel), in head layout where the group allows it, and equals dense attention; every slot
@@ -61,6 +65,9 @@ def test_fused_window_matches_dense(monkeypatch, n, group, lengths, splits, head
     dense, _ = cascade_dense_reference(q, k, v, table, lens, mask, window=n, page_size=PAGE, scale=d ** -0.5)
     assert out.dtype == jnp.bfloat16
     assert rel_err(out, dense) < 1e-2
+    # A padded tile hands on only its real rows where they are a power of two (4 of 64 at N = 1).
+    real = n * group
+    assert seen.pop("kept_rows", 0) == (real if not heads_io and real < 64 and not real & (real - 1) else 0)
     assert seen == {"prefix": [(n, heads_io)], "window_kernel": 0}
 
 

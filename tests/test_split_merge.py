@@ -92,6 +92,42 @@ def test_heads_layout_merge_matches_numpy(backend, splits, group, r, hq, d, elem
     np.testing.assert_allclose(np.asarray(mlse).reshape(rows)[:-1], e_lse[:-1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+@pytest.mark.parametrize("splits,tiles,rows,kept,out_dtype", [
+    (4, (1, 8), 64, 4, jnp.bfloat16),  # the 8B plain step: 4 real rows of a 64-row tile per KV head
+    (3, (2, 3), 16, 8, jnp.float32),
+])
+def test_kept_rows_merge_reads_only_the_real_rows(backend, splits, tiles, rows, kept, out_dtype):
+    """kept_rows: each tile's first k rows merged, `[..., k, D]`; the padding rows hold NaN and are
+    never read."""
+    rng = np.random.default_rng(splits * rows + kept)
+    d = 32
+    n = int(np.prod(tiles))
+    out = rng.standard_normal((splits, n, rows, d)).astype(np.float32)
+    lse = (rng.standard_normal((splits, n, rows)) * 6).astype(np.float32)
+    lse[1, 0, 0] = -np.inf  # a split that saw no key of one row
+    out[:, :, kept:] = np.nan
+    lse[:, :, kept:] = np.nan
+    merged, mlse = merge_splits(jnp.asarray(out.reshape(splits, *tiles, rows, d)),
+                                jnp.asarray(lse.reshape(splits, *tiles, rows)), out_dtype=out_dtype,
+                                backend=backend, kept_rows=kept)
+    assert merged.shape == (*tiles, kept, d) and merged.dtype == out_dtype and mlse.shape == (*tiles, kept)
+    got = np.asarray(merged, np.float32).reshape(n, kept, d)
+    assert not np.isnan(got).any() and not np.isnan(np.asarray(mlse)).any()
+    for t in range(n):
+        e_out, e_lse = numpy_merge(out[:, t, :kept], lse[:, t, :kept])
+        assert rel_err(got[t], e_out) < (1e-6 if out_dtype == jnp.float32 else 1e-2)
+        np.testing.assert_allclose(np.asarray(mlse).reshape(n, kept)[t], e_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_kept_rows_refusals_name_the_value():
+    out, lse = jnp.ones((2, 8, 64, 32)), jnp.ones((2, 8, 64))
+    with pytest.raises(ValueError, match="kept_rows must be a power of two .* dividing T=64, got 3"):
+        merge_splits(out, lse, kept_rows=3)
+    with pytest.raises(ValueError, match="kept_rows takes splits on axis 0 .* got axis 1"):
+        merge_splits(out, lse, axis=1, kept_rows=4)
+
+
 def test_heads_layout_merge_refuses_bad_shapes():
     out, lse = jnp.zeros((2, 1, 16, 8, 32)), jnp.zeros((2, 1, 2, 64))
     with pytest.raises(ValueError, match="heads_group must be a power of two dividing 64, got 3"):
@@ -129,17 +165,19 @@ def test_merge_refuses_bad_inputs_naming_each():
     assert "D must be a power of two" in msg and "got int32" in msg
 
 
-@pytest.mark.parametrize("splits,d,kernel", [(3, 128, True), (8, 512, True), (3, 128, False)])
-def test_merge_lowers_to_triton(monkeypatch, splits, d, kernel):
+@pytest.mark.parametrize("splits,d,kernel,kept", [(3, 128, True, 0), (8, 512, True, 0), (3, 128, False, 0),
+                                                  (4, 128, True, 4)])
+def test_merge_lowers_to_triton(monkeypatch, splits, d, kernel, kept):
     """The compiled kernel lowers for sm_90 on the CPU (a split count that is no power of two, the
-    MLA latent width); under MergeConfig(kernel=False) a compiled merge is the XLA form (no Triton call)."""
+    MLA latent width, 4 kept rows of 64); under MergeConfig(kernel=False) a compiled merge is the XLA form (no Triton call)."""
     import jax._src.pallas.triton.pallas_call_registration as reg
 
     monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: reg.gpu_info_lib.GpuInfo(
         gpu_version=None, arch_name="sm_90", compute_capability=90))
     monkeypatch.setattr(split_merge, "resolve_backend", lambda backend: "compiled")
     sd = jax.ShapeDtypeStruct
-    fn = lambda o, l: merge_splits(o, l, out_dtype=jnp.bfloat16, config=MergeConfig(kernel=kernel))  # noqa: E731
+    fn = lambda o, l: merge_splits(o, l, out_dtype=jnp.bfloat16, kept_rows=kept,  # noqa: E731
+                                   config=MergeConfig(kernel=kernel))
     text = jax.jit(fn).trace(sd((splits, 1, 64, 32, d), jnp.float32),
                              sd((splits, 1, 64, 32), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == int(kernel)

@@ -513,7 +513,7 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
                                              "tiles_adjacent", "overlap_softmax", "partial_dtype", "window",
                                              "heads_io", "persistent", "prefetch_query", "memory_widens_values",
-                                             "widen_rows", "registers", "merge", "cast_query", "cluster_splits",
+                                             "widen_rows", "registers", "merge", "kept_rows", "cast_query", "cluster_splits",
                                              "interpret", "config", "merge_config"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, window_words=None, window_union=None,
                                   *, query_rows: int, group: int,
@@ -526,7 +526,7 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                                   persistent: bool | None = None, prefetch_query: bool | None = None,
                                   memory_widens_values: bool | None = None, widen_rows: int | None = None,
                                   registers: tuple[int, int] | None = None, merge: bool = True,
-                                  cast_query: bool | None = None, cluster_splits: bool | None = None,
+                                  kept_rows: int = 0, cast_query: bool | None = None, cluster_splits: bool | None = None,
                                   interpret: bool = False, config: PrefixMgpuConfig | None = None,
                                   merge_config: MergeConfig | None = None):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2; None: `default_ring`,
@@ -594,6 +594,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     `merge=False` (unfused only): key-split partials (one per CTA split; a warpgroup key split's two
     are merged in the CTA) are handed on unmerged where there is more than one, out `[S, B, Hkv, T, D]` and lse2
     `[S, B, Hkv, T]`, for the window kernel to merge (`tree_window_row_layout`);
+    `kept_rows` k > 0 (row layout, merged): the result holds only each KV head's first k rows,
+    out `[B, Hkv, k, D]` and lse2 `[B, Hkv, k]` (the real rows of a padded tile; a key-split merge
+    then reads and writes only those, `merge_splits(kept_rows=k)`, so no slice runs after it);
     `cluster_splits` (fused, gridded): the key splits of one (request, KV head, row tile) run as
     one thread-block cluster; each split's CTA owns a block of D / S output columns, sends every
     other split its block of its partial (and its lse2) straight into that CTA's shared memory
@@ -609,6 +612,10 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
     (None: `split_merge.default_config()`)."""
     config = default_config() if config is None else config
     fused = window > 0
+    if kept_rows and (heads_io or not merge or kept_rows < 0 or kept_rows > qr.shape[2]):
+        raise ValueError(f"prefix_decode_mgpu: kept_rows takes the merged row layout and at most its "
+                         f"{qr.shape[2]} rows a KV head, got kept_rows={kept_rows}, heads_io={heads_io}, "
+                         f"merge={merge}")
     if fused and not merge:
         raise ValueError("prefix_decode_mgpu: merge=False hands key splits to the window kernel, which a "
                          "fused window (window > 0) does not run")
@@ -799,7 +806,9 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
         if not merge:
             return out, lse
         return merge_splits(out, lse, out_dtype=merged_dtype, backend="interpret" if interpret else None,
-                            heads_group=group_io, config=merge_config)
+                            heads_group=group_io, kept_rows=kept_rows, config=merge_config)
+    if kept_rows:
+        return out[0][:, :, :kept_rows], lse[0][:, :, :kept_rows]
     return out[0], head_io_rows(lse[0], group_io, inverse=True) if heads_out else lse[0]
 
 

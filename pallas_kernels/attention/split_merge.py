@@ -107,9 +107,17 @@ def rows_per_program(rows: int, d: int, config: MergeConfig | None = None) -> in
     return math.gcd(rows & -rows, 1 << (cap.bit_length() - 1))
 
 
-def merge_split_errors(out, lse, axis: int, out_dtype, heads_group: int = 0) -> list[str]:
+def merge_split_errors(out, lse, axis: int, out_dtype, heads_group: int = 0, kept_rows: int = 0) -> list[str]:
     """Why (out, lse) cannot be merged over `axis` (empty: they can)."""
     errors = []
+    if kept_rows:
+        rows = lse.shape[-1] if lse.ndim else 0
+        if heads_group or axis != 0 or lse.ndim < 2:
+            errors.append(f"merge_splits: kept_rows takes splits on axis 0 of lse [S, ..., T] without heads_group, "
+                          f"got axis {axis}, lse {lse.shape}, heads_group {heads_group}")
+        elif kept_rows < 0 or kept_rows & (kept_rows - 1) or rows % kept_rows:
+            errors.append(f"merge_splits: kept_rows must be a power of two (a Triton block) dividing T={rows}, "
+                          f"got {kept_rows}")
     if not 0 <= axis < lse.ndim:
         errors.append(f"merge_splits: axis must be in [0, {lse.ndim}) for lse {lse.shape}, got {axis}")
     d = out.shape[-1] if out.ndim else 0
@@ -180,7 +188,8 @@ def out_dtype_errors(out_dtype, what: str) -> list[str]:
 
 
 def merge_splits(out: jax.Array, lse: jax.Array, axis: int = 0, *, out_dtype=jnp.float32,
-                 backend: str | None = None, heads_group: int = 0, config: MergeConfig | None = None):
+                 backend: str | None = None, heads_group: int = 0, kept_rows: int = 0,
+                 config: MergeConfig | None = None):
     """LSE merge of key-split partials: `out [..., S, ..., D]` (the splits at `axis`; float32 or
     16-bit), `lse` the same without D (float32, base 2) -> (out in `out_dtype`, lse float32)
     without that axis. `backend` as `pallas_kernels.common`: "reference" is
@@ -190,13 +199,19 @@ def merge_splits(out: jax.Array, lse: jax.Array, axis: int = 0, *, out_dtype=jnp
     `heads_group` G > 0: the fused Mosaic prefix's heads layout, `out [S, B, R, Hq, D]` with
     `lse [S, B, Hkv, R * G]` in `head_io_rows` order -> `[B, R, Hq, D]`, `[B, R, Hq]`. The kernel
     reads lse in that order itself (each program a tile of 64 / G query rows x G heads), so no
-    transpose runs before it (an XLA transpose would be one more kernel)."""
-    errors = merge_split_errors(out, lse, axis, out_dtype, heads_group)
+    transpose runs before it (an XLA transpose would be one more kernel).
+
+    `kept_rows` k > 0 (splits on axis 0, `lse [S, ..., T]`): only the first k of the last axis's T
+    rows are merged and returned, `[..., k, D]` and `[..., k]`: a padded row tile's real rows, so
+    no slice runs after the merge (at the 8B step's B = 1 that slice was a launch a layer)."""
+    errors = merge_split_errors(out, lse, axis, out_dtype, heads_group, kept_rows)
     if errors:
         raise ValueError("; ".join(errors))
     config = default_config() if config is None else config
     kind = resolve_backend(backend)
     if kind == "reference" or (kind == "compiled" and not config.kernel):
+        if kept_rows:
+            out, lse = out[..., :kept_rows, :], lse[..., :kept_rows]
         merged, merged_lse = merge_splits_reference(
             out, head_io_rows(lse, heads_group, inverse=True) if heads_group else lse, axis)
         return merged.astype(out_dtype), merged_lse
@@ -205,6 +220,8 @@ def merge_splits(out: jax.Array, lse: jax.Array, axis: int = 0, *, out_dtype=jnp
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1))
     if heads_group:
         return _merge_heads_layout(call, out, lse.astype(jnp.float32), heads_group, out_dtype, config)
+    if kept_rows:
+        return _merge_kept_rows(call, out, lse.astype(jnp.float32), kept_rows, out_dtype)
     splits, d = lse.shape[axis], out.shape[-1]
     lead = math.prod(lse.shape[:axis])
     rows = math.prod(lse.shape[axis + 1:])
@@ -221,6 +238,26 @@ def merge_splits(out: jax.Array, lse: jax.Array, axis: int = 0, *, out_dtype=jnp
     )(out.reshape(lead, splits, rows, d), lse.astype(jnp.float32).reshape(lead, splits, rows))
     kept = lse.shape[:axis] + lse.shape[axis + 1:]
     return merged.reshape(kept + (d,)), merged_lse.reshape(kept)
+
+
+def _merge_kept_rows(call, out, lse, kept: int, out_dtype):
+    """The kernel over the first `kept` rows of each row tile (see merge_splits): program i merges
+    rows [0, kept) of tile i of `out [S, ..., T, D]`, `lse [S, ..., T]`; the other rows are never
+    read."""
+    splits, *tiles_shape, rows = lse.shape
+    d = out.shape[-1]
+    tiles = math.prod(tiles_shape)
+    merged, merged_lse = call(
+        functools.partial(_merge_kernel, splits=splits, lse_transposed=False),
+        grid=(tiles,),
+        in_specs=[pl.BlockSpec((splits, None, kept, d), lambda i: (0, i, 0, 0)),
+                  pl.BlockSpec((splits, None, kept), lambda i: (0, i, 0))],
+        out_specs=(pl.BlockSpec((None, kept, d), lambda i: (i, 0, 0)),
+                   pl.BlockSpec((None, kept), lambda i: (i, 0))),
+        out_shape=(jax.ShapeDtypeStruct((tiles, kept, d), out_dtype),
+                   jax.ShapeDtypeStruct((tiles, kept), jnp.float32)),
+    )(out.reshape(splits, tiles, rows, d), lse.reshape(splits, tiles, rows))
+    return merged.reshape(*tiles_shape, kept, d), merged_lse.reshape(*tiles_shape, kept)
 
 
 def _merge_heads_layout(call, out, lse, group: int, out_dtype, config: MergeConfig):

@@ -251,6 +251,13 @@ def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool
     return config.fuse_window
 
 
+def kept_row_count(real: int, total: int) -> int:
+    """The rows a KV head's padded tile hands on: its `real` rows where that count can be merged
+    alone (a power of two dividing `total`: `merge_splits(kept_rows=...)`), so the padding is
+    never read back; else all `total` (0: no cut)."""
+    return real if real < total and not real & (real - 1) and total % real == 0 else 0
+
+
 def fused_rows(r: int, group: int) -> int:
     """Rows per KV head of the fused kernel: R * G in head layout (`heads_io`), else the padded
     row layout's."""
@@ -315,7 +322,8 @@ def _cascade_rows(q, k_pool, v_pool, page_table, prefix_lengths, mask, *, window
             q if heads_io else heads_to_rows(q, hkv, total), k_pool, v_pool, page_table, prefix_lengths, words,
             union, query_rows=1, group=total, page_size=page_size, scale=scale, num_splits=num_splits,
             interpret=interpret, partial_dtype=out_dtype, window=window, heads_io=heads_io, persistent=persistent,
-            config=mgpu_config, merge_config=merge_config)
+            kept_rows=0 if heads_io else kept_row_count(r * group, total), config=mgpu_config,
+            merge_config=merge_config)
         return (out if heads_io else rows_to_heads(out, r, hq)).astype(q.dtype)
     if unfused_heads:  # unfused_heads_io, resolved by the caller (the flags are read outside the jit)
         # Head layout throughout: q, the prefix partial and the output are never transposed.
