@@ -1,12 +1,16 @@
 """Do the 8B-shaped decode step's weight matmuls read at copy bandwidth, and would fusing them help?
 
-    PYTHONPATH=. python3 benchmarks/tools/gemv_probe.py [--batches 1,8] [--layers 32] [--out DIR]
+    PYTHONPATH=. python3 benchmarks/tools/gemv_probe.py [--batches 1,8] [--layers 32] [--layouts separate,fused]
+        [--out DIR]
 
 A Llama-3.1-8B-shaped stack of projections only (no attention, norms or RoPE: those read no
 weights): per layer q/k/v, o, gate/up and down, then the 128k lm_head, with random bf16 weights, in
 two layouts:
   - separate: seven matmuls per layer, the model's layout (`wq`, `wk`, `wv`, `w_gate`, `w_up`);
-  - fused: q/k/v in one `[H, Q + 2 KV]` matmul and gate/up in one `[H, 2F]` matmul (four per layer).
+  - fused: q/k/v in one `[H, Q + 2 KV]` matmul and gate/up in one `[H, 2F]` matmul (four per layer),
+    gate and up as the two halves of its columns (`--gate-up halves`) or in the model's order,
+    gate column j next to up column j (`pairs`, `models.llama.fuse_projections`): whether XLA
+    fuses the SwiGLU product into the down matmul in one order and not the other.
 Each is traced as a jitted chain of passes (`benchmarks.timing.traced_chain`) and reported as
 device ms per pass, against its floor (weight bytes / measured copy bandwidth), with the kernels
 that took the time. If the separate stack is well above its floor and the fused one is not, the
@@ -17,6 +21,7 @@ the fix; if both are above, the matmul kernel itself reads below bandwidth at th
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from collections import defaultdict
@@ -49,13 +54,17 @@ def make_weights(layers: int, fused: bool, key) -> dict:
     return out
 
 
-def projections(x: jax.Array, w: dict) -> jax.Array:
+def projections(x: jax.Array, w: dict, pairs: bool = False) -> jax.Array:
     """One pass: `x [B, H]` through every layer's projections -> `[B, V]` logits. k and v are
     folded into the attention stand-in so that no matmul is dead code."""
     for p in w["layers"]:
         if "wqkv" in p:
             q, k, v = jnp.split(x @ p["wqkv"], [Q, Q + KV], axis=-1)
-            g, u = jnp.split(x @ p["w_gate_up"], [F], axis=-1)
+            if pairs:
+                gu = (x @ p["w_gate_up"]).reshape(x.shape[0], F, 2)
+                g, u = gu[..., 0], gu[..., 1]
+            else:
+                g, u = jnp.split(x @ p["w_gate_up"], [F], axis=-1)
         else:
             q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
         attn = q.at[:, :KV].add(k * v)
@@ -66,11 +75,11 @@ def projections(x: jax.Array, w: dict) -> jax.Array:
     return x @ w["lm_head"]
 
 
-def probe(batch: int, layers: int, fused: bool, bandwidth: float, top: int, inner: int) -> dict:
+def probe(batch: int, layers: int, fused: bool, bandwidth: float, top: int, inner: int, pairs: bool = False) -> dict:
     w = make_weights(layers, fused, jax.random.key(0))
     nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(w))
     x = jax.random.normal(jax.random.key(1), (batch, H), jnp.bfloat16)
-    traces = traced_chain(projections, (x, w), feed_scalar(0), inner=inner, runs=3)
+    traces = traced_chain(functools.partial(projections, pairs=pairs), (x, w), feed_scalar(0), inner=inner, runs=3)
     if traces is None:
         raise SystemExit("gemv_probe: no device kernels to trace on the CPU")
     ms = 1e3 * statistics.median(span_per_call(ev, inner) for ev in traces)
@@ -81,7 +90,8 @@ def probe(batch: int, layers: int, fused: bool, bandwidth: float, top: int, inne
     busy = sum(d for _, d in by_name.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     del w
-    return {"batch": batch, "layout": "fused" if fused else "separate", "weight_bytes": nbytes, "ms": ms,
+    layout = ("fused-pairs" if pairs else "fused") if fused else "separate"
+    return {"batch": batch, "layout": layout, "weight_bytes": nbytes, "ms": ms,
             "floor_ms": 1e3 * nbytes / bandwidth, "x_floor": ms / (1e3 * nbytes / bandwidth),
             "kernels_per_pass": sum(c for c, _ in by_name.values()) / inner,
             "busy_ms": busy / inner / 1e6,
@@ -94,14 +104,18 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--inner", type=int, default=1, help="passes per traced chain")
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--layouts", default="separate,fused", help="separate, fused (gate/up halves), fused-pairs")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     bw = measure_copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s on {jax.devices()[0].device_kind}", flush=True)
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        for fused in (False, True):
-            rows.append(probe(batch, args.layers, fused, bw, args.top, args.inner))
+        for layout in args.layouts.split(","):
+            if layout not in ("separate", "fused", "fused-pairs"):
+                raise SystemExit(f"gemv_probe: unknown layout {layout!r} (separate, fused, fused-pairs)")
+            rows.append(probe(batch, args.layers, layout != "separate", bw, args.top, args.inner,
+                              pairs=layout == "fused-pairs"))
             r = rows[-1]
             print(f"B={batch} {r['layout']:8s} {r['ms']:.3f} ms = {r['x_floor']:.2f}x floor "
                   f"({r['kernels_per_pass']:.0f} kernels, busy {r['busy_ms']:.3f} ms)", flush=True)
