@@ -82,11 +82,12 @@ def _median_fed_back(fn, carry, reps=20):
     return _median(call, reps)
 
 
-def _config(spec, batch, sampler="greedy", temperature=0.0, attention="auto", graphs="auto", prefix="auto"):
+def _config(spec, batch, sampler="greedy", temperature=0.0, attention="auto", graphs="auto", prefix="auto",
+            dtype="bf16"):
     from treespec_jax.config import (BackendsConfig, KVCacheConfig, ModelConfig, SamplingConfig, SchedulerConfig,
                                      ServeConfig)
 
-    return ServeConfig(model=ModelConfig(dtype="bf16"), speculative=spec,
+    return ServeConfig(model=ModelConfig(dtype=dtype), speculative=spec,
                        kv_cache=KVCacheConfig(page_size=64, max_total_tokens=max(batch, 8) * 2048),
                        scheduler=SchedulerConfig(max_running_requests=batch),
                        sampling=SamplingConfig(backend=sampler, temperature=temperature),
@@ -124,12 +125,12 @@ def serve(args):
     from treespec_jax.engine import Request
     from treespec_jax.engine.loading import load_target
 
-    cfg, params, tok = load_target(args.gguf, "bf16")
+    cfg, params, tok = load_target(args.gguf, args.dtype)
     head = None
     if args.head:
         from treespec_jax.models.hf import load_eagle3
 
-        head = load_eagle3(args.head, "bf16")
+        head = load_eagle3(args.head, args.dtype)
     prompts = _prompts(tok, args.prompts)
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -138,7 +139,7 @@ def serve(args):
                 if SpeculativeConfig(**SHAPES[name]).enabled and head is None:
                     continue
                 t0 = time.perf_counter()
-                engine = _engine(name, batch, temp, cfg, params, tok, head, graphs)
+                engine = _engine(name, batch, temp, cfg, params, tok, head, graphs, args.dtype)
                 # The held-out prompts over and over until the batch fills `--waves` times, so a wide
                 # batch's decode is timed over more than one short wave (at T=0 a repeated prompt
                 # repeats its reply; seeds differ per request).
@@ -217,7 +218,7 @@ def _target_and_prompts(args, count):
     return cfg, params, None, prompts, head
 
 
-def _engine(shape, batch, temperature, cfg, params, tok, head, graphs="auto"):
+def _engine(shape, batch, temperature, cfg, params, tok, head, graphs="auto", dtype="bf16"):
     """An engine of `shape` (SHAPES) at `batch` slots for requests at `temperature` (the gumbel
     backend above 0); `head`: a loaded EAGLE-3 head (`models.hf.load_eagle3`), used when the shape
     drafts."""
@@ -227,7 +228,7 @@ def _engine(shape, batch, temperature, cfg, params, tok, head, graphs="auto"):
     from treespec_jax.engine.loading import attention_for
 
     spec = SpeculativeConfig(**SHAPES[shape])
-    config = _config(spec, batch, "gumbel" if temperature > 0 else "greedy", temperature, graphs=graphs)
+    config = _config(spec, batch, "gumbel" if temperature > 0 else "greedy", temperature, graphs=graphs, dtype=dtype)
     drafter = dparams = None
     if spec.enabled:
         drafter, dparams = Eagle3Drafter(head[0], cfg, attention_for(config)), {**head[1], "embed": params["embed"]}
@@ -631,6 +632,8 @@ def main():
     ap.add_argument("--waves", type=int, default=4,
                     help="serve: at least this many batches' worth of requests (prompts repeated)")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+                    help="serve: the target's and the head's dtype (fp32: the accept lengths' numerics reference)")
     ap.add_argument("--min-decode-s", type=float, default=3.0,
                     help="serve: repeat a row's run (at most 3 times) until its decode time adds up to this; "
                          "the median run is reported")
