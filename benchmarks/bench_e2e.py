@@ -633,7 +633,8 @@ def main():
                     help="serve: at least this many batches' worth of requests (prompts repeated)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
-                    help="serve: the target's and the head's dtype (fp32: the accept lengths' numerics reference)")
+                    help="serve: the target's and the head's dtype (fp32: the accept lengths' numerics "
+                         "reference)")
     ap.add_argument("--min-decode-s", type=float, default=3.0,
                     help="serve: repeat a row's run (at most 3 times) until its decode time adds up to this; "
                          "the median run is reported")

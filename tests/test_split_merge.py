@@ -169,7 +169,8 @@ def test_merge_refuses_bad_inputs_naming_each():
                                                   (4, 128, True, 4)])
 def test_merge_lowers_to_triton(monkeypatch, splits, d, kernel, kept):
     """The compiled kernel lowers for sm_90 on the CPU (a split count that is no power of two, the
-    MLA latent width, 4 kept rows of 64); under MergeConfig(kernel=False) a compiled merge is the XLA form (no Triton call)."""
+    MLA latent width, 4 kept rows of 64); under MergeConfig(kernel=False) a compiled merge is the
+    XLA form (no Triton call)."""
     import jax._src.pallas.triton.pallas_call_registration as reg
 
     monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: reg.gpu_info_lib.GpuInfo(

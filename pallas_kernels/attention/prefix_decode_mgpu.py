@@ -513,8 +513,8 @@ def check_mgpu_inputs(qr, k_pool, v_pool, page_size: int, stages: int = 2, pages
                                              "pingpong", "pages_per_step", "key_split", "fence_softmax",
                                              "tiles_adjacent", "overlap_softmax", "partial_dtype", "window",
                                              "heads_io", "persistent", "prefetch_query", "memory_widens_values",
-                                             "widen_rows", "registers", "merge", "kept_rows", "cast_query", "cluster_splits",
-                                             "interpret", "config", "merge_config"))
+                                             "widen_rows", "registers", "merge", "kept_rows", "cast_query",
+                                             "cluster_splits", "interpret", "config", "merge_config"))
 def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, window_words=None, window_union=None,
                                   *, query_rows: int, group: int,
                                   page_size: int, scale: float, stages: int | None = None,
@@ -526,7 +526,8 @@ def prefix_decode_mgpu_row_layout(qr, k_pool, v_pool, page_table, lengths, windo
                                   persistent: bool | None = None, prefetch_query: bool | None = None,
                                   memory_widens_values: bool | None = None, widen_rows: int | None = None,
                                   registers: tuple[int, int] | None = None, merge: bool = True,
-                                  kept_rows: int = 0, cast_query: bool | None = None, cluster_splits: bool | None = None,
+                                  kept_rows: int = 0, cast_query: bool | None = None,
+                                  cluster_splits: bool | None = None,
                                   interpret: bool = False, config: PrefixMgpuConfig | None = None,
                                   merge_config: MergeConfig | None = None):
     """See the module docstring. `stages`: K/V page buffers in flight (>= 2; None: `default_ring`,
