@@ -8,9 +8,9 @@ weights): per layer q/k/v, o, gate/up and down, then the 128k lm_head, with rand
 two layouts:
   - separate: seven matmuls per layer, the model's layout (`wq`, `wk`, `wv`, `w_gate`, `w_up`);
   - fused: q/k/v in one `[H, Q + 2 KV]` matmul and gate/up in one `[H, 2F]` matmul (four per layer),
-    gate and up as the two halves of its columns (`--gate-up halves`) or in the model's order,
-    gate column j next to up column j (`pairs`, `models.llama.fuse_projections`): whether XLA
-    fuses the SwiGLU product into the down matmul in one order and not the other.
+    gate and up as the two halves of its columns, or (`fused-pairs`) in the model's order, gate
+    column j next to up column j (`models.llama.fuse_projections`): whether XLA fuses the SwiGLU
+    product into the down matmul in one order and not the other. `--layouts` picks among the three.
 Each is traced as a jitted chain of passes (`benchmarks.timing.traced_chain`) and reported as
 device ms per pass, against its floor (weight bytes / measured copy bandwidth), with the kernels
 that took the time. If the separate stack is well above its floor and the fused one is not, the
@@ -75,8 +75,13 @@ def projections(x: jax.Array, w: dict, pairs: bool = False) -> jax.Array:
     return x @ w["lm_head"]
 
 
-def probe(batch: int, layers: int, fused: bool, bandwidth: float, top: int, inner: int, pairs: bool = False) -> dict:
-    w = make_weights(layers, fused, jax.random.key(0))
+LAYOUTS = ("separate", "fused", "fused-pairs")
+
+
+def probe(batch: int, layers: int, layout: str, bandwidth: float, top: int, inner: int) -> dict:
+    """One layout (LAYOUTS) at `batch`: its traced ms per pass against its floor, and its kernels."""
+    w = make_weights(layers, layout != "separate", jax.random.key(0))
+    pairs = layout == "fused-pairs"
     nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(w))
     x = jax.random.normal(jax.random.key(1), (batch, H), jnp.bfloat16)
     traces = traced_chain(functools.partial(projections, pairs=pairs), (x, w), feed_scalar(0), inner=inner, runs=3)
@@ -90,7 +95,6 @@ def probe(batch: int, layers: int, fused: bool, bandwidth: float, top: int, inne
     busy = sum(d for _, d in by_name.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     del w
-    layout = ("fused-pairs" if pairs else "fused") if fused else "separate"
     return {"batch": batch, "layout": layout, "weight_bytes": nbytes, "ms": ms,
             "floor_ms": 1e3 * nbytes / bandwidth, "x_floor": ms / (1e3 * nbytes / bandwidth),
             "kernels_per_pass": sum(c for c, _ in by_name.values()) / inner,
@@ -107,15 +111,16 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default="separate,fused", help="separate, fused (gate/up halves), fused-pairs")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    layouts = args.layouts.split(",")
+    unknown = [x for x in layouts if x not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"gemv_probe: unknown layouts {unknown} (known: {', '.join(LAYOUTS)})")
     bw = measure_copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s on {jax.devices()[0].device_kind}", flush=True)
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        for layout in args.layouts.split(","):
-            if layout not in ("separate", "fused", "fused-pairs"):
-                raise SystemExit(f"gemv_probe: unknown layout {layout!r} (separate, fused, fused-pairs)")
-            rows.append(probe(batch, args.layers, layout != "separate", bw, args.top, args.inner,
-                              pairs=layout == "fused-pairs"))
+        for layout in layouts:
+            rows.append(probe(batch, args.layers, layout, bw, args.top, args.inner))
             r = rows[-1]
             print(f"B={batch} {r['layout']:8s} {r['ms']:.3f} ms = {r['x_floor']:.2f}x floor "
                   f"({r['kernels_per_pass']:.0f} kernels, busy {r['busy_ms']:.3f} ms)", flush=True)

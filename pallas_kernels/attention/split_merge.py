@@ -107,6 +107,14 @@ def rows_per_program(rows: int, d: int, config: MergeConfig | None = None) -> in
     return math.gcd(rows & -rows, 1 << (cap.bit_length() - 1))
 
 
+def kept_rows_errors(kept_rows: int, rows: int) -> list[str]:
+    """Why the first `kept_rows` of each T = `rows`-row tile cannot be merged alone (empty: they
+    can): they are one Triton block, so a power of two dividing T."""
+    if kept_rows < 1 or kept_rows & (kept_rows - 1) or rows % kept_rows:
+        return [f"merge_splits: kept_rows must be a power of two (a Triton block) dividing T={rows}, got {kept_rows}"]
+    return []
+
+
 def merge_split_errors(out, lse, axis: int, out_dtype, heads_group: int = 0, kept_rows: int = 0) -> list[str]:
     """Why (out, lse) cannot be merged over `axis` (empty: they can)."""
     errors = []
@@ -115,9 +123,8 @@ def merge_split_errors(out, lse, axis: int, out_dtype, heads_group: int = 0, kep
         if heads_group or axis != 0 or lse.ndim < 2:
             errors.append(f"merge_splits: kept_rows takes splits on axis 0 of lse [S, ..., T] without heads_group, "
                           f"got axis {axis}, lse {lse.shape}, heads_group {heads_group}")
-        elif kept_rows < 0 or kept_rows & (kept_rows - 1) or rows % kept_rows:
-            errors.append(f"merge_splits: kept_rows must be a power of two (a Triton block) dividing T={rows}, "
-                          f"got {kept_rows}")
+        else:
+            errors += kept_rows_errors(kept_rows, rows)
     if not 0 <= axis < lse.ndim:
         errors.append(f"merge_splits: axis must be in [0, {lse.ndim}) for lse {lse.shape}, got {axis}")
     d = out.shape[-1] if out.ndim else 0
@@ -281,5 +288,6 @@ def _merge_heads_layout(call, out, lse, group: int, out_dtype, config: MergeConf
     return merged.reshape(b, r, hq, d), merged_lse.reshape(b, r, hq)
 
 
-__all__ = ["HEAD_IO_TILE", "MergeConfig", "OUT_DTYPES", "default_config", "head_io_rows", "merge_splits", "split_weights", "merge_splits_reference", "merge_split_errors",
+__all__ = ["HEAD_IO_TILE", "MergeConfig", "OUT_DTYPES", "default_config", "head_io_rows", "kept_rows_errors",
+           "merge_splits", "split_weights", "merge_splits_reference", "merge_split_errors",
            "out_dtype_errors", "rows_per_program"]

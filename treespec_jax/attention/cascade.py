@@ -38,7 +38,7 @@ from pallas_kernels.attention.prefix_decode_mgpu import (ROWS_PER_WG, PrefixMgpu
                                                          fused_window_words, fused_fp8_fits, heads_io_errors,
                                                          mgpu_input_errors, warpgroup_layout,
                                                          widens_values_by_default, prefix_decode_mgpu_row_layout)
-from pallas_kernels.attention.split_merge import MergeConfig
+from pallas_kernels.attention.split_merge import MergeConfig, kept_rows_errors
 from pallas_kernels.attention.tree_window import (heads_in_errors, tree_window_attention, tree_window_row_layout,
                                                   window_block_rows)
 from pallas_kernels.common import resolve_backend
@@ -253,9 +253,9 @@ def fuses_window(config: CascadeConfig, mosaic: bool, covers_tail_resolved: bool
 
 def kept_row_count(real: int, total: int) -> int:
     """The rows a KV head's padded tile hands on: its `real` rows where that count can be merged
-    alone (a power of two dividing `total`: `merge_splits(kept_rows=...)`), so the padding is
-    never read back; else all `total` (0: no cut)."""
-    return real if real < total and not real & (real - 1) and total % real == 0 else 0
+    alone (`split_merge.kept_rows_errors`), so the padding is never read back; else all `total`
+    (0: no cut)."""
+    return real if real < total and not kept_rows_errors(real, total) else 0
 
 
 def fused_rows(r: int, group: int) -> int:
