@@ -89,6 +89,15 @@ class StreamEvent:
     finished: Completion | None = None  # set on the request's last event
 
 
+@dataclasses.dataclass(frozen=True)
+class ProgramCompile:
+    """One program `Engine.compile` built: which, and where its seconds went."""
+
+    name: str  # e.g. "step[argmax]", "prefill[rows=8]"
+    lower_s: float  # tracing and lowering to StableHLO
+    compile_s: float  # XLA's compile, its autotuning on the device included
+
+
 @dataclasses.dataclass
 class _Running:
     index: int
@@ -299,6 +308,8 @@ class Engine:
 
         self._first_token = jax.jit(first_token, static_argnames=("draw",))
         self.last_run: RunStats | None = None
+        # Each program the last `compile` call built, in the order they finished.
+        self.last_compile: tuple[ProgramCompile, ...] = ()
 
     # ---- construction from checkpoints -------------------------------------------------
 
@@ -452,17 +463,28 @@ class Engine:
         draws = DRAWS[DRAWS.index("argmax"):most + 1]
         step_draws = draws if self.config.sampling.backend == "gumbel" else ("auto",)
         with concurrent.futures.ThreadPoolExecutor(workers or (1 if on_gpu() else 16)) as pool:
-            compiled = lambda lower: pool.submit(lambda: lower().compile())  # noqa: E731
+            done: list[ProgramCompile] = []
+
+            def compiled(name, lower):
+                def job():
+                    t_lower = time.perf_counter()
+                    lowered = lower()
+                    t_compile = time.perf_counter()
+                    program = lowered.compile()
+                    done.append(ProgramCompile(name, t_compile - t_lower, time.perf_counter() - t_compile))
+                    return program
+                return pool.submit(job)
+
             steps = [self._step] + ([self._chain_step] if self._chain_step is not None else [])
-            jobs = [compiled(functools.partial(step.lower, self.params, self.state, draw=d))
-                    for step in steps for d in step_draws]
-            jobs.append(compiled(functools.partial(self._release.lower, self.state, 0)))
+            jobs = [compiled(f"{kind}[{d}]", functools.partial(step.lower, self.params, self.state, draw=d))
+                    for kind, step in zip(("step", "chain_step"), steps) for d in step_draws]
+            jobs.append(compiled("release", functools.partial(self._release.lower, self.state, 0)))
             ints = lambda *shape: jnp.asarray(np.zeros(shape, np.int32))  # noqa: E731
             prefills = {}
             for rows in sorted({self.prefill_batch_rows(k) for k in range(1, self.slots + 1)}):
                 inputs = (ints(rows, self.table_width), ints(rows, self.chunk), ints(rows))
-                prefills[rows] = inputs, compiled(functools.partial(self._prefill.lower, self.params, self.state,
-                                                                    inputs[1], inputs[0], inputs[2], inputs[2]))
+                prefills[rows] = inputs, compiled(f"prefill[rows={rows}]", functools.partial(
+                    self._prefill.lower, self.params, self.state, inputs[1], inputs[0], inputs[2], inputs[2]))
             # The first-token draw and the drafter's prefill read the target prefill's logits and
             # features: placeholders of their shapes, typed as the run's will be. Under tensor
             # parallelism the inputs are placed, so the prefill's outputs are too (sharded as its
@@ -475,15 +497,17 @@ class Engine:
                                             else jnp.zeros(info.shape, info.dtype)),
                     program.out_info, program.output_shardings)
                 params = SamplingParams.create([0.0] * rows, [0] * rows, [1.0] * rows)
-                jobs += [compiled(functools.partial(self._first_token.lower, logits, lengths, lengths, params,
-                                                    draw=d)) for d in draws]
+                jobs += [compiled(f"first_token[rows={rows},{d}]", functools.partial(
+                    self._first_token.lower, logits, lengths, lengths, params, draw=d)) for d in draws]
                 if self.drafter is not None:
-                    jobs.append(compiled(functools.partial(self._draft_prefill.lower, self.params, self.state, toks,
-                                                           toks, features, table, lengths, lengths)))
-                jobs.append(compiled(functools.partial(self._admit.lower, self.state, lengths, table, lengths, lengths,
-                                                       lengths, params)))
+                    jobs.append(compiled(f"draft_prefill[rows={rows}]", functools.partial(
+                        self._draft_prefill.lower, self.params, self.state, toks, toks, features, table, lengths,
+                        lengths)))
+                jobs.append(compiled(f"admit[rows={rows}]", functools.partial(
+                    self._admit.lower, self.state, lengths, table, lengths, lengths, lengths, params)))
             for job in jobs:
                 job.result()
+        self.last_compile = tuple(done)
         return time.perf_counter() - t0
 
     def _start(self, group: list[tuple[_Running, int]], run_stats: RunStats) -> None:
