@@ -183,6 +183,7 @@ def test_every_problem_is_reported_at_once():
     [
         (dict(kv_cache=KVCacheConfig(page_size=0)), "page_size = 0"),
         (dict(kv_cache=KVCacheConfig(mem_fraction_static=1.5)), "mem_fraction_static = 1.5"),
+        (dict(kv_cache=KVCacheConfig(host_kv_gib=0.0)), "host_kv_gib = 0.0"),
         (dict(sampling=SamplingConfig(backend="gumbel", top_p=0.0)), "top_p = 0.0"),
         (dict(sampling=SamplingConfig(backend="gumbel", top_k=0)), "top_k = 0"),
         (dict(sampling=SamplingConfig(backend="gumbel", temperature=math.nan)), "temperature = nan"),

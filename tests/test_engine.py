@@ -298,6 +298,11 @@ def test_pool_pages_rule():
     assert rule(max_total_tokens=None, device_bytes=2 * (2000 + 26 * 1000)) == (26, [])  # 25 pages + scratch
     pages, problems = rule(max_total_tokens=None, device_bytes=2 * (2000 + 10 * 1000))
     assert len(problems) == 1 and "9 pages of 16 tokens" in problems[0] and "needs 10" in problems[0]
+    # A CPU: the host budget alone, the weights and the fraction aside; too small, refused by name.
+    assert rule(max_total_tokens=None, device_bytes=None, host_kv_bytes=26 * 1000) == (26, [])
+    assert rule(max_total_tokens=None, device_bytes=None, host_kv_bytes=10 ** 9) == (41, [])
+    pages, problems = rule(max_total_tokens=None, device_bytes=None, host_kv_bytes=2 ** 30 // 10 ** 5)
+    assert len(problems) == 1 and "host_kv_gib" in problems[0] and "needs 10" in problems[0], problems
 
 
 def test_pools_sized_from_the_device_memory(monkeypatch):
@@ -318,6 +323,21 @@ def test_pools_sized_from_the_device_memory(monkeypatch):
     monkeypatch.setattr(engine_module, "_device_bytes", lambda devices: weights)
     with pytest.raises(ConfigError, match="mem_fraction_static = 0.85"):
         Engine(config, cfg, params)
+
+
+def test_cpu_pools_cut_to_the_host_budget():
+    """On a CPU (no memory reported) without max_total_tokens, the pools are every slot's full
+    context cut to `kv_cache.host_kv_gib`, and the cut engine serves what the full one does."""
+    cfg, params = tiny_target()
+    config = serve_config(total_tokens=None, slots=4)
+    full = Engine(config, cfg, params)
+    page_bytes = PAGE * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K and V
+    room = full.table_width + 4  # pages the budget holds, the scratch page included
+    cut = Engine(config.replace(kv_cache=dataclasses.replace(config.kv_cache, host_kv_gib=room * page_bytes / 2 ** 30)),
+                 cfg, params)
+    assert (full.num_pages, cut.num_pages) == (4 * full.table_width + 1, room)
+    reqs = mixed_requests()[:3]
+    assert _tokens(cut, reqs) == _tokens(full, reqs)
 
 
 def test_waiting_for_pages():

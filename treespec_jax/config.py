@@ -30,6 +30,7 @@ separately by `treespec_jax.support`; `support.check_startup` runs both.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -222,7 +223,10 @@ class KVCacheConfig:
                                      "reports its memory; a CPU does not)")
     max_total_tokens: int | None = opt(None, "--max-total-tokens",
                                        "KV pool capacity in tokens; omitted: every slot's full context, cut to "
-                                       "what mem_fraction_static holds")
+                                       "what mem_fraction_static holds (on a CPU: host_kv_gib)")
+    host_kv_gib: float = opt(4.0, "--host-kv-gib",
+                             "KV pool budget in GiB where the device reports no memory (a CPU) and "
+                             "max_total_tokens is omitted: every slot's full context is cut to it")
 
 
 @dataclass(frozen=True)
@@ -416,6 +420,8 @@ def _check_ranges(cfg: ServeConfig, out: list[str]) -> None:
     if not 0.0 < kv.mem_fraction_static < 1.0:
         out.append(f"kv_cache.mem_fraction_static = {kv.mem_fraction_static} must be in (0, 1)")
     at_least("kv_cache.max_total_tokens", kv.max_total_tokens, 1)
+    if not (math.isfinite(kv.host_kv_gib) and kv.host_kv_gib > 0):
+        out.append(f"kv_cache.host_kv_gib = {kv.host_kv_gib} must be a finite number > 0")
     if smp.temperature < 0 or smp.temperature != smp.temperature:
         out.append(f"sampling.temperature = {smp.temperature} must be >= 0")
     if smp.top_k != -1 and smp.top_k < 1:

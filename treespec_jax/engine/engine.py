@@ -208,13 +208,15 @@ class Engine:
         slots = config.scheduler.max_running_requests
         num_nodes = sp.verify_tokens if sp.enabled else 1
         table_width = pages_needed(context, num_nodes, config.kv_cache.page_size)
-        # Under tensor parallelism the pools and weights are sharded: sized in full, as off a GPU.
+        # Under tensor parallelism the pools and weights are sharded: sized in full.
         device_bytes = _device_bytes(devices) if config.parallel.tp_size == 1 else None
+        on_host = (list(devices) if devices else jax.devices())[0].platform == "cpu"
+        host_kv_bytes = int(config.kv_cache.host_kv_gib * 2 ** 30) if on_host and device_bytes is None else None
         num_pages, pool_problems = pool_pages(
             slots=slots, table_width=table_width, page_size=config.kv_cache.page_size,
             page_bytes=config.kv_cache.page_size * _token_bytes(config, target_cfg, drafter),
             max_total_tokens=config.kv_cache.max_total_tokens, mem_fraction=config.kv_cache.mem_fraction_static,
-            weight_bytes=_nbytes(target_params, draft_params), device_bytes=device_bytes)
+            weight_bytes=_nbytes(target_params, draft_params), device_bytes=device_bytes, host_kv_bytes=host_kv_bytes)
         problems += pool_problems
         if problems:
             raise ConfigError(problems)

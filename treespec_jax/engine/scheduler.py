@@ -60,28 +60,36 @@ def table_row(pages: list[int], width: int) -> np.ndarray:
 
 
 def pool_pages(*, slots: int, table_width: int, page_size: int, page_bytes: int, max_total_tokens: int | None,
-               mem_fraction: float, weight_bytes: int, device_bytes: int | None) -> tuple[int, list[str]]:
+               mem_fraction: float, weight_bytes: int, device_bytes: int | None,
+               host_kv_bytes: int | None = None) -> tuple[int, list[str]]:
     """(pages of the KV pools, the scratch page included; the problems that refuse that size).
 
     `max_total_tokens` given: that many tokens, in whole pages. Otherwise every slot's full context
-    (`slots * table_width` pages, so no admission ever waits for pages), cut to what
-    `mem_fraction` of the device's memory (`device_bytes`) holds after the weights, at
-    `page_bytes` a page across every pool (target and drafter). A device that reports no memory
-    (`device_bytes` None: a CPU) gets the full size. Fewer pages than one request of the full
-    context needs refuse the run, with the numbers.
+    (`slots * table_width` pages, so no admission ever waits for pages), cut to a budget at
+    `page_bytes` a page across every pool (target and drafter): `mem_fraction` of the device's
+    memory (`device_bytes`) less the weights; on a device that reports no memory, `host_kv_bytes`
+    (a CPU: `kv_cache.host_kv_gib`, since full pools for a long-context model would take most of
+    the host's memory); neither given (pools sharded over devices): the full size. Fewer pages than
+    one request of the full context needs refuse the run, with the numbers.
     """
     if max_total_tokens is not None:
         return -(-max_total_tokens // page_size) + 1, []
     full = slots * table_width
-    if device_bytes is None:
+    gib = 2 ** 30
+    if device_bytes is not None:
+        budget = int(mem_fraction * device_bytes) - weight_bytes
+        source = (f"kv_cache.mem_fraction_static = {mem_fraction} of {device_bytes / gib:.2f} GiB leaves "
+                  f"{budget / gib:.2f} GiB after {weight_bytes / gib:.2f} GiB of weights",
+                  "raise mem_fraction_static")
+    elif host_kv_bytes is not None:
+        budget = host_kv_bytes
+        source = f"kv_cache.host_kv_gib = {host_kv_bytes / gib:g}", "raise host_kv_gib"
+    else:
         return full + 1, []
-    budget = int(mem_fraction * device_bytes) - weight_bytes
     fit = max(budget, 0) // page_bytes - 1  # less the scratch page
     if fit < table_width:
-        gib = 2 ** 30
         return full + 1, [
-            f"KV pools: kv_cache.mem_fraction_static = {mem_fraction} of {device_bytes / gib:.2f} GiB leaves "
-            f"{budget / gib:.2f} GiB after {weight_bytes / gib:.2f} GiB of weights, {max(fit, 0)} pages of "
-            f"{page_size} tokens ({page_bytes} bytes each); one request of the full context needs {table_width} "
-            f"(raise mem_fraction_static, or set kv_cache.max_total_tokens or model.context_length)"]
+            f"KV pools: {source[0]}, {max(fit, 0)} pages of {page_size} tokens ({page_bytes} bytes each); one "
+            f"request of the full context needs {table_width} ({source[1]}, or set kv_cache.max_total_tokens or "
+            f"model.context_length)"]
     return min(full, fit) + 1, []
