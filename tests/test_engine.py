@@ -10,6 +10,7 @@ the Pallas kernels in interpret mode. The drafter is the target itself with seed
 import dataclasses
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -610,3 +611,14 @@ def test_streamed_text_and_stop_strings(ckpt_dir):
     spec, _ = run(tree, stopped)
     assert [c.tokens for c in spec] == [c.tokens for c in got] and spec[0].text == got[0].text
     assert tree.last_run.mean_accept_length > 1.0
+
+
+def test_the_step_lowers_each_decoder_layer_once():
+    """Every layer of a forward is one call of `models.llama.decoder_layer`: the step's program
+    defines it once for the first layer (no residual delta yet) and once for the rest, so tracing
+    and lowering cost about one layer however deep the model (the compile time a new engine pays)."""
+    cfg, params = tiny_target(layers=4)
+    engine = Engine(serve_config(), cfg, params)
+    text = engine._step.lower(engine.params, engine.state, draw="auto").as_text()
+    assert len(re.findall(r"call @decoder_layer\w*\(", text)) == 4
+    assert len(re.findall(r"func\.func private @decoder_layer\w*\(", text)) == 2
