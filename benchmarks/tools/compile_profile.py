@@ -7,17 +7,21 @@ its XLA compile seconds, on a SmolLM2-135M-shaped target with random bf16 weight
 Run one process per setting: XLA keeps its autotuning results for the life of the process, so a
 second engine in the same process would compile faster than a user's first. Do not set
 JAX_COMPILATION_CACHE_DIR (a cache hit is not a compile). After compiling, the engine serves
-`--steps` decode steps of a full batch, so a setting that compiles faster (more `--workers`, other
-XLA_FLAGS) can be checked for a slower step. Prints one JSON document.
+`--steps` decode steps of a full batch and times a whole batch's prefill, so a setting that compiles
+faster (more `--workers`, other XLA_FLAGS) can be checked for a slower step or prefill. Prints one
+JSON document.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
+import statistics
 import time
+import zlib
 from pathlib import Path
 
 import jax
@@ -55,6 +59,12 @@ def main():
         kind[0] += 1
         kind[1] += p.lower_s
         kind[2] += p.compile_s
+    # A whole batch prefilled together (one prefill of `batch` rows), the median of 3 after a warm-up:
+    # whether a setting that compiles faster left the prefill slower.
+    prefill_s = []
+    for _ in range(4):
+        engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs])
+        prefill_s.append(engine.last_run.prefill_s)
     # The first steps also run what compiles only when it first runs (the host's small eager ops).
     stream = engine.stream(reqs)
     _serve_steps(engine, stream, 20)
@@ -68,13 +78,13 @@ def main():
                        for k, (n, lo, c) in sorted(by_kind.items(), key=lambda kv: -kv[1][2])},
            "programs": [{"name": p.name, "lower_s": round(p.lower_s, 2), "compile_s": round(p.compile_s, 2)}
                         for p in programs],
-           "step_ms": round(step_s * 1e3, 3),
+           "step_ms": round(step_s * 1e3, 3), "prefill_ms": round(statistics.median(prefill_s[1:]) * 1e3, 3),
            "date": time.strftime("%Y-%m-%d %H:%M"), "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     text = json.dumps(doc, indent=1)
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        tag = f"{args.shape}_b{args.batch}_w{args.workers}_{abs(hash(doc['xla_flags'])) % 10**6}"
+        tag = f"{args.shape}_b{args.batch}_w{args.workers}_{zlib.crc32(doc['xla_flags'].encode()):08x}"
         (args.out / f"compile_{tag}.json").write_text(text)
 
 
