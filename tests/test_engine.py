@@ -560,6 +560,11 @@ def test_compile_leaves_the_run_nothing_to_compile(speculative):
     expected = set(ENGINE_PROGRAMS) - ({"jit(_draft_prefill_chunk)"} if speculative == "plain" else set())
     assert set(ahead) == expected, ahead
     assert not again, f"lowered again while serving: {again}"
+    # `last_compile` names each program once, with its seconds.
+    names = [p.name for p in engine.last_compile]
+    rows = sorted({engine.prefill_batch_rows(k) for k in range(1, engine.slots + 1)})
+    assert len(names) == len(set(names)) and {f"prefill[rows={r}]" for r in rows} < set(names), names
+    assert "step[argmax]" in names and all(p.lower_s > 0 and p.compile_s > 0 for p in engine.last_compile)
     assert all(o.finish_reason == "length" for o in outs), [(o.finish_reason, o.error) for o in outs]
     assert [o.tokens for o in outs] == [o.tokens for o in oracle_engine(config).decode(requests)]
     if speculative == "tree+chain":
