@@ -13,6 +13,8 @@
 #   bash benchmarks/run_e2e.sh kernels HEAD OUT [BATCH] [SHAPES] [TEMPS]  # a step's kernels; random weights
 #   bash benchmarks/run_e2e.sh kernels-graphs HEAD OUT [BATCH] [SHAPES] [TEMPS]  # the same at each CUDA-graph setting
 #   bash benchmarks/run_e2e.sh prefill OUT [BATCHES]            # (d): needs no model file
+#   bash benchmarks/run_e2e.sh compile HEAD OUT [SETTINGS]      # a new engine's compile, program by program;
+#                                                              # SETTINGS "shape:batch:workers,..."; random weights
 #
 # XLA_SETS (llama8b) runs one process per ";"-separated set of XLA_FLAGS ("default": none), e.g. whether
 # cuBLAS GEMVs without XLA's split-K reductions beat them at B=1.
@@ -112,6 +114,18 @@ breakdown)
     GGUF=$2 HEAD=$3 OUT=$4
     step breakdown "${LIMIT:-240}" "$PY" benchmarks/bench_e2e.py breakdown --gguf "$GGUF" --head "$HEAD" \
         --batch "${5:-1}" --out "$OUT"
+    ;;
+compile)
+    HEAD=$2 OUT=$3
+    # One process per setting, without the persistent cache: XLA keeps autotuning results for the
+    # life of a process, and a cache hit is not a compile (tools/compile_profile.py).
+    IFS=, read -ra settings <<< "${4:-plain:8:1,tree-k4s5n16:8:1,tree-k4s5n16:8:8}"
+    for setting in "${settings[@]}"; do
+        IFS=: read -r shape batch workers <<< "$setting"
+        step "compile_${shape}_b${batch}_w${workers}" "${LIMIT:-240}" env -u \
+            JAX_COMPILATION_CACHE_DIR "$PY" benchmarks/tools/compile_profile.py --head "$HEAD" --shape "$shape" \
+            --batch "$batch" --workers "$workers" --out "$OUT"
+    done
     ;;
 prefill)
     OUT=$2
