@@ -553,8 +553,9 @@ def test_compile_leaves_the_run_nothing_to_compile(speculative):
         config = with_chain_above(config, 2)
     requests = [dataclasses.replace(r, temperature=0.8 if i % 2 else 0.0) for i, r in enumerate(mixed_requests())]
     engine = oracle_engine(config)
+    reported = []
     with engine_programs_lowered() as ahead:
-        engine.compile(requests)
+        engine.compile(requests, progress=lambda program, total: reported.append((program, total)))
     with engine_programs_lowered() as again:
         outs = engine.decode(requests)
     expected = set(ENGINE_PROGRAMS) - ({"jit(_draft_prefill_chunk)"} if speculative == "plain" else set())
@@ -565,6 +566,9 @@ def test_compile_leaves_the_run_nothing_to_compile(speculative):
     rows = sorted({engine.prefill_batch_rows(k) for k in range(1, engine.slots + 1)})
     assert len(names) == len(set(names)) and {f"prefill[rows={r}]" for r in rows} < set(names), names
     assert "step[argmax]" in names and all(p.lower_s > 0 and p.compile_s > 0 for p in engine.last_compile)
+    # `progress` heard of each program as it was built, and knew how many there would be.
+    assert sorted(p.name for p, _ in reported) == sorted(names)
+    assert {t for _, t in reported} == {len(names)}, reported
     assert all(o.finish_reason == "length" for o in outs), [(o.finish_reason, o.error) for o in outs]
     assert [o.tokens for o in outs] == [o.tokens for o in oracle_engine(config).decode(requests)]
     if speculative == "tree+chain":

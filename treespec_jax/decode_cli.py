@@ -209,7 +209,7 @@ def run_decode(args) -> int:
     for name, eng in runs:
         total = sum(r.max_new_tokens for r in served)
         # Compiled ahead, so that no compile lands inside the timed decode steps.
-        seconds = eng.compile(served)
+        seconds = _compile_with_progress(eng, served, name, quiet=args.json)
         if not args.json:
             print(f"{name}: compiled in {seconds:.1f} s", file=sys.stderr)
         outs = _decode_with_progress(eng, requests, total, name, quiet=args.json)
@@ -268,6 +268,20 @@ def _describe(config: ServeConfig) -> str:
     from treespec_jax.engine.loading import attention_kind
 
     return f"{describe(config)}; {config.model.dtype}, {attention_kind(config)} attention"
+
+
+def _compile_with_progress(engine, requests, name, quiet) -> float:
+    """`engine.compile(requests)` with a bar over its programs (on a GPU a minute or more)."""
+    if quiet:
+        return engine.compile(requests)
+    from tqdm import tqdm
+
+    with tqdm(desc=f"{name}: compiling", unit="program", file=sys.stderr, leave=False) as bar:
+        def built(program, total):
+            bar.total = total
+            bar.set_postfix_str(program.name)
+            bar.update(1)
+        return engine.compile(requests, progress=built)
 
 
 def _decode_with_progress(engine, requests, total, name, quiet):

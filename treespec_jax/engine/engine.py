@@ -440,7 +440,7 @@ class Engine:
         up to a power of two, at most `prefill_rows`."""
         return min(1 << (requests - 1).bit_length(), self.prefill_rows)
 
-    def compile(self, requests: Sequence[Request] = (), workers: int | None = None) -> float:
+    def compile(self, requests: Sequence[Request] = (), workers: int | None = None, progress=None) -> float:
         """Compiles every program a run of `requests` can launch before it starts; returns the
         seconds it took. Each program otherwise compiles when a run first needs it, which stalls
         every running request (a new prefill row count mid-run), and on the H100 a batch-8 SmolLM2
@@ -456,7 +456,8 @@ class Engine:
 
         `workers`: compiling threads. Default: one on a GPU, where XLA's autotuner times candidate
         kernels on the device and programs compiled side by side would disturb each other's
-        timings; elsewhere 16.
+        timings; elsewhere 16. `progress(program, total)`, if given, is called as each program is
+        built (`ProgramCompile`; `total`: the programs of this call), from the compiling thread.
         """
         import concurrent.futures
 
@@ -464,6 +465,10 @@ class Engine:
         most = max((DRAWS.index(self._request_draw(r)) for r in requests), default=DRAWS.index("argmax"))
         draws = DRAWS[DRAWS.index("argmax"):most + 1]
         step_draws = draws if self.config.sampling.backend == "gumbel" else ("auto",)
+        steps = [self._step] + ([self._chain_step] if self._chain_step is not None else [])
+        prefill_rows = sorted({self.prefill_batch_rows(k) for k in range(1, self.slots + 1)})
+        # Per prefill row count: the prefill, each first-token draw, the drafter's prefill, the admission.
+        total = len(steps) * len(step_draws) + 1 + len(prefill_rows) * (2 + len(draws) + (self.drafter is not None))
         with concurrent.futures.ThreadPoolExecutor(workers or (1 if on_gpu() else 16)) as pool:
             done: list[ProgramCompile] = []
 
@@ -473,17 +478,19 @@ class Engine:
                     lowered = lower()
                     t_compile = time.perf_counter()
                     program = lowered.compile()
-                    done.append(ProgramCompile(name, t_compile - t_lower, time.perf_counter() - t_compile))
+                    built = ProgramCompile(name, t_compile - t_lower, time.perf_counter() - t_compile)
+                    done.append(built)
+                    if progress is not None:
+                        progress(built, total)
                     return program
                 return pool.submit(job)
 
-            steps = [self._step] + ([self._chain_step] if self._chain_step is not None else [])
             jobs = [compiled(f"{kind}[{d}]", functools.partial(step.lower, self.params, self.state, draw=d))
                     for kind, step in zip(("step", "chain_step"), steps) for d in step_draws]
             jobs.append(compiled("release", functools.partial(self._release.lower, self.state, 0)))
             ints = lambda *shape: jnp.asarray(np.zeros(shape, np.int32))  # noqa: E731
             prefills = {}
-            for rows in sorted({self.prefill_batch_rows(k) for k in range(1, self.slots + 1)}):
+            for rows in prefill_rows:
                 inputs = (ints(rows, self.table_width), ints(rows, self.chunk), ints(rows))
                 prefills[rows] = inputs, compiled(f"prefill[rows={rows}]", functools.partial(
                     self._prefill.lower, self.params, self.state, inputs[1], inputs[0], inputs[2], inputs[2]))
