@@ -119,12 +119,17 @@ compile)
     HEAD=$2 OUT=$3
     # One process per setting, without the persistent cache: XLA keeps autotuning results for the
     # life of a process, and a cache hit is not a compile (tools/compile_profile.py).
+    # XLA_SETS as for llama8b, e.g. "default;--xla_gpu_autotune_level=0": how much is autotuning.
     IFS=, read -ra settings <<< "${4:-plain:8:1,tree-k4s5n16:8:1,tree-k4s5n16:8:8}"
-    for setting in "${settings[@]}"; do
-        IFS=: read -r shape batch workers <<< "$setting"
-        step "compile_${shape}_b${batch}_w${workers}" "${LIMIT:-240}" env -u \
-            JAX_COMPILATION_CACHE_DIR "$PY" benchmarks/tools/compile_profile.py --head "$HEAD" --shape "$shape" \
-            --batch "$batch" --workers "$workers" --out "$OUT"
+    IFS=';' read -ra sets <<< "${XLA_SETS:-default}"
+    for i in "${!sets[@]}"; do
+        flags=${sets[$i]}; [[ $flags == default ]] && flags=
+        for setting in "${settings[@]}"; do
+            IFS=: read -r shape batch workers <<< "$setting"
+            XLA_FLAGS="$flags" step "compile_${shape}_b${batch}_w${workers}_xla$i" "${LIMIT:-240}" env -u \
+                JAX_COMPILATION_CACHE_DIR "$PY" benchmarks/tools/compile_profile.py --head "$HEAD" --shape "$shape" \
+                --batch "$batch" --workers "$workers" --out "$OUT"
+        done
     done
     ;;
 prefill)
