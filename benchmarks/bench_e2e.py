@@ -150,7 +150,7 @@ def serve(args):
                 # each prefill row count once (requests admitted together prefill together) for what
                 # compiles only when it first runs (the host's small eager ops).
                 compile_s = engine.compile(reqs)
-                for rows_in in sorted({engine.prefill_batch_rows(k) for k in range(1, batch + 1)}):
+                for rows_in in engine.prefill_row_counts():
                     engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:rows_in]])
                 engine.decode(reqs[:batch])
                 warmup_s = time.perf_counter() - t0  # building and compiling: the seconds a new shape costs
@@ -586,7 +586,7 @@ def churn(args):
                         max_new_tokens=int(min(args.new_tokens, 8 + rng.exponential(args.new_tokens / 2))),
                         ignore_eos=True, seed=i, temperature=temp) for i in range(n)]
         t0 = time.perf_counter()
-        for rows_in in sorted({engine.prefill_batch_rows(k) for k in range(1, batch + 1)}):
+        for rows_in in engine.prefill_row_counts():
             engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:rows_in]])
         compile_s = time.perf_counter() - t0
         groups, traced = [], {}

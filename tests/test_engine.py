@@ -524,7 +524,7 @@ def test_a_warm_engine_compiles_nothing_more():
         "    rng = np.random.default_rng(0)\n"
         "    reqs = [Request(prompt=rng.integers(0, 64, int(n)).tolist(), max_new_tokens=int(m), seed=i)\n"
         "            for i, (n, m) in enumerate(zip(rng.integers(3, 40, 10), rng.integers(2, 12, 10)))]\n"
-        "    for rows in sorted({engine.prefill_batch_rows(k) for k in range(1, 5)}):\n"
+        "    for rows in engine.prefill_row_counts():\n"
         "        engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:rows]])\n"
         "    engine.decode(reqs[:4])\n"
         "    compiles = []\n"
@@ -563,7 +563,7 @@ def test_compile_leaves_the_run_nothing_to_compile(speculative):
     assert not again, f"lowered again while serving: {again}"
     # `last_compile` names each program once, with its seconds.
     names = [p.name for p in engine.last_compile]
-    rows = sorted({engine.prefill_batch_rows(k) for k in range(1, engine.slots + 1)})
+    rows = engine.prefill_row_counts()
     assert len(names) == len(set(names)) and {f"prefill[rows={r}]" for r in rows} < set(names), names
     assert "step[argmax]" in names and all(p.lower_s > 0 and p.compile_s > 0 for p in engine.last_compile)
     # `progress` heard of each program as it was built, and knew how many there would be.

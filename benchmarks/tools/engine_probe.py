@@ -84,7 +84,7 @@ def main():
                              "ms_per_row": ms / rows})
             print(json.dumps(rows_out[-1]), flush=True)
         engine.state = engine._fresh_state()
-        for rows_in in sorted({engine.prefill_batch_rows(k) for k in range(1, args.slots + 1)}):
+        for rows_in in engine.prefill_row_counts():
             engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:rows_in]])
         t0 = time.perf_counter()
         engine.decode(reqs)

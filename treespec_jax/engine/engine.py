@@ -143,8 +143,13 @@ def _nbytes(*trees) -> int:
 def _device_bytes(devices: Sequence[jax.Device] | None) -> int | None:
     """The memory the first device lets JAX allocate (`memory_stats()["bytes_limit"]`), or None
     where it reports none (a CPU)."""
-    stats = (list(devices) if devices else jax.devices())[0].memory_stats()
+    stats = _first_device(devices).memory_stats()
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def _first_device(devices: Sequence[jax.Device] | None) -> jax.Device:
+    """The engine's first device: of `devices`, else JAX's default ones."""
+    return (list(devices) if devices else jax.devices())[0]
 
 
 def _completes_stop(text: str, seen: int, stops: Sequence[str]) -> bool:
@@ -208,9 +213,10 @@ class Engine:
         slots = config.scheduler.max_running_requests
         num_nodes = sp.verify_tokens if sp.enabled else 1
         table_width = pages_needed(context, num_nodes, config.kv_cache.page_size)
-        # Under tensor parallelism the pools and weights are sharded: sized in full.
+        # Under tensor parallelism on GPUs the pools and weights are sharded: sized in full. A CPU's
+        # devices all share the host's memory, so its budget holds with or without parallelism.
         device_bytes = _device_bytes(devices) if config.parallel.tp_size == 1 else None
-        on_host = (list(devices) if devices else jax.devices())[0].platform == "cpu"
+        on_host = _first_device(devices).platform == "cpu"
         host_kv_bytes = int(config.kv_cache.host_kv_gib * 2 ** 30) if on_host and device_bytes is None else None
         num_pages, pool_problems = pool_pages(
             slots=slots, table_width=table_width, page_size=config.kv_cache.page_size,
@@ -440,6 +446,11 @@ class Engine:
         up to a power of two, at most `prefill_rows`."""
         return min(1 << (requests - 1).bit_length(), self.prefill_rows)
 
+    def prefill_row_counts(self) -> list[int]:
+        """Every prefill batch row count a run can launch (`prefill_batch_rows` of 1 .. B
+        requests), ascending: one prefill program each."""
+        return sorted({self.prefill_batch_rows(k) for k in range(1, self.slots + 1)})
+
     def compile(self, requests: Sequence[Request] = (), workers: int | None = None, progress=None) -> float:
         """Compiles every program a run of `requests` can launch before it starts; returns the
         seconds it took. Each program otherwise compiles when a run first needs it, which stalls
@@ -466,7 +477,7 @@ class Engine:
         draws = DRAWS[DRAWS.index("argmax"):most + 1]
         step_draws = draws if self.config.sampling.backend == "gumbel" else ("auto",)
         steps = [self._step] + ([self._chain_step] if self._chain_step is not None else [])
-        prefill_rows = sorted({self.prefill_batch_rows(k) for k in range(1, self.slots + 1)})
+        prefill_rows = self.prefill_row_counts()
         # Per prefill row count: the prefill, each first-token draw, the drafter's prefill, the admission.
         total = len(steps) * len(step_draws) + 1 + len(prefill_rows) * (2 + len(draws) + (self.drafter is not None))
         with concurrent.futures.ThreadPoolExecutor(workers or (1 if on_gpu() else 16)) as pool:

@@ -78,18 +78,18 @@ def pool_pages(*, slots: int, table_width: int, page_size: int, page_bytes: int,
     gib = 2 ** 30
     if device_bytes is not None:
         budget = int(mem_fraction * device_bytes) - weight_bytes
-        source = (f"kv_cache.mem_fraction_static = {mem_fraction} of {device_bytes / gib:.2f} GiB leaves "
-                  f"{budget / gib:.2f} GiB after {weight_bytes / gib:.2f} GiB of weights",
-                  "raise mem_fraction_static")
+        budget_said = (f"kv_cache.mem_fraction_static = {mem_fraction} of {device_bytes / gib:.2f} GiB leaves "
+                       f"{budget / gib:.2f} GiB after {weight_bytes / gib:.2f} GiB of weights")
+        remedy = "raise mem_fraction_static"
     elif host_kv_bytes is not None:
         budget = host_kv_bytes
-        source = f"kv_cache.host_kv_gib = {host_kv_bytes / gib:g}", "raise host_kv_gib"
+        budget_said, remedy = f"kv_cache.host_kv_gib = {host_kv_bytes / gib:g}", "raise host_kv_gib"
     else:
         return full + 1, []
     fit = max(budget, 0) // page_bytes - 1  # less the scratch page
     if fit < table_width:
         return full + 1, [
-            f"KV pools: {source[0]}, {max(fit, 0)} pages of {page_size} tokens ({page_bytes} bytes each); one "
-            f"request of the full context needs {table_width} ({source[1]}, or set kv_cache.max_total_tokens or "
+            f"KV pools: {budget_said}, {max(fit, 0)} pages of {page_size} tokens ({page_bytes} bytes each); one "
+            f"request of the full context needs {table_width} ({remedy}, or set kv_cache.max_total_tokens or "
             f"model.context_length)"]
     return min(full, fit) + 1, []
