@@ -575,6 +575,24 @@ def test_compile_leaves_the_run_nothing_to_compile(speculative):
         assert 0 < engine.last_run.chain_steps < engine.last_run.steps
 
 
+def test_compile_builds_only_the_draws_the_requests_ask_for():
+    """A run whose requests all sample never runs the greedy step (a batch draws as the most
+    demanding of its requests), so `compile` builds the sampled step alone, and serving still
+    lowers nothing again; a greedy run builds only the greedy step."""
+    config = serve_config("EAGLE3", 2, 3, 6, attention="dense", slots=2, sampler="gumbel")
+    engine = oracle_engine(config)
+    sampled = [dataclasses.replace(r, temperature=0.8) for r in mixed_requests()[:3]]
+    engine.compile(sampled)
+    steps = {p.name for p in engine.last_compile if p.name.startswith(("step", "first_token"))}
+    rows = engine.prefill_row_counts()
+    assert steps == {"step[gumbel]"} | {f"first_token[rows={r},gumbel]" for r in rows}, steps
+    with engine_programs_lowered() as again:
+        engine.decode(sampled)
+    assert not again, f"lowered again while serving: {again}"
+    engine.compile([dataclasses.replace(r, temperature=0.0) for r in sampled])
+    assert {p.name for p in engine.last_compile if p.name.startswith("step")} == {"step[argmax]"}
+
+
 def test_streamed_text_and_stop_strings(ckpt_dir):
     """A random target over a tiny byte-level vocabulary (its byte tokens split UTF-8 characters):
     the streamed pieces add up to the completion's text, the tokens' decode. A stop string taken

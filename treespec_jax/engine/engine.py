@@ -460,8 +460,9 @@ class Engine:
         Compiled: for each prefill row count (`prefill_batch_rows`), the target's and drafter's
         prefill, the first-token draw and the admission; the decode step (and the chain's, under
         `speculative.chain_above_batch`); the slot release. The
-        draws are every one up to the most demanding that `requests` ask for (greedy when none
-        are given), since a step's draw is that of its most demanding running request. Each
+        draws are those `requests` ask for (greedy when none are given): a step draws as the most
+        demanding of its running requests, so a run of sampled requests alone never runs the
+        greedy step, and compiling it would cost as much as the step it serves. Each
         program is lowered with inputs of the types `_start` and `stream` pass, so the run finds
         it in the jit cache; nothing runs and no state changes.
 
@@ -473,8 +474,9 @@ class Engine:
         import concurrent.futures
 
         t0 = time.perf_counter()
-        most = max((DRAWS.index(self._request_draw(r)) for r in requests), default=DRAWS.index("argmax"))
-        draws = DRAWS[DRAWS.index("argmax"):most + 1]
+        # A batch's draw is the most demanding of its requests' own (`draw_for`), so any running
+        # set draws as one of its members would alone: only the requests' own draws can run.
+        draws = sorted({self._request_draw(r) for r in requests} or {"argmax"}, key=DRAWS.index)
         step_draws = draws if self.config.sampling.backend == "gumbel" else ("auto",)
         steps = [self._step] + ([self._chain_step] if self._chain_step is not None else [])
         prefill_rows = self.prefill_row_counts()
