@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -676,7 +677,9 @@ def main():
     tables = {"serve": serve, "breakdown": breakdown, "kernels": kernels, "prefill": prefill, "llama8b": llama8b,
               "churn": churn}
     doc = tables[args.table](args)
-    doc.update(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, jax=jax.__version__)
+    # XLA_FLAGS change what XLA builds (e.g. no Triton GEMMs): a table names the flags it ran under.
+    doc.update(date=time.strftime("%Y-%m-%d %H:%M"), device=jax.devices()[0].device_kind, jax=jax.__version__,
+               xla_flags=os.environ.get("XLA_FLAGS", ""))
     text = json.dumps(doc, indent=1)
     print(text)
     if args.out:
