@@ -13,8 +13,9 @@
 #   bash benchmarks/run_e2e.sh kernels HEAD OUT [BATCH] [SHAPES] [TEMPS]  # a step's kernels; random weights
 #   bash benchmarks/run_e2e.sh kernels-graphs HEAD OUT [BATCH] [SHAPES] [TEMPS]  # the same at each CUDA-graph setting
 #   bash benchmarks/run_e2e.sh prefill OUT [BATCHES]            # (d): needs no model file
-#   bash benchmarks/run_e2e.sh compile HEAD OUT [SETTINGS]      # a new engine's compile, program by program;
-#                                                              # SETTINGS "shape:batch:workers,..."; random weights
+#   bash benchmarks/run_e2e.sh compile HEAD OUT [SETTINGS] [ARGS]  # a new engine's compile, program by
+#                                                              # program; SETTINGS "shape:batch:workers,...";
+#                                                              # random weights; ARGS e.g. --inline-layers
 #
 # XLA_SETS (llama8b) runs one process per ";"-separated set of XLA_FLAGS ("default": none), e.g. whether
 # cuBLAS GEMVs without XLA's split-K reductions beat them at B=1.
@@ -128,7 +129,7 @@ compile)
             IFS=: read -r shape batch workers <<< "$setting"
             XLA_FLAGS="$flags" step "compile_${shape}_b${batch}_w${workers}_xla$i" "${LIMIT:-240}" env -u \
                 JAX_COMPILATION_CACHE_DIR "$PY" benchmarks/tools/compile_profile.py --head "$HEAD" --shape "$shape" \
-                --batch "$batch" --workers "$workers" --out "$OUT"
+                --batch "$batch" --workers "$workers" --out "$OUT" "${@:5}"
         done
     done
     ;;

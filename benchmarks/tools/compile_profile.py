@@ -2,7 +2,8 @@
 its XLA compile seconds, on a SmolLM2-135M-shaped target with random bf16 weights (no model file).
 
     PYTHONPATH=. python3 benchmarks/tools/compile_profile.py --head treespec_jax/data/smollm2-eagle3
-        [--shape tree-k4s5n16] [--batch 8] [--temperature 0] [--workers 1] [--steps 200] [--out DIR]
+        [--shape tree-k4s5n16] [--batch 8] [--temperature 0] [--workers 1] [--steps 200] [--inline-layers]
+        [--out DIR]
 
 Run one process per setting: XLA keeps its autotuning results for the life of the process, so a
 second engine in the same process would compile faster than a user's first. Do not set
@@ -35,6 +36,9 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--workers", type=int, default=0, help="compiling threads (0: the engine's default)")
     ap.add_argument("--steps", type=int, default=200, help="decode steps timed after the compile")
+    ap.add_argument("--inline-layers", action="store_true",
+                    help="trace each decoder layer inline instead of calling the jitted `decoder_layer`: "
+                         "whether that call changes the compiled step's speed on this device")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -44,6 +48,11 @@ def main():
     from treespec_jax.engine import Request
     from treespec_jax.models.hf import load_eagle3
 
+    if args.inline_layers:
+        from treespec_jax.models import llama
+
+        # The jitted function's Python body: the forward then traces every layer in place.
+        llama.decoder_layer = llama.decoder_layer.__wrapped__
     cfg, params = _random_smollm2()
     head = load_eagle3(args.head, "bf16")
     t0 = time.perf_counter()
@@ -71,6 +80,7 @@ def main():
     step_s = _serve_steps(engine, stream, args.steps)
     doc = {"shape": args.shape, "batch": args.batch, "temperature": args.temperature,
            "workers": args.workers or "default", "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "inline_layers": args.inline_layers,
            "build_s": round(build_s, 2), "compile_s": round(compile_s, 2),
            "lower_s_sum": round(sum(p.lower_s for p in programs), 2),
            "xla_s_sum": round(sum(p.compile_s for p in programs), 2),
@@ -84,7 +94,8 @@ def main():
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        tag = f"{args.shape}_b{args.batch}_w{args.workers}_{zlib.crc32(doc['xla_flags'].encode()):08x}"
+        inline = "_inline" if args.inline_layers else ""
+        tag = f"{args.shape}_b{args.batch}_w{args.workers}{inline}_{zlib.crc32(doc['xla_flags'].encode()):08x}"
         (args.out / f"compile_{tag}.json").write_text(text)
 
 
