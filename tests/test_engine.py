@@ -260,19 +260,22 @@ def test_refusals_name_every_reason_and_spare_the_others():
            Request(prompt=[1, 2, 3], max_new_tokens=4, temperature=0.7),  # greedy backend
            Request(prompt=[], max_new_tokens=4),
            Request(prompt=[70, 2], max_new_tokens=0),
-           Request(prompt=[1, 2, 3], max_new_tokens=4, temperature=-1.0)]  # invalid under any backend
+           Request(prompt=[1, 2, 3], max_new_tokens=4, temperature=-1.0),  # invalid under any backend
+           Request(prompt=[1, 2, 3], max_new_tokens=4, top_k=-5)]  # -1 and 0 mean off; -5 is no setting
     reqs = good[:1] + bad + good[1:]
     outs = engine.decode(reqs)
-    assert [o.finish_reason for o in outs] == ["length"] + ["refused"] * 5 + ["length"]
+    assert [o.finish_reason for o in outs] == ["length"] + ["refused"] * 6 + ["length"]
     assert "exceeds the context length 512" in outs[1].error
     assert "greedy" in outs[2].error
     assert "empty" in outs[3].error
     assert "outside [0, 64)" in outs[4].error and "max_new_tokens=0" in outs[4].error
     assert outs[5].error == "temperature=-1.0 must be finite and >= 0"
+    assert outs[6].error == "top_k=-5 must be -1 or 0 (off) or >= 1"
+    assert engine.refusal(dataclasses.replace(bad[-1], top_k=-1)) is None
     # The public check answers as the serving loop does, without serving anything.
     assert [engine.refusal(r) for r in reqs] == [o.error for o in outs]
     alone = _tokens(cached_engine(serve_config("EAGLE3", 2, 3, 6)), good)
-    assert [outs[0].tokens, outs[6].tokens] == alone
+    assert [outs[0].tokens, outs[7].tokens] == alone
 
 
 def test_startup_refusal_lists_every_blocker():

@@ -396,7 +396,8 @@ class Engine:
         top_k = s.top_k if req.top_k is None else int(req.top_k)
         top_p = s.top_p if req.top_p is None else float(req.top_p)
         seed = self.config.seed if req.seed is None else int(req.seed)
-        return temperature, max(top_k, 0), top_p, seed
+        # -1 and 0 both mean off; any other negative value is refused by name (`_refusal`).
+        return temperature, 0 if top_k == -1 else top_k, top_p, seed
 
     def _refusal(self, req: Request, prompt: list[int]) -> str | None:
         """Why a request cannot be served (every reason), or None."""
@@ -414,6 +415,8 @@ class Engine:
             reasons.append(f"temperature={temperature} must be finite and >= 0")
         elif self.config.sampling.backend == "greedy" and temperature > 0:
             reasons.append(f"temperature={temperature} under the greedy sampling backend (use gumbel or rejection)")
+        if top_k < 0:
+            reasons.append(f"top_k={top_k} must be -1 or 0 (off) or >= 1")
         if not 0 < top_p <= 1:
             reasons.append(f"top_p={top_p} must lie in (0, 1]")
         if not 0 <= seed <= MAX_SEED:
