@@ -349,15 +349,18 @@ def test_eagle3_config_problems_named(tmp_path):
 def test_eagle3_head_must_fit_its_target(tmp_path):
     cfg = eagle_cfg()
     root = write_checkpoint(tmp_path, cfg.to_hf(), eagle_tensors(cfg, seed=24))
-    fits = tiny_cfg(hidden_size=16, vocab_size=50)
+    fits = tiny_cfg(hidden_size=16, vocab_size=50, num_layers=4)
     # target_hidden_size 20 is not the target's 16: a head trained on another model's features.
     with pytest.raises(ModelConfigError) as info:
         hf.load_eagle3(root, target=fits)
     assert "target_hidden_size 20" in str(info.value) and len(info.value.problems) == 1
     with pytest.raises(ModelConfigError) as info:
-        hf.load_eagle3(root, target=tiny_cfg(hidden_size=20, vocab_size=60))
+        hf.load_eagle3(root, target=tiny_cfg(hidden_size=20, vocab_size=60, num_layers=2))
     msg = str(info.value)
     assert "vocab_size 50 differs from the target's 60" in msg and "hidden_size 16 differs" in msg
+    # Layers 2, L//2 and L-3 are three distinct layers only from L = 4 on: refused at load time,
+    # with the other reasons, not later when the drafter is built.
+    assert "the target has only 2" in msg and len(info.value.problems) == 3
     matched = write_checkpoint(tmp_path / "ok", eagle_cfg(target_hidden_size=16).to_hf(),
                                eagle_tensors(eagle_cfg(target_hidden_size=16), seed=25))
     head_cfg, _ = hf.load_eagle3(matched, target=fits)

@@ -122,17 +122,7 @@ class Eagle3Drafter(_HeadDrafter):
     """An EAGLE-3 head over the target's embedding (params: the head's + `embed`, the target's)."""
 
     def __init__(self, cfg: Eagle3Config, target_cfg: LlamaConfig, attention: PagedAttention):
-        problems = []
-        if cfg.vocab_size != target_cfg.vocab_size:
-            problems.append(f"head vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
-        if cfg.hidden_size != target_cfg.hidden_size:
-            problems.append(f"head hidden_size {cfg.hidden_size} != target hidden_size {target_cfg.hidden_size}: "
-                            "the head reads the target's token embedding")
-        if cfg.target_hidden_size != target_cfg.hidden_size:
-            problems.append(f"head target_hidden_size {cfg.target_hidden_size} != target hidden_size "
-                            f"{target_cfg.hidden_size}")
-        if target_cfg.num_layers < 4:
-            problems.append(f"EAGLE-3 reads target layers 2, L//2, L-3; the target has only {target_cfg.num_layers}")
+        problems = cfg.target_problems(target_cfg)
         if problems:
             raise ValueError("EAGLE-3 head does not fit the target: " + "; ".join(problems))
         self.cfg = cfg

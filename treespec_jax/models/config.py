@@ -281,6 +281,23 @@ class Eagle3Config:
             max_position_embeddings=int(data.get("max_position_embeddings", 4096)),
         )
 
+    def target_problems(self, target: "LlamaConfig") -> list[str]:
+        """Why this head cannot draft for `target`: it embeds tokens with the target's table and
+        reads three of its hidden states (layers 2, L//2 and L-3), so vocabularies and widths must
+        agree and the target needs at least 4 layers."""
+        problems = []
+        if self.vocab_size != target.vocab_size:
+            problems.append(f"head vocab_size {self.vocab_size} differs from the target's {target.vocab_size}")
+        if self.hidden_size != target.hidden_size:
+            problems.append(f"head hidden_size {self.hidden_size} differs from the target's {target.hidden_size} "
+                            "(the head embeds tokens with the target's embedding)")
+        if self.target_hidden_size != target.hidden_size:
+            problems.append(f"head target_hidden_size {self.target_hidden_size} differs from the target's "
+                            f"hidden_size {target.hidden_size}")
+        if target.num_layers < 4:
+            problems.append(f"the head reads target layers 2, L//2 and L-3; the target has only {target.num_layers}")
+        return problems
+
     def to_hf(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "architectures": ["LlamaForCausalLMEagle3"],

@@ -579,21 +579,6 @@ def load_target(path: str | os.PathLike, dtype: str = "bf16") -> tuple[LlamaConf
     return cfg, target_params_from_hf(cfg, tensors, dtype, source=str(path))
 
 
-def eagle3_target_problems(head: Eagle3Config, target: LlamaConfig) -> list[str]:
-    """Why a head cannot draft for a target: it embeds tokens with the target's table and reads
-    three of its hidden states, so vocabulary and widths must agree."""
-    problems = []
-    if head.vocab_size != target.vocab_size:
-        problems.append(f"head vocab_size {head.vocab_size} differs from the target's {target.vocab_size}")
-    if head.hidden_size != target.hidden_size:
-        problems.append(f"head hidden_size {head.hidden_size} differs from the target's {target.hidden_size} "
-                        "(the head embeds tokens with the target's embedding)")
-    if head.target_hidden_size != target.hidden_size:
-        problems.append(f"head target_hidden_size {head.target_hidden_size} differs from the target's hidden_size "
-                        f"{target.hidden_size}")
-    return problems
-
-
 def load_eagle3(path: str | os.PathLike, dtype: str = "bf16",
                 target: LlamaConfig | None = None) -> tuple[Eagle3Config, dict]:
     """(config, params) of a published-format EAGLE-3 head directory, floats cast to `dtype`.
@@ -618,7 +603,7 @@ def load_eagle3(path: str | os.PathLike, dtype: str = "bf16",
     if cfg.draft_vocab_size > cfg.vocab_size:
         problems.append(f"draft_vocab_size {cfg.draft_vocab_size} exceeds vocab_size {cfg.vocab_size}")
     if target is not None:
-        problems += eagle3_target_problems(cfg, target)
+        problems += cfg.target_problems(target)
     if problems:
         raise ModelConfigError(source, problems)
     tensors = read_safetensors_dir(path)
