@@ -29,8 +29,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from treespec_jax.models.attention import AttentionBatch, window_batch
 from treespec_jax.tree.draft_tree import (CandidateRecord, DraftTree, expand_lanes, seed_lanes, select_tree,
                                           step_offset)
+from treespec_jax.tree.masks import ancestor_mask, chain_parents
 
 
 @struct.dataclass
@@ -43,6 +45,13 @@ class AcceptedRows:
     start: jax.Array  # [B] int32 vc before the round: position of the old root
     accept_len: jax.Array  # [B] int32 accepted rows (1..N)
     page_table: jax.Array  # [B, max_pages] int32
+
+    def chain_window(self, page_size: int) -> AttentionBatch:
+        """Step 0's attention over the path: window row d at position start + d, seeing the rows
+        before it (a chain) and the drafter's cache below start."""
+        b, n = self.path_tokens.shape
+        positions = self.start[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+        return window_batch(self.page_table, self.start, positions, ancestor_mask(chain_parents(b, n)), page_size)
 
 
 def score_candidates(logits: jax.Array, topk: int, draft_to_target: jax.Array | None = None):

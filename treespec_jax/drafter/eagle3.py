@@ -26,18 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from treespec_jax.drafter.base import AcceptedRows, Drafter, score_candidates
-from treespec_jax.models.attention import PagedAttention, lanes_batch, prefill_batch, window_batch
+from treespec_jax.models.attention import PagedAttention, lanes_batch, prefill_batch
 from treespec_jax.models.config import Eagle3Config, LlamaConfig
 from treespec_jax.models.llama import (DTYPES, DecoderLayer, attention_block, fuse_layer, mlp_block,
                                        projection_params, rms_norm)
-from treespec_jax.tree.masks import ancestor_mask, chain_parents
 
 DRAFT_K, DRAFT_V = "draft_k0", "draft_v0"
-
-
-def chain_mask(batch: int, rows: int) -> jax.Array:
-    """`[B, T, 2]` uint32 causal rows over a T-row window (row t sees window keys 0..t)."""
-    return ancestor_mask(chain_parents(batch, rows))
 
 
 class Eagle3Head(nn.Module):
@@ -99,12 +93,8 @@ class _HeadDrafter(Drafter):
         return pools
 
     def step0(self, params, pools, accepted: AcceptedRows):
-        b, n = accepted.predicts.shape
-        positions = accepted.start[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
-        batch = window_batch(accepted.page_table, accepted.start, positions, chain_mask(b, n),
-                             self.attention.page_size)
         logits, feats, pools = self._run(params, pools, jnp.maximum(accepted.predicts, 0), accepted.features,
-                                         batch, True)
+                                         accepted.chain_window(self.attention.page_size), True)
         last = (accepted.accept_len - 1)[:, None]
         root_logits = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]
         root_feature = jnp.take_along_axis(feats, last[:, :, None], axis=1)[:, 0]

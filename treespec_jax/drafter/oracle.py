@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from treespec_jax.drafter.base import AcceptedRows, Drafter, score_candidates
-from treespec_jax.drafter.eagle3 import chain_mask
-from treespec_jax.models.attention import lanes_batch, window_batch
+from treespec_jax.models.attention import lanes_batch
 from treespec_jax.models.llama import LlamaModel
 
 
@@ -62,11 +61,9 @@ class ModelDrafter(Drafter):
         return pools
 
     def step0(self, params, pools, accepted: AcceptedRows):
-        b, n = accepted.path_tokens.shape
-        positions = accepted.start[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
-        batch = window_batch(accepted.page_table, accepted.start, positions, chain_mask(b, n),
-                             self.model.page_size)
-        _, _, pools = self.model.forward(params, pools, jnp.maximum(accepted.path_tokens, 0), batch)
+        b = accepted.path_tokens.shape[0]
+        _, _, pools = self.model.forward(params, pools, jnp.maximum(accepted.path_tokens, 0),
+                                         accepted.chain_window(self.model.page_size))
         new_len = accepted.start + accepted.accept_len
         root = jnp.take_along_axis(accepted.predicts, (accepted.accept_len - 1)[:, None], axis=1)[:, 0]
         logits, _, pools = self.model.decode(params, pools, root, accepted.page_table, new_len)
