@@ -109,10 +109,12 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 class ConfigError(ValueError):
     """Every configuration problem found at once; `problems` holds one line each."""
 
+    subject = "configuration"  # what the message says is invalid
+
     def __init__(self, problems: typing.Sequence[str]):
         self.problems = tuple(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid configuration; {len(self.problems)} problem(s):\n{lines}")
+        super().__init__(f"invalid {self.subject}; {len(self.problems)} problem(s):\n{lines}")
 
 
 def opt(default: Any, flag: str | None, doc: str, choices: tuple | None = None):

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from treespec_jax.config import ConfigError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "train" / "eagle3.toml"
 DEFAULT_PROMPTS = "treespec_jax/data/train_prompts.jsonl"
@@ -25,13 +27,10 @@ DTYPES = ("bf16", "fp32")
 ATTENTION_BACKENDS = ("auto", "cascade", "dense")
 
 
-class TrainConfigError(ValueError):
+class TrainConfigError(ConfigError):
     """Every problem of a training config, one line each."""
 
-    def __init__(self, problems: typing.Sequence[str]):
-        self.problems = tuple(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid training config; {len(self.problems)} problem(s):\n{lines}")
+    subject = "training config"
 
 
 @dataclasses.dataclass(frozen=True)
