@@ -462,12 +462,12 @@ class Engine:
 
         Compiled: for each prefill row count (`prefill_batch_rows`), the target's and drafter's
         prefill, the first-token draw and the admission; the decode step (and the chain's, under
-        `speculative.chain_above_batch`); the slot release. The
-        draws are those `requests` ask for (greedy when none are given): a step draws as the most
-        demanding of its running requests, so a run of sampled requests alone never runs the
-        greedy step, and compiling it would cost as much as the step it serves. Each
-        program is lowered with inputs of the types `_start` and `stream` pass, so the run finds
-        it in the jit cache; nothing runs and no state changes.
+        `speculative.chain_above_batch`); the slot release. The draws are those `requests` ask
+        for (greedy when none are given): a step draws as the most demanding of its running
+        requests, so a run of sampled requests alone never runs the greedy step, and compiling it
+        would cost as much as the step it serves. Each program is lowered with inputs of the
+        types `_start` and `stream` pass, so the run finds it in the jit cache; nothing runs and
+        no state changes.
 
         `workers`: compiling threads. Default: one on a GPU, where XLA's autotuner times candidate
         kernels on the device and programs compiled side by side would disturb each other's

@@ -281,7 +281,7 @@ class Eagle3Config:
             max_position_embeddings=int(data.get("max_position_embeddings", 4096)),
         )
 
-    def target_problems(self, target: "LlamaConfig") -> list[str]:
+    def target_problems(self, target: LlamaConfig) -> list[str]:
         """Why this head cannot draft for `target`: it embeds tokens with the target's table and
         reads three of its hidden states (layers 2, L//2 and L-3), so vocabularies and widths must
         agree and the target needs at least 4 layers."""
