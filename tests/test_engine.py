@@ -582,9 +582,8 @@ def test_compile_builds_only_the_draws_the_requests_ask_for():
     """A run whose requests all sample never runs the greedy step (a batch draws as the most
     demanding of its requests), so `compile` builds the sampled step alone, and serving still
     lowers nothing again; a greedy run builds only the greedy step."""
-    config = serve_config("EAGLE3", 2, 3, 6, attention="dense", slots=2, sampler="gumbel")
-    engine = oracle_engine(config)
-    sampled = [dataclasses.replace(r, temperature=0.8) for r in mixed_requests()[:3]]
+    engine = oracle_engine(serve_config(attention="dense", slots=2, sampler="gumbel"))
+    sampled = [dataclasses.replace(r, temperature=0.8, max_new_tokens=6) for r in mixed_requests()[:3]]
     engine.compile(sampled)
     steps = {p.name for p in engine.last_compile if p.name.startswith(("step", "first_token"))}
     rows = engine.prefill_row_counts()
