@@ -147,12 +147,9 @@ def serve(args):
                 n = max(batch * args.waves, min(len(prompts), args.prompts))
                 reqs = [Request(prompt=prompts[i % len(prompts)], max_new_tokens=args.new_tokens, seed=i,
                                 temperature=temp) for i in range(n)]
-                # Compiles every program the run uses (`Engine.compile`, one at a time on a GPU), then runs
-                # each prefill row count once (requests admitted together prefill together) for what
-                # compiles only when it first runs (the host's small eager ops).
+                # Compiles every program the run uses (`Engine.compile`, one at a time on a GPU).
                 compile_s = engine.compile(reqs)
-                for rows_in in engine.prefill_row_counts():
-                    engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:rows_in]])
+                _run_each_prefill_size(engine, reqs)
                 engine.decode(reqs[:batch])
                 warmup_s = time.perf_counter() - t0  # building and compiling: the seconds a new shape costs
                 run, rates = _timed_runs(engine, reqs, args.min_decode_s)
@@ -264,6 +261,21 @@ def engine_graphs(engine) -> str:
     from treespec_jax.engine.compile_options import step_graphs
 
     return step_graphs(engine.config)
+
+
+def _run_each_prefill_size(engine, reqs) -> None:
+    """Serves the first k of `reqs` for 2 tokens at each prefill row count k the engine can launch
+    (requests admitted together prefill together): what compiles only when it first runs (the
+    host's small eager ops) then runs before anything is timed."""
+    for rows in engine.prefill_row_counts():
+        engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:rows]])
+
+
+def run_header() -> dict:
+    """What identifies a table's run: the minute, the device, JAX and the XLA_FLAGS it ran under
+    (they change what XLA builds, e.g. no Triton GEMMs)."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def _serve_steps(engine, stream, steps: int) -> float:
@@ -587,8 +599,7 @@ def churn(args):
                         max_new_tokens=int(min(args.new_tokens, 8 + rng.exponential(args.new_tokens / 2))),
                         ignore_eos=True, seed=i, temperature=temp) for i in range(n)]
         t0 = time.perf_counter()
-        for rows_in in engine.prefill_row_counts():
-            engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:rows_in]])
+        _run_each_prefill_size(engine, reqs)
         compile_s = time.perf_counter() - t0
         groups, traced = [], {}
         start = engine._start
@@ -677,9 +688,7 @@ def main():
     tables = {"serve": serve, "breakdown": breakdown, "kernels": kernels, "prefill": prefill, "llama8b": llama8b,
               "churn": churn}
     doc = tables[args.table](args)
-    # XLA_FLAGS change what XLA builds (e.g. no Triton GEMMs): a table names the flags it ran under.
-    doc.update(date=time.strftime("%Y-%m-%d %H:%M"), device=jax.devices()[0].device_kind, jax=jax.__version__,
-               xla_flags=os.environ.get("XLA_FLAGS", ""))
+    doc.update(run_header())
     text = json.dumps(doc, indent=1)
     print(text)
     if args.out:

@@ -25,8 +25,6 @@ import time
 import zlib
 from pathlib import Path
 
-import jax
-
 
 def main():
     ap = argparse.ArgumentParser()
@@ -44,7 +42,7 @@ def main():
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         ap.error("unset JAX_COMPILATION_CACHE_DIR: a persistent cache hit is not a compile")
 
-    from benchmarks.bench_e2e import _engine, _random_smollm2, _serve_steps
+    from benchmarks.bench_e2e import _engine, _random_smollm2, _serve_steps, run_header
     from treespec_jax.engine import Request
     from treespec_jax.models.hf import load_eagle3
 
@@ -79,8 +77,7 @@ def main():
     _serve_steps(engine, stream, 20)
     step_s = _serve_steps(engine, stream, args.steps)
     doc = {"shape": args.shape, "batch": args.batch, "temperature": args.temperature,
-           "workers": args.workers or "default", "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "inline_layers": args.inline_layers,
+           "workers": args.workers or "default", "inline_layers": args.inline_layers,
            "build_s": round(build_s, 2), "compile_s": round(compile_s, 2),
            "lower_s_sum": round(sum(p.lower_s for p in programs), 2),
            "xla_s_sum": round(sum(p.compile_s for p in programs), 2),
@@ -89,7 +86,7 @@ def main():
            "programs": [{"name": p.name, "lower_s": round(p.lower_s, 2), "compile_s": round(p.compile_s, 2)}
                         for p in programs],
            "step_ms": round(step_s * 1e3, 3), "prefill_ms": round(statistics.median(prefill_s[1:]) * 1e3, 3),
-           "date": time.strftime("%Y-%m-%d %H:%M"), "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+           **run_header()}
     text = json.dumps(doc, indent=1)
     print(text)
     if args.out:

@@ -12,7 +12,6 @@ Times are medians of repeated calls after a warm-up, in one process; prints JSON
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -56,6 +55,7 @@ def prefill_ms(engine, rows: int, reps: int = 5) -> float:
 
 
 def main():
+    from benchmarks.bench_e2e import _run_each_prefill_size
     from treespec_jax.engine import Request
     from treespec_jax.models.config import LlamaConfig
     from treespec_jax.models.llama import init_params
@@ -84,8 +84,7 @@ def main():
                              "ms_per_row": ms / rows})
             print(json.dumps(rows_out[-1]), flush=True)
         engine.state = engine._fresh_state()
-        for rows_in in engine.prefill_row_counts():
-            engine.decode([dataclasses.replace(r, max_new_tokens=2) for r in reqs[:rows_in]])
+        _run_each_prefill_size(engine, reqs)
         t0 = time.perf_counter()
         engine.decode(reqs)
         wall = time.perf_counter() - t0
