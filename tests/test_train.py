@@ -465,7 +465,7 @@ def test_draft_vocabulary_and_packing_cursor(tmp_path):
 
 def test_config_refuses_bad_values_naming_each():
     cfg = load_config()
-    assert cfg.train.ttt_steps == 7 and cfg.train.ttt_decay == 0.8 and cfg.vocab.draft_vocab_size == 8192
+    assert cfg.train.ttt_steps == 7 and cfg.train.ttt_decay == 0.8 and cfg.vocab.draft_vocab_size == 16384
     with pytest.raises(TrainConfigError) as err:
         load_config(overrides={"train.lr": -1.0, "data.dtype": "fp8", "train.ttt_steps": "x", "train.bogus": 1})
     text = str(err.value)

@@ -38,7 +38,7 @@ class DataConfig:
     """Self-distillation: the target's own replies to the training prompts, from the engine."""
 
     max_requests: int = 16384  # requests generated at most (prompts cycle with fresh seeds past the set's end)
-    shard_size: int = 256  # requests per .npz shard (the unit of resumption)
+    shard_size: int = 1024  # requests per .npz shard (the unit of resumption)
     first_shard: int = 0  # shards before it are not generated: a later run starts on requests (prompts) not yet used
     max_new_tokens: int = 512  # reply length cap
     max_prompt_tokens: int = 448  # prompts longer than this (after the chat template) are skipped
@@ -48,7 +48,7 @@ class DataConfig:
     greedy_second_pass: bool = False
     temperature: float = 0.8  # sampling temperature of the sampled replies
     top_p: float = 1.0  # nucleus mass of the sampled replies (1 = off)
-    batch: int = 64  # engine decode batch (max_running_requests)
+    batch: int = 256  # engine decode batch (max_running_requests)
     dtype: str = "bf16"  # target dtype in the engine (serving runs bf16)
     attention_backend: str = "auto"  # engine attention: auto/cascade (GPU kernels) or dense (fp32 reference)
     page_size: int = 64  # engine KV page size
@@ -86,7 +86,7 @@ class DataConfig:
 class VocabConfig:
     """The draft vocabulary: the most frequent target tokens of the training replies."""
 
-    draft_vocab_size: int = 8192  # Vd; 0 or >= the target vocabulary keeps the full vocabulary
+    draft_vocab_size: int = 16384  # Vd; 0 or >= the target vocabulary keeps the full vocabulary
 
     def problems(self) -> list[str]:
         if self.draft_vocab_size < 0:
