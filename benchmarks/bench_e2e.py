@@ -42,6 +42,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -96,15 +97,26 @@ def _config(spec, batch, sampler="greedy", temperature=0.0, attention="auto", gr
                        seed=1)
 
 
-SHAPES = {
-    "plain": dict(algorithm="NONE"),
-    "chain-s5": dict(algorithm="EAGLE3", topk=1, num_steps=5),
-    "tree-k4s5n16": dict(algorithm="EAGLE3", topk=4, num_steps=5, num_draft_tokens=16),
-    "tree-k8s6n64": dict(algorithm="EAGLE3", topk=8, num_steps=6, num_draft_tokens=64),
-    # The trees with their rounds switching to the S + 1 chain above 8 running requests.
-    "tree-k4s5n16-chain8": dict(algorithm="EAGLE3", topk=4, num_steps=5, num_draft_tokens=16, chain_above_batch=8),
-    "tree-k8s6n64-chain8": dict(algorithm="EAGLE3", topk=8, num_steps=6, num_draft_tokens=64, chain_above_batch=8),
-}
+SHAPE_RE = re.compile(r"(?:plain|chain-s(?P<steps>\d+)|tree-k(?P<k>\d+)s(?P<s>\d+)n(?P<n>\d+))(?:-chain(?P<above>\d+))?")
+
+
+def shape_spec(name: str) -> dict:
+    """`SpeculativeConfig` keywords of a shape named as the tables name it: "plain", "chain-sS" (the
+    K=1 chain of S draft steps), "tree-kKsSnN" (K candidates a step, S steps, N nodes verified), any
+    of them ending "-chainB" for rounds that switch to the S + 1 chain above B running requests
+    (`chain_above_batch`). Any (K, S, N) the engine accepts can be timed without editing a table."""
+    m = SHAPE_RE.fullmatch(name)
+    if m is None:
+        raise ValueError(f"shape {name!r}: expected plain, chain-sS or tree-kKsSnN, optionally ending -chainB")
+    if name.startswith("plain"):
+        if m["above"]:
+            raise ValueError(f"shape {name!r}: plain decoding has no rounds to switch to a chain")
+        return dict(algorithm="NONE")
+    spec = (dict(algorithm="EAGLE3", topk=1, num_steps=int(m["steps"])) if m["steps"] else
+            dict(algorithm="EAGLE3", topk=int(m["k"]), num_steps=int(m["s"]), num_draft_tokens=int(m["n"])))
+    if m["above"]:
+        spec["chain_above_batch"] = int(m["above"])
+    return spec
 
 
 def _prompts(tok, limit):
@@ -137,7 +149,7 @@ def serve(args):
     for batch in [int(b) for b in args.batches.split(",")]:
         for temp in [float(t) for t in args.temperatures.split(",")]:
             for name, graphs in [(n, g) for n in args.shapes.split(",") for g in args.cuda_graphs.split(",")]:
-                if SpeculativeConfig(**SHAPES[name]).enabled and head is None:
+                if SpeculativeConfig(**shape_spec(name)).enabled and head is None:
                     continue
                 t0 = time.perf_counter()
                 engine = _engine(name, batch, temp, cfg, params, tok, head, graphs, args.dtype)
@@ -225,7 +237,7 @@ def _target_and_prompts(args, count):
 
 
 def _engine(shape, batch, temperature, cfg, params, tok, head, graphs="auto", dtype="bf16"):
-    """An engine of `shape` (SHAPES) at `batch` slots for requests at `temperature` (the gumbel
+    """An engine of `shape` (`shape_spec`) at `batch` slots for requests at `temperature` (the gumbel
     backend above 0); `head`: a loaded EAGLE-3 head (`models.hf.load_eagle3`), used when the shape
     drafts."""
     from treespec_jax.config import SpeculativeConfig
@@ -233,7 +245,7 @@ def _engine(shape, batch, temperature, cfg, params, tok, head, graphs="auto", dt
     from treespec_jax.engine import Engine
     from treespec_jax.engine.loading import attention_for
 
-    spec = SpeculativeConfig(**SHAPES[shape])
+    spec = SpeculativeConfig(**shape_spec(shape))
     config = _config(spec, batch, "gumbel" if temperature > 0 else "greedy", temperature, graphs=graphs, dtype=dtype)
     drafter = dparams = None
     if spec.enabled:
@@ -497,7 +509,7 @@ def _time_verify(args, rows, model, params, pools, inputs, batch, n, graphs, flo
     from treespec_jax.config import SpeculativeConfig
     from treespec_jax.engine.compile_options import step_compiler_options, step_graphs
 
-    config = _config(SpeculativeConfig(**SHAPES["plain" if n == 1 else "tree-k4s5n16"]), batch, graphs=graphs)
+    config = _config(SpeculativeConfig(**shape_spec("plain" if n == 1 else "tree-k4s5n16")), batch, graphs=graphs)
     resolved = step_graphs(config)
     fn = jax.jit(model.verify, donate_argnums=(1,), compiler_options=step_compiler_options(config))
     holder = {"pools": pools}
@@ -685,6 +697,15 @@ def main():
                     help="churn: trace the kernels of the N-th admission group (0: none)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    # Every bad shape at once, before any model loads or compiles.
+    bad = []
+    for name in dict.fromkeys(args.shapes.split(",") + [args.shape]):
+        try:
+            shape_spec(name)
+        except ValueError as e:
+            bad.append(str(e))
+    if bad:
+        ap.error("; ".join(bad))
     tables = {"serve": serve, "breakdown": breakdown, "kernels": kernels, "prefill": prefill, "llama8b": llama8b,
               "churn": churn}
     doc = tables[args.table](args)

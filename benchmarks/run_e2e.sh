@@ -17,6 +17,8 @@
 #                                                              # program; SETTINGS "shape:batch:workers,...";
 #                                                              # random weights; ARGS e.g. --inline-layers
 #
+# SHAPES: comma-separated names as bench_e2e.shape_spec reads them: plain, chain-sS, tree-kKsSnN, each
+# optionally ending -chainB (e.g. tree-k4s6n24 or tree-k8s6n64-chain16).
 # XLA_SETS (llama8b) runs one process per ";"-separated set of XLA_FLAGS ("default": none), e.g. whether
 # cuBLAS GEMVs without XLA's split-K reductions beat them at B=1.
 # GRAPHS (default auto) is the decode step's CUDA-graph settings to compare, e.g. GRAPHS=auto,xla

@@ -1,10 +1,13 @@
-"""benchmarks/bench_e2e.py's timing rule for a served row: one long run, or an odd count of short ones."""
+"""benchmarks/bench_e2e.py: the timing rule for a served row (one long run, or an odd count of short ones)
+and the shape names its tables take."""
 
+import re
 import types
 
 import pytest
 
-from benchmarks.bench_e2e import MAX_TIMED_RUNS, _timed_runs
+from benchmarks.bench_e2e import MAX_TIMED_RUNS, _timed_runs, shape_spec
+from treespec_jax.config import SpeculativeConfig
 
 
 class _FakeEngine:
@@ -32,3 +35,21 @@ def test_timed_runs_take_the_median_of_an_odd_count(decode_s, rates, calls, medi
     run, all_rates = _timed_runs(engine, [], min_decode_s=3.0)
     assert engine.calls == calls and len(all_rates) == calls
     assert run.decode_tokens_per_s == median
+
+
+@pytest.mark.parametrize("name,spec", [
+    ("plain", dict(algorithm="NONE")),
+    ("chain-s5", dict(algorithm="EAGLE3", topk=1, num_steps=5)),
+    ("tree-k4s6n24", dict(algorithm="EAGLE3", topk=4, num_steps=6, num_draft_tokens=24)),
+    ("tree-k8s6n64-chain16", dict(algorithm="EAGLE3", topk=8, num_steps=6, num_draft_tokens=64,
+                                  chain_above_batch=16)),
+])
+def test_shape_names_read_as_speculative_configs(name, spec):
+    assert shape_spec(name) == spec
+    SpeculativeConfig(**spec)  # the engine's own config takes it
+
+
+@pytest.mark.parametrize("name", ["tree-k4s5", "chain", "plain-chain8", "tree-k4s5n16x", "Tree-k4s5n16"])
+def test_a_bad_shape_name_is_refused_by_name(name):
+    with pytest.raises(ValueError, match=re.escape(repr(name))):
+        shape_spec(name)

@@ -29,7 +29,7 @@ from pathlib import Path
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--head", type=Path, required=True, help="an EAGLE-3 head (HF layout) for drafting shapes")
-    ap.add_argument("--shape", default="tree-k4s5n16", help="a key of bench_e2e.SHAPES")
+    ap.add_argument("--shape", default="tree-k4s5n16", help="a shape as bench_e2e.shape_spec reads it (e.g. tree-k4s6n24)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--workers", type=int, default=0, help="compiling threads (0: the engine's default)")
