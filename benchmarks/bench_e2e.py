@@ -97,7 +97,8 @@ def _config(spec, batch, sampler="greedy", temperature=0.0, attention="auto", gr
                        seed=1)
 
 
-SHAPE_RE = re.compile(r"(?:plain|chain-s(?P<steps>\d+)|tree-k(?P<k>\d+)s(?P<s>\d+)n(?P<n>\d+))(?:-chain(?P<above>\d+))?")
+SHAPE_RE = re.compile(r"(?:plain|chain-s(?P<steps>\d+)|tree-k(?P<k>\d+)s(?P<s>\d+)n(?P<n>\d+))"
+                      r"(?:-chain(?P<above>\d+))?")
 
 
 def shape_spec(name: str) -> dict:
