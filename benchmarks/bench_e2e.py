@@ -698,13 +698,18 @@ def main():
                     help="churn: trace the kernels of the N-th admission group (0: none)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    # Every bad shape at once, before any model loads or compiles.
+    # Every bad shape at once, before any model loads or compiles: a name that does not parse, or
+    # one the engine's own rules refuse (e.g. N past what K and S can draft).
+    from treespec_jax.config import ServeConfig, SpeculativeConfig
+
     bad = []
     for name in dict.fromkeys(args.shapes.split(",") + [args.shape]):
         try:
-            shape_spec(name)
+            spec = SpeculativeConfig(**shape_spec(name))
         except ValueError as e:
             bad.append(str(e))
+            continue
+        bad += [f"shape {name!r}: {p}" for p in ServeConfig(speculative=spec).problems()]
     if bad:
         ap.error("; ".join(bad))
     tables = {"serve": serve, "breakdown": breakdown, "kernels": kernels, "prefill": prefill, "llama8b": llama8b,

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from benchmarks.bench_e2e import MAX_TIMED_RUNS, _timed_runs, shape_spec
+from benchmarks.bench_e2e import MAX_TIMED_RUNS, _timed_runs, main, shape_spec
 from treespec_jax.config import SpeculativeConfig
 
 
@@ -53,3 +53,12 @@ def test_shape_names_read_as_speculative_configs(name, spec):
 def test_a_bad_shape_name_is_refused_by_name(name):
     with pytest.raises(ValueError, match=re.escape(repr(name))):
         shape_spec(name)
+
+
+def test_the_command_refuses_every_bad_shape_before_loading(monkeypatch, capsys):
+    """Names that do not parse and shapes the engine's config rules refuse, all in one error."""
+    monkeypatch.setattr("sys.argv", ["bench_e2e.py", "serve", "--shapes", "plain,tree-x,tree-k4s5n999,chain"])
+    with pytest.raises(SystemExit):
+        main()
+    err = capsys.readouterr().err
+    assert "'tree-x'" in err and "'chain'" in err and "num_draft_tokens = 999" in err and "'plain'" not in err
